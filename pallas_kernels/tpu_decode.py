@@ -1,0 +1,251 @@
+"""Pallas TPU (Mosaic) flash-decoding kernel for verify and draft attention.
+
+One kernel serves both:
+  * verify: keys = KV cache, row r (query t, group head g) sees slot j iff
+    j <= lim[r] with lim = q_positions[b, t];
+  * draft:  keys = [context ; block]; context slot j visible iff
+    j <= lim[r] = ctx_len[b] - 1, and all T block keys are visible (handled
+    once, by split 0, from a separate small input).
+
+Layout.  Queries of one kv head are gathered into a [R, D] tile of rows
+r = t*G + g (all T queries x G heads, padded to the sublane multiple), so
+each grid step is an (R x D) @ (D x tk) matmul against one K tile.  The cache
+[B, S, Hkv, D] is viewed (free reshape) as [B, S, Hkv*D]; a K/V block is
+(tk, hb*D) where hb heads are handled per program (hb = 1 when D % 128 == 0,
+else the smallest group making the lane dim a multiple of 128).
+
+Grid (B, Hkv/hb, NS, tiles_per_split): the KV length actually needed,
+kv_len[b] = max(lim[b]) + 1 (scalar prefetch), is split into NS contiguous
+ranges; each split writes a normalised partial output and its log-sum-exp,
+merged afterwards (combine_splits).  Tiles past kv_len are skipped: their
+index_map is clamped to the last needed tile (no new DMA) and the body is
+guarded by pl.when.  Tiles every row sees completely take a mask-free path.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from . import _common as C
+from .reference import default_scale
+
+
+def _choose_kv_tile(s: int, block_k: int, align: int):
+  """Returns (tk, padded_S)."""
+  if s <= block_k:
+    tk = C.round_up(s, align)
+    return tk, tk
+  t = block_k
+  while t >= 128 and s % t:
+    t //= 2
+  if t >= 128 and s % t == 0:
+    return t, s
+  return block_k, C.round_up(s, block_k)
+
+
+def _heads_per_block(hkv: int, d: int) -> int:
+  for hb in range(1, hkv + 1):
+    if hkv % hb == 0 and (hb * d) % 128 == 0:
+      return hb
+  return hkv
+
+
+def _split_tile(kv_len, s, i, *, tk, ns):
+  """KV tile visited at grid point (split s, step i), clamped (see module doc)."""
+  # lax.div (truncating) on non-negative ints: `//` would lower a sign op.
+  needed = jax.lax.div(kv_len + (tk - 1), tk)
+  per = jax.lax.div(needed + (ns - 1), ns)
+  j = s * per + jnp.minimum(i, jnp.maximum(per - 1, 0))
+  return jnp.maximum(jnp.minimum(j, needed - 1), 0), needed, per
+
+
+def _online_update(q, k, v, m_ref, l_ref, acc_ref, hh, *, scale, prec,
+                   mask=None, v_rows_valid=None):
+  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                          preferred_element_type=jnp.float32, precision=prec)
+  s = s * scale
+  if mask is not None:
+    s = jnp.where(mask, s, C.NEG)
+  m_prev = m_ref[hh]                                   # (R, LANES)
+  l_prev = l_ref[hh]
+  m_cur = jnp.max(s, axis=1, keepdims=True)            # (R, 1)
+  m_new = jnp.maximum(m_prev, m_cur)                   # (R, LANES)
+  m1 = m_new[:, :1]
+  p = jnp.exp(s - m1)
+  if mask is not None:
+    p = jnp.where(mask, p, 0.0)
+  alpha = jnp.exp(m_prev - m_new)
+  l_ref[hh] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+  m_ref[hh] = m_new
+  if v_rows_valid is not None:   # stale / padded slots may hold non-finite data
+    v = jnp.where(v_rows_valid, v, jnp.zeros_like(v))
+  pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
+                           preferred_element_type=jnp.float32, precision=prec)
+  acc_ref[hh] = acc_ref[hh] * alpha[:, :1] + pv
+
+
+def _decode_kernel(kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest,
+                   hb, d, tk, ns, scale, prec, blk_len):
+  if blk_len:
+    bk_ref, bv_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+  else:
+    o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+  b = pl.program_id(0)
+  s = pl.program_id(2)
+  i = pl.program_id(3)
+  kv_len = kvlen_ref[b]
+  min_lim = minlim_ref[b]
+
+  @pl.when(i == 0)
+  def _init():
+    m_ref[...] = jnp.full(m_ref.shape, C.NEG, jnp.float32)
+    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
+
+  if blk_len:
+    @pl.when((i == 0) & (s == 0))
+    def _block_keys():
+      tb = bk_ref.shape[0]
+      rows = q_ref.shape[1]
+      mask = jax.lax.broadcasted_iota(jnp.int32, (rows, tb), 1) < blk_len
+      vrow = jax.lax.broadcasted_iota(jnp.int32, (tb, d), 0) < blk_len
+      for hh in range(hb):
+        _online_update(q_ref[hh], bk_ref[:, hh * d:(hh + 1) * d],
+                       bv_ref[:, hh * d:(hh + 1) * d], m_ref, l_ref, acc_ref,
+                       hh, scale=scale, prec=prec, mask=mask, v_rows_valid=vrow)
+
+  _, needed, per = _split_tile(kv_len, s, i, tk=tk, ns=ns)
+  j = s * per + i
+  start = j * tk
+  active = (i < per) & (j < needed)
+  full = active & (start + tk - 1 <= min_lim)
+
+  @pl.when(full)
+  def _full_tile():
+    for hh in range(hb):
+      _online_update(q_ref[hh], k_ref[:, hh * d:(hh + 1) * d],
+                     v_ref[:, hh * d:(hh + 1) * d], m_ref, l_ref, acc_ref, hh,
+                     scale=scale, prec=prec)
+
+  @pl.when(active & jnp.logical_not(full))
+  def _partial_tile():
+    rows = q_ref.shape[1]
+    lim = lim_ref[:, :1]                                        # (R, 1)
+    col = start + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
+    mask = col <= lim
+    vrow = (start + jax.lax.broadcasted_iota(jnp.int32, (tk, d), 0)) < kv_len
+    for hh in range(hb):
+      _online_update(q_ref[hh], k_ref[:, hh * d:(hh + 1) * d],
+                     v_ref[:, hh * d:(hh + 1) * d], m_ref, l_ref, acc_ref, hh,
+                     scale=scale, prec=prec, mask=mask, v_rows_valid=vrow)
+
+  @pl.when(i == pl.num_programs(3) - 1)
+  def _finalize():
+    for hh in range(hb):
+      l = l_ref[hh]
+      ok = l > 0.0
+      inv = 1.0 / jnp.where(ok, l, 1.0)
+      o_ref[hh] = acc_ref[hh] * inv[:, :1]
+      lse_ref[hh] = jnp.where(ok, m_ref[hh] + jnp.log(jnp.where(ok, l, 1.0)),
+                              C.NEG)
+
+
+def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
+                     block_k: int = 512, num_splits: int | None = None,
+                     interpret=False):
+  """Shared entry for verify/draft.
+
+  q: [B,T,Hq,D]; k, v: [B,S,Hkv,D]; lim: [B,T] int32, row (b,t) sees slot j
+  iff j <= lim[b,t].  Optional blk_k/blk_v [B,Tb,Hkv,D]: always-visible keys.
+  """
+  b, t, hq, d, hkv, g = C.check_gqa(q, k)
+  s_len = k.shape[1]
+  scale = default_scale(d, sm_scale)
+  align = C.sublane_multiple(k.dtype)
+  rows = C.round_up(t * g, C.sublane_multiple(q.dtype))
+  tk, s_pad = _choose_kv_tile(s_len, block_k, align)
+  hb = _heads_per_block(hkv, d)
+  n_tiles = s_pad // tk
+
+  lim = jnp.minimum(lim.astype(jnp.int32), s_len - 1)
+  kv_len = jnp.maximum(jnp.max(lim, axis=1) + 1, 0).astype(jnp.int32)
+  min_lim = jnp.min(lim, axis=1).astype(jnp.int32)
+  lim_rows = C.per_row(lim, g, rows, -1)
+  lim_rows = jnp.broadcast_to(lim_rows[:, :, None], (b, rows, C.LANES))
+
+  par = b * (hkv // hb)
+  ns = num_splits or C.cdiv(4, par)
+  ns = max(1, min(ns, n_tiles))
+  steps = C.cdiv(n_tiles, ns)
+
+  q4 = C.q_to_rows(q, hkv, rows)
+  k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)
+  v2 = C.pad_axis(v, 1, s_pad).reshape(b, s_pad, hkv * d)
+
+  def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref):
+    j, _, _ = _split_tile(kvlen_ref[bi], si, ii, tk=tk, ns=ns)
+    return bi, j, hi
+
+  in_specs = [
+      pl.BlockSpec((None, hb, rows, d), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
+      pl.BlockSpec((None, rows, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
+      pl.BlockSpec((None, tk, hb * d), kv_map),
+      pl.BlockSpec((None, tk, hb * d), kv_map),
+  ]
+  args = [q4, lim_rows, k2, v2]
+  blk_len = 0
+  if blk_k is not None:
+    blk_len = blk_k.shape[1]
+    tb = C.round_up(blk_len, align)
+    bk2 = C.pad_axis(blk_k.astype(k.dtype), 1, tb).reshape(b, tb, hkv * d)
+    bv2 = C.pad_axis(blk_v.astype(v.dtype), 1, tb).reshape(b, tb, hkv * d)
+    spec = pl.BlockSpec((None, tb, hb * d), lambda bi, hi, si, ii, *_: (bi, 0, hi))
+    in_specs += [spec, spec]
+    args += [bk2, bv2]
+
+  out_specs = [
+      pl.BlockSpec((None, hb, None, rows, d),
+                   lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)),
+      pl.BlockSpec((None, hb, None, rows, C.LANES),
+                   lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)),
+  ]
+  out_shape = [
+      jax.ShapeDtypeStruct((b, hkv, ns, rows, d), jnp.float32),
+      jax.ShapeDtypeStruct((b, hkv, ns, rows, C.LANES), jnp.float32),
+  ]
+  grid_spec = pltpu.PrefetchScalarGridSpec(
+      num_scalar_prefetch=2,
+      grid=(b, hkv // hb, ns, steps),
+      in_specs=in_specs,
+      out_specs=out_specs,
+      scratch_shapes=[
+          pltpu.VMEM((hb, rows, C.LANES), jnp.float32),
+          pltpu.VMEM((hb, rows, C.LANES), jnp.float32),
+          pltpu.VMEM((hb, rows, d), jnp.float32),
+      ],
+  )
+  kernel = functools.partial(
+      _decode_kernel, hb=hb, d=d, tk=tk, ns=ns, scale=scale,
+      prec=C.dot_precision(q.dtype), blk_len=blk_len)
+  itemsize = jnp.dtype(k.dtype).itemsize
+  cost = pl.CostEstimate(
+      flops=4 * b * hq * t * (s_len + blk_len) * d,
+      transcendentals=b * hq * t * (s_len + blk_len),
+      bytes_accessed=2 * b * (s_len + blk_len) * hkv * d * itemsize
+      + 2 * q.size * q.dtype.itemsize)
+  o_part, lse_part = pl.pallas_call(
+      kernel,
+      out_shape=out_shape,
+      grid_spec=grid_spec,
+      compiler_params=pltpu.CompilerParams(
+          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      cost_estimate=cost,
+      interpret=interpret,
+      name="dflash_decode_attention_tpu",
+  )(kv_len, min_lim, *args)
+  o = C.combine_splits(o_part, lse_part[..., 0])
+  return C.rows_to_q(o, t, g, q.dtype)
