@@ -1,0 +1,196 @@
+"""Model configuration shared by the verifier (Qwen3 / Llama-3) and the DFlash drafter.
+
+One dataclass describes both families: Qwen3 and Llama differ only by switches
+(`qk_norm`, RoPE scaling, tied embeddings, bias). Conversion to and from Hugging Face
+`config.json` dictionaries lives here too, so that the reader of `checkpoint.py` finds only
+tensor plumbing there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Optional
+
+import jax.numpy as jnp
+
+SUPPORTED_ARCHITECTURES = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+}
+
+_DTYPES = {
+    "float32": jnp.float32,
+    "bfloat16": jnp.bfloat16,
+    "float16": jnp.float16,
+}
+
+
+def as_dtype(name_or_dtype) -> jnp.dtype:
+    """Maps "float32" / "bfloat16" / "float16" (or a dtype) to a jnp dtype, with a clear error."""
+    if isinstance(name_or_dtype, str):
+        if name_or_dtype not in _DTYPES:
+            raise ValueError(
+                f"unknown dtype {name_or_dtype!r}; expected one of {sorted(_DTYPES)}")
+        return jnp.dtype(_DTYPES[name_or_dtype])
+    return jnp.dtype(name_or_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Hyper-parameters of a decoder-only transformer (verifier or drafter body).
+
+    Attributes:
+      arch: "qwen3" or "llama" (informational; behaviour comes from the switches below).
+      vocab_size: rows of the embedding table.
+      hidden_size: residual width H.
+      intermediate_size: SwiGLU width.
+      num_layers: decoder layers.
+      num_heads: query heads.
+      num_kv_heads: key/value heads (GQA when smaller than num_heads).
+      head_dim: per-head width (Qwen3 reads it from config; not always H / heads).
+      rms_norm_eps: RMSNorm epsilon.
+      rope_theta: RoPE base.
+      rope_scaling: None or a dict in Hugging Face form (`rope_type` "linear" or "llama3").
+      qk_norm: per-head RMSNorm on q and k before RoPE (Qwen3).
+      attention_bias: bias on q/k/v/o projections.
+      tie_word_embeddings: LM head shares the embedding matrix.
+      max_position_embeddings: the model's context length.
+      dtype: compute dtype (float32 on CPU; bfloat16 on accelerators).
+      param_dtype: storage dtype of the parameters.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    arch: str = "qwen3"
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    rope_scaling: Optional[tuple] = None  # a frozen (sorted items) form of the HF dict
+    qk_norm: bool = True
+    attention_bias: bool = False
+    tie_word_embeddings: bool = True
+    max_position_embeddings: int = 40960
+    dtype: Any = jnp.float32
+    param_dtype: Any = jnp.float32
+
+    def __post_init__(self):
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def rope_scaling_dict(self) -> Optional[dict]:
+        return None if self.rope_scaling is None else dict(self.rope_scaling)
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ------------------------------------------------------------------ HF conversion
+
+    @classmethod
+    def from_hf(cls, hf: dict, *, dtype="float32", param_dtype=None,
+                source: str = "config.json") -> "ModelConfig":
+        """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x)."""
+        archs = hf.get("architectures") or []
+        arch = None
+        for a in archs:
+            if a in SUPPORTED_ARCHITECTURES:
+                arch = SUPPORTED_ARCHITECTURES[a]
+        if arch is None:
+            model_type = hf.get("model_type")
+            if model_type in ("qwen3", "llama") and not archs:
+                arch = model_type
+            else:
+                raise ValueError(
+                    f"{source}: unsupported architecture {archs or model_type!r}; supported: "
+                    f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        return cls._from_hf_fields(hf, arch=arch, dtype=dtype, param_dtype=param_dtype,
+                                   source=source)
+
+    @classmethod
+    def _from_hf_fields(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
+        def need(key):
+            if key not in hf:
+                raise ValueError(f"{source}: missing required field {key!r}")
+            return hf[key]
+
+        hidden = int(need("hidden_size"))
+        heads = int(need("num_attention_heads"))
+        head_dim = hf.get("head_dim") or hidden // heads
+        # transformers 5.x moves rope_theta / rope_scaling into `rope_parameters`.
+        rope_params = hf.get("rope_parameters") or {}
+        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        scaling = hf.get("rope_scaling")
+        if scaling is None and rope_params:
+            rtype = rope_params.get("rope_type", rope_params.get("type", "default"))
+            if rtype != "default":
+                scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
+        if scaling is not None:
+            scaling = dict(scaling)
+            rtype = scaling.get("rope_type", scaling.get("type", "default"))
+            scaling["rope_type"] = rtype
+            scaling.pop("type", None)
+            if rtype == "default":
+                scaling = None
+            elif rtype not in ("linear", "llama3"):
+                raise ValueError(f"{source}: unsupported rope_scaling type {rtype!r}; "
+                                 "supported: default, linear, llama3")
+        dt = as_dtype(dtype)
+        return cls(
+            arch=arch,
+            vocab_size=int(need("vocab_size")),
+            hidden_size=hidden,
+            intermediate_size=int(need("intermediate_size")),
+            num_layers=int(need("num_hidden_layers")),
+            num_heads=heads,
+            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=float(rope_theta),
+            rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),
+            qk_norm=(arch == "qwen3"),
+            attention_bias=bool(hf.get("attention_bias", False)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch == "qwen3")),
+            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            dtype=dt,
+            param_dtype=as_dtype(param_dtype) if param_dtype is not None else dt,
+        )
+
+    def to_hf(self, torch_dtype: str = "bfloat16") -> dict:
+        """The Hugging Face `config.json` dict for this model (transformers 4.x/5.x readable)."""
+        arch_name = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[self.arch]
+        out = {
+            "architectures": [arch_name],
+            "model_type": self.arch,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": self.rope_scaling_dict,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+        }
+        if self.arch == "llama":
+            out["mlp_bias"] = False
+            out["pretraining_tp"] = 1
+        else:
+            out["use_sliding_window"] = False
+            out["sliding_window"] = None
+            out["max_window_layers"] = self.num_layers
+        return out

@@ -1,0 +1,157 @@
+"""Building blocks shared by the verifier and the drafter: RMSNorm, RoPE, SwiGLU, attention.
+
+Shapes use the letters B (batch), T (query length), S (key length / cache capacity),
+H (hidden width), N (query heads), K (key/value heads), G = N // K, D (head dim).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import ModelConfig
+
+# Large negative instead of -inf so fully masked rows give a uniform (then zeroed) softmax,
+# never NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm over the last axis, computed in float32 (as Hugging Face Qwen3/Llama do)."""
+
+    eps: float = 1e-6
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x):
+        scale = self.param("scale", nn.initializers.ones, (x.shape[-1],), self.param_dtype)
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        # HF casts back to the input dtype before the scale multiply.
+        return (scale.astype(self.dtype) * x32.astype(self.dtype)).astype(self.dtype)
+
+
+def rope_inv_freq(cfg: ModelConfig) -> jnp.ndarray:
+    """Inverse frequencies [D/2] in float32, with "linear" or "llama3" scaling applied."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (jnp.arange(0, d, 2, dtype=jnp.float32) / d))
+    scaling = cfg.rope_scaling_dict
+    if scaling is None:
+        return inv_freq
+    kind = scaling["rope_type"]
+    factor = float(scaling["factor"])
+    if kind == "linear":
+        return inv_freq / factor
+    if kind == "llama3":
+        low = float(scaling.get("low_freq_factor", 1.0))
+        high = float(scaling.get("high_freq_factor", 4.0))
+        old_ctx = float(scaling.get("original_max_position_embeddings", 8192))
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        wavelen = 2 * math.pi / inv_freq
+        # Long wavelengths are slowed by `factor`, short ones kept, the band between blended.
+        scaled = jnp.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        blended = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return jnp.where(medium, blended, scaled)
+    raise ValueError(f"unsupported rope_type {kind!r}")
+
+
+def apply_rope(x_BTnD: jnp.ndarray, positions_BT: jnp.ndarray, inv_freq: jnp.ndarray):
+    """Rotates x [B,T,n,D] by its absolute positions [B,T] (half-split layout, as HF)."""
+    angles = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B,T,D/2]
+    cos = jnp.cos(angles)[:, :, None, :]
+    sin = jnp.sin(angles)[:, :, None, :]
+    x = x_BTnD.astype(jnp.float32)
+    x1, x2 = jnp.split(x, 2, axis=-1)
+    out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+    return out.astype(x_BTnD.dtype)
+
+
+def masked_attention(q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None):
+    """Reference GQA attention with an explicit boolean mask [B,T,S]; softmax in float32.
+
+    Rows whose mask is all False return zeros.
+    """
+    b, t, n, d = q_BTND.shape
+    kh = k_BSKD.shape[2]
+    g = n // kh
+    scale = d ** -0.5 if sm_scale is None else sm_scale
+    q = q_BTND.reshape(b, t, kh, g, d)
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD,
+                        preferred_element_type=jnp.float32) * scale
+    mask = mask_BTS[:, None, None, :, :]
+    logits = jnp.where(mask, logits, _MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype)
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD,
+                     preferred_element_type=jnp.float32)
+    return out.reshape(b, t, n, d).astype(q_BTND.dtype)
+
+
+class MLP(nn.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x):
+        c = self.cfg
+        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=c.dtype,
+                                         param_dtype=c.param_dtype, name=name)
+        h = nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(
+            c.intermediate_size, "up_proj")(x)
+        return dense(c.hidden_size, "down_proj")(h)
+
+
+class QKVProjection(nn.Module):
+    """The q/k/v/o projections and the optional per-head q/k RMSNorm of one attention layer.
+
+    Kept as one module so the verifier and the drafter share the parameter layout
+    (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`) that both checkpoint formats use.
+    """
+
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        dense = lambda f, name: nn.Dense(f, use_bias=c.attention_bias, dtype=c.dtype,
+                                         param_dtype=c.param_dtype, name=name)
+        self.q_proj = dense(c.num_heads * c.head_dim, "q_proj")
+        self.k_proj = dense(c.num_kv_heads * c.head_dim, "k_proj")
+        self.v_proj = dense(c.num_kv_heads * c.head_dim, "v_proj")
+        self.o_proj = nn.Dense(c.hidden_size, use_bias=c.attention_bias, dtype=c.dtype,
+                               param_dtype=c.param_dtype, name="o_proj")
+        if c.qk_norm:
+            self.q_norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="q_norm")
+            self.k_norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="k_norm")
+
+    def queries(self, x_BTH, positions_BT, inv_freq):
+        c = self.cfg
+        q = self.q_proj(x_BTH).reshape(*x_BTH.shape[:2], c.num_heads, c.head_dim)
+        if c.qk_norm:
+            q = self.q_norm(q)
+        return apply_rope(q, positions_BT, inv_freq)
+
+    def keys_values(self, x_BTH, positions_BT, inv_freq):
+        c = self.cfg
+        shape = (*x_BTH.shape[:2], c.num_kv_heads, c.head_dim)
+        k = self.k_proj(x_BTH).reshape(shape)
+        v = self.v_proj(x_BTH).reshape(shape)
+        if c.qk_norm:
+            k = self.k_norm(k)
+        return apply_rope(k, positions_BT, inv_freq), v
+
+    def output(self, attn_BTND):
+        b, t = attn_BTND.shape[:2]
+        return self.o_proj(attn_BTND.reshape(b, t, -1))
+
+    def __call__(self, x_BTH, positions_BT, inv_freq):  # used by init only
+        q = self.queries(x_BTH, positions_BT, inv_freq)
+        k, v = self.keys_values(x_BTH, positions_BT, inv_freq)
+        return self.output(q), k, v

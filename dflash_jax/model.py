@@ -1,0 +1,184 @@
+"""The verifier: one Flax Linen decoder-only transformer for Qwen3 and Llama-3 targets.
+
+The forward takes new tokens and (optionally) a KV cache, and returns the final-normed hidden
+states, the updated cache and the concatenated hidden states of requested layers (the "taps"
+DFlash conditions on). Logits are a separate, cheap call (`lm_logits`) so callers project only
+the positions they need.
+
+KV cache design (static shapes, as in the gemma sampler):
+  k, v:    L-tuples of [B, S, K, D], preallocated to a fixed capacity S (one buffer per
+           layer, so each layer's scatter updates its buffer in place under jit).
+  lengths: [B] int32         committed tokens per sequence.
+New tokens of sequence b are written at slots `lengths[b] + t` (their absolute positions), and a
+query at position p attends to slots `j <= p`. That single rule is causal inside a block and hides
+whatever a rolled-back step left beyond the committed length, so rolling back is just writing a
+smaller `lengths` (O(1), no copy).
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import attention as attn_lib
+from dflash_jax.config import ModelConfig
+from dflash_jax.layers import MLP, QKVProjection, RMSNorm, masked_attention, rope_inv_freq
+
+
+@flax.struct.dataclass
+class KVCache:
+    """Per-layer keys/values of committed (and possibly stale) positions.
+
+    k, v: tuples of L arrays [B, S, K, D]; lengths: [B] int32, committed tokens per sequence.
+    """
+
+    k: tuple
+    v: tuple
+    lengths: jnp.ndarray
+
+    @classmethod
+    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> "KVCache":
+        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+        dtype = cfg.dtype if dtype is None else dtype
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    @property
+    def capacity(self) -> int:
+        return self.k[0].shape[1]
+
+    def rollback(self, lengths: jnp.ndarray) -> "KVCache":
+        """Forgets everything past `lengths` [B]: O(1) bookkeeping, the slots stay in place."""
+        return self.replace(lengths=lengths.astype(jnp.int32))
+
+
+def write_kv(cache_k_BSKD, new_BTKD, positions_BT):
+    """Scatters new keys (or values) [B,T,K,D] into a cache [B,S,K,D] at slots `positions`.
+
+    Out-of-range slots are dropped (never clamped onto valid data).
+    """
+    b = jnp.arange(new_BTKD.shape[0])[:, None]
+    return cache_k_BSKD.at[b, positions_BT].set(new_BTKD.astype(cache_k_BSKD.dtype),
+                                                mode="drop")
+
+
+class DecoderLayer(nn.Module):
+    cfg: ModelConfig
+    attention_impl: str = "xla"
+
+    @nn.compact
+    def __call__(self, x_BTH, positions_BT, inv_freq, layer_cache=None, mask_BTT=None):
+        """One pre-norm decoder layer.
+
+        With `layer_cache=(k [B,S,K,D], v [B,S,K,D])` the new K/V are written at `positions`
+        and the queries attend to cache slots `j <= position`; it returns the updated pair.
+        Without a cache, attention is over the T new tokens with `mask_BTT`.
+        """
+        c = self.cfg
+        attn = QKVProjection(c, name="self_attn")
+        h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="input_layernorm")(x_BTH)
+        q = attn.queries(h, positions_BT, inv_freq)
+        k, v = attn.keys_values(h, positions_BT, inv_freq)
+        if layer_cache is None:
+            out = masked_attention(q, k, v, mask_BTT)
+            new_cache = None
+        else:
+            ck, cv = layer_cache
+            ck = write_kv(ck, k, positions_BT)
+            cv = write_kv(cv, v, positions_BT)
+            out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
+            new_cache = (ck, cv)
+        x_BTH = x_BTH + attn.output(out)
+        h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm")(x_BTH)
+        x_BTH = x_BTH + MLP(c, name="mlp")(h)
+        return x_BTH, new_cache
+
+
+class Transformer(nn.Module):
+    """Qwen3 / Llama-3 decoder. Parameter names follow the Hugging Face layout.
+
+    __call__(input_ids [B,T], positions [B,T], cache=None, tap_layers=(), segment_ids=None)
+      -> (hidden [B,T,H] after the final norm, cache or None, taps [B,T,n*H] or None)
+
+    With a cache, positions default to `cache.lengths + arange(T)` and the returned cache has
+    `lengths + T`: the caller rolls back what it does not commit.
+
+    `tap_layers` are 0-based decoder-layer indices; tap i is the residual stream after layer i
+    (Hugging Face `hidden_states[i + 1]`).
+    """
+
+    cfg: ModelConfig
+    attention_impl: str = "xla"
+
+    def setup(self):
+        c = self.cfg
+        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype,
+                                     param_dtype=c.param_dtype, name="embed_tokens")
+        self.layers = [DecoderLayer(c, self.attention_impl, name=f"layers_{i}")
+                       for i in range(c.num_layers)]
+        self.norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
+        if not c.tie_word_embeddings:
+            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype,
+                                    param_dtype=c.param_dtype, name="lm_head")
+
+    def embed(self, input_ids_BT):
+        return self.embed_tokens(input_ids_BT)
+
+    def logits(self, hidden_BTH):
+        """Float32 logits [B,T,V] from final-normed hidden states."""
+        if self.cfg.tie_word_embeddings:
+            w = self.embed_tokens.embedding.astype(self.cfg.dtype)
+            return jnp.einsum("bth,vh->btv", hidden_BTH.astype(self.cfg.dtype), w,
+                              preferred_element_type=jnp.float32)
+        w = self.lm_head.variables["params"]["kernel"].astype(self.cfg.dtype)
+        return jnp.einsum("bth,hv->btv", hidden_BTH.astype(self.cfg.dtype), w,
+                          preferred_element_type=jnp.float32)
+
+    def __call__(self, input_ids_BT, positions_BT=None, cache: Optional[KVCache] = None,
+                 tap_layers: Sequence[int] = (), segment_ids_BT=None):
+        c = self.cfg
+        b, t = input_ids_BT.shape
+        if positions_BT is None:
+            base = 0 if cache is None else cache.lengths[:, None]
+            positions_BT = base + jnp.arange(t, dtype=jnp.int32)[None, :]
+        inv_freq = rope_inv_freq(c)
+        x = self.embed(input_ids_BT)
+        mask = None
+        if cache is None:
+            mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
+            if segment_ids_BT is not None:
+                mask &= segment_ids_BT[:, None, :] == segment_ids_BT[:, :, None]
+        taps = []
+        new_k, new_v = [], []
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else (cache.k[i], cache.v[i])
+            x, layer_cache = layer(x, positions_BT, inv_freq, layer_cache, mask)
+            if cache is not None:
+                new_k.append(layer_cache[0])
+                new_v.append(layer_cache[1])
+            if i in tap_layers:
+                taps.append((i, x))
+        if self.is_initializing() and not c.tie_word_embeddings:
+            self.lm_head(x)  # create lm_head params
+        hidden = self.norm(x)
+        new_cache = None
+        if cache is not None:
+            new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + t)
+        tap_out = None
+        if tap_layers:
+            by_layer = dict(taps)
+            tap_out = jnp.concatenate([by_layer[i] for i in tap_layers], axis=-1)
+        return hidden, new_cache, tap_out
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+    """Random parameters (normal, std 0.02 for matrices) as a plain pytree."""
+    model = Transformer(cfg)
+    ids = jnp.zeros((1, 2), jnp.int32)
+    params = model.init(jax.random.PRNGKey(seed), ids)["params"]
+    return params

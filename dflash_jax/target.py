@@ -1,0 +1,100 @@
+"""The verifier as a user-facing object: config + params + compiled forward."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import checkpoint
+from dflash_jax.config import ModelConfig
+from dflash_jax.model import KVCache, Transformer
+
+
+@dataclasses.dataclass
+class ForwardOutput:
+    """logits: float32 [B, T, V]; taps: [B, T, n*H] when requested, else None."""
+
+    logits: jnp.ndarray
+    taps: Optional[jnp.ndarray] = None
+
+
+@dataclasses.dataclass(eq=False)
+class Target:
+    """A loaded verifier: `config` (ModelConfig), `params` (plain pytree), `path` (or None).
+
+    `attention_impl` selects the attention code ("xla", "pallas", "pallas_interpret", "auto").
+    """
+
+    config: ModelConfig
+    params: dict
+    path: Optional[str] = None
+    attention_impl: str = "xla"
+
+    @property
+    def module(self) -> Transformer:
+        return Transformer(self.config, self.attention_impl)
+
+    def forward(self, input_ids, tap_layers: Sequence[int] = ()) -> ForwardOutput:
+        """Full causal forward over `input_ids` [B, T] (no cache). Returns float32 logits."""
+        ids = jnp.asarray(np.asarray(input_ids, dtype=np.int32))
+        if ids.ndim == 1:
+            ids = ids[None]
+        _check_ids(ids, self.config.vocab_size)
+        logits, taps = _forward(self.module, self.params, ids, tuple(tap_layers))
+        return ForwardOutput(logits=logits, taps=taps)
+
+    def init_cache(self, batch: int, capacity: int) -> KVCache:
+        return KVCache.create(self.config, batch, capacity)
+
+    @functools.cached_property
+    def tokenizer(self):
+        """The `tokenizers.Tokenizer` of the model directory (`tokenizer.json`), or None."""
+        if self.path is None or not os.path.exists(os.path.join(self.path, "tokenizer.json")):
+            return None
+        from tokenizers import Tokenizer
+
+        return Tokenizer.from_file(os.path.join(self.path, "tokenizer.json"))
+
+
+def _check_ids(ids, vocab_size):
+    if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"token ids must be in [0, {vocab_size}); got range "
+                         f"[{int(ids.min())}, {int(ids.max())}]")
+
+
+@functools.partial(jax.jit, static_argnums=(0, 3))
+def _forward(module, params, ids, tap_layers):
+    hidden, _, taps = module.apply({"params": params}, ids, tap_layers=tap_layers)
+    logits = module.apply({"params": params}, hidden, method=Transformer.logits)
+    return logits, taps
+
+
+def load_target(path: str, dtype: str = "float32", param_dtype: Optional[str] = None,
+                attention_impl: str = "xla") -> Target:
+    """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory.
+
+    dtype: compute dtype ("float32" on CPU, "bfloat16" on accelerators); param_dtype defaults
+    to dtype.
+    """
+    cfg, params = checkpoint.load_target_params(str(path), dtype=dtype, param_dtype=param_dtype)
+    return Target(config=cfg, params=params, path=str(path), attention_impl=attention_impl)
+
+
+def save_target(target: Target, path: str, dtype: Optional[str] = None) -> None:
+    """Writes the target as a Hugging Face directory (config.json + safetensors).
+
+    Tokenizer files of the source directory are copied along, so the result is self-contained.
+    """
+    extra = {}
+    if target.path:
+        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                     "generation_config.json"):
+            extra[name] = os.path.join(target.path, name)
+    checkpoint.save_target_params(target.config, target.params, str(path), dtype=dtype,
+                                  extra_files=extra)
