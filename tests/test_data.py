@@ -50,7 +50,8 @@ def stdlib_splits(stdlib_builder):
 @pytest.fixture(scope="module")
 def tok(stdlib_splits, tmp_path_factory):
     out = tmp_path_factory.mktemp("tok")
-    texts = [ex["text"] for ex in stdlib_splits["train"]]
+    texts = list(D.iter_texts(stdlib_splits["train"]))
+    assert texts == [ex["text"] for ex in stdlib_splits["train"]]
     return D.train_bpe_tokenizer(texts, out, vocab_size=1024), out
 
 
@@ -156,6 +157,7 @@ def test_builders_do_not_need_tensorflow(tmp_path):
         tf_mods = [m for m in sys.modules if m == "tensorflow" or m.startswith("tensorflow.")]
         assert not tf_mods, f"tensorflow got imported: {{tf_mods[:5]}}"
         print("TF-FREE-OK")
+        print("SPLITS", [B.split_of(f"pkg/m{{i}}.py", 50.0) for i in range(64)])
         """
     )
     env = dict(os.environ)
@@ -165,6 +167,9 @@ def test_builders_do_not_need_tensorflow(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "TF-FREE-OK" in proc.stdout
+    # split_of gives the same answer in another process (no salted hash()).
+    expected = [B.split_of(f"pkg/m{i}.py", 50.0) for i in range(64)]
+    assert f"SPLITS {expected}" in proc.stdout
 
 
 def _read_all(builder, split):
@@ -267,6 +272,8 @@ ROUND_TRIP = [
     "windows\r\nline endings\r\n",
     "literal special tokens <|endoftext|> and <|mask|> inside text",
     "\x00\x01 control chars \x7f",
+    # Not NFC/NFKC-normalized: any normalizer would change these.
+    "decomposed e\u0301 vs \u00e9, ligature \ufb01, \u2460, \uff46\uff55\uff4c\uff4c, nbsp\u00a0, \u212b",
 ]
 
 

@@ -34,6 +34,7 @@ _LAZY_BUILDERS = (
     "build_user_files",
     "code_prompts",
     "decode_example",
+    "iter_texts",
     "list_stdlib_files",
     "load_split",
     "split_of",

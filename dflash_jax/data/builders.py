@@ -46,6 +46,7 @@ __all__ = [
     "build_user_files",
     "code_prompts",
     "decode_example",
+    "iter_texts",
     "list_stdlib_files",
     "load_split",
     "split_of",
@@ -99,6 +100,17 @@ def decode_example(example: dict[str, Any]) -> dict[str, Any]:
     return {
         k: (v.decode("utf-8") if isinstance(v, bytes) else v) for k, v in example.items()
     }
+
+
+def iter_texts(source: Sequence[dict[str, Any]]) -> Iterator[str]:
+    """The text of each example of a data source (``prompt + response`` for
+    pairs), e.g. to train a tokenizer: ``train_bpe_tokenizer(iter_texts(src))``."""
+    for i in range(len(source)):
+        ex = decode_example(source[i])
+        if ex.get("prompt") or ex.get("response"):
+            yield ex.get("prompt", "") + ex.get("response", "")
+        else:
+            yield ex.get("text", "")
 
 
 def load_split(builder: tfds.core.DatasetBuilder, split: str = "train"):
