@@ -1,0 +1,129 @@
+"""Pallas kernels for DFlash attention (verify / draft / training) + XLA references.
+
+Public entry points (all tensors [batch, length, heads, head_dim], GQA with
+Hq = G * Hkv; softmax in float32; output in q.dtype):
+
+  verify_attention(q, k_cache, v_cache, q_positions, *, sm_scale=None,
+                   impl="auto", interpret=False, block_k=None, num_splits=None)
+  draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None,
+                  impl="auto", interpret=False, block_k=None, num_splits=None)
+  training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
+                     block_size, sm_scale=None, impl="auto", interpret=False,
+                     block_q_rows=None, block_k=None)
+
+impl: "auto" (Pallas on TPU/GPU, XLA on CPU) | "xla" | "pallas" |
+"pallas_tpu" | "pallas_triton" | "pallas_mosaic_gpu" (not implemented yet);
+see pallas_kernels/backend.py, the single place where the choice is made.
+interpret=True runs the chosen Pallas variant in interpret mode (TPU kernels
+via pltpu.InterpretParams(), Triton kernels via the HLO interpreter).
+
+verify/draft are inference kernels (forward only); training_attention has a
+custom_vjp whose gradients match jax.grad of the reference.
+"""
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from . import backend
+from . import reference
+
+__all__ = ["verify_attention", "draft_attention", "training_attention",
+           "reference", "backend"]
+
+
+def _decode_module(variant):
+  if variant == backend.TPU:
+    from . import tpu_decode as m
+  else:
+    from . import triton_decode as m
+  return m
+
+
+def _decode_kwargs(variant, interpret, block_k, num_splits):
+  kw = dict(interpret=backend.interpret_arg(variant, interpret),
+            num_splits=num_splits)
+  if block_k is not None:
+    kw["block_k"] = block_k
+  return kw
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "variant", "interpret", "block_k", "num_splits"))
+def _verify(q, k_cache, v_cache, q_positions, *, sm_scale, variant, interpret,
+            block_k, num_splits):
+  if variant == backend.XLA:
+    return reference.verify_attention(q, k_cache, v_cache, q_positions,
+                                      sm_scale=sm_scale)
+  return _decode_module(variant).decode_attention(
+      q, k_cache, v_cache, q_positions.astype(jnp.int32), sm_scale=sm_scale,
+      **_decode_kwargs(variant, interpret, block_k, num_splits))
+
+
+def verify_attention(q, k_cache, v_cache, q_positions, *, sm_scale=None,
+                     impl: str = "auto", interpret: bool = False,
+                     block_k: int | None = None, num_splits: int | None = None):
+  """Target-model verification attention over a KV cache.
+
+  q: [B,T,Hq,D]; k_cache, v_cache: [B,S,Hkv,D] (the block's own K/V already
+  written at their positions); q_positions: [B,T] int32.  Query (b,t) sees
+  cache slot j iff j <= q_positions[b,t].  Returns [B,T,Hq,D].
+  """
+  variant = backend.resolve(impl, interpret)
+  return _verify(q, k_cache, v_cache, q_positions, sm_scale=sm_scale,
+                 variant=variant, interpret=bool(interpret), block_k=block_k,
+                 num_splits=num_splits)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "sm_scale", "variant", "interpret", "block_k", "num_splits"))
+def _draft(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale, variant,
+           interpret, block_k, num_splits):
+  if variant == backend.XLA:
+    return reference.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v,
+                                     sm_scale=sm_scale)
+  b, t = q.shape[:2]
+  lim = jnp.broadcast_to((ctx_len.astype(jnp.int32) - 1)[:, None], (b, t))
+  return _decode_module(variant).decode_attention(
+      q, ctx_k, ctx_v, lim, blk_k=blk_k, blk_v=blk_v, sm_scale=sm_scale,
+      **_decode_kwargs(variant, interpret, block_k, num_splits))
+
+
+def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None,
+                    impl: str = "auto", interpret: bool = False,
+                    block_k: int | None = None, num_splits: int | None = None):
+  """Drafter attention over [context ; block].
+
+  q: [B,T,Hq,D]; ctx_k, ctx_v: [B,C,Hkv,D]; ctx_len: [B] int32;
+  blk_k, blk_v: [B,T,Hkv,D].  Query sees context slot j iff j < ctx_len[b]
+  and all T block slots (non-causal).  Returns [B,T,Hq,D].
+  """
+  variant = backend.resolve(impl, interpret)
+  return _draft(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, sm_scale=sm_scale,
+                variant=variant, interpret=bool(interpret), block_k=block_k,
+                num_splits=num_splits)
+
+
+def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
+                       block_size: int, sm_scale=None, impl: str = "auto",
+                       interpret: bool = False, block_q_rows: int | None = None,
+                       block_k: int | None = None):
+  """DFlash training attention (differentiable w.r.t. q, k_ctx, v_ctx, k_blk, v_blk).
+
+  q: [B,N*bs,Hq,D]; k_ctx, v_ctx: [B,S,Hkv,D]; k_blk, v_blk: [B,N*bs,Hkv,D];
+  anchors: [B,N] int32; block_valid: [B,N] bool.  Block n's queries see
+  context slot j iff j < anchors[b,n] and the bs keys of their own block;
+  rows of invalid blocks output 0 (zero gradients).  Returns [B,N*bs,Hq,D].
+  """
+  variant = backend.resolve(impl, interpret)
+  if variant == backend.XLA:
+    return reference.training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors,
+                                        block_valid, block_size=block_size,
+                                        sm_scale=sm_scale)
+  from . import training
+  return training.training_attention(
+      q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid,
+      block_size=block_size, sm_scale=sm_scale, variant=variant,
+      interpret=interpret, rows_target=block_q_rows, block_k=block_k)
