@@ -1,0 +1,329 @@
+"""Tests for pallas_kernels: references vs brute force, kernels (interpret mode) vs references.
+
+Runs on CPU: both Pallas variants execute in interpret mode (TPU kernels via
+pltpu.InterpretParams, Triton kernels via the HLO interpreter).  Shapes are
+tiny and tile sizes forced small so that padding, multiple tiles, multiple
+splits and tile skipping are all exercised.
+"""
+import os
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+  sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+import pallas_kernels as pk  # noqa: E402
+from pallas_kernels import backend, reference  # noqa: E402
+
+VARIANTS = ["pallas_tpu", "pallas_triton"]
+ATOL = 2e-5
+
+
+def _rand(rng, *shape, dtype=jnp.float32):
+  return jnp.asarray(rng.standard_normal(shape), dtype)
+
+
+# ----------------------------------------------------- brute-force numpy ----
+def _np_attend(q, k, v, visible, scale):
+  """q [T,Hq,D], k/v [S,Hkv,D], visible(t, j) -> bool. Plain loops."""
+  t_len, hq, d = q.shape
+  g = hq // k.shape[1]
+  out = np.zeros((t_len, hq, d))
+  for t in range(t_len):
+    js = [j for j in range(k.shape[0]) if visible(t, j)]
+    if not js:
+      continue
+    for h in range(hq):
+      kh = h // g
+      s = np.array([np.dot(q[t, h], k[j, kh]) * scale for j in js], np.float64)
+      w = np.exp(s - s.max())
+      w /= w.sum()
+      out[t, h] = sum(wi * v[j, kh] for wi, j in zip(w, js))
+  return out
+
+
+def _np_verify(q, k, v, pos):
+  q, k, v, pos = map(np.asarray, (q, k, v, pos))
+  scale = q.shape[-1] ** -0.5
+  return np.stack([_np_attend(q[b], k[b], v[b], lambda t, j: j <= pos[b, t], scale)
+                   for b in range(q.shape[0])])
+
+
+def _np_draft(q, ck, cv, clen, bk, bv):
+  q, ck, cv, clen, bk, bv = map(np.asarray, (q, ck, cv, clen, bk, bv))
+  c = ck.shape[1]
+  scale = q.shape[-1] ** -0.5
+  outs = []
+  for b in range(q.shape[0]):
+    k = np.concatenate([ck[b], bk[b]])
+    v = np.concatenate([cv[b], bv[b]])
+    outs.append(_np_attend(q[b], k, v, lambda t, j: j >= c or j < clen[b], scale))
+  return np.stack(outs)
+
+
+def _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=False):
+  q, kc, vc, kb, vb, anchors, valid = map(np.asarray, (q, kc, vc, kb, vb, anchors, valid))
+  s_len = kc.shape[1]
+  scale = q.shape[-1] ** -0.5
+  outs = []
+  for b in range(q.shape[0]):
+    k = np.concatenate([kc[b], kb[b]])
+    v = np.concatenate([vc[b], vb[b]])
+
+    def visible(t, j, b=b):
+      n = t // bs
+      if not valid[b, n]:
+        return False
+      if j < s_len:
+        return j <= anchors[b, n] if inclusive else j < anchors[b, n]
+      return (j - s_len) // bs == n
+    outs.append(_np_attend(q[b], k, v, visible, scale))
+  return np.stack(outs)
+
+
+def test_reference_verify_matches_brute_force():
+  rng = np.random.default_rng(0)
+  q, k, v = _rand(rng, 2, 3, 4, 8), _rand(rng, 2, 11, 2, 8), _rand(rng, 2, 11, 2, 8)
+  pos = jnp.array([[0, 1, 2], [8, 9, 10]], jnp.int32)
+  np.testing.assert_allclose(reference.verify_attention(q, k, v, pos),
+                             _np_verify(q, k, v, pos), atol=1e-5)
+
+
+def test_reference_draft_matches_brute_force():
+  rng = np.random.default_rng(1)
+  q = _rand(rng, 3, 4, 4, 8)
+  ck, cv = _rand(rng, 3, 9, 1, 8), _rand(rng, 3, 9, 1, 8)
+  bk, bv = _rand(rng, 3, 4, 1, 8), _rand(rng, 3, 4, 1, 8)
+  clen = jnp.array([0, 5, 9], jnp.int32)
+  np.testing.assert_allclose(reference.draft_attention(q, ck, cv, clen, bk, bv),
+                             _np_draft(q, ck, cv, clen, bk, bv), atol=1e-5)
+
+
+def test_reference_training_matches_brute_force_and_catches_le_trap():
+  rng = np.random.default_rng(2)
+  bs, n, s_len = 3, 4, 10
+  q = _rand(rng, 2, n * bs, 4, 8)
+  kc, vc = _rand(rng, 2, s_len, 2, 8), _rand(rng, 2, s_len, 2, 8)
+  kb, vb = _rand(rng, 2, n * bs, 2, 8), _rand(rng, 2, n * bs, 2, 8)
+  anchors = jnp.array([[0, 3, 7, 9], [2, 2, 5, 8]], jnp.int32)
+  valid = jnp.array([[True, True, False, True], [True, True, True, False]])
+  ref = np.asarray(reference.training_attention(q, kc, vc, kb, vb, anchors, valid,
+                                                block_size=bs))
+  good = _np_training(q, kc, vc, kb, vb, anchors, valid, bs)
+  np.testing.assert_allclose(ref, good, atol=1e-5)
+  # Rows of invalid blocks are exactly zero.
+  assert np.all(ref[0, 2 * bs:3 * bs] == 0) and np.all(ref[1, 3 * bs:] == 0)
+  # The `<=` anchor trap: an implementation attending to slot `anchor` must
+  # fail the very same check.
+  trap = _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=True)
+  assert not np.allclose(ref, trap, atol=1e-3)
+  with pytest.raises(AssertionError):
+    np.testing.assert_allclose(trap, good, atol=1e-5)
+
+
+def test_reference_training_grads_finite_for_invalid_blocks():
+  rng = np.random.default_rng(3)
+  q = _rand(rng, 1, 4, 2, 8)
+  kc, vc = _rand(rng, 1, 5, 1, 8), _rand(rng, 1, 5, 1, 8)
+  kb, vb = _rand(rng, 1, 4, 1, 8), _rand(rng, 1, 4, 1, 8)
+  anchors = jnp.array([[0, 3]], jnp.int32)
+  valid = jnp.array([[False, True]])
+  grads = jax.grad(lambda *x: jnp.sum(reference.training_attention(
+      *x, anchors, valid, block_size=2) ** 2), argnums=(0, 1, 2, 3, 4))(q, kc, vc, kb, vb)
+  for g in grads:
+    assert np.all(np.isfinite(g))
+  assert np.all(grads[0][0, :2] == 0)   # invalid block: zero dq
+
+
+# ------------------------------------------------------------- backend ------
+def test_backend_resolution():
+  assert backend.resolve("auto", platform="cpu") == "xla"
+  assert backend.resolve("auto", platform="tpu") == "tpu"
+  assert backend.resolve("auto", platform="gpu") == "triton"
+  assert backend.resolve("pallas", platform="cuda") == "triton"
+  assert backend.resolve("xla", platform="tpu") == "xla"
+  assert backend.resolve("pallas", interpret=True, platform="cpu") == "tpu"
+  assert backend.resolve("pallas_triton", interpret=True, platform="cpu") == "triton"
+  with pytest.raises(ValueError):
+    backend.resolve("pallas", platform="cpu")
+  with pytest.raises(ValueError):
+    backend.resolve("pallas_tpu", platform="gpu")
+  with pytest.raises(ValueError):
+    backend.resolve("bogus")
+  with pytest.raises(NotImplementedError, match="Mosaic GPU"):
+    backend.resolve("pallas_mosaic_gpu", interpret=True)
+
+
+def test_backend_mosaic_gpu_env_placeholder(monkeypatch):
+  monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "mosaic_gpu")
+  with pytest.raises(NotImplementedError, match="Mosaic GPU"):
+    backend.resolve("auto", platform="gpu")
+
+
+def test_auto_on_cpu_is_reference():
+  rng = np.random.default_rng(4)
+  q, k, v = _rand(rng, 1, 2, 2, 8), _rand(rng, 1, 6, 1, 8), _rand(rng, 1, 6, 1, 8)
+  pos = jnp.array([[3, 4]], jnp.int32)
+  np.testing.assert_array_equal(pk.verify_attention(q, k, v, pos),
+                                reference.verify_attention(q, k, v, pos))
+
+
+# ------------------------------------------------- kernels vs reference -----
+# (B, T, Hq, Hkv, D, S, block_k, num_splits)
+VERIFY_CASES = [
+    (1, 1, 2, 2, 32, 45, 16, None),      # GQA 1, single query, S % tile != 0
+    (3, 5, 8, 2, 16, 77, 16, 2),         # GQA 4, different lengths, 2 splits
+]
+
+
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=["b1g1", "b3g4"])
+def test_verify_kernel(impl, case):
+  b, t, hq, hkv, d, s, bk, ns = case
+  rng = np.random.default_rng(5)
+  q, k, v = _rand(rng, b, t, hq, d), _rand(rng, b, s, hkv, d), _rand(rng, b, s, hkv, d)
+  last = np.array([4, 40, s - 1][:b])
+  if b == 1:
+    last = np.array([30])
+  pos = jnp.asarray(last[:, None] - (t - 1) + np.arange(t)[None, :], jnp.int32)
+  out = pk.verify_attention(q, k, v, pos, impl=impl, interpret=True, block_k=bk,
+                            num_splits=ns)
+  np.testing.assert_allclose(out, reference.verify_attention(q, k, v, pos), atol=ATOL)
+
+
+# (B, T, Hq, Hkv, D, C, block_k, ctx_len)
+DRAFT_CASES = [
+    (1, 4, 2, 2, 32, 40, 16, [23]),
+    (3, 5, 8, 2, 16, 50, 16, [0, 13, 50]),   # includes empty context
+]
+
+
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("case", DRAFT_CASES, ids=["b1g1", "b3g4"])
+def test_draft_kernel(impl, case):
+  b, t, hq, hkv, d, c, bk, clen = case
+  rng = np.random.default_rng(6)
+  q = _rand(rng, b, t, hq, d)
+  ck, cv = _rand(rng, b, c, hkv, d), _rand(rng, b, c, hkv, d)
+  blk_k, blk_v = _rand(rng, b, t, hkv, d), _rand(rng, b, t, hkv, d)
+  clen = jnp.asarray(clen, jnp.int32)
+  out = pk.draft_attention(q, ck, cv, clen, blk_k, blk_v, impl=impl, interpret=True,
+                           block_k=bk, num_splits=2)
+  ref = reference.draft_attention(q, ck, cv, clen, blk_k, blk_v)
+  np.testing.assert_allclose(out, ref, atol=ATOL)
+
+
+# (B, N, bs, Hq, Hkv, D, S, anchors, valid)
+TRAIN_CASES = [
+    (1, 3, 4, 2, 2, 16, 21, [[5, 0, 21]], [[True, True, True]]),
+    (3, 3, 4, 8, 2, 16, 37,
+     [[0, 20, 37], [5, 33, 36], [17, 3, 9]],
+     [[True, True, True], [True, False, True], [False, False, False]]),
+]
+
+
+@pytest.mark.parametrize("impl", VARIANTS)
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=["b1g1", "b3g4"])
+def test_training_kernel_forward_and_grads(impl, case):
+  b, n, bs, hq, hkv, d, s, anchors, valid = case
+  rng = np.random.default_rng(7)
+  l = n * bs
+  args = (_rand(rng, b, l, hq, d), _rand(rng, b, s, hkv, d), _rand(rng, b, s, hkv, d),
+          _rand(rng, b, l, hkv, d), _rand(rng, b, l, hkv, d))
+  anchors = jnp.asarray(anchors, jnp.int32)
+  valid = jnp.asarray(valid)
+  ct = _rand(rng, b, l, hq, d)
+  kw = dict(block_q_rows=16, block_k=16)   # several query and context tiles
+
+  def run(fn, *x):
+    return fn(*x, anchors, valid, block_size=bs)
+
+  out, vjp = jax.vjp(lambda *x: run(
+      lambda *y, **k2: pk.training_attention(*y, impl=impl, interpret=True, **kw, **k2),
+      *x), *args)
+  ref, vjp_ref = jax.vjp(lambda *x: run(reference.training_attention, *x), *args)
+  np.testing.assert_allclose(out, ref, atol=ATOL)
+  names = ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"]
+  for name, g, gr in zip(names, vjp(ct), vjp_ref(ct)):
+    assert np.all(np.isfinite(g)), name
+    np.testing.assert_allclose(g, gr, atol=ATOL, err_msg=name)
+
+
+@pytest.mark.parametrize("impl", VARIANTS)
+def test_verify_kernel_ignores_stale_cache_slots(impl):
+  """Slots beyond each query's position (stale / never written) may hold
+  anything, even NaN: they are masked or never read (skipped tiles)."""
+  b, t, hq, hkv, d, s = 2, 3, 4, 2, 16, 70
+  rng = np.random.default_rng(8)
+  q, k, v = _rand(rng, b, t, hq, d), _rand(rng, b, s, hkv, d), _rand(rng, b, s, hkv, d)
+  pos = jnp.array([[10, 11, 12], [40, 41, 42]], jnp.int32)
+  ref = reference.verify_attention(q, k, v, pos)
+  stale = jnp.arange(s)[None, :, None, None] > pos[:, -1][:, None, None, None]
+  k_bad, v_bad = jnp.where(stale, jnp.nan, k), jnp.where(stale, jnp.nan, v)
+  out = pk.verify_attention(q, k_bad, v_bad, pos, impl=impl, interpret=True,
+                            block_k=16, num_splits=2)
+  np.testing.assert_allclose(out, ref, atol=ATOL)
+
+
+@pytest.mark.parametrize("impl", VARIANTS)
+def test_bfloat16_verify_and_training(impl):
+  rng = np.random.default_rng(9)
+  bf = jnp.bfloat16
+  q, k, v = (_rand(rng, 2, 4, 4, 32, dtype=bf), _rand(rng, 2, 50, 1, 32, dtype=bf),
+             _rand(rng, 2, 50, 1, 32, dtype=bf))
+  pos = jnp.array([[3, 4, 5, 6], [46, 47, 48, 49]], jnp.int32)
+  out = pk.verify_attention(q, k, v, pos, impl=impl, interpret=True, block_k=16)
+  assert out.dtype == bf
+  np.testing.assert_allclose(out.astype(np.float32),
+                             reference.verify_attention(q, k, v, pos).astype(np.float32),
+                             atol=3e-2)
+
+  bs, n = 4, 2
+  args = (_rand(rng, 1, n * bs, 4, 32, dtype=bf), _rand(rng, 1, 40, 1, 32, dtype=bf),
+          _rand(rng, 1, 40, 1, 32, dtype=bf), _rand(rng, 1, n * bs, 1, 32, dtype=bf),
+          _rand(rng, 1, n * bs, 1, 32, dtype=bf))
+  anchors, valid = jnp.array([[9, 35]], jnp.int32), jnp.array([[True, True]])
+
+  def loss(fn):
+    return lambda *x: jnp.sum(fn(*x, anchors, valid, block_size=bs).astype(jnp.float32) ** 2)
+  kern = lambda *x, **kw: pk.training_attention(*x, impl=impl, interpret=True,
+                                                block_q_rows=16, block_k=16, **kw)
+  gk = jax.grad(loss(kern), argnums=(0, 1, 2, 3, 4))(*args)
+  gr = jax.grad(loss(reference.training_attention), argnums=(0, 1, 2, 3, 4))(*args)
+  for a, r in zip(gk, gr):
+    assert a.dtype == bf
+    np.testing.assert_allclose(a.astype(np.float32), r.astype(np.float32),
+                               atol=0.1, rtol=0.05)
+
+
+# ---------------------------------------- lowering for the real accelerators --
+@pytest.mark.parametrize("platform,impl,d", [("tpu", "pallas", 128), ("tpu", "pallas", 64),
+                                             ("cuda", "pallas", 128)])
+def test_kernels_lower_for_accelerator(monkeypatch, platform, impl, d):
+  """Cross-lowers all kernels (Qwen3-8B-like heads, bf16) to Mosaic TPU /
+  Triton IR on this CPU machine: catches block-shape and lowering errors that
+  interpret mode cannot (the final Mosaic/Triton compile still needs the chip)."""
+  monkeypatch.setattr(backend, "_platform", lambda: "tpu" if platform == "tpu" else "gpu")
+  sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  b, t, hkv, g, s, bs, n = 2, 16, 8, 4, 4096, 16, 8
+  q, kv = sd((b, t, hkv * g, d), bf), sd((b, s, hkv, d), bf)
+  i32 = lambda *shape: sd(shape, jnp.int32)
+  lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=(platform,))
+  lower(lambda *a: pk.verify_attention(*a, impl=impl), q, kv, kv, i32(b, t))
+  lower(lambda *a: pk.draft_attention(*a, impl=impl), q, kv, kv, i32(b),
+        sd((b, t, hkv, d), bf), sd((b, t, hkv, d), bf))
+  qt, kb = sd((b, n * bs, hkv * g, d), bf), sd((b, n * bs, hkv, d), bf)
+
+  def train_grads(q_, kc, vc, kb_, vb, anchors, valid):
+    f = lambda *x: jnp.sum(pk.training_attention(
+        *x, anchors, valid, block_size=bs, impl=impl).astype(jnp.float32))
+    return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q_, kc, vc, kb_, vb)
+  text = lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool)).as_text()
+  marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
+  assert text.count(marker) >= 3   # fwd + 2 backward kernels
