@@ -1,0 +1,383 @@
+"""Speculative (DFlash) and autoregressive generation as two compiled programs.
+
+  prefill  (jit): target forward over the (right-padded) prompts with taps; first token; the
+                  drafter context cache filled with the prompt's context K/V.
+  decode   (jit): one `lax.while_loop`; every iteration is `spec_step`:
+                    draft   one drafter pass over [x_last, MASK * (bs-1)]  (or K denoise passes)
+                    verify  one target pass over [x_last, d_1 .. d_{bs-1}] appended to the cache
+                    accept  the longest prefix with d_i == y_{i-1}; commit y_0 .. y_a
+                    roll back both caches to the committed length, append the new taps
+                  until every sequence hit max_new_tokens or a stop token.
+No host round trip per step. The autoregressive baseline is the same loop with an empty draft
+(block of one token), through the same target code and cache.
+
+Losslessness. At temperature 0, y_i is the target's argmax after the committed prefix, and we
+commit only y's, so the output equals greedy autoregressive decoding token for token. At
+temperature > 0, y_i is a fresh sample from the target's adjusted distribution given the prefix
+[committed, d_1..d_i]; while d_i == y_{i-1} that prefix IS the committed sequence, so y_0..y_a
+are successive samples from the target conditionals. This is speculative (rejection) sampling
+with a one-hot draft distribution q = delta(d): accept d with probability min(1, p(d)/q(d)) =
+p(d), i.e. exactly when an independent target sample equals d, and on rejection the residual
+norm(max(p - q, 0)) is p with d removed: the distribution of y_{i} given y_{i} != d_{i+1}. So
+every emitted token is distributed as the target's sample (tested statistically in
+tests/test_decoding.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import List, Optional, Sequence
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend, validate_pair
+from dflash_jax.model import KVCache, Transformer, write_kv
+from dflash_jax.sampling import pick_tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static settings of one compiled generation program (hashable: part of the jit key)."""
+
+    block_size: int  # 1 = autoregressive
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    stop_ids: tuple = ()
+    denoise_steps: int = 1
+    confidence_threshold: Optional[float] = None
+    record_drafts: bool = False
+    attention_impl: str = "xla"
+
+
+@flax.struct.dataclass
+class DecodeState:
+    cache: KVCache
+    ctx: Optional[ContextCache]
+    tokens: jnp.ndarray  # [B, N] generated tokens (prompt excluded)
+    num_out: jnp.ndarray  # [B] tokens generated so far
+    done: jnp.ndarray  # [B] bool
+    step: jnp.ndarray  # [] decode iterations run
+    accepted: jnp.ndarray  # [B, N] tokens committed at each step (0 when inactive)
+    drafts: jnp.ndarray  # [N, B, bs-1] drafted blocks (shape [0, B, 0] when not recorded)
+    key: jnp.ndarray
+    max_new: jnp.ndarray  # [] tokens to generate per sequence
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """tokens: per sequence, the new token ids (prompt excluded, truncated after a stop token).
+    acceptance_lengths: per sequence, tokens committed at each decode step (target pass).
+    drafts: per sequence, the drafted block (bs-1 ids) of each step, when requested.
+    stats: prefill_s, decode_s, compile_s, decode_tokens_per_s, steps, tau, new_tokens.
+    """
+
+    tokens: List[List[int]]
+    acceptance_lengths: List[List[int]]
+    drafts: Optional[List[List[List[int]]]]
+    stats: dict
+
+    @property
+    def tau(self) -> float:
+        return self.stats["tau"]
+
+
+def _embed(tmod, tparams, ids):
+    return tmod.apply({"params": tparams}, ids, method=Transformer.embed)
+
+
+def _lm_logits(tmod, tparams, hidden):
+    return tmod.apply({"params": tparams}, hidden, method=Transformer.logits)
+
+
+def _write_context(dmod, dparams, ctx: ContextCache, taps, positions, lengths) -> ContextCache:
+    """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`."""
+    ck, cv = dmod.apply({"params": dparams}, taps, positions, method=DFlashDrafter.context_kv)
+    k = tuple(write_kv(old, new, positions) for old, new in zip(ctx.k, ck))
+    v = tuple(write_kv(old, new, positions) for old, new in zip(ctx.v, cv))
+    return ContextCache(k=k, v=v, lengths=lengths)
+
+
+def draft_block(tmod, tparams, dmod, dparams, ctx: ContextCache, x_last, start, plan: Plan):
+    """Drafts bs-1 tokens after x_last. Returns (drafts [B, bs-1], confidence [B, bs-1]).
+
+    denoise_steps = 1: DFlash's single pass. K > 1: K masked-diffusion passes; after pass j the
+    most confident still-masked positions are fixed (their MASK embedding replaced by the
+    drafted token's) so that round((bs-1) * j / K) positions are fixed, and the rest are
+    re-predicted with that extra context.
+    """
+    bs = plan.block_size
+    b = x_last.shape[0]
+    mask_id = dmod.cfg.mask_token_id
+    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    attend = decode_attend(ctx.lengths, plan.attention_impl)
+    tokens = jnp.full((b, bs - 1), mask_id, jnp.int32)
+    fixed = jnp.zeros((b, bs - 1), bool)
+    conf = jnp.zeros((b, bs - 1), jnp.float32)
+    steps = plan.denoise_steps
+    for j in range(1, steps + 1):
+        block = jnp.concatenate([x_last[:, None], tokens], axis=1)
+        hidden = dmod.apply({"params": dparams}, _embed(tmod, tparams, block), positions,
+                            ctx.k, ctx.v, attend)
+        logits = _lm_logits(tmod, tparams, hidden[:, 1:])
+        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        p_max = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+        if j == steps:
+            newly = ~fixed
+        else:
+            m = int(round((bs - 1) * j / steps)) - int(round((bs - 1) * (j - 1) / steps))
+            score = jnp.where(fixed, -jnp.inf, p_max)
+            top = jax.lax.top_k(score, max(m, 1))[1]
+            newly = jnp.zeros_like(fixed).at[jnp.arange(b)[:, None], top].set(m > 0)
+        tokens = jnp.where(newly, pred, tokens)
+        conf = jnp.where(newly, p_max, conf)
+        fixed = fixed | newly
+    return tokens, conf
+
+
+def accepted_prefix(drafts, y, trusted=None):
+    """Number of drafts accepted: the longest prefix with d_i == y_{i-1}. drafts [B, bs-1],
+    y [B, bs] target tokens at the block positions; trusted [B, bs-1] optional cap."""
+    match = drafts == y[:, :-1]
+    if trusted is not None:
+        match &= trusted
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+
+
+def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> DecodeState:
+    """One draft -> verify -> accept -> roll back iteration for the whole batch."""
+    b, n_buf = state.tokens.shape
+    bidx = jnp.arange(b)
+    start = state.cache.lengths  # position of x_last, the last committed token
+    x_last = state.tokens[bidx, state.num_out - 1]
+    bs = plan.block_size
+    tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
+
+    if dmod is not None:
+        with jax.named_scope("draft"):
+            drafts, conf = draft_block(tmod, tparams, dmod, dparams, state.ctx, x_last, start,
+                                       plan)
+        block = jnp.concatenate([x_last[:, None], drafts], axis=1)
+    else:
+        block = x_last[:, None]
+
+    with jax.named_scope("verify"):
+        hidden, cache, taps = tmod.apply({"params": tparams}, block, cache=state.cache,
+                                         tap_layers=tap_layers)
+        logits = _lm_logits(tmod, tparams, hidden)  # [B, bs, V]
+        key, sub = jax.random.split(state.key)
+        y = pick_tokens(logits, sub, plan.temperature, plan.top_k, plan.top_p)  # [B, bs]
+
+    with jax.named_scope("accept"):
+        if dmod is not None:
+            trusted = None
+            if plan.confidence_threshold is not None:
+                # Trim the block at the first low-confidence draft: those drafts are never
+                # accepted (still lossless; the bonus token comes from the target).
+                trusted = conf >= plan.confidence_threshold
+            a = accepted_prefix(drafts, y, trusted)
+        else:
+            a = jnp.zeros((b,), jnp.int32)
+        n = jnp.minimum(a + 1, state.max_new - state.num_out)
+        idx = jnp.arange(bs, dtype=jnp.int32)[None]
+        is_stop = jnp.isin(y, jnp.asarray(plan.stop_ids, jnp.int32)) & (idx < n[:, None]) \
+            if plan.stop_ids else jnp.zeros_like(y, bool)
+        has_stop = jnp.any(is_stop, axis=1)
+        n = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n)
+        n = jnp.where(state.done, 0, n).astype(jnp.int32)
+        write_at = jnp.where(idx < n[:, None], state.num_out[:, None] + idx, n_buf)
+        tokens = state.tokens.at[bidx[:, None], write_at].set(y, mode="drop")
+        new_len = start + n
+        cache = cache.rollback(new_len)
+        ctx = state.ctx
+        if dmod is not None:
+            positions = start[:, None] + idx
+            ctx = _write_context(dmod, dparams, ctx, taps, positions, new_len)
+        num_out = state.num_out + n
+        done = state.done | has_stop | (num_out >= state.max_new)
+        accepted = state.accepted.at[:, state.step].set(n)
+        drafts_rec = state.drafts
+        if plan.record_drafts and dmod is not None:
+            drafts_rec = drafts_rec.at[state.step].set(drafts)
+    return state.replace(cache=cache, ctx=ctx, tokens=tokens, num_out=num_out, done=done,
+                         step=state.step + 1, accepted=accepted, drafts=drafts_rec, key=key)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
+def _prefill(tmod, dmod, plan: Plan, capacity: int, n_buf: int, tparams, dparams, prompts,
+             prompt_lens, max_new, key) -> DecodeState:
+    b, p = prompts.shape
+    tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
+    cache = KVCache.create(tmod.cfg, b, capacity)
+    with jax.named_scope("prefill"):
+        hidden, cache, taps = tmod.apply({"params": tparams}, prompts, cache=cache,
+                                         tap_layers=tap_layers)
+        cache = cache.rollback(prompt_lens)
+        last = hidden[jnp.arange(b), prompt_lens - 1][:, None]
+        key, sub = jax.random.split(key)
+        first = pick_tokens(_lm_logits(tmod, tparams, last)[:, 0], sub, plan.temperature,
+                            plan.top_k, plan.top_p)
+        ctx = None
+        if dmod is not None:
+            ctx = ContextCache.create(dmod.cfg, b, capacity)
+            positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
+            ctx = _write_context(dmod, dparams, ctx, taps, positions, prompt_lens)
+    tokens = jnp.zeros((b, n_buf), jnp.int32).at[:, 0].set(first)
+    stop = jnp.isin(first, jnp.asarray(plan.stop_ids, jnp.int32)) if plan.stop_ids else \
+        jnp.zeros((b,), bool)
+    num_out = jnp.ones((b,), jnp.int32)
+    nd = (n_buf if plan.record_drafts and dmod is not None else 0)
+    return DecodeState(
+        cache=cache, ctx=ctx, tokens=tokens, num_out=num_out, done=stop | (num_out >= max_new),
+        step=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, n_buf), jnp.int32),
+        drafts=jnp.zeros((nd, b, plan.block_size - 1 if nd else 0), jnp.int32), key=key,
+        max_new=max_new)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
+def _decode(tmod, dmod, plan: Plan, tparams, dparams, state: DecodeState) -> DecodeState:
+    n_buf = state.tokens.shape[1]
+
+    def cond(s):
+        return (~jnp.all(s.done)) & (s.step < n_buf)
+
+    return jax.lax.while_loop(
+        cond, functools.partial(spec_step, tmod, tparams, dmod, dparams, plan), state)
+
+
+def _bucket(n: int, minimum: int) -> int:
+    return max(minimum, 1 << max(0, int(n - 1).bit_length()))
+
+
+def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoise_steps):
+    """Raises ValueError for bad input before any compute."""
+    cfg = target.config
+    if drafter is not None:
+        validate_pair(drafter.config, cfg)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if drafter is not None and not 2 <= block_size <= 64:
+        raise ValueError(f"block_size must be in [2, 64], got {block_size}")
+    if denoise_steps < 1 or (drafter is not None and denoise_steps > block_size - 1):
+        raise ValueError(f"denoise_steps must be in [1, block_size-1], got {denoise_steps}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): "
+                             f"range [{lo}, {hi}]")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                f"the model's context length max_position_embeddings="
+                f"{cfg.max_position_embeddings}")
+
+
+class _Compiled:
+    """AOT-compiled (prefill, decode) executables keyed by their static configuration, so
+    compile time is measured apart and new prompt lengths within a bucket never recompile."""
+
+    cache: dict = {}
+
+    @classmethod
+    def get(cls, key, lower_fns):
+        hit = key in cls.cache
+        t0 = time.perf_counter()
+        if not hit:
+            cls.cache[key] = tuple(fn().compile() for fn in lower_fns)
+        return cls.cache[key], (0.0 if hit else time.perf_counter() - t0)
+
+
+def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
+             max_new_tokens: int, block_size: Optional[int] = None, temperature: float = 0.0,
+             top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
+             stop_token_ids: Sequence[int] = (), denoise_steps: int = 1,
+             confidence_threshold: Optional[float] = None, return_drafts: bool = False,
+             attention_impl: Optional[str] = None) -> GenerationResult:
+    """Generates continuations of `prompts` (lists of token ids) with DFlash, or
+    autoregressively when `drafter` is None. See `GenerationResult` for what it returns."""
+    prompts = [list(map(int, p)) for p in prompts] if isinstance(prompts, (list, tuple)) \
+        else prompts
+    if drafter is not None and block_size is None:
+        block_size = drafter.config.block_size
+    bs = block_size if drafter is not None else 1
+    validate_request(target, drafter, prompts, max_new_tokens, bs, denoise_steps)
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    plan = Plan(block_size=bs, temperature=float(temperature),
+                top_k=None if temperature == 0 else top_k,
+                top_p=None if temperature == 0 else top_p,
+                stop_ids=tuple(sorted(set(int(s) for s in stop_token_ids))),
+                denoise_steps=denoise_steps if drafter is not None else 1,
+                confidence_threshold=confidence_threshold if drafter is not None else None,
+                record_drafts=bool(return_drafts and drafter is not None),
+                attention_impl=attention_impl or target.attention_impl)
+    b = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    p_pad = _bucket(int(lens.max()), 16)
+    n_buf = _bucket(max_new_tokens + 1, 32)
+    capacity = p_pad + n_buf + bs
+    ids = np.zeros((b, p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+
+    tmod = Transformer(target.config, plan.attention_impl)
+    dmod = DFlashDrafter(drafter.config) if drafter is not None else None
+    tparams = target.params
+    dparams = drafter.params if drafter is not None else None
+    args = (tparams, dparams, jnp.asarray(ids), jnp.asarray(lens),
+            jnp.asarray(max_new_tokens, jnp.int32), jax.random.PRNGKey(seed))
+    prefill_lower = lambda: _prefill.lower(tmod, dmod, plan, capacity, n_buf, *args)
+
+    def decode_lower():
+        state = jax.eval_shape(lambda *a: _prefill(tmod, dmod, plan, capacity, n_buf, *a),
+                               *args)
+        return _decode.lower(tmod, dmod, plan, tparams, dparams, state)
+
+    key = (tmod, dmod, plan, b, p_pad, n_buf, capacity,
+           jax.tree_util.tree_structure(tparams), jax.tree_util.tree_structure(dparams))
+    (prefill_x, decode_x), compile_s = _Compiled.get(key, (prefill_lower, decode_lower))
+
+    t0 = time.perf_counter()
+    state = prefill_x(*args)
+    jax.block_until_ready(state.tokens)
+    t1 = time.perf_counter()
+    state = decode_x(tparams, dparams, state)
+    jax.block_until_ready(state.tokens)
+    t2 = time.perf_counter()
+
+    tokens, num_out, accepted, steps = jax.device_get(
+        (state.tokens, state.num_out, state.accepted, state.step))
+    drafts_np = np.asarray(state.drafts) if plan.record_drafts else None
+    out_tokens, acc, drafts = [], [], [] if plan.record_drafts else None
+    for i in range(b):
+        out_tokens.append(tokens[i, :num_out[i]].tolist())
+        active = accepted[i, :steps] > 0
+        acc.append(accepted[i, :steps][active].tolist())
+        if drafts is not None:
+            drafts.append(drafts_np[:steps, i][active].tolist())
+    all_acc = [a for seq in acc for a in seq]
+    new_tokens = int(num_out.sum())
+    decode_tokens = int(sum(sum(a) for a in acc))
+    stats = {
+        "prefill_s": t1 - t0,
+        "decode_s": t2 - t1,
+        "compile_s": compile_s,
+        "steps": int(steps),
+        "new_tokens": new_tokens,
+        "decode_tokens_per_s": decode_tokens / max(t2 - t1, 1e-9),
+        "tokens_per_s": new_tokens / max(t2 - t0, 1e-9),
+        "tau": float(np.mean(all_acc)) if all_acc else 0.0,
+        "block_size": bs,
+        "batch": b,
+    }
+    return GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=drafts,
+                            stats=stats)

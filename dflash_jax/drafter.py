@@ -1,0 +1,311 @@
+"""The DFlash drafter: a few Qwen3-style layers conditioned on target taps by KV injection.
+
+Forward (see ../shared/docs/dflash.md):
+  context features  c = hidden_norm(fc(concat(taps)))             [B, C, H]
+  block input       x = target_embed([x_last, MASK, ..., MASK])   [B, T, H]
+  every layer:      q from the block; k, v from [c ; block] through the layer's own
+                    k_proj / v_proj, k_norm on all keys, RoPE at absolute positions;
+                    attention is non-causal over [context ; block].
+  output            norm(x), then the target's LM head; position k >= 1 drafts token start+k.
+
+The drafter owns no embedding and no LM head: it borrows the target's (never copied).
+At decode time the per-layer K/V of the context features live in `ContextCache` (slot = absolute
+position, valid below `lengths`), exactly like the target cache; the block's own K/V are never
+kept.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, Optional, Sequence, Tuple
+
+import flax.linen as nn
+import flax.struct
+import jax
+import jax.numpy as jnp
+
+from dflash_jax import attention as attn_lib
+from dflash_jax import checkpoint
+from dflash_jax.config import ModelConfig, as_dtype
+from dflash_jax.layers import MLP, QKVProjection, RMSNorm, rope_inv_freq
+from dflash_jax.safetensors_io import CheckpointError
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> Tuple[int, ...]:
+    """Evenly spread tap layers: [L//2] for one tap, else round(1 + i*(L-4)/(n-1))."""
+    if num_taps == 1:
+        return (num_target_layers // 2,)
+    span = num_target_layers - 4
+    return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterConfig:
+    """body: the drafter's transformer hyper-parameters (vocab = the target's vocabulary).
+
+    block_size: tokens per drafted block (x_last + block_size - 1 drafts).
+    mask_token_id: id whose target embedding fills masked block positions.
+    target_layer_ids: 0-based target layers whose outputs are tapped.
+    target_hidden_size: width of one tap (the target's hidden size).
+    num_target_layers: layer count of the target the drafter was trained for.
+    """
+
+    body: ModelConfig
+    block_size: int
+    mask_token_id: int
+    target_layer_ids: Tuple[int, ...]
+    target_hidden_size: int
+    num_target_layers: int
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def replace(self, **kw) -> "DrafterConfig":
+        return dataclasses.replace(self, **kw)
+
+    # ---------------------------------------------------------------- z-lab config.json
+
+    @classmethod
+    def from_hf(cls, hf: dict, *, target_hidden_size: Optional[int] = None, dtype="float32",
+                param_dtype=None, source="config.json") -> "DrafterConfig":
+        archs = hf.get("architectures") or []
+        if "DFlashDraftModel" not in archs:
+            raise CheckpointError(
+                f"{source}: not a DFlash drafter (architectures={archs!r}, expected "
+                "['DFlashDraftModel'])")
+        try:
+            body = ModelConfig._from_hf_fields(hf, arch="qwen3", dtype=dtype,
+                                               param_dtype=param_dtype, source=source)
+        except ValueError as e:
+            raise CheckpointError(str(e)) from e
+        dcfg = hf.get("dflash_config") or {}
+        block_size = dcfg.get("block_size", hf.get("block_size"))
+        if block_size is None:
+            raise CheckpointError(f"{source}: missing 'block_size' (top level or dflash_config)")
+        if "mask_token_id" not in dcfg:
+            raise CheckpointError(f"{source}: missing 'dflash_config.mask_token_id'")
+        num_target_layers = hf.get("num_target_layers")
+        ids = dcfg.get("target_layer_ids")
+        if ids is None:
+            if num_target_layers is None:
+                raise CheckpointError(
+                    f"{source}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'")
+            ids = default_target_layer_ids(num_target_layers, body.num_layers)
+        if num_target_layers is None:
+            num_target_layers = max(ids) + 1
+        return cls(body=body, block_size=int(block_size),
+                   mask_token_id=int(dcfg["mask_token_id"]),
+                   target_layer_ids=tuple(int(i) for i in ids),
+                   target_hidden_size=int(target_hidden_size or body.hidden_size),
+                   num_target_layers=int(num_target_layers))
+
+    def to_hf(self, torch_dtype="bfloat16") -> dict:
+        out = self.body.replace(arch="qwen3", qk_norm=True).to_hf(torch_dtype)
+        out.update({
+            "architectures": ["DFlashDraftModel"],
+            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+            "block_size": self.block_size,
+            "num_target_layers": self.num_target_layers,
+            "layer_types": ["full_attention"] * self.body.num_layers,
+            "dflash_config": {"mask_token_id": self.mask_token_id,
+                              "target_layer_ids": list(self.target_layer_ids),
+                              "block_size": self.block_size},
+        })
+        return out
+
+
+@flax.struct.dataclass
+class ContextCache:
+    """Per drafter layer, K/V of the projected context features. k, v: L-tuples [B,S,K,D];
+    lengths [B]: committed context positions (slot = absolute position)."""
+
+    k: tuple
+    v: tuple
+    lengths: jnp.ndarray
+
+    @classmethod
+    def create(cls, cfg: DrafterConfig, batch: int, capacity: int) -> "ContextCache":
+        b = cfg.body
+        shape = (batch, capacity, b.num_kv_heads, b.head_dim)
+        return cls(k=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
+                   v=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
+                   lengths=jnp.zeros((batch,), jnp.int32))
+
+    def rollback(self, lengths) -> "ContextCache":
+        return self.replace(lengths=lengths.astype(jnp.int32))
+
+
+# attend(q [B,T,N,D], k_blk [B,T,K,D], v_blk [B,T,K,D], ctx_k [B,C,K,D], ctx_v) -> [B,T,N,D]
+AttendFn = Callable[..., jnp.ndarray]
+
+
+class DrafterLayer(nn.Module):
+    cfg: ModelConfig
+
+    def setup(self):
+        c = self.cfg
+        self.self_attn = QKVProjection(c)
+        self.input_layernorm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype)
+        self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype)
+        self.mlp = MLP(c)
+
+    def context_kv(self, ctx_BCH, positions_BC, inv_freq):
+        """K/V of context features (no input norm: hidden_norm already normalized them)."""
+        return self.self_attn.keys_values(ctx_BCH, positions_BC, inv_freq)
+
+    def __call__(self, x_BTH, positions_BT, inv_freq, ctx_k, ctx_v, attend: AttendFn):
+        h = self.input_layernorm(x_BTH)
+        q = self.self_attn.queries(h, positions_BT, inv_freq)
+        k, v = self.self_attn.keys_values(h, positions_BT, inv_freq)
+        x_BTH = x_BTH + self.self_attn.output(attend(q, k, v, ctx_k, ctx_v))
+        return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+
+
+class DFlashDrafter(nn.Module):
+    """Parameters: fc, hidden_norm, layers_{i}/..., norm (the z-lab names, Flax layout)."""
+
+    cfg: DrafterConfig
+
+    def setup(self):
+        b = self.cfg.body
+        self.fc = nn.Dense(b.hidden_size, use_bias=False, dtype=b.dtype,
+                           param_dtype=b.param_dtype)
+        self.hidden_norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
+        self.layers = [DrafterLayer(b, name=f"layers_{i}") for i in range(b.num_layers)]
+        self.norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
+
+    def context_features(self, taps_BCF):
+        """hidden_norm(fc(taps)): [B, C, n*H_target] -> [B, C, H]."""
+        return self.hidden_norm(self.fc(taps_BCF.astype(self.cfg.body.dtype)))
+
+    def context_kv(self, taps_BCF, positions_BC):
+        """Per-layer context K/V: two L-tuples of [B, C, K, D]."""
+        feats = self.context_features(taps_BCF)
+        inv_freq = rope_inv_freq(self.cfg.body)
+        kvs = [layer.context_kv(feats, positions_BC, inv_freq) for layer in self.layers]
+        return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
+
+    def __call__(self, block_emb_BTH, positions_BT, ctx_k, ctx_v, attend: AttendFn):
+        """Final-normed hidden states [B, T, H] of the block."""
+        inv_freq = rope_inv_freq(self.cfg.body)
+        x = block_emb_BTH.astype(self.cfg.body.dtype)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions_BT, inv_freq, ctx_k[i], ctx_v[i], attend)
+        return self.norm(x)
+
+    def init_all(self, taps_BCF, block_emb_BTH):
+        """Touches every parameter (used by `init`)."""
+        b, c = taps_BCF.shape[:2]
+        t = block_emb_BTH.shape[1]
+        ctx_pos = jnp.broadcast_to(jnp.arange(c), (b, c))
+        ck, cv = self.context_kv(taps_BCF, ctx_pos)
+        return self(block_emb_BTH, c + jnp.broadcast_to(jnp.arange(t), (b, t)), ck, cv,
+                    decode_attend(jnp.full((b,), c, jnp.int32)))
+
+
+def decode_attend(ctx_len_B, impl: str = "xla") -> AttendFn:
+    """Decode-time attention: context slots j < ctx_len plus the whole block, non-causal."""
+
+    def attend(q, k, v, ctx_k, ctx_v):
+        return attn_lib.draft_attention(q, ctx_k, ctx_v, ctx_len_B, k, v, impl=impl)
+
+    return attend
+
+
+def init_drafter_params(cfg: DrafterConfig, seed: int = 0):
+    model = DFlashDrafter(cfg)
+    taps = jnp.zeros((1, 2, cfg.num_taps * cfg.target_hidden_size), cfg.body.dtype)
+    emb = jnp.zeros((1, cfg.block_size, cfg.body.hidden_size), cfg.body.dtype)
+    return model.init(jax.random.PRNGKey(seed), taps, emb, method=DFlashDrafter.init_all)[
+        "params"]
+
+
+# ---------------------------------------------------------------------------- user object
+
+
+@dataclasses.dataclass(eq=False)
+class Drafter:
+    config: DrafterConfig
+    params: dict
+    path: Optional[str] = None
+
+    @property
+    def module(self) -> DFlashDrafter:
+        return DFlashDrafter(self.config)
+
+
+def make_drafter_config(target_config: ModelConfig, *, num_layers: int = 5,
+                        num_taps: int = 5, block_size: int = 16,
+                        mask_token_id: Optional[int] = None,
+                        target_layer_ids: Optional[Sequence[int]] = None,
+                        **body_overrides) -> DrafterConfig:
+    """A drafter config matched to a target: same width, heads and vocabulary by default."""
+    body = target_config.replace(num_layers=num_layers, arch="qwen3", qk_norm=True,
+                                 tie_word_embeddings=False, attention_bias=False,
+                                 rope_scaling=None, **body_overrides)
+    ids = tuple(target_layer_ids) if target_layer_ids is not None else \
+        default_target_layer_ids(target_config.num_layers, num_taps)
+    return DrafterConfig(body=body, block_size=block_size,
+                         mask_token_id=(target_config.vocab_size - 1 if mask_token_id is None
+                                        else mask_token_id),
+                         target_layer_ids=ids, target_hidden_size=target_config.hidden_size,
+                         num_target_layers=target_config.num_layers)
+
+
+def validate_pair(drafter_cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
+    """Clear errors for a drafter that cannot serve this target."""
+    ids = drafter_cfg.target_layer_ids
+    if not ids or min(ids) < 0 or max(ids) >= target_cfg.num_layers:
+        raise ValueError(f"drafter taps target layers {list(ids)}, but the target has "
+                         f"{target_cfg.num_layers} layers (valid ids 0..{target_cfg.num_layers - 1})")
+    if drafter_cfg.target_hidden_size != target_cfg.hidden_size:
+        raise ValueError(f"drafter expects target hidden size {drafter_cfg.target_hidden_size}, "
+                         f"target has {target_cfg.hidden_size}")
+    if drafter_cfg.body.hidden_size != target_cfg.hidden_size:
+        raise ValueError(
+            f"drafter width {drafter_cfg.body.hidden_size} differs from the target's "
+            f"{target_cfg.hidden_size}: it cannot share the target's embedding and LM head")
+    if drafter_cfg.body.vocab_size != target_cfg.vocab_size:
+        raise ValueError(f"drafter vocabulary {drafter_cfg.body.vocab_size} differs from the "
+                         f"target's {target_cfg.vocab_size}")
+    if not 0 <= drafter_cfg.mask_token_id < target_cfg.vocab_size:
+        raise ValueError(f"mask_token_id {drafter_cfg.mask_token_id} is outside the target's "
+                         f"embedding table (0..{target_cfg.vocab_size - 1})")
+
+
+def load_drafter(path: str, target=None, dtype: Optional[str] = None,
+                 param_dtype: Optional[str] = None) -> Drafter:
+    """Loads a z-lab DFlash drafter directory (config.json + safetensors).
+
+    With `target`, checks that the pair fits (taps, widths, vocabulary, mask token) and
+    defaults the compute dtype to the target's.
+    """
+    path = str(path)
+    hf = checkpoint._read_config(path)
+    if dtype is None:
+        dtype = "float32" if target is None else checkpoint.dtype_name(target.config.dtype)
+    as_dtype(dtype)
+    th = target.config.hidden_size if target is not None else None
+    cfg = DrafterConfig.from_hf(hf, target_hidden_size=th, dtype=dtype, param_dtype=param_dtype,
+                                source=os.path.join(path, "config.json"))
+    if target is not None:
+        validate_pair(cfg, target.config)
+    abstract = jax.eval_shape(lambda: init_drafter_params(cfg))
+    params = checkpoint.load_params(path, abstract, prefix="", param_dtype=cfg.body.param_dtype)
+    return Drafter(config=cfg, params=params, path=path)
+
+
+def save_drafter(drafter: Drafter, path: str, dtype: Optional[str] = None) -> None:
+    """Writes the drafter in the z-lab DFlash format (no embedding, no LM head)."""
+    path = str(path)
+    dtype = drafter.config.body.param_dtype if dtype is None else as_dtype(dtype)
+    os.makedirs(path, exist_ok=True)
+    tensors = checkpoint.params_to_hf(drafter.params, prefix="", dtype=dtype)
+    from dflash_jax.safetensors_io import save_sharded
+
+    save_sharded(path, tensors)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(drafter.config.to_hf(torch_dtype=checkpoint.dtype_name(dtype)), f, indent=2)

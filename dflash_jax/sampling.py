@@ -1,0 +1,36 @@
+"""Turning target logits into tokens: greedy, or samples from the temperature / top-k / top-p
+adjusted distribution. The same adjusted distribution is used by the autoregressive baseline and
+by speculative verification, which is what makes sampled speculative decoding lossless."""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+
+def adjusted_logits(logits, temperature: float, top_k: Optional[int], top_p: Optional[float]):
+    """Log-weights of the distribution to sample from: logits/temperature, with everything
+    outside the top-k and outside the smallest top-p nucleus set to -inf."""
+    x = logits.astype(jnp.float32) / temperature
+    if top_k is not None and top_k > 0 and top_k < x.shape[-1]:
+        kth = jax.lax.top_k(x, top_k)[0][..., -1:]
+        x = jnp.where(x < kth, -jnp.inf, x)
+    if top_p is not None and top_p < 1.0:
+        sorted_x = jnp.sort(x, axis=-1)[..., ::-1]
+        probs = jax.nn.softmax(sorted_x, axis=-1)
+        # Keep the tokens whose preceding cumulative mass is below top_p (always the first).
+        before = jnp.cumsum(probs, axis=-1) - probs
+        keep = before < top_p
+        cutoff = jnp.min(jnp.where(keep, sorted_x, jnp.inf), axis=-1, keepdims=True)
+        x = jnp.where(x < cutoff, -jnp.inf, x)
+    return x
+
+
+def pick_tokens(logits, key, temperature: float, top_k=None, top_p=None):
+    """[..., V] logits -> [...] int32 tokens: argmax at temperature 0, else a sample."""
+    if temperature == 0.0:
+        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    return jax.random.categorical(key, adjusted_logits(logits, temperature, top_k, top_p),
+                                  axis=-1).astype(jnp.int32)

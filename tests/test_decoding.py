@@ -1,0 +1,231 @@
+"""Generation: lossless greedy and sampled speculative decoding, oracle drafts, bad input."""
+
+import collections
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+
+import dflash_jax as dj
+from dflash_jax import decoding as gen_lib
+from dflash_jax import sampling
+
+MIXED = [[5, 9, 2, 77, 3], list(range(20, 43)), [100], [7, 7, 7, 1, 2, 3, 4, 5, 6, 60, 61]]
+
+
+@pytest.fixture(scope="module")
+def target(hf_checkpoints):
+    return dj.load_target(hf_checkpoints["qwen3_untied"][0])
+
+
+@pytest.fixture(scope="module")
+def drafter(target):
+    cfg = dj.make_drafter_config(target.config, num_layers=2, num_taps=3, block_size=16,
+                                 mask_token_id=127)
+    return dj.Drafter(cfg, dj.init_drafter_params(cfg, seed=1))
+
+
+@pytest.fixture(scope="module")
+def ar_out(target):
+    """Autoregressive greedy continuations of MIXED (the losslessness reference)."""
+    return dj.generate(target, None, MIXED, max_new_tokens=40).tokens
+
+
+def test_ar_baseline_equals_transformers_generate(hf_checkpoints, ar_out):
+    model = hf_checkpoints["qwen3_untied"][1]
+    for prompt, ours in zip(MIXED, ar_out):
+        with torch.no_grad():
+            ref = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
+                                 min_new_tokens=40, pad_token_id=0, eos_token_id=None)
+        assert ref[0, len(prompt):].tolist() == ours
+
+
+@pytest.mark.parametrize("block_size", (2, 8, 16))
+@pytest.mark.parametrize("batch", (1, 4))
+def test_greedy_dflash_equals_autoregressive(target, drafter, ar_out, block_size, batch):
+    res = dj.generate(target, drafter, MIXED[:batch], max_new_tokens=40, block_size=block_size)
+    assert res.tokens == ar_out[:batch]
+    for acc in res.acceptance_lengths:
+        assert sum(acc) == 39  # the first token comes from prefill
+        assert all(1 <= a <= block_size for a in acc)
+
+
+@pytest.mark.parametrize("block_size", (2, 16))
+def test_stop_tokens_truncate_like_autoregressive(target, drafter, ar_out, block_size):
+    # Stop on a token that appears mid-way in some continuations but not others.
+    stop = ar_out[1][17]
+    want = []
+    for seq in ar_out:
+        want.append(seq[:seq.index(stop) + 1] if stop in seq else seq)
+    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=block_size,
+                      stop_token_ids=[stop])
+    ar = dj.generate(target, None, MIXED, max_new_tokens=40, stop_token_ids=[stop])
+    assert res.tokens == want and ar.tokens == want
+    assert any(len(w) < 40 for w in want)
+
+
+def _forget_compiled(monkeypatch):
+    """After patching a traced function, drop both our executables and JAX's trace cache."""
+    monkeypatch.setattr(gen_lib._Compiled, "cache", {})
+    jax.clear_caches()
+
+
+def _oracle_draft(full_seqs, wrong_every):
+    """A draft_block replacement reading the true greedy continuation from a table, with the
+    draft at absolute positions p where p % wrong_every == 0 corrupted."""
+    table = jnp.asarray(full_seqs)
+
+    def draft(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
+        bs = plan.block_size
+        pos = start[:, None] + 1 + jnp.arange(bs - 1)[None]
+        d = jnp.take_along_axis(table, jnp.minimum(pos, table.shape[1] - 1), axis=1)
+        d = jnp.where(pos % wrong_every == 0, (d + 1) % 128, d)
+        return d, jnp.ones(d.shape, jnp.float32)
+
+    return draft
+
+
+def test_oracle_drafts_commit_many_tokens_and_stay_exact(target, drafter, ar_out, monkeypatch):
+    full = np.zeros((4, 128), np.int32)
+    for i, (p, c) in enumerate(zip(MIXED, ar_out)):
+        full[i, :len(p) + len(c)] = p + c
+    monkeypatch.setattr(gen_lib, "draft_block", _oracle_draft(full, wrong_every=11))
+    _forget_compiled(monkeypatch)
+    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8)
+    assert res.tokens == ar_out
+    assert res.tau > 4.0  # mostly right drafts -> many tokens per target pass
+    # Different sequences accept different lengths in the same step.
+    firsts = {acc[0] for acc in res.acceptance_lengths}
+    assert len(firsts) > 1
+
+
+def test_denoise_steps_and_confidence_threshold_stay_lossless(target, drafter, ar_out):
+    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8, denoise_steps=3,
+                      return_drafts=True)
+    assert res.tokens == ar_out
+    assert all(len(d) == len(a) and all(len(b) == 7 for b in d)
+               for d, a in zip(res.drafts, res.acceptance_lengths))
+    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8,
+                      confidence_threshold=0.5)
+    assert res.tokens == ar_out
+
+
+def test_recorded_drafts_explain_acceptance(target, drafter, ar_out):
+    res = dj.generate(target, drafter, MIXED[:2], max_new_tokens=40, block_size=8,
+                      return_drafts=True)
+    for seq, acc, drafts, prompt in zip(res.tokens, res.acceptance_lengths, res.drafts, MIXED):
+        pos = 1  # tokens committed before this step (first one from prefill)
+        for a, d in zip(acc, drafts):
+            # The a-1 accepted drafts equal the committed tokens; the next draft was wrong.
+            assert d[:a - 1] == seq[pos:pos + a - 1]
+            if pos + a - 1 < len(seq) and a - 1 < len(d) and pos + a < 40:
+                assert d[a - 1] != seq[pos + a - 1]
+            pos += a
+
+
+def test_bad_input_is_rejected_before_compute(target, drafter):
+    g = lambda **kw: dj.generate(**{"target": target, "drafter": drafter, "prompts": [[1, 2]],
+                                    "max_new_tokens": 8, **kw})
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        g(prompts=[[]])
+    with pytest.raises(ValueError, match="outside"):
+        g(prompts=[[1, 128]])
+    with pytest.raises(ValueError, match="max_position_embeddings"):
+        g(max_new_tokens=600)
+    with pytest.raises(ValueError, match="non-empty list"):
+        g(prompts=[])
+    bad = dj.Drafter(drafter.config.replace(target_layer_ids=(0, 9)), drafter.params)
+    with pytest.raises(ValueError, match="target has 4 layers"):
+        g(drafter=bad)
+    bad = dj.Drafter(drafter.config.replace(mask_token_id=500), drafter.params)
+    with pytest.raises(ValueError, match="mask_token_id 500"):
+        g(drafter=bad)
+    bad = dj.Drafter(drafter.config.replace(body=drafter.config.body.replace(vocab_size=99)),
+                     drafter.params)
+    with pytest.raises(ValueError, match="vocabulary"):
+        g(drafter=bad)
+    bad = dj.Drafter(drafter.config.replace(target_hidden_size=32), drafter.params)
+    with pytest.raises(ValueError, match="hidden size"):
+        g(drafter=bad)
+
+
+# ------------------------------------------------------------------- sampled losslessness
+
+V = 6
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 6-token target with a sharp-ish distribution, and an oracle (greedy) drafter."""
+    cfg = dj.ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
+    params = jax.tree_util.tree_map(lambda x: x * 6.0 if x.ndim == 2 else x,
+                                    dj.model.init_params(cfg, seed=3))
+    t = dj.Target(cfg, params)
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=0)
+    return t, dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))
+
+
+def _exact_joint(t, prompt, n, temperature, top_k=None):
+    """Exact distribution of the first n sampled tokens, by enumeration."""
+    seqs = np.array(np.meshgrid(*[np.arange(V)] * n, indexing="ij")).reshape(n, -1).T
+    ids = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
+    logits = np.asarray(t.forward(ids).logits)[:, len(prompt) - 1:-1]  # [M, n, V]
+    logp = np.asarray(jax.nn.log_softmax(
+        sampling.adjusted_logits(jnp.asarray(logits), temperature, top_k, None)))
+    lp = np.take_along_axis(logp, seqs[:, :, None], axis=2)[..., 0].sum(1)
+    return {tuple(s): float(np.exp(l)) for s, l in zip(seqs, lp)}
+
+
+def _greedy_oracle(t):
+    def draft(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
+        # Drafts the target's greedy continuation of x_last alone (right often, not always).
+        bs = plan.block_size
+        toks = [x_last]
+        for _ in range(bs - 1):
+            h, _, _ = tmod.apply({"params": tparams}, jnp.stack(toks, 1))
+            lg = tmod.apply({"params": tparams}, h[:, -1:], method=dj.Transformer.logits)
+            toks.append(jnp.argmax(lg[:, 0], -1).astype(jnp.int32))
+        d = jnp.stack(toks[1:], 1)
+        return d, jnp.ones(d.shape, jnp.float32)
+
+    return draft
+
+
+def _tv_of_sampling(t, drafter, monkeypatch, n_samples, temperature, top_k=None):
+    prompt = [1, 4, 2]
+    n = 3
+    monkeypatch.setattr(gen_lib, "draft_block", _greedy_oracle(t))
+    _forget_compiled(monkeypatch)
+    res = dj.generate(t, drafter, [prompt] * n_samples, max_new_tokens=n, block_size=4,
+                      temperature=temperature, top_k=top_k, seed=7)
+    counts = collections.Counter(tuple(s) for s in res.tokens)
+    exact = _exact_joint(t, np.array(prompt), n, temperature, top_k)
+    tv = 0.5 * sum(abs(counts.get(k, 0) / n_samples - p) for k, p in exact.items())
+    tv += 0.5 * sum(c / n_samples for k, c in counts.items() if k not in exact)
+    return tv, res, exact
+
+
+def test_speculative_sampling_matches_target_distribution(tiny, monkeypatch):
+    t, drafter = tiny
+    n_samples = 6000
+    tv, res, exact = _tv_of_sampling(t, drafter, monkeypatch, n_samples, temperature=1.0)
+    assert res.tau > 1.3  # the oracle's drafts are really being accepted
+    # Expected TV of an exact sampler with 216 cells and 6000 samples is ~0.05.
+    assert tv < 0.08, tv
+
+    monkeypatch.setattr(gen_lib, "accepted_prefix",
+                        lambda d, y, trusted=None: jnp.full(d.shape[:1], d.shape[1]))
+    _forget_compiled(monkeypatch)
+    tv_broken, _, _ = _tv_of_sampling(t, drafter, monkeypatch, n_samples, temperature=1.0)
+    assert tv_broken > 0.15, tv_broken
+
+
+def test_top_k_sampling_is_lossless(tiny, monkeypatch):
+    t, drafter = tiny
+    tv, res, exact = _tv_of_sampling(t, drafter, monkeypatch, 4000, temperature=0.7, top_k=2)
+    support = {k for k, p in exact.items() if p > 0}
+    assert all(tuple(s) in support for s in res.tokens)  # nothing outside the top-2
+    assert tv < 0.06, tv
