@@ -1,0 +1,154 @@
+"""The drafter forward against an independent PyTorch implementation read from the z-lab
+files, and z-lab format round trips."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import dflash_jax as dj
+from dflash_jax import decoding
+from dflash_jax.drafter import ContextCache, DFlashDrafter, decode_attend, default_target_layer_ids
+
+
+def test_default_target_layer_ids_follow_the_doc():
+    assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
+    assert default_target_layer_ids(36, 1) == (18,)
+    assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)
+
+
+@pytest.fixture(scope="module")
+def pair(hf_checkpoints):
+    target = dj.load_target(hf_checkpoints["qwen3_tied"][0])
+    cfg = dj.make_drafter_config(target.config, num_layers=2, num_taps=2, block_size=8,
+                                 mask_token_id=120)
+    params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim == 2 else x + 0.1,
+                                    dj.init_drafter_params(cfg, seed=5))
+    return target, dj.Drafter(cfg, params)
+
+
+def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
+    """DFlash drafter forward written plainly from ../shared/docs/dflash.md, in PyTorch."""
+    eps = hf_cfg["rms_norm_eps"]
+    n, kh, d = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"], hf_cfg["head_dim"]
+    theta = hf_cfg["rope_theta"]
+
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rope(x, pos):  # x [L, heads, d]
+        inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
+        ang = pos[:, None].double() * inv[None]
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float()
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
+        rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+        return x * cos + rot * sin
+
+    ctx = rms(taps @ state["fc.weight"].T, state["hidden_norm.weight"])
+    h = block_emb
+    t, c = h.shape[0], ctx.shape[0]
+    for i in range(hf_cfg["num_hidden_layers"]):
+        p = lambda name: state[f"layers.{i}.{name}"]
+        x = rms(h, p("input_layernorm.weight"))
+        q = rms((x @ p("self_attn.q_proj.weight").T).view(t, n, d), p("self_attn.q_norm.weight"))
+        kv_in = torch.cat([ctx, x], 0)
+        k = rms((kv_in @ p("self_attn.k_proj.weight").T).view(c + t, kh, d),
+                p("self_attn.k_norm.weight"))
+        v = (kv_in @ p("self_attn.v_proj.weight").T).view(c + t, kh, d)
+        q, k = rope(q, blk_pos), rope(k, torch.cat([ctx_pos, blk_pos]))
+        k, v = k.repeat_interleave(n // kh, 1), v.repeat_interleave(n // kh, 1)
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5, -1)  # non-causal
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(t, n * d)
+        h = h + o @ p("self_attn.o_proj.weight").T
+        x = rms(h, p("post_attention_layernorm.weight"))
+        gate = torch.nn.functional.silu(x @ p("mlp.gate_proj.weight").T)
+        h = h + (gate * (x @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+    return rms(h, state["norm.weight"])
+
+
+def test_drafter_forward_matches_independent_torch_implementation(pair, tmp_path):
+    target, drafter = pair
+    dj.save_drafter(drafter, tmp_path / "d")
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    hf_cfg = json.load(open(tmp_path / "d" / "config.json"))
+    assert "embed_tokens.weight" not in state and "lm_head.weight" not in state
+
+    rs = np.random.RandomState(0)
+    c, t = 13, drafter.config.block_size
+    taps = rs.randn(1, c, drafter.config.num_taps * 64).astype(np.float32)
+    block_ids = np.array([[17] + [drafter.config.mask_token_id] * (t - 1)])
+    emb = target.module.apply({"params": target.params}, jnp.asarray(block_ids),
+                              method=dj.Transformer.embed)
+
+    # Our decode path: context K/V cached at slots 0..c-1 of a larger cache, block at c..c+t-1.
+    dmod = DFlashDrafter(drafter.config)
+    ctx = ContextCache.create(drafter.config, 1, 32)
+    ctx = decoding._write_context(dmod, drafter.params, ctx, jnp.asarray(taps),
+                                  jnp.arange(c)[None], jnp.array([c]))
+    ours = dmod.apply({"params": drafter.params}, emb, c + jnp.arange(t)[None], ctx.k, ctx.v,
+                      decode_attend(ctx.lengths))
+    with torch.no_grad():
+        ref = _torch_drafter(state, hf_cfg, torch.tensor(taps[0]),
+                             torch.tensor(np.asarray(emb)[0]), torch.arange(c),
+                             c + torch.arange(t))
+    np.testing.assert_allclose(np.asarray(ours)[0], ref.numpy(), atol=2e-4)
+
+
+def test_zlab_round_trip_and_config_variants(pair, tmp_path):
+    target, drafter = pair
+    out = tmp_path / "zlab"
+    dj.save_drafter(drafter, out)
+    cfg = json.load(open(out / "config.json"))
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["block_size"] == 8 and cfg["dflash_config"]["mask_token_id"] == 120
+    assert cfg["dflash_config"]["target_layer_ids"] == list(drafter.config.target_layer_ids)
+    assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
+    back = dj.load_drafter(out, target=target)
+    assert back.config == drafter.config
+    for a, b in zip(jax.tree_util.tree_leaves(drafter.params),
+                    jax.tree_util.tree_leaves(back.params)):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    # Older files: block_size at top level only, no target_layer_ids (derived from counts).
+    del cfg["dflash_config"]["target_layer_ids"], cfg["dflash_config"]["block_size"]
+    cfg["num_target_layers"] = 4
+    cfg["num_hidden_layers"] = 2
+    json.dump(cfg, open(out / "config.json", "w"))
+    old = dj.load_drafter(out, target=target)
+    assert old.config.target_layer_ids == default_target_layer_ids(4, 2)
+    assert old.config.block_size == 8
+    # Newer files: block_size only inside dflash_config.
+    cfg["dflash_config"]["block_size"] = 8
+    del cfg["block_size"]
+    json.dump(cfg, open(out / "config.json", "w"))
+    assert dj.load_drafter(out, target=target).config.block_size == 8
+
+
+def test_load_drafter_rejects_mismatched_pairs(pair, tmp_path, hf_checkpoints):
+    target, drafter = pair
+    out = tmp_path / "bad"
+    dj.save_drafter(drafter, out)
+    cfg = json.load(open(out / "config.json"))
+    cfg["dflash_config"]["target_layer_ids"] = [1, 7]
+    json.dump(cfg, open(out / "config.json", "w"))
+    with pytest.raises(ValueError, match="target has 4 layers"):
+        dj.load_drafter(out, target=target)
+    cfg["architectures"] = ["Qwen3ForCausalLM"]
+    json.dump(cfg, open(out / "config.json", "w"))
+    with pytest.raises(dj.CheckpointError, match="not a DFlash drafter"):
+        dj.load_drafter(out)
+
+
+def test_saved_drafter_generates_losslessly(pair, tmp_path):
+    target, drafter = pair
+    dj.save_drafter(drafter, tmp_path / "g", dtype="bfloat16")
+    d2 = dj.load_drafter(tmp_path / "g", target=target)
+    prompts = [[3, 4, 5], [9] * 7]
+    a = dj.generate(target, d2, prompts, max_new_tokens=24)
+    b = dj.generate(target, None, prompts, max_new_tokens=24)
+    assert a.tokens == b.tokens
