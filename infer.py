@@ -1,0 +1,141 @@
+"""DFlash speculative decoding from the command line.
+
+  python infer.py                                  # the bundled tiny-code pair, default prompt
+  python infer.py --target=DIR --drafter=DIR --prompt="def fib(n):" --compare_ar
+  python infer.py --target=DIR --prompt_file=prompts.jsonl --json_out=out.json
+  python infer.py --target=DIR --drafter=DIR --profile_dir=/tmp/trace   # XProf / Perfetto trace
+"""
+
+import json
+import os
+import sys
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.abspath(__file__))
+DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", os.path.join(ROOT, "assets/tiny-code/target"),
+                    "Hugging Face target directory (Qwen3ForCausalLM / LlamaForCausalLM).")
+flags.DEFINE_string("drafter", None, "z-lab DFlash drafter directory; default: the bundled "
+                    "drafter when the target is the bundled one, else none (autoregressive).")
+flags.DEFINE_string("prompt", None, "Text prompt (default: a code prompt).")
+flags.DEFINE_string("prompt_file", None, "JSONL prompts: {'prompt'|'messages'|'ids': ...} lines.")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per prompt.")
+flags.DEFINE_integer("block_size", None, "Draft block size (default: the drafter's).")
+flags.DEFINE_float("temperature", 0.0, "0 = greedy.")
+flags.DEFINE_integer("top_k", None, "Top-k filter of the target distribution when sampling.")
+flags.DEFINE_float("top_p", None, "Nucleus filter of the target distribution when sampling.")
+flags.DEFINE_integer("seed", 0, "Sampling seed.")
+flags.DEFINE_integer("denoise_steps", 1, "Drafter denoising passes per block.")
+flags.DEFINE_float("confidence_threshold", None, "Trim drafts after the first one below this.")
+flags.DEFINE_bool("compare_ar", None, "Also decode autoregressively and report the speedup "
+                  "(default: on when a drafter is used).")
+flags.DEFINE_string("json_out", None, "Write tokens, texts and stats as JSON here.")
+flags.DEFINE_string("profile_dir", None, "Write a jax.profiler trace of the generation here.")
+flags.DEFINE_string("dtype", "float32", "Compute dtype (bfloat16 on accelerators).")
+flags.DEFINE_string("attention_impl", "xla", "xla | pallas | pallas_interpret | auto.")
+flags.DEFINE_bool("chat_template", True, "Apply the tokenizer's chat template when present.")
+flags.DEFINE_bool("dry_run", False, "Compile 8B-sized programs on a fake mesh and print "
+                  "per-device memory and FLOPs (see dflash_jax/dry_run.py).")
+
+
+def _stop_ids(tok, target_dir):
+    ids = set()
+    if tok is not None:
+        ids.add(tok.eos_id)
+    gen_cfg = os.path.join(target_dir, "generation_config.json")
+    if os.path.exists(gen_cfg):
+        eos = json.load(open(gen_cfg)).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(i for i in ids if i is not None)
+
+
+def main(argv):
+    del argv
+    if FLAGS.dry_run:
+        from dflash_jax import dry_run
+
+        dry_run.main()
+        return
+    import jax
+
+    import dflash_jax as dj
+    from dflash_jax import prompting
+    from dflash_jax.data.tokenizer import load_tokenizer
+
+    if not os.path.isdir(FLAGS.target):
+        sys.exit(f"target directory {FLAGS.target} not found. The bundled pair lives in "
+                 "assets/tiny-code/ (see README: 'Training the bundled pair').")
+    drafter_dir = FLAGS.drafter
+    bundled = os.path.join(ROOT, "assets/tiny-code")
+    if drafter_dir is None and os.path.abspath(FLAGS.target).startswith(bundled):
+        drafter_dir = os.path.join(bundled, "drafter")
+
+    target = dj.load_target(FLAGS.target, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
+    tok = None
+    if os.path.exists(os.path.join(FLAGS.target, "tokenizer.json")):
+        tok = load_tokenizer(FLAGS.target)
+    if FLAGS.prompt_file:
+        items = prompting.read_prompt_file(FLAGS.prompt_file)
+    else:
+        items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else DEFAULT_PROMPT}]
+    prompts = prompting.encode_prompts(items, tok, FLAGS.target, FLAGS.chat_template)
+
+    kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
+              top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
+              stop_token_ids=_stop_ids(tok, FLAGS.target))
+    spec_kw = dict(kw, block_size=FLAGS.block_size, denoise_steps=FLAGS.denoise_steps,
+                   confidence_threshold=FLAGS.confidence_threshold)
+    compare = FLAGS.compare_ar if FLAGS.compare_ar is not None else drafter is not None
+    print(f"target {FLAGS.target}: {target.config.num_layers} layers, hidden "
+          f"{target.config.hidden_size}; drafter: {drafter_dir or 'none (autoregressive)'}; "
+          f"backend {jax.default_backend()}", flush=True)
+
+    # Warm-up compiles both programs; its timings are not reported.
+    dj.generate(target, drafter, prompts, **spec_kw)
+    if compare and drafter is not None:
+        dj.generate(target, None, prompts, **kw)
+    if FLAGS.profile_dir:
+        jax.profiler.start_trace(FLAGS.profile_dir)
+    res = dj.generate(target, drafter, prompts, **spec_kw)
+    if FLAGS.profile_dir:
+        jax.profiler.stop_trace()
+        print(f"profile written to {FLAGS.profile_dir} (open with TensorBoard's profile plugin, "
+              "XProf, or ui.perfetto.dev)")
+    ar = dj.generate(target, None, prompts, **kw) if compare and drafter is not None else None
+
+    texts = []
+    for i, toks in enumerate(res.tokens):
+        text = tok.decode(toks) if tok is not None else None
+        texts.append(text)
+        print(f"\n=== prompt {i} ===")
+        if tok is not None:
+            print(tok.decode(prompts[i]) + "\033[1m" + text + "\033[0m")
+        else:
+            print(prompts[i], "->", toks)
+        if ar is not None and ar.tokens[i] != toks:
+            print("!!! speculative output differs from autoregressive output")
+
+    s = res.stats
+    print(f"\n{'DFlash' if drafter else 'autoregressive'}: {s['new_tokens']} tokens, "
+          f"tau {s['tau']:.2f}, {s['decode_tokens_per_s']:.1f} tok/s decode, "
+          f"prefill {s['prefill_s'] * 1e3:.1f} ms, compile {s['compile_s']:.1f} s (warm-up)")
+    summary = {"dflash": s}
+    if ar is not None:
+        speedup = s["decode_tokens_per_s"] / ar.stats["decode_tokens_per_s"]
+        print(f"autoregressive: {ar.stats['decode_tokens_per_s']:.1f} tok/s decode; "
+              f"speedup {speedup:.2f}x; outputs identical: {ar.tokens == res.tokens}")
+        summary.update(autoregressive=ar.stats, speedup=speedup,
+                       identical_to_ar=ar.tokens == res.tokens)
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"prompts": prompts, "tokens": res.tokens, "texts": texts,
+                       "acceptance_lengths": res.acceptance_lengths, **summary}, f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
+
+
+if __name__ == "__main__":
+    app.run(main)

@@ -1,0 +1,62 @@
+"""infer.py end to end on a small random pair with a real tokenizer (subprocess)."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import dflash_jax as dj
+from dflash_jax.data.tokenizer import train_bpe_tokenizer
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CODE = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
+        "class Foo:\n    def __init__(self):\n        self.x = 1\n"] * 20
+
+
+@pytest.fixture(scope="module")
+def pair_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("infer")
+    tok = train_bpe_tokenizer(CODE, str(root / "target"), vocab_size=300)
+    cfg = dj.ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
+                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
+                         max_position_embeddings=512)
+    target = dj.Target(cfg, dj.model.init_params(cfg, 0), path=str(root / "target"))
+    dj.save_target(target, root / "target")
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4,
+                                  mask_token_id=tok.mask_id)
+    dj.save_drafter(dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0)), root / "drafter")
+    return root
+
+
+def _run(*args):
+    return subprocess.run([sys.executable, os.path.join(ROOT, "infer.py"), *args],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+
+
+def test_infer_cli_compares_with_ar_and_writes_json_and_profile(pair_dirs, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n" +
+                       json.dumps({"ids": [5, 6, 7]}) + "\n")
+    out = tmp_path / "out.json"
+    r = _run(f"--target={pair_dirs / 'target'}", f"--drafter={pair_dirs / 'drafter'}",
+             f"--prompt_file={prompts}", "--max_new_tokens=12", f"--json_out={out}",
+             f"--profile_dir={tmp_path / 'trace'}")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "speedup" in r.stdout and "tau" in r.stdout
+    res = json.load(open(out))
+    assert res["identical_to_ar"] is True
+    assert len(res["tokens"]) == 2 and all(len(t) <= 12 for t in res["tokens"])
+    assert res["prompts"][1] == [5, 6, 7]
+    traces = [f for _, _, fs in os.walk(tmp_path / "trace") for f in fs]
+    assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
+
+
+def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
+    r = _run(f"--target={pair_dirs / 'target'}", "--prompt=", "--max_new_tokens=4")
+    assert r.returncode != 0 and "prompt 0 is empty" in r.stderr
+    r = _run(f"--target={pair_dirs / 'target'}", "--prompt=x", "--max_new_tokens=100000")
+    assert r.returncode != 0 and "max_position_embeddings" in r.stderr
+    r = _run("--target=/nonexistent/dir")
+    assert r.returncode != 0 and "not found" in r.stderr
