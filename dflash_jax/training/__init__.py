@@ -1,0 +1,21 @@
+"""Training: the DFlash drafter recipe, target pretraining, regeneration, checkpoints.
+
+Entry point: `train_and_evaluate(config, workdir)` (see `trainer.py` and `configs/*.py`).
+The training mask and loss weights are in `masks.py`, the objectives in `losses.py`.
+"""
+
+from dflash_jax.training import masks
+from dflash_jax.training.losses import DrafterRecipe, drafter_loss, target_loss
+
+
+def __getattr__(name):  # the trainer pulls in orbax / data: import it on first use
+    if name in ("train_and_evaluate", "TrainState", "make_optimizer", "make_train_step",
+                "Experiment", "build_experiment"):
+        from dflash_jax.training import trainer
+
+        return getattr(trainer, name)
+    raise AttributeError(name)
+
+
+__all__ = ["DrafterRecipe", "drafter_loss", "masks", "target_loss", "train_and_evaluate",
+           "TrainState", "make_optimizer", "make_train_step", "Experiment", "build_experiment"]

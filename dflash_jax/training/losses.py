@@ -1,0 +1,165 @@
+"""Training losses: the DFlash drafter objective and the target's next-token objective.
+
+Both are pure functions `(params, frozen_params, batch, key) -> (loss, metrics)` over a batch
+`{input_ids, loss_mask, segment_ids}` (int32 [B, S]); the trainer differentiates w.r.t. the
+first argument only, so the target (its embedding and LM head included) stays frozen when the
+drafter trains. The index arithmetic (anchors, mask, labels, weights) lives in `masks.py`.
+
+Attention during drafter training: "xla" builds `masks.training_mask` densely (segment-aware);
+"pallas" / "pallas_interpret" call the fused `pallas_kernels.training_attention`, which has the
+same mask except that it cannot bound the context from below, so with packed rows a block may
+see earlier documents' features (taps themselves are still per-document). Prefer unpacked rows
+(one document per row) or "xla" when that matters.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Tuple
+
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.drafter import DFlashDrafter
+from dflash_jax.layers import masked_attention
+from dflash_jax.model import Transformer
+from dflash_jax.training import masks
+
+
+@dataclasses.dataclass(frozen=True)
+class DrafterRecipe:
+    """Static settings of the drafter objective (hashable: part of the jit key).
+
+    loss: "ce" (hard same-position labels) or "kl" (distill the target: block position k gets
+      the target's next-token distribution at position p+k-1, the one that predicts x_{p+k}).
+    mask_schedule: "all" (paper) or "random" (partially revealed blocks, loss on masked only).
+    """
+
+    block_size: int
+    mask_token_id: int
+    tap_layers: Tuple[int, ...]
+    num_anchors: int = 512
+    gamma: float = 7.0
+    loss: str = "ce"
+    mask_schedule: str = "all"
+    attention_impl: str = "xla"
+    use_segments: bool = True
+
+    def __post_init__(self):
+        if self.loss not in ("ce", "kl"):
+            raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
+        if self.mask_schedule not in ("all", "random"):
+            raise ValueError(f"mask_schedule must be 'all' or 'random', got "
+                             f"{self.mask_schedule!r}")
+        if self.attention_impl not in ("xla", "pallas", "pallas_interpret"):
+            raise ValueError(f"attention_impl must be xla, pallas or pallas_interpret, got "
+                             f"{self.attention_impl!r}")
+
+
+def training_attend(anchors_BN, valid_BN, block_size: int, ctx_len: int, segment_ids_BS=None,
+                    impl: str = "xla"):
+    """An `attend(q, k_blk, v_blk, ctx_k, ctx_v)` for `DFlashDrafter` implementing
+    `masks.training_mask` over N blocks of `block_size` query rows."""
+    if impl == "xla":
+        mask = masks.training_mask(anchors_BN, valid_BN, block_size, ctx_len, segment_ids_BS)
+
+        def attend(q, k, v, ctx_k, ctx_v):
+            return masked_attention(q, jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
+                                    jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), mask)
+        return attend
+
+    import pallas_kernels  # lazily: the library works without the kernels folder
+
+    def attend(q, k, v, ctx_k, ctx_v):
+        return pallas_kernels.training_attention(
+            q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN, block_size=block_size, impl="pallas",
+            interpret=impl == "pallas_interpret")
+    return attend
+
+
+def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, dparams,
+                 tparams, batch, key):
+    """The DFlash objective for one batch. Returns (loss, metrics).
+
+    One frozen target forward gives the taps (and, for "kl", the teacher logits); random anchors
+    open N blocks per row; the drafter predicts every block position at once under the training
+    mask; loss = sum(w * CE) / sum(w) with the weights of `masks.loss_weights`.
+    metrics: loss, weight_sum, per-position `correct_k` / `count_k` [bs] (k = 0 unused) and
+    `accept_sum` (sum over valid blocks of the acceptance length the block would get: 1 + the
+    length of the correct prefix of k = 1..bs-1), `num_blocks`.
+    """
+    ids, loss_mask = batch["input_ids"], batch["loss_mask"]
+    seg = batch["segment_ids"] if recipe.use_segments else None
+    b, s = ids.shape
+    bs = recipe.block_size
+    tvars = {"params": tparams}
+
+    hidden_t, _, taps = tmod.apply(tvars, ids, segment_ids_BT=batch["segment_ids"],
+                                   tap_layers=recipe.tap_layers)
+    taps = jax.lax.stop_gradient(taps)
+
+    k_anchor, k_mask = jax.random.split(key)
+    anchors, valid = masks.sample_anchors(k_anchor, loss_mask, recipe.num_anchors, bs)
+    n = anchors.shape[1]
+    masked = masks.mask_pattern(k_mask, (b, n), bs, recipe.mask_schedule)
+    tokens = masks.block_inputs(ids, anchors, bs, recipe.mask_token_id, masked)
+    labels = masks.block_labels(ids, anchors, bs)
+    weights = masks.loss_weights(anchors, valid, loss_mask, bs, recipe.gamma, seg,
+                                 masked if recipe.mask_schedule == "random" else None)
+
+    emb = jax.lax.stop_gradient(
+        tmod.apply(tvars, tokens.reshape(b, n * bs), method=Transformer.embed))
+    positions = masks.block_positions(anchors, bs).reshape(b, n * bs)
+    ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
+    ctx_k, ctx_v = dmod.apply({"params": dparams}, taps, ctx_pos,
+                              method=DFlashDrafter.context_kv)
+    attend = training_attend(anchors, valid, bs, s, seg, recipe.attention_impl)
+    hidden = dmod.apply({"params": dparams}, emb, positions, ctx_k, ctx_v, attend)
+    logits = tmod.apply(tvars, hidden, method=Transformer.logits).reshape(b, n, bs, -1)
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+
+    if recipe.loss == "ce":
+        per_pos = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    else:
+        # Target logits at p+k-1 predict x_{p+k}: the soft label of block position k (k >= 1;
+        # k = 0 has weight 0 and reads position p-1 clipped, harmlessly).
+        t_logits = jax.lax.stop_gradient(tmod.apply(tvars, hidden_t, method=Transformer.logits))
+        src = jnp.clip(masks.block_positions(anchors, bs) - 1, 0, s - 1).reshape(b, n * bs)
+        t_logp = jax.nn.log_softmax(
+            jnp.take_along_axis(t_logits, src[..., None], axis=1), axis=-1).reshape(logp.shape)
+        per_pos = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
+
+    weight_sum = jnp.sum(weights)
+    loss = jnp.sum(weights * per_pos) / jnp.maximum(weight_sum, 1e-9)
+
+    scored = weights > 0
+    correct = (jnp.argmax(logp, axis=-1) == labels)
+    # Acceptance length of each block if it were drafted: 1 + correct prefix of k >= 1, where a
+    # position that is not scored (past the end, prompt) stops the prefix.
+    prefix = jnp.cumprod((correct & scored)[..., 1:].astype(jnp.int32), axis=-1)
+    metrics = {
+        "loss": loss,
+        "weight_sum": weight_sum,
+        "correct_k": jnp.sum(correct & scored, axis=(0, 1)).astype(jnp.float32),
+        "count_k": jnp.sum(scored, axis=(0, 1)).astype(jnp.float32),
+        "accept_sum": jnp.sum((1 + jnp.sum(prefix, axis=-1)) * valid).astype(jnp.float32),
+        "num_blocks": jnp.sum(valid).astype(jnp.float32),
+    }
+    return loss, metrics
+
+
+def target_loss(tmod: Transformer, params, batch):
+    """Next-token cross-entropy of a target: position t predicts x_{t+1} when loss_mask[t+1]
+    and both are in the same (non-padding) segment. Returns (loss, metrics)."""
+    ids, loss_mask, seg = batch["input_ids"], batch["loss_mask"], batch["segment_ids"]
+    hidden, _, _ = tmod.apply({"params": params}, ids, segment_ids_BT=seg)
+    logits = tmod.apply({"params": params}, hidden[:, :-1], method=Transformer.logits)
+    logp = jax.nn.log_softmax(logits, axis=-1)
+    labels = ids[:, 1:]
+    w = ((loss_mask[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)).astype(
+        jnp.float32)
+    ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
+    weight_sum = jnp.sum(w)
+    loss = jnp.sum(w * ce) / jnp.maximum(weight_sum, 1e-9)
+    correct = jnp.sum(w * (jnp.argmax(logits, -1) == labels))
+    return loss, {"loss": loss, "weight_sum": weight_sum, "correct": correct}

@@ -1,0 +1,144 @@
+"""The DFlash training recipe's index arithmetic, in one place (../../shared/docs/dflash.md).
+
+Per sequence of length S, with N = num_anchors blocks of bs = block_size positions:
+
+  anchors      p_n: distinct positions with loss_mask[p] == 1 and p <= S - bs, sampled
+               uniformly without replacement; blocks beyond the eligible count are invalid.
+  block input  position k of block n holds x_{p_n} at k = 0 and MASK at k >= 1 (the
+               "random" schedule keeps some real tokens x_{p_n+k} at k >= 1 instead);
+               block positions are p_n .. p_n + bs - 1.
+  mask         `training_mask`: block n sees context positions j < p_n (STRICTLY less, and in
+               the anchor's document when rows are packed) and all bs keys of its own block;
+               nothing of other blocks; invalid blocks see nothing.
+  labels       `block_labels`: block position k predicts x_{p_n + k} (same position, no shift).
+  weights      `loss_weights`: w_k = exp(-(k - 1) / gamma) for k >= 1, 0 at k = 0, times
+               loss_mask[p+k], in-bounds (p + k < S, same document), block valid, and (random
+               schedule) the position being masked.
+
+Packed rows (segment_ids): the target forward is segment-masked, so every tap belongs to one
+document; `training_mask` additionally hides context of other documents from a block, and
+`loss_weights` zeroes labels that fall in another document. (The fused Pallas training kernel has
+no lower context bound, see `losses.py`.)
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+
+def sample_anchors(key, loss_mask_BS, num_anchors: int, block_size: int):
+    """Random anchors: (anchors [B,N] int32 ascending, block_valid [B,N] bool).
+
+    Eligible: loss_mask[p] == 1 and p <= S - bs. Up to N distinct eligible positions per row,
+    uniformly without replacement (top-N of i.i.d. uniform scores); missing ones are invalid
+    (anchor 0, valid False). N is min(num_anchors, S - bs + 1).
+    """
+    b, s = loss_mask_BS.shape
+    n = min(int(num_anchors), s - block_size + 1)
+    pos = jnp.arange(s, dtype=jnp.int32)
+    eligible = (loss_mask_BS > 0) & (pos[None] <= s - block_size)
+    score = jnp.where(eligible, 1.0 + jax.random.uniform(key, (b, s)), 0.0)
+    top, idx = jax.lax.top_k(score, n)
+    valid = top > 0.0
+    # Ascending anchors, invalid blocks last: easier to read, the loss does not care.
+    order = jnp.argsort(jnp.where(valid, idx, s + idx), axis=1)
+    idx = jnp.take_along_axis(idx, order, axis=1)
+    valid = jnp.take_along_axis(valid, order, axis=1)
+    return jnp.where(valid, idx, 0).astype(jnp.int32), valid
+
+
+def block_positions(anchors_BN, block_size: int):
+    """[B,N,bs] absolute positions p_n + k."""
+    return anchors_BN[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)[None, None]
+
+
+def _gather_rows(x_BS, idx_BNK):
+    """x[b, clip(idx)] for idx [B,N,K]."""
+    b, n, k = idx_BNK.shape
+    flat = jnp.clip(idx_BNK, 0, x_BS.shape[1] - 1).reshape(b, n * k)
+    return jnp.take_along_axis(x_BS, flat, axis=1).reshape(b, n, k)
+
+
+def block_labels(input_ids_BS, anchors_BN, block_size: int):
+    """[B,N,bs]: block position k predicts x_{p+k} (same position, NO shift); clipped in range."""
+    return _gather_rows(input_ids_BS, block_positions(anchors_BN, block_size))
+
+
+def mask_pattern(key, shape_BN, block_size: int, schedule: str = "all"):
+    """[B,N,bs] bool, True where the block input is MASK (k = 0 is never masked).
+
+    "all": every k >= 1 (DFlash, the paper's default). "random": per block a ratio r ~ U(0,1]
+    and each k >= 1 masked with probability r, at least one masked position (multi-step
+    denoising: the drafter also learns to fill a partially revealed block).
+    """
+    b, n = shape_BN
+    k = jnp.arange(block_size)[None, None]
+    if schedule == "all":
+        return jnp.broadcast_to(k >= 1, (b, n, block_size))
+    if schedule != "random":
+        raise ValueError(f"mask_schedule must be 'all' or 'random', got {schedule!r}")
+    k_ratio, k_pos, k_force = jax.random.split(key, 3)
+    ratio = 1.0 - jax.random.uniform(k_ratio, (b, n, 1))  # (0, 1]
+    masked = (jax.random.uniform(k_pos, (b, n, block_size)) < ratio) & (k >= 1)
+    force = 1 + jax.random.randint(k_force, (b, n, 1), 0, block_size - 1)
+    return masked | (k == force)
+
+
+def block_inputs(input_ids_BS, anchors_BN, block_size: int, mask_token_id: int,
+                 masked_BNK=None):
+    """[B,N,bs] block tokens: x_p at k = 0, MASK where masked (default: every k >= 1), else the
+    real token x_{p+k}."""
+    labels = block_labels(input_ids_BS, anchors_BN, block_size)
+    if masked_BNK is None:
+        masked_BNK = jnp.arange(block_size)[None, None] >= 1
+    return jnp.where(masked_BNK, jnp.int32(mask_token_id), labels)
+
+
+def training_mask(anchors_BN, block_valid_BN, block_size: int, ctx_len: int,
+                  segment_ids_BS: Optional[jnp.ndarray] = None):
+    """The DFlash training attention mask, [B, N*bs, ctx_len + N*bs] bool (True = may attend).
+
+    Query row r belongs to block n = r // bs with anchor p = anchors[b, n]. Keys are the
+    ctx_len context features followed by the N*bs block keys (same row order). Row r sees
+      context j  iff  j < p  (STRICTLY: the anchor's own feature is not context; seeing it
+                      would leak x_{p+1})  and, with segment ids, segment[j] == segment[p];
+      block key r' iff r' // bs == n (its own block, bidirectional);
+    and nothing at all when the block is invalid.
+    """
+    b, n = anchors_BN.shape
+    rows = n * block_size
+    blk_of_row = jnp.arange(rows, dtype=jnp.int32) // block_size
+    row_anchor = anchors_BN[:, blk_of_row]  # [B, rows]
+    row_valid = block_valid_BN[:, blk_of_row]  # [B, rows]
+    j = jnp.arange(ctx_len, dtype=jnp.int32)
+    ctx = j[None, None, :] < row_anchor[:, :, None]
+    if segment_ids_BS is not None:
+        anchor_seg = jnp.take_along_axis(segment_ids_BS, anchors_BN, axis=1)[:, blk_of_row]
+        ctx &= segment_ids_BS[:, None, :ctx_len] == anchor_seg[:, :, None]
+    own = jnp.broadcast_to(blk_of_row[:, None] == blk_of_row[None, :], (b, rows, rows))
+    return jnp.concatenate([ctx, own], axis=2) & row_valid[:, :, None]
+
+
+def loss_weights(anchors_BN, block_valid_BN, loss_mask_BS, block_size: int, gamma: float,
+                 segment_ids_BS: Optional[jnp.ndarray] = None, masked_BNK=None):
+    """[B,N,bs] float32 weights of the same-position labels `block_labels`.
+
+    w[b,n,k] = exp(-(k-1)/gamma) if k >= 1 else 0,
+               times loss_mask[p+k], times (p+k < S), times block_valid[b,n],
+               times (segment[p+k] == segment[p]) with segment ids,
+               times masked[b,n,k] when a mask pattern is given (no loss on revealed tokens).
+    """
+    s = loss_mask_BS.shape[1]
+    k = jnp.arange(block_size, dtype=jnp.float32)
+    decay = jnp.where(k >= 1, jnp.exp(-(k - 1.0) / gamma), 0.0)[None, None]
+    pos = block_positions(anchors_BN, block_size)
+    ok = (pos < s) & block_valid_BN[:, :, None] & (_gather_rows(loss_mask_BS, pos) > 0)
+    if segment_ids_BS is not None:
+        anchor_seg = jnp.take_along_axis(segment_ids_BS, anchors_BN, axis=1)
+        ok &= _gather_rows(segment_ids_BS, pos) == anchor_seg[:, :, None]
+    if masked_BNK is not None:
+        ok &= masked_BNK
+    return decay * ok.astype(jnp.float32)
