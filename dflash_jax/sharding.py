@@ -1,0 +1,444 @@
+"""Scale-out on JAX's own machinery: a named mesh, partition rules, sharded generate and train.
+
+Mesh axes (always all three, size 1 when unused):
+  data    - data parallelism: batches and caches split by sequence.
+  fsdp    - fully sharded data parallelism for training: batches split like `data`, and large
+            matrices additionally split along their non-tensor axis (gathered per layer by
+            GSPMD).
+  tensor  - tensor (Megatron) parallelism: attention heads, MLP width and the vocabulary.
+
+Partition rules are `(regex, PartitionSpec, head_dims)` triples matched with `re.search` on the
+'/'-joined parameter path (first match wins; no match = replicated). `head_dims` lists the
+dimensions that hold `heads * head_dim` features: they are split only on whole heads. Any
+dimension whose size (in heads, for head dims) is not divisible by the mesh axes named for it
+falls back to replication, so e.g. 2 KV heads on tensor=4 are replicated while the 4 query
+heads are split.
+
+Parameter layouts (Flax Dense kernels are [in, out]):
+  q/k/v_proj [H, N*D]: out over tensor      o_proj [N*D, H]: in over tensor
+  gate/up    [H, I]:   out over tensor      down   [I, H]:   in over tensor
+  embedding  [V, H]:   V over tensor        lm_head [H, V]:  V over tensor
+  fc (drafter) [n*H, H]: in over tensor     norms: replicated
+With `fsdp=True` the other axis of each of those matrices is split over `fsdp`.
+
+Caches ([B, S, K, D] per layer, target KVCache and drafter ContextCache): B over the batch axes,
+K over tensor; lengths [B] over the batch axes. Batches: leading axis over the batch axes.
+
+Everything else is left to GSPMD: parameters and inputs are placed with `NamedSharding`, the
+existing jitted programs of `decoding.py` are wrapped in `jax.jit` with in/out shardings, and the
+partitioner inserts the collectives (all-reduce after o_proj/down, gathers for FSDP).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+AXES = ("data", "fsdp", "tensor")
+# Batch-like leading dimensions are split over both data-parallel axes (fsdp is data
+# parallelism with sharded weights). With fsdp=1, as in inference meshes, this is just `data`.
+BATCH = ("data", "fsdp")
+
+Rule = Tuple[str, P, Tuple[int, ...]]
+
+
+# ------------------------------------------------------------------------------------- mesh
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = -1,
+              devices: Optional[Sequence[Any]] = None) -> Mesh:
+    """A ("data", "fsdp", "tensor") mesh. One size may be -1: the devices left over.
+
+    Devices default to `jax.devices()` (all hosts). On TPU/GPU the device order comes from
+    `mesh_utils.create_device_mesh`, which keeps the tensor axis on the fastest links.
+    """
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = [data, fsdp, tensor]
+    if sum(s == -1 for s in sizes) > 1:
+        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
+                         f"tensor={tensor}")
+    known = math.prod(s for s in sizes if s != -1)
+    if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
+        raise ValueError(f"mesh data={data} fsdp={fsdp} tensor={tensor} does not fit "
+                         f"{len(devices)} devices")
+    sizes = [len(devices) // known if s == -1 else s for s in sizes]
+    if math.prod(sizes) != len(devices):
+        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, "
+                         f"have {len(devices)}")
+    try:
+        from jax.experimental import mesh_utils
+
+        grid = mesh_utils.create_device_mesh(sizes, devices)
+    except Exception:  # CPU / unusual topologies: plain row-major order.
+        grid = np.asarray(devices, dtype=object).reshape(sizes)
+    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+
+
+def parse_mesh(spec: str) -> Dict[str, int]:
+    """'data=2,tensor=4' -> {'data': 2, 'fsdp': 1, 'tensor': 4} (missing axes are 1; an
+    empty spec means tensor=-1, all devices tensor-parallel)."""
+    out = {"data": 1, "fsdp": 1, "tensor": 1}
+    if not spec.strip():
+        return {"data": 1, "fsdp": 1, "tensor": -1}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        if name not in out or not value.strip():
+            raise ValueError(f"bad mesh spec {spec!r}: expected 'axis=size,...' with axes "
+                             f"{AXES}")
+        out[name] = int(value)
+    return out
+
+
+def mesh_from_spec(spec: str, devices=None) -> Mesh:
+    return make_mesh(**parse_mesh(spec), devices=devices)
+
+
+def mesh_str(mesh) -> str:
+    return ",".join(f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1) or "single"
+
+
+# ------------------------------------------------------------------------------ multi-host
+
+
+def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
+    """Calls `jax.distributed.initialize(**kwargs)` when `enabled` (multi-host TPU pods and
+    multi-node GPU: coordinator and process ids come from the environment when omitted).
+    Must run before any other JAX call. Returns whether it initialized."""
+    if not enabled:
+        return False
+    jax.distributed.initialize(**kwargs)
+    return True
+
+
+def host_info() -> Tuple[int, int]:
+    """(host_id, num_hosts) for splitting data loading across processes."""
+    return jax.process_index(), jax.process_count()
+
+
+# ---------------------------------------------------------------------------------- rules
+
+
+def _rules(fsdp: bool) -> Tuple[Rule, ...]:
+    f = "fsdp" if fsdp else None
+    return (
+        (r"(q_proj|k_proj|v_proj)/kernel$", P(f, "tensor"), (1,)),
+        (r"(q_proj|k_proj|v_proj)/bias$", P("tensor"), (0,)),
+        (r"o_proj/kernel$", P("tensor", f), (0,)),
+        (r"(gate_proj|up_proj)/kernel$", P(f, "tensor"), ()),
+        (r"down_proj/kernel$", P("tensor", f), ()),
+        (r"embed_tokens/embedding$", P("tensor", f), ()),
+        (r"lm_head/kernel$", P(f, "tensor"), ()),
+        (r"(^|/)fc/kernel$", P("tensor", f), ()),
+        (r"(norm|layernorm)/scale$", P(), ()),
+    )
+
+
+def target_rules(fsdp: bool = False) -> Tuple[Rule, ...]:
+    """Rules for the verifier's parameters (tensor parallel; `fsdp` adds the other axis)."""
+    return _rules(fsdp)
+
+
+def drafter_rules(fsdp: bool = False) -> Tuple[Rule, ...]:
+    """Rules for the drafter's parameters: the target's layer rules plus fc [n*H, H]."""
+    return _rules(fsdp)
+
+
+def path_str(path) -> str:
+    """'/'-joined key path of a pytree leaf (dict keys, attribute names, sequence indices)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "name", "idx"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts)
+
+
+def _axis_size(mesh, axes) -> int:
+    if axes is None:
+        return 1
+    axes = (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(mesh.shape[a] for a in axes)
+
+
+def fit_spec(shape: Sequence[int], spec: P, mesh, head_dims: Iterable[int] = (),
+             head_dim: Optional[int] = None) -> P:
+    """`spec` padded/truncated to `len(shape)`, with every dimension that the mesh axes do not
+    divide evenly (in whole heads for `head_dims`, when `head_dim` is known) replicated.
+
+    A spec whose rank exceeds the array's (e.g. a rule matching an optimizer scalar) is dropped
+    entirely: the array is replicated.
+    """
+    entries = tuple(spec)
+    if len(entries) > len(shape):
+        return P()
+    entries = entries + (None,) * (len(shape) - len(entries))
+    head_dims = set(head_dims)
+    out = []
+    for d, (size, axes) in enumerate(zip(shape, entries)):
+        # Drop size-1 mesh axes: they shard nothing, and specs stay readable.
+        axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
+        axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        n = _axis_size(mesh, axes)
+        units = size
+        if d in head_dims and head_dim:
+            units = size // head_dim if size % head_dim == 0 else 0
+        if not axes or not units or units % n:
+            out.append(None)
+        else:
+            out.append(axes[0] if len(axes) == 1 else axes)
+    while out and out[-1] is None:
+        out.pop()
+    return P(*out)
+
+
+def param_specs(params, mesh, rules: Sequence[Rule], head_dim: Optional[int] = None):
+    """PartitionSpecs for a pytree of arrays (or ShapeDtypeStructs), by the first matching
+    rule; unmatched leaves are replicated."""
+    compiled = [(re.compile(pat), spec, hd) for pat, spec, hd in rules]
+
+    def one(path, leaf):
+        name = path_str(path)
+        for pat, spec, hd in compiled:
+            if pat.search(name):
+                return fit_spec(np.shape(leaf), spec, mesh, hd, head_dim)
+        return P()
+
+    return jax.tree_util.tree_map_with_path(one, params)
+
+
+def param_shardings(params, mesh, rules: Sequence[Rule], head_dim: Optional[int] = None):
+    """NamedShardings for a pytree of parameters (or optimizer state mirroring them)."""
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
+                                  param_specs(params, mesh, rules, head_dim),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def shard_params(params, mesh, rules: Optional[Sequence[Rule]] = None,
+                 head_dim: Optional[int] = None, fsdp: bool = False):
+    """`jax.device_put`s `params` onto the mesh (default rules: `target_rules(fsdp)`)."""
+    rules = target_rules(fsdp) if rules is None else rules
+    return jax.device_put(params, param_shardings(params, mesh, rules, head_dim))
+
+
+def batch_spec(shape: Sequence[int], mesh, axis: int = 0) -> P:
+    """Split dimension `axis` over the batch axes (replicated when not divisible)."""
+    spec = [None] * len(shape)
+    if len(shape) > axis:
+        spec[axis] = BATCH
+    return fit_spec(shape, P(*spec), mesh)
+
+
+def batch_sharding(mesh, shape: Optional[Sequence[int]] = None, axis: int = 0):
+    """NamedSharding of a batch: leading axis over ("data", "fsdp"). With `shape`, falls back
+    to replication when the batch does not divide."""
+    if shape is None:
+        return NamedSharding(mesh, P(BATCH))
+    return NamedSharding(mesh, batch_spec(shape, mesh, axis))
+
+
+def cache_specs(cache, mesh):
+    """Specs for a KVCache or ContextCache (arrays or shapes): k/v [B,S,K,D] -> B over the
+    batch axes, K over tensor (each replicated when not divisible); lengths [B] over batch."""
+    kv = lambda x: fit_spec(np.shape(x), P(BATCH, None, "tensor", None), mesh)
+    return cache.replace(k=tuple(kv(x) for x in cache.k), v=tuple(kv(x) for x in cache.v),
+                         lengths=batch_spec(np.shape(cache.lengths), mesh))
+
+
+def cache_sharding(cache, mesh):
+    """NamedShardings for a KVCache / ContextCache pytree (see `cache_specs`)."""
+    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), cache_specs(cache, mesh),
+                                  is_leaf=lambda x: isinstance(x, P))
+
+
+def decode_state_sharding(state, mesh):
+    """NamedShardings for `decoding.DecodeState`: caches as above, per-sequence buffers over
+    the batch axes, scalars and the PRNG key replicated."""
+    ns = lambda s: NamedSharding(mesh, s)
+    cache = cache_sharding(state.cache, mesh)
+    ctx = None if state.ctx is None else cache_sharding(state.ctx, mesh)
+    return state.replace(
+        cache=cache, ctx=ctx,
+        tokens=ns(batch_spec(state.tokens.shape, mesh)),
+        num_out=ns(batch_spec(state.num_out.shape, mesh)),
+        done=ns(batch_spec(state.done.shape, mesh)),
+        step=ns(P()),
+        accepted=ns(batch_spec(state.accepted.shape, mesh)),
+        drafts=ns(batch_spec(state.drafts.shape, mesh, axis=1)),
+        key=ns(P()),
+        max_new=ns(P()))
+
+
+def with_shardings(tree, shardings):
+    """ShapeDtypeStructs of `tree` (arrays or shapes) carrying `shardings`: abstract inputs for
+    `.lower()` without allocating anything."""
+    return jax.tree_util.tree_map(
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
+
+
+def constrain(tree, shardings):
+    """`with_sharding_constraint` for use inside jitted code."""
+    return jax.lax.with_sharding_constraint(tree, shardings)
+
+
+# ---------------------------------------------------------------------- sharded generation
+
+
+def generate_programs(tmod, dmod, plan, capacity: int, n_buf: int, mesh, tparams, dparams,
+                      batch: int, prompt_len: int):
+    """(prefill_jit, decode_jit, shardings) for the programs of `decoding.py` on `mesh`.
+
+    The jitted `_prefill` / `_decode` are called unchanged inside a `jax.jit` that fixes the
+    shardings at the boundary: parameters by the rules, prompts and per-sequence state over the
+    batch axes, caches B over batch and K over tensor. GSPMD propagates them through the
+    layers and the decode `while_loop`. `tparams` / `dparams` may be arrays or shapes.
+    """
+    from dflash_jax import decoding
+
+    head_t = tmod.cfg.head_dim
+    tsh = param_shardings(tparams, mesh, target_rules(), head_t)
+    dsh = None if dparams is None else param_shardings(dparams, mesh, drafter_rules(),
+                                                       dmod.cfg.body.head_dim)
+    repl = NamedSharding(mesh, P())
+    ids_sh = NamedSharding(mesh, batch_spec((batch, prompt_len), mesh))
+    lens_sh = NamedSharding(mesh, batch_spec((batch,), mesh))
+    arg_shapes = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+                  jax.ShapeDtypeStruct((batch,), jnp.int32),
+                  jax.ShapeDtypeStruct((), jnp.int32),
+                  jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    state_shape = jax.eval_shape(
+        lambda tp, dp, *a: decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, *a),
+        tparams, dparams, *arg_shapes)
+    state_sh = decode_state_sharding(state_shape, mesh)
+
+    def prefill(tp, dp, ids, lens, max_new, key):
+        return decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, ids, lens,
+                                 max_new, key)
+
+    def decode(tp, dp, state):
+        return decoding._decode(tmod, dmod, plan, tp, dp, state)
+
+    prefill_jit = jax.jit(prefill, in_shardings=(tsh, dsh, ids_sh, lens_sh, repl, repl),
+                          out_shardings=state_sh)
+    decode_jit = jax.jit(decode, in_shardings=(tsh, dsh, state_sh), out_shardings=state_sh,
+                         donate_argnums=(2,))
+    shardings = dict(tparams=tsh, dparams=dsh, ids=ids_sh, lens=lens_sh, state=state_sh,
+                     state_shape=state_shape, arg_shapes=arg_shapes)
+    return prefill_jit, decode_jit, shardings
+
+
+def generate_sharded(target, drafter, prompts, max_new_tokens: int, mesh,
+                     block_size: Optional[int] = None, temperature: float = 0.0,
+                     top_k: Optional[int] = None, top_p: Optional[float] = None,
+                     seed: int = 0, stop_token_ids: Sequence[int] = (),
+                     attention_impl: Optional[str] = None):
+    """`decoding.generate` on a device mesh: same programs, same padding, same result type.
+
+    Parameters are placed by the partition rules (already-placed params are reused), prompts
+    and caches are split over the batch axes and KV heads over `tensor`. At temperature 0 the
+    tokens equal the single-device run (tested).
+    """
+    from dflash_jax import decoding
+    from dflash_jax.drafter import DFlashDrafter
+    from dflash_jax.model import Transformer
+
+    prompts = [list(map(int, p)) for p in prompts]
+    if drafter is not None and block_size is None:
+        block_size = drafter.config.block_size
+    bs = block_size if drafter is not None else 1
+    decoding.validate_request(target, drafter, prompts, max_new_tokens, bs, 1)
+    plan = decoding.Plan(block_size=bs, temperature=float(temperature),
+                         top_k=None if temperature == 0 else top_k,
+                         top_p=None if temperature == 0 else top_p,
+                         stop_ids=tuple(sorted(set(int(s) for s in stop_token_ids))),
+                         attention_impl=attention_impl or target.attention_impl)
+    b = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    p_pad = decoding._bucket(int(lens.max()), 16)
+    n_buf = decoding._bucket(max_new_tokens + 1, 32)
+    capacity = p_pad + n_buf + bs
+    ids = np.zeros((b, p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, :len(p)] = p
+    tmod = Transformer(target.config, plan.attention_impl)
+    dmod = DFlashDrafter(drafter.config) if drafter is not None else None
+    dparams = drafter.params if drafter is not None else None
+
+    t0 = time.perf_counter()
+    prefill_jit, decode_jit, sh = generate_programs(tmod, dmod, plan, capacity, n_buf, mesh,
+                                                    target.params, dparams, b, p_pad)
+    tparams = jax.device_put(target.params, sh["tparams"])
+    dparams = None if dparams is None else jax.device_put(dparams, sh["dparams"])
+    args = (jax.device_put(ids, sh["ids"]), jax.device_put(lens, sh["lens"]),
+            jnp.asarray(max_new_tokens, jnp.int32), jax.random.PRNGKey(seed))
+    prefill_x = prefill_jit.lower(tparams, dparams, *args).compile()
+    decode_x = decode_jit.lower(tparams, dparams, sh["state_shape"]).compile()
+    t1 = time.perf_counter()
+    state = prefill_x(tparams, dparams, *args)
+    jax.block_until_ready(state.tokens)
+    t2 = time.perf_counter()
+    state = decode_x(tparams, dparams, state)
+    jax.block_until_ready(state.tokens)
+    t3 = time.perf_counter()
+
+    tokens, num_out, accepted, steps = jax.device_get(
+        (state.tokens, state.num_out, state.accepted, state.step))
+    out_tokens, acc = [], []
+    for i in range(b):
+        out_tokens.append(tokens[i, :num_out[i]].tolist())
+        row = accepted[i, :steps]
+        acc.append(row[row > 0].tolist())
+    all_acc = [a for seq in acc for a in seq]
+    stats = {"prefill_s": t2 - t1, "decode_s": t3 - t2, "compile_s": t1 - t0,
+             "steps": int(steps), "new_tokens": int(num_out.sum()),
+             "tau": float(np.mean(all_acc)) if all_acc else 0.0, "block_size": bs,
+             "batch": b, "mesh": mesh_str(mesh),
+             "cache_sharding": str(state.cache.k[0].sharding.spec)}
+    return decoding.GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=None,
+                                     stats=stats)
+
+
+# ----------------------------------------------------------------------- sharded training
+
+
+def train_step_programs(loss_fn: Callable, optimizer, mesh, dparams, tparams, batch,
+                        *, fsdp: bool = True, target_head_dim: Optional[int] = None,
+                        drafter_head_dim: Optional[int] = None):
+    """A jitted drafter update on `mesh`: step(dparams, opt_state, tparams, batch) ->
+    (dparams, opt_state, loss).
+
+    loss_fn(dparams, tparams, batch) -> scalar; only the drafter is trained (the target,
+    including the shared embedding / LM head, is frozen). Drafter params and AdamW moments
+    share the drafter's shardings (FSDP + tensor by default), the frozen target is sharded
+    the same way, every batch leaf over the batch axes. Arguments may be arrays or shapes.
+    Returns (step_jit, shardings dict with dparams, opt_state, tparams, batch, opt_shape).
+    """
+    import optax
+
+    dsh = param_shardings(dparams, mesh, drafter_rules(fsdp), drafter_head_dim)
+    tsh = param_shardings(tparams, mesh, target_rules(fsdp), target_head_dim)
+    opt_shape = jax.eval_shape(optimizer.init, dparams)
+    osh = param_shardings(opt_shape, mesh, drafter_rules(fsdp), drafter_head_dim)
+    bsh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, batch_spec(np.shape(x), mesh)),
+                                 batch)
+    repl = NamedSharding(mesh, P())
+
+    def step(dp, opt_state, tp, b):
+        loss, grads = jax.value_and_grad(loss_fn)(dp, tp, b)
+        updates, opt_state = optimizer.update(grads, opt_state, dp)
+        return optax.apply_updates(dp, updates), opt_state, loss
+
+    step_jit = jax.jit(step, in_shardings=(dsh, osh, tsh, bsh),
+                       out_shardings=(dsh, osh, repl), donate_argnums=(0, 1))
+    return step_jit, dict(dparams=dsh, opt_state=osh, tparams=tsh, batch=bsh,
+                          opt_shape=opt_shape)
