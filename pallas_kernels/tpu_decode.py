@@ -10,9 +10,15 @@ One kernel serves both:
 Layout.  Queries of one kv head are gathered into a [R, D] tile of rows
 r = t*G + g (all T queries x G heads, padded to the sublane multiple), so
 each grid step is an (R x D) @ (D x tk) matmul against one K tile.  The cache
-[B, S, Hkv, D] is viewed (free reshape) as [B, S, Hkv*D]; a K/V block is
-(tk, hb*D) where hb heads are handled per program (hb = 1 when D % 128 == 0,
-else the smallest group making the lane dim a multiple of 128).
+[B, S, Hkv, D] is viewed (free reshape, no copy) as [B, S, Hkv*D]; a K/V
+block is (tk, W) with W = hb*D lanes covering hb kv heads: hb = 1 when
+D % 128 == 0 (Qwen3: D = 128), else the smallest group making W a multiple
+of 128 (D = 64 -> hb = 2).  For hb > 1 the query tile is expanded block-
+diagonally to [hb*R, W] (row block i holds head i's queries in lanes
+i*D:(i+1)*D, zeros elsewhere), so one plain matmul yields every head's scores
+without any unaligned lane slicing; the off-diagonal blocks of the
+[hb*R, W] accumulator are discarded in the epilogue.  That doubles MXU work
+for D = 64, which is free in this memory-bound kernel.
 
 Grid (B, Hkv/hb, NS, tiles_per_split): the KV length actually needed,
 kv_len[b] = max(lim[b]) + 1 (scalar prefetch), is split into NS contiguous
@@ -63,15 +69,16 @@ def _split_tile(kv_len, s, i, *, tk, ns):
   return jnp.maximum(jnp.minimum(j, needed - 1), 0), needed, per
 
 
-def _online_update(q, k, v, m_ref, l_ref, acc_ref, hh, *, scale, prec,
-                   mask=None, v_rows_valid=None):
+def _online_update(q, k, v, m_ref, l_ref, acc_ref, *, scale, prec, mask=None,
+                   v_rows_valid=None):
+  """One flash-attention step on VMEM scratch m/l (rows, LANES), acc (rows, W)."""
   s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
                           preferred_element_type=jnp.float32, precision=prec)
   s = s * scale
   if mask is not None:
     s = jnp.where(mask, s, C.NEG)
-  m_prev = m_ref[hh]                                   # (R, LANES)
-  l_prev = l_ref[hh]
+  m_prev = m_ref[...]                                  # (R, LANES)
+  l_prev = l_ref[...]
   m_cur = jnp.max(s, axis=1, keepdims=True)            # (R, 1)
   m_new = jnp.maximum(m_prev, m_cur)                   # (R, LANES)
   m1 = m_new[:, :1]
@@ -79,17 +86,17 @@ def _online_update(q, k, v, m_ref, l_ref, acc_ref, hh, *, scale, prec,
   if mask is not None:
     p = jnp.where(mask, p, 0.0)
   alpha = jnp.exp(m_prev - m_new)
-  l_ref[hh] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  m_ref[hh] = m_new
+  l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+  m_ref[...] = m_new
   if v_rows_valid is not None:   # stale / padded slots may hold non-finite data
     v = jnp.where(v_rows_valid, v, jnp.zeros_like(v))
   pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
                            preferred_element_type=jnp.float32, precision=prec)
-  acc_ref[hh] = acc_ref[hh] * alpha[:, :1] + pv
+  acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
 
 
 def _decode_kernel(kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest,
-                   hb, d, tk, ns, scale, prec, blk_len):
+                   tk, ns, scale, prec, blk_len):
   if blk_len:
     bk_ref, bv_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
   else:
@@ -99,6 +106,9 @@ def _decode_kernel(kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest,
   i = pl.program_id(3)
   kv_len = kvlen_ref[b]
   min_lim = minlim_ref[b]
+  rows, w = q_ref.shape
+  upd = functools.partial(_online_update, m_ref=m_ref, l_ref=l_ref,
+                          acc_ref=acc_ref, scale=scale, prec=prec)
 
   @pl.when(i == 0)
   def _init():
@@ -110,13 +120,9 @@ def _decode_kernel(kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest,
     @pl.when((i == 0) & (s == 0))
     def _block_keys():
       tb = bk_ref.shape[0]
-      rows = q_ref.shape[1]
       mask = jax.lax.broadcasted_iota(jnp.int32, (rows, tb), 1) < blk_len
-      vrow = jax.lax.broadcasted_iota(jnp.int32, (tb, d), 0) < blk_len
-      for hh in range(hb):
-        _online_update(q_ref[hh], bk_ref[:, hh * d:(hh + 1) * d],
-                       bv_ref[:, hh * d:(hh + 1) * d], m_ref, l_ref, acc_ref,
-                       hh, scale=scale, prec=prec, mask=mask, v_rows_valid=vrow)
+      vrow = jax.lax.broadcasted_iota(jnp.int32, (tb, w), 0) < blk_len
+      upd(q_ref[...], bk_ref[...], bv_ref[...], mask=mask, v_rows_valid=vrow)
 
   _, needed, per = _split_tile(kv_len, s, i, tk=tk, ns=ns)
   j = s * per + i
@@ -126,32 +132,45 @@ def _decode_kernel(kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest,
 
   @pl.when(full)
   def _full_tile():
-    for hh in range(hb):
-      _online_update(q_ref[hh], k_ref[:, hh * d:(hh + 1) * d],
-                     v_ref[:, hh * d:(hh + 1) * d], m_ref, l_ref, acc_ref, hh,
-                     scale=scale, prec=prec)
+    upd(q_ref[...], k_ref[...], v_ref[...])
 
   @pl.when(active & jnp.logical_not(full))
   def _partial_tile():
-    rows = q_ref.shape[1]
     lim = lim_ref[:, :1]                                        # (R, 1)
     col = start + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    mask = col <= lim
-    vrow = (start + jax.lax.broadcasted_iota(jnp.int32, (tk, d), 0)) < kv_len
-    for hh in range(hb):
-      _online_update(q_ref[hh], k_ref[:, hh * d:(hh + 1) * d],
-                     v_ref[:, hh * d:(hh + 1) * d], m_ref, l_ref, acc_ref, hh,
-                     scale=scale, prec=prec, mask=mask, v_rows_valid=vrow)
+    vrow = (start + jax.lax.broadcasted_iota(jnp.int32, (tk, w), 0)) < kv_len
+    upd(q_ref[...], k_ref[...], v_ref[...], mask=col <= lim, v_rows_valid=vrow)
 
   @pl.when(i == pl.num_programs(3) - 1)
   def _finalize():
-    for hh in range(hb):
-      l = l_ref[hh]
-      ok = l > 0.0
-      inv = 1.0 / jnp.where(ok, l, 1.0)
-      o_ref[hh] = acc_ref[hh] * inv[:, :1]
-      lse_ref[hh] = jnp.where(ok, m_ref[hh] + jnp.log(jnp.where(ok, l, 1.0)),
-                              C.NEG)
+    l = l_ref[...]
+    ok = l > 0.0
+    lsafe = jnp.where(ok, l, 1.0)
+    o_ref[...] = acc_ref[...] / lsafe[:, :1]
+    lse_ref[...] = jnp.where(ok, m_ref[...] + jnp.log(lsafe), C.NEG)
+
+
+def expand_heads(x, hb: int):
+  """[B, Hkv, R, D] -> [B, Hkv/hb, hb*R, hb*D] block-diagonal (see module doc)."""
+  if hb == 1:
+    return x
+  b, hkv, r, d = x.shape
+  x = x.reshape(b, hkv // hb, hb, r, d)
+  eye = jnp.eye(hb, dtype=x.dtype)
+  x = jnp.einsum("bkirD,ij->bkirjD", x, eye)
+  return x.reshape(b, hkv // hb, hb * r, hb * d)
+
+
+def collapse_heads(x, hb: int):
+  """Inverse of expand_heads on [..., Hkv/hb, hb*R, hb*D] -> [..., Hkv, R, D]."""
+  if hb == 1:
+    return x
+  *lead, hg, rr, ww = x.shape
+  r, d = rr // hb, ww // hb
+  x = x.reshape(*lead, hg, hb, r, hb, d)
+  x = jnp.diagonal(x, axis1=-4, axis2=-2)            # [..., hg, r, d, hb]
+  x = jnp.moveaxis(x, -1, -3)                         # [..., hg, hb, r, d]
+  return x.reshape(*lead, hg * hb, r, d)
 
 
 def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
@@ -177,13 +196,15 @@ def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
   lim_rows = C.per_row(lim, g, rows, -1)
   lim_rows = jnp.broadcast_to(lim_rows[:, :, None], (b, rows, C.LANES))
 
-  par = b * (hkv // hb)
-  ns = num_splits or C.cdiv(4, par)
+  hg, hr, w = hkv // hb, hb * rows, hb * d      # programs per b, rows, lanes
+  lim_rows = jnp.tile(lim_rows, (1, hb, 1))      # row block i = head i
+
+  ns = num_splits or C.cdiv(4, b * hg)
   ns = max(1, min(ns, n_tiles))
   steps = C.cdiv(n_tiles, ns)
 
-  q4 = C.q_to_rows(q, hkv, rows)
-  k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)
+  q4 = expand_heads(C.q_to_rows(q, hkv, rows), hb)          # [B, hg, hr, w]
+  k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)   # free view
   v2 = C.pad_axis(v, 1, s_pad).reshape(b, s_pad, hkv * d)
 
   def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref):
@@ -191,10 +212,10 @@ def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
     return bi, j, hi
 
   in_specs = [
-      pl.BlockSpec((None, hb, rows, d), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
-      pl.BlockSpec((None, rows, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
-      pl.BlockSpec((None, tk, hb * d), kv_map),
-      pl.BlockSpec((None, tk, hb * d), kv_map),
+      pl.BlockSpec((None, None, hr, w), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
+      pl.BlockSpec((None, hr, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
+      pl.BlockSpec((None, tk, w), kv_map),
+      pl.BlockSpec((None, tk, w), kv_map),
   ]
   args = [q4, lim_rows, k2, v2]
   blk_len = 0
@@ -203,34 +224,26 @@ def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
     tb = C.round_up(blk_len, align)
     bk2 = C.pad_axis(blk_k.astype(k.dtype), 1, tb).reshape(b, tb, hkv * d)
     bv2 = C.pad_axis(blk_v.astype(v.dtype), 1, tb).reshape(b, tb, hkv * d)
-    spec = pl.BlockSpec((None, tb, hb * d), lambda bi, hi, si, ii, *_: (bi, 0, hi))
+    spec = pl.BlockSpec((None, tb, w), lambda bi, hi, si, ii, *_: (bi, 0, hi))
     in_specs += [spec, spec]
     args += [bk2, bv2]
 
-  out_specs = [
-      pl.BlockSpec((None, hb, None, rows, d),
-                   lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)),
-      pl.BlockSpec((None, hb, None, rows, C.LANES),
-                   lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)),
-  ]
-  out_shape = [
-      jax.ShapeDtypeStruct((b, hkv, ns, rows, d), jnp.float32),
-      jax.ShapeDtypeStruct((b, hkv, ns, rows, C.LANES), jnp.float32),
-  ]
+  out_map = lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)
+  out_specs = [pl.BlockSpec((None, None, None, hr, w), out_map),
+               pl.BlockSpec((None, None, None, hr, C.LANES), out_map)]
+  out_shape = [jax.ShapeDtypeStruct((b, hg, ns, hr, w), jnp.float32),
+               jax.ShapeDtypeStruct((b, hg, ns, hr, C.LANES), jnp.float32)]
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(b, hkv // hb, ns, steps),
+      grid=(b, hg, ns, steps),
       in_specs=in_specs,
       out_specs=out_specs,
-      scratch_shapes=[
-          pltpu.VMEM((hb, rows, C.LANES), jnp.float32),
-          pltpu.VMEM((hb, rows, C.LANES), jnp.float32),
-          pltpu.VMEM((hb, rows, d), jnp.float32),
-      ],
+      scratch_shapes=[pltpu.VMEM((hr, C.LANES), jnp.float32),
+                      pltpu.VMEM((hr, C.LANES), jnp.float32),
+                      pltpu.VMEM((hr, w), jnp.float32)],
   )
-  kernel = functools.partial(
-      _decode_kernel, hb=hb, d=d, tk=tk, ns=ns, scale=scale,
-      prec=C.dot_precision(q.dtype), blk_len=blk_len)
+  kernel = functools.partial(_decode_kernel, tk=tk, ns=ns, scale=scale,
+                             prec=C.dot_precision(q.dtype), blk_len=blk_len)
   itemsize = jnp.dtype(k.dtype).itemsize
   cost = pl.CostEstimate(
       flops=4 * b * hq * t * (s_len + blk_len) * d,
@@ -247,5 +260,5 @@ def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
       interpret=interpret,
       name="dflash_decode_attention_tpu",
   )(kv_len, min_lim, *args)
-  o = C.combine_splits(o_part, lse_part[..., 0])
+  o = collapse_heads(C.combine_splits(o_part, lse_part[..., 0]), hb)
   return C.rows_to_q(o, t, g, q.dtype)

@@ -1,10 +1,13 @@
 """Pallas TPU kernels for DFlash training attention (forward + backward).
 
-See _training_common for the row/tile layout and the mask.  Context K/V are
-viewed as [B, S_pad, Hkv*D] (S padded to the tile), block K/V as
-[B, nqt*BQP, Hkv*D]; hb kv heads are handled per program (see tpu_decode).
+See _training_common for the row/tile layout and the mask.  One program
+handles one kv head.  K/V-like [B, L, Hkv, D] arrays are presented to the
+kernels as (tile, D) blocks: when D % 128 == 0 through the free view
+[B, L, Hkv*D] (block (tile, D) at lane-block h), otherwise through a
+head-major copy [B, Hkv, L, D] (D is then the full minor dim).  The context
+is zero-padded to a multiple of the context tile.
 
-forward  grid (B, Hkv/hb, nqt, nkt+1): steps 0..nkt-1 visit context tiles
+forward  grid (B, Hkv, nqt, nkt+1): steps 0..nkt-1 visit context tiles
          (tiles >= cdiv(max anchor of the query tile, tk) are skipped, their
          index_map clamped so no DMA happens; tiles below min anchor take a
          mask-free path), the last step adds the tile's own block keys
@@ -12,7 +15,7 @@ forward  grid (B, Hkv/hb, nqt, nkt+1): steps 0..nkt-1 visit context tiles
 backward dq  kernel, same grid: dQ over context tiles + at the last step
          the block part, which also yields dK_blk / dV_blk (a block's keys
          are seen only by its own query tile).
-         dkv kernel, grid (B, Hkv/hb, nkt, nqt): dK_ctx / dV_ctx of one
+         dkv kernel, grid (B, Hkv, nkt, nqt): dK_ctx / dV_ctx of one
          context tile accumulated over the compacted list of query tiles
          that see it (scalar-prefetched qlist / qcount).
 
@@ -30,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _common as C
 from . import _training_common as TC
-from .tpu_decode import _heads_per_block, _online_update
+from .tpu_decode import _online_update
 
 STAT = 8      # lanes of per-row statistics in HBM (== full last dim)
 POS = 1e30    # lse of rows that see nothing: exp(s - POS) == 0 in backward
@@ -40,19 +43,49 @@ def _cdiv(a, b):
   return jax.lax.div(a + (b - 1), b)
 
 
-def _dims(hb, d, hh):
-  return slice(hh * d, (hh + 1) * d)
+class _KVView:
+  """Presents [B, L, Hkv, D] arrays as per-head (tile, D) blocks (see doc)."""
+
+  def __init__(self, hkv, d):
+    self.hkv, self.d = hkv, d
+    self.lane_view = d % 128 == 0
+
+  def to(self, x):
+    b, l = x.shape[:2]
+    if self.lane_view:
+      return x.reshape(b, l, self.hkv * self.d)
+    return x.transpose(0, 2, 1, 3)
+
+  def back(self, x):
+    if self.lane_view:
+      return x.reshape(x.shape[0], x.shape[1], self.hkv, self.d)
+    return x.transpose(0, 2, 1, 3)
+
+  def spec(self, tile, index):
+    """index(*grid_and_prefetch) -> (b, h, tile_idx)."""
+    if self.lane_view:
+      def imap(*a):
+        bi, hi, ti = index(*a)
+        return bi, ti, hi
+      return pl.BlockSpec((None, tile, self.d), imap)
+
+    def imap_hm(*a):
+      bi, hi, ti = index(*a)
+      return bi, hi, ti, 0
+    return pl.BlockSpec((None, None, tile, self.d), imap_hm)
 
 
 # ----------------------------------------------------------------- forward --
 def _fwd_kernel(tmax_ref, tmin_ref, q_ref, st_ref, cb_ref, kc_ref, vc_ref,
                 kb_ref, vb_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
-                hb, d, tk, nkt, scale, prec):
+                tk, nkt, scale, prec):
   b, qt, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   idx = b * pl.num_programs(2) + qt
   n_ctx = _cdiv(tmax_ref[idx], tk)
   n_full = jax.lax.div(jnp.maximum(tmin_ref[idx], 0), tk)
-  rows = q_ref.shape[1]
+  rows = q_ref.shape[0]
+  upd = functools.partial(_online_update, m_ref=m_ref, l_ref=l_ref,
+                          acc_ref=acc_ref, scale=scale, prec=prec)
 
   @pl.when(i == 0)
   def _init():
@@ -62,88 +95,78 @@ def _fwd_kernel(tmax_ref, tmin_ref, q_ref, st_ref, cb_ref, kc_ref, vc_ref,
 
   @pl.when(i < n_full)
   def _full():
-    for hh in range(hb):
-      _online_update(q_ref[hh], kc_ref[:, _dims(hb, d, hh)],
-                     vc_ref[:, _dims(hb, d, hh)], m_ref, l_ref, acc_ref, hh,
-                     scale=scale, prec=prec)
+    upd(q_ref[...], kc_ref[...], vc_ref[...])
 
   @pl.when((i >= n_full) & (i < n_ctx))
   def _partial():
-    a = st_ref[:, 0:1]
     col = i * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    mask = col < a
-    for hh in range(hb):
-      _online_update(q_ref[hh], kc_ref[:, _dims(hb, d, hh)],
-                     vc_ref[:, _dims(hb, d, hh)], m_ref, l_ref, acc_ref, hh,
-                     scale=scale, prec=prec, mask=mask)
+    upd(q_ref[...], kc_ref[...], vc_ref[...], mask=col < st_ref[:, 0:1])
 
   @pl.when(i == nkt)
   def _block_and_finalize():
-    a = st_ref[:, 0:1]
-    mask = (st_ref[:, 1:2] == cb_ref[0:1, :]) & (a >= 0)
-    for hh in range(hb):
-      _online_update(q_ref[hh], kb_ref[:, _dims(hb, d, hh)],
-                     vb_ref[:, _dims(hb, d, hh)], m_ref, l_ref, acc_ref, hh,
-                     scale=scale, prec=prec, mask=mask)
-      l = l_ref[hh][:, 0:1]
-      ok = l > 0.0
-      lsafe = jnp.where(ok, l, 1.0)
-      o_ref[hh] = (acc_ref[hh] / lsafe).astype(o_ref.dtype)
-      lse = jnp.where(ok, m_ref[hh][:, 0:1] + jnp.log(lsafe), POS)
-      lse_ref[hh] = jnp.broadcast_to(lse, (rows, STAT))
+    mask = (st_ref[:, 1:2] == cb_ref[0:1, :]) & (st_ref[:, 0:1] >= 0)
+    upd(q_ref[...], kb_ref[...], vb_ref[...], mask=mask)
+    l = l_ref[:, 0:1]
+    ok = l > 0.0
+    lsafe = jnp.where(ok, l, 1.0)
+    o_ref[...] = (acc_ref[...] / lsafe).astype(o_ref.dtype)
+    lse = jnp.where(ok, m_ref[:, 0:1] + jnp.log(lsafe), POS)
+    lse_ref[...] = jnp.broadcast_to(lse, (rows, STAT))
 
 
-def _prep(lay, q_t, kc, vc, kb_t, vb_t, a_rows):
-  b, hkv, d = lay.b, lay.hkv, lay.d
-  kc2 = C.pad_axis(kc, 1, lay.s_pad).reshape(b, lay.s_pad, hkv * d)
-  vc2 = C.pad_axis(vc, 1, lay.s_pad).reshape(b, lay.s_pad, hkv * d)
-  kb2 = kb_t.reshape(b, lay.nqt * lay.bqp, hkv * d)
-  vb2 = vb_t.reshape(b, lay.nqt * lay.bqp, hkv * d)
+def _prep(lay, kc, vc, kb_t, vb_t, a_rows):
+  view = _KVView(lay.hkv, lay.d)
+  kc2 = view.to(C.pad_axis(kc, 1, lay.s_pad))
+  vc2 = view.to(C.pad_axis(vc, 1, lay.s_pad))
+  kb2, vb2 = view.to(kb_t), view.to(vb_t)
   rb = jnp.asarray(TC.row_block_ids(lay))
   st = jnp.stack([a_rows, jnp.broadcast_to(jnp.tile(rb, lay.nqt), a_rows.shape)],
                  axis=-1)
   st = C.pad_axis(st, 2, STAT)                                   # [B, rows, STAT]
   cb = jnp.broadcast_to(jnp.asarray(TC.col_block_ids(lay))[None], (8, lay.bqp))
   tmax, tmin = TC.tile_bounds(a_rows, lay)
-  return kc2, vc2, kb2, vb2, st, cb, tmax.reshape(-1), tmin.reshape(-1)
+  return view, kc2, vc2, kb2, vb2, st, cb, tmax.reshape(-1), tmin.reshape(-1)
 
 
-def _common_specs(lay, hb, ctx_map):
-  d, tqp, bqp = lay.d, lay.tqp, lay.bqp
+def _q_grid_specs(lay, view):
+  """BlockSpecs for grids (B, Hkv, nqt, steps) with scalar prefetch (tmax, tmin)."""
+  d, tqp, bqp, tk, nqt = lay.d, lay.tqp, lay.bqp, lay.tk, lay.nqt
   qmap = lambda bi, hi, qi, ii, *_: (bi, hi, qi, 0)
+
+  def ctx_index(bi, hi, qi, ii, tmax_ref, tmin_ref):
+    n_ctx = _cdiv(tmax_ref[bi * nqt + qi], tk)
+    return bi, hi, jnp.maximum(jnp.minimum(ii, n_ctx - 1), 0)   # clamp: no DMA
+
   return dict(
-      q=pl.BlockSpec((None, hb, tqp, d), qmap),
-      stat_f=pl.BlockSpec((None, hb, tqp, STAT), qmap),
+      q=pl.BlockSpec((None, None, tqp, d), qmap),
+      stat_f=pl.BlockSpec((None, None, tqp, STAT), qmap),
       st=pl.BlockSpec((None, tqp, STAT), lambda bi, hi, qi, ii, *_: (bi, qi, 0)),
       cb=pl.BlockSpec((8, bqp), lambda *_: (0, 0)),
-      ctx=pl.BlockSpec((None, lay.tk, hb * d), ctx_map),
-      blk=pl.BlockSpec((None, bqp, hb * d), lambda bi, hi, qi, ii, *_: (bi, qi, hi)),
+      ctx=view.spec(tk, ctx_index),
+      blk=view.spec(bqp, lambda bi, hi, qi, ii, *_: (bi, hi, qi)),
   )
-
-
-def _q_grid_ctx_map(lay):
-  def ctx_map(bi, hi, qi, ii, tmax_ref, tmin_ref):
-    n_ctx = _cdiv(tmax_ref[bi * lay.nqt + qi], lay.tk)
-    return bi, jnp.maximum(jnp.minimum(ii, n_ctx - 1), 0), hi
-  return ctx_map
 
 
 def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, *, scale, interpret):
   """Returns (o_t [B,Hkv,rows,D] in q dtype, lse [B,Hkv,rows,STAT] f32)."""
-  kc2, vc2, kb2, vb2, st, cb, tmax, tmin = _prep(lay, q_t, kc, vc, kb_t, vb_t, a_rows)
-  hb = _heads_per_block(lay.hkv, lay.d)
-  sp = _common_specs(lay, hb, _q_grid_ctx_map(lay))
+  view, kc2, vc2, kb2, vb2, st, cb, tmax, tmin = _prep(lay, kc, vc, kb_t, vb_t, a_rows)
+  sp = _q_grid_specs(lay, view)
   rows = lay.nqt * lay.tqp
-  kernel = functools.partial(_fwd_kernel, hb=hb, d=lay.d, tk=lay.tk, nkt=lay.nkt,
-                             scale=scale, prec=C.dot_precision(q_t.dtype))
+  kernel = functools.partial(_fwd_kernel, tk=lay.tk, nkt=lay.nkt, scale=scale,
+                             prec=C.dot_precision(q_t.dtype))
   grid_spec = pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
-      grid=(lay.b, lay.hkv // hb, lay.nqt, lay.nkt + 1),
+      grid=(lay.b, lay.hkv, lay.nqt, lay.nkt + 1),
       in_specs=[sp["q"], sp["st"], sp["cb"], sp["ctx"], sp["ctx"], sp["blk"], sp["blk"]],
       out_specs=[sp["q"], sp["stat_f"]],
-      scratch_shapes=[pltpu.VMEM((hb, lay.tqp, C.LANES), jnp.float32),
-                      pltpu.VMEM((hb, lay.tqp, C.LANES), jnp.float32),
-                      pltpu.VMEM((hb, lay.tqp, lay.d), jnp.float32)])
+      scratch_shapes=[pltpu.VMEM((lay.tqp, C.LANES), jnp.float32),
+                      pltpu.VMEM((lay.tqp, C.LANES), jnp.float32),
+                      pltpu.VMEM((lay.tqp, lay.d), jnp.float32)])
+  visible = lay.b * lay.hkv * lay.nqt * lay.tqp * (lay.s_len / 2 + lay.bqp)
+  cost = pl.CostEstimate(
+      flops=int(4 * visible * lay.d), transcendentals=int(visible),
+      bytes_accessed=int(2 * (kc.size + kb_t.size) * kc.dtype.itemsize
+                         + 2 * q_t.size * q_t.dtype.itemsize))
   return pl.pallas_call(
       kernel,
       out_shape=[jax.ShapeDtypeStruct((lay.b, lay.hkv, rows, lay.d), q_t.dtype),
@@ -151,6 +174,7 @@ def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, *, scale, interpret):
       grid_spec=grid_spec,
       compiler_params=pltpu.CompilerParams(
           dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
+      cost_estimate=cost,
       interpret=interpret,
       name="dflash_training_fwd_tpu",
   )(tmax, tmin, q_t, st, cb, kc2, vc2, kb2, vb2)
@@ -169,28 +193,33 @@ def _bwd_scores(q, k, v, do, lse, delta, *, scale, prec, mask=None):
   return p, ds
 
 
+def _mm(a, b, dims, prec):
+  return jax.lax.dot_general(a, b, (dims, ((), ())),
+                             preferred_element_type=jnp.float32, precision=prec)
+
+
+_NN = ((1,), (0,))   # a @ b
+_TN = ((0,), (0,))   # a.T @ b
+
+
 def _dq_kernel(tmax_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_ref,
                kc_ref, vc_ref, kb_ref, vb_ref, dq_ref, dkb_ref, dvb_ref, dq_acc,
-               *, hb, d, tk, nkt, scale, prec):
+               *, tk, nkt, scale, prec):
   b, qt, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   idx = b * pl.num_programs(2) + qt
   n_ctx = _cdiv(tmax_ref[idx], tk)
   n_full = jax.lax.div(jnp.maximum(tmin_ref[idx], 0), tk)
-  rows = q_ref.shape[1]
+  rows = q_ref.shape[0]
 
   @pl.when(i == 0)
   def _init():
     dq_acc[...] = jnp.zeros(dq_acc.shape, jnp.float32)
 
   def ctx_step(mask):
-    for hh in range(hb):
-      k = kc_ref[:, _dims(hb, d, hh)]
-      _, ds = _bwd_scores(q_ref[hh], k, vc_ref[:, _dims(hb, d, hh)], do_ref[hh],
-                          lse_ref[hh][:, 0:1], dl_ref[hh][:, 0:1],
-                          scale=scale, prec=prec, mask=mask)
-      dq_acc[hh] += jax.lax.dot_general(
-          ds.astype(k.dtype), k, (((1,), (0,)), ((), ())),
-          preferred_element_type=jnp.float32, precision=prec)
+    k = kc_ref[...]
+    _, ds = _bwd_scores(q_ref[...], k, vc_ref[...], do_ref[...], lse_ref[:, 0:1],
+                        dl_ref[:, 0:1], scale=scale, prec=prec, mask=mask)
+    dq_acc[...] += _mm(ds.astype(k.dtype), k, _NN, prec)
 
   @pl.when(i < n_full)
   def _full():
@@ -204,34 +233,25 @@ def _dq_kernel(tmax_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_re
   @pl.when(i == nkt)
   def _block():
     mask = (st_ref[:, 1:2] == cb_ref[0:1, :]) & (st_ref[:, 0:1] >= 0)
-    for hh in range(hb):
-      q, do = q_ref[hh], do_ref[hh]
-      kb = kb_ref[:, _dims(hb, d, hh)]
-      p, ds = _bwd_scores(q, kb, vb_ref[:, _dims(hb, d, hh)], do,
-                          lse_ref[hh][:, 0:1], dl_ref[hh][:, 0:1],
-                          scale=scale, prec=prec, mask=mask)
-      ds_c = ds.astype(kb.dtype)
-      dq = dq_acc[hh] + jax.lax.dot_general(
-          ds_c, kb, (((1,), (0,)), ((), ())),
-          preferred_element_type=jnp.float32, precision=prec)
-      dq_ref[hh] = (dq * scale).astype(dq_ref.dtype)
-      dkb = jax.lax.dot_general(ds_c, q, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32, precision=prec)
-      dkb_ref[:, _dims(hb, d, hh)] = (dkb * scale).astype(dkb_ref.dtype)
-      dvb = jax.lax.dot_general(p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-                                preferred_element_type=jnp.float32, precision=prec)
-      dvb_ref[:, _dims(hb, d, hh)] = dvb.astype(dvb_ref.dtype)
+    q, do, kb = q_ref[...], do_ref[...], kb_ref[...]
+    p, ds = _bwd_scores(q, kb, vb_ref[...], do, lse_ref[:, 0:1], dl_ref[:, 0:1],
+                        scale=scale, prec=prec, mask=mask)
+    ds_c = ds.astype(kb.dtype)
+    dq = dq_acc[...] + _mm(ds_c, kb, _NN, prec)
+    dq_ref[...] = (dq * scale).astype(dq_ref.dtype)
+    dkb_ref[...] = (_mm(ds_c, q, _TN, prec) * scale).astype(dkb_ref.dtype)
+    dvb_ref[...] = _mm(p.astype(do.dtype), do, _TN, prec).astype(dvb_ref.dtype)
 
 
 def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
                 st_ref, kc_ref, vc_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
-                hb, d, tk, nqt, nkt, scale, prec):
+                tk, nqt, nkt, scale, prec):
   b, kt, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   lidx = b * nkt + kt
   cnt = qcount_ref[lidx]
   qt = qlist_ref[lidx * nqt + i]
   full = tmin_ref[b * nqt + qt] >= (kt + 1) * tk
-  rows = q_ref.shape[1]
+  rows = q_ref.shape[0]
 
   @pl.when(i == 0)
   def _init():
@@ -239,17 +259,11 @@ def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
     dv_acc[...] = jnp.zeros(dv_acc.shape, jnp.float32)
 
   def step(mask):
-    for hh in range(hb):
-      q, do = q_ref[hh], do_ref[hh]
-      p, ds = _bwd_scores(q, kc_ref[:, _dims(hb, d, hh)], vc_ref[:, _dims(hb, d, hh)],
-                          do, lse_ref[hh][:, 0:1], dl_ref[hh][:, 0:1],
-                          scale=scale, prec=prec, mask=mask)
-      dv_acc[hh] += jax.lax.dot_general(
-          p.astype(do.dtype), do, (((0,), (0,)), ((), ())),
-          preferred_element_type=jnp.float32, precision=prec)
-      dk_acc[hh] += jax.lax.dot_general(
-          ds.astype(q.dtype), q, (((0,), (0,)), ((), ())),
-          preferred_element_type=jnp.float32, precision=prec)
+    q, do = q_ref[...], do_ref[...]
+    p, ds = _bwd_scores(q, kc_ref[...], vc_ref[...], do, lse_ref[:, 0:1],
+                        dl_ref[:, 0:1], scale=scale, prec=prec, mask=mask)
+    dv_acc[...] += _mm(p.astype(do.dtype), do, _TN, prec)
+    dk_acc[...] += _mm(ds.astype(q.dtype), q, _TN, prec)
 
   @pl.when((i < cnt) & full)
   def _full():
@@ -262,15 +276,13 @@ def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
 
   @pl.when(i == nqt - 1)
   def _write():
-    for hh in range(hb):
-      dk_ref[:, _dims(hb, d, hh)] = (dk_acc[hh] * scale).astype(dk_ref.dtype)
-      dv_ref[:, _dims(hb, d, hh)] = dv_acc[hh].astype(dv_ref.dtype)
+    dk_ref[...] = (dk_acc[...] * scale).astype(dk_ref.dtype)
+    dv_ref[...] = dv_acc[...].astype(dv_ref.dtype)
 
 
 def backward(lay, res, do_t, *, scale, interpret):
   q_t, kc, vc, kb_t, vb_t, a_rows, o_t, lse = res
-  kc2, vc2, kb2, vb2, st, cb, tmax, tmin = _prep(lay, q_t, kc, vc, kb_t, vb_t, a_rows)
-  hb = _heads_per_block(lay.hkv, lay.d)
+  view, kc2, vc2, kb2, vb2, st, cb, tmax, tmin = _prep(lay, kc, vc, kb_t, vb_t, a_rows)
   b, hkv, d = lay.b, lay.hkv, lay.d
   rows = lay.nqt * lay.tqp
   prec = C.dot_precision(q_t.dtype)
@@ -280,58 +292,56 @@ def backward(lay, res, do_t, *, scale, interpret):
   sems = ("parallel", "parallel", "parallel", "arbitrary")
 
   # dQ (+ dK_blk, dV_blk)
-  sp = _common_specs(lay, hb, _q_grid_ctx_map(lay))
+  sp = _q_grid_specs(lay, view)
   dq_t, dkb2, dvb2 = pl.pallas_call(
-      functools.partial(_dq_kernel, hb=hb, d=d, tk=lay.tk, nkt=lay.nkt,
-                        scale=scale, prec=prec),
+      functools.partial(_dq_kernel, tk=lay.tk, nkt=lay.nkt, scale=scale, prec=prec),
       out_shape=[jax.ShapeDtypeStruct(q_t.shape, q_t.dtype),
                  jax.ShapeDtypeStruct(kb2.shape, kb_t.dtype),
                  jax.ShapeDtypeStruct(vb2.shape, vb_t.dtype)],
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=2,
-          grid=(b, hkv // hb, lay.nqt, lay.nkt + 1),
+          grid=(b, hkv, lay.nqt, lay.nkt + 1),
           in_specs=[sp["q"], sp["q"], sp["stat_f"], sp["stat_f"], sp["st"], sp["cb"],
                     sp["ctx"], sp["ctx"], sp["blk"], sp["blk"]],
           out_specs=[sp["q"], sp["blk"], sp["blk"]],
-          scratch_shapes=[pltpu.VMEM((hb, lay.tqp, d), jnp.float32)]),
+          scratch_shapes=[pltpu.VMEM((lay.tqp, d), jnp.float32)]),
       compiler_params=pltpu.CompilerParams(dimension_semantics=sems),
       interpret=interpret,
       name="dflash_training_bwd_dq_tpu",
   )(tmax, tmin, q_t, do_t, lse, delta, st, cb, kc2, vc2, kb2, vb2)
 
-  # dK_ctx, dV_ctx
+  # dK_ctx, dV_ctx: grid over context tiles, inner loop over the query tiles
+  # that see the tile (compacted list, scalar-prefetched).
   qlist, qcount = TC.kv_tile_lists(tmax.reshape(b, lay.nqt), lay)
   nqt, nkt = lay.nqt, lay.nkt
 
-  def qsel(bi, hi, ki, ii, ql_ref, qc_ref, tm_ref):
+  def qsel(bi, hi, ki, ii, ql_ref, *_):
     return bi, hi, ql_ref[(bi * nkt + ki) * nqt + ii], 0
 
-  def stsel(bi, hi, ki, ii, ql_ref, qc_ref, tm_ref):
+  def stsel(bi, hi, ki, ii, ql_ref, *_):
     return bi, ql_ref[(bi * nkt + ki) * nqt + ii], 0
 
-  ctx_spec = pl.BlockSpec((None, lay.tk, hb * d), lambda bi, hi, ki, ii, *_: (bi, ki, hi))
-  q_spec = pl.BlockSpec((None, hb, lay.tqp, d), qsel)
-  f_spec = pl.BlockSpec((None, hb, lay.tqp, STAT), qsel)
+  ctx_spec = view.spec(lay.tk, lambda bi, hi, ki, ii, *_: (bi, hi, ki))
+  q_spec = pl.BlockSpec((None, None, lay.tqp, d), qsel)
+  f_spec = pl.BlockSpec((None, None, lay.tqp, STAT), qsel)
   st_spec = pl.BlockSpec((None, lay.tqp, STAT), stsel)
   dk2, dv2 = pl.pallas_call(
-      functools.partial(_dkv_kernel, hb=hb, d=d, tk=lay.tk, nqt=nqt, nkt=nkt,
-                        scale=scale, prec=prec),
+      functools.partial(_dkv_kernel, tk=lay.tk, nqt=nqt, nkt=nkt, scale=scale,
+                        prec=prec),
       out_shape=[jax.ShapeDtypeStruct(kc2.shape, kc.dtype),
                  jax.ShapeDtypeStruct(vc2.shape, vc.dtype)],
       grid_spec=pltpu.PrefetchScalarGridSpec(
           num_scalar_prefetch=3,
-          grid=(b, hkv // hb, nkt, nqt),
+          grid=(b, hkv, nkt, nqt),
           in_specs=[q_spec, q_spec, f_spec, f_spec, st_spec, ctx_spec, ctx_spec],
           out_specs=[ctx_spec, ctx_spec],
-          scratch_shapes=[pltpu.VMEM((hb, lay.tk, d), jnp.float32),
-                          pltpu.VMEM((hb, lay.tk, d), jnp.float32)]),
+          scratch_shapes=[pltpu.VMEM((lay.tk, d), jnp.float32),
+                          pltpu.VMEM((lay.tk, d), jnp.float32)]),
       compiler_params=pltpu.CompilerParams(dimension_semantics=sems),
       interpret=interpret,
       name="dflash_training_bwd_dkv_tpu",
   )(qlist.reshape(-1), qcount.reshape(-1), tmin, q_t, do_t, lse, delta, st, kc2, vc2)
 
-  dkc = dk2.reshape(b, lay.s_pad, hkv, d)[:, : lay.s_len]
-  dvc = dv2.reshape(b, lay.s_pad, hkv, d)[:, : lay.s_len]
-  dkb = dkb2.reshape(kb_t.shape)
-  dvb = dvb2.reshape(vb_t.shape)
-  return dq_t, dkc, dvc, dkb, dvb
+  dkc = view.back(dk2)[:, : lay.s_len]
+  dvc = view.back(dv2)[:, : lay.s_len]
+  return dq_t, dkc, dvc, view.back(dkb2), view.back(dvb2)
