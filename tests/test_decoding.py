@@ -229,3 +229,10 @@ def test_top_k_sampling_is_lossless(tiny, monkeypatch):
     support = {k for k, p in exact.items() if p > 0}
     assert all(tuple(s) in support for s in res.tokens)  # nothing outside the top-2
     assert tv < 0.06, tv
+
+
+def test_pallas_attention_path_gives_the_same_tokens(target, drafter, ar_out):
+    """The models with the Pallas kernels (interpret mode on CPU) decode the same tokens."""
+    res = dj.generate(target, drafter, MIXED[:2], max_new_tokens=6, block_size=4,
+                      attention_impl="pallas_interpret")
+    assert res.tokens == [seq[:6] for seq in ar_out[:2]]
