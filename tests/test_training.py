@@ -126,3 +126,172 @@ def test_random_mask_schedule_reveals_some_and_masks_at_least_one():
     assert m[..., 1:].any(axis=-1).all()
     assert 0.2 < m[..., 1:].mean() < 0.8  # partially masked blocks exist
     assert np.asarray(masks.mask_pattern(None, (2, 3), 8, "all"))[..., 1:].all()
+
+
+# ------------------------------------------------------------------ end-to-end on a tiny target
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import warnings
+
+import dflash_jax as dj
+from dflash_jax.training import losses, trainer
+from dflash_jax.training.checkpointing import Checkpointer
+from dflash_jax.training.metrics import read_event_scalars
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+from configs import tiny_test  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def regen_file(tmp_path_factory):
+    """The tiny target's greedy responses, generated once for every run of this module."""
+    return str(tmp_path_factory.mktemp("regen") / "regenerated.jsonl")
+
+
+def tiny_config(regen_file, **kw):
+    c = tiny_test.get_config()
+    c.regen.output = regen_file
+    for key, value in kw.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+@pytest.fixture(scope="module")
+def trained(regen_file, tmp_path_factory):
+    workdir = str(tmp_path_factory.mktemp("trained"))
+    cfg = tiny_config(regen_file, num_train_steps=300, eval_every=300, log_every=50)
+    return cfg, workdir, trainer.train_and_evaluate(cfg, workdir)
+
+
+def _tiny_target(cfg):
+    tcfg = trainer._model_config_from(cfg, 0)
+    return dj.Target(tcfg, trainer._fresh_target_params(tcfg, cfg.target_model))
+
+
+def test_drafter_learns_the_targets_greedy_outputs(trained):
+    cfg, workdir, out = trained
+    assert out["status"] == "done" and out["step"] == 300
+    losses_ = [l for _, l in out["losses"]]
+    assert np.mean(losses_[-20:]) < 0.7 * np.mean(losses_[:20])
+    assert out["eval"]["tau"] >= 2.0, out["eval"]
+    # Metrics went to JSONL and to TensorBoard event files.
+    recs = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+    assert any(r["split"] == "eval" and "tau" in r for r in recs)
+    tb = os.path.join(workdir, "tb", "train")
+    scalars = list(read_event_scalars(os.path.join(tb, os.listdir(tb)[0])))
+    assert ("loss" in {t for _, t, _ in scalars}) and max(s for s, _, _ in scalars) == 300
+
+
+def test_export_load_generate(trained, regen_file):
+    cfg, workdir, out = trained
+    target = _tiny_target(cfg)
+    drafter = dj.load_drafter(out["export"], target=target)
+    assert drafter.config.block_size == 8 and drafter.config.target_layer_ids == (0, 1)
+    prompts = [r["prompt_ids"] for r in map(json.loads, open(regen_file))][-6:]
+    spec = dj.generate(target, drafter, prompts, 40)
+    ar = dj.generate(target, None, prompts, 40)
+    assert spec.tokens == ar.tokens  # lossless
+    assert spec.stats["tau"] >= 2.0
+
+
+def test_teacher_positions_predict_the_labels_on_greedy_data(regen_file, trained):
+    """On the target's own greedy text, the target's argmax at p+k-1 is x_{p+k}: the KL soft
+    labels line up with the same-position hard labels (no off-by-one)."""
+    cfg = trained[0]
+    target = _tiny_target(cfg)
+    rec = [json.loads(l) for l in open(regen_file)][0]
+    ids = np.asarray([rec["prompt_ids"] + rec["response_ids"]], np.int32)
+    logits = np.asarray(target.forward(ids).logits)
+    lm = np.zeros_like(ids)
+    lm[0, len(rec["prompt_ids"]):] = 1
+    anchors, valid = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(lm), 8, 8)
+    src = np.asarray(masks.teacher_positions(anchors, 8))
+    labels = np.asarray(masks.block_labels(jnp.asarray(ids), anchors, 8))
+    w = np.asarray(masks.loss_weights(anchors, valid, jnp.asarray(lm), 8, 4.0))
+    pred = logits[0].argmax(-1)[src[0]]
+    assert np.all(pred[w[0] > 0] == labels[0][w[0] > 0])
+
+
+@pytest.mark.parametrize("loss,schedule", [("kl", "all"), ("ce", "random")])
+def test_loss_options_give_finite_gradients(trained, loss, schedule):
+    cfg = trained[0]
+    target = _tiny_target(cfg)
+    dcfg = dj.make_drafter_config(target.config, num_layers=1, num_taps=2, block_size=8,
+                                  target_layer_ids=(0, 1))
+    recipe = losses.DrafterRecipe(block_size=8, mask_token_id=dcfg.mask_token_id,
+                                  tap_layers=(0, 1), num_anchors=6, gamma=4.0, loss=loss,
+                                  mask_schedule=schedule)
+    rng = np.random.RandomState(0)
+    batch = {"input_ids": jnp.asarray(rng.randint(0, 64, (2, 32)), jnp.int32),
+             "loss_mask": jnp.ones((2, 32), jnp.int32),
+             "segment_ids": jnp.ones((2, 32), jnp.int32)}
+    fn = lambda p: losses.drafter_loss(target.module, dj.DFlashDrafter(dcfg), recipe, p,
+                                       target.params, batch, jax.random.PRNGKey(0))
+    (l, m), g = jax.value_and_grad(fn, has_aux=True)(dj.init_drafter_params(dcfg))
+    assert np.isfinite(float(l)) and float(l) > 0
+    assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(g))
+
+
+def test_resume_reproduces_losses_and_corrupt_checkpoint_falls_back(regen_file, tmp_path):
+    kw = dict(num_train_steps=12, checkpoint_every=4, eval_every=0, log_every=4, export=False)
+    full = trainer.train_and_evaluate(tiny_config(regen_file, **kw), str(tmp_path / "a"))
+    wd = str(tmp_path / "b")
+    first = trainer.train_and_evaluate(tiny_config(regen_file, stop_at_step=6, **kw), wd)
+    assert first["status"] == "stopped" and first["step"] == 6
+    second = trainer.train_and_evaluate(tiny_config(regen_file, **kw), wd)
+    assert second["status"] == "done"
+    assert first["losses"] + second["losses"] == full["losses"]  # exactly
+    # Corrupt the newest checkpoint (12): restoring warns and falls back to 8.
+    step_dir = os.path.join(wd, "checkpoints", "12", "state")
+    for root, _, files in os.walk(step_dir):
+        for f in files:
+            with open(os.path.join(root, f), "wb") as fh:
+                fh.write(b"garbage")
+    with pytest.warns(RuntimeWarning, match="unreadable"):
+        third = trainer.train_and_evaluate(tiny_config(regen_file, **kw), wd)
+    assert third["losses"] == full["losses"][8:]
+
+
+def test_nan_loss_stops_and_keeps_last_good_checkpoint(regen_file, tmp_path):
+    cfg = tiny_config(regen_file, num_train_steps=20, learning_rate=1e38, checkpoint_every=1,
+                      eval_every=0, export=False)
+    out = trainer.train_and_evaluate(cfg, str(tmp_path))
+    assert out["status"] == "nan" and out["export"] is None
+    saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
+    assert saved and saved[-1] == out["step"] < 20  # nothing saved from the NaN step
+    assert all(np.isfinite(l) for _, l in out["losses"])
+
+
+def test_sigterm_saves_a_checkpoint_that_resumes(regen_file, tmp_path, trained):
+    wd = str(tmp_path / "run")
+    args = [sys.executable, os.path.join(ROOT, "train.py"),
+            f"--config={os.path.join(ROOT, 'configs', 'tiny_test.py')}", f"--workdir={wd}",
+            f"--config.regen.output={regen_file}", "--config.num_train_steps=100000",
+            "--config.checkpoint_every=100000", "--config.eval_every=0",
+            "--config.log_every=1", "--config.export=False"]
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            cwd=ROOT)
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        if line.startswith("step 3/"):
+            break
+        assert time.time() < deadline, "training did not start"
+    proc.send_signal(signal.SIGTERM)
+    rest = proc.stdout.read()
+    assert proc.wait(timeout=120) == 0, rest[-2000:]
+    saved = [int(s) for s in os.listdir(os.path.join(wd, "checkpoints")) if s.isdigit()]
+    assert len(saved) == 1 and saved[0] >= 3
+    cfg = tiny_config(regen_file, num_train_steps=100000, stop_at_step=saved[0] + 2,
+                      eval_every=0, export=False, checkpoint_every=100000)
+    out = trainer.train_and_evaluate(cfg, wd)
+    assert [s for s, _ in out["losses"]] == [saved[0] + 1, saved[0] + 2]

@@ -124,7 +124,7 @@ def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, 
         # Target logits at p+k-1 predict x_{p+k}: the soft label of block position k (k >= 1;
         # k = 0 has weight 0 and reads position p-1 clipped, harmlessly).
         t_logits = jax.lax.stop_gradient(tmod.apply(tvars, hidden_t, method=Transformer.logits))
-        src = jnp.clip(masks.block_positions(anchors, bs) - 1, 0, s - 1).reshape(b, n * bs)
+        src = masks.teacher_positions(anchors, bs).reshape(b, n * bs)
         t_logp = jax.nn.log_softmax(
             jnp.take_along_axis(t_logits, src[..., None], axis=1), axis=-1).reshape(logp.shape)
         per_pos = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)

@@ -55,6 +55,13 @@ def block_positions(anchors_BN, block_size: int):
     return anchors_BN[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)[None, None]
 
 
+def teacher_positions(anchors_BN, block_size: int):
+    """[B,N,bs] positions p+k-1 whose target next-token distribution is the soft label of block
+    position k ("kl" loss): the target's logits at p+k-1 predict x_{p+k}. Clipped at 0 (k = 0 of
+    an anchor at 0 has weight 0 anyway)."""
+    return jnp.maximum(block_positions(anchors_BN, block_size) - 1, 0)
+
+
 def _gather_rows(x_BS, idx_BNK):
     """x[b, clip(idx)] for idx [B,N,K]."""
     b, n, k = idx_BNK.shape

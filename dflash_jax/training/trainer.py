@@ -148,7 +148,7 @@ def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None):
             state.params, frozen, batch, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
-        metrics = dict(metrics, grad_norm=optax.global_norm(grads))
+        metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
     if mesh is None:
