@@ -1,0 +1,171 @@
+"""Subprocess entry point of tests/test_sharding.py: runs on 8 fake CPU devices (XLA_FLAGS is
+set by the parent before JAX starts) and prints one JSON line of findings, prefixed RESULT."""
+
+import json
+import os
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+import dflash_jax as dj  # noqa: E402
+from dflash_jax import dry_run, sharding  # noqa: E402
+from dflash_jax.model import KVCache, Transformer, init_params  # noqa: E402
+from dflash_jax.drafter import ContextCache, DFlashDrafter  # noqa: E402
+
+MIXED = [[5, 9, 2, 77, 3], list(range(20, 43)), [100], [7, 7, 7, 1, 2, 3, 4, 5, 6, 60, 61]]
+
+
+def _scaled(params, factor=4.0):
+    """Larger-than-default weights so logits are far from uniform (argmax is not a near-tie)."""
+    return jax.tree_util.tree_map(lambda x: x * factor if x.ndim == 2 else x, params)
+
+
+def small_pair(tied=False, num_kv_heads=2):
+    cfg = dj.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
+                         num_heads=4, num_kv_heads=num_kv_heads, head_dim=16,
+                         tie_word_embeddings=tied, max_position_embeddings=512)
+    target = dj.Target(cfg, _scaled(init_params(cfg, 0)))
+    dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8,
+                                  mask_token_id=127)
+    return target, dj.Drafter(dcfg, _scaled(dj.init_drafter_params(dcfg, 1)))
+
+
+def check_generate(out):
+    target, drafter = small_pair()
+    t0 = time.perf_counter()
+    ref = dj.generate(target, drafter, MIXED, max_new_tokens=40)
+    ref_ar = dj.generate(target, None, MIXED, max_new_tokens=40)
+    res = {"ref_equals_ar": ref.tokens == ref_ar.tokens}
+    for spec in ("data=2,tensor=4", "data=4,tensor=2"):
+        mesh = dry_run.resolve_mesh(spec)
+        got = sharding.generate_sharded(target, drafter, MIXED, 40, mesh)
+        res[spec] = {"equal": got.tokens == ref.tokens,
+                     "acceptance_equal": got.acceptance_lengths == ref.acceptance_lengths,
+                     "cache_spec": got.stats["cache_sharding"]}
+    mesh = dry_run.resolve_mesh("tensor=8")
+    got = sharding.generate_sharded(target, None, MIXED, 40, mesh)
+    res["ar_tensor=8"] = {"equal": got.tokens == ref_ar.tokens}
+    # Tied embeddings (vocab-parallel LM head through the embedding), 4 KV heads split.
+    target_t, drafter_t = small_pair(tied=True, num_kv_heads=4)
+    ref_t = dj.generate(target_t, drafter_t, MIXED, max_new_tokens=24)
+    got = sharding.generate_sharded(target_t, drafter_t, MIXED, 24,
+                                    dry_run.resolve_mesh("data=2,tensor=4"))
+    res["tied_data=2,tensor=4"] = {"equal": got.tokens == ref_t.tokens,
+                                   "cache_spec": got.stats["cache_sharding"]}
+    res["seconds"] = time.perf_counter() - t0
+    out["generate"] = res
+
+
+def check_rules(out):
+    target, drafter = small_pair()  # 4 query heads, 2 KV heads, head_dim 16, vocab 128
+    res = {}
+    for spec in ("tensor=4", "data=2,tensor=4", "tensor=2", "fsdp=2,tensor=4"):
+        mesh = dry_run.resolve_mesh(spec)
+        fsdp = mesh.shape["fsdp"] > 1
+        tp = sharding.param_specs(target.params, mesh, sharding.target_rules(fsdp), 16)
+        dp = sharding.param_specs(drafter.params, mesh, sharding.drafter_rules(fsdp), 16)
+        cache = KVCache.create(target.config, 4, 32)
+        ctx = ContextCache.create(drafter.config, 4, 32)
+        cs = sharding.cache_specs(cache, mesh)
+        xs = sharding.cache_specs(ctx, mesh)
+        lay = tp["layers_0"]
+        res[spec] = {
+            "q_proj": str(lay["self_attn"]["q_proj"]["kernel"]),
+            "k_proj": str(lay["self_attn"]["k_proj"]["kernel"]),
+            "o_proj": str(lay["self_attn"]["o_proj"]["kernel"]),
+            "gate_proj": str(lay["mlp"]["gate_proj"]["kernel"]),
+            "down_proj": str(lay["mlp"]["down_proj"]["kernel"]),
+            "q_norm": str(lay["self_attn"]["q_norm"]["scale"]),
+            "input_layernorm": str(lay["input_layernorm"]["scale"]),
+            "embedding": str(tp["embed_tokens"]["embedding"]),
+            "lm_head": str(tp["lm_head"]["kernel"]),
+            "fc": str(dp["fc"]["kernel"]),
+            "drafter_q_proj": str(dp["layers_0"]["self_attn"]["q_proj"]["kernel"]),
+            "cache_k": str(cs.k[0]), "cache_lengths": str(cs.lengths),
+            "ctx_k": str(xs.k[0]), "ctx_lengths": str(xs.lengths),
+            "batch": str(sharding.batch_sharding(mesh, (4, 16)).spec),
+            "odd_batch": str(sharding.batch_sharding(mesh, (3, 16)).spec),
+        }
+    # A vocabulary the tensor axis does not divide: the table is replicated on V.
+    mesh = dry_run.resolve_mesh("tensor=8")
+    odd = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((130, 64), jnp.float32)}}
+    res["odd_vocab_tensor=8"] = str(
+        sharding.param_specs(odd, mesh, sharding.target_rules())["embed_tokens"]["embedding"])
+    # shard_params really places the arrays.
+    placed = sharding.shard_params(target.params, dry_run.resolve_mesh("tensor=4"),
+                                   head_dim=16)
+    q = placed["layers_0"]["self_attn"]["q_proj"]["kernel"]
+    res["placed_q_shard_shape"] = list(q.addressable_shards[0].data.shape)
+    res["placed_q_num_devices"] = len(q.sharding.device_set)
+    res["host_info"] = list(sharding.host_info())
+    res["mesh_shape_rest"] = dict(sharding.make_mesh(data=2, tensor=-1).shape)
+    out["rules"] = res
+
+
+def check_train(out):
+    cfg = dj.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
+                         num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
+                         max_position_embeddings=512)
+    tparams = _scaled(init_params(cfg, 0), 2.0)
+    dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8,
+                                  mask_token_id=127)
+    dparams0 = dj.init_drafter_params(dcfg, 1)
+    loss_fn = dry_run.make_reference_loss(Transformer(cfg), DFlashDrafter(dcfg))
+    opt = dry_run.make_optimizer(lr=3e-3, total_steps=20)
+    rng = np.random.RandomState(0)
+    b, s, a = 8, 48, 4
+    batches = []
+    for _ in range(3):
+        batches.append({
+            "tokens": jnp.asarray(rng.randint(0, 127, (b, s)), jnp.int32),
+            "loss_mask": jnp.asarray((rng.rand(b, s) < 0.8), jnp.float32),
+            "anchors": jnp.asarray(np.where(rng.rand(b, a) < 0.9,
+                                            rng.randint(1, s - 4, (b, a)), -1), jnp.int32)})
+    res = {}
+    for spec in ("tensor=1", "data=2,fsdp=2,tensor=2"):
+        mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == "tensor=1"
+                                       else None)
+        step, sh = sharding.train_step_programs(loss_fn, opt, mesh, dparams0, tparams,
+                                                batches[0], target_head_dim=16,
+                                                drafter_head_dim=16)
+        dp = jax.device_put(jax.tree_util.tree_map(jnp.copy, dparams0), sh["dparams"])
+        st = jax.device_put(opt.init(dparams0), sh["opt_state"])
+        tp = jax.device_put(tparams, sh["tparams"])
+        losses = []
+        for bt in batches:
+            dp, st, loss = step(dp, st, tp, jax.device_put(bt, sh["batch"]))
+            losses.append(float(loss))
+        res[spec] = {"losses": losses,
+                     "fc_spec": str(dp["fc"]["kernel"].sharding.spec),
+                     "q_spec": str(dp["layers_0"]["self_attn"]["q_proj"]["kernel"]
+                                   .sharding.spec)}
+    out["train"] = res
+
+
+def check_dry_run(out):
+    res = {}
+    for spec in ("tensor=2", "tensor=8"):
+        r = dry_run.dry_run_infer("small", spec, batch=2, context=128, max_new_tokens=32)
+        res["infer " + spec] = {k: r[k] for k in ("param_bytes", "cache_bytes", "peak_bytes",
+                                                  "fits", "programs")}
+    for spec in ("data=8", "fsdp=8"):
+        r = dry_run.dry_run_train("small", spec, batch=8, seq_len=64, num_anchors=2)
+        res["train " + spec] = {k: r[k] for k in ("param_bytes", "opt_bytes", "peak_bytes",
+                                                  "programs")}
+    res["report"] = dry_run.format_report(r)
+    out["dry_run"] = res
+
+
+if __name__ == "__main__":
+    out = {"num_devices": len(jax.devices())}
+    for name in sys.argv[1:] or ("rules", "generate", "train", "dry_run"):
+        t0 = time.perf_counter()
+        globals()["check_" + name](out)
+        out.setdefault("seconds", {})[name] = time.perf_counter() - t0
+    print("RESULT " + json.dumps(out))

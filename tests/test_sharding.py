@@ -1,0 +1,129 @@
+"""Sharding on a fake 8-device CPU mesh: exact sharded generate, partition rules (with the
+non-divisible fallback), sharded train-step losses, and dry-run memory/FLOP scaling.
+
+JAX fixes its device count at start-up, so the checks run in subprocesses
+(tests/_sharding_worker.py) started with XLA_FLAGS=--xla_force_host_platform_device_count=8;
+two run concurrently, and each test asserts on their JSON findings.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+WORKER = os.path.join(HERE, "_sharding_worker.py")
+GROUPS = (("rules", "generate"), ("train", "dry_run"))
+
+
+@pytest.fixture(scope="module")
+def findings():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
+                        " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    procs = [subprocess.Popen([sys.executable, WORKER, *g], env=env, stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for g in GROUPS]
+    out = {}
+    for p in procs:
+        stdout, stderr = p.communicate(timeout=600)
+        lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"worker failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+        out.update(json.loads(lines[-1][len("RESULT "):]))
+    assert out["num_devices"] == 8
+    return out
+
+
+def test_sharded_greedy_generate_equals_single_device(findings):
+    g = findings["generate"]
+    assert g["ref_equals_ar"]  # the single-device reference is itself lossless
+    for mesh in ("data=2,tensor=4", "data=4,tensor=2"):
+        assert g[mesh]["equal"], mesh
+        assert g[mesh]["acceptance_equal"], mesh
+    assert g["ar_tensor=8"]["equal"]
+    assert g["tied_data=2,tensor=4"]["equal"]
+    # The caches really are split: batch over data; KV heads over tensor when they divide.
+    assert g["data=4,tensor=2"]["cache_spec"] == "P('data', None, 'tensor')"
+    assert g["data=2,tensor=4"]["cache_spec"] == "P('data',)"  # 2 KV heads on tensor=4
+    assert g["tied_data=2,tensor=4"]["cache_spec"] == "P('data', None, 'tensor')"
+
+
+def test_partition_rules_tensor_parallel(findings):
+    r = findings["rules"]["data=2,tensor=4"]
+    assert r["q_proj"] == "P(None, 'tensor')"      # [H, N*D]: output (heads) axis
+    assert r["o_proj"] == "P('tensor',)"           # [N*D, H]: input axis
+    assert r["gate_proj"] == "P(None, 'tensor')"
+    assert r["down_proj"] == "P('tensor',)"
+    assert r["embedding"] == "P('tensor',)"        # [V, H]: vocab-parallel
+    assert r["lm_head"] == "P(None, 'tensor')"     # [H, V]
+    assert r["fc"] == "P('tensor',)"               # drafter fc [n*H, H]
+    assert r["drafter_q_proj"] == "P(None, 'tensor')"
+    assert r["q_norm"] == r["input_layernorm"] == "P()"
+    assert r["cache_lengths"] == r["ctx_lengths"] == r["batch"] == "P('data',)"
+    assert r["odd_batch"] == "P()"                 # batch 3 on data=2: replicated
+    t2 = findings["rules"]["tensor=2"]
+    assert t2["cache_k"] == t2["ctx_k"] == "P(None, None, 'tensor')"
+    assert t2["k_proj"] == "P(None, 'tensor')"
+    rules = findings["rules"]
+    assert rules["placed_q_shard_shape"] == [64, 16] and rules["placed_q_num_devices"] == 4
+    assert rules["host_info"] == [0, 1]
+    assert rules["mesh_shape_rest"] == {"data": 2, "fsdp": 1, "tensor": 4}
+
+
+def test_non_divisible_dims_fall_back_to_replication(findings):
+    r = findings["rules"]
+    # 2 KV heads cannot split over tensor=4 (not even whole heads): k_proj and caches
+    # replicate on that axis, while 4 query heads still split.
+    assert r["tensor=4"]["k_proj"] == "P()"
+    assert r["tensor=4"]["q_proj"] == "P(None, 'tensor')"
+    assert r["data=2,tensor=4"]["cache_k"] == r["data=2,tensor=4"]["ctx_k"] == "P('data',)"
+    assert r["odd_vocab_tensor=8"] == "P()"        # vocab 130 on tensor=8
+
+
+def test_fsdp_rules_shard_the_other_axis(findings):
+    r = findings["rules"]["fsdp=2,tensor=4"]
+    assert r["q_proj"] == "P('fsdp', 'tensor')"
+    assert r["o_proj"] == "P('tensor', 'fsdp')"
+    assert r["embedding"] == "P('tensor', 'fsdp')"
+    assert r["lm_head"] == "P('fsdp', 'tensor')"
+    assert r["fc"] == "P('tensor', 'fsdp')"
+    assert r["k_proj"] == "P('fsdp',)"             # tensor part replicated (2 KV heads)
+    assert r["batch"] == "P('fsdp',)"              # fsdp is data-parallel for the batch
+
+
+def test_sharded_train_step_matches_single_device(findings):
+    t = findings["train"]
+    single, sharded = t["tensor=1"]["losses"], t["data=2,fsdp=2,tensor=2"]["losses"]
+    assert len(single) == 3
+    for a, b in zip(single, sharded):
+        assert abs(a - b) < 1e-5, (single, sharded)
+    assert len(set(single)) == 3  # parameters really move between steps (different batches)
+    assert t["data=2,fsdp=2,tensor=2"]["fc_spec"] == "P('tensor', 'fsdp')"
+    assert t["data=2,fsdp=2,tensor=2"]["q_spec"] == "P('fsdp', 'tensor')"
+
+
+def test_dry_run_figures_scale_with_the_mesh(findings):
+    d = findings["dry_run"]
+    t2, t8 = d["infer tensor=2"], d["infer tensor=8"]
+    for r in (t2, t8):
+        for name in ("prefill", "decode"):
+            p = r["programs"][name]
+            assert p["argument_bytes"] > 0 and p["flops"] > 0 and p["peak_bytes"] > 0
+        assert all(r["fits"].values())
+    # Params and caches split 4x more ways: per-device figures shrink accordingly.
+    assert t8["param_bytes"] < t2["param_bytes"] / 3.5
+    assert t8["cache_bytes"] < t2["cache_bytes"] / 3.5
+    for name in ("prefill", "decode"):
+        a2, a8 = t2["programs"][name], t8["programs"][name]
+        assert a8["argument_bytes"] < a2["argument_bytes"] / 3
+        assert a8["peak_bytes"] < a2["peak_bytes"]
+        assert a8["flops"] < a2["flops"] / 3
+    # Training: FSDP holds 1/8 of params and AdamW state per device, data parallelism all.
+    dp, fs = d["train data=8"], d["train fsdp=8"]
+    assert fs["param_bytes"] < dp["param_bytes"] / 7
+    assert fs["opt_bytes"] < dp["opt_bytes"] / 7
+    assert fs["programs"]["train_step"]["argument_bytes"] < \
+        dp["programs"]["train_step"]["argument_bytes"] / 7
+    assert "verdict" in d["report"]
