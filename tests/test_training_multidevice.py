@@ -1,0 +1,59 @@
+"""Data parallelism: one training step over 8 (fake CPU) devices equals the 1-device step.
+
+JAX fixes its device count at start-up, so the check runs in a subprocess with
+XLA_FLAGS=--xla_force_host_platform_device_count=8.
+"""
+
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = r"""
+import sys
+sys.path.insert(0, ROOT)
+import jax, jax.numpy as jnp, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+assert len(jax.devices()) == 8, jax.devices()
+from configs import tiny_test
+from dflash_jax.training import trainer
+
+cfg = tiny_test.get_config()
+cfg.target_model.update(init_std=0.0, attn_out_scale=1.0)  # default init: moderate logits
+cfg.data.update(kind="synthetic", num_docs=64, doc_len=40, seq_len=64, batch_size=8)
+exp = trainer.build_experiment(cfg, WORKDIR)
+opt, _ = trainer.make_optimizer(cfg, 10)
+state0 = trainer.TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
+                            opt_state=opt.init(exp.init_params), rng=jax.random.PRNGKey(0))
+batches = [next(exp.train_iter) for _ in range(2)]
+results = []
+for devices in (jax.devices()[:1], jax.devices()):
+    mesh = trainer.make_mesh(devices)
+    step = trainer.make_train_step(exp.loss_fn, opt, mesh)
+    state = jax.device_put(state0, NamedSharding(mesh, P()))
+    losses = []
+    for b in batches:
+        b = jax.device_put(b, NamedSharding(mesh, P("data")))
+        if len(devices) == 8:
+            assert len(b["input_ids"].sharding.device_set) == 8
+        state, m = step(state, exp.target_params, b)
+        losses.append(float(m["loss"]))
+    results.append((losses, jax.device_get(state.params)))
+(l1, p1), (l8, p8) = results
+print("losses", l1, l8)
+# Float32 sums are ordered differently per shard: equal to ~1e-6 relative, not bitwise.
+assert np.allclose(l1, l8, atol=0, rtol=1e-5), (l1, l8)
+for a, b in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p8)):
+    np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+print("OK")
+"""
+
+
+def test_eight_device_step_equals_one_device_step(tmp_path):
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+               JAX_PLATFORMS="cpu")
+    code = f"ROOT = {ROOT!r}\nWORKDIR = {str(tmp_path)!r}\n" + SCRIPT
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300, cwd=ROOT)
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
