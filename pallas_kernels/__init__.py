@@ -85,7 +85,11 @@ def _draft(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale, variant,
     return reference.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v,
                                      sm_scale=sm_scale)
   b, t = q.shape[:2]
-  lim = jnp.broadcast_to((ctx_len.astype(jnp.int32) - 1)[:, None], (b, t))
+  ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, ctx_k.shape[1])
+  if ctx_k.shape[1] == 0:   # no context: one dummy slot that nobody sees
+    pad = [(0, 0), (0, 1), (0, 0), (0, 0)]
+    ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
+  lim = jnp.broadcast_to((ctx_len - 1)[:, None], (b, t))
   return _decode_module(variant).decode_attention(
       q, ctx_k, ctx_v, lim, blk_k=blk_k, blk_v=blk_v, sm_scale=sm_scale,
       **_decode_kwargs(variant, interpret, block_k, num_splits))

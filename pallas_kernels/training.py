@@ -74,6 +74,11 @@ def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
     raise ValueError(
         f"q/k_blk length ({l}, {k_blk.shape[1]}) must equal N*block_size "
         f"({n}*{block_size})")
+  if k_ctx.shape[1] == 0:
+    # No context at all: one dummy zero slot that no query can see.
+    anchors = jnp.zeros_like(anchors)
+    k_ctx = C.pad_axis(k_ctx, 1, 1)
+    v_ctx = C.pad_axis(v_ctx, 1, 1)
   dflt = _DEFAULTS[variant]
   pow2 = variant == BK.TRITON
   if pow2 and (d & (d - 1) or d < 16):

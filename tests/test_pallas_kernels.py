@@ -231,6 +231,18 @@ def test_draft_kernel(impl, case):
   np.testing.assert_allclose(out, ref, atol=ATOL)
 
 
+@pytest.mark.parametrize("impl", VARIANTS)
+def test_draft_kernel_without_context_capacity(impl):
+  """C == 0 (no context cache at all): only the block keys are attended."""
+  rng = np.random.default_rng(10)
+  q, bk, bv = _rand(rng, 2, 3, 4, 16), _rand(rng, 2, 3, 2, 16), _rand(rng, 2, 3, 2, 16)
+  ck = jnp.zeros((2, 0, 2, 16), jnp.float32)
+  clen = jnp.zeros((2,), jnp.int32)
+  out = pk.draft_attention(q, ck, ck, clen, bk, bv, impl=impl, interpret=True)
+  np.testing.assert_allclose(out, reference.draft_attention(q, ck, ck, clen, bk, bv),
+                             atol=ATOL)
+
+
 # (B, N, bs, Hq, Hkv, D, S, anchors, valid)
 TRAIN_CASES = [
     (1, 3, 4, 2, 2, 128, 21, [[5, 0, 21]], [[True, True, True]]),
