@@ -34,7 +34,6 @@ if __package__ in (None, ""):
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 import pallas_kernels as pk
 from pallas_kernels import reference

@@ -37,7 +37,7 @@ def _update(q, k, v, m, l, acc, mask, *, scale, prec):
 
 
 def _decode_kernel(kvlen_ref, q_ref, lim_ref, k_ref, v_ref, *rest, tk, ns,
-                   scale, prec, blk_len, blk_pad, s_len):
+                   scale, prec, blk_len, blk_pad):
   if blk_len:
     bk_ref, bv_ref, o_ref, lse_ref = rest
   else:
@@ -132,7 +132,7 @@ def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
   ]
   kernel = functools.partial(
       _decode_kernel, tk=tk, ns=ns, scale=scale, prec=C.dot_precision(q.dtype),
-      blk_len=blk_len, blk_pad=blk_pad, s_len=s_len)
+      blk_len=blk_len, blk_pad=blk_pad)
   itemsize = jnp.dtype(k.dtype).itemsize
   cost = pl.CostEstimate(
       flops=4 * b * hq * t * (s_len + blk_len) * d,
