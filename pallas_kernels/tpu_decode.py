@@ -69,6 +69,15 @@ def _split_tile(kv_len, s, i, *, tk, ns):
   return jnp.maximum(jnp.minimum(j, needed - 1), 0), needed, per
 
 
+def _col(ref, c: int):
+  """Column c of a per-row statistics tile as an (rows, 1) value.
+
+  Loads the whole (rows, lanes) tile and slices the value (rather than the
+  ref) so the load stays tile-aligned.
+  """
+  return ref[...][:, c:c + 1]
+
+
 def _online_update(q, k, v, m_ref, l_ref, acc_ref, *, scale, prec, mask=None,
                    v_rows_valid=None):
   """One flash-attention step on VMEM scratch m/l (rows, LANES), acc (rows, W)."""
@@ -136,7 +145,7 @@ def _decode_kernel(kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest,
 
   @pl.when(active & jnp.logical_not(full))
   def _partial_tile():
-    lim = lim_ref[:, :1]                                        # (R, 1)
+    lim = _col(lim_ref, 0)                                        # (R, 1)
     col = start + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
     vrow = (start + jax.lax.broadcasted_iota(jnp.int32, (tk, w), 0)) < kv_len
     upd(q_ref[...], k_ref[...], v_ref[...], mask=col <= lim, v_rows_valid=vrow)

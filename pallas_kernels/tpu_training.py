@@ -33,7 +33,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from . import _common as C
 from . import _training_common as TC
-from .tpu_decode import _online_update
+from .tpu_decode import _col, _online_update
 
 STAT = 8      # lanes of per-row statistics in HBM (== full last dim)
 POS = 1e30    # lse of rows that see nothing: exp(s - POS) == 0 in backward
@@ -100,17 +100,17 @@ def _fwd_kernel(tmax_ref, tmin_ref, q_ref, st_ref, cb_ref, kc_ref, vc_ref,
   @pl.when((i >= n_full) & (i < n_ctx))
   def _partial():
     col = i * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    upd(q_ref[...], kc_ref[...], vc_ref[...], mask=col < st_ref[:, 0:1])
+    upd(q_ref[...], kc_ref[...], vc_ref[...], mask=col < _col(st_ref, 0))
 
   @pl.when(i == nkt)
   def _block_and_finalize():
-    mask = (st_ref[:, 1:2] == cb_ref[0:1, :]) & (st_ref[:, 0:1] >= 0)
+    mask = (_col(st_ref, 1) == cb_ref[...][0:1, :]) & (_col(st_ref, 0) >= 0)
     upd(q_ref[...], kb_ref[...], vb_ref[...], mask=mask)
-    l = l_ref[:, 0:1]
+    l = _col(l_ref, 0)
     ok = l > 0.0
     lsafe = jnp.where(ok, l, 1.0)
     o_ref[...] = (acc_ref[...] / lsafe).astype(o_ref.dtype)
-    lse = jnp.where(ok, m_ref[:, 0:1] + jnp.log(lsafe), POS)
+    lse = jnp.where(ok, _col(m_ref, 0) + jnp.log(lsafe), POS)
     lse_ref[...] = jnp.broadcast_to(lse, (rows, STAT))
 
 
@@ -217,8 +217,8 @@ def _dq_kernel(tmax_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_re
 
   def ctx_step(mask):
     k = kc_ref[...]
-    _, ds = _bwd_scores(q_ref[...], k, vc_ref[...], do_ref[...], lse_ref[:, 0:1],
-                        dl_ref[:, 0:1], scale=scale, prec=prec, mask=mask)
+    _, ds = _bwd_scores(q_ref[...], k, vc_ref[...], do_ref[...], _col(lse_ref, 0),
+                        _col(dl_ref, 0), scale=scale, prec=prec, mask=mask)
     dq_acc[...] += _mm(ds.astype(k.dtype), k, _NN, prec)
 
   @pl.when(i < n_full)
@@ -228,13 +228,13 @@ def _dq_kernel(tmax_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_re
   @pl.when((i >= n_full) & (i < n_ctx))
   def _partial():
     col = i * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    ctx_step(col < st_ref[:, 0:1])
+    ctx_step(col < _col(st_ref, 0))
 
   @pl.when(i == nkt)
   def _block():
-    mask = (st_ref[:, 1:2] == cb_ref[0:1, :]) & (st_ref[:, 0:1] >= 0)
+    mask = (_col(st_ref, 1) == cb_ref[...][0:1, :]) & (_col(st_ref, 0) >= 0)
     q, do, kb = q_ref[...], do_ref[...], kb_ref[...]
-    p, ds = _bwd_scores(q, kb, vb_ref[...], do, lse_ref[:, 0:1], dl_ref[:, 0:1],
+    p, ds = _bwd_scores(q, kb, vb_ref[...], do, _col(lse_ref, 0), _col(dl_ref, 0),
                         scale=scale, prec=prec, mask=mask)
     ds_c = ds.astype(kb.dtype)
     dq = dq_acc[...] + _mm(ds_c, kb, _NN, prec)
@@ -260,8 +260,8 @@ def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
 
   def step(mask):
     q, do = q_ref[...], do_ref[...]
-    p, ds = _bwd_scores(q, kc_ref[...], vc_ref[...], do, lse_ref[:, 0:1],
-                        dl_ref[:, 0:1], scale=scale, prec=prec, mask=mask)
+    p, ds = _bwd_scores(q, kc_ref[...], vc_ref[...], do, _col(lse_ref, 0),
+                        _col(dl_ref, 0), scale=scale, prec=prec, mask=mask)
     dv_acc[...] += _mm(p.astype(do.dtype), do, _TN, prec)
     dk_acc[...] += _mm(ds.astype(q.dtype), q, _TN, prec)
 
@@ -272,7 +272,7 @@ def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
   @pl.when((i < cnt) & jnp.logical_not(full))
   def _partial():
     col = kt * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    step(col < st_ref[:, 0:1])
+    step(col < _col(st_ref, 0))
 
   @pl.when(i == nqt - 1)
   def _write():
