@@ -2,7 +2,8 @@
 
     python pallas_kernels/bench.py [--kernel verify|draft|training|all] [--quick]
         [--impl pallas|pallas_tpu|pallas_triton] [--interpret]
-        [--peak_hbm_gbps 4800] [--repeats 20] [--json_out results.json]
+        [--peak_hbm_gbps 4800] [--repeats 20] [--contexts 1024,8192]
+        [--batches 1,8] [--json_out results.json]
 
 For every kernel and shape it times (median over --repeats runs, compilation
 and one warm-up run excluded):
@@ -185,12 +186,20 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=None)
   p.add_argument("--no_check", action="store_true",
                  help="skip the pallas-vs-reference output check")
+  p.add_argument("--contexts", default=None,
+                 help="comma-separated context lengths overriding the default grid")
+  p.add_argument("--batches", default=None,
+                 help="comma-separated batch sizes overriding the default grid")
   p.add_argument("--json_out", default=None)
   args = p.parse_args(argv)
   if args.interpret and jax.default_backend() != "cpu":
     print("note: --interpret on an accelerator measures the interpreter, not the kernel")
   repeats = args.repeats or (2 if args.interpret else 5 if args.quick else 20)
   g = shape_grid(args)
+  if args.contexts:
+    g["contexts"] = [int(x) for x in args.contexts.split(",")]
+  if args.batches:
+    g["batches"] = [int(x) for x in args.batches.split(",")]
   key = [jax.random.PRNGKey(0)]
 
   def rng(shape):

@@ -335,3 +335,17 @@ def test_kernels_lower_for_accelerator(monkeypatch, platform, impl, d):
   text = lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool)).as_text()
   marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
   assert text.count(marker) >= 3   # fwd + 2 backward kernels
+
+
+def test_bench_script_smoke(tmp_path):
+  """bench.py runs end to end on CPU (interpret mode, one tiny shape)."""
+  import json
+  from pallas_kernels import bench
+  out = tmp_path / "bench.json"
+  rows = bench.main(["--quick", "--interpret", "--kernel", "verify", "--impl",
+                     "pallas_triton", "--contexts", "40", "--batches", "1",
+                     "--repeats", "1", "--json_out", str(out)])
+  data = json.loads(out.read_text())
+  assert {r["impl"] for r in data["rows"]} >= {"pallas", "xla_ref", "dot_product_attention"}
+  assert all("time_ms" in r and r["gbps"] > 0 for r in rows)
+  assert rows[0]["max_abs_err_vs_ref"] < 1e-4
