@@ -36,6 +36,8 @@ flags.DEFINE_string("json_out", None, "Write tokens, texts and stats as JSON her
 flags.DEFINE_string("profile_dir", None, "Write a jax.profiler trace of the generation here.")
 flags.DEFINE_string("dtype", "float32", "Compute dtype (bfloat16 on accelerators).")
 flags.DEFINE_string("attention_impl", "xla", "xla | pallas | pallas_interpret | auto.")
+flags.DEFINE_bool("stream", None, "Print the completion of a single prompt as tokens are "
+                  "committed (an extra, untimed run; default: when stdout is a terminal).")
 flags.DEFINE_bool("chat_template", True, "Apply the tokenizer's chat template when present.")
 flags.DEFINE_bool("dry_run", False, "Compile 8B-sized programs on a fake mesh and print "
                   "per-device memory and FLOPs (see dflash_jax/dry_run.py).")
@@ -94,7 +96,21 @@ def main(argv):
           f"{target.config.hidden_size}; drafter: {drafter_dir or 'none (autoregressive)'}; "
           f"backend {jax.default_backend()}", flush=True)
 
-    # Warm-up compiles both programs; its timings are not reported.
+    stream_on = FLAGS.stream if FLAGS.stream is not None else sys.stdout.isatty()
+    if stream_on and tok is not None and len(prompts) == 1:
+        # An untimed run that prints blocks as they are committed (one host callback per step).
+        sys.stdout.write("\n" + tok.decode(prompts[0]))
+        committed = []
+
+        def stream(chunks):
+            before = tok.decode(committed)
+            committed.extend(chunks[0])
+            sys.stdout.write("\033[1m" + tok.decode(committed)[len(before):] + "\033[0m")
+            sys.stdout.flush()
+
+        dj.generate(target, drafter, prompts, stream_callback=stream, **spec_kw)
+        print("\n")
+    # Warm-up: compiles both programs and runs them once; its timings are not reported.
     dj.generate(target, drafter, prompts, **spec_kw)
     if compare and drafter is not None:
         dj.generate(target, None, prompts, **kw)
@@ -122,7 +138,7 @@ def main(argv):
     s = res.stats
     print(f"\n{'DFlash' if drafter else 'autoregressive'}: {s['new_tokens']} tokens, "
           f"tau {s['tau']:.2f}, {s['decode_tokens_per_s']:.1f} tok/s decode, "
-          f"prefill {s['prefill_s'] * 1e3:.1f} ms, compile {s['compile_s']:.1f} s (warm-up)")
+          f"prefill {s['prefill_s'] * 1e3:.1f} ms")
     summary = {"dflash": s}
     if ar is not None:
         speedup = s["decode_tokens_per_s"] / ar.stats["decode_tokens_per_s"]

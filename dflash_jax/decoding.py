@@ -28,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import flax.struct
 import jax
@@ -52,6 +52,7 @@ class Plan:
     denoise_steps: int = 1
     confidence_threshold: Optional[float] = None
     record_drafts: bool = False
+    stream: bool = False  # call the registered host callback with each step's commits
     attention_impl: str = "xla"
 
 
@@ -201,11 +202,25 @@ def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> D
         num_out = state.num_out + n
         done = state.done | has_stop | (num_out >= state.max_new)
         accepted = state.accepted.at[:, state.step].set(n)
+        if plan.stream:
+            # Optional host callback (only when streaming was asked for): committed tokens
+            # y[b, :n[b]] of this step; ordered so the terminal sees them in sequence.
+            jax.debug.callback(_emit_stream, y, n, ordered=True)
         drafts_rec = state.drafts
         if plan.record_drafts and dmod is not None:
             drafts_rec = drafts_rec.at[state.step].set(drafts)
     return state.replace(cache=cache, ctx=ctx, tokens=tokens, num_out=num_out, done=done,
                          step=state.step + 1, accepted=accepted, drafts=drafts_rec, key=key)
+
+
+_STREAM_SINK = [None]
+
+
+def _emit_stream(y, n):
+    sink = _STREAM_SINK[0]
+    if sink is not None:
+        y, n = np.asarray(y), np.asarray(n)
+        sink([y[b, :n[b]].tolist() for b in range(y.shape[0])])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -301,9 +316,16 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
              top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
              stop_token_ids: Sequence[int] = (), denoise_steps: int = 1,
              confidence_threshold: Optional[float] = None, return_drafts: bool = False,
-             attention_impl: Optional[str] = None) -> GenerationResult:
+             attention_impl: Optional[str] = None,
+             stream_callback: Optional[Callable[[List[List[int]]], None]] = None
+             ) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash, or
-    autoregressively when `drafter` is None. See `GenerationResult` for what it returns."""
+    autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
+
+    stream_callback: called on the host with, per sequence, the token ids just committed: once
+    after prefill (the first token), then after every decode step. Concatenated, the calls give
+    `result.tokens`. Streaming adds one host callback per step; leave it None for speed.
+    """
     prompts = [list(map(int, p)) for p in prompts] if isinstance(prompts, (list, tuple)) \
         else prompts
     if drafter is not None and block_size is None:
@@ -319,6 +341,7 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
                 denoise_steps=denoise_steps if drafter is not None else 1,
                 confidence_threshold=confidence_threshold if drafter is not None else None,
                 record_drafts=bool(return_drafts and drafter is not None),
+                stream=stream_callback is not None,
                 attention_impl=attention_impl or target.attention_impl)
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
@@ -346,12 +369,19 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
            jax.tree_util.tree_structure(tparams), jax.tree_util.tree_structure(dparams))
     (prefill_x, decode_x), compile_s = _Compiled.get(key, (prefill_lower, decode_lower))
 
+    _STREAM_SINK[0] = stream_callback
     t0 = time.perf_counter()
     state = prefill_x(*args)
     jax.block_until_ready(state.tokens)
     t1 = time.perf_counter()
-    state = decode_x(tparams, dparams, state)
-    jax.block_until_ready(state.tokens)
+    if stream_callback is not None:
+        stream_callback([[int(t)] for t in np.asarray(state.tokens[:, 0])])
+    try:
+        state = decode_x(tparams, dparams, state)
+        jax.block_until_ready(state.tokens)
+        jax.effects_barrier()
+    finally:
+        _STREAM_SINK[0] = None
     t2 = time.perf_counter()
 
     tokens, num_out, accepted, steps = jax.device_get(

@@ -38,7 +38,12 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> Tuple[int
     if num_taps == 1:
         return (num_target_layers // 2,)
     span = num_target_layers - 4
-    return tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+    ids = tuple(int(round(1 + i * span / (num_taps - 1))) for i in range(num_taps))
+    if min(ids) < 0 or max(ids) >= num_target_layers:
+        raise ValueError(
+            f"the default spread of {num_taps} taps gives layers {list(ids)}, outside a "
+            f"{num_target_layers}-layer target; pass target_layer_ids")
+    return ids
 
 
 @dataclasses.dataclass(frozen=True)

@@ -236,3 +236,15 @@ def test_pallas_attention_path_gives_the_same_tokens(target, drafter, ar_out):
     res = dj.generate(target, drafter, MIXED[:2], max_new_tokens=6, block_size=4,
                       attention_impl="pallas_interpret")
     assert res.tokens == [seq[:6] for seq in ar_out[:2]]
+
+
+def test_streaming_callback_delivers_the_same_tokens(target, drafter, ar_out):
+    got = [[] for _ in MIXED]
+
+    def sink(chunks):
+        for b, c in enumerate(chunks):
+            got[b].extend(c)
+
+    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8,
+                      stream_callback=sink)
+    assert got == res.tokens == ar_out

@@ -20,6 +20,8 @@ def test_default_target_layer_ids_follow_the_doc():
     assert default_target_layer_ids(36, 5) == (1, 9, 17, 25, 33)
     assert default_target_layer_ids(36, 1) == (18,)
     assert default_target_layer_ids(32, 5) == (1, 8, 15, 22, 29)
+    with pytest.raises(ValueError, match="pass target_layer_ids"):
+        default_target_layer_ids(2, 2)
 
 
 @pytest.fixture(scope="module")
