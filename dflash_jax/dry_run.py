@@ -274,6 +274,14 @@ def _tree_bytes_per_device(tree, shardings) -> int:
     return total
 
 
+def _tree_bytes(tree) -> int:
+    import jax
+    import numpy as np
+
+    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
+               for x in jax.tree_util.tree_leaves(tree))
+
+
 def _compile(lower_fn):
     t0 = time.perf_counter()
     compiled = lower_fn().compile()
@@ -336,7 +344,9 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
     return {"mode": "infer", "model": model, "mesh": sharding.mesh_str(m),
             "devices": int(m.size), "batch": batch, "context": context, "prompt_pad": p_pad,
             "capacity": capacity, "block_size": bs, "param_bytes": param_bytes,
-            "cache_bytes": cache_bytes, "programs": programs, "peak_bytes": peak,
+            "cache_bytes": cache_bytes, "param_bytes_total": _tree_bytes(tparams)
+            + (0 if dparams is None else _tree_bytes(dparams)),
+            "programs": programs, "peak_bytes": peak,
             "fits": _verdict(peak), "backend": jax.default_backend()}
 
 
@@ -384,6 +394,8 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
             "param_bytes": _tree_bytes_per_device(tparams, sh["tparams"])
             + _tree_bytes_per_device(dparams, sh["dparams"]),
             "opt_bytes": _tree_bytes_per_device(sh["opt_shape"], sh["opt_state"]),
+            "param_bytes_total": _tree_bytes(tparams) + _tree_bytes(dparams),
+            "opt_bytes_total": _tree_bytes(sh["opt_shape"]),
             "programs": programs, "peak_bytes": peak, "fits": _verdict(peak),
             "backend": jax.default_backend()}
 
