@@ -91,11 +91,20 @@ def model_presets():
 
 
 def build_configs(model: str, dtype: Optional[str] = None):
-    """(target ModelConfig, DrafterConfig) of a preset; `dtype` overrides bfloat16."""
+    """(target ModelConfig, DrafterConfig) of a preset, or of a Hugging Face model directory
+    (its config.json; drafter: 5 layers, 5 taps, block 16); `dtype` overrides bfloat16."""
     from dflash_jax.config import as_dtype
     from dflash_jax.drafter import make_drafter_config
 
     presets = model_presets()
+    if model not in presets and os.path.isfile(os.path.join(str(model), "config.json")):
+        import json
+
+        from dflash_jax.config import ModelConfig
+
+        with open(os.path.join(str(model), "config.json")) as f:  # a Hugging Face directory
+            tcfg = ModelConfig.from_hf(json.load(f), dtype=dtype or "bfloat16")
+        return tcfg, make_drafter_config(tcfg)
     if model not in presets:
         raise ValueError(f"unknown model {model!r}; presets: {sorted(presets)}")
     tcfg, dkw = presets[model]
