@@ -127,7 +127,10 @@ def draft_block(tmod, tparams, dmod, dparams, ctx: ContextCache, x_last, start, 
                             ctx.k, ctx.v, attend)
         logits = _lm_logits(tmod, tparams, hidden[:, 1:])
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-        p_max = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+        if steps == 1 and plan.confidence_threshold is None:
+            p_max = jnp.ones(pred.shape, jnp.float32)  # confidence unused: skip the softmax
+        else:
+            p_max = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
         if j == steps:
             newly = ~fixed
         else:

@@ -1,0 +1,121 @@
+"""Where a DFlash step's time goes: target forward cost vs tokens, drafter cost, and the
+speedup they allow at a given tau.
+
+  python benchmarks/step_costs.py --target=assets/tiny-code/target \
+      --drafter=assets/tiny-code/drafter [--context=256] [--json_out=...]
+
+Times (median of --repeats, after warm-up) at a fixed context length, batch 1:
+  t_target(T)  one cached target forward over T new tokens (T=1 is an autoregressive step;
+               T=bs is a verify pass), logits included;
+  t_draft(bs)  one drafter pass over a block of bs (embedding, layers, LM head);
+and prints the speedup model of ../shared/docs/dflash.md,
+  speedup ~= tau * t_target(1) / (t_draft(bs) + t_target(bs)),
+i.e. the tau needed for a 3x speedup at each block size.
+"""
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+from absl import app, flags
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
+flags.DEFINE_string("drafter", "assets/tiny-code/drafter", "Drafter directory.")
+flags.DEFINE_integer("context", 256, "Committed tokens in the cache when timing.")
+flags.DEFINE_list("block_sizes", ["1", "2", "4", "8", "16"], "Forward widths to time.")
+flags.DEFINE_integer("repeats", 50, "Timed calls per measurement (median).")
+flags.DEFINE_string("json_out", None, "Write the figures here.")
+
+
+def median_time(fn, repeats):
+    import jax
+
+    jax.block_until_ready(fn())
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return float(np.median(times))
+
+
+def main(argv):
+    del argv
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+
+    import dflash_jax as dj
+    from dflash_jax.decoding import _lm_logits, _write_context
+    from dflash_jax.drafter import ContextCache, decode_attend
+    from dflash_jax.model import KVCache
+
+    target = dj.load_target(FLAGS.target)
+    drafter = dj.load_drafter(FLAGS.drafter, target=target)
+    tmod, dmod = target.module, drafter.module
+    ctx_len = FLAGS.context
+    widths = [int(x) for x in FLAGS.block_sizes]
+    capacity = ctx_len + 64
+    rng = np.random.RandomState(0)
+    prompt = jnp.asarray(rng.randint(0, target.config.vocab_size, (1, ctx_len)), jnp.int32)
+    taps_layers = drafter.config.target_layer_ids
+
+    @jax.jit
+    def prefill(tp, dp):
+        cache = KVCache.create(target.config, 1, capacity)
+        _, cache, taps = tmod.apply({"params": tp}, prompt, cache=cache, tap_layers=taps_layers)
+        ctx = ContextCache.create(drafter.config, 1, capacity)
+        ctx = _write_context(dmod, dp, ctx, taps, jnp.arange(ctx_len)[None],
+                             jnp.array([ctx_len]))
+        return cache, ctx
+
+    cache, ctx = prefill(target.params, drafter.params)
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def target_step(t, tp, cache):
+        ids = jnp.ones((1, t), jnp.int32)
+        hidden, cache, taps = tmod.apply({"params": tp}, ids, cache=cache,
+                                         tap_layers=taps_layers if t > 1 else ())
+        return _lm_logits(tmod, tp, hidden), cache.lengths
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def draft_step(bs, tp, dp, ctx):
+        ids = jnp.ones((1, bs), jnp.int32)
+        emb = tmod.apply({"params": tp}, ids, method=dj.Transformer.embed)
+        pos = ctx.lengths[:, None] + jnp.arange(bs)[None]
+        h = dmod.apply({"params": dp}, emb, pos, ctx.k, ctx.v, decode_attend(ctx.lengths))
+        return jnp.argmax(_lm_logits(tmod, tp, h[:, 1:]), -1)
+
+    rows = {}
+    for t in widths:
+        rows[t] = {"t_target_ms": 1e3 * median_time(
+            lambda: target_step(t, target.params, cache), FLAGS.repeats)}
+        if t > 1:
+            rows[t]["t_draft_ms"] = 1e3 * median_time(
+                lambda: draft_step(t, target.params, drafter.params, ctx), FLAGS.repeats)
+    t1 = rows[1]["t_target_ms"]
+    print(f"context {ctx_len}, backend {jax.default_backend()}: one autoregressive step "
+          f"t_target(1) = {t1:.3f} ms")
+    print("  bs | t_target(bs) ms | t_draft(bs) ms | step/AR-step | tau for 3x | speedup at tau=6")
+    for t in widths[1:]:
+        r = rows[t]
+        step = r["t_target_ms"] + r["t_draft_ms"]
+        r["step_over_ar"] = step / t1
+        r["tau_for_3x"] = 3.0 * step / t1
+        r["speedup_at_tau6"] = 6.0 * t1 / step
+        print(f"  {t:2d} | {r['t_target_ms']:15.3f} | {r['t_draft_ms']:14.3f} | "
+              f"{r['step_over_ar']:12.2f} | {r['tau_for_3x']:10.2f} | {r['speedup_at_tau6']:.2f}x")
+    if FLAGS.json_out:
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({"context": ctx_len, "backend": jax.default_backend(),
+                       "rows": {str(k): v for k, v in rows.items()}}, f, indent=1)
+
+
+if __name__ == "__main__":
+    app.run(main)
