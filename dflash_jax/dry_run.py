@@ -382,11 +382,14 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
     m = resolve_mesh(mesh, devices)
     tparams, dparams = abstract_params(tcfg, dcfg)
     tmod, dmod = Transformer(tcfg, "xla"), DFlashDrafter(dcfg)
-    loss_fn = loss_fn or make_reference_loss(tmod, dmod)
+    loss_name = "custom"
+    if loss_fn is None:
+        loss_fn, batch_shape, loss_name = _default_loss(tmod, dmod, batch, seq_len, num_anchors)
+    else:
+        batch_shape = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+                       "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
+                       "anchors": jax.ShapeDtypeStruct((batch, num_anchors), jnp.int32)}
     opt = make_optimizer()
-    batch_shape = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-                   "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
-                   "anchors": jax.ShapeDtypeStruct((batch, num_anchors), jnp.int32)}
     step_jit, sh = sharding.train_step_programs(
         loss_fn, opt, m, dparams, tparams, batch_shape,
         target_head_dim=tcfg.head_dim, drafter_head_dim=dcfg.body.head_dim)
@@ -406,7 +409,40 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
             "param_bytes_total": _tree_bytes(tparams) + _tree_bytes(dparams),
             "opt_bytes_total": _tree_bytes(sh["opt_shape"]),
             "programs": programs, "peak_bytes": peak, "fits": _verdict(peak),
-            "backend": jax.default_backend()}
+            "loss": loss_name, "backend": jax.default_backend()}
+
+
+def _default_loss(tmod, dmod, batch: int, seq_len: int, num_anchors: int):
+    """(loss_fn, batch shapes, name): the trainer's `training.losses.drafter_loss` when the
+    package is there, else `make_reference_loss` (batch with explicit anchors)."""
+    import jax
+    import jax.numpy as jnp
+
+    try:
+        from dflash_jax.training import losses
+    except ImportError:
+        losses = None
+    if losses is not None and hasattr(losses, "drafter_loss"):
+        cfg = dmod.cfg
+        recipe = losses.DrafterRecipe(block_size=cfg.block_size,
+                                      mask_token_id=cfg.mask_token_id,
+                                      tap_layers=tuple(cfg.target_layer_ids),
+                                      num_anchors=num_anchors,
+                                      gamma=loss_weight_gamma(cfg.block_size))
+
+        def loss_fn(dparams, tparams, b):
+            # A fixed key: anchors are data-dependent only in value, not in cost.
+            return losses.drafter_loss(tmod, dmod, recipe, dparams, tparams, b,
+                                       jax.random.PRNGKey(0))[0]
+
+        shape = {"input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+                 "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
+                 "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)}
+        return loss_fn, shape, "training.losses.drafter_loss"
+    shape = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+             "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
+             "anchors": jax.ShapeDtypeStruct((batch, num_anchors), jnp.int32)}
+    return make_reference_loss(tmod, dmod), shape, "dry_run.make_reference_loss"
 
 
 # ------------------------------------------------------------------------------ printing
@@ -423,7 +459,7 @@ def format_report(result: Dict[str, Any]) -> str:
             + (f"context {result['context']} (cache {result['capacity']})"
                if result["mode"] == "infer" else
                f"seq {result['seq_len']}, {result['num_anchors']} anchors x "
-               f"bs {result['block_size']}"))
+               f"bs {result['block_size']}, loss {result['loss']}"))
     lines = [head, "  program       args GiB  out GiB  temp GiB  code MiB  peak GiB   "
                    "TFLOP/dev  compile s"]
     for name, p in result["programs"].items():

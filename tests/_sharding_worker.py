@@ -117,17 +117,24 @@ def check_train(out):
     dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8,
                                   mask_token_id=127)
     dparams0 = dj.init_drafter_params(dcfg, 1)
-    loss_fn = dry_run.make_reference_loss(Transformer(cfg), DFlashDrafter(dcfg))
-    opt = dry_run.make_optimizer(lr=3e-3, total_steps=20)
     rng = np.random.RandomState(0)
     b, s, a = 8, 48, 4
+    # The trainer's loss when dflash_jax.training is there, else the dry run's reference loss.
+    loss_fn, shapes, loss_name = dry_run._default_loss(Transformer(cfg), DFlashDrafter(dcfg),
+                                                       b, s, a)
+    opt = dry_run.make_optimizer(lr=3e-3, total_steps=20)
     batches = []
     for _ in range(3):
-        batches.append({
-            "tokens": jnp.asarray(rng.randint(0, 127, (b, s)), jnp.int32),
-            "loss_mask": jnp.asarray((rng.rand(b, s) < 0.8), jnp.float32),
-            "anchors": jnp.asarray(np.where(rng.rand(b, a) < 0.9,
-                                            rng.randint(1, s - 4, (b, a)), -1), jnp.int32)})
+        mask = jnp.asarray((rng.rand(b, s) < 0.8), jnp.float32)
+        tokens = jnp.asarray(rng.randint(0, 127, (b, s)), jnp.int32)
+        if "input_ids" in shapes:
+            batches.append({"input_ids": tokens, "loss_mask": mask,
+                            "segment_ids": jnp.ones((b, s), jnp.int32)})
+        else:
+            batches.append({"tokens": tokens, "loss_mask": mask,
+                            "anchors": jnp.asarray(np.where(rng.rand(b, a) < 0.9,
+                                                            rng.randint(1, s - 4, (b, a)), -1),
+                                                   jnp.int32)})
     res = {}
     for spec in ("tensor=1", "data=2,fsdp=2,tensor=2"):
         mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == "tensor=1"
@@ -146,6 +153,7 @@ def check_train(out):
                      "fc_spec": str(dp["fc"]["kernel"].sharding.spec),
                      "q_spec": str(dp["layers_0"]["self_attn"]["q_proj"]["kernel"]
                                    .sharding.spec)}
+    res["loss_name"] = loss_name
     out["train"] = res
 
 
