@@ -8,8 +8,8 @@ Hq = G * Hkv; softmax in float32; output in q.dtype):
   draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None,
                   impl="auto", interpret=False, block_k=None, num_splits=None)
   training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
-                     block_size, sm_scale=None, impl="auto", interpret=False,
-                     block_q_rows=None, block_k=None)
+                     block_size, ctx_start=None, sm_scale=None, impl="auto",
+                     interpret=False, block_q_rows=None, block_k=None)
 
 impl: "auto" (Pallas on TPU/GPU, XLA on CPU) | "xla" | "pallas" |
 "pallas_tpu" | "pallas_triton" | "pallas_mosaic_gpu" (not implemented yet);
@@ -111,23 +111,27 @@ def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None,
 
 
 def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
-                       block_size: int, sm_scale=None, impl: str = "auto",
-                       interpret: bool = False, block_q_rows: int | None = None,
-                       block_k: int | None = None):
+                       block_size: int, ctx_start=None, sm_scale=None,
+                       impl: str = "auto", interpret: bool = False,
+                       block_q_rows: int | None = None, block_k: int | None = None):
   """DFlash training attention (differentiable w.r.t. q, k_ctx, v_ctx, k_blk, v_blk).
 
   q: [B,N*bs,Hq,D]; k_ctx, v_ctx: [B,S,Hkv,D]; k_blk, v_blk: [B,N*bs,Hkv,D];
-  anchors: [B,N] int32; block_valid: [B,N] bool.  Block n's queries see
-  context slot j iff j < anchors[b,n] and the bs keys of their own block;
-  rows of invalid blocks output 0 (zero gradients).  Returns [B,N*bs,Hq,D].
+  anchors: [B,N] int32; block_valid: [B,N] bool; ctx_start: optional [B,N]
+  int32 (None = 0).  Block n's queries see context slot j iff
+  ctx_start[b,n] <= j < anchors[b,n] and the bs keys of their own block
+  (packed rows: ctx_start = first position of the anchor's document); rows of
+  invalid blocks output 0 (zero gradients).  Context tiles wholly outside
+  every window of a query tile are skipped.  Returns [B,N*bs,Hq,D].
   """
   variant = backend.resolve(impl, interpret)
   if variant == backend.XLA:
     return reference.training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors,
                                         block_valid, block_size=block_size,
-                                        sm_scale=sm_scale)
+                                        ctx_start=ctx_start, sm_scale=sm_scale)
   from . import training
   return training.training_attention(
       q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid,
-      block_size=block_size, sm_scale=sm_scale, variant=variant,
-      interpret=interpret, rows_target=block_q_rows, block_k=block_k)
+      block_size=block_size, ctx_start=ctx_start, sm_scale=sm_scale,
+      variant=variant, interpret=interpret, rows_target=block_q_rows,
+      block_k=block_k)

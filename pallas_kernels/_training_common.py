@@ -5,12 +5,17 @@ query tile holds `nb` whole DFlash blocks, i.e. bq = nb*block_size tokens =
 TQ = bq*G rows, padded to TQP rows (TPU: sublane multiple; Triton: power of
 two).  The tile's own block keys form a bq-token tile padded to BQP.  Every
 row carries `a` = anchors[b, n] (its block's context limit, clipped to
-[0, S]) or -1 for invalid blocks / padding rows.  The mask is then
+[0, S]) or -1 for invalid blocks / padding rows, and `s` = ctx_start[b, n]
+(the first visible context slot, clipped to [0, S]; 0 for invalid/padding
+rows).  The mask is then
 
-    context slot j : j < a[row]
+    context slot j : s[row] <= j < a[row]
     block key  c   : block(row) == block(c)  and  a[row] >= 0
 
-so whole context tiles beyond max(a) of a query tile are skipped.
+Per query tile, `tile_bounds` gives the range of context tiles [lo, hi) that
+any of its rows can see (tiles wholly below min(s) or at/above max(a) are
+skipped) and the range [flo, fhi) of tiles every row sees entirely (these
+take a mask-free path).
 """
 from __future__ import annotations
 
@@ -100,14 +105,27 @@ def tiles_to_blk(x, lay: Layout):
   return x.reshape(b, lay.nqt * lay.bq, lay.hkv, lay.d)[:, : lay.n * lay.bs]
 
 
-def row_anchor(anchors, block_valid, lay: Layout):
-  """[B, nqt*TQP] int32: context limit per row, -1 = sees nothing."""
+def row_limits(anchors, ctx_start, block_valid, lay: Layout):
+  """Per row context window [s, a): two [B, nqt*TQP] int32 arrays (a, s).
+
+  a = clip(anchor, 0, S), -1 = the row sees nothing (not even block keys);
+  s = clip(ctx_start, 0, S) (0 when ctx_start is None or the row is invalid).
+  """
+  def per_row(x, fill):
+    x = C.pad_axis(x, 1, lay.nqt * lay.nb, fill)                # [B, nqt*nb]
+    x = jnp.repeat(x, lay.bs * lay.g, axis=1)                    # per row
+    x = x.reshape(x.shape[0], lay.nqt, lay.tq)
+    return C.pad_axis(x, 2, lay.tqp, fill).reshape(x.shape[0], lay.nqt * lay.tqp)
+
+  valid = block_valid.astype(bool)
   a = jnp.clip(anchors.astype(jnp.int32), 0, lay.s_len)
-  a = jnp.where(block_valid.astype(bool), a, -1)
-  a = C.pad_axis(a, 1, lay.nqt * lay.nb, -1)                  # [B, nqt*nb]
-  a = jnp.repeat(a, lay.bs * lay.g, axis=1)                    # per row
-  a = a.reshape(a.shape[0], lay.nqt, lay.tq)
-  return C.pad_axis(a, 2, lay.tqp, -1).reshape(a.shape[0], lay.nqt * lay.tqp)
+  a = jnp.where(valid, a, -1)
+  if ctx_start is None:
+    s = jnp.zeros_like(a)
+  else:
+    s = jnp.clip(ctx_start.astype(jnp.int32), 0, lay.s_len)
+    s = jnp.where(valid, s, 0)
+  return per_row(a, -1), per_row(s, 0)
 
 
 def row_block_ids(lay: Layout) -> np.ndarray:
@@ -122,20 +140,37 @@ def col_block_ids(lay: Layout) -> np.ndarray:
   return np.where(c < lay.bq, c // lay.bs, -2).astype(np.int32)
 
 
-def tile_bounds(a_rows, lay: Layout):
-  """Per (b, query tile): max of a (>= 0) and min of a over real rows."""
-  a = a_rows.reshape(a_rows.shape[0], lay.nqt, lay.tqp)[:, :, : lay.tq]
-  return jnp.maximum(jnp.max(a, axis=2), 0), jnp.min(a, axis=2)
+def tile_bounds(a_rows, s_rows, lay: Layout):
+  """Context-tile ranges per (b, query tile), each [B, nqt] int32 (tile units).
+
+  lo, hi: tiles [lo, hi) hold every context slot any real row of the tile
+    sees (hi == lo when none): tiles below or above are skipped.
+  flo, fhi: tiles [flo, fhi) are seen entirely by every real row (mask-free);
+    fhi <= flo when there are none.  lo <= flo and fhi <= hi whenever fhi > flo.
+  """
+  shape = (a_rows.shape[0], lay.nqt, lay.tqp)
+  a = a_rows.reshape(shape)[:, :, : lay.tq]
+  s = s_rows.reshape(shape)[:, :, : lay.tq]
+  sees = s < a
+  big = jnp.int32(lay.nkt * lay.tk)
+  lo_pos = jnp.min(jnp.where(sees, s, big), axis=2)
+  hi_pos = jnp.max(jnp.where(sees, a, 0), axis=2)
+  hi = (hi_pos + lay.tk - 1) // lay.tk
+  lo = jnp.minimum(lo_pos // lay.tk, hi)
+  flo = (jnp.max(s, axis=2) + lay.tk - 1) // lay.tk
+  fhi = jnp.maximum(jnp.min(a, axis=2), 0) // lay.tk
+  return lo, hi, flo, fhi
 
 
-def kv_tile_lists(tile_max, lay: Layout):
+def kv_tile_lists(lo, hi, lay: Layout):
   """Query tiles that see each context tile, compacted.
 
+  lo, hi: [B, nqt] context-tile ranges of the query tiles (`tile_bounds`).
   Returns qlist [B, nkt, nqt] (needed tiles first, the tail repeats the last
   needed one so a clamped index_map issues no new DMA) and qcount [B, nkt].
   """
-  starts = jnp.arange(lay.nkt, dtype=jnp.int32) * lay.tk
-  need = tile_max[:, None, :] > starts[None, :, None]           # [B, nkt, nqt]
+  kt = jnp.arange(lay.nkt, dtype=jnp.int32)
+  need = (lo[:, None, :] <= kt[None, :, None]) & (kt[None, :, None] < hi[:, None, :])
   qcount = jnp.sum(need, axis=2).astype(jnp.int32)
   order = jnp.argsort(jnp.logical_not(need), axis=2, stable=True).astype(jnp.int32)
   last = jnp.take_along_axis(order, jnp.maximum(qcount - 1, 0)[..., None], axis=2)

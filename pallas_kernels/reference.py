@@ -69,11 +69,12 @@ def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None):
   return masked_attention(q, k, v, mask, sm_scale)
 
 
-def training_mask(anchors, block_valid, ctx_len, block_size):
+def training_mask(anchors, block_valid, ctx_len, block_size, ctx_start=None):
   """[B, N*bs, S + N*bs] DFlash training mask.
 
   Query row i belongs to block n = i // block_size.  It sees context slot j
-  iff j < anchors[b, n] (strictly) and the block_size keys of its own block
+  iff ctx_start[b, n] <= j < anchors[b, n] (strictly below the anchor;
+  ctx_start defaults to 0) and the block_size keys of its own block
   (bidirectional); rows of invalid blocks see nothing.
   """
   b, n = anchors.shape
@@ -83,18 +84,22 @@ def training_mask(anchors, block_valid, ctx_len, block_size):
   row_valid = block_valid[:, blk_of_row]                   # [B, rows]
   j = jnp.arange(ctx_len, dtype=jnp.int32)
   ctx = (j[None, None, :] < row_anchor[:, :, None]) & row_valid[:, :, None]
+  if ctx_start is not None:
+    ctx &= j[None, None, :] >= ctx_start[:, blk_of_row][:, :, None]
   same = blk_of_row[:, None] == blk_of_row[None, :]
   blk = same[None] & row_valid[:, :, None]
   return jnp.concatenate([ctx, blk], axis=2)
 
 
 def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
-                       block_size, sm_scale=None):
+                       block_size, ctx_start=None, sm_scale=None):
   n = anchors.shape[1]
   if q.shape[1] != n * block_size or k_blk.shape[1] != n * block_size:
     raise ValueError("q/k_blk length must equal anchors.shape[1] * block_size")
   k = jnp.concatenate([k_ctx, k_blk.astype(k_ctx.dtype)], axis=1)
   v = jnp.concatenate([v_ctx, v_blk.astype(v_ctx.dtype)], axis=1)
+  if ctx_start is not None:
+    ctx_start = ctx_start.astype(jnp.int32)
   mask = training_mask(anchors.astype(jnp.int32), block_valid.astype(bool),
-                       k_ctx.shape[1], block_size)
+                       k_ctx.shape[1], block_size, ctx_start)
   return masked_attention(q, k, v, mask, sm_scale)

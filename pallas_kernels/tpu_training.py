@@ -7,11 +7,13 @@ kernels as (tile, D) blocks: when D % 128 == 0 through the free view
 head-major copy [B, Hkv, L, D] (D is then the full minor dim).  The context
 is zero-padded to a multiple of the context tile.
 
-forward  grid (B, Hkv, nqt, nkt+1): steps 0..nkt-1 visit context tiles
-         (tiles >= cdiv(max anchor of the query tile, tk) are skipped, their
-         index_map clamped so no DMA happens; tiles below min anchor take a
-         mask-free path), the last step adds the tile's own block keys
-         (block-diagonal mask) and writes O and the log-sum-exp.
+forward  grid (B, Hkv, nqt, nkt+1): step i < hi-lo visits context tile
+         lo+i, where [lo, hi) are the tiles the query tile's context windows
+         [ctx_start, anchor) touch (scalar-prefetched, see
+         TC.tile_bounds); the remaining steps are skipped with the
+         index_map clamped to hi-1 so no DMA happens; tiles every row sees
+         entirely take a mask-free path.  The last step adds the tile's own
+         block keys (block-diagonal mask) and writes O and the log-sum-exp.
 backward dq  kernel, same grid: dQ over context tiles + at the last step
          the block part, which also yields dK_blk / dV_blk (a block's keys
          are seen only by its own query tile).
@@ -19,7 +21,7 @@ backward dq  kernel, same grid: dQ over context tiles + at the last step
          context tile accumulated over the compacted list of query tiles
          that see it (scalar-prefetched qlist / qcount).
 
-Per-row statistics (anchor, block id, lse, delta) travel as [rows, STAT]
+Per-row statistics (anchor, block id, ctx start; lse, delta) travel as [rows, STAT]
 arrays (value broadcast along STAT lanes) so they load as 2-D tiles.
 """
 from __future__ import annotations
@@ -37,10 +39,6 @@ from .tpu_decode import _col, _online_update
 
 STAT = 8      # lanes of per-row statistics in HBM (== full last dim)
 POS = 1e30    # lse of rows that see nothing: exp(s - POS) == 0 in backward
-
-
-def _cdiv(a, b):
-  return jax.lax.div(a + (b - 1), b)
 
 
 class _KVView:
@@ -76,13 +74,24 @@ class _KVView:
 
 
 # ----------------------------------------------------------------- forward --
-def _fwd_kernel(tmax_ref, tmin_ref, q_ref, st_ref, cb_ref, kc_ref, vc_ref,
+def _bounds(bnd_ref, idx):
+  """(lo, hi, flo, fhi) of query tile idx (see TC.tile_bounds)."""
+  return tuple(bnd_ref[idx * 4 + c] for c in range(4))
+
+
+def _ctx_mask(st_ref, t, tk, rows):
+  """(rows, tk) mask of context tile t: ctx_start <= col < anchor."""
+  col = t * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
+  return (col >= _col(st_ref, 2)) & (col < _col(st_ref, 0))
+
+
+def _fwd_kernel(bnd_ref, q_ref, st_ref, cb_ref, kc_ref, vc_ref,
                 kb_ref, vb_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref, *,
                 tk, nkt, scale, prec):
   b, qt, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  idx = b * pl.num_programs(2) + qt
-  n_ctx = _cdiv(tmax_ref[idx], tk)
-  n_full = jax.lax.div(jnp.maximum(tmin_ref[idx], 0), tk)
+  lo, hi, flo, fhi = _bounds(bnd_ref, b * pl.num_programs(2) + qt)
+  t = lo + i                       # context tile visited by this step
+  full = (t >= flo) & (t < fhi)
   rows = q_ref.shape[0]
   upd = functools.partial(_online_update, m_ref=m_ref, l_ref=l_ref,
                           acc_ref=acc_ref, scale=scale, prec=prec)
@@ -93,14 +102,13 @@ def _fwd_kernel(tmax_ref, tmin_ref, q_ref, st_ref, cb_ref, kc_ref, vc_ref,
     l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
     acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  @pl.when(i < n_full)
+  @pl.when((t < hi) & full)
   def _full():
     upd(q_ref[...], kc_ref[...], vc_ref[...])
 
-  @pl.when((i >= n_full) & (i < n_ctx))
+  @pl.when((t < hi) & jnp.logical_not(full))
   def _partial():
-    col = i * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    upd(q_ref[...], kc_ref[...], vc_ref[...], mask=col < _col(st_ref, 0))
+    upd(q_ref[...], kc_ref[...], vc_ref[...], mask=_ctx_mask(st_ref, t, tk, rows))
 
   @pl.when(i == nkt)
   def _block_and_finalize():
@@ -114,28 +122,30 @@ def _fwd_kernel(tmax_ref, tmin_ref, q_ref, st_ref, cb_ref, kc_ref, vc_ref,
     lse_ref[...] = jnp.broadcast_to(lse, (rows, STAT))
 
 
-def _prep(lay, kc, vc, kb_t, vb_t, a_rows):
+def _prep(lay, kc, vc, kb_t, vb_t, a_rows, s_rows):
   view = _KVView(lay.hkv, lay.d)
   kc2 = view.to(C.pad_axis(kc, 1, lay.s_pad))
   vc2 = view.to(C.pad_axis(vc, 1, lay.s_pad))
   kb2, vb2 = view.to(kb_t), view.to(vb_t)
   rb = jnp.asarray(TC.row_block_ids(lay))
-  st = jnp.stack([a_rows, jnp.broadcast_to(jnp.tile(rb, lay.nqt), a_rows.shape)],
-                 axis=-1)
+  st = jnp.stack([a_rows, jnp.broadcast_to(jnp.tile(rb, lay.nqt), a_rows.shape),
+                  s_rows], axis=-1)
   st = C.pad_axis(st, 2, STAT)                                   # [B, rows, STAT]
   cb = jnp.broadcast_to(jnp.asarray(TC.col_block_ids(lay))[None], (8, lay.bqp))
-  tmax, tmin = TC.tile_bounds(a_rows, lay)
-  return view, kc2, vc2, kb2, vb2, st, cb, tmax.reshape(-1), tmin.reshape(-1)
+  lo, hi, flo, fhi = TC.tile_bounds(a_rows, s_rows, lay)         # [B, nqt] each
+  bnd = jnp.stack([lo, hi, flo, fhi], axis=-1).reshape(-1)       # [B*nqt*4]
+  return view, kc2, vc2, kb2, vb2, st, cb, bnd, (lo, hi, flo, fhi)
 
 
 def _q_grid_specs(lay, view):
-  """BlockSpecs for grids (B, Hkv, nqt, steps) with scalar prefetch (tmax, tmin)."""
+  """BlockSpecs for grids (B, Hkv, nqt, steps) with scalar prefetch bnd."""
   d, tqp, bqp, tk, nqt = lay.d, lay.tqp, lay.bqp, lay.tk, lay.nqt
   qmap = lambda bi, hi, qi, ii, *_: (bi, hi, qi, 0)
 
-  def ctx_index(bi, hi, qi, ii, tmax_ref, tmin_ref):
-    n_ctx = _cdiv(tmax_ref[bi * nqt + qi], tk)
-    return bi, hi, jnp.maximum(jnp.minimum(ii, n_ctx - 1), 0)   # clamp: no DMA
+  def ctx_index(bi, hi, qi, ii, bnd_ref):
+    lo, hi_t, _, _ = _bounds(bnd_ref, bi * nqt + qi)
+    # Step ii visits tile lo+ii; steps past hi-1 repeat it (clamp: no DMA).
+    return bi, hi, jnp.maximum(jnp.minimum(lo + ii, hi_t - 1), 0)
 
   return dict(
       q=pl.BlockSpec((None, None, tqp, d), qmap),
@@ -147,15 +157,16 @@ def _q_grid_specs(lay, view):
   )
 
 
-def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, *, scale, interpret):
+def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, s_rows, *, scale, interpret):
   """Returns (o_t [B,Hkv,rows,D] in q dtype, lse [B,Hkv,rows,STAT] f32)."""
-  view, kc2, vc2, kb2, vb2, st, cb, tmax, tmin = _prep(lay, kc, vc, kb_t, vb_t, a_rows)
+  view, kc2, vc2, kb2, vb2, st, cb, bnd, _ = _prep(lay, kc, vc, kb_t, vb_t,
+                                                   a_rows, s_rows)
   sp = _q_grid_specs(lay, view)
   rows = lay.nqt * lay.tqp
   kernel = functools.partial(_fwd_kernel, tk=lay.tk, nkt=lay.nkt, scale=scale,
                              prec=C.dot_precision(q_t.dtype))
   grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
+      num_scalar_prefetch=1,
       grid=(lay.b, lay.hkv, lay.nqt, lay.nkt + 1),
       in_specs=[sp["q"], sp["st"], sp["cb"], sp["ctx"], sp["ctx"], sp["blk"], sp["blk"]],
       out_specs=[sp["q"], sp["stat_f"]],
@@ -177,7 +188,7 @@ def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, *, scale, interpret):
       cost_estimate=cost,
       interpret=interpret,
       name="dflash_training_fwd_tpu",
-  )(tmax, tmin, q_t, st, cb, kc2, vc2, kb2, vb2)
+  )(bnd, q_t, st, cb, kc2, vc2, kb2, vb2)
 
 
 # ---------------------------------------------------------------- backward --
@@ -202,13 +213,13 @@ _NN = ((1,), (0,))   # a @ b
 _TN = ((0,), (0,))   # a.T @ b
 
 
-def _dq_kernel(tmax_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_ref,
+def _dq_kernel(bnd_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_ref,
                kc_ref, vc_ref, kb_ref, vb_ref, dq_ref, dkb_ref, dvb_ref, dq_acc,
                *, tk, nkt, scale, prec):
   b, qt, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
-  idx = b * pl.num_programs(2) + qt
-  n_ctx = _cdiv(tmax_ref[idx], tk)
-  n_full = jax.lax.div(jnp.maximum(tmin_ref[idx], 0), tk)
+  lo, hi, flo, fhi = _bounds(bnd_ref, b * pl.num_programs(2) + qt)
+  t = lo + i
+  full = (t >= flo) & (t < fhi)
   rows = q_ref.shape[0]
 
   @pl.when(i == 0)
@@ -221,14 +232,13 @@ def _dq_kernel(tmax_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_re
                         _col(dl_ref, 0), scale=scale, prec=prec, mask=mask)
     dq_acc[...] += _mm(ds.astype(k.dtype), k, _NN, prec)
 
-  @pl.when(i < n_full)
+  @pl.when((t < hi) & full)
   def _full():
     ctx_step(None)
 
-  @pl.when((i >= n_full) & (i < n_ctx))
+  @pl.when((t < hi) & jnp.logical_not(full))
   def _partial():
-    col = i * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    ctx_step(col < _col(st_ref, 0))
+    ctx_step(_ctx_mask(st_ref, t, tk, rows))
 
   @pl.when(i == nkt)
   def _block():
@@ -243,14 +253,15 @@ def _dq_kernel(tmax_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref, st_ref, cb_re
     dvb_ref[...] = _mm(p.astype(do.dtype), do, _TN, prec).astype(dvb_ref.dtype)
 
 
-def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
+def _dkv_kernel(qlist_ref, qcount_ref, bnd_ref, q_ref, do_ref, lse_ref, dl_ref,
                 st_ref, kc_ref, vc_ref, dk_ref, dv_ref, dk_acc, dv_acc, *,
                 tk, nqt, nkt, scale, prec):
   b, kt, i = pl.program_id(0), pl.program_id(2), pl.program_id(3)
   lidx = b * nkt + kt
   cnt = qcount_ref[lidx]
   qt = qlist_ref[lidx * nqt + i]
-  full = tmin_ref[b * nqt + qt] >= (kt + 1) * tk
+  _, _, flo, fhi = _bounds(bnd_ref, b * nqt + qt)
+  full = (kt >= flo) & (kt < fhi)
   rows = q_ref.shape[0]
 
   @pl.when(i == 0)
@@ -271,8 +282,7 @@ def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
 
   @pl.when((i < cnt) & jnp.logical_not(full))
   def _partial():
-    col = kt * tk + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    step(col < _col(st_ref, 0))
+    step(_ctx_mask(st_ref, kt, tk, rows))
 
   @pl.when(i == nqt - 1)
   def _write():
@@ -281,8 +291,9 @@ def _dkv_kernel(qlist_ref, qcount_ref, tmin_ref, q_ref, do_ref, lse_ref, dl_ref,
 
 
 def backward(lay, res, do_t, *, scale, interpret):
-  q_t, kc, vc, kb_t, vb_t, a_rows, o_t, lse = res
-  view, kc2, vc2, kb2, vb2, st, cb, tmax, tmin = _prep(lay, kc, vc, kb_t, vb_t, a_rows)
+  q_t, kc, vc, kb_t, vb_t, a_rows, s_rows, o_t, lse = res
+  view, kc2, vc2, kb2, vb2, st, cb, bnd, (lo, hi, _, _) = _prep(
+      lay, kc, vc, kb_t, vb_t, a_rows, s_rows)
   b, hkv, d = lay.b, lay.hkv, lay.d
   rows = lay.nqt * lay.tqp
   prec = C.dot_precision(q_t.dtype)
@@ -299,7 +310,7 @@ def backward(lay, res, do_t, *, scale, interpret):
                  jax.ShapeDtypeStruct(kb2.shape, kb_t.dtype),
                  jax.ShapeDtypeStruct(vb2.shape, vb_t.dtype)],
       grid_spec=pltpu.PrefetchScalarGridSpec(
-          num_scalar_prefetch=2,
+          num_scalar_prefetch=1,
           grid=(b, hkv, lay.nqt, lay.nkt + 1),
           in_specs=[sp["q"], sp["q"], sp["stat_f"], sp["stat_f"], sp["st"], sp["cb"],
                     sp["ctx"], sp["ctx"], sp["blk"], sp["blk"]],
@@ -308,11 +319,11 @@ def backward(lay, res, do_t, *, scale, interpret):
       compiler_params=pltpu.CompilerParams(dimension_semantics=sems),
       interpret=interpret,
       name="dflash_training_bwd_dq_tpu",
-  )(tmax, tmin, q_t, do_t, lse, delta, st, cb, kc2, vc2, kb2, vb2)
+  )(bnd, q_t, do_t, lse, delta, st, cb, kc2, vc2, kb2, vb2)
 
   # dK_ctx, dV_ctx: grid over context tiles, inner loop over the query tiles
   # that see the tile (compacted list, scalar-prefetched).
-  qlist, qcount = TC.kv_tile_lists(tmax.reshape(b, lay.nqt), lay)
+  qlist, qcount = TC.kv_tile_lists(lo, hi, lay)
   nqt, nkt = lay.nqt, lay.nkt
 
   def qsel(bi, hi, ki, ii, ql_ref, *_):
@@ -340,7 +351,7 @@ def backward(lay, res, do_t, *, scale, interpret):
       compiler_params=pltpu.CompilerParams(dimension_semantics=sems),
       interpret=interpret,
       name="dflash_training_bwd_dkv_tpu",
-  )(qlist.reshape(-1), qcount.reshape(-1), tmin, q_t, do_t, lse, delta, st, kc2, vc2)
+  )(qlist.reshape(-1), qcount.reshape(-1), bnd, q_t, do_t, lse, delta, st, kc2, vc2)
 
   dkc = view.back(dk2)[:, : lay.s_len]
   dvc = view.back(dv2)[:, : lay.s_len]

@@ -38,23 +38,26 @@ def _module(variant):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _core(cfg, q_t, kc, vc, kb_t, vb_t, a_rows):
+def _core(cfg, q_t, kc, vc, kb_t, vb_t, a_rows, s_rows):
   o_t, _ = _module(cfg.variant).forward(cfg.lay, q_t, kc, vc, kb_t, vb_t, a_rows,
-                                        scale=cfg.scale, interpret=cfg.interpret)
+                                        s_rows, scale=cfg.scale,
+                                        interpret=cfg.interpret)
   return o_t
 
 
-def _core_fwd(cfg, q_t, kc, vc, kb_t, vb_t, a_rows):
+def _core_fwd(cfg, q_t, kc, vc, kb_t, vb_t, a_rows, s_rows):
   o_t, lse = _module(cfg.variant).forward(cfg.lay, q_t, kc, vc, kb_t, vb_t, a_rows,
-                                          scale=cfg.scale, interpret=cfg.interpret)
-  return o_t, (q_t, kc, vc, kb_t, vb_t, a_rows, o_t, lse)
+                                          s_rows, scale=cfg.scale,
+                                          interpret=cfg.interpret)
+  return o_t, (q_t, kc, vc, kb_t, vb_t, a_rows, s_rows, o_t, lse)
 
 
 def _core_bwd(cfg, res, do_t):
   dq, dkc, dvc, dkb, dvb = _module(cfg.variant).backward(
       cfg.lay, res, do_t, scale=cfg.scale, interpret=cfg.interpret)
-  a_rows = res[5]
-  return dq, dkc, dvc, dkb, dvb, np.zeros(a_rows.shape, jax.dtypes.float0)
+  a_rows, s_rows = res[5], res[6]
+  return (dq, dkc, dvc, dkb, dvb, np.zeros(a_rows.shape, jax.dtypes.float0),
+          np.zeros(s_rows.shape, jax.dtypes.float0))
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -66,7 +69,7 @@ _DEFAULTS = {BK.TPU: dict(rows_target=256, block_k=512),
 
 
 def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
-                       block_size, sm_scale=None, variant=BK.TPU,
+                       block_size, ctx_start=None, sm_scale=None, variant=BK.TPU,
                        interpret=False, rows_target=None, block_k=None):
   b, l, hq, d, hkv, g = C.check_gqa(q, k_ctx)
   n = anchors.shape[1]
@@ -77,6 +80,7 @@ def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
   if k_ctx.shape[1] == 0:
     # No context at all: one dummy zero slot that no query can see.
     anchors = jnp.zeros_like(anchors)
+    ctx_start = None
     k_ctx = C.pad_axis(k_ctx, 1, 1)
     v_ctx = C.pad_axis(v_ctx, 1, 1)
   dflt = _DEFAULTS[variant]
@@ -88,7 +92,7 @@ def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
     pad = lambda x: C.pad_axis(x, 3, dp)
     o = training_attention(pad(q), pad(k_ctx), pad(v_ctx), pad(k_blk), pad(v_blk),
                            anchors, block_valid, block_size=block_size,
-                           sm_scale=scale, variant=variant, interpret=interpret,
+                           ctx_start=ctx_start, sm_scale=scale, variant=variant, interpret=interpret,
                            rows_target=rows_target, block_k=block_k)
     return o[..., :d]
   lay = TC.make_layout(
@@ -101,6 +105,6 @@ def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
   q_t = TC.q_to_tiles(q, lay)
   kb_t = TC.blk_to_tiles(k_blk.astype(k_ctx.dtype), lay)
   vb_t = TC.blk_to_tiles(v_blk.astype(v_ctx.dtype), lay)
-  a_rows = TC.row_anchor(anchors, block_valid, lay)
-  o_t = _core(cfg, q_t, k_ctx, v_ctx, kb_t, vb_t, a_rows)
+  a_rows, s_rows = TC.row_limits(anchors, ctx_start, block_valid, lay)
+  o_t = _core(cfg, q_t, k_ctx, v_ctx, kb_t, vb_t, a_rows, s_rows)
   return TC.tiles_to_q(o_t, lay)

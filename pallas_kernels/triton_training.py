@@ -4,8 +4,9 @@ Same layout/mask as tpu_training (see _training_common).  Context K/V are read
 straight from [B, S, Hkv, D] with masked loads (no padding copy).
 
 forward  grid (B, Hkv, nqt): one query tile (TQP rows = nb blocks x G heads)
-         loops over context tiles [0, cdiv(max anchor of the tile, tk)) --
-         fully masked tiles are never visited -- then its own block keys.
+         loops over the context tiles [lo, hi) its rows' windows
+         [ctx_start, anchor) touch -- fully masked tiles below and above are
+         never visited -- then its own block keys.
 backward dq kernel, grid (B, Hkv, nqt): dQ + dK_blk/dV_blk (block keys are
          private to their query tile).  dkv kernel, grid (B, Hkv, nkt): one
          context tile accumulates dK/dV over the compacted list of query
@@ -53,13 +54,25 @@ def _load_ctx(ref, start, tk, s_len):
   return plgpu.load(ref.at[pl.ds(start, tk), :], mask=ok[:, None], other=0.0)
 
 
-def _fwd_kernel(q_ref, a_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, lse_ref, *,
-                lay, scale, prec):
+def _tile_range(a, s, lay):
+  """Context tiles [lo, hi) touched by the rows' windows [s, a) (cf. TC.tile_bounds)."""
+  sees = s < a
+  hi = _cdiv(jnp.max(jnp.where(sees, a, 0)), lay.tk)
+  lo = jax.lax.div(jnp.min(jnp.where(sees, s, lay.nkt * lay.tk)), lay.tk)
+  return jnp.minimum(lo, hi), hi
+
+
+def _ctx_mask(cols, a, s):
+  return (cols[None, :] >= s[:, None]) & (cols[None, :] < a[:, None])
+
+
+def _fwd_kernel(q_ref, a_ref, s_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, lse_ref,
+                *, lay, scale, prec):
   tk = lay.tk
   q = q_ref[...]
-  a = a_ref[...]
+  a, s = a_ref[...], s_ref[...]
   rows, d = q.shape
-  n_ctx = _cdiv(jnp.maximum(jnp.max(a), 0), tk)
+  lo, hi = _tile_range(a, s, lay)
 
   def update(k, v, mask, carry):
     m, l, acc = carry
@@ -75,11 +88,11 @@ def _fwd_kernel(q_ref, a_ref, kc_ref, vc_ref, kb_ref, vb_ref, o_ref, lse_ref, *,
     k = _load_ctx(kc_ref, start, tk, lay.s_len)
     v = _load_ctx(vc_ref, start, tk, lay.s_len)
     cols = start + jnp.arange(tk, dtype=jnp.int32)
-    return update(k, v, cols[None, :] < a[:, None], carry)
+    return update(k, v, _ctx_mask(cols, a, s), carry)
 
   carry = (jnp.full((rows,), C.NEG, jnp.float32), jnp.zeros((rows,), jnp.float32),
            jnp.zeros((rows, d), jnp.float32))
-  carry = jax.lax.fori_loop(0, n_ctx, body, carry)
+  carry = jax.lax.fori_loop(lo, hi, body, carry)
   rowblk, colblk = _ids(lay)
   mask = (rowblk[:, None] == colblk[None, :]) & (a >= 0)[:, None]
   m, l, acc = update(kb_ref[...], vb_ref[...], mask, carry)
@@ -104,7 +117,7 @@ def _params(lay):
   return plgpu.CompilerParams(num_warps=4 if lay.d <= 64 else 8, num_stages=2)
 
 
-def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, *, scale, interpret):
+def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, s_rows, *, scale, interpret):
   sp = _specs(lay)
   rows = lay.nqt * lay.tqp
   return pl.pallas_call(
@@ -113,12 +126,12 @@ def forward(lay, q_t, kc, vc, kb_t, vb_t, a_rows, *, scale, interpret):
       out_shape=[jax.ShapeDtypeStruct((lay.b, lay.hkv, rows, lay.d), q_t.dtype),
                  jax.ShapeDtypeStruct((lay.b, lay.hkv, rows), jnp.float32)],
       grid=(lay.b, lay.hkv, lay.nqt),
-      in_specs=[sp["q"], sp["a"], sp["ctx"], sp["ctx"], sp["blk"], sp["blk"]],
+      in_specs=[sp["q"], sp["a"], sp["a"], sp["ctx"], sp["ctx"], sp["blk"], sp["blk"]],
       out_specs=[sp["q"], sp["row"]],
       compiler_params=_params(lay),
       interpret=interpret,
       name="dflash_training_fwd_triton",
-  )(q_t, a_rows, kc, vc, kb_t, vb_t)
+  )(q_t, a_rows, s_rows, kc, vc, kb_t, vb_t)
 
 
 def _bwd_p_ds(q, k, v, do, lse, delta, mask, scale, prec):
@@ -127,21 +140,22 @@ def _bwd_p_ds(q, k, v, do, lse, delta, mask, scale, prec):
   return p, ds
 
 
-def _dq_kernel(q_ref, do_ref, lse_ref, dl_ref, a_ref, kc_ref, vc_ref, kb_ref,
+def _dq_kernel(q_ref, do_ref, lse_ref, dl_ref, a_ref, s_ref, kc_ref, vc_ref, kb_ref,
                vb_ref, dq_ref, dkb_ref, dvb_ref, *, lay, scale, prec):
   tk = lay.tk
-  q, do, lse, delta, a = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...], a_ref[...]
-  n_ctx = _cdiv(jnp.maximum(jnp.max(a), 0), tk)
+  q, do, lse, delta = q_ref[...], do_ref[...], lse_ref[...], dl_ref[...]
+  a, s = a_ref[...], s_ref[...]
+  lo, hi = _tile_range(a, s, lay)
 
   def body(j, dq):
     start = pl.multiple_of(j * tk, tk)
     k = _load_ctx(kc_ref, start, tk, lay.s_len)
     v = _load_ctx(vc_ref, start, tk, lay.s_len)
     cols = start + jnp.arange(tk, dtype=jnp.int32)
-    _, ds = _bwd_p_ds(q, k, v, do, lse, delta, cols[None, :] < a[:, None], scale, prec)
+    _, ds = _bwd_p_ds(q, k, v, do, lse, delta, _ctx_mask(cols, a, s), scale, prec)
     return dq + _dot(ds.astype(k.dtype), k, _NN, prec)
 
-  dq = jax.lax.fori_loop(0, n_ctx, body, jnp.zeros(q.shape, jnp.float32))
+  dq = jax.lax.fori_loop(lo, hi, body, jnp.zeros(q.shape, jnp.float32))
   rowblk, colblk = _ids(lay)
   mask = (rowblk[:, None] == colblk[None, :]) & (a >= 0)[:, None]
   kb, vb = kb_ref[...], vb_ref[...]
@@ -153,7 +167,7 @@ def _dq_kernel(q_ref, do_ref, lse_ref, dl_ref, a_ref, kc_ref, vc_ref, kb_ref,
   dvb_ref[...] = _dot(p.astype(do.dtype), do, _TN, prec).astype(dvb_ref.dtype)
 
 
-def _dkv_kernel(qlist_ref, qcount_ref, q_ref, do_ref, lse_ref, dl_ref, a_ref,
+def _dkv_kernel(qlist_ref, qcount_ref, q_ref, do_ref, lse_ref, dl_ref, a_ref, s_ref,
                 kc_ref, vc_ref, dk_ref, dv_ref, *, lay, scale, prec):
   tk, tqp = lay.tk, lay.tqp
   kt = pl.program_id(2)
@@ -172,7 +186,8 @@ def _dkv_kernel(qlist_ref, qcount_ref, q_ref, do_ref, lse_ref, dl_ref, a_ref,
     lse = lse_ref[pl.ds(r0, tqp)]
     delta = dl_ref[pl.ds(r0, tqp)]
     a = a_ref[pl.ds(r0, tqp)]
-    p, ds = _bwd_p_ds(q, k, v, do, lse, delta, cols[None, :] < a[:, None], scale, prec)
+    s = s_ref[pl.ds(r0, tqp)]
+    p, ds = _bwd_p_ds(q, k, v, do, lse, delta, _ctx_mask(cols, a, s), scale, prec)
     dv = dv + _dot(p.astype(do.dtype), do, _TN, prec)
     dk = dk + _dot(ds.astype(q.dtype), q, _TN, prec)
     return dk, dv
@@ -185,7 +200,7 @@ def _dkv_kernel(qlist_ref, qcount_ref, q_ref, do_ref, lse_ref, dl_ref, a_ref,
 
 
 def backward(lay, res, do_t, *, scale, interpret):
-  q_t, kc, vc, kb_t, vb_t, a_rows, o_t, lse = res
+  q_t, kc, vc, kb_t, vb_t, a_rows, s_rows, o_t, lse = res
   b, hkv, d = lay.b, lay.hkv, lay.d
   rows = lay.nqt * lay.tqp
   prec = C.dot_precision(q_t.dtype)
@@ -198,16 +213,16 @@ def backward(lay, res, do_t, *, scale, interpret):
                  jax.ShapeDtypeStruct(kb_t.shape, kb_t.dtype),
                  jax.ShapeDtypeStruct(vb_t.shape, vb_t.dtype)],
       grid=(b, hkv, lay.nqt),
-      in_specs=[sp["q"], sp["q"], sp["row"], sp["row"], sp["a"], sp["ctx"],
+      in_specs=[sp["q"], sp["q"], sp["row"], sp["row"], sp["a"], sp["a"], sp["ctx"],
                 sp["ctx"], sp["blk"], sp["blk"]],
       out_specs=[sp["q"], sp["blk"], sp["blk"]],
       compiler_params=_params(lay),
       interpret=interpret,
       name="dflash_training_bwd_dq_triton",
-  )(q_t, do_t, lse, delta, a_rows, kc, vc, kb_t, vb_t)
+  )(q_t, do_t, lse, delta, a_rows, s_rows, kc, vc, kb_t, vb_t)
 
-  tmax, _ = TC.tile_bounds(a_rows, lay)
-  qlist, qcount = TC.kv_tile_lists(tmax, lay)
+  lo, hi, _, _ = TC.tile_bounds(a_rows, s_rows, lay)
+  qlist, qcount = TC.kv_tile_lists(lo, hi, lay)
   nkt, nqt = lay.nkt, lay.nqt
   full_q = pl.BlockSpec((None, None, rows, d), lambda bi, hi, ki: (bi, hi, 0, 0))
   full_row = pl.BlockSpec((None, None, rows), lambda bi, hi, ki: (bi, hi, 0))
@@ -221,10 +236,11 @@ def backward(lay, res, do_t, *, scale, interpret):
                 pl.BlockSpec((None, nkt), lambda bi, hi, ki: (bi, 0)),
                 full_q, full_q, full_row, full_row,
                 pl.BlockSpec((None, rows), lambda bi, hi, ki: (bi, 0)),
+                pl.BlockSpec((None, rows), lambda bi, hi, ki: (bi, 0)),
                 ctx, ctx],
       out_specs=[ctx, ctx],
       compiler_params=_params(lay),
       interpret=interpret,
       name="dflash_training_bwd_dkv_triton",
-  )(qlist, qcount, q_t, do_t, lse, delta, a_rows, kc, vc)
+  )(qlist, qcount, q_t, do_t, lse, delta, a_rows, s_rows, kc, vc)
   return dq_t, dkc, dvc, dkb, dvb

@@ -67,8 +67,9 @@ def _np_draft(q, ck, cv, clen, bk, bv):
   return np.stack(outs)
 
 
-def _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=False):
+def _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=False, ctx_start=None):
   q, kc, vc, kb, vb, anchors, valid = map(np.asarray, (q, kc, vc, kb, vb, anchors, valid))
+  start = np.zeros_like(anchors) if ctx_start is None else np.asarray(ctx_start)
   s_len = kc.shape[1]
   scale = q.shape[-1] ** -0.5
   outs = []
@@ -81,6 +82,8 @@ def _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=False):
       if not valid[b, n]:
         return False
       if j < s_len:
+        if j < start[b, n]:
+          return False
         return j <= anchors[b, n] if inclusive else j < anchors[b, n]
       return (j - s_len) // bs == n
     outs.append(_np_attend(q[b], k, v, visible, scale))
@@ -125,6 +128,30 @@ def test_reference_training_matches_brute_force_and_catches_le_trap():
   assert not np.allclose(ref, trap, atol=1e-3)
   with pytest.raises(AssertionError):
     np.testing.assert_allclose(trap, good, atol=1e-5)
+
+
+def test_reference_training_ctx_start_matches_brute_force():
+  """ctx_start[b,n] <= j < anchors[b,n]: a lower bound (empty when ctx_start >=
+  anchor) that the reference must honour exactly."""
+  rng = np.random.default_rng(12)
+  bs, n, s_len = 3, 4, 10
+  q = _rand(rng, 2, n * bs, 4, 8)
+  kc, vc = _rand(rng, 2, s_len, 2, 8), _rand(rng, 2, s_len, 2, 8)
+  kb, vb = _rand(rng, 2, n * bs, 2, 8), _rand(rng, 2, n * bs, 2, 8)
+  anchors = jnp.array([[4, 3, 7, 9], [2, 6, 5, 8]], jnp.int32)
+  start = jnp.array([[0, 3, 2, 5], [1, 7, 0, 6]], jnp.int32)   # == / > anchor too
+  valid = jnp.array([[True, True, True, True], [True, True, True, False]])
+  ref = np.asarray(reference.training_attention(q, kc, vc, kb, vb, anchors, valid,
+                                                block_size=bs, ctx_start=start))
+  np.testing.assert_allclose(
+      ref, _np_training(q, kc, vc, kb, vb, anchors, valid, bs, ctx_start=start), atol=1e-5)
+  # The bound matters: ignoring it gives a different answer.
+  assert not np.allclose(ref, _np_training(q, kc, vc, kb, vb, anchors, valid, bs), atol=1e-3)
+  # ctx_start = 0 is the default.
+  np.testing.assert_array_equal(
+      reference.training_attention(q, kc, vc, kb, vb, anchors, valid, block_size=bs,
+                                   ctx_start=jnp.zeros_like(anchors)),
+      reference.training_attention(q, kc, vc, kb, vb, anchors, valid, block_size=bs))
 
 
 def test_reference_training_grads_finite_for_invalid_blocks():
@@ -243,19 +270,34 @@ def test_draft_kernel_without_context_capacity(impl):
                              atol=ATOL)
 
 
-# (B, N, bs, Hq, Hkv, D, S, anchors, valid)
+# (B, N, bs, Hq, Hkv, D, S, anchors, ctx_start, valid, nan_slots); context
+# tile 16, query tiles of 16 rows.
+# "b1g1": no ctx_start (= 0); anchor 0 and anchor == S.
+# "b1g1_start": 4 blocks per query tile with different windows
+#   [ctx_start, anchor) inside one tile; the second query tile skips context
+#   tiles 0-1.
+# "b3g4_start": one block per query tile; windows inside one tile ([18,20):
+#   tile 0 skipped), spanning a whole tile ([3,36): tile 1 mask-free), up to
+#   anchor == S ([2,37), padded last tile); empty windows (ctx_start ==
+#   anchor, ctx_start > anchor, anchor 0); invalid blocks, a query tile with
+#   no valid row.  nan_slots (row, stop): context slots [0, stop) of that row,
+#   a whole tile no block of the row sees, are NaN: skipped tiles must not
+#   be read at all.
 TRAIN_CASES = [
-    (1, 3, 4, 2, 2, 128, 21, [[5, 0, 21]], [[True, True, True]]),
+    (1, 3, 4, 2, 2, 128, 21, [[5, 0, 21]], None, [[True, True, True]], None),
+    (1, 5, 4, 2, 2, 128, 45, [[10, 40, 44, 30, 45]], [[3, 20, 44, 17, 33]],
+     [[True] * 5], None),
     (3, 3, 4, 8, 2, 16, 37,
-     [[0, 20, 37], [5, 33, 36], [17, 3, 9]],
-     [[True, True, True], [True, False, True], [False, False, False]]),
+     [[0, 20, 36], [5, 33, 30], [17, 3, 37]],
+     [[5, 18, 3], [5, 17, 29], [16, 0, 2]],
+     [[True, True, True], [True, False, True], [False, True, True]], (1, 16)),
 ]
 
 
 @pytest.mark.parametrize("impl", VARIANTS)
-@pytest.mark.parametrize("case", TRAIN_CASES, ids=["b1g1", "b3g4"])
+@pytest.mark.parametrize("case", TRAIN_CASES, ids=["b1g1", "b1g1_start", "b3g4_start"])
 def test_training_kernel_forward_and_grads(impl, case):
-  b, n, bs, hq, hkv, d, s, anchors, valid = case
+  b, n, bs, hq, hkv, d, s, anchors, start, valid, nan_slots = case
   rng = np.random.default_rng(7)
   l = n * bs
   args = (_rand(rng, b, l, hq, d), _rand(rng, b, s, hkv, d), _rand(rng, b, s, hkv, d),
@@ -263,15 +305,21 @@ def test_training_kernel_forward_and_grads(impl, case):
   anchors = jnp.asarray(anchors, jnp.int32)
   valid = jnp.asarray(valid)
   ct = _rand(rng, b, l, hq, d)
-  kw = dict(block_q_rows=16, block_k=16)   # several query and context tiles
-
-  def run(fn, *x):
-    return fn(*x, anchors, valid, block_size=bs)
-
-  out, vjp = jax.vjp(lambda *x: run(
-      lambda *y, **k2: pk.training_attention(*y, impl=impl, interpret=True, **kw, **k2),
-      *x), *args)
-  ref, vjp_ref = jax.vjp(lambda *x: run(reference.training_attention, *x), *args)
+  kw = dict(block_size=bs)
+  if start is not None:
+    kw["ctx_start"] = jnp.asarray(start, jnp.int32)
+  ref, vjp_ref = jax.vjp(lambda *x: reference.training_attention(
+      *x, anchors, valid, **kw), *args)
+  kargs = list(args)
+  if nan_slots is not None:
+    row, stop = nan_slots
+    poison = ((jnp.arange(b) == row)[:, None, None, None]
+              & (jnp.arange(s) < stop)[None, :, None, None])
+    kargs[1] = jnp.where(poison, jnp.nan, args[1])
+    kargs[2] = jnp.where(poison, jnp.nan, args[2])
+  out, vjp = jax.vjp(lambda *x: pk.training_attention(
+      *x, anchors, valid, impl=impl, interpret=True, block_q_rows=16, block_k=16, **kw),
+      *kargs)   # several query and context tiles
   np.testing.assert_allclose(out, ref, atol=ATOL)
   names = ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"]
   for name, g, gr in zip(names, vjp(ct), vjp_ref(ct)):
