@@ -358,6 +358,47 @@ def test_bfloat16_verify_and_training(impl):
                                atol=0.1, rtol=0.05)
 
 
+# ------------------------------------------ drafter loss on packed rows ------
+def test_drafter_loss_pallas_equals_xla_on_packed_rows(monkeypatch):
+  """Several documents per row: the fused kernel gets ctx_start = first
+  position of each anchor's document and matches the segment-aware XLA mask;
+  without that bound it would not (earlier documents' context leaks)."""
+  import dflash_jax as dj
+  from dflash_jax.model import init_params
+  from dflash_jax.training import losses
+
+  seg = np.array([[1] * 9 + [2] * 13 + [3] * 7 + [0] * 3,
+                  [1] * 5 + [2] * 14 + [3] * 13], np.int32)
+  np.testing.assert_array_equal(   # first position of each position's document
+      losses._segment_starts(jnp.asarray(seg))[0],
+      [0] * 9 + [9] * 13 + [22] * 7 + [29] * 3)
+  cfg = dj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                       num_heads=4, num_kv_heads=2, head_dim=16)
+  tparams = init_params(cfg, seed=0)
+  dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=2, block_size=4,
+                                target_layer_ids=(0, 1))
+  dparams = dj.init_drafter_params(dcfg)
+  rng = np.random.default_rng(13)
+  batch = {"input_ids": jnp.asarray(rng.integers(0, 63, seg.shape), jnp.int32),
+           "loss_mask": jnp.asarray(seg > 0, jnp.int32),
+           "segment_ids": jnp.asarray(seg)}
+
+  def loss(impl):
+    recipe = losses.DrafterRecipe(block_size=4, mask_token_id=dcfg.mask_token_id,
+                                  tap_layers=(0, 1), num_anchors=8, gamma=4.0,
+                                  attention_impl=impl)
+    fn = jax.jit(lambda dp: losses.drafter_loss(
+        dj.Transformer(cfg), dj.DFlashDrafter(dcfg), recipe, dp, tparams, batch,
+        jax.random.PRNGKey(0))[0])
+    return float(fn(dparams))
+
+  xla = loss("xla")
+  assert abs(loss("pallas_interpret") - xla) < 1e-5
+  # The check discriminates: dropping the lower bound changes the loss.
+  monkeypatch.setattr(losses, "_segment_starts", jnp.zeros_like)
+  assert abs(loss("pallas_interpret") - xla) > 1e-3
+
+
 # ---------------------------------------- lowering for the real accelerators --
 @pytest.mark.parametrize("platform,impl,d", [("tpu", "pallas", 128), ("tpu", "pallas", 64),
                                              ("cuda", "pallas", 128)])

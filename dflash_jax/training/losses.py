@@ -6,10 +6,10 @@ first argument only, so the target (its embedding and LM head included) stays fr
 drafter trains. The index arithmetic (anchors, mask, labels, weights) lives in `masks.py`.
 
 Attention during drafter training: "xla" builds `masks.training_mask` densely (segment-aware);
-"pallas" / "pallas_interpret" call the fused `pallas_kernels.training_attention`, which has the
-same mask except that it cannot bound the context from below, so with packed rows a block may
-see earlier documents' features (taps themselves are still per-document). Prefer unpacked rows
-(one document per row) or "xla" when that matters.
+"pallas" / "pallas_interpret" call the fused `pallas_kernels.training_attention` with the same
+mask: with packed rows each block's context window starts at the first position of its anchor's
+document (`ctx_start`, from the segment ids), so no block sees an earlier document's features.
+(This equals the segment mask because packed documents are contiguous runs of one segment id.)
 """
 
 from __future__ import annotations
@@ -70,11 +70,26 @@ def training_attend(anchors_BN, valid_BN, block_size: int, ctx_len: int, segment
 
     import pallas_kernels  # lazily: the library works without the kernels folder
 
+    ctx_start = None
+    if segment_ids_BS is not None:
+        ctx_start = jnp.take_along_axis(_segment_starts(segment_ids_BS[:, :ctx_len]),
+                                        jnp.clip(anchors_BN, 0, ctx_len - 1), axis=1)
+
     def attend(q, k, v, ctx_k, ctx_v):
         return pallas_kernels.training_attention(
-            q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN, block_size=block_size, impl="pallas",
-            interpret=impl == "pallas_interpret")
+            q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN, block_size=block_size,
+            ctx_start=ctx_start, impl="pallas", interpret=impl == "pallas_interpret")
     return attend
+
+
+def _segment_starts(segment_ids_BS):
+    """[B,S] int32: index of the first position of each position's segment run (a cumulative
+    max over the positions where the segment id changes)."""
+    pos = jnp.arange(segment_ids_BS.shape[1], dtype=jnp.int32)[None]
+    boundary = jnp.concatenate(
+        [jnp.ones_like(segment_ids_BS[:, :1], bool),
+         segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1)
+    return jax.lax.cummax(jnp.where(boundary, pos, 0), axis=1)
 
 
 def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, dparams,
