@@ -306,12 +306,13 @@ class _Compiled:
     cache: dict = {}
 
     @classmethod
-    def get(cls, key, lower_fns):
-        hit = key in cls.cache
+    def get(cls, key, build):
+        """(executables, seconds spent compiling now: 0 on a hit)."""
+        if key in cls.cache:
+            return cls.cache[key], 0.0
         t0 = time.perf_counter()
-        if not hit:
-            cls.cache[key] = tuple(fn().compile() for fn in lower_fns)
-        return cls.cache[key], (0.0 if hit else time.perf_counter() - t0)
+        cls.cache[key] = build()
+        return cls.cache[key], time.perf_counter() - t0
 
 
 def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
@@ -320,14 +321,17 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
              stop_token_ids: Sequence[int] = (), denoise_steps: int = 1,
              confidence_threshold: Optional[float] = None, return_drafts: bool = False,
              attention_impl: Optional[str] = None,
-             stream_callback: Optional[Callable[[List[List[int]]], None]] = None
-             ) -> GenerationResult:
+             stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+             mesh=None) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash, or
     autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
 
     stream_callback: called on the host with, per sequence, the token ids just committed: once
     after prefill (the first token), then after every decode step. Concatenated, the calls give
     `result.tokens`. Streaming adds one host callback per step; leave it None for speed.
+    mesh: a `jax.sharding.Mesh` (see `dflash_jax.sharding.make_mesh`): the same programs run
+    sharded on it (parameters by the partition rules, batch over data axes, KV heads over
+    `tensor`); stats then also name the mesh and the cache sharding.
     """
     prompts = [list(map(int, p)) for p in prompts] if isinstance(prompts, (list, tuple)) \
         else prompts
@@ -359,34 +363,63 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     dmod = DFlashDrafter(drafter.config) if drafter is not None else None
     tparams = target.params
     dparams = drafter.params if drafter is not None else None
-    args = (tparams, dparams, jnp.asarray(ids), jnp.asarray(lens),
-            jnp.asarray(max_new_tokens, jnp.int32), jax.random.PRNGKey(seed))
-    prefill_lower = lambda: _prefill.lower(tmod, dmod, plan, capacity, n_buf, *args)
-
-    def decode_lower():
-        state = jax.eval_shape(lambda *a: _prefill(tmod, dmod, plan, capacity, n_buf, *a),
-                               *args)
-        return _decode.lower(tmod, dmod, plan, tparams, dparams, state)
-
-    key = (tmod, dmod, plan, b, p_pad, n_buf, capacity,
+    args = (jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(max_new_tokens, jnp.int32),
+            jax.random.PRNGKey(seed))
+    key = (tmod, dmod, plan, b, p_pad, n_buf, capacity, mesh,
            jax.tree_util.tree_structure(tparams), jax.tree_util.tree_structure(dparams))
-    (prefill_x, decode_x), compile_s = _Compiled.get(key, (prefill_lower, decode_lower))
+    if mesh is None:
+        def build():
+            state = jax.eval_shape(
+                lambda *a: _prefill(tmod, dmod, plan, capacity, n_buf, *a), tparams, dparams,
+                *args)
+            return (_prefill.lower(tmod, dmod, plan, capacity, n_buf, tparams, dparams,
+                                   *args).compile(),
+                    _decode.lower(tmod, dmod, plan, tparams, dparams, state).compile(), None)
+    else:
+        from dflash_jax import sharding
+
+        def build():
+            prefill_jit, decode_jit, sh = sharding.generate_programs(
+                tmod, dmod, plan, capacity, n_buf, mesh, tparams, dparams, b, p_pad)
+            repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            arg_sh = (sh["ids"], sh["lens"], repl, repl)
+            return (prefill_jit.lower(tparams, dparams, *args).compile(),
+                    decode_jit.lower(tparams, dparams, sh["state_shape"]).compile(),
+                    (sh["tparams"], sh["dparams"], arg_sh))
+
+    (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
+    if placement is not None:  # put parameters and inputs where the sharded programs want them
+        tsh, dsh, arg_sh = placement
+        tparams = jax.device_put(tparams, tsh)
+        dparams = None if dparams is None else jax.device_put(dparams, dsh)
+        args = tuple(jax.device_put(a, s) for a, s in zip(args, arg_sh))
 
     _STREAM_SINK[0] = stream_callback
-    t0 = time.perf_counter()
-    state = prefill_x(*args)
-    jax.block_until_ready(state.tokens)
-    t1 = time.perf_counter()
-    if stream_callback is not None:
-        stream_callback([[int(t)] for t in np.asarray(state.tokens[:, 0])])
     try:
+        t0 = time.perf_counter()
+        state = prefill_x(tparams, dparams, *args)
+        jax.block_until_ready(state.tokens)
+        t1 = time.perf_counter()
+        if stream_callback is not None:
+            stream_callback([[int(t)] for t in np.asarray(state.tokens[:, 0])])
         state = decode_x(tparams, dparams, state)
         jax.block_until_ready(state.tokens)
         jax.effects_barrier()
+        t2 = time.perf_counter()
     finally:
         _STREAM_SINK[0] = None
-    t2 = time.perf_counter()
+    result = _collect(state, plan, b, prefill_s=t1 - t0, decode_s=t2 - t1, compile_s=compile_s)
+    if mesh is not None:
+        from dflash_jax.sharding import mesh_str
 
+        result.stats.update(mesh=mesh_str(mesh),
+                            cache_sharding=str(state.cache.k[0].sharding.spec))
+    return result
+
+
+def _collect(state: DecodeState, plan: Plan, b: int, *, prefill_s: float, decode_s: float,
+             compile_s: float) -> GenerationResult:
+    """Host-side result: per-sequence tokens, acceptance lengths, drafts, and stats."""
     tokens, num_out, accepted, steps = jax.device_get(
         (state.tokens, state.num_out, state.accepted, state.step))
     drafts_np = np.asarray(state.drafts) if plan.record_drafts else None
@@ -401,15 +434,15 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     new_tokens = int(num_out.sum())
     decode_tokens = int(sum(sum(a) for a in acc))
     stats = {
-        "prefill_s": t1 - t0,
-        "decode_s": t2 - t1,
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
         "compile_s": compile_s,
         "steps": int(steps),
         "new_tokens": new_tokens,
-        "decode_tokens_per_s": decode_tokens / max(t2 - t1, 1e-9),
-        "tokens_per_s": new_tokens / max(t2 - t0, 1e-9),
+        "decode_tokens_per_s": decode_tokens / max(decode_s, 1e-9),
+        "tokens_per_s": new_tokens / max(prefill_s + decode_s, 1e-9),
         "tau": float(np.mean(all_acc)) if all_acc else 0.0,
-        "block_size": bs,
+        "block_size": plan.block_size,
         "batch": b,
     }
     return GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=drafts,

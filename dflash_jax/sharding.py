@@ -337,86 +337,13 @@ def generate_programs(tmod, dmod, plan, capacity: int, n_buf: int, mesh, tparams
     return prefill_jit, decode_jit, shardings
 
 
-def generate_sharded(target, drafter, prompts, max_new_tokens: int, mesh,
-                     block_size: Optional[int] = None, temperature: float = 0.0,
-                     top_k: Optional[int] = None, top_p: Optional[float] = None,
-                     seed: int = 0, stop_token_ids: Sequence[int] = (),
-                     denoise_steps: int = 1, confidence_threshold: Optional[float] = None,
-                     return_drafts: bool = False, attention_impl: Optional[str] = None):
-    """`decoding.generate` on a device mesh: same programs, same padding, same arguments and
-    result type (stats add `mesh` and `cache_sharding`; `compile_s` is paid on every call).
-
-    Parameters are placed by the partition rules (already-placed params are reused), prompts
-    and caches are split over the batch axes and KV heads over `tensor`. At temperature 0 the
-    tokens equal the single-device run (tested).
-    """
+def generate_sharded(target, drafter, prompts, max_new_tokens: int, mesh, **kw):
+    """`decoding.generate(..., mesh=mesh)`: the same programs on a device mesh. Parameters are
+    placed by the partition rules, prompts and caches split over the batch axes and KV heads
+    over `tensor`. At temperature 0 the tokens equal the single-device run (tested)."""
     from dflash_jax import decoding
-    from dflash_jax.drafter import DFlashDrafter
-    from dflash_jax.model import Transformer
 
-    prompts = [list(map(int, p)) for p in prompts]
-    if drafter is not None and block_size is None:
-        block_size = drafter.config.block_size
-    bs = block_size if drafter is not None else 1
-    decoding.validate_request(target, drafter, prompts, max_new_tokens, bs, denoise_steps)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
-    plan = decoding.Plan(block_size=bs, temperature=float(temperature),
-                         top_k=None if temperature == 0 else top_k,
-                         top_p=None if temperature == 0 else top_p,
-                         stop_ids=tuple(sorted(set(int(s) for s in stop_token_ids))),
-                         denoise_steps=denoise_steps if drafter is not None else 1,
-                         confidence_threshold=(confidence_threshold if drafter is not None
-                                               else None),
-                         record_drafts=bool(return_drafts and drafter is not None),
-                         attention_impl=attention_impl or target.attention_impl)
-    b = len(prompts)
-    lens = np.array([len(p) for p in prompts], np.int32)
-    p_pad = decoding._bucket(int(lens.max()), 16)
-    n_buf = decoding._bucket(max_new_tokens + 1, 32)
-    capacity = p_pad + n_buf + bs
-    ids = np.zeros((b, p_pad), np.int32)
-    for i, p in enumerate(prompts):
-        ids[i, :len(p)] = p
-    tmod = Transformer(target.config, plan.attention_impl)
-    dmod = DFlashDrafter(drafter.config) if drafter is not None else None
-    dparams = drafter.params if drafter is not None else None
-
-    t0 = time.perf_counter()
-    prefill_jit, decode_jit, sh = generate_programs(tmod, dmod, plan, capacity, n_buf, mesh,
-                                                    target.params, dparams, b, p_pad)
-    tparams = jax.device_put(target.params, sh["tparams"])
-    dparams = None if dparams is None else jax.device_put(dparams, sh["dparams"])
-    args = (jax.device_put(ids, sh["ids"]), jax.device_put(lens, sh["lens"]),
-            jnp.asarray(max_new_tokens, jnp.int32), jax.random.PRNGKey(seed))
-    prefill_x = prefill_jit.lower(tparams, dparams, *args).compile()
-    decode_x = decode_jit.lower(tparams, dparams, sh["state_shape"]).compile()
-    t1 = time.perf_counter()
-    state = prefill_x(tparams, dparams, *args)
-    jax.block_until_ready(state.tokens)
-    t2 = time.perf_counter()
-    state = decode_x(tparams, dparams, state)
-    jax.block_until_ready(state.tokens)
-    t3 = time.perf_counter()
-
-    tokens, num_out, accepted, steps = jax.device_get(
-        (state.tokens, state.num_out, state.accepted, state.step))
-    drafts_np = np.asarray(state.drafts) if plan.record_drafts else None
-    out_tokens, acc, drafts = [], [], [] if plan.record_drafts else None
-    for i in range(b):
-        out_tokens.append(tokens[i, :num_out[i]].tolist())
-        active = accepted[i, :steps] > 0
-        acc.append(accepted[i, :steps][active].tolist())
-        if drafts is not None:
-            drafts.append(drafts_np[:steps, i][active].tolist())
-    all_acc = [a for seq in acc for a in seq]
-    stats = {"prefill_s": t2 - t1, "decode_s": t3 - t2, "compile_s": t1 - t0,
-             "steps": int(steps), "new_tokens": int(num_out.sum()),
-             "tau": float(np.mean(all_acc)) if all_acc else 0.0, "block_size": bs,
-             "batch": b, "mesh": mesh_str(mesh),
-             "cache_sharding": str(state.cache.k[0].sharding.spec)}
-    return decoding.GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=drafts,
-                                     stats=stats)
+    return decoding.generate(target, drafter, prompts, max_new_tokens, mesh=mesh, **kw)
 
 
 # ----------------------------------------------------------------------- sharded training

@@ -17,8 +17,8 @@ Per sequence of length S, with N = num_anchors blocks of bs = block_size positio
 
 Packed rows (segment_ids): the target forward is segment-masked, so every tap belongs to one
 document; `training_mask` additionally hides context of other documents from a block, and
-`loss_weights` zeroes labels that fall in another document. (The fused Pallas training kernel has
-no lower context bound, see `losses.py`.)
+`loss_weights` zeroes labels that fall in another document. (The fused Pallas training kernel gets
+the same lower bound as `ctx_start`, the first position of the anchor's document: `losses.py`.)
 """
 
 from __future__ import annotations
