@@ -39,8 +39,13 @@ flags.DEFINE_string("attention_impl", "xla", "xla | pallas | pallas_interpret | 
 flags.DEFINE_bool("stream", None, "Print the completion of a single prompt as tokens are "
                   "committed (an extra, untimed run; default: when stdout is a terminal).")
 flags.DEFINE_bool("chat_template", True, "Apply the tokenizer's chat template when present.")
-flags.DEFINE_bool("dry_run", False, "Compile 8B-sized programs on a fake mesh and print "
-                  "per-device memory and FLOPs (see dflash_jax/dry_run.py).")
+flags.DEFINE_bool("dry_run", False, "Compile 8B-sized programs from abstract params on a fake "
+                  "8-device mesh and print per-device memory and FLOPs (dflash_jax/dry_run.py).")
+flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small "
+                    "(comma-separated), or a Hugging Face model directory.")
+flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'tensor=8;data=2,tensor=4'.")
+flags.DEFINE_integer("batch_size", 1, "Dry run: sequences per batch.")
+flags.DEFINE_integer("context", 4096, "Dry run: prompt tokens.")
 
 
 def _stop_ids(tok, target_dir):
@@ -59,7 +64,11 @@ def main(argv):
     if FLAGS.dry_run:
         from dflash_jax import dry_run
 
-        dry_run.main()
+        dry_run.ensure_cpu_devices(8)  # before JAX initializes its backends
+        dry_run.run(models=FLAGS.dry_run_model.split(","), mode="infer",
+                    meshes=FLAGS.mesh.split(";") if FLAGS.mesh else None,
+                    batch=FLAGS.batch_size, context=FLAGS.context,
+                    max_new_tokens=FLAGS.max_new_tokens)
         return
     import jax
 

@@ -14,14 +14,30 @@ from ml_collections import config_flags
 from dflash_jax.training import train_and_evaluate
 
 config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
-flags.DEFINE_string("workdir", None, "checkpoints, metrics and exports", required=True)
+flags.DEFINE_string("workdir", None, "checkpoints, metrics and exports (required unless --dry_run)")
 flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace here (config.profile_dir)")
 flags.DEFINE_string("profile_steps", None, "START:COUNT steps to trace (default 5:3)")
+flags.DEFINE_bool("dry_run", False, "Compile the training step for an 8B-sized target and its "
+                  "drafter from abstract params on a fake 8-device mesh; print per-device memory "
+                  "and FLOPs (batch, length and anchors from the config).")
+flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small.")
+flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'fsdp=8;fsdp=4,tensor=2'.")
 
 
 def main(argv):
     del argv
     config = flags.FLAGS.config
+    if flags.FLAGS.dry_run:
+        from dflash_jax import dry_run
+
+        dry_run.ensure_cpu_devices(8)  # before JAX initializes its backends
+        dry_run.run(models=flags.FLAGS.dry_run_model.split(","), mode="train",
+                    meshes=flags.FLAGS.mesh.split(";") if flags.FLAGS.mesh else None,
+                    batch=config.data.batch_size, seq_len=config.data.seq_len,
+                    num_anchors=config.num_anchors)
+        return
+    if not flags.FLAGS.workdir:
+        raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir
     if flags.FLAGS.profile_steps:

@@ -60,3 +60,16 @@ def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
     assert r.returncode != 0 and "max_position_embeddings" in r.stderr
     r = _run("--target=/nonexistent/dir")
     assert r.returncode != 0 and "not found" in r.stderr
+
+
+def test_dry_run_clis_report_memory_and_flops():
+    r = _run("--dry_run", "--dry_run_model=small", "--mesh=tensor=2", "--context=64",
+             "--max_new_tokens=16")
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "mesh[tensor=2]" in r.stdout and "peak GiB" in r.stdout and "verdict" in r.stdout
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
+                        "--config=" + os.path.join(ROOT, "configs/tiny_test.py"), "--dry_run",
+                        "--dry_run_model=small", "--mesh=fsdp=2"],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "train_step" in r.stdout and "AdamW" in r.stdout
