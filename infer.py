@@ -13,7 +13,11 @@ import sys
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_PROMPT = "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n"
+# Ends without a newline on purpose: byte-level BPE merges "\n" with the next line's
+# indentation, so a prompt cut after "\n" ends on a token the model rarely saw there.
+DEFAULT_PROMPT = ('class Stack:\n    """A simple last-in, first-out stack."""\n\n'
+                  '    def __init__(self):\n        self._items = []\n\n'
+                  '    def push(self, item):')
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", os.path.join(ROOT, "assets/tiny-code/target"),

@@ -51,7 +51,9 @@ def load_prompts(tok):
         from dflash_jax.data import stdlib_prompts
 
         pairs = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_prompts, max_per_file=8)
-        prompts = [tok.encode(p["prompt"]) for p in pairs]
+        # Cut trailing whitespace: byte-level BPE merges "\n" with the next line's indentation,
+        # so a prompt ending in a bare "\n" token is out of distribution for the target.
+        prompts = [tok.encode(p["prompt"].rstrip()) for p in pairs]
     prompts = [p[-FLAGS.max_prompt_tokens:] for p in prompts if p][:FLAGS.num_prompts]
     if not prompts:
         raise SystemExit("no prompts")

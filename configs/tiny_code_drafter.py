@@ -18,13 +18,13 @@ def get_config():
     c.num_anchors = 16  # 16 blocks x 16 rows per sequence: affordable on CPU
     c.gamma = 7.0
     c.data.update(kind="regenerated", max_files=0, seq_len=256, batch_size=8)
-    c.regen.update(prompt_source="stdlib", num_prompts=1024, prompt_len=64, max_new_tokens=192,
-                   temperature=0.0, batch_size=32)
+    c.regen.update(prompt_source="stdlib", num_prompts=3072, prompt_len=64, max_new_tokens=192,
+                   temperature=0.0, batch_size=64)
     c.learning_rate = 1e-3
-    c.num_train_steps = 600
+    c.num_train_steps = 3500
     c.log_every = 10
-    c.eval_every = 100
+    c.eval_every = 500
     c.eval_num_prompts = 16
     c.eval_max_new_tokens = 128
-    c.checkpoint_every = 100
+    c.checkpoint_every = 500
     return c

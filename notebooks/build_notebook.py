@@ -33,7 +33,7 @@ Runtime: Colab TPU (v2-8 / v5e) or GPU; everything also runs on CPU, slowly.""")
 INSTALL = True                    # pip-install this repo's requirements (never JAX itself)
 REPO_URL = ""                     # git URL of dflash-jax when the notebook runs outside a clone
 MAX_NEW_TOKENS = 128
-PROMPT = 'def fibonacci(n):\\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\\n'
+PROMPT = 'class Stack:\\n    def __init__(self):\\n        self._items = []\\n\\n    def push(self, item):'
 RUN_ONLINE = True                 # download a real target + drafter when online
 HF_TARGET = "Qwen/Qwen3-4B"
 HF_DRAFTER = "z-lab/Qwen3-4B-DFlash-b16"

@@ -246,16 +246,20 @@ def _tfds_sources(config, workdir):
 
 
 def _doc_prompts(source, tokenize_fn, n, length, rng) -> List[List[int]]:
-    """Up to n prompts of `length` tokens, each from a random window of a random document."""
+    """Up to n prompts of `length` tokens from random windows of the documents: one window per
+    document per pass, in a fresh random order each pass, until n prompts or no usable doc."""
     out = []
-    order = rng.permutation(len(source))
-    for i in order:
-        ids, _ = tokenize_fn(source[int(i)])
-        if len(ids) < length + 8:
-            continue
-        start = int(rng.randint(0, len(ids) - length - 8 + 1))
-        out.append(ids[start:start + length].tolist())
-        if len(out) >= n:
+    while len(out) < n:
+        before = len(out)
+        for i in rng.permutation(len(source)):
+            ids, _ = tokenize_fn(source[int(i)])
+            if len(ids) < length + 8:
+                continue
+            start = int(rng.randint(0, len(ids) - length - 8 + 1))
+            out.append(ids[start:start + length].tolist())
+            if len(out) >= n:
+                return out
+        if len(out) == before:
             break
     return out
 
