@@ -50,7 +50,8 @@ def load_prompts(tok):
     else:
         from dflash_jax.data import stdlib_prompts
 
-        pairs = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_prompts, max_per_file=8)
+        pairs = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_prompts, max_per_file=50,
+                               prompt_body_lines=2, reference_lines=4)
         # Cut trailing whitespace: byte-level BPE merges "\n" with the next line's indentation,
         # so a prompt ending in a bare "\n" token is out of distribution for the target.
         prompts = [tok.encode(p["prompt"].rstrip()) for p in pairs]
