@@ -25,7 +25,6 @@ Usage:  python -m dflash_jax.dry_run --model qwen3_8b --mode infer --meshes "ten
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import time
@@ -124,89 +123,12 @@ def abstract_params(tcfg, dcfg):
             jax.eval_shape(lambda: init_drafter_params(dcfg)))
 
 
-# ----------------------------------------------------------------- reference training loss
+# ------------------------------------------------------------------------- training step
 
 
 def loss_weight_gamma(block_size: int) -> float:
     """Decay of the per-position loss weight: 7 for bs 16, 5 for bs 10, 4 for bs 8."""
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
-
-
-def training_attend(anchor_of_query_BT, block_of_query_BT):
-    """Training attention: a block query sees context j < its anchor and its own block."""
-    import jax.numpy as jnp
-
-    from dflash_jax.layers import masked_attention
-
-    def attend(q, k, v, ctx_k, ctx_v):
-        s = ctx_k.shape[1]
-        valid = anchor_of_query_BT >= 0
-        ctx_mask = (jnp.arange(s)[None, None, :] < anchor_of_query_BT[:, :, None]) & \
-            valid[:, :, None]
-        blk_mask = (block_of_query_BT[:, :, None] == block_of_query_BT[:, None, :]) & \
-            valid[:, :, None]
-        mask = jnp.concatenate([ctx_mask, blk_mask], axis=-1)
-        return masked_attention(q, jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
-                                jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), mask)
-
-    return attend
-
-
-def make_reference_loss(tmod, dmod):
-    """A DFlash training loss (dflash.md, "Training recipe") used by the dry run and the
-    sharding tests until `dflash_jax.training` provides the real one.
-
-    loss(dparams, tparams, batch) with batch = {tokens [B,S] int32, loss_mask [B,S] float32,
-    anchors [B,A] int32 (block start p, -1 = padded block)}:
-      taps of the frozen target over the clean sequence; per anchor a block
-      [x_p, MASK, ...] at positions p..p+bs-1 that sees context < p and its own block;
-      position k predicts x_{p+k} with weight exp(-(k-1)/gamma) (k=0: 0) * loss_mask * in-bounds;
-      loss = sum(w * CE) / sum(w).
-    """
-    import jax
-    import jax.numpy as jnp
-
-    from dflash_jax.drafter import DFlashDrafter
-    from dflash_jax.model import Transformer
-
-    cfg = dmod.cfg
-    bs = cfg.block_size
-    gamma = loss_weight_gamma(bs)
-
-    def loss_fn(dparams, tparams, batch):
-        tokens, loss_mask, anchors = batch["tokens"], batch["loss_mask"], batch["anchors"]
-        b, s = tokens.shape
-        a = anchors.shape[1]
-        _, _, taps = tmod.apply({"params": tparams}, tokens, tap_layers=cfg.target_layer_ids)
-        taps = jax.lax.stop_gradient(taps)
-        ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-        ck, cv = dmod.apply({"params": dparams}, taps, ctx_pos,
-                            method=DFlashDrafter.context_kv)
-        k = jnp.arange(bs, dtype=jnp.int32)
-        pos = jnp.maximum(anchors, 0)[:, :, None] + k  # [B, A, bs]
-        in_bounds = (pos < s) & (anchors[:, :, None] >= 0)
-        pos_c = jnp.minimum(pos, s - 1)
-        bidx = jnp.arange(b)[:, None, None]
-        x_p = tokens[bidx, pos_c]  # [B, A, bs]: the true tokens at the block positions
-        block_ids = jnp.where(k == 0, x_p, cfg.mask_token_id).reshape(b, a * bs)
-        emb = tmod.apply({"params": tparams}, block_ids, method=Transformer.embed)
-        anchor_q = jnp.repeat(anchors, bs, axis=1)
-        block_q = jnp.repeat(jnp.arange(a, dtype=jnp.int32)[None], b, axis=0)
-        block_q = jnp.repeat(block_q, bs, axis=1)
-        hidden = dmod.apply({"params": dparams}, emb,
-                            pos.reshape(b, a * bs), ck, cv,
-                            training_attend(anchor_q, block_q))
-        logits = tmod.apply({"params": jax.lax.stop_gradient(tparams)}, hidden,
-                            method=Transformer.logits)  # [B, A*bs, V] float32
-        labels = x_p.reshape(b, a * bs)
-        ce = jax.nn.logsumexp(logits, axis=-1) - jnp.take_along_axis(
-            logits, labels[..., None], axis=-1)[..., 0]
-        decay = jnp.where(k == 0, 0.0, jnp.exp(-(k - 1).astype(jnp.float32) / gamma))
-        w = decay * in_bounds * loss_mask[bidx, pos_c]
-        w = w.reshape(b, a * bs)
-        return jnp.sum(w * ce) / jnp.maximum(jnp.sum(w), 1e-6)
-
-    return loss_fn
 
 
 def make_optimizer(lr: float = 6e-4, total_steps: int = 10000, warmup: float = 0.04,
@@ -366,7 +288,7 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
     `num_anchors` random-anchor blocks per sequence, CE through the target LM head, AdamW) for
     `model` on `mesh` (global `batch` sequences of `seq_len`). Drafter params and AdamW moments
     are float32 master copies (the target stays in its dtype). `loss_fn(dparams, tparams,
-    batch)` defaults to `make_reference_loss`.
+    batch)` (a batch of `batch_shapes`) defaults to the trainer's drafter loss.
     Returns a dict like `dry_run_infer` with programs {train_step}.
     """
     import jax
@@ -386,9 +308,7 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
     if loss_fn is None:
         loss_fn, batch_shape, loss_name = _default_loss(tmod, dmod, batch, seq_len, num_anchors)
     else:
-        batch_shape = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-                       "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
-                       "anchors": jax.ShapeDtypeStruct((batch, num_anchors), jnp.int32)}
+        batch_shape = batch_shapes(batch, seq_len)
     opt = make_optimizer()
     step_jit, sh = sharding.train_step_programs(
         loss_fn, opt, m, dparams, tparams, batch_shape,
@@ -413,36 +333,33 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
 
 
 def _default_loss(tmod, dmod, batch: int, seq_len: int, num_anchors: int):
-    """(loss_fn, batch shapes, name): the trainer's `training.losses.drafter_loss` when the
-    package is there, else `make_reference_loss` (batch with explicit anchors)."""
+    """(loss_fn, batch shapes, name): the trainer's `training.losses.drafter_loss`."""
+    import jax
+
+    from dflash_jax.training import losses
+
+    cfg = dmod.cfg
+    recipe = losses.DrafterRecipe(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
+                                  tap_layers=tuple(cfg.target_layer_ids),
+                                  num_anchors=num_anchors,
+                                  gamma=loss_weight_gamma(cfg.block_size))
+
+    def loss_fn(dparams, tparams, b):
+        # A fixed key: anchors are data-dependent only in value, not in cost.
+        return losses.drafter_loss(tmod, dmod, recipe, dparams, tparams, b,
+                                   jax.random.PRNGKey(0))[0]
+
+    return loss_fn, batch_shapes(batch, seq_len), "training.losses.drafter_loss"
+
+
+def batch_shapes(batch: int, seq_len: int):
+    """Abstract training batch: the packed-row layout of `dflash_jax.data`."""
     import jax
     import jax.numpy as jnp
 
-    try:
-        from dflash_jax.training import losses
-    except ImportError:
-        losses = None
-    if losses is not None and hasattr(losses, "drafter_loss"):
-        cfg = dmod.cfg
-        recipe = losses.DrafterRecipe(block_size=cfg.block_size,
-                                      mask_token_id=cfg.mask_token_id,
-                                      tap_layers=tuple(cfg.target_layer_ids),
-                                      num_anchors=num_anchors,
-                                      gamma=loss_weight_gamma(cfg.block_size))
-
-        def loss_fn(dparams, tparams, b):
-            # A fixed key: anchors are data-dependent only in value, not in cost.
-            return losses.drafter_loss(tmod, dmod, recipe, dparams, tparams, b,
-                                       jax.random.PRNGKey(0))[0]
-
-        shape = {"input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-                 "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
-                 "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)}
-        return loss_fn, shape, "training.losses.drafter_loss"
-    shape = {"tokens": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-             "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
-             "anchors": jax.ShapeDtypeStruct((batch, num_anchors), jnp.int32)}
-    return make_reference_loss(tmod, dmod), shape, "dry_run.make_reference_loss"
+    return {"input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+            "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
+            "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)}
 
 
 # ------------------------------------------------------------------------------ printing

@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import math
 import re
-import time
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
 
 import jax

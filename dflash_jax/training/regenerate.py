@@ -16,7 +16,6 @@ import os
 import time
 from typing import List, Optional, Sequence
 
-import numpy as np
 
 from dflash_jax.decoding import generate
 

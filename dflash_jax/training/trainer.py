@@ -15,7 +15,6 @@ Config keys: see `default_config()`; experiment files in `configs/` override the
 from __future__ import annotations
 
 import dataclasses
-import functools
 import logging
 import math
 import os
