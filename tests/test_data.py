@@ -260,6 +260,28 @@ def test_code_prompts_are_verbatim_slices(stdlib_splits):
         assert p["reference"].count("\n") == 6
 
 
+def test_regeneration_prompt_sources_come_from_training_files(stdlib_splits, tok):
+    """The drafter's regeneration prompts ("functions" and "mixed"): completion prompts cut from
+    the training files only, trailing whitespace removed, at most prompt_len tokens each."""
+    from dflash_jax.training.trainer import _doc_prompts, _function_prompts
+
+    tokenizer, _ = tok
+    train = stdlib_splits["train"]
+    rng = np.random.RandomState(0)
+    fn = _function_prompts(train, tokenizer, 20, 48, 2, 5, rng)
+    assert 0 < len(fn) <= 20
+    assert all(0 < len(p) <= 48 for p in fn)
+    train_text = "".join(ex["text"] for ex in train)
+    for p in fn:
+        text = tokenizer.decode(p)
+        assert text == text.rstrip() and text in train_text
+    # A prompt is the end of a def's first body lines: its last line is indented code.
+    assert all(tokenizer.decode(p).rsplit("\n", 1)[-1].startswith(" ") for p in fn)
+    assert _function_prompts(train, tokenizer, 0, 48, 2, 5, rng) == []
+    win = _doc_prompts(train, lambda ex: D.tokenize_example(ex, tokenizer), 7, 32, rng)
+    assert len(win) == 7 and all(len(p) == 32 for p in win)
+
+
 # ----------------------------------------------------------------------------
 # Tokenizer
 # ----------------------------------------------------------------------------

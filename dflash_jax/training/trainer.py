@@ -77,8 +77,13 @@ def default_config() -> ml_collections.ConfigDict:
         seq_len=3072, batch_size=8, num_epochs=6, shuffle=True, allow_split=True,
         num_docs=256, doc_len=64))  # synthetic: random-token documents
     c.regen = ml_collections.ConfigDict(dict(
-        prompt_source="stdlib",  # "stdlib" | "random"
+        # "stdlib": random windows of prompt_len tokens of the training files; "functions":
+        # code-completion prompts cut from them (context lines, a def header and its first
+        # function_body_lines lines, at most prompt_len tokens); "mixed": half of each;
+        # "random": random token ids.
+        prompt_source="stdlib",
         num_prompts=512, prompt_len=64, max_new_tokens=256, temperature=0.0, batch_size=32,
+        function_body_lines=2, functions_per_file=50,
         holdout_fraction=0.05, output=""))  # output default: workdir/regenerated.jsonl
     # Optimization.
     c.learning_rate = 6e-4
@@ -263,6 +268,24 @@ def _doc_prompts(source, tokenize_fn, n, length, rng) -> List[List[int]]:
     return out
 
 
+def _function_prompts(source, tokenizer, n, max_len, body_lines, per_file, rng):
+    """Up to n code-completion prompts (the benchmark's kind, see `data.code_prompts`) from the
+    documents, each its last max_len tokens, in random order. Trailing whitespace is cut: the
+    byte-level BPE merges a newline with the next line's indentation."""
+    from dflash_jax.data.builders import code_prompts
+
+    if n <= 0:
+        return []
+    items = code_prompts((source[i] for i in range(len(source))), prompt_body_lines=body_lines,
+                         reference_lines=1, context_lines=40, max_per_file=per_file)
+    out = []
+    for i in rng.permutation(len(items))[:n]:
+        ids = tokenizer.encode(items[int(i)]["prompt"].rstrip())[-max_len:]
+        if ids:
+            out.append(list(map(int, ids)))
+    return out
+
+
 def build_experiment(config, workdir: str) -> Experiment:
     """Tokenizer, data, target, drafter and loss for `config`."""
     from dflash_jax.data import (PackedBatchIterator, load_tokenizer, tokenize_example,
@@ -282,7 +305,7 @@ def build_experiment(config, workdir: str) -> Experiment:
         tokenizer = load_tokenizer(tok_dir)
     train_src = val_src = None
     if d.kind in ("stdlib", "files") or (d.kind == "regenerated" and
-                                         config.regen.prompt_source == "stdlib"):
+                                         config.regen.prompt_source != "random"):
         train_src, val_src = _tfds_sources(config, workdir)
     if tokenizer is None and mode == "target" and d.kind != "synthetic":
         tok_dir = os.path.join(workdir, "tokenizer")
@@ -402,10 +425,19 @@ def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text
             prng = np.random.RandomState(config.seed + 29)
             prompts = [prng.randint(2, tcfg.vocab_size, r.prompt_len).tolist()
                        for _ in range(r.num_prompts)]
-        else:
+        elif r.prompt_source in ("stdlib", "functions", "mixed"):
             if text_tokenize is None:
-                raise ValueError("regen.prompt_source='stdlib' needs a tokenizer")
-            prompts = _doc_prompts(train_src, text_tokenize, r.num_prompts, r.prompt_len, rng)
+                raise ValueError(f"regen.prompt_source={r.prompt_source!r} needs a tokenizer")
+            n_fn = {"stdlib": 0, "functions": r.num_prompts,
+                    "mixed": r.num_prompts // 2}[r.prompt_source]
+            prompts = _function_prompts(train_src, tokenizer, n_fn, r.prompt_len,
+                                        r.function_body_lines, r.functions_per_file, rng)
+            prompts += _doc_prompts(train_src, text_tokenize, r.num_prompts - len(prompts),
+                                    r.prompt_len, rng)
+            prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+        else:
+            raise ValueError("regen.prompt_source must be 'stdlib', 'functions', 'mixed' or "
+                             f"'random', got {r.prompt_source!r}")
         print(f"regenerating {len(prompts)} responses with the target -> {path}", flush=True)
         regenerate(Target(tcfg, tparams), prompts, path, max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
