@@ -231,6 +231,47 @@ def test_top_k_sampling_is_lossless(tiny, monkeypatch):
     assert tv < 0.06, tv
 
 
+def _sampler_z(draws, logits):
+    """Largest |z| of the 40 likeliest tokens' frequencies and of the rest's total mass, and
+    whether any masked (-inf) token was drawn; draws [n, rows]."""
+    n, vocab = draws.shape[0], logits.shape[-1]
+    worst, masked_drawn = 0.0, False
+    for row in range(logits.shape[0]):
+        p = np.asarray(jax.nn.softmax(jnp.asarray(logits[row])), np.float64)
+        freq = np.bincount(draws[:, row], minlength=vocab) / n
+        masked_drawn |= bool(np.any(freq[np.isneginf(logits[row])]))
+        head = np.argsort(p)[::-1][:40]
+        z = np.abs(freq[head] - p[head]) / np.sqrt(p[head] * (1 - p[head]) / n + 1e-12)
+        tail = np.setdiff1d(np.arange(vocab), head)
+        pt = p[tail].sum()
+        z_tail = abs(freq[tail].sum() - pt) / np.sqrt(pt * (1 - pt) / n + 1e-12)
+        worst = max(worst, float(z.max()), float(z_tail))
+    return worst, masked_drawn
+
+
+def test_inverse_transform_sampler_draws_the_distribution():
+    """sample_categorical over a 4096-token vocabulary with masked (-inf) tokens, a dominant
+    token and a long tail: frequencies match the softmax and masked tokens never appear; a
+    slightly wrong sampler (temperature 1.1 instead of 1) fails the same check."""
+    rng = np.random.RandomState(0)
+    vocab = 4096
+    logits = rng.randn(2, vocab).astype(np.float32)
+    logits[0, :64] += 4.0  # a head of 64 likely tokens in row 0
+    logits[1, 100] = 9.0  # one dominant token in row 1
+    logits[:, rng.rand(vocab) < 0.3] = -np.inf
+    keys = jax.random.split(jax.random.PRNGKey(1), 200_000)
+
+    def draw(scale):
+        f = jax.jit(jax.vmap(lambda k: sampling.sample_categorical(k, jnp.asarray(logits) * scale)))
+        return np.asarray(f(keys))
+
+    z, masked_drawn = _sampler_z(draw(1.0), logits)
+    assert not masked_drawn
+    assert z < 5.0, z
+    z_bad, _ = _sampler_z(draw(1 / 1.1), logits)
+    assert z_bad > 10.0, z_bad
+
+
 def test_pallas_attention_path_gives_the_same_tokens(target, drafter, ar_out):
     """The models with the Pallas kernels (interpret mode on CPU) decode the same tokens."""
     res = dj.generate(target, drafter, MIXED[:2], max_new_tokens=6, block_size=4,
