@@ -89,3 +89,18 @@ def combine_splits(o_part, lse_part):
   denom = jnp.sum(w, axis=-2)                     # [..., R]
   o = jnp.sum(w[..., None] * o_part, axis=-3)     # [..., R, D]
   return o / denom[..., None]
+
+
+def decode_cost(q, k, s_len: int, blk_len: int):
+  """XLA's cost model of a decode-attention call: q [B,T,Hq,D] against s_len cached and blk_len
+  block keys/values of k's dtype and head count (each K and V element read once)."""
+  from jax.experimental import pallas as pl
+
+  b, t, hq, d = q.shape
+  hkv = k.shape[2]
+  kv = s_len + blk_len
+  return pl.CostEstimate(
+      flops=4 * b * hq * t * kv * d,
+      transcendentals=b * hq * t * kv,
+      bytes_accessed=2 * b * kv * hkv * d * jnp.dtype(k.dtype).itemsize
+      + 2 * q.size * q.dtype.itemsize)

@@ -253,12 +253,7 @@ def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
   )
   kernel = functools.partial(_decode_kernel, tk=tk, ns=ns, scale=scale,
                              prec=C.dot_precision(q.dtype), blk_len=blk_len)
-  itemsize = jnp.dtype(k.dtype).itemsize
-  cost = pl.CostEstimate(
-      flops=4 * b * hq * t * (s_len + blk_len) * d,
-      transcendentals=b * hq * t * (s_len + blk_len),
-      bytes_accessed=2 * b * (s_len + blk_len) * hkv * d * itemsize
-      + 2 * q.size * q.dtype.itemsize)
+  cost = C.decode_cost(q, k, s_len, blk_len)
   o_part, lse_part = pl.pallas_call(
       kernel,
       out_shape=out_shape,
