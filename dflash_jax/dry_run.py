@@ -131,15 +131,15 @@ def loss_weight_gamma(block_size: int) -> float:
     return {16: 7.0, 10: 5.0, 8: 4.0}.get(block_size, max(1.0, block_size / 2.3))
 
 
-def make_optimizer(lr: float = 6e-4, total_steps: int = 10000, warmup: float = 0.04,
-                   clip: float = 1.0):
-    """AdamW of the recipe: cosine schedule with warm-up, grad clip, no weight decay."""
-    import optax
+def make_optimizer(lr: float = 6e-4, total_steps: int = 10000):
+    """The trainer's optimizer with the recipe's defaults (AdamW, warm-up cosine, clip 1.0, no
+    weight decay) at learning rate `lr`."""
+    from dflash_jax.training.trainer import default_config
+    from dflash_jax.training.trainer import make_optimizer as trainer_optimizer
 
-    sched = optax.warmup_cosine_decay_schedule(0.0, lr, max(1, int(total_steps * warmup)),
-                                               total_steps)
-    return optax.chain(optax.clip_by_global_norm(clip),
-                       optax.adamw(sched, weight_decay=0.0))
+    config = default_config()
+    config.learning_rate = lr
+    return trainer_optimizer(config, total_steps)[0]
 
 
 # ------------------------------------------------------------------------------ analysis
