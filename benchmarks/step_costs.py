@@ -10,7 +10,8 @@ Times (median of --repeats, after warm-up) at a fixed context length, batch 1:
   t_draft(bs)  one drafter pass over a block of bs (embedding, layers, LM head);
 and prints the speedup model of ../shared/docs/dflash.md,
   speedup ~= tau * t_target(1) / (t_draft(bs) + t_target(bs)),
-i.e. the tau needed for a 3x speedup at each block size.
+i.e. the tau needed for a 3x speedup at each block size, and its ceiling: the speedup if
+every draft were accepted (tau = bs), which no drafter can beat on this device.
 """
 
 import json
@@ -102,15 +103,18 @@ def main(argv):
     t1 = rows[1]["t_target_ms"]
     print(f"context {ctx_len}, backend {jax.default_backend()}: one autoregressive step "
           f"t_target(1) = {t1:.3f} ms")
-    print("  bs | t_target(bs) ms | t_draft(bs) ms | step/AR-step | tau for 3x | speedup at tau=6")
+    print("  bs | t_target(bs) ms | t_draft(bs) ms | step/AR-step | tau for 3x | speedup at tau=6"
+          " | ceiling (tau=bs)")
     for t in widths[1:]:
         r = rows[t]
         step = r["t_target_ms"] + r["t_draft_ms"]
         r["step_over_ar"] = step / t1
         r["tau_for_3x"] = 3.0 * step / t1
         r["speedup_at_tau6"] = 6.0 * t1 / step
+        r["speedup_ceiling"] = t * t1 / step
         print(f"  {t:2d} | {r['t_target_ms']:15.3f} | {r['t_draft_ms']:14.3f} | "
-              f"{r['step_over_ar']:12.2f} | {r['tau_for_3x']:10.2f} | {r['speedup_at_tau6']:.2f}x")
+              f"{r['step_over_ar']:12.2f} | {r['tau_for_3x']:10.2f} | "
+              f"{r['speedup_at_tau6']:15.2f}x | {r['speedup_ceiling']:.2f}x")
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
             json.dump({"context": ctx_len, "backend": jax.default_backend(),
