@@ -34,7 +34,8 @@ def main(argv):
         dry_run.run(models=flags.FLAGS.dry_run_model.split(","), mode="train",
                     meshes=flags.FLAGS.mesh.split(";") if flags.FLAGS.mesh else None,
                     batch=config.data.batch_size, seq_len=config.data.seq_len,
-                    num_anchors=config.num_anchors)
+                    num_anchors=config.num_anchors,
+                    loss_chunk_anchors=config.get("loss_chunk_anchors", 0))
         return
     if not flags.FLAGS.workdir:
         raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")

@@ -18,6 +18,7 @@ def paper_config(target_path: str, block_size: int, gamma: float):
     c.attention_impl = "pallas"  # the fused training kernel on TPU / GPU
     c.drafter.update(num_layers=5, num_taps=5, block_size=block_size)
     c.num_anchors = 512
+    c.loss_chunk_anchors = 32  # 32 x 16 rows of 151K-vocab logits live at a time, not 512 x 16
     c.gamma = gamma
     c.loss = "ce"
     c.mask_schedule = "all"

@@ -283,10 +283,12 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
 
 def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8",
                   batch: int = 8, seq_len: int = 3072, num_anchors: int = 64,
-                  dtype: Optional[str] = None, loss_fn=None, devices=None) -> Dict[str, Any]:
+                  dtype: Optional[str] = None, loss_fn=None, devices=None,
+                  loss_chunk_anchors: int = 0) -> Dict[str, Any]:
     """Compiles one drafter training step (frozen target forward with taps, drafter on
     `num_anchors` random-anchor blocks per sequence, CE through the target LM head, AdamW) for
-    `model` on `mesh` (global `batch` sequences of `seq_len`). Drafter params and AdamW moments
+    `model` on `mesh` (global `batch` sequences of `seq_len`; `loss_chunk_anchors` as in the
+    trainer's recipe). Drafter params and AdamW moments
     are float32 master copies (the target stays in its dtype). `loss_fn(dparams, tparams,
     batch)` (a batch of `batch_shapes`) defaults to the trainer's drafter loss.
     Returns a dict like `dry_run_infer` with programs {train_step}.
@@ -306,7 +308,8 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
     tmod, dmod = Transformer(tcfg, "xla"), DFlashDrafter(dcfg)
     loss_name = "custom"
     if loss_fn is None:
-        loss_fn, batch_shape, loss_name = _default_loss(tmod, dmod, batch, seq_len, num_anchors)
+        loss_fn, batch_shape, loss_name = _default_loss(tmod, dmod, batch, seq_len, num_anchors,
+                                                        loss_chunk_anchors)
     else:
         batch_shape = batch_shapes(batch, seq_len)
     opt = make_optimizer()
@@ -322,7 +325,8 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
     peak = programs["train_step"]["peak_bytes"]
     return {"mode": "train", "model": model, "mesh": sharding.mesh_str(m),
             "devices": int(m.size), "batch": batch, "seq_len": seq_len,
-            "num_anchors": num_anchors, "block_size": dcfg.block_size,
+            "num_anchors": num_anchors, "loss_chunk_anchors": loss_chunk_anchors,
+            "block_size": dcfg.block_size,
             "param_bytes": _tree_bytes_per_device(tparams, sh["tparams"])
             + _tree_bytes_per_device(dparams, sh["dparams"]),
             "opt_bytes": _tree_bytes_per_device(sh["opt_shape"], sh["opt_state"]),
@@ -332,7 +336,8 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
             "loss": loss_name, "backend": jax.default_backend()}
 
 
-def _default_loss(tmod, dmod, batch: int, seq_len: int, num_anchors: int):
+def _default_loss(tmod, dmod, batch: int, seq_len: int, num_anchors: int,
+                  loss_chunk_anchors: int = 0):
     """(loss_fn, batch shapes, name): the trainer's `training.losses.drafter_loss`."""
     import jax
 
@@ -342,7 +347,8 @@ def _default_loss(tmod, dmod, batch: int, seq_len: int, num_anchors: int):
     recipe = losses.DrafterRecipe(block_size=cfg.block_size, mask_token_id=cfg.mask_token_id,
                                   tap_layers=tuple(cfg.target_layer_ids),
                                   num_anchors=num_anchors,
-                                  gamma=loss_weight_gamma(cfg.block_size))
+                                  gamma=loss_weight_gamma(cfg.block_size),
+                                  loss_chunk_anchors=loss_chunk_anchors)
 
     def loss_fn(dparams, tparams, b):
         # A fixed key: anchors are data-dependent only in value, not in cost.
@@ -426,6 +432,8 @@ def main(argv=None):
     ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--seq_len", type=int, default=3072, help="train: sequence length")
     ap.add_argument("--num_anchors", type=int, default=64)
+    ap.add_argument("--loss_chunk_anchors", type=int, default=0,
+                    help="train: drafter logits for this many anchors at a time (0: all)")
     ap.add_argument("--json", default="", help="write the results to this JSON file")
     args = ap.parse_args(argv)
     ensure_cpu_devices(args.devices)
@@ -434,7 +442,8 @@ def main(argv=None):
         kw = dict(batch=args.batch or 1, context=args.context,
                   max_new_tokens=args.max_new_tokens)
     else:
-        kw = dict(batch=args.batch or 8, seq_len=args.seq_len, num_anchors=args.num_anchors)
+        kw = dict(batch=args.batch or 8, seq_len=args.seq_len, num_anchors=args.num_anchors,
+                  loss_chunk_anchors=args.loss_chunk_anchors)
     results = run(args.model.split(","), args.mode, meshes, **kw)
     if args.json:
         import json

@@ -242,6 +242,53 @@ def test_loss_options_give_finite_gradients(trained, loss, schedule):
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(g))
 
 
+def test_block_scores_brute_force_and_chunked_loss_equals_one_shot(trained):
+    """block_scores against numpy (CE and KL); the drafter loss with the logits chunked over
+    anchors (4 of 6: a ragged last chunk) equals the one-shot loss, metrics and gradients."""
+    cfg = trained[0]
+    target = _tiny_target(cfg)
+    tmod = target.module
+    rng = np.random.RandomState(1)
+    h = jnp.asarray(rng.randn(2, 3, 4, target.config.hidden_size), jnp.float32)
+    th = jnp.asarray(rng.randn(2, 3, 4, target.config.hidden_size), jnp.float32)
+    lab = jnp.asarray(rng.randint(0, target.config.vocab_size, (2, 3, 4)), jnp.int32)
+    logits = lambda x: np.asarray(tmod.apply({"params": target.params}, x.reshape(2, 12, -1),
+                                             method=dj.Transformer.logits),
+                                  np.float64).reshape(2, 3, 4, -1)
+    def log_softmax(x):
+        x = x - x.max(-1, keepdims=True)
+        return x - np.log(np.exp(x).sum(-1, keepdims=True))
+    lp, tlp = log_softmax(logits(h)), log_softmax(logits(th))
+    ce, corr = losses.block_scores(tmod, target.params, h, lab, None, "ce")
+    np.testing.assert_allclose(ce, -np.take_along_axis(lp, np.asarray(lab)[..., None], -1)[..., 0],
+                               rtol=1e-5)
+    assert np.array_equal(corr, lp.argmax(-1) == np.asarray(lab))
+    kl, _ = losses.block_scores(tmod, target.params, h, lab, th, "kl", chunk_anchors=2)
+    np.testing.assert_allclose(kl, (np.exp(tlp) * (tlp - lp)).sum(-1), rtol=1e-4, atol=1e-6)
+
+    dcfg = dj.make_drafter_config(target.config, num_layers=1, num_taps=2, block_size=8,
+                                  target_layer_ids=(0, 1))
+    batch = {"input_ids": jnp.asarray(rng.randint(0, 64, (2, 32)), jnp.int32),
+             "loss_mask": jnp.ones((2, 32), jnp.int32),
+             "segment_ids": jnp.ones((2, 32), jnp.int32)}
+    dparams = dj.init_drafter_params(dcfg, 3)
+    for loss in ("ce", "kl"):
+        out = []
+        for chunk in (0, 4):
+            recipe = losses.DrafterRecipe(block_size=8, mask_token_id=dcfg.mask_token_id,
+                                          tap_layers=(0, 1), num_anchors=6, gamma=4.0,
+                                          loss=loss, loss_chunk_anchors=chunk)
+            fn = lambda p: losses.drafter_loss(tmod, dj.DFlashDrafter(dcfg), recipe, p,
+                                               target.params, batch, jax.random.PRNGKey(0))
+            out.append(jax.value_and_grad(fn, has_aux=True)(dparams))
+        ((l0, m0), g0), ((l1, m1), g1) = out
+        np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
+        for k in m0:
+            np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, err_msg=k)
+        for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+
+
 def test_resume_reproduces_losses_and_corrupt_checkpoint_falls_back(regen_file, tmp_path):
     kw = dict(num_train_steps=12, checkpoint_every=4, eval_every=0, log_every=4, export=False)
     full = trainer.train_and_evaluate(tiny_config(regen_file, **kw), str(tmp_path / "a"))

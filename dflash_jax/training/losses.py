@@ -33,6 +33,8 @@ class DrafterRecipe:
     loss: "ce" (hard same-position labels) or "kl" (distill the target: block position k gets
       the target's next-token distribution at position p+k-1, the one that predicts x_{p+k}).
     mask_schedule: "all" (paper) or "random" (partially revealed blocks, loss on masked only).
+    loss_chunk_anchors: > 0 bounds the live logits to that many anchors' blocks (see
+      `block_scores`); 0 computes all N*bs rows at once.
     """
 
     block_size: int
@@ -44,6 +46,7 @@ class DrafterRecipe:
     mask_schedule: str = "all"
     attention_impl: str = "xla"
     use_segments: bool = True
+    loss_chunk_anchors: int = 0  # > 0: logits for this many anchors at a time (block_scores)
 
     def __post_init__(self):
         if self.loss not in ("ce", "kl"):
@@ -92,6 +95,57 @@ def _segment_starts(segment_ids_BS):
     return jax.lax.cummax(jnp.where(boundary, pos, 0), axis=1)
 
 
+def block_scores(tmod: Transformer, tparams, hidden_BNKH, labels_BNK, t_hidden_BNKH=None,
+                 loss: str = "ce", chunk_anchors: int = 0):
+    """Per block position: the loss term ([B,N,bs] f32: CE against the label, or KL(target ||
+    drafter) from the target's hidden states at the teacher positions) and whether the drafter's
+    argmax equals the label ([B,N,bs] bool).
+
+    The [B, N*bs, V] logits dominate training memory at real sizes (512 anchors x 16 x 151,936
+    float32 is 5 GB per sequence, twice with "kl"). chunk_anchors > 0 computes them for that many
+    anchors at a time in a `lax.map` whose body is rematerialized in the backward pass, so only
+    one chunk's logits are ever live; the values and gradients are those of the one-shot form.
+    """
+    tvars = {"params": tparams}
+
+    def scores(h, lab, th):
+        c, k = h.shape[1], h.shape[2]
+        logits = tmod.apply(tvars, h.reshape(h.shape[0], c * k, -1), method=Transformer.logits)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(
+            h.shape[0], c, k, -1)
+        if th is None:
+            per_pos = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
+        else:
+            t_logits = tmod.apply(tvars, th.reshape(h.shape[0], c * k, -1),
+                                  method=Transformer.logits)
+            t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1).reshape(logp.shape)
+            per_pos = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
+        return per_pos, jnp.argmax(logp, axis=-1) == lab
+
+    if loss == "ce":
+        t_hidden_BNKH = None
+    b, n = labels_BNK.shape[:2]
+    if chunk_anchors <= 0 or chunk_anchors >= n:
+        return scores(hidden_BNKH, labels_BNK, t_hidden_BNKH)
+
+    m = -(-n // chunk_anchors)
+    pad = m * chunk_anchors - n
+
+    def chunked(x):  # [B, N, ...] -> [m, B, chunk, ...] (padding rows are dropped afterwards)
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        x = x.reshape((b, m, chunk_anchors) + x.shape[2:])
+        return jnp.moveaxis(x, 1, 0)
+
+    xs = (chunked(hidden_BNKH), chunked(labels_BNK),
+          None if t_hidden_BNKH is None else chunked(t_hidden_BNKH))
+    per_pos, correct = jax.lax.map(jax.checkpoint(lambda a: scores(*a)), xs)
+
+    def unchunked(y):  # [m, B, chunk, bs] -> [B, N, bs]
+        return jnp.moveaxis(y, 0, 1).reshape((b, m * chunk_anchors) + y.shape[3:])[:, :n]
+
+    return unchunked(per_pos), unchunked(correct)
+
+
 def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, dparams,
                  tparams, batch, key):
     """The DFlash objective for one batch. Returns (loss, metrics).
@@ -130,25 +184,21 @@ def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, 
                               method=DFlashDrafter.context_kv)
     attend = training_attend(anchors, valid, bs, s, seg, recipe.attention_impl)
     hidden = dmod.apply({"params": dparams}, emb, positions, ctx_k, ctx_v, attend)
-    logits = tmod.apply(tvars, hidden, method=Transformer.logits).reshape(b, n, bs, -1)
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-
-    if recipe.loss == "ce":
-        per_pos = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
-    else:
-        # Target logits at p+k-1 predict x_{p+k}: the soft label of block position k (k >= 1;
-        # k = 0 has weight 0 and reads position p-1 clipped, harmlessly).
-        t_logits = jax.lax.stop_gradient(tmod.apply(tvars, hidden_t, method=Transformer.logits))
+    t_hidden = None
+    if recipe.loss == "kl":
+        # Target hidden states at p+k-1, whose next-token distribution is the soft label of
+        # block position k (k >= 1; k = 0 has weight 0 and reads position p-1 clipped,
+        # harmlessly). Gathered before the LM head, so only N*bs rows of logits exist.
         src = masks.teacher_positions(anchors, bs).reshape(b, n * bs)
-        t_logp = jax.nn.log_softmax(
-            jnp.take_along_axis(t_logits, src[..., None], axis=1), axis=-1).reshape(logp.shape)
-        per_pos = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
+        t_hidden = jax.lax.stop_gradient(
+            jnp.take_along_axis(hidden_t, src[..., None], axis=1)).reshape(b, n, bs, -1)
+    per_pos, correct = block_scores(tmod, tparams, hidden.reshape(b, n, bs, -1), labels,
+                                    t_hidden, recipe.loss, recipe.loss_chunk_anchors)
 
     weight_sum = jnp.sum(weights)
     loss = jnp.sum(weights * per_pos) / jnp.maximum(weight_sum, 1e-9)
 
     scored = weights > 0
-    correct = (jnp.argmax(logp, axis=-1) == labels)
     # Acceptance length of each block if it were drafted: 1 + correct prefix of k >= 1, where a
     # position that is not scored (past the end, prompt) stops the prefix.
     prefix = jnp.cumprod((correct & scored)[..., 1:].astype(jnp.int32), axis=-1)

@@ -68,6 +68,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.gamma = 7.0
     c.loss = "ce"  # "ce" | "kl"
     c.mask_schedule = "all"  # "all" | "random"
+    c.loss_chunk_anchors = 0  # > 0: drafter logits for this many anchors at a time (memory)
     c.attention_impl = "xla"  # "xla" | "pallas" | "pallas_interpret"
     c.use_segments = True
     # Data.
@@ -396,7 +397,8 @@ def build_experiment(config, workdir: str) -> Experiment:
             block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
             tap_layers=tuple(dcfg.target_layer_ids), num_anchors=config.num_anchors,
             gamma=config.gamma, loss=config.loss, mask_schedule=config.mask_schedule,
-            attention_impl=config.attention_impl, use_segments=config.use_segments)
+            attention_impl=config.attention_impl, use_segments=config.use_segments,
+            loss_chunk_anchors=config.loss_chunk_anchors)
 
         def loss_fn(params, frozen, batch, key):
             return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
