@@ -383,8 +383,13 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
                 tmod, dmod, plan, capacity, n_buf, mesh, tparams, dparams, b, p_pad)
             repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             arg_sh = (sh["ids"], sh["lens"], repl, repl)
-            return (prefill_jit.lower(tparams, dparams, *args).compile(),
-                    decode_jit.lower(tparams, dparams, sh["state_shape"]).compile(),
+            # Lowered on shapes: the arrays may be placed otherwise (e.g. a trainer's FSDP
+            # layout); they are moved to the programs' shardings below.
+            shapes = lambda tree: jax.tree_util.tree_map(
+                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+            tp_s, dp_s = shapes(tparams), shapes(dparams)
+            return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
+                    decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
                     (sh["tparams"], sh["dparams"], arg_sh))
 
     (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)

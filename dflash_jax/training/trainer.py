@@ -3,8 +3,10 @@
     train_and_evaluate(config, workdir) -> summary dict
 
 builds the experiment (tokenizer, data, models), restores the newest readable checkpoint,
-trains with AdamW + warmup-cosine + global-norm clipping over a 1-D `data` mesh of all local
-devices (batch sharded, params replicated), logs progress / TensorBoard / JSONL, evaluates
+trains with AdamW + warmup-cosine + global-norm clipping on a device mesh (`config.mesh`:
+empty for data parallelism over all local devices, or a `sharding` spec such as "fsdp=8" or
+"data=2,fsdp=4": the trained parameters, their AdamW moments and the frozen target are then
+sharded by the partition rules of `dflash_jax.sharding`), logs progress / TensorBoard / JSONL, evaluates
 (per-position draft accuracy, tau with the real `generate`), saves Orbax checkpoints (periodic,
 async, keep-N, on SIGTERM/SIGINT), stops cleanly on a NaN loss, and exports the result
 (drafter: z-lab format; target: Hugging Face format with its tokenizer).
@@ -45,6 +47,9 @@ def default_config() -> ml_collections.ConfigDict:
     c = ml_collections.ConfigDict()
     c.mode = "drafter"  # "drafter" | "target"
     c.seed = 0
+    # Device mesh: "" = data parallel over all local devices (parameters replicated), or a
+    # dflash_jax.sharding spec ("fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"; -1 = the rest).
+    c.mesh = ""
     c.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
     # Target: a HF directory, or (empty path) a random/fresh model described by target_model.
     c.target_path = ""
@@ -139,11 +144,13 @@ def make_mesh(devices=None) -> Mesh:
     return Mesh(np.asarray(devices), ("data",))
 
 
-def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None):
+def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None,
+                    shardings=None):
     """jit(step)(state, frozen, batch) -> (state, metrics); loss_fn(params, frozen, batch, key).
 
-    With a mesh: batch sharded over `data`, everything else replicated; XLA inserts the gradient
-    all-reduce. The step's random key is fold_in(state.rng, state.step), so a resumed run draws
+    With a mesh and no `shardings`: batch sharded over `data`, everything else replicated; XLA
+    inserts the gradient all-reduce. `shardings` = (state, frozen, batch) shardings (see
+    `train_shardings`) lay the step out on the mesh that way instead. The step's random key is fold_in(state.rng, state.step), so a resumed run draws
     the same anchors as the uninterrupted one.
     """
 
@@ -158,8 +165,33 @@ def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None):
 
     if mesh is None:
         return jax.jit(step)
-    rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    return jax.jit(step, in_shardings=(rep, rep, data), out_shardings=(rep, rep))
+    if shardings is None:
+        rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        return jax.jit(step, in_shardings=(rep, rep, data), out_shardings=(rep, rep))
+    state_sh, frozen_sh, batch_sh = shardings
+    return jax.jit(step, in_shardings=(state_sh, frozen_sh, batch_sh),
+                   out_shardings=(state_sh, NamedSharding(mesh, P())))
+
+
+def train_shardings(mesh: Mesh, mode: str, state, frozen, target_head_dim: int,
+                    drafter_head_dim: Optional[int] = None):
+    """(state, frozen, batch) shardings for `make_train_step` on a ("data", "fsdp", "tensor")
+    mesh: the trained parameters and their optimizer moments by the drafter's (or, training a
+    target, the target's) FSDP + tensor rules, the frozen target by the target's, step and rng
+    replicated, the batch over ("data", "fsdp")."""
+    from dflash_jax import sharding
+
+    if mode == "drafter":
+        rules, head_dim = sharding.drafter_rules(True), drafter_head_dim
+    else:
+        rules, head_dim = sharding.target_rules(True), target_head_dim
+    rep = NamedSharding(mesh, P())
+    state_sh = TrainState(
+        step=rep, rng=rep, params=sharding.param_shardings(state.params, mesh, rules, head_dim),
+        opt_state=sharding.param_shardings(state.opt_state, mesh, rules, head_dim))
+    frozen_sh = None if frozen is None else sharding.param_shardings(
+        frozen, mesh, sharding.target_rules(True), target_head_dim)
+    return state_sh, frozen_sh, sharding.batch_sharding(mesh)
 
 
 # ------------------------------------------------------------------------------ experiment
@@ -453,13 +485,15 @@ def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text
 # ----------------------------------------------------------------------------- evaluation
 
 
-def evaluate(exp: Experiment, params, eval_step, step: int) -> dict:
-    """Held-out loss and per-position draft accuracy; tau with the real `generate`."""
+def evaluate(exp: Experiment, params, eval_step, step: int, frozen=None, mesh=None) -> dict:
+    """Held-out loss and per-position draft accuracy; tau with the real `generate` (on `mesh`
+    when given). `frozen`: the target parameters as placed for training (default exp.frozen)."""
+    frozen = exp.frozen if frozen is None else frozen
     out = {}
     if exp.eval_batches:
         acc = None
         for batch in exp.eval_batches:
-            m = jax.device_get(eval_step(params, exp.frozen, batch))
+            m = jax.device_get(eval_step(params, frozen, batch))
             acc = m if acc is None else jax.tree_util.tree_map(np.add, acc, m)
         n = len(exp.eval_batches)
         out["loss"] = float(acc["loss"]) / n
@@ -475,7 +509,7 @@ def evaluate(exp: Experiment, params, eval_step, step: int) -> dict:
         from dflash_jax.decoding import generate
 
         res = generate(exp.target_for(params), exp.drafter_for(params), exp.eval_prompts,
-                       exp.config.eval_max_new_tokens, stop_token_ids=exp.stop_ids)
+                       exp.config.eval_max_new_tokens, stop_token_ids=exp.stop_ids, mesh=mesh)
         out["tau"] = float(res.stats["tau"])
     return out
 
@@ -521,32 +555,52 @@ def train_and_evaluate(config, workdir: str) -> dict:
              else exp.steps_per_epoch * config.data.num_epochs)
     stop_at = min(total, config.stop_at_step) if config.stop_at_step > 0 else total
     optimizer, schedule = make_optimizer(config, total)
-    mesh = make_mesh()
-    n_dev = mesh.devices.size
-    if config.data.batch_size % n_dev:
-        raise ValueError(f"batch_size {config.data.batch_size} is not divisible by the "
-                         f"{n_dev} devices of the data mesh")
-    rep, data_sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-
     state = TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
                        opt_state=optimizer.init(exp.init_params),
                        rng=jax.random.PRNGKey(config.seed))
+    mesh_spec = config.get("mesh", "")
+    if mesh_spec:
+        from dflash_jax import sharding
+
+        sizes = sharding.parse_mesh(mesh_spec)
+        devices = None if -1 in sizes.values() else jax.devices()[:math.prod(sizes.values())]
+        mesh = sharding.make_mesh(**sizes, devices=devices)
+        n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+        state_sh, frozen_sh, data_sh = train_shardings(
+            mesh, exp.mode, state, exp.frozen, exp.target_cfg.head_dim,
+            exp.drafter_cfg.body.head_dim if exp.drafter_cfg is not None else None)
+    else:
+        mesh = make_mesh()
+        n_batch = mesh.devices.size
+        rep, data_sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
+        state_sh = jax.tree_util.tree_map(lambda _: rep, state)
+        frozen_sh = jax.tree_util.tree_map(lambda _: rep, exp.frozen)
+    n_dev = mesh.devices.size
+    if config.data.batch_size % n_batch:
+        raise ValueError(f"batch_size {config.data.batch_size} is not divisible by the "
+                         f"{n_batch} batch shards of the mesh ({n_dev} devices)")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint_every,
                         config.keep_checkpoints, config.async_checkpoint)
-    restored = ckpt.restore(jax.eval_shape(lambda: state))
+    abstract = jax.tree_util.tree_map(
+        lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+        jax.eval_shape(lambda: state), state_sh)
+    restored = ckpt.restore(abstract)
     if restored is not None:
         state, data_state, _ = restored
         exp.train_iter.set_state(data_state)
         _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
-    state = jax.device_put(state, rep)
-    frozen = jax.device_put(exp.frozen, rep)
-    train_step = make_train_step(exp.loss_fn, optimizer, mesh)
+    state = jax.device_put(state, state_sh)
+    frozen = jax.device_put(exp.frozen, frozen_sh)
+    train_step = make_train_step(exp.loss_fn, optimizer, mesh,
+                                 (state_sh, frozen_sh, data_sh) if mesh_spec else None)
+    eval_mesh = mesh if mesh_spec and n_dev > 1 else None
     eval_step = jax.jit(lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1])
 
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
     _log(f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
          f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
-         f"over {n_dev} device(s) [{jax.devices()[0].platform}], workdir {workdir}")
+         f"over {n_dev} device(s) [{jax.devices()[0].platform}"
+         f"{', mesh ' + mesh_spec if mesh_spec else ''}], workdir {workdir}")
     logger = MetricsLogger(workdir)
     flag = _StopFlag().install()
     step = int(state.step)
@@ -606,7 +660,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                      f"{rate:,.0f} tok/s ETA {format_eta(eta)}")
                 t_window, steps_window, acc_window = time.time(), 0, None
             if config.eval_every > 0 and (step % config.eval_every == 0 or step == total):
-                last_eval = evaluate(exp, state.params, eval_step, step)
+                last_eval = evaluate(exp, state.params, eval_step, step, frozen, eval_mesh)
                 logger.write("eval", step, last_eval)
                 _log(f"eval step {step}: " + " ".join(
                     f"{k} {v:.3f}" for k, v in last_eval.items() if not k.startswith("acc_k")
