@@ -50,13 +50,19 @@ print("OK")
 """
 
 
-def test_eight_device_step_equals_one_device_step(tmp_path):
+def _run_on_eight_devices(script: str, workdir, timeout: int):
+    """Runs `script` (ROOT and WORKDIR defined) in a fresh 8-fake-device CPU process; it must
+    print OK."""
     env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
                JAX_PLATFORMS="cpu")
-    code = f"ROOT = {ROOT!r}\nWORKDIR = {str(tmp_path)!r}\n" + SCRIPT
+    code = f"ROOT = {ROOT!r}\nWORKDIR = {str(workdir)!r}\n" + script
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=300, cwd=ROOT)
+                          timeout=timeout, cwd=ROOT)
     assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+
+
+def test_eight_device_step_equals_one_device_step(tmp_path):
+    _run_on_eight_devices(SCRIPT, tmp_path, 300)
 
 
 FSDP_SCRIPT = r"""
@@ -115,9 +121,4 @@ def test_fsdp_training_equals_one_device_and_resumes_from_sharded_checkpoints(tm
     """train_and_evaluate on a data=2,fsdp=4 mesh (parameters, AdamW moments and frozen target
     sharded) gives the 1-device losses and drafter, evaluates tau with the sharded `generate`,
     and resumes exactly from its sharded checkpoint."""
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
-               JAX_PLATFORMS="cpu")
-    code = f"ROOT = {ROOT!r}\nWORKDIR = {str(tmp_path)!r}\n" + FSDP_SCRIPT
-    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
-                          timeout=400, cwd=ROOT)
-    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
+    _run_on_eight_devices(FSDP_SCRIPT, tmp_path, 400)
