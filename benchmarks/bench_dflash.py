@@ -65,15 +65,23 @@ def run_setting(dj, target, drafter, prompts, batch, **kw):
     """Runs all prompts in batches; returns acceptance lengths, tokens/s and timings."""
     batches = [prompts[i:i + batch] for i in range(0, len(prompts), batch)]
     batches = [b for b in batches if len(b) == batch] or batches[:1]
-    acc, tokens, seconds, compile_s = [], 0, 0.0, 0.0
+    acc, tokens, seconds, compile_s, outputs = [], 0, 0.0, 0.0, []
     for b in batches:
         res = dj.generate(target, drafter, b, **kw)
         compile_s += res.stats["compile_s"]
         acc += [a for seq in res.acceptance_lengths for a in seq]
         tokens += sum(sum(seq) for seq in res.acceptance_lengths)
         seconds += res.stats["decode_s"]
+        outputs += res.tokens
     return {"acceptance": acc, "tokens": tokens, "decode_s": seconds,
-            "tokens_per_s": tokens / max(seconds, 1e-9), "compile_s": compile_s}
+            "tokens_per_s": tokens / max(seconds, 1e-9), "compile_s": compile_s,
+            "outputs": outputs}
+
+
+def distinct_ngram_ratio(ids, n=4):
+    """Distinct n-grams / n-grams of a completion: 1.0 never repeats, a loop tends to 0."""
+    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
+    return len(set(grams)) / len(grams) if grams else 1.0
 
 
 def main(argv):
@@ -96,7 +104,7 @@ def main(argv):
     print(f"{len(prompts)} prompts, median prompt length "
           f"{int(np.median([len(p) for p in prompts]))} tokens", flush=True)
 
-    rows = []
+    rows, text_stats = [], None
     for temp, batch in itertools.product(temps, batches):
         common = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=temp, seed=0,
                       stop_token_ids=[tok.eos_id])
@@ -104,6 +112,16 @@ def main(argv):
         ar_runs = [run_setting(dj, target, None, prompts, batch, **common)
                    for _ in range(FLAGS.repeats)]
         ar_tps = float(np.median([r["tokens_per_s"] for r in ar_runs]))
+        if temp == 0 and text_stats is None:
+            # How repetitive the target's own greedy completions are (not a property of DFlash,
+            # which reproduces them token for token, checked below).
+            ratios = [distinct_ngram_ratio(o) for o in ar_runs[0]["outputs"]]
+            text_stats = {"distinct_4gram_median": float(np.median(ratios)),
+                          "share_below_0.5": float(np.mean(np.asarray(ratios) < 0.5)),
+                          "completions": len(ratios)}
+            print(f"greedy completions: distinct-4-gram ratio median "
+                  f"{text_stats['distinct_4gram_median']:.2f}, "
+                  f"{100 * text_stats['share_below_0.5']:.0f}% below 0.5", flush=True)
         for bs, steps in itertools.product(blocks, denoise):
             if steps > bs - 1:
                 continue
@@ -112,6 +130,9 @@ def main(argv):
             runs = [run_setting(dj, target, drafter, prompts, batch, **kw)
                     for _ in range(FLAGS.repeats)]
             acc = runs[0]["acceptance"]
+            if temp == 0 and runs[0]["outputs"] != ar_runs[0]["outputs"]:
+                raise SystemExit(f"bs={bs} denoise={steps} batch={batch}: greedy DFlash output "
+                                 "differs from autoregressive decoding")
             tps = float(np.median([r["tokens_per_s"] for r in runs]))
             hist = np.bincount(acc, minlength=bs + 1)[1:bs + 1]
             per_pos = [float(np.mean(np.asarray(acc) > k)) for k in range(1, bs)]
@@ -128,7 +149,8 @@ def main(argv):
     meta = {"target": FLAGS.target, "drafter": FLAGS.drafter, "num_prompts": len(prompts),
             "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,
             "command": " ".join(sys.argv), "date": time.strftime("%Y-%m-%d %H:%M"),
-            "backend": __import__("jax").default_backend()}
+            "backend": __import__("jax").default_backend(),
+            "greedy_text": text_stats, "greedy_identical_to_ar": 0.0 in temps}
     with open(os.path.join(FLAGS.out_dir, "results.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows}, f, indent=1)
     write_markdown(rows, meta, os.path.join(FLAGS.out_dir, "results.md"))
@@ -139,9 +161,15 @@ def main(argv):
 def write_markdown(rows, meta, path):
     lines = [f"Command: `{meta['command']}` ({meta['date']}, backend {meta['backend']}, "
              f"{meta['num_prompts']} prompts, {meta['max_new_tokens']} new tokens, median of "
-             f"{meta['repeats']})", "",
-             "| block | temp | denoise | batch | tau | DFlash tok/s | AR tok/s | speedup |",
-             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             f"{meta['repeats']})", ""]
+    if meta.get("greedy_text"):
+        g = meta["greedy_text"]
+        lines += [f"Every greedy DFlash completion was token-identical to autoregressive "
+                  f"decoding. The target's greedy completions: distinct-4-gram ratio median "
+                  f"{g['distinct_4gram_median']:.2f}, {100 * g['share_below_0.5']:.0f}% of "
+                  f"{g['completions']} below 0.5 (repetitive).", ""]
+    lines += ["| block | temp | denoise | batch | tau | DFlash tok/s | AR tok/s | speedup |",
+              "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         lines.append(f"| {r['block_size']} | {r['temperature']:g} | {r['denoise_steps']} | "
                      f"{r['batch']} | {r['tau']:.2f} | {r['dflash_tokens_per_s']:.1f} | "

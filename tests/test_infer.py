@@ -73,3 +73,25 @@ def test_dry_run_clis_report_memory_and_flops():
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train_step" in r.stdout and "AdamW" in r.stdout
+
+
+def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
+    """benchmarks/bench_dflash.py on the bundled pair (two prompts, one setting per temperature,
+    16 tokens): JSON, Markdown and plots written; greedy DFlash matched AR (else it exits 1)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "import os\n\n\ndef read(path):"}) + "\n" +
+                       json.dumps({"prompt": "class Stack:\n    def push(self, x):"}) + "\n")
+    out = tmp_path / "bench"
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_dflash.py"),
+         f"--prompt_file={prompts}", f"--out_dir={out}", "--max_new_tokens=16", "--repeats=1",
+         "--block_sizes=8", "--temperatures=0,1", "--denoise_steps=1", "--batch_sizes=1"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.load(open(out / "results.json"))
+    assert [(row["temperature"], row["block_size"]) for row in res["rows"]] == [(0, 8), (1, 8)]
+    g = res["meta"]["greedy_text"]
+    assert g["completions"] == 2 and 0 < g["distinct_4gram_median"] <= 1
+    assert all(1 <= row["tau"] <= 8 and row["speedup"] > 0 for row in res["rows"])
+    assert "token-identical" in (out / "results.md").read_text()
+    assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
