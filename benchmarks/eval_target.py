@@ -58,9 +58,12 @@ def main(argv):
                                  method=dj.Transformer.logits)
         logp = jax.nn.log_softmax(lg, axis=-1)
         tgt = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
-        return -jnp.sum(jnp.where(valid, tgt, 0.0))
+        # P(a temperature-1 sample equals the argmax): the acceptance probability of a one-hot
+        # argmax draft, i.e. what even a perfect drafter gets per token at T = 1.
+        p_top = jnp.exp(jnp.max(logp, axis=-1))
+        return (-jnp.sum(jnp.where(valid, tgt, 0.0)), jnp.sum(jnp.where(valid, p_top, 0.0)))
 
-    total_nats, total_tokens, total_bytes = 0.0, 0, 0
+    total_nats, total_tokens, total_bytes, total_ptop = 0.0, 0, 0, 0.0
     windows = []
     for text in texts:
         ids = [tok.eos_id] + tok.encode(text)  # scored like a document start in training
@@ -74,12 +77,16 @@ def main(argv):
         for r, chunk in enumerate(windows[i:i + 16]):
             ids[r, :len(chunk)] = chunk
             valid[r, :len(chunk) - 1] = True
-        total_nats += float(nll(jnp.asarray(ids), jnp.asarray(valid)))
+        nats, ptop = nll(jnp.asarray(ids), jnp.asarray(valid))
+        total_nats += float(nats)
+        total_ptop += float(ptop)
     loss = total_nats / total_tokens
+    mean_top_p = total_ptop / total_tokens
     bpb = total_nats / math.log(2) / total_bytes
     print(f"held-out: {len(texts)} files, {total_tokens} tokens, {total_bytes} bytes; "
           f"loss {loss:.3f} nats/token, perplexity {math.exp(loss):.1f}, "
-          f"{bpb:.3f} bits/byte, {total_bytes / total_tokens:.2f} bytes/token")
+          f"{bpb:.3f} bits/byte, {total_bytes / total_tokens:.2f} bytes/token; mean top-1 "
+          f"probability {mean_top_p:.3f} (acceptance of a perfect one-hot draft at T=1)")
 
     prompts = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_samples)
     samples = []
@@ -97,6 +104,7 @@ def main(argv):
         with open(FLAGS.out, "w") as f:
             json.dump({"files": len(texts), "tokens": total_tokens, "bytes": total_bytes,
                        "loss_nats_per_token": loss, "bits_per_byte": bpb,
+                       "mean_top1_probability": mean_top_p,
                        "samples": samples, "command": " ".join(sys.argv)}, f, indent=1)
 
 
