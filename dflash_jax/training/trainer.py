@@ -6,10 +6,10 @@ builds the experiment (tokenizer, data, models), restores the newest readable ch
 trains with AdamW + warmup-cosine + global-norm clipping on a device mesh (`config.mesh`:
 empty for data parallelism over all local devices, or a `sharding` spec such as "fsdp=8" or
 "data=2,fsdp=4": the trained parameters, their AdamW moments and the frozen target are then
-sharded by the partition rules of `dflash_jax.sharding`), logs progress / TensorBoard / JSONL, evaluates
-(per-position draft accuracy, tau with the real `generate`), saves Orbax checkpoints (periodic,
-async, keep-N, on SIGTERM/SIGINT), stops cleanly on a NaN loss, and exports the result
-(drafter: z-lab format; target: Hugging Face format with its tokenizer).
+sharded by the partition rules of `dflash_jax.sharding`), logs progress / TensorBoard / JSONL,
+evaluates (per-position draft accuracy, tau with the real `generate`), saves Orbax checkpoints
+(periodic, async, keep-N, on SIGTERM/SIGINT), stops cleanly on a NaN loss, and exports the
+result (drafter: z-lab format; target: Hugging Face format with its tokenizer).
 
 Config keys: see `default_config()`; experiment files in `configs/` override them.
 """
@@ -150,8 +150,9 @@ def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None,
 
     With a mesh and no `shardings`: batch sharded over `data`, everything else replicated; XLA
     inserts the gradient all-reduce. `shardings` = (state, frozen, batch) shardings (see
-    `train_shardings`) lay the step out on the mesh that way instead. The step's random key is fold_in(state.rng, state.step), so a resumed run draws
-    the same anchors as the uninterrupted one.
+    `train_shardings`) lay the step out on the mesh that way instead. The step's random key is
+    fold_in(state.rng, state.step), so a resumed run draws the same anchors as the uninterrupted
+    one.
     """
 
     def step(state: TrainState, frozen, batch):
