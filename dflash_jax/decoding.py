@@ -37,7 +37,7 @@ import numpy as np
 
 from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend, validate_pair
 from dflash_jax.model import KVCache, Transformer, write_kv
-from dflash_jax.sampling import pick_tokens
+from dflash_jax.sampling import greedy_argmax, pick_tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def draft_block(tmod, tparams, dmod, dparams, ctx: ContextCache, x_last, start, 
         hidden = dmod.apply({"params": dparams}, _embed(tmod, tparams, block), positions,
                             ctx.k, ctx.v, attend)
         logits = _lm_logits(tmod, tparams, hidden[:, 1:])
-        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        pred = greedy_argmax(logits)
         if steps == 1 and plan.confidence_threshold is None:
             p_max = jnp.ones(pred.shape, jnp.float32)  # confidence unused: skip the softmax
         else:

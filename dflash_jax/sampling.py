@@ -28,10 +28,23 @@ def adjusted_logits(logits, temperature: float, top_k: Optional[int], top_p: Opt
     return x
 
 
+def greedy_argmax(logits):
+    """[..., V] -> [...] int32: the first index of the maximum, like `jnp.argmax`.
+
+    Written as a max and a min-reduce of the matching indices: XLA:CPU lowers `argmax` to a
+    variadic (value, index) reduce that does not vectorize, ~5x slower over a 4096-entry
+    vocabulary (two per DFlash step). A row with NaN gives the last index, not the NaN's.
+    """
+    m = jnp.max(logits, axis=-1, keepdims=True)
+    v = logits.shape[-1]
+    iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    return jnp.minimum(jnp.min(jnp.where(logits == m, iota, v), axis=-1), v - 1)
+
+
 def pick_tokens(logits, key, temperature: float, top_k=None, top_p=None):
     """[..., V] logits -> [...] int32 tokens: argmax at temperature 0, else a sample."""
     if temperature == 0.0:
-        return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+        return greedy_argmax(logits)
     return sample_categorical(key, adjusted_logits(logits, temperature, top_k, top_p))
 
 

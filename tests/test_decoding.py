@@ -231,6 +231,18 @@ def test_top_k_sampling_is_lossless(tiny, monkeypatch):
     assert tv < 0.06, tv
 
 
+def test_greedy_argmax_equals_jnp_argmax_with_ties():
+    """The vectorizable argmax picks the first maximal index, exactly like jnp.argmax, also
+    among ties (small integer logits tie often) and for -inf entries."""
+    rng = np.random.RandomState(0)
+    x = rng.randint(-3, 4, (5, 7, 300)).astype(np.float32)
+    x[0, 0] = -np.inf
+    x[1, :, 17] = 50.0
+    got = np.asarray(sampling.greedy_argmax(jnp.asarray(x)))
+    assert got.dtype == np.int32
+    np.testing.assert_array_equal(got, np.argmax(x, axis=-1))
+
+
 def _sampler_z(draws, logits):
     """Largest |z| of the 40 likeliest tokens' frequencies and of the rest's total mass, and
     whether any masked (-inf) token was drawn; draws [n, rows]."""
