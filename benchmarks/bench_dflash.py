@@ -24,6 +24,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import text_quality  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
 flags.DEFINE_string("drafter", "assets/tiny-code/drafter", "Drafter directory.")
@@ -52,9 +54,7 @@ def load_prompts(tok):
 
         pairs = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_prompts, max_per_file=50,
                                prompt_body_lines=2, reference_lines=4)
-        # Cut trailing whitespace: byte-level BPE merges "\n" with the next line's indentation,
-        # so a prompt ending in a bare "\n" token is out of distribution for the target.
-        prompts = [tok.encode(p["prompt"].rstrip()) for p in pairs]
+        prompts = [prompting.encode_code_prompt(tok, p["prompt"]) for p in pairs]
     prompts = [p[-FLAGS.max_prompt_tokens:] for p in prompts if p][:FLAGS.num_prompts]
     if not prompts:
         raise SystemExit("no prompts")
@@ -76,12 +76,6 @@ def run_setting(dj, target, drafter, prompts, batch, **kw):
     return {"acceptance": acc, "tokens": tokens, "decode_s": seconds,
             "tokens_per_s": tokens / max(seconds, 1e-9), "compile_s": compile_s,
             "outputs": outputs}
-
-
-def distinct_ngram_ratio(ids, n=4):
-    """Distinct n-grams / n-grams of a completion: 1.0 never repeats, a loop tends to 0."""
-    grams = [tuple(ids[i:i + n]) for i in range(len(ids) - n + 1)]
-    return len(set(grams)) / len(grams) if grams else 1.0
 
 
 def main(argv):
@@ -115,7 +109,7 @@ def main(argv):
         if temp == 0 and text_stats is None:
             # How repetitive the target's own greedy completions are (not a property of DFlash,
             # which reproduces them token for token, checked below).
-            ratios = [distinct_ngram_ratio(o) for o in ar_runs[0]["outputs"]]
+            ratios = [text_quality.distinct_ngram_ratio(o) for o in ar_runs[0]["outputs"]]
             text_stats = {"distinct_4gram_median": float(np.median(ratios)),
                           "share_below_0.5": float(np.mean(np.asarray(ratios) < 0.5)),
                           "completions": len(ratios)}

@@ -20,6 +20,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks import text_quality  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
 flags.DEFINE_string("data_dir", "/tmp/dflash_tfds", "TFDS data dir for the stdlib corpus.")
@@ -27,11 +29,6 @@ flags.DEFINE_integer("window", 256, "Tokens per scored window.")
 flags.DEFINE_integer("num_samples", 4, "Greedy completions to show.")
 flags.DEFINE_integer("max_new_tokens", 96, "Tokens per completion.")
 flags.DEFINE_string("out", None, "Write figures and samples as JSON here.")
-
-
-def distinct_ngram_ratio(tokens, n=4):
-    grams = [tuple(tokens[i:i + n]) for i in range(len(tokens) - n + 1)]
-    return len(set(grams)) / max(len(grams), 1)
 
 
 def main(argv):
@@ -42,6 +39,7 @@ def main(argv):
     import dflash_jax as dj
     from dflash_jax.data import build_python_stdlib, decode_example, stdlib_prompts
     from dflash_jax.data.tokenizer import load_tokenizer
+    from dflash_jax.prompting import encode_code_prompt
 
     target = dj.load_target(FLAGS.target)
     tok = load_tokenizer(FLAGS.target)
@@ -91,10 +89,10 @@ def main(argv):
     prompts = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_samples)
     samples = []
     for p in prompts:
-        ids = tok.encode(p["prompt"].rstrip())[-192:]  # see bench_dflash.py on trailing "\n"
+        ids = encode_code_prompt(tok, p["prompt"], 192)
         res = dj.generate(target, None, [ids], FLAGS.max_new_tokens, stop_token_ids=[tok.eos_id])
         out = res.tokens[0]
-        ratio = distinct_ngram_ratio(out)
+        ratio = text_quality.distinct_ngram_ratio(out)
         samples.append({"path": p["path"], "prompt_tail": tok.decode(ids)[-300:],
                         "completion": tok.decode(out), "distinct_4gram_ratio": ratio})
         print(f"\n--- {p['path']} (distinct 4-grams {ratio:.2f}) ---\n"

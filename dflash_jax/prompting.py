@@ -75,3 +75,13 @@ def encode_prompts(items: Sequence[dict], tokenizer, model_dir: Optional[str],
                 text = render_chat(template, [{"role": "user", "content": text}])
         out.append(tokenizer.encode(text))
     return out
+
+
+def encode_code_prompt(tokenizer, text: str, max_tokens: Optional[int] = None) -> List[int]:
+    """Token ids of a code-completion prompt, trailing whitespace cut, its last `max_tokens`.
+
+    A byte-level BPE merges a newline with the next line's indentation, so a prompt ending in a
+    bare newline ends on a token the model rarely saw there; stripping it keeps prompts in
+    distribution (the model writes the newline itself)."""
+    ids = list(tokenizer.encode(text.rstrip()))
+    return ids[-max_tokens:] if max_tokens else ids

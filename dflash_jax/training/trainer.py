@@ -304,9 +304,10 @@ def _doc_prompts(source, tokenize_fn, n, length, rng) -> List[List[int]]:
 
 def _function_prompts(source, tokenizer, n, max_len, body_lines, per_file, rng):
     """Up to n code-completion prompts (the benchmark's kind, see `data.code_prompts`) from the
-    documents, each its last max_len tokens, in random order. Trailing whitespace is cut: the
-    byte-level BPE merges a newline with the next line's indentation."""
+    documents, each encoded by `prompting.encode_code_prompt` to its last max_len tokens, in
+    random order."""
     from dflash_jax.data.builders import code_prompts
+    from dflash_jax.prompting import encode_code_prompt
 
     if n <= 0:
         return []
@@ -314,9 +315,9 @@ def _function_prompts(source, tokenizer, n, max_len, body_lines, per_file, rng):
                          reference_lines=1, context_lines=40, max_per_file=per_file)
     out = []
     for i in rng.permutation(len(items))[:n]:
-        ids = tokenizer.encode(items[int(i)]["prompt"].rstrip())[-max_len:]
+        ids = encode_code_prompt(tokenizer, items[int(i)]["prompt"], max_len)
         if ids:
-            out.append(list(map(int, ids)))
+            out.append(ids)
     return out
 
 
@@ -559,23 +560,19 @@ def train_and_evaluate(config, workdir: str) -> dict:
     state = TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
                        opt_state=optimizer.init(exp.init_params),
                        rng=jax.random.PRNGKey(config.seed))
-    mesh_spec = config.get("mesh", "")
-    if mesh_spec:
-        from dflash_jax import sharding
+    # "" is data parallelism over this host's devices: the same rules on a data-only mesh,
+    # where every parameter is replicated.
+    from dflash_jax import sharding
 
-        sizes = sharding.parse_mesh(mesh_spec)
-        devices = None if -1 in sizes.values() else jax.devices()[:math.prod(sizes.values())]
-        mesh = sharding.make_mesh(**sizes, devices=devices)
-        n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
-        state_sh, frozen_sh, data_sh = train_shardings(
-            mesh, exp.mode, state, exp.frozen, exp.target_cfg.head_dim,
-            exp.drafter_cfg.body.head_dim if exp.drafter_cfg is not None else None)
-    else:
-        mesh = make_mesh()
-        n_batch = mesh.devices.size
-        rep, data_sh = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        state_sh = jax.tree_util.tree_map(lambda _: rep, state)
-        frozen_sh = jax.tree_util.tree_map(lambda _: rep, exp.frozen)
+    mesh_spec = config.get("mesh", "")
+    sizes = sharding.parse_mesh(mesh_spec or "data=-1")
+    pool = jax.devices() if mesh_spec else jax.local_devices()
+    mesh = sharding.make_mesh(**sizes, devices=pool if -1 in sizes.values()
+                              else pool[:math.prod(sizes.values())])
+    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    state_sh, frozen_sh, data_sh = train_shardings(
+        mesh, exp.mode, state, exp.frozen, exp.target_cfg.head_dim,
+        exp.drafter_cfg.body.head_dim if exp.drafter_cfg is not None else None)
     n_dev = mesh.devices.size
     if config.data.batch_size % n_batch:
         raise ValueError(f"batch_size {config.data.batch_size} is not divisible by the "
@@ -592,16 +589,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
         _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
     state = jax.device_put(state, state_sh)
     frozen = jax.device_put(exp.frozen, frozen_sh)
-    train_step = make_train_step(exp.loss_fn, optimizer, mesh,
-                                 (state_sh, frozen_sh, data_sh) if mesh_spec else None)
-    eval_mesh = mesh if mesh_spec and n_dev > 1 else None
+    train_step = make_train_step(exp.loss_fn, optimizer, mesh, (state_sh, frozen_sh, data_sh))
+    eval_mesh = mesh if n_dev > 1 else None
     eval_step = jax.jit(lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1])
 
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
     _log(f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
          f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
-         f"over {n_dev} device(s) [{jax.devices()[0].platform}"
-         f"{', mesh ' + mesh_spec if mesh_spec else ''}], workdir {workdir}")
+         f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
+         f"{sharding.mesh_str(mesh)}], workdir {workdir}")
     logger = MetricsLogger(workdir)
     flag = _StopFlag().install()
     step = int(state.step)
