@@ -32,8 +32,8 @@ def greedy_argmax(logits):
     """[..., V] -> [...] int32: the first index of the maximum, like `jnp.argmax`.
 
     Written as a max and a min-reduce of the matching indices: XLA:CPU lowers `argmax` to a
-    variadic (value, index) reduce that does not vectorize, ~5x slower over a 4096-entry
-    vocabulary (two per DFlash step). A row with NaN gives the last index, not the NaN's.
+    variadic (value, index) reduce that does not vectorize, ~4x slower over a 16x4096 block
+    (two per DFlash step; `benchmarks/op_costs.py`). A row with NaN gives the last index, not the NaN's.
     """
     m = jnp.max(logits, axis=-1, keepdims=True)
     v = logits.shape[-1]
@@ -53,8 +53,8 @@ def sample_categorical(key, log_weights):
     transform: one uniform per row against the cumulative distribution.
 
     `jax.random.categorical` draws V Gumbel variates per row instead; for a 16-token verify
-    block that random-bit generation is most of the sampling cost (about 5x slower on CPU at
-    V = 4096). Token i is drawn iff cdf[i-1] <= u < cdf[i], with probability p_i (up to float32
+    block that random-bit generation is most of the sampling cost (about 6x slower on CPU at
+    V = 4096; `benchmarks/op_costs.py`). Token i is drawn iff cdf[i-1] <= u < cdf[i], with probability p_i (up to float32
     rounding of the running sum); zero-probability tokens have an empty interval.
     """
     x = log_weights.astype(jnp.float32)

@@ -95,3 +95,12 @@ def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
     assert all(1 <= row["tau"] <= 8 and row["speedup"] > 0 for row in res["rows"])
     assert "token-identical" in (out / "results.md").read_text()
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
+
+
+def test_op_costs_script_times_the_token_choosers():
+    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "op_costs.py")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(r.stdout.strip().splitlines()[-1])["choosers_us"]
+    assert set(res) == {"jnp.argmax", "sampling.greedy_argmax", "jax.random.categorical",
+                        "sampling.sample_categorical"} and all(v > 0 for v in res.values())
