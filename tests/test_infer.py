@@ -104,3 +104,25 @@ def test_op_costs_script_times_the_token_choosers():
     res = json.loads(r.stdout.strip().splitlines()[-1])["choosers_us"]
     assert set(res) == {"jnp.argmax", "sampling.greedy_argmax", "jax.random.categorical",
                         "sampling.sample_categorical"} and all(v > 0 for v in res.values())
+
+
+def test_repetition_script_compares_greedy_completions_with_the_real_continuation(tmp_path):
+    """benchmarks/repetition.py: the real continuation of a looping file scores low, a varied
+    one high; the bundled target's completions are scored per prompt cut."""
+    loop = "x = 1\n" * 40
+    varied = "".join(f"value_{i} = compute_{i}(arg_{i}) + {i * 7}\n" for i in range(40))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "def f():\n", "reference": loop}) + "\n" +
+                       json.dumps({"prompt": "def g():\n", "reference": varied}) + "\n")
+    out = tmp_path / "rep.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "repetition.py"),
+         f"--prompt_file={prompts}", f"--out={out}", "--max_new_tokens=16",
+         "--prompt_tokens=8,4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.load(open(out))
+    assert res["reference"]["n"] == 2 and res["reference"]["share_below"] == 0.5
+    assert res["reference"]["mean"] < 0.8
+    for key in ("greedy_prompt8", "greedy_prompt4"):
+        assert res[key]["n"] == 2 and 0 < res[key]["median"] <= 1
+    assert res["greedy_prompt4"]["median_prompt_tokens"] <= 4
