@@ -26,6 +26,8 @@ from absl import app, flags
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.timing import loop_step_ms, median_time  # noqa: E402
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
 flags.DEFINE_string("drafter", "assets/tiny-code/drafter", "Drafter directory.")
@@ -35,18 +37,6 @@ flags.DEFINE_integer("repeats", 50, "Timed calls per measurement (median).")
 flags.DEFINE_string("json_out", None, "Write the figures here.")
 flags.DEFINE_integer("loop_tokens", 64, "Tokens generated per in-loop timing (the benchmark's 64).")
 flags.DEFINE_integer("loop_repeats", 5, "In-loop timings per setting (median).")
-
-
-def median_time(fn, repeats):
-    import jax
-
-    jax.block_until_ready(fn())
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def main(argv):
@@ -122,20 +112,13 @@ def main(argv):
     # The same inside the compiled decode loop (no per-call dispatch): seconds per iteration of
     # `generate`'s while loop, median over repeats, on a random prompt of the same length.
     ids = np.asarray(prompt[0]).tolist()
-
-    def loop_step_ms(d, bs):
-        times = []
-        for _ in range(FLAGS.loop_repeats + 1):  # the first call compiles
-            res = dj.generate(target, d, [ids], FLAGS.loop_tokens, block_size=bs)
-            times.append(res.stats["decode_s"] / max(res.stats["steps"], 1))
-        return 1e3 * float(np.median(times[1:]))
-
-    ar_loop = loop_step_ms(None, None)
+    ar_loop = loop_step_ms(target, None, ids, FLAGS.loop_tokens, None, FLAGS.loop_repeats)
     print(f"in the compiled loop: one autoregressive step {ar_loop:.3f} ms")
     print("  bs | DFlash step ms | step/AR-step | tau for 3x | ceiling (tau=bs)")
     for t in widths[1:]:
         r = rows[t]
-        r["loop_step_ms"] = loop_step_ms(drafter, t)
+        r["loop_step_ms"] = loop_step_ms(target, drafter, ids, FLAGS.loop_tokens, t,
+                                         FLAGS.loop_repeats)
         r["loop_step_over_ar"] = r["loop_step_ms"] / ar_loop
         r["loop_tau_for_3x"] = 3.0 * r["loop_step_over_ar"]
         r["loop_speedup_ceiling"] = t / r["loop_step_over_ar"]

@@ -126,3 +126,21 @@ def test_repetition_script_compares_greedy_completions_with_the_real_continuatio
     for key in ("greedy_prompt8", "greedy_prompt4"):
         assert res[key]["n"] == 2 and 0 < res[key]["median"] <= 1
     assert res["greedy_prompt4"]["median_prompt_tokens"] <= 4
+
+
+def test_scale_costs_script_times_both_loops_per_target_size(tmp_path):
+    out = tmp_path / "scale.json"
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"), "--sizes=128x6",
+         "--tokens=8", "--repeats=1", "--context=16", f"--json_out={out}",
+         f"--plot={tmp_path / 'scale.png'}"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    (row,) = json.load(open(out))["rows"]
+    assert (row["width"], row["layers"]) == (128, 6) and row["params"] > 1e6
+    assert row["ar_step_ms"] > 0 and row["dflash_step_ms"] > 0
+    assert abs(row["ceiling"] * row["step_over_ar"] - 16) < 1e-6
+    assert (tmp_path / "scale.png").stat().st_size > 0
+    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"),
+                          "--sizes=100x2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "multiple of 128" in bad.stderr
