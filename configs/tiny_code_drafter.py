@@ -4,7 +4,8 @@ First run configs/tiny_code_target.py; this config then regenerates greedy respo
 target (workdir/regenerated.jsonl) to 16,384 prompts from the training files, half random
 128-token windows and half code-completion prompts (context, a def header and two body lines, as
 in the benchmark but from other files), and trains the drafter on them (~3 epochs). About 15
-minutes of regeneration and 45 of training on an otherwise idle 2-core CPU.
+minutes of regeneration and 40 of training on an otherwise idle 2-core CPU. The bundled drafter
+is this one fine-tuned for the stage-2 target (configs/tiny_code_drafter_stage2.py).
 
     python train.py --config=configs/tiny_code_drafter.py --workdir=/tmp/tiny_drafter \
         --config.target_path=/tmp/tiny_target/export/target

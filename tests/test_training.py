@@ -342,3 +342,34 @@ def test_sigterm_saves_a_checkpoint_that_resumes(regen_file, tmp_path, trained):
                       eval_every=0, export=False, checkpoint_every=100000)
     out = trainer.train_and_evaluate(cfg, wd)
     assert [s for s, _ in out["losses"]] == [saved[0] + 1, saved[0] + 2]
+
+
+def test_every_config_sets_only_keys_the_trainer_reads():
+    """configs/*.py: each builds, and every key it holds is one of default_config()'s (a typo
+    in a config would otherwise be a silently ignored setting)."""
+    import importlib
+    import os
+    import sys
+
+    from dflash_jax.training.trainer import default_config
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    sys.path.insert(0, root)
+
+    def keys(d, prefix=""):
+        out = set()
+        for k, v in d.items():
+            out.add(prefix + k)
+            if hasattr(v, "items"):
+                out |= keys(v, prefix + k + ".")
+        return out
+
+    known = keys(default_config())
+    names = sorted(f[:-3] for f in os.listdir(os.path.join(root, "configs"))
+                   if f.endswith(".py") and f not in ("__init__.py", "paper_recipe.py"))
+    assert {"tiny_code_target", "tiny_code_target_stage2", "tiny_code_drafter_stage2"} <= \
+        set(names)
+    for name in names:
+        cfg = importlib.import_module(f"configs.{name}").get_config()
+        assert keys(cfg) <= known, (name, keys(cfg) - known)
+        assert cfg.num_train_steps != 0 and cfg.mode in ("target", "drafter"), name
