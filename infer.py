@@ -15,9 +15,8 @@ from absl import app, flags
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # Ends without a newline on purpose: byte-level BPE merges "\n" with the next line's
 # indentation, so a prompt cut after "\n" ends on a token the model rarely saw there.
-DEFAULT_PROMPT = ('class Stack:\n    """A simple last-in, first-out stack."""\n\n'
-                  '    def __init__(self):\n        self._items = []\n\n'
-                  '    def push(self, item):')
+DEFAULT_PROMPT = ('import os\n\n\ndef read_lines(path):\n'
+                  '    """Return the list of lines in the file at *path*."""')
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", os.path.join(ROOT, "assets/tiny-code/target"),
