@@ -144,3 +144,33 @@ def test_scale_costs_script_times_both_loops_per_target_size(tmp_path):
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"),
                           "--sizes=100x2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "multiple of 128" in bad.stderr
+
+
+def test_plot_training_chains_stages_and_rejects_empty_files(tmp_path):
+    def write(name, rows):
+        path = tmp_path / name
+        path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+        return str(path)
+
+    t1 = write("t1.jsonl", [{"split": "train", "step": s, "loss": 5.0 - s / 100}
+                            for s in range(10, 110, 10)] +
+               [{"split": "eval", "step": 100, "loss": 4.2}])
+    t2 = write("t2.jsonl", [{"split": "train", "step": s, "loss": 4.0} for s in (10, 20)])
+    d1 = write("d1.jsonl", [{"split": "eval", "step": 50, "loss": 2.0, "tau": 2.5}])
+    script = os.path.join(ROOT, "benchmarks", "plot_training.py")
+    out = tmp_path / "curves.png"
+    r = subprocess.run([sys.executable, script, f"--target_runs={t1},{t2}",
+                        f"--drafter_runs={d1}", f"--out={out}", "--smooth=3"],
+                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert out.stat().st_size > 0
+    sys.path.insert(0, ROOT)
+    from benchmarks import plot_training
+
+    stages = plot_training.read_stages([t1, t2])
+    assert [s[2] for s in stages] == [0, 100]  # stage 2 starts after stage 1's last step
+    empty = write("e.jsonl", [{"split": "other", "step": 1}])
+    bad = subprocess.run([sys.executable, script, f"--target_runs={empty}",
+                          f"--drafter_runs={d1}", f"--out={out}"],
+                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert bad.returncode != 0 and "no train or eval rows" in bad.stderr

@@ -1,0 +1,89 @@
+"""Training curves of the bundled pair, stage after stage, from the trainer's metrics.jsonl files.
+
+  python benchmarks/plot_training.py --out=benchmarks/results/tiny-code/training.png
+
+Left: the target's training loss (moving average) and in-loop eval loss; right: the drafter's
+in-loop tau (real `generate` on held-out regenerated prompts). Stages given in order are drawn
+one after the other (a stage's steps continue from the last step of the one before), with a
+line where each new stage starts (the bundled drafter's stage 2 is measured against the
+stage-2 target, whose less repetitive text is harder to draft).
+"""
+
+import json
+import os
+
+import numpy as np
+from absl import app, flags
+
+R = "benchmarks/results/tiny-code/training"
+FLAGS = flags.FLAGS
+flags.DEFINE_list("target_runs", [f"{R}/target_metrics.jsonl", f"{R}/target_stage2_metrics.jsonl"],
+                  "Target metrics files, in stage order.")
+flags.DEFINE_list("drafter_runs", [f"{R}/drafter_metrics.jsonl",
+                                   f"{R}/drafter_stage2_metrics.jsonl"],
+                  "Drafter metrics files, in stage order.")
+flags.DEFINE_integer("smooth", 25, "Moving-average window of the training loss (log points).")
+flags.DEFINE_string("out", "benchmarks/results/tiny-code/training.png", "PNG to write.")
+
+
+def read_stages(paths):
+    """[(train rows, eval rows, step offset)] with each stage's steps after the previous one."""
+    stages, offset = [], 0
+    for path in paths:
+        with open(path) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        train = [r for r in rows if r.get("split") == "train"]
+        evals = [r for r in rows if r.get("split") == "eval"]
+        if not train and not evals:
+            raise SystemExit(f"{path}: no train or eval rows")
+        stages.append((train, evals, offset))
+        offset += max(r["step"] for r in train + evals)
+    return stages
+
+
+def moving_average(x, n):
+    if len(x) < n or n <= 1:
+        return np.asarray(x, float)
+    return np.convolve(x, np.ones(n) / n, mode="valid")
+
+
+def mark_stage(ax, step, index):
+    ax.axvline(step, color="gray", ls="--", lw=0.8)
+    ax.text(step, 0.97, f" stage {index + 1}", transform=ax.get_xaxis_transform(), va="top",
+            color="gray")
+
+
+def main(argv):
+    del argv
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
+    for i, (train, evals, off) in enumerate(read_stages(FLAGS.target_runs)):
+        steps = np.array([r["step"] for r in train]) + off
+        loss = moving_average([r["loss"] for r in train], FLAGS.smooth)
+        a1.plot(steps[len(steps) - len(loss):], loss, color="C0", lw=1,
+                label="train (moving avg)" if i == 0 else None)
+        a1.plot([r["step"] + off for r in evals], [r["loss"] for r in evals], "o-", color="C1",
+                label="eval" if i == 0 else None)
+        if i:
+            mark_stage(a1, off, i)
+    a1.set(xlabel="step", ylabel="loss (nats/token)", title="target")
+    a1.legend()
+    for i, (train, evals, off) in enumerate(read_stages(FLAGS.drafter_runs)):
+        a2.plot([r["step"] + off for r in evals], [r["tau"] for r in evals], "o-", color="C2",
+                label="in-loop tau" if i == 0 else None)
+        if i:
+            mark_stage(a2, off, i)
+    a2.set(xlabel="step", ylabel="tau (block 16)", title="drafter")
+    a2.legend()
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
+    fig.savefig(FLAGS.out, dpi=110)
+    print(f"wrote {FLAGS.out}")
+
+
+if __name__ == "__main__":
+    app.run(main)
