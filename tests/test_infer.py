@@ -141,6 +141,11 @@ def test_scale_costs_script_times_both_loops_per_target_size(tmp_path):
     assert row["ar_step_ms"] > 0 and row["dflash_step_ms"] > 0
     assert abs(row["ceiling"] * row["step_over_ar"] - 16) < 1e-6
     assert (tmp_path / "scale.png").stat().st_size > 0
+    redraw = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"),
+         f"--from_json={out}", f"--plot={tmp_path / 're.png'}"],
+        capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert redraw.returncode == 0 and (tmp_path / "re.png").stat().st_size > 0, redraw.stderr
     bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"),
                           "--sizes=100x2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert bad.returncode != 0 and "multiple of 128" in bad.stderr
