@@ -61,23 +61,28 @@ def main(argv):
     import matplotlib.pyplot as plt
 
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 3.8))
-    for i, (train, evals, off) in enumerate(read_stages(FLAGS.target_runs)):
+
+    def target_stage(train, evals, off, first):
         steps = np.array([r["step"] for r in train]) + off
         loss = moving_average([r["loss"] for r in train], FLAGS.smooth)
         a1.plot(steps[len(steps) - len(loss):], loss, color="C0", lw=1,
-                label="train (moving avg)" if i == 0 else None)
+                label="train (moving avg)" if first else None)
         a1.plot([r["step"] + off for r in evals], [r["loss"] for r in evals], "o-", color="C1",
-                label="eval" if i == 0 else None)
-        if i:
-            mark_stage(a1, off, i)
-    a1.set(xlabel="step", ylabel="loss (nats/token)", title="target")
-    a1.legend()
-    for i, (train, evals, off) in enumerate(read_stages(FLAGS.drafter_runs)):
+                label="eval" if first else None)
+
+    def drafter_stage(train, evals, off, first):
         a2.plot([r["step"] + off for r in evals], [r["tau"] for r in evals], "o-", color="C2",
-                label="in-loop tau" if i == 0 else None)
-        if i:
-            mark_stage(a2, off, i)
+                label="in-loop tau" if first else None)
+
+    for ax, paths, draw in ((a1, FLAGS.target_runs, target_stage),
+                            (a2, FLAGS.drafter_runs, drafter_stage)):
+        for i, (train, evals, off) in enumerate(read_stages(paths)):
+            draw(train, evals, off, first=i == 0)
+            if i:
+                mark_stage(ax, off, i)
+    a1.set(xlabel="step", ylabel="loss (nats/token)", title="target")
     a2.set(xlabel="step", ylabel="tau (block 16)", title="drafter")
+    a1.legend()
     a2.legend()
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)

@@ -48,15 +48,13 @@ def load_pairs():
         with open(FLAGS.prompt_file) as f:
             items = [json.loads(line) for line in f if line.strip()]
         return [(it["prompt"], it["reference"]) for it in items][:FLAGS.num_prompts]
-    from dflash_jax.data import build_python_stdlib, decode_example, stdlib_prompts
+    from dflash_jax.data import build_python_stdlib, code_prompts, decode_example, load_split
 
-    prompts = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_prompts, max_per_file=50,
-                             prompt_body_lines=2, reference_lines=4)
-    source = build_python_stdlib(FLAGS.data_dir).as_data_source(split="validation")
-    texts = {}
-    for i in range(len(source)):
-        ex = decode_example(source[i])
-        texts[ex["path"]] = ex["text"]
+    source = load_split(build_python_stdlib(FLAGS.data_dir), "validation")
+    examples = [decode_example(source[i]) for i in range(len(source))]
+    prompts = code_prompts(examples, max_prompts=FLAGS.num_prompts, max_per_file=50,
+                           prompt_body_lines=2, reference_lines=4)  # as bench_dflash.py
+    texts = {ex["path"]: ex["text"] for ex in examples}
     pairs = []
     for p in prompts:  # the prompt is a verbatim slice of its file
         text, prompt = texts[p["path"]], p["prompt"].rstrip()
@@ -94,9 +92,10 @@ def main(argv):
         key = f"greedy_prompt{cut}"
         report[key] = summarize(ratios, FLAGS.threshold)
         report[key]["median_prompt_tokens"] = float(np.median([len(p) for p in prompts]))
-        print(f"greedy, prompts cut to {cut} tokens (median "
-              f"{report[key]['median_prompt_tokens']:.0f}): distinct-4-gram median {report[key]['median']:.2f}, "
-              f"{100 * report[key]['share_below']:.0f}% below {FLAGS.threshold}", flush=True)
+        r = report[key]
+        print(f"greedy, prompts cut to {cut} tokens (median {r['median_prompt_tokens']:.0f}): "
+              f"distinct-4-gram median {r['median']:.2f}, {100 * r['share_below']:.0f}% below "
+              f"{FLAGS.threshold}", flush=True)
     if FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
         with open(FLAGS.out, "w") as f:
