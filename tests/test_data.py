@@ -90,6 +90,25 @@ def test_stdlib_file_listing():
         assert 0 < (root / rel).stat().st_size <= 300_000
 
 
+def test_stdlib_listing_with_test_suites(tmp_path):
+    # A fake stdlib tree: the test suites join only with include_tests, and every library file
+    # keeps its split (so a held-out library file stays held out in the larger corpus).
+    for rel in ("a.py", "pkg/b.py", "test/test_a.py", "pkg/tests/t.py", "idlelib/idle_test/x.py",
+                "site-packages/dep.py", "pkg/empty.py"):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text("" if rel.endswith("empty.py") else "x = 1\n")
+    lib = B.list_stdlib_files(tmp_path)
+    both = B.list_stdlib_files(tmp_path, include_tests=True)
+    assert lib == ["a.py", "pkg/b.py"]
+    assert both == ["a.py", "idlelib/idle_test/x.py", "pkg/b.py", "pkg/tests/t.py",
+                    "test/test_a.py"]
+    c0, c1 = B.stdlib_config(), B.stdlib_config(include_tests=True)
+    assert c0.name != c1.name and c1.include_tests and not c0.include_tests
+    real = B.list_stdlib_files()
+    real_all = B.list_stdlib_files(include_tests=True)
+    assert set(real) < set(real_all) and len(real_all) > 2 * len(real)
+
+
 def test_stdlib_split_disjoint_by_file_and_reads_back(stdlib_builder, stdlib_splits):
     assert set(stdlib_splits) == {"train", "validation"}
     train = [ex["path"] for ex in stdlib_splits["train"]]

@@ -56,9 +56,10 @@ __all__ = [
 ]
 
 # Directory names never included in the stdlib corpus.
-_SKIP_DIRS = frozenset(
-    {"test", "tests", "idle_test", "site-packages", "dist-packages", "__pycache__"}
-)
+_SKIP_DIRS = frozenset({"site-packages", "dist-packages", "__pycache__"})
+# The stdlib's own test suites: left out unless ``include_tests`` (they are ~1.6x the size of
+# the library code itself).
+_TEST_DIRS = frozenset({"test", "tests", "idle_test"})
 _DEFAULT_MAX_FILE_BYTES = 300_000
 _DEFAULT_VALIDATION_PERCENT = 3.0
 
@@ -150,11 +151,13 @@ def list_stdlib_files(
     *,
     max_files: int | None = None,
     max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES,
+    include_tests: bool = False,
 ) -> list[str]:
     """Sorted relative (POSIX) paths of the stdlib ``.py`` files in the corpus.
 
-    Skips ``test``/``tests``/``idle_test``/``site-packages``/``__pycache__``
-    directories, files larger than ``max_file_bytes`` and empty files.  Files
+    Skips ``site-packages``/``__pycache__`` directories, the test suites
+    (``test``/``tests``/``idle_test``) unless ``include_tests``, files larger
+    than ``max_file_bytes`` and empty files.  Files
     that are not valid UTF-8 are dropped later, when they are read.  With
     ``max_files`` a deterministic subset spread across the tree is returned
     (the files with the smallest hash of their relative path).
@@ -162,9 +165,10 @@ def list_stdlib_files(
     root = Path(stdlib_dir or _default_stdlib_dir())
     if not root.is_dir():
         raise FileNotFoundError(f"stdlib directory not found: {root}")
+    skip = _SKIP_DIRS if include_tests else _SKIP_DIRS | _TEST_DIRS
     out: list[str] = []
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(d for d in dirnames if d not in _SKIP_DIRS)
+        dirnames[:] = sorted(d for d in dirnames if d not in skip)
         for fn in filenames:
             if not fn.endswith(".py"):
                 continue
@@ -190,6 +194,7 @@ class StdlibConfig(tfds.core.BuilderConfig):
     max_files: int | None = None
     max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES
     validation_percent: float = _DEFAULT_VALIDATION_PERCENT
+    include_tests: bool = False
 
 
 def stdlib_config(
@@ -198,12 +203,16 @@ def stdlib_config(
     validation_percent: float = _DEFAULT_VALIDATION_PERCENT,
     max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES,
     stdlib_dir: str | os.PathLike | None = None,
+    include_tests: bool = False,
 ) -> StdlibConfig:
     """A :class:`StdlibConfig` whose name encodes every option.
 
     The name includes the Python version (``py311``) because the corpus is the
     running interpreter's stdlib; a custom ``stdlib_dir`` adds a hash of the
     path.  Distinct options therefore never share a prepared directory.
+    Splits go by a hash of each file's path, so with ``include_tests`` every
+    library file keeps the split it has without them: the held-out library
+    files stay held out.
     """
     split_of("", validation_percent)  # validates the range
     parts = [
@@ -212,6 +221,8 @@ def stdlib_config(
         f"val{_fmt_pct(validation_percent)}",
         f"max{max_file_bytes}",
     ]
+    if include_tests:
+        parts.append("tests")
     if stdlib_dir is not None:
         stdlib_dir = os.fspath(Path(stdlib_dir).resolve())
         parts.append("dir" + _short_hash(stdlib_dir))
@@ -222,6 +233,7 @@ def stdlib_config(
         max_files=max_files,
         max_file_bytes=max_file_bytes,
         validation_percent=validation_percent,
+        include_tests=include_tests,
     )
 
 
@@ -253,7 +265,8 @@ class PythonStdlib(_LocalBuilder, skip_registration=True):
         cfg: StdlibConfig = self.builder_config
         root = cfg.stdlib_dir or _default_stdlib_dir()
         files = list_stdlib_files(
-            root, max_files=cfg.max_files, max_file_bytes=cfg.max_file_bytes
+            root, max_files=cfg.max_files, max_file_bytes=cfg.max_file_bytes,
+            include_tests=cfg.include_tests,
         )
         by_split: dict[str, list[str]] = {"train": [], "validation": []}
         for rel in files:
@@ -285,6 +298,7 @@ def build_python_stdlib(
     validation_percent: float = _DEFAULT_VALIDATION_PERCENT,
     max_file_bytes: int = _DEFAULT_MAX_FILE_BYTES,
     stdlib_dir: str | os.PathLike | None = None,
+    include_tests: bool = False,
 ) -> PythonStdlib:
     """Build (or reuse, if already prepared under ``data_dir``) the stdlib corpus."""
     config: StdlibConfig | str = stdlib_config(
@@ -292,6 +306,7 @@ def build_python_stdlib(
         validation_percent=validation_percent,
         max_file_bytes=max_file_bytes,
         stdlib_dir=stdlib_dir,
+        include_tests=include_tests,
     )
     # TFDS rejects a custom config named like a predefined one: use the name.
     if any(c.name == config.name for c in PythonStdlib.BUILDER_CONFIGS):

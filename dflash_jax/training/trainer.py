@@ -80,6 +80,7 @@ def default_config() -> ml_collections.ConfigDict:
     c.data = ml_collections.ConfigDict(dict(
         kind="stdlib",  # "stdlib" | "files" | "regenerated" | "synthetic"
         paths=(), data_dir="", max_files=0, validation_percent=3.0,
+        include_tests=False,  # stdlib: add its test suites (held-out library files stay out)
         seq_len=3072, batch_size=8, num_epochs=6, shuffle=True, allow_split=True,
         num_docs=256, doc_len=64))  # synthetic: random-token documents
     c.regen = ml_collections.ConfigDict(dict(
@@ -275,7 +276,8 @@ def _tfds_sources(config, workdir):
     data_dir = d.data_dir or os.path.join(workdir, "tfds")
     if d.kind in ("stdlib", "regenerated"):
         builder = build_python_stdlib(data_dir, max_files=d.max_files or None,
-                                      validation_percent=d.validation_percent)
+                                      validation_percent=d.validation_percent,
+                                      include_tests=d.include_tests)
     else:
         builder = build_user_files(list(d.paths), data_dir,
                                    validation_percent=d.validation_percent)
