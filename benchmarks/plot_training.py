@@ -5,8 +5,9 @@
 Left: the target's training loss (moving average) and in-loop eval loss; right: the drafter's
 in-loop tau (real `generate` on held-out regenerated prompts). Stages given in order are drawn
 one after the other (a stage's steps continue from the last step of the one before), with a
-line where each new stage starts (the bundled drafter's stage 2 is measured against the
-stage-2 target, whose less repetitive text is harder to draft).
+line where each new stage starts (the drafter's stage 2 is measured against the stage-2 target,
+whose less repetitive text is harder to draft; its stage 3 adds 16K responses and holds out
+other prompts).
 """
 
 import json
@@ -20,7 +21,8 @@ FLAGS = flags.FLAGS
 flags.DEFINE_list("target_runs", [f"{R}/target_metrics.jsonl", f"{R}/target_stage2_metrics.jsonl"],
                   "Target metrics files, in stage order.")
 flags.DEFINE_list("drafter_runs", [f"{R}/drafter_metrics.jsonl",
-                                   f"{R}/drafter_stage2_metrics.jsonl"],
+                                   f"{R}/drafter_stage2_metrics.jsonl",
+                                   f"{R}/drafter_stage3_metrics.jsonl"],
                   "Drafter metrics files, in stage order.")
 flags.DEFINE_integer("smooth", 25, "Moving-average window of the training loss (log points).")
 flags.DEFINE_string("out", "benchmarks/results/tiny-code/training.png", "PNG to write.")
