@@ -6,11 +6,11 @@ The stage-2 fine-tune (configs/tiny_code_drafter_stage2.py) had nearly stopped i
 continues from the stage-2 drafter on all 32,768 (~1 epoch) at a lower peak learning rate.
 About 17 minutes of regeneration and 25 of training on an otherwise idle 2-core CPU:
 
-    # the new responses only (one training step; the regeneration is what is wanted)
+    # the new responses only (regen.only: no training)
     python train.py --config=configs/tiny_code_drafter_stage2.py --workdir=/tmp/regen_seed1 \
         --config.target_path=assets/tiny-code/target --config.seed=1 \
         --config.drafter.init_path=/tmp/tiny_drafter2/export/drafter \
-        --config.regen.output=/tmp/regen_seed1.jsonl --config.num_train_steps=1
+        --config.regen.output=/tmp/regen_seed1.jsonl --config.regen.only=True
     cat /tmp/tiny_drafter2/regenerated.jsonl /tmp/regen_seed1.jsonl > /tmp/regen_32k.jsonl
     python train.py --config=configs/tiny_code_drafter_stage3.py --workdir=/tmp/tiny_drafter3 \
         --config.target_path=assets/tiny-code/target \

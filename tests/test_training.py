@@ -192,6 +192,20 @@ def test_drafter_learns_the_targets_greedy_outputs(trained):
     assert ("loss" in {t for _, t, _ in scalars}) and max(s for s, _, _ in scalars) == 300
 
 
+def test_regen_only_writes_responses_and_does_not_train(tmp_path):
+    out_file = str(tmp_path / "only.jsonl")
+    cfg = tiny_config(out_file, **{"regen.only": True, "regen.num_prompts": 24})
+    out = trainer.train_and_evaluate(cfg, str(tmp_path / "work"))
+    assert out["status"] == "regenerated" and out["regenerated"] == out_file
+    recs = [json.loads(l) for l in open(out_file)]
+    assert len(recs) == 24 and all(len(r["response_ids"]) > 0 for r in recs)
+    assert not os.path.exists(tmp_path / "work" / "checkpoints") and out["export"] is None
+    with pytest.raises(ValueError, match="regen.only"):
+        trainer.train_and_evaluate(tiny_config(out_file, **{"regen.only": True,
+                                                            "mode": "target"}),
+                                   str(tmp_path / "work2"))
+
+
 def test_export_load_generate(trained, regen_file):
     cfg, workdir, out = trained
     target = _tiny_target(cfg)

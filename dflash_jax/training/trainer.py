@@ -91,7 +91,8 @@ def default_config() -> ml_collections.ConfigDict:
         prompt_source="stdlib",
         num_prompts=512, prompt_len=64, max_new_tokens=256, temperature=0.0, batch_size=32,
         function_body_lines=2, functions_per_file=50,
-        holdout_fraction=0.05, output=""))  # output default: workdir/regenerated.jsonl
+        holdout_fraction=0.05, output="",  # output default: workdir/regenerated.jsonl
+        only=False))  # True: write the responses (regen.output) and stop before training
     # Optimization.
     c.learning_rate = 6e-4
     c.warmup_ratio = 0.04
@@ -549,12 +550,22 @@ def _log(msg: str):
 
 def train_and_evaluate(config, workdir: str) -> dict:
     """Runs (or resumes) training in `workdir`. Returns a summary:
-    {"status": "done" | "stopped" | "preempted" | "nan" | "data_exhausted", "step",
+    {"status": "done" | "stopped" | "preempted" | "nan" | "data_exhausted" | "regenerated"
+     (regen.only), "step",
      "losses": [(step, loss), ...] of this process, "eval": last eval metrics,
      "export": path or None}."""
     workdir = os.path.abspath(workdir)
+    regen_only = config.regen.get("only", False)
+    if regen_only and (config.mode != "drafter" or config.data.kind != "regenerated"):
+        raise ValueError("regen.only needs mode='drafter' and data.kind='regenerated', got "
+                         f"mode={config.mode!r}, data.kind={config.data.kind!r}")
     os.makedirs(workdir, exist_ok=True)
     exp = build_experiment(config, workdir)
+    if regen_only:  # the responses exist now (build_experiment wrote or found them)
+        path = config.regen.output or os.path.join(workdir, "regenerated.jsonl")
+        print(f"regen.only: responses in {path}; no training", flush=True)
+        return {"status": "regenerated", "step": 0, "losses": [], "eval": {}, "export": None,
+                "regenerated": path}
     total = (config.num_train_steps if config.num_train_steps > 0
              else exp.steps_per_epoch * config.data.num_epochs)
     stop_at = min(total, config.stop_at_step) if config.stop_at_step > 0 else total
