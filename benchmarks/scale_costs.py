@@ -136,5 +136,6 @@ def main(argv):
     if FLAGS.plot:
         plot(rows, bs, FLAGS.tau, jax.default_backend(), FLAGS.plot)
 
+
 if __name__ == "__main__":
     app.run(main)

@@ -23,8 +23,5 @@ def get_config():
     c = stage2_config()
     c.target_path = ""  # required: the stage-2 export (its tokenizer.json is reused)
     c.data.update(include_tests=True, num_epochs=2)
-    c.learning_rate = 8e-4
-    c.weight_decay = 0.05
-    c.num_train_steps = 4800
-    c.eval_every = 800
+    c.learning_rate = 8e-4  # warmup, weight decay, steps and eval cadence as in stage 2
     return c

@@ -22,10 +22,9 @@ from configs.tiny_code_target_stage2 import get_config as stage2_config
 def get_config():
     c = stage2_config()
     c.target_path = ""  # required: the stage-3 export (its tokenizer.json is reused)
-    c.data.update(include_tests=False, num_epochs=2)
+    c.data.update(num_epochs=2)  # library code only (stage 2's corpus)
     c.learning_rate = 3e-4
     c.warmup_ratio = 0.03
-    c.weight_decay = 0.05
     c.num_train_steps = 1600
     c.eval_every = 400
     return c
