@@ -37,7 +37,7 @@ from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.drafter import DFlashDrafter, Drafter, init_drafter_params, make_drafter_config
 from dflash_jax.model import Transformer, init_params
 from dflash_jax.target import Target, load_target, save_target
-from dflash_jax.training import losses
+from dflash_jax.training import losses, unlikelihood
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.metrics import MetricsLogger, format_eta
 
@@ -93,6 +93,14 @@ def default_config() -> ml_collections.ConfigDict:
         function_body_lines=2, functions_per_file=50,
         holdout_fraction=0.05, output="",  # output default: workdir/regenerated.jsonl
         only=False))  # True: write the responses (regen.output) and stop before training
+    # Target mode: sequence-level unlikelihood on the model's own greedy continuations
+    # (dflash_jax.training.unlikelihood): weight 0 = off. Prompts: `num_prompts` from the
+    # training documents ("docs": random windows; "functions": code-completion prompts;
+    # "mixed": half each), cut to their last prompt_len tokens; a continuation token inside an
+    # n-gram (n = ngram) already generated earlier in it is pushed down by -log(1 - p).
+    c.unlikelihood = ml_collections.ConfigDict(dict(
+        weight=0.0, batch_size=8, prompt_len=128, max_new_tokens=64, ngram=4,
+        prompt_source="mixed", num_prompts=4096))
     # Optimization.
     c.learning_rate = 6e-4
     c.warmup_ratio = 0.04
@@ -220,6 +228,7 @@ class Experiment:
     tokenizer: Any
     tokenizer_dir: Optional[str]
     stop_ids: tuple
+    repetition_sampler: Any = None  # unlikelihood.RepetitionSampler (target mode, weight > 0)
 
     @property
     def frozen(self):
@@ -441,17 +450,43 @@ def build_experiment(config, workdir: str) -> Experiment:
             return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
     else:
         init = tparams
+        ul_weight = float(config.unlikelihood.weight)
 
         def loss_fn(params, frozen, batch, key):
             del frozen, key
-            return losses.target_loss(tmod, params, batch)
+            return unlikelihood.combined_loss(tmod, params, batch, ul_weight,
+                                              losses.target_loss)
 
     stop_ids = (eos_id,) if eos_id is not None else ()
+    sampler = None
+    if mode == "target" and config.unlikelihood.weight > 0:
+        sampler = _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn,
+                                      stop_ids, pad_id, rng)
     return Experiment(config=config, mode=mode, target_cfg=tcfg, tmod=tmod,
                       target_params=tparams, drafter_cfg=dcfg, dmod=dmod, init_params=init,
                       loss_fn=loss_fn, train_iter=train_iter, steps_per_epoch=steps_per_epoch,
                       eval_batches=eval_batches, eval_prompts=eval_prompts, tokenizer=tokenizer,
-                      tokenizer_dir=tok_dir, stop_ids=stop_ids)
+                      tokenizer_dir=tok_dir, stop_ids=stop_ids, repetition_sampler=sampler)
+
+
+def _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn, stop_ids, pad_id,
+                        rng) -> "unlikelihood.RepetitionSampler":
+    u = config.unlikelihood
+    if u.prompt_source not in ("docs", "functions", "mixed"):
+        raise ValueError("unlikelihood.prompt_source must be 'docs', 'functions' or 'mixed', "
+                         f"got {u.prompt_source!r}")
+    if u.prompt_source != "docs" and tokenizer is None:
+        raise ValueError(f"unlikelihood.prompt_source={u.prompt_source!r} needs text documents "
+                         "and a tokenizer; use 'docs'")
+    n_fn = {"docs": 0, "functions": u.num_prompts, "mixed": u.num_prompts // 2}[u.prompt_source]
+    prompts = _function_prompts(train_docs, tokenizer, n_fn, u.prompt_len, 2, 50, rng) \
+        if n_fn else []
+    prompts += _doc_prompts(train_docs, tokenize_fn, u.num_prompts - len(prompts),
+                            u.prompt_len, rng)
+    prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+    return unlikelihood.RepetitionSampler(
+        tcfg, prompts, batch_size=u.batch_size, prompt_len=u.prompt_len,
+        max_new_tokens=u.max_new_tokens, ngram=u.ngram, stop_ids=stop_ids, pad_id=pad_id)
 
 
 def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng):
@@ -590,6 +625,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if config.data.batch_size % n_batch:
         raise ValueError(f"batch_size {config.data.batch_size} is not divisible by the "
                          f"{n_batch} batch shards of the mesh ({n_dev} devices)")
+    if exp.repetition_sampler is not None and config.unlikelihood.batch_size % n_batch:
+        raise ValueError(f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not "
+                         f"divisible by the {n_batch} batch shards of the mesh")
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint_every,
                         config.keep_checkpoints, config.async_checkpoint)
     abstract = jax.tree_util.tree_map(
@@ -629,11 +667,17 @@ def train_and_evaluate(config, workdir: str) -> dict:
             if config.profile_dir and step == config.profile_start_step:
                 jax.profiler.start_trace(config.profile_dir)
                 profiling = True
-            batch = jax.device_put({k: batch[k] for k in
-                                    ("input_ids", "loss_mask", "segment_ids")}, data_sh)
+            batch = {k: batch[k] for k in ("input_ids", "loss_mask", "segment_ids")}
+            rep_frac = None
+            if exp.repetition_sampler is not None:
+                ul_batch, rep_frac = exp.repetition_sampler(state.params, step, eval_mesh)
+                batch.update(ul_batch)
+            batch = jax.device_put(batch, data_sh)
             new_state, metrics = train_step(state, frozen, batch)
             metrics = jax.device_get(metrics)
-            loss = float(metrics["loss"])
+            if rep_frac is not None:
+                metrics = dict(metrics, rep_frac=np.float32(rep_frac))
+            loss = float(metrics["loss"]) + float(metrics.get("ul_loss", 0.0))
             if profiling and step + 1 >= config.profile_start_step + config.profile_num_steps:
                 jax.profiler.stop_trace()
                 profiling = False
@@ -664,8 +708,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
                     rec["acc_k01"] = float(per_k[1])
                     rec["block_accept_len"] = float(acc_window["accept_sum"] /
                                                     max(acc_window["num_blocks"], 1))
+                ul_msg = ""
+                if "rep_frac" in acc_window:
+                    rec.update({k: float(acc_window[k]) / steps_window
+                                for k in ("ul_loss", "ul_p", "rep_frac")})
+                    ul_msg = (f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
+                              f"repeated {100 * rec['rep_frac']:.1f}% ")
                 logger.write("train", step, rec)
-                _log(f"step {step}/{total} loss {rec['loss']:.4f} "
+                _log(f"step {step}/{total} loss {rec['loss']:.4f} {ul_msg}"
                      f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
                      f"{rate:,.0f} tok/s ETA {format_eta(eta)}")
                 t_window, steps_window, acc_window = time.time(), 0, None
