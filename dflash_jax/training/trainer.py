@@ -11,6 +11,10 @@ evaluates (per-position draft accuracy, tau with the real `generate`), saves Orb
 (periodic, async, keep-N, on SIGTERM/SIGINT), stops cleanly on a NaN loss, and exports the
 result (drafter: z-lab format; target: Hugging Face format with its tokenizer).
 
+In target mode, `unlikelihood.weight > 0` adds sequence-level unlikelihood on the model's own
+greedy continuations, decoded each step (`dflash_jax.training.unlikelihood`): a fine-tune
+against greedy loops.
+
 Config keys: see `default_config()`; experiment files in `configs/` override them.
 """
 
