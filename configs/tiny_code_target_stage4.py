@@ -10,7 +10,7 @@ About 17 minutes on an otherwise idle 2-core CPU.
 Result (benchmarks/results/tiny-code/*_stage4.json): the best language model of the four stages
 (held-out library code 0.997 bits/byte, mean top-1 probability 0.545; stage 2: 1.13, 0.50), but
 greedy completions loop as often as after stage 3 (34% of prompts below 0.5 distinct 4-grams;
-stage 2: 20%), so the bundled target stays the stage-2 one.
+stage 2: 20%), so it was not shipped (the bundled target is stage 2 + unlikelihood).
 
     python train.py --config=configs/tiny_code_target_stage4.py --workdir=/tmp/tiny_target4 \
         --config.target_path=/tmp/tiny_target3/export/target

@@ -8,6 +8,13 @@ continues the stage-2 export on the library code with, at every step, greedy con
 4-gram are pushed down by -log(1 - p) (`dflash_jax.training.unlikelihood`; Welleck et al. 2020),
 next to the usual next-token loss on real code. Prompts are the benchmark's kind (code before a
 function body, and plain windows), up to 192 tokens, continued for 64 tokens.
+About 33 minutes on an otherwise idle 2-core CPU.
+
+Result (benchmarks/results/tiny-code/{target_eval,repetition}.json, the bundled target): no
+held-out prompt's greedy completion loops any more (distinct-4-gram median 0.98, mean 0.96; real
+code 1.00, 0.97; stage 2: 0.70 and 20% of prompts below 0.5); the price is a less confident model
+(1.21 bits/byte against 1.13, mean top-1 probability 0.35 against 0.50), whose text a drafter
+predicts less well (block-16 tau 3.10 -> 1.78 on the benchmark).
 
     python train.py --config=configs/tiny_code_target_unlikelihood.py --workdir=/tmp/tiny_target_ul \\
         --config.target_path=/tmp/tiny_target2/export/target
