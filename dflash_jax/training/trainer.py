@@ -337,6 +337,15 @@ def _function_prompts(source, tokenizer, n, max_len, body_lines, per_file, rng):
     return out
 
 
+def _prompt_pool(source, tokenizer, tokenize_fn, n, n_functions, length, body_lines, per_file,
+                 rng) -> List[List[int]]:
+    """n prompts of at most `length` tokens: n_functions code-completion prompts, random
+    document windows for the rest, shuffled."""
+    prompts = _function_prompts(source, tokenizer, n_functions, length, body_lines, per_file, rng)
+    prompts += _doc_prompts(source, tokenize_fn, n - len(prompts), length, rng)
+    return [prompts[i] for i in rng.permutation(len(prompts))]
+
+
 def build_experiment(config, workdir: str) -> Experiment:
     """Tokenizer, data, target, drafter and loss for `config`."""
     from dflash_jax.data import (PackedBatchIterator, load_tokenizer, tokenize_example,
@@ -483,11 +492,8 @@ def _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn, stop_i
         raise ValueError(f"unlikelihood.prompt_source={u.prompt_source!r} needs text documents "
                          "and a tokenizer; use 'docs'")
     n_fn = {"docs": 0, "functions": u.num_prompts, "mixed": u.num_prompts // 2}[u.prompt_source]
-    prompts = _function_prompts(train_docs, tokenizer, n_fn, u.prompt_len, 2, 50, rng) \
-        if n_fn else []
-    prompts += _doc_prompts(train_docs, tokenize_fn, u.num_prompts - len(prompts),
-                            u.prompt_len, rng)
-    prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+    prompts = _prompt_pool(train_docs, tokenizer, tokenize_fn, u.num_prompts, n_fn, u.prompt_len,
+                           2, 50, rng)
     return unlikelihood.RepetitionSampler(
         tcfg, prompts, batch_size=u.batch_size, prompt_len=u.prompt_len,
         max_new_tokens=u.max_new_tokens, ngram=u.ngram, stop_ids=stop_ids, pad_id=pad_id)
@@ -508,11 +514,8 @@ def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text
                 raise ValueError(f"regen.prompt_source={r.prompt_source!r} needs a tokenizer")
             n_fn = {"stdlib": 0, "functions": r.num_prompts,
                     "mixed": r.num_prompts // 2}[r.prompt_source]
-            prompts = _function_prompts(train_src, tokenizer, n_fn, r.prompt_len,
-                                        r.function_body_lines, r.functions_per_file, rng)
-            prompts += _doc_prompts(train_src, text_tokenize, r.num_prompts - len(prompts),
-                                    r.prompt_len, rng)
-            prompts = [prompts[i] for i in rng.permutation(len(prompts))]
+            prompts = _prompt_pool(train_src, tokenizer, text_tokenize, r.num_prompts, n_fn,
+                                   r.prompt_len, r.function_body_lines, r.functions_per_file, rng)
         else:
             raise ValueError("regen.prompt_source must be 'stdlib', 'functions', 'mixed' or "
                              f"'random', got {r.prompt_source!r}")

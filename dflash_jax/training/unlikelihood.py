@@ -28,7 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.decoding import generate
 from dflash_jax.model import Transformer
+from dflash_jax.target import Target
 
 
 def repeated_ngram_mask(seq: Sequence[int], start: int, n: int) -> np.ndarray:
@@ -104,9 +106,6 @@ class RepetitionSampler:
         self.pad_id = pad_id
 
     def __call__(self, params, step: int, mesh=None) -> Tuple[Dict[str, np.ndarray], float]:
-        from dflash_jax.decoding import generate
-        from dflash_jax.target import Target
-
         n = len(self.prompts)
         chunk = [self.prompts[(step * self.batch_size + j) % n] for j in range(self.batch_size)]
         res = generate(Target(self.target_cfg, params), None, chunk, self.max_new_tokens,
