@@ -1,23 +1,38 @@
 # Two commands set up everything on a fresh machine:
 #   make demo   -> creates .venv, installs requirements, runs DFlash on the bundled model
 #   make test   -> creates .venv, installs test requirements, runs the whole test suite
+# CI (.ci/run) also runs `make test-newest`: the same suite in .venv312 on Python 3.12 with the
+# newest jax/flax/optax/orbax that pip resolves (.venv is pinned to the oldest supported jax).
 PYTHON ?= python3
+# The first interpreter that really is 3.12: python3.12 on PATH, else a pyenv install.
+PYTHON312 ?= $(firstword $(foreach p,python3.12 $(wildcard $(shell pyenv root 2>/dev/null)/versions/3.12*/bin/python3.12) /usr/bin/python3.12,$(shell $(p) -c 'import sys; assert sys.version_info[:2] == (3, 12)' >/dev/null 2>&1 && echo $(p))))
 VENV := .venv
 PY := $(VENV)/bin/python
+VENV312 := .venv312
 
-$(VENV)/.runtime: requirements.txt
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -r requirements.txt
-	touch $@
+# One install recipe for every venv. $(1): venv dir, $(2): base interpreter, $(3): extra pip
+# arguments (constraints). Stamps: $(1)/.runtime (requirements.txt), $(1)/.test (+ test deps).
+define venv_rules
+$(1)/.runtime: requirements.txt constraints-oldest.txt
+	@test -n "$(2)" || { echo "no Python interpreter for $(1): set PYTHON / PYTHON312=/path/to/python" >&2; exit 1; }
+	$(2) -m venv $(1)
+	$(1)/bin/python -m pip install -q --upgrade pip
+	$(1)/bin/python -m pip install -q -r requirements.txt $(3)
+	touch $$@
 
-$(VENV)/.test: requirements-test.txt $(VENV)/.runtime
-	$(PY) -m pip install -q -r requirements-test.txt
-	touch $@
+$(1)/.test: requirements-test.txt $(1)/.runtime
+	$(1)/bin/python -m pip install -q -r requirements-test.txt $(3)
+	touch $$@
+endef
+$(eval $(call venv_rules,$(VENV),$(PYTHON),-c constraints-oldest.txt))
+$(eval $(call venv_rules,$(VENV312),$(PYTHON312),))
 
-.PHONY: demo test
+.PHONY: demo test test-newest
 demo: $(VENV)/.runtime
 	$(PY) infer.py
 
 test: $(VENV)/.test
 	$(PY) -m pytest -q tests
+
+test-newest: $(VENV312)/.test
+	$(VENV312)/bin/python -m pytest -q tests

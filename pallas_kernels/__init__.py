@@ -12,7 +12,8 @@ Hq = G * Hkv; softmax in float32; output in q.dtype):
                      interpret=False, block_q_rows=None, block_k=None)
 
 impl: "auto" (Pallas on TPU/GPU, XLA on CPU) | "xla" | "pallas" |
-"pallas_tpu" | "pallas_triton" | "pallas_mosaic_gpu" (not implemented yet);
+"pallas_tpu" | "pallas_triton" | "cudnn" (GPU: cuDNN fused attention for
+verify/draft, XLA reference for training) | "pallas_mosaic_gpu" (not implemented yet);
 see pallas_kernels/backend.py, the single place where the choice is made.
 interpret=True runs the chosen Pallas variant in interpret mode (TPU kernels
 via pltpu.InterpretParams(), Triton kernels via the HLO interpreter).
@@ -57,6 +58,10 @@ def _verify(q, k_cache, v_cache, q_positions, *, sm_scale, variant, interpret,
   if variant == backend.XLA:
     return reference.verify_attention(q, k_cache, v_cache, q_positions,
                                       sm_scale=sm_scale)
+  if variant == backend.CUDNN:
+    from . import cudnn_attention
+    return cudnn_attention.verify_attention(q, k_cache, v_cache, q_positions,
+                                            sm_scale=sm_scale)
   return _decode_module(variant).decode_attention(
       q, k_cache, v_cache, q_positions.astype(jnp.int32), sm_scale=sm_scale,
       **_decode_kwargs(variant, interpret, block_k, num_splits))
@@ -84,6 +89,10 @@ def _draft(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale, variant,
   if variant == backend.XLA:
     return reference.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v,
                                      sm_scale=sm_scale)
+  if variant == backend.CUDNN:
+    from . import cudnn_attention
+    return cudnn_attention.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v,
+                                           sm_scale=sm_scale)
   b, t = q.shape[:2]
   ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, ctx_k.shape[1])
   if ctx_k.shape[1] == 0:   # no context: one dummy slot that nobody sees
@@ -125,7 +134,7 @@ def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
   every window of a query tile are skipped.  Returns [B,N*bs,Hq,D].
   """
   variant = backend.resolve(impl, interpret)
-  if variant == backend.XLA:
+  if variant in (backend.XLA, backend.CUDNN):   # no fused cuDNN training path (yet)
     return reference.training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors,
                                         block_valid, block_size=block_size,
                                         ctx_start=ctx_start, sm_scale=sm_scale)

@@ -10,10 +10,18 @@ Variants
 ``"xla"``         plain-XLA reference (pallas_kernels/reference.py).
 ``"tpu"``         Pallas TPU (Mosaic TPU) kernels.
 ``"triton"``      Pallas GPU kernels on the Triton backend.
-``"mosaic_gpu"``  Pallas Mosaic GPU kernels -- NOT IMPLEMENTED YET.  JAX
-                  deprecates the Triton backend in favour of Mosaic GPU from
-                  0.11; when the Triton lowering goes away, add the Mosaic GPU
-                  kernels and switch `_default_gpu_variant` below.
+``"cudnn"``       GPU verify/draft through cuDNN's fused attention
+                  (`jax.nn.dot_product_attention(implementation="cudnn")`,
+                  cudnn_attention.py); training attention runs the XLA
+                  reference under this variant.
+``"mosaic_gpu"``  Pallas Mosaic GPU kernels -- NOT IMPLEMENTED YET.
+
+GPU default (`_default_gpu_variant`): JAX deprecates the Pallas Triton
+backend from 0.11 in favour of Mosaic GPU, which targets Hopper (sm_90) and
+later.  So: Triton on jax < 0.11; on jax >= 0.11 cuDNN for Hopper/Blackwell
+device kinds (the path JAX maintains for them until Mosaic GPU kernels
+exist here) and Triton for older GPUs while jax still ships it; cuDNN
+wherever `jax.experimental.pallas.triton` is gone.
 
 Public ``impl`` values
 ----------------------
@@ -24,14 +32,17 @@ Public ``impl`` values
                       (TPU interpret mode is the more faithful simulator).
 ``"pallas_tpu"``      force the TPU variant (on CPU: needs interpret=True).
 ``"pallas_triton"``   force the Triton variant (on CPU: needs interpret=True).
+``"cudnn"``           force the cuDNN variant (GPU only; no interpret mode).
 ``"pallas_mosaic_gpu"`` placeholder, raises NotImplementedError.
 
-The environment variable ``DFLASH_PALLAS_GPU_BACKEND`` ("triton" or
+The environment variable ``DFLASH_PALLAS_GPU_BACKEND`` ("triton", "cudnn" or
 "mosaic_gpu") overrides the GPU default without code changes.
 """
 from __future__ import annotations
 
+import functools
 import os
+import re
 
 import jax
 
@@ -39,14 +50,17 @@ XLA = "xla"
 TPU = "tpu"
 TRITON = "triton"
 MOSAIC_GPU = "mosaic_gpu"
+CUDNN = "cudnn"
 
-VARIANTS = (XLA, TPU, TRITON, MOSAIC_GPU)
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_triton", "pallas_mosaic_gpu")
+VARIANTS = (XLA, TPU, TRITON, MOSAIC_GPU, CUDNN)
+IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_triton", "pallas_mosaic_gpu",
+         "cudnn")
 
 _MOSAIC_GPU_MSG = (
     "The Pallas Mosaic GPU variant of the DFlash attention kernels is not "
     "implemented yet. Use impl='pallas_triton' (Triton backend, deprecated in "
-    "JAX >= 0.11 but still available) or impl='xla'. To add it, implement the "
+    "JAX >= 0.11 but still available), impl='cudnn' or impl='xla'. To add it, "
+    "implement the "
     "kernels and register them in pallas_kernels/backend.py.")
 
 
@@ -58,12 +72,54 @@ def _is_gpu(platform: str) -> bool:
   return platform in ("gpu", "cuda", "rocm")
 
 
-def _default_gpu_variant() -> str:
-  choice = os.environ.get("DFLASH_PALLAS_GPU_BACKEND", TRITON).strip().lower()
-  if choice not in (TRITON, MOSAIC_GPU):
-    raise ValueError(
-        f"DFLASH_PALLAS_GPU_BACKEND must be 'triton' or 'mosaic_gpu', got {choice!r}")
-  return choice
+def jax_version() -> tuple[int, ...]:
+  return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:3])
+
+
+def triton_deprecated() -> bool:
+  """JAX deprecates the Pallas Triton backend (for Mosaic GPU) from 0.11 on."""
+  return jax_version() >= (0, 11)
+
+
+@functools.cache
+def triton_available() -> bool:
+  """Whether this jax still ships the Pallas Triton backend."""
+  try:
+    from jax.experimental.pallas import triton  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+# Hopper (sm_90) and Blackwell (sm_100+) data-centre parts, by device_kind.
+_SM90_PLUS = re.compile(r"\b(GH200|H100|H200|H800|H20|B100|B200|GB200|B300|GB300)\b")
+
+
+def is_sm90_or_later(device_kind: str | None) -> bool:
+  return bool(device_kind and _SM90_PLUS.search(device_kind))
+
+
+def _gpu_device_kind() -> str | None:
+  """device_kind of the first local GPU, None when this process has none."""
+  try:
+    return jax.local_devices(backend="gpu")[0].device_kind
+  except (RuntimeError, ValueError):   # no GPU backend in this process
+    return None
+
+
+def _default_gpu_variant(device_kind: str | None = None) -> str:
+  """GPU variant for impl="auto"/"pallas" (policy: module docstring)."""
+  choice = os.environ.get("DFLASH_PALLAS_GPU_BACKEND", "").strip().lower()
+  if choice:
+    if choice not in (TRITON, MOSAIC_GPU, CUDNN):
+      raise ValueError("DFLASH_PALLAS_GPU_BACKEND must be 'triton', 'cudnn' or "
+                       f"'mosaic_gpu', got {choice!r}")
+    return choice
+  if not triton_available():
+    return CUDNN
+  if triton_deprecated() and is_sm90_or_later(device_kind or _gpu_device_kind()):
+    return CUDNN
+  return TRITON
 
 
 def resolve(impl: str = "auto", interpret: bool = False,
@@ -91,11 +147,15 @@ def resolve(impl: str = "auto", interpret: bool = False,
         f"impl='pallas' has no compiled kernel on platform {platform!r}; pass "
         "interpret=True or use impl='xla'.")
   variant = {"pallas_tpu": TPU, "pallas_triton": TRITON,
-             "pallas_mosaic_gpu": MOSAIC_GPU}[impl]
+             "pallas_mosaic_gpu": MOSAIC_GPU, "cudnn": CUDNN}[impl]
   variant = _check(variant)
+  if variant == CUDNN and (interpret or not _is_gpu(platform)):
+    raise ValueError(
+        f"impl='cudnn' runs on a GPU only (platform {platform!r}, interpret="
+        f"{interpret}); use impl='xla' or a Pallas variant with interpret=True.")
   if not interpret:
     ok = (variant == TPU and platform == "tpu") or (
-        variant == TRITON and _is_gpu(platform))
+        variant in (TRITON, CUDNN) and _is_gpu(platform))
     if not ok:
       raise ValueError(
           f"impl={impl!r} cannot be compiled on platform {platform!r}; pass "
@@ -106,6 +166,10 @@ def resolve(impl: str = "auto", interpret: bool = False,
 def _check(variant: str) -> str:
   if variant == MOSAIC_GPU:
     raise NotImplementedError(_MOSAIC_GPU_MSG)
+  if variant == TRITON and not triton_available():
+    raise ValueError(
+        f"jax {jax.__version__} no longer ships the Pallas Triton backend; use "
+        "impl='cudnn' (GPU), 'auto' or 'xla'.")
   return variant
 
 

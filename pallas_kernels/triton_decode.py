@@ -58,18 +58,20 @@ def _decode_kernel(kvlen_ref, q_ref, lim_ref, k_ref, v_ref, *rest, tk, ns,
   acc = jnp.zeros((rows, d), jnp.float32)
 
   if blk_len:
-    cols = jnp.arange(blk_pad, dtype=jnp.int32)
-    valid = cols < blk_len
-    bk = plgpu.load(bk_ref.at[pl.ds(0, blk_pad), :], mask=valid[:, None], other=0.0)
-    bv = plgpu.load(bv_ref.at[pl.ds(0, blk_pad), :], mask=valid[:, None], other=0.0)
+    # The block keys arrive zero-padded to blk_pad rows (a power of two, as
+    # tl.dot needs): a whole-ref read, never a slice past the ref's end.
+    valid = jnp.arange(blk_pad, dtype=jnp.int32) < blk_len
     mask = jnp.broadcast_to((valid & (split == 0))[None, :], (rows, blk_pad))
-    m, l, acc = _update(q, bk, bv, m, l, acc, mask, scale=scale, prec=prec)
+    m, l, acc = _update(q, bk_ref[...], bv_ref[...], m, l, acc, mask, scale=scale,
+                        prec=prec)
 
   def body(j, carry):
     m, l, acc = carry
     start = pl.multiple_of(j * tk, tk)
     cols = start + jnp.arange(tk, dtype=jnp.int32)
     ok = cols < kv_len
+    # The last tile may run past S (S % tk != 0): the masked load never
+    # dereferences those rows (and zero-fills them, so stale NaN cannot leak).
     k = plgpu.load(k_ref.at[pl.ds(start, tk), :], mask=ok[:, None], other=0.0)
     v = plgpu.load(v_ref.at[pl.ds(start, tk), :], mask=ok[:, None], other=0.0)
     mask = cols[None, :] <= lim[:, None]
@@ -118,10 +120,12 @@ def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
   if blk_k is not None:
     blk_len = blk_k.shape[1]
     blk_pad = max(16, C.next_pow2(blk_len))
-    spec = pl.BlockSpec((None, blk_len, None, dp), lambda bi, hi, si: (bi, 0, hi, 0))
+    spec = pl.BlockSpec((None, blk_pad, None, dp), lambda bi, hi, si: (bi, 0, hi, 0))
     in_specs += [spec, spec]
-    args += [C.pad_axis(blk_k.astype(k.dtype), 3, dp),
-             C.pad_axis(blk_v.astype(v.dtype), 3, dp)]
+    # Zero rows up to blk_pad (a B*blk_pad*Hkv*D copy, tiny): padded V rows
+    # are finite, padded keys are masked out of the scores.
+    pad_blk = lambda x: C.pad_axis(C.pad_axis(x.astype(k.dtype), 3, dp), 1, blk_pad)
+    args += [pad_blk(blk_k), pad_blk(blk_v)]
   out_specs = [
       pl.BlockSpec((None, None, None, rows, dp), lambda bi, hi, si: (bi, hi, si, 0, 0)),
       pl.BlockSpec((None, None, None, rows), lambda bi, hi, si: (bi, hi, si, 0)),

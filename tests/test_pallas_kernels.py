@@ -172,8 +172,11 @@ def test_reference_training_grads_finite_for_invalid_blocks():
 def test_backend_resolution():
   assert backend.resolve("auto", platform="cpu") == "xla"
   assert backend.resolve("auto", platform="tpu") == "tpu"
-  assert backend.resolve("auto", platform="gpu") == "triton"
-  assert backend.resolve("pallas", platform="cuda") == "triton"
+  assert backend.resolve("auto", platform="gpu") == backend._default_gpu_variant()
+  assert backend.resolve("pallas", platform="cuda") == backend._default_gpu_variant()
+  assert backend.resolve("cudnn", platform="gpu") == "cudnn"
+  with pytest.raises(ValueError, match="GPU only"):
+    backend.resolve("cudnn", interpret=True, platform="cpu")
   assert backend.resolve("xla", platform="tpu") == "xla"
   assert backend.resolve("pallas", interpret=True, platform="cpu") == "tpu"
   assert backend.resolve("pallas_triton", interpret=True, platform="cpu") == "triton"
@@ -185,6 +188,60 @@ def test_backend_resolution():
     backend.resolve("bogus")
   with pytest.raises(NotImplementedError, match="Mosaic GPU"):
     backend.resolve("pallas_mosaic_gpu", interpret=True)
+
+
+@pytest.mark.parametrize("version,has_triton,kind,want", [
+    ((0, 10, 2), True, "NVIDIA H200", "triton"),      # Triton not deprecated yet
+    ((0, 10, 2), True, "NVIDIA A100-SXM4-80GB", "triton"),
+    ((0, 11, 2), True, "NVIDIA H200", "cudnn"),       # deprecated: Hopper -> cuDNN
+    ((0, 12, 0), True, "NVIDIA GH200 480GB", "cudnn"),
+    ((0, 12, 0), True, "NVIDIA B200", "cudnn"),
+    ((0, 12, 0), True, "NVIDIA A100-SXM4-80GB", "triton"),   # pre-Hopper keeps Triton
+    ((0, 12, 0), True, "NVIDIA L4", "triton"),
+    ((0, 13, 0), False, "NVIDIA A100-SXM4-80GB", "cudnn"),   # Triton gone
+])
+def test_backend_gpu_default_by_jax_version_and_device_kind(monkeypatch, version, has_triton,
+                                                           kind, want):
+  monkeypatch.delenv("DFLASH_PALLAS_GPU_BACKEND", raising=False)
+  monkeypatch.setattr(backend, "jax_version", lambda: version)
+  monkeypatch.setattr(backend, "triton_available", lambda: has_triton)
+  monkeypatch.setattr(backend, "_gpu_device_kind", lambda: kind)
+  assert backend._default_gpu_variant() == want
+  assert backend.resolve("auto", platform="gpu") == want
+  if not has_triton:
+    with pytest.raises(ValueError, match="no longer ships"):
+      backend.resolve("pallas_triton", platform="gpu")
+  monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "triton" if want == "cudnn" else "cudnn")
+  assert backend._default_gpu_variant() != want   # the override wins
+
+
+def test_backend_this_jax_version():
+  """The version gate reads the installed jax; Triton ships in every version we test on."""
+  major, minor = backend.jax_version()[:2]
+  assert backend.triton_deprecated() == ((major, minor) >= (0, 11))
+  assert backend.triton_available()
+
+
+def test_cudnn_variant_masks_and_layout(monkeypatch):
+  """cudnn_attention's masks, GQA layout and scale, through jax.nn.dot_product_attention's
+  XLA implementation (the cuDNN kernel itself needs a GPU; its lowering is tested below)."""
+  from pallas_kernels import cudnn_attention
+  monkeypatch.setattr(cudnn_attention, "_IMPLEMENTATION", "xla")
+  monkeypatch.setattr(cudnn_attention, "supported", lambda q: True)
+  rng = np.random.default_rng(11)
+  q, k, v = _rand(rng, 3, 5, 8, 16), _rand(rng, 3, 37, 2, 16), _rand(rng, 3, 37, 2, 16)
+  pos = jnp.asarray(np.array([4, 20, 36])[:, None] - 4 + np.arange(5)[None], jnp.int32)
+  np.testing.assert_allclose(cudnn_attention.verify_attention(q, k, v, pos, sm_scale=0.3),
+                             _np_verify(q * (0.3 * 4), k, v, pos), atol=ATOL)
+  bk, bv = _rand(rng, 3, 5, 2, 16), _rand(rng, 3, 5, 2, 16)
+  clen = jnp.array([0, 13, 37], jnp.int32)
+  np.testing.assert_allclose(cudnn_attention.draft_attention(q, k, v, clen, bk, bv),
+                             _np_draft(q, k, v, clen, bk, bv), atol=ATOL)
+  # float32 is not a cuDNN dtype: the public entry point runs the reference instead.
+  monkeypatch.undo()
+  assert not cudnn_attention.supported(q)
+  np.testing.assert_array_equal(cudnn_attention.verify_attention(q, k, v, pos),
+                                reference.verify_attention(q, k, v, pos))
 
 
 def test_backend_mosaic_gpu_env_placeholder(monkeypatch):
@@ -400,8 +457,7 @@ def test_drafter_loss_pallas_equals_xla_on_packed_rows(monkeypatch):
 
 
 # ---------------------------------------- lowering for the real accelerators --
-@pytest.mark.parametrize("platform,impl,d", [("tpu", "pallas", 128), ("tpu", "pallas", 64),
-                                             ("cuda", "pallas", 128)])
+@pytest.mark.parametrize("platform,impl,d", [("tpu", "pallas", 128), ("tpu", "pallas", 64)])
 def test_kernels_lower_for_accelerator(monkeypatch, platform, impl, d):
   """Cross-lowers all kernels (Qwen3-8B-like heads, bf16) to Mosaic TPU /
   Triton IR on this CPU machine: catches block-shape and lowering errors that
@@ -424,6 +480,58 @@ def test_kernels_lower_for_accelerator(monkeypatch, platform, impl, d):
   text = lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool)).as_text()
   marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
   assert text.count(marker) >= 3   # fwd + 2 backward kernels
+
+
+@pytest.fixture
+def abstract_h200(monkeypatch):
+  """Lowering for an NVIDIA H200 on a machine without a GPU.
+
+  Pallas Triton reads the target's compute capability from an abstract device
+  (jax >= 0.11 refuses to guess; 0.10 falls back to sm_90 and accepts it too).
+  cuDNN attention cannot lower under an abstract mesh (its primitives require
+  devices), and asks the installed cuDNN for its version and the local GPU for
+  its compute capability: the probes answer for cuDNN 9.8 on sm_90 here.
+  """
+  from jax._src.cudnn import fused_attention_stablehlo as fa
+  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 90800)
+  monkeypatch.setattr(fa, "check_compute_capability",
+                      lambda c: tuple(map(int, c.split("."))) <= (9, 0))
+  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: c == "9.0")
+  monkeypatch.setattr(backend, "_platform", lambda: "gpu")
+  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
+                                   abstract_device=dev)
+  return lambda: jax.sharding.use_abstract_mesh(mesh)
+
+
+def test_gpu_kernels_lower_for_cuda(abstract_h200):
+  """Every GPU variant at Qwen3-8B heads (32 q / 8 kv heads, head_dim 128, bf16) lowers for
+  CUDA on this CPU: Triton verify, draft, training fwd + both backward kernels; cuDNN verify
+  and draft (the final PTX / cuDNN compile still needs the GPU)."""
+  import re
+  sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+  b, t, hkv, g, d, s, bs, n = 2, 16, 8, 4, 128, 4096, 16, 8
+  q, kv, blk = sd((b, t, hkv * g, d), bf), sd((b, s, hkv, d), bf), sd((b, t, hkv, d), bf)
+  i32 = lambda *shape: sd(shape, jnp.int32)
+  lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+  calls = lambda text: re.findall(r"custom_call @([^(]+)\(", text)
+  qt, kb = sd((b, n * bs, hkv * g, d), bf), sd((b, n * bs, hkv, d), bf)
+
+  def train_grads(q_, kc, vc, kb_, vb, anchors, valid):
+    f = lambda *x: jnp.sum(pk.training_attention(
+        *x, anchors, valid, block_size=bs, impl="pallas_triton").astype(jnp.float32))
+    return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q_, kc, vc, kb_, vb)
+  with abstract_h200():
+    texts = [lower(lambda *a: pk.verify_attention(*a, impl="pallas_triton"), q, kv, kv,
+                   i32(b, t)),
+             lower(lambda *a: pk.draft_attention(*a, impl="pallas_triton"), q, kv, kv, i32(b),
+                   blk, blk),
+             lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool))]
+  assert [calls(x).count("__gpu$xla.gpu.triton") for x in texts] == [1, 1, 3]
+  for fn, args in [(pk.verify_attention, (q, kv, kv, i32(b, t))),
+                   (pk.draft_attention, (q, kv, kv, i32(b), blk, blk))]:
+    text = lower(lambda *a, fn=fn: fn(*a, impl="cudnn"), *args)
+    assert calls(text).count("__cudnn$fmhaScaleBiasSoftmax") == 1, calls(text)
 
 
 def test_bench_script_smoke(tmp_path):
