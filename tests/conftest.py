@@ -56,5 +56,17 @@ def hf_checkpoints(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def hf_models64(hf_checkpoints):
+    """{kind: float64 copy of the transformers model}: the reference side of parity tests.
+
+    transformers' float32 CPU forward was seen to differ between runs of the same input by
+    ~4e-4 on these models (about one run in eight); in float64 run-to-run differences are
+    ~1e-12, far below every tolerance, so a parity failure means this project is off."""
+    import copy
+
+    return {k: copy.deepcopy(m).double() for k, (_, m) in hf_checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
 def rng():
     return np.random.RandomState(1234)

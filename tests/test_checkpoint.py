@@ -22,8 +22,9 @@ def _copy(src, dst):
 
 
 @pytest.mark.parametrize("kind", ("qwen3_tied", "qwen3_untied", "llama3"))
-def test_save_load_round_trip_exact_and_loads_in_transformers(kind, hf_checkpoints, tmp_path):
-    src, ref_model = hf_checkpoints[kind]
+def test_save_load_round_trip_exact_and_loads_in_transformers(kind, hf_checkpoints, hf_models64,
+                                                              tmp_path):
+    src, ref_model = hf_checkpoints[kind][0], hf_models64[kind]
     t = dj.load_target(src)
     out = tmp_path / "saved"
     dj.save_target(t, out)
@@ -31,12 +32,12 @@ def test_save_load_round_trip_exact_and_loads_in_transformers(kind, hf_checkpoin
     for a, b in zip(jax.tree_util.tree_leaves(t.params), jax.tree_util.tree_leaves(t2.params)):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
     assert t2.config == t.config
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out)).eval()
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float64).eval()
     ids = np.random.RandomState(3).randint(0, 128, (1, 20))
-    with torch.no_grad():
+    with torch.no_grad():   # both in float64 (see hf_models64): the same weights agree closely
         want = ref_model(torch.tensor(ids)).logits.numpy()
         got = hf(torch.tensor(ids)).logits.numpy()
-    np.testing.assert_allclose(got, want, atol=1e-5)
+    np.testing.assert_allclose(got, want, atol=1e-9)
 
 
 def test_bfloat16_storage_and_float32_compute(hf_checkpoints, tmp_path):
@@ -55,7 +56,7 @@ def test_bfloat16_storage_and_float32_compute(hf_checkpoints, tmp_path):
     a, b = t.forward(ids).logits, t32.forward(ids).logits
     assert float(jnp.abs(a - b).max()) < 0.1  # bf16 rounding only
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"),
-                                                           dtype=torch.float32)
+                                                           dtype=torch.float64)
     with torch.no_grad():
         np.testing.assert_allclose(hf(torch.tensor(ids)).logits.numpy(), np.asarray(b),
                                    atol=1e-4)

@@ -33,8 +33,8 @@ def ar_out(target):
     return dj.generate(target, None, MIXED, max_new_tokens=40).tokens
 
 
-def test_ar_baseline_equals_transformers_generate(hf_checkpoints, ar_out):
-    model = hf_checkpoints["qwen3_untied"][1]
+def test_ar_baseline_equals_transformers_generate(hf_models64, ar_out):
+    model = hf_models64["qwen3_untied"]
     for prompt, ours in zip(MIXED, ar_out):
         with torch.no_grad():
             ref = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,

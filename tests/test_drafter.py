@@ -46,8 +46,8 @@ def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
     def rope(x, pos):  # x [L, heads, d]
         inv = 1.0 / theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d)
         ang = pos[:, None].double() * inv[None]
-        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None].float()
-        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None].float()
+        cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
+        sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
         rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
         return x * cos + rot * sin
 
@@ -94,9 +94,10 @@ def test_drafter_forward_matches_independent_torch_implementation(pair, tmp_path
                                   jnp.arange(c)[None], jnp.array([c]))
     ours = dmod.apply({"params": drafter.params}, emb, c + jnp.arange(t)[None], ctx.k, ctx.v,
                       decode_attend(ctx.lengths))
-    with torch.no_grad():
-        ref = _torch_drafter(state, hf_cfg, torch.tensor(taps[0]),
-                             torch.tensor(np.asarray(emb)[0]), torch.arange(c),
+    with torch.no_grad():   # the reference in float64: no float32 rounding on its side
+        ref = _torch_drafter({k: v.double() for k, v in state.items()}, hf_cfg,
+                             torch.tensor(taps[0]).double(),
+                             torch.tensor(np.asarray(emb)[0]).double(), torch.arange(c),
                              c + torch.arange(t))
     np.testing.assert_allclose(np.asarray(ours)[0], ref.numpy(), atol=2e-4)
 

@@ -20,8 +20,8 @@ def targets(hf_checkpoints):
 
 
 @pytest.mark.parametrize("kind", KINDS)
-def test_logits_and_taps_match_transformers(kind, hf_checkpoints, targets):
-    _, ref_model = hf_checkpoints[kind]
+def test_logits_and_taps_match_transformers(kind, hf_models64, targets):
+    ref_model = hf_models64[kind]
     ids = np.random.RandomState(0).randint(0, 128, (2, 37))
     with torch.no_grad():
         ref = ref_model(torch.tensor(ids), output_hidden_states=True)
