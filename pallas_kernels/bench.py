@@ -1,16 +1,19 @@
 """Benchmark the DFlash attention kernels against XLA baselines.
 
     python pallas_kernels/bench.py [--kernel verify|draft|training|all] [--quick]
-        [--impl pallas|pallas_tpu|pallas_triton] [--interpret]
+        [--impl all|pallas|pallas_tpu|pallas_triton|cudnn[,...]] [--interpret]
         [--peak_hbm_gbps 4800] [--repeats 20] [--contexts 1024,8192]
         [--batches 1,8] [--json_out results.json]
 
 For every kernel and shape it times (median over --repeats runs, compilation
 and one warm-up run excluded):
-  * the Pallas kernel (impl=--impl, default "pallas" = variant of this backend),
+  * every variant of this backend (--impl all, the default): TPU -> pallas_tpu;
+    GPU -> pallas_triton (while jax ships it) and cudnn (backend.py's cuDNN
+    variant; verify/draft only, its training path is the XLA reference);
+    each checked against the reference first (max abs error printed),
   * the plain-XLA reference (pallas_kernels/reference.py),
   * jax.nn.dot_product_attention with an explicit boolean mask (XLA), and on
-    GPU also implementation="cudnn" when cuDNN accepts the shapes/mask.
+    GPU for training also implementation="cudnn" when cuDNN accepts it.
 Columns: time, achieved HBM bandwidth = bytes of K/V that the attention
 actually needs to read (valid context + block, not the cache capacity) / time,
 as GB/s and % of --peak_hbm_gbps (default 4800 = H200), and useful TFLOP/s
@@ -37,7 +40,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from pallas_kernels import reference
+from pallas_kernels import backend, reference
 
 
 # ------------------------------------------------------------------ shapes --
@@ -79,6 +82,20 @@ def _cudnn_ok():
   return jax.default_backend() in ("gpu", "cuda")
 
 
+def variants(args):
+  """The kernel variants (public impl names) to time on this backend."""
+  if args.impl != "all":
+    return args.impl.split(",")
+  if args.interpret:
+    return ["pallas_tpu", "pallas_triton"]
+  platform = jax.default_backend()
+  if platform == "tpu":
+    return ["pallas_tpu"]
+  if platform in ("gpu", "cuda", "rocm"):
+    return (["pallas_triton"] if backend.triton_available() else []) + ["cudnn"]
+  return []   # CPU without --interpret: the XLA baselines only
+
+
 # ---------------------------------------------------------------- kernels --
 def cases_verify(g, rng, args):
   for b in g["batches"]:
@@ -90,16 +107,13 @@ def cases_verify(g, rng, args):
       pos = jnp.broadcast_to(ctx + jnp.arange(t, dtype=jnp.int32), (b, t))
       kv_bytes = 2 * b * s * g["hkv"] * g["d"] * q.dtype.itemsize
       flops = 4 * b * g["hq"] * g["d"] * int(jnp.sum(pos + 1))
-      impls = {
-          "pallas": jax.jit(lambda q, k, v, p: pk.verify_attention(
-              q, k, v, p, impl=args.impl, interpret=args.interpret)),
+      impls = {v: jax.jit(lambda q, k, v_, p, impl=v: pk.verify_attention(
+          q, k, v_, p, impl=impl, interpret=args.interpret)) for v in args.variants}
+      impls.update({
           "xla_ref": jax.jit(lambda q, k, v, p: reference.verify_attention(q, k, v, p)),
           "dot_product_attention": jax.jit(lambda q, k, v, p: _dpa(
               q, k, v, reference.verify_mask(p, k.shape[1]))),
-      }
-      if _cudnn_ok():
-        impls["dpa_cudnn"] = jax.jit(lambda q, k, v, p: _dpa(
-            q, k, v, reference.verify_mask(p, k.shape[1]), "cudnn"))
+      })
       yield dict(kernel="verify", batch=b, context=ctx, bytes=kv_bytes,
                  flops=flops), impls, (q, k, v, pos)
 
@@ -121,14 +135,12 @@ def cases_draft(g, rng, args):
         mask = jnp.broadcast_to(reference.draft_mask(cl, ck.shape[1], bk.shape[1]),
                                 (q.shape[0], q.shape[1], k.shape[1]))
         return _dpa(q, k, v, mask, implementation)
-      impls = {
-          "pallas": jax.jit(lambda *a: pk.draft_attention(
-              *a, impl=args.impl, interpret=args.interpret)),
+      impls = {v: jax.jit(lambda *a, impl=v: pk.draft_attention(
+          *a, impl=impl, interpret=args.interpret)) for v in args.variants}
+      impls.update({
           "xla_ref": jax.jit(lambda *a: reference.draft_attention(*a)),
           "dot_product_attention": jax.jit(dpa),
-      }
-      if _cudnn_ok():
-        impls["dpa_cudnn"] = jax.jit(lambda *a: dpa(*a, implementation="cudnn"))
+      })
       yield dict(kernel="draft", batch=b, context=ctx, bytes=kv_bytes,
                  flops=flops), impls, (q, ck, cv, clen, bk, bv)
 
@@ -161,12 +173,14 @@ def cases_training(g, rng, args):
         v = jnp.concatenate([vc, vb], axis=1)
         mask = reference.training_mask(a, vld, kc.shape[1], bs)
         return _dpa(q, k, v, mask, implementation)
-      impls = {
-          "pallas": grad_of(lambda *a: pk.training_attention(
-              *a, block_size=bs, impl=args.impl, interpret=args.interpret)),
+      # The cudnn variant trains through the XLA reference: nothing of its own to time.
+      impls = {v: grad_of(lambda *a, impl=v: pk.training_attention(
+          *a, block_size=bs, impl=impl, interpret=args.interpret))
+               for v in args.variants if v != "cudnn"}
+      impls.update({
           "xla_ref": grad_of(lambda *a: reference.training_attention(*a, block_size=bs)),
           "dot_product_attention": grad_of(dpa),
-      }
+      })
       if _cudnn_ok():
         impls["dpa_cudnn"] = grad_of(lambda *a: dpa(*a, implementation="cudnn"))
       yield dict(kernel="training(fwd+bwd)", batch=b, context=ctx, bytes=bytes_,
@@ -180,8 +194,9 @@ def main(argv=None):
   p.add_argument("--quick", action="store_true")
   p.add_argument("--interpret", action="store_true",
                  help="run the Pallas kernels in interpret mode (CPU smoke test)")
-  p.add_argument("--impl", default="pallas",
-                 choices=["pallas", "pallas_tpu", "pallas_triton"])
+  p.add_argument("--impl", default="all",
+                 help="'all' (every variant of this backend) or a comma-separated list of "
+                      "pallas, pallas_tpu, pallas_triton, cudnn")
   p.add_argument("--peak_hbm_gbps", type=float, default=4800.0)
   p.add_argument("--repeats", type=int, default=None)
   p.add_argument("--no_check", action="store_true",
@@ -192,6 +207,10 @@ def main(argv=None):
                  help="comma-separated batch sizes overriding the default grid")
   p.add_argument("--json_out", default=None)
   args = p.parse_args(argv)
+  args.variants = variants(args)
+  bad = [v for v in args.variants if v not in ("pallas", "pallas_tpu", "pallas_triton", "cudnn")]
+  if bad:
+    p.error(f"--impl: unknown variant(s) {bad}")
   if args.interpret and jax.default_backend() != "cpu":
     print("note: --interpret on an accelerator measures the interpreter, not the kernel")
   repeats = args.repeats or (2 if args.interpret else 5 if args.quick else 20)
@@ -209,7 +228,7 @@ def main(argv=None):
   kernels = ["verify", "draft", "training"] if args.kernel == "all" else [args.kernel]
   gens = {"verify": cases_verify, "draft": cases_draft, "training": cases_training}
   print(f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
-        f"impl={args.impl} interpret={args.interpret} repeats={repeats} "
+        f"jax={jax.__version__} variants={','.join(args.variants) or 'none'} interpret={args.interpret} repeats={repeats} "
         f"dtype={jnp.dtype(g['dtype']).name} Hq={g['hq']} Hkv={g['hkv']} D={g['d']}")
   header = (f"{'kernel':<18} {'impl':<22} {'B':>2} {'ctx':>6} {'time_ms':>9} "
             f"{'GB/s':>8} {'%peak':>6} {'TFLOP/s':>8} {'vs_xla':>7}")
@@ -219,17 +238,22 @@ def main(argv=None):
   for name in kernels:
     for meta, impls, inputs in gens[name](g, rng, args):
       base = None
+      errs = {}
       if not args.no_check:
-        try:
-          got = impls["pallas"](*inputs)
-          want = impls["xla_ref"](*inputs)
-          err = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-          meta["max_abs_err_vs_ref"] = err
-        except Exception as e:  # noqa: BLE001 -- reported, benchmark goes on
-          meta["max_abs_err_vs_ref"] = f"error: {type(e).__name__}"
+        want = impls["xla_ref"](*inputs)
+        for v in args.variants:
+          if v not in impls:
+            continue
+          try:
+            got = impls[v](*inputs)
+            errs[v] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
+          except Exception as e:  # noqa: BLE001 -- reported, benchmark goes on
+            errs[v] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
       for impl_name in ["xla_ref"] + [k for k in impls if k != "xla_ref"]:
         row = dict(meta, impl=impl_name)
+        if impl_name in errs:
+          row["max_abs_err_vs_ref"] = errs[impl_name]
         try:
           t = time_fn(impls[impl_name], inputs, repeats)
           row.update(time_ms=t * 1e3, gbps=meta["bytes"] / t / 1e9,
@@ -247,14 +271,15 @@ def main(argv=None):
           print(f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} "
                 f"{meta['context']:>6} {'n/a':>9}  ({row['error'][:60]})")
         rows.append(row)
-      if "max_abs_err_vs_ref" in meta:
-        print(f"{'':<18} check: max|pallas - xla_ref| = {meta['max_abs_err_vs_ref']}")
+      for v, err in errs.items():
+        print(f"{'':<18} check: max|{v} - xla_ref| = {err}")
   if args.json_out:
     with open(args.json_out, "w") as f:
       json.dump(dict(backend=jax.default_backend(),
                      device=jax.devices()[0].device_kind,
                      peak_hbm_gbps=args.peak_hbm_gbps, repeats=repeats,
-                     interpret=args.interpret, impl=args.impl, rows=rows), f, indent=1)
+                     interpret=args.interpret, jax=jax.__version__,
+                     variants=args.variants, rows=rows), f, indent=1)
     print(f"wrote {args.json_out}")
   return rows
 
