@@ -60,8 +60,7 @@ _MOSAIC_GPU_MSG = (
     "The Pallas Mosaic GPU variant of the DFlash attention kernels is not "
     "implemented yet. Use impl='pallas_triton' (Triton backend, deprecated in "
     "JAX >= 0.11 but still available), impl='cudnn' or impl='xla'. To add it, "
-    "implement the "
-    "kernels and register them in pallas_kernels/backend.py.")
+    "implement the kernels and register them in pallas_kernels/backend.py.")
 
 
 def _platform() -> str:
