@@ -73,15 +73,33 @@ def main(argv):
                     batch=FLAGS.batch_size, context=FLAGS.context,
                     max_new_tokens=FLAGS.max_new_tokens)
         return
+    # Every flag checked before any model is loaded or anything is computed or written.
+    from dflash_jax import prompting, validation
+
+    if not os.path.isdir(FLAGS.target):
+        raise ValueError(f"target directory {FLAGS.target} not found. The bundled pair lives "
+                         "in assets/tiny-code/ (see README: 'Training the bundled pair').")
+    if FLAGS.json_out:
+        validation.writable_file(FLAGS.json_out, "--json_out")
+    if FLAGS.profile_dir:
+        validation.writable_dir(FLAGS.profile_dir, "--profile_dir")
+    validation.sampling_params(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+    validation.confidence_threshold(FLAGS.confidence_threshold)
+    validation.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
+    validation.int_param("--denoise_steps", FLAGS.denoise_steps, lo=1)
+    if FLAGS.block_size is not None:
+        validation.int_param("--block_size", FLAGS.block_size, lo=2, hi=64)
+    from dflash_jax.config import as_dtype
+
+    as_dtype(FLAGS.dtype)
+    labels = None
+    if FLAGS.prompt_file:
+        items, labels = prompting.read_prompt_file(FLAGS.prompt_file, with_labels=True)
     import jax
 
     import dflash_jax as dj
-    from dflash_jax import prompting
     from dflash_jax.data.tokenizer import load_tokenizer
 
-    if not os.path.isdir(FLAGS.target):
-        sys.exit(f"target directory {FLAGS.target} not found. The bundled pair lives in "
-                 "assets/tiny-code/ (see README: 'Training the bundled pair').")
     drafter_dir = FLAGS.drafter
     bundled = os.path.join(ROOT, "assets/tiny-code")
     if drafter_dir is None and os.path.abspath(FLAGS.target).startswith(bundled):
@@ -92,11 +110,10 @@ def main(argv):
     tok = None
     if os.path.exists(os.path.join(FLAGS.target, "tokenizer.json")):
         tok = load_tokenizer(FLAGS.target)
-    if FLAGS.prompt_file:
-        items = prompting.read_prompt_file(FLAGS.prompt_file)
-    else:
+    if not FLAGS.prompt_file:
         items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else DEFAULT_PROMPT}]
-    prompts = prompting.encode_prompts(items, tok, FLAGS.target, FLAGS.chat_template)
+    prompts = prompting.encode_prompts(items, tok, FLAGS.target, FLAGS.chat_template,
+                                       vocab_size=target.config.vocab_size, labels=labels)
 
     kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
               top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
@@ -166,4 +183,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax import cli
+
+    cli.run(main)  # user errors: one line on stderr, exit 2
