@@ -48,23 +48,42 @@ SETTINGS = {"bfloat16": dict(dtype="bfloat16", param_dtype="bfloat16"),
             "bf16 weights, float32 compute": dict(dtype="float32", param_dtype="bfloat16")}
 
 
-def divergence_at(target, prefix, a, d) -> dict:
-    """The target's view of position len(prefix) (the token after `prefix`), where AR chose
-    `a` and DFlash `d`: ranks, logit gap, its bf16 rounding scale `tol`, near_tie."""
+def _hidden_logits_head(target, ids):
+    """(final normed hidden [T, H], float32 logits [T, V], LM head rows [V, H]) of one
+    full forward over `ids`, as float64 numpy."""
     import jax.numpy as jnp
 
     from dflash_jax.model import Transformer
 
     mod = target.module
-    ids = jnp.asarray([prefix], jnp.int32)
-    hidden, _, _ = mod.apply({"params": target.params}, ids)
-    logits = np.asarray(mod.apply({"params": target.params}, hidden,
-                                  method=Transformer.logits)[0, -1], np.float64)
-    h = np.asarray(hidden[0, -1].astype(jnp.float32), np.float64)
+    hidden, _, _ = mod.apply({"params": target.params}, jnp.asarray([ids], jnp.int32))
+    logits = mod.apply({"params": target.params}, hidden, method=Transformer.logits)[0]
     p = target.params
     w = (p["embed_tokens"]["embedding"] if target.config.tie_word_embeddings
          else p["lm_head"]["kernel"].T)
-    w = np.asarray(jnp.asarray(w).astype(jnp.float32), np.float64)
+    f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
+    return f64(hidden[0]), f64(logits), f64(w)
+
+
+def near_tie_share(target, prompt, continuation) -> tuple:
+    """(near-tie positions, positions) over the positions that predict `continuation` after
+    `prompt`: how often the target's top two tokens are within bf16 rounding at all, the base
+    rate against which the divergences are judged."""
+    h, logits, w = _hidden_logits_head(target, list(prompt) + list(continuation))
+    rows = range(len(prompt) - 1, len(prompt) - 1 + len(continuation))
+    n = 0
+    for t in rows:
+        top = np.argsort(-logits[t], kind="stable")[:2]
+        gap = logits[t, top[0]] - logits[t, top[1]]
+        n += gap <= 2.0 ** -8 * np.sum(np.abs(h[t]) * np.abs(w[top[0]] - w[top[1]]))
+    return int(n), len(rows)
+
+
+def divergence_at(target, prefix, a, d) -> dict:
+    """The target's view of position len(prefix) (the token after `prefix`), where AR chose
+    `a` and DFlash `d`: ranks, logit gap, its bf16 rounding scale `tol`, near_tie."""
+    h, logits, w = _hidden_logits_head(target, prefix)
+    h, logits = h[-1], logits[-1]
     order = np.argsort(-logits, kind="stable")
     rank = {int(t): int(np.flatnonzero(order == t)[0]) for t in (a, d)}
     gap = abs(float(logits[a] - logits[d]))
@@ -81,6 +100,7 @@ def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
     import dflash_jax as dj
 
     records, spec_s, spec_tok, ar_s, ar_tok = [], 0.0, 0, 0.0, 0
+    ties = [0, 0]  # near-tie positions, positions (AR continuations)
     for i, prompt in enumerate(prompts):
         spec = dj.generate(target, drafter, [prompt], max_new_tokens, block_size=block_size)
         ar = dj.generate(target, None, [prompt], max_new_tokens)
@@ -90,6 +110,7 @@ def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
         ar_s += ar.stats["decode_s"]
         ar_tok += sum(ar.acceptance_lengths[0])
         rec = {"prompt": i, "identical": s == r}
+        ties[0], ties[1] = np.add(ties, near_tie_share(target, prompt, r))
         if s != r:
             n = min(len(s), len(r))
             j = next((k for k in range(n) if s[k] != r[k]), n)
@@ -103,6 +124,7 @@ def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
             "divergent": len(parted),
             "near_ties": sum(bool(r.get("near_tie")) for r in parted),
             "records": records,
+            "near_tie_positions": int(ties[0]), "positions": int(ties[1]),
             "dflash_tokens_per_s": spec_tok / max(spec_s, 1e-9),
             "ar_tokens_per_s": ar_tok / max(ar_s, 1e-9)}
 
@@ -148,7 +170,8 @@ def main(argv):
         out["settings"][name] = res
         print(f"\n{name}: DFlash == AR on {res['identical']}/{res['prompts']} prompts "
               f"({FLAGS.max_new_tokens} new tokens); {res['divergent']} part, "
-              f"{res['near_ties']} of them at a near-tie")
+              f"{res['near_ties']} of them at a near-tie; near-ties are "
+              f"{res['near_tie_positions']}/{res['positions']} of all generated positions")
         for r in res["records"]:
             if r["identical"]:
                 continue
