@@ -129,19 +129,21 @@ def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
             "ar_tokens_per_s": ar_tok / max(ar_s, 1e-9)}
 
 
-def load_prompts(tok):
+def load_prompts(tok, prompt_file=None, data_dir="/tmp/dflash_tfds", num_prompts=16,
+                 max_prompt_tokens=256):
+    """Token-id prompts: `prompt_file` JSONL, or held-out stdlib code-completion prompts."""
     from dflash_jax import prompting
 
-    if FLAGS.prompt_file:
-        items = prompting.read_prompt_file(FLAGS.prompt_file)
+    if prompt_file:
+        items = prompting.read_prompt_file(prompt_file)
         prompts = prompting.encode_prompts(items, tok, None, use_chat_template=False)
     else:
         from dflash_jax.data import stdlib_prompts
 
-        pairs = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_prompts, max_per_file=50,
+        pairs = stdlib_prompts(data_dir, max_prompts=num_prompts, max_per_file=50,
                                prompt_body_lines=2, reference_lines=4)
         prompts = [prompting.encode_code_prompt(tok, p["prompt"]) for p in pairs]
-    return [p[-FLAGS.max_prompt_tokens:] for p in prompts if p][:FLAGS.num_prompts]
+    return [p[-max_prompt_tokens:] for p in prompts if p][:num_prompts]
 
 
 def main(argv):
@@ -155,7 +157,8 @@ def main(argv):
         from dflash_jax.validation import writable_file
 
         writable_file(FLAGS.out, "--out")
-    prompts = load_prompts(load_tokenizer(FLAGS.target))
+    prompts = load_prompts(load_tokenizer(FLAGS.target), FLAGS.prompt_file, FLAGS.data_dir,
+                           FLAGS.num_prompts, FLAGS.max_prompt_tokens)
     out = {"target": FLAGS.target, "drafter": FLAGS.drafter,
            "max_new_tokens": FLAGS.max_new_tokens, "settings": {}}
     for name, kw in SETTINGS.items():
