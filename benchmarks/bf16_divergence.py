@@ -53,16 +53,34 @@ def _hidden_logits_head(target, ids):
     full forward over `ids`, as float64 numpy."""
     import jax.numpy as jnp
 
-    from dflash_jax.model import Transformer
-
-    mod = target.module
-    hidden, _, _ = mod.apply({"params": target.params}, jnp.asarray([ids], jnp.int32))
-    logits = mod.apply({"params": target.params}, hidden, method=Transformer.logits)[0]
+    n = len(ids)
+    # Right-padded to a multiple of 128 (causal: the first n positions do not see the padding)
+    # so that one compiled program serves many lengths.
+    padded = np.zeros((1, -(-n // 128) * 128), np.int32)
+    padded[0, :n] = ids
+    hidden, logits = _forward(target.module, target.params, jnp.asarray(padded))
     p = target.params
     w = (p["embed_tokens"]["embedding"] if target.config.tie_word_embeddings
          else p["lm_head"]["kernel"].T)
     f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
-    return f64(hidden[0]), f64(logits), f64(w)
+    return f64(hidden[0, :n]), f64(logits[0, :n]), f64(w)
+
+
+def _forward(module, params, ids):
+    import jax
+
+    from dflash_jax.model import Transformer
+
+    if module not in _FORWARD:
+        def fwd(params, ids):
+            hidden, _, _ = module.apply({"params": params}, ids)
+            return hidden, module.apply({"params": params}, hidden, method=Transformer.logits)
+
+        _FORWARD[module] = jax.jit(fwd)
+    return _FORWARD[module](params, ids)
+
+
+_FORWARD = {}
 
 
 def near_tie_share(target, prompt, continuation) -> tuple:
