@@ -38,6 +38,9 @@ flags.DEFINE_bool("compare_ar", None, "Also decode autoregressively and report t
 flags.DEFINE_string("json_out", None, "Write tokens, texts and stats as JSON here.")
 flags.DEFINE_string("profile_dir", None, "Write a jax.profiler trace of the generation here.")
 flags.DEFINE_string("dtype", "float32", "Compute dtype (bfloat16 on accelerators).")
+flags.DEFINE_string("param_dtype", None, "Weight storage dtype (default: --dtype). bfloat16 "
+                    "weights with --dtype=float32 give outputs identical to autoregressive "
+                    "decoding where bfloat16 compute can flip near-ties (README).")
 flags.DEFINE_string("attention_impl", "xla", "xla | pallas | pallas_interpret | auto.")
 flags.DEFINE_bool("stream", None, "Print the completion of a single prompt as tokens are "
                   "committed (an extra, untimed run; default: when stdout is a terminal).")
@@ -92,6 +95,8 @@ def main(argv):
     from dflash_jax.config import as_dtype
 
     as_dtype(FLAGS.dtype)
+    if FLAGS.param_dtype:
+        as_dtype(FLAGS.param_dtype)
     labels = None
     if FLAGS.prompt_file:
         items, labels = prompting.read_prompt_file(FLAGS.prompt_file, with_labels=True)
@@ -105,7 +110,8 @@ def main(argv):
     if drafter_dir is None and os.path.abspath(FLAGS.target).startswith(bundled):
         drafter_dir = os.path.join(bundled, "drafter")
 
-    target = dj.load_target(FLAGS.target, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+    target = dj.load_target(FLAGS.target, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
+                            attention_impl=FLAGS.attention_impl)
     drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
     tok = None
     if os.path.exists(os.path.join(FLAGS.target, "tokenizer.json")):
