@@ -21,9 +21,11 @@ def _run(prompts, setting):
 
 def test_bf16_divergences_are_near_ties_and_float32_compute_agrees(tmp_path):
     prompts = bd.load_prompts(load_tokenizer(os.path.join(PAIR, "target")),
-                              data_dir=str(tmp_path / "tfds"))[:3]
+                              data_dir=str(tmp_path / "tfds"))
+    prompts = [prompts[2], prompts[4]]  # two that part in the measurement (x86 CPU); one
+    # length bucket, so few programs to compile
     bf16 = _run(prompts, "bfloat16")
-    assert bf16["divergent"] >= 1, bf16  # the test must see some (2 of these 3 on x86 CPU)
+    assert bf16["divergent"] >= 1, bf16  # the test must see some
     parted = [r for r in bf16["records"] if not r["identical"]]
     assert all(r.get("near_tie") for r in parted), parted
     # Near-ties are rare among all positions, so meeting only them is no accident.
