@@ -38,6 +38,9 @@ flags.DEFINE_bool("compare_ar", None, "Also decode autoregressively and report t
 flags.DEFINE_string("json_out", None, "Write tokens, texts and stats as JSON here.")
 flags.DEFINE_string("profile_dir", None, "Write a jax.profiler trace of the generation here.")
 flags.DEFINE_string("dtype", "float32", "Compute dtype (bfloat16 on accelerators).")
+flags.DEFINE_string("param_dtype", None, "Weight storage dtype (default: --dtype). bfloat16 "
+                    "weights with --dtype=float32 give outputs identical to autoregressive "
+                    "decoding where bfloat16 compute can flip near-ties (README).")
 flags.DEFINE_string("attention_impl", "xla", "xla | pallas | pallas_interpret | auto.")
 flags.DEFINE_bool("stream", None, "Print the completion of a single prompt as tokens are "
                   "committed (an extra, untimed run; default: when stdout is a terminal).")
@@ -73,30 +76,50 @@ def main(argv):
                     batch=FLAGS.batch_size, context=FLAGS.context,
                     max_new_tokens=FLAGS.max_new_tokens)
         return
+    # Every flag checked before any model is loaded or anything is computed or written.
+    from dflash_jax import prompting, validation
+
+    if not os.path.isdir(FLAGS.target):
+        raise ValueError(f"target directory {FLAGS.target} not found. The bundled pair lives "
+                         "in assets/tiny-code/ (see README: 'Training the bundled pair').")
+    if FLAGS.json_out:
+        validation.writable_file(FLAGS.json_out, "--json_out")
+    if FLAGS.profile_dir:
+        validation.writable_dir(FLAGS.profile_dir, "--profile_dir")
+    validation.sampling_params(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
+    validation.confidence_threshold(FLAGS.confidence_threshold)
+    validation.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
+    validation.int_param("--denoise_steps", FLAGS.denoise_steps, lo=1)
+    if FLAGS.block_size is not None:
+        validation.int_param("--block_size", FLAGS.block_size, lo=2, hi=64)
+    from dflash_jax.config import as_dtype
+
+    as_dtype(FLAGS.dtype)
+    if FLAGS.param_dtype:
+        as_dtype(FLAGS.param_dtype)
+    labels = None
+    if FLAGS.prompt_file:
+        items, labels = prompting.read_prompt_file(FLAGS.prompt_file, with_labels=True)
     import jax
 
     import dflash_jax as dj
-    from dflash_jax import prompting
     from dflash_jax.data.tokenizer import load_tokenizer
 
-    if not os.path.isdir(FLAGS.target):
-        sys.exit(f"target directory {FLAGS.target} not found. The bundled pair lives in "
-                 "assets/tiny-code/ (see README: 'Training the bundled pair').")
     drafter_dir = FLAGS.drafter
     bundled = os.path.join(ROOT, "assets/tiny-code")
     if drafter_dir is None and os.path.abspath(FLAGS.target).startswith(bundled):
         drafter_dir = os.path.join(bundled, "drafter")
 
-    target = dj.load_target(FLAGS.target, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+    target = dj.load_target(FLAGS.target, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
+                            attention_impl=FLAGS.attention_impl)
     drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
     tok = None
     if os.path.exists(os.path.join(FLAGS.target, "tokenizer.json")):
         tok = load_tokenizer(FLAGS.target)
-    if FLAGS.prompt_file:
-        items = prompting.read_prompt_file(FLAGS.prompt_file)
-    else:
+    if not FLAGS.prompt_file:
         items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else DEFAULT_PROMPT}]
-    prompts = prompting.encode_prompts(items, tok, FLAGS.target, FLAGS.chat_template)
+    prompts = prompting.encode_prompts(items, tok, FLAGS.target, FLAGS.chat_template,
+                                       vocab_size=target.config.vocab_size, labels=labels)
 
     kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
               top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
@@ -166,4 +189,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax import cli
+
+    cli.run(main)  # user errors: one line on stderr, exit 2

@@ -3,6 +3,9 @@
     python train.py --config=configs/tiny_code_target.py --workdir=/tmp/tiny_target
     python train.py --config=configs/tiny_code_drafter.py --workdir=/tmp/tiny_drafter \
         --config.target_path=/tmp/tiny_target/export/target
+
+Exit codes: 0 done; 1 non-finite loss (last good checkpoint kept) or a bug; 2 bad input (one
+line on stderr); 3 stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to resume).
 """
 
 import sys
@@ -11,6 +14,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from dflash_jax import cli, validation
 from dflash_jax.training import train_and_evaluate
 
 config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -39,6 +43,9 @@ def main(argv):
         return
     if not flags.FLAGS.workdir:
         raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")
+    # Config values and the workdir checked before anything is built, computed or written.
+    validation.check_train_config(config)
+    validation.writable_dir(flags.FLAGS.workdir, "--workdir")
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir
     if flags.FLAGS.profile_steps:
@@ -47,9 +54,11 @@ def main(argv):
     logging.info("JAX process %d/%d, local devices %s", jax.process_index(),
                  jax.process_count(), jax.local_devices())
     summary = train_and_evaluate(config, flags.FLAGS.workdir)
+    if summary["status"] == "preempted":  # saved; a scheduler must not read this as success
+        sys.exit(cli.EXIT_PREEMPTED)
     sys.exit(1 if summary["status"] == "nan" else 0)
 
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    app.run(main)
+    cli.run(main)  # user errors: one line on stderr, exit 2; see dflash_jax/cli.py for codes

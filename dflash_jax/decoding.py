@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import validation
 from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend, validate_pair
 from dflash_jax.model import KVCache, Transformer, write_kv
 from dflash_jax.sampling import greedy_argmax, pick_tokens
@@ -333,18 +334,22 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     sharded on it (parameters by the partition rules, batch over data axes, KV heads over
     `tensor`); stats then also name the mesh and the cache sharding.
     """
-    prompts = [list(map(int, p)) for p in prompts] if isinstance(prompts, (list, tuple)) \
-        else prompts
-    if drafter is not None and block_size is None:
-        block_size = drafter.config.block_size
-    bs = block_size if drafter is not None else 1
+    # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
+    if drafter is not None:
+        validate_pair(drafter.config, target.config)
+    v = validation.check_generate_args(
+        target.config, drafter.config if drafter is not None else None, prompts,
+        max_new_tokens, block_size, temperature, top_k, top_p, seed, stop_token_ids,
+        denoise_steps, confidence_threshold)
+    prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
+    temperature, top_k, top_p = v["temperature"], v["top_k"], v["top_p"]
+    seed, denoise_steps = v["seed"], v["denoise_steps"]
+    confidence_threshold = v["confidence_threshold"]
     validate_request(target, drafter, prompts, max_new_tokens, bs, denoise_steps)
-    if temperature < 0:
-        raise ValueError(f"temperature must be >= 0, got {temperature}")
     plan = Plan(block_size=bs, temperature=float(temperature),
                 top_k=None if temperature == 0 else top_k,
                 top_p=None if temperature == 0 else top_p,
-                stop_ids=tuple(sorted(set(int(s) for s in stop_token_ids))),
+                stop_ids=v["stop_token_ids"],
                 denoise_steps=denoise_steps if drafter is not None else 1,
                 confidence_threshold=confidence_threshold if drafter is not None else None,
                 record_drafts=bool(return_drafts and drafter is not None),

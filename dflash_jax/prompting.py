@@ -1,79 +1,211 @@
 """Turning user prompts (text, JSONL files, or token ids) into token-id lists for `generate`.
 
 Text goes through the target directory's `tokenizer.json` (Hugging Face `tokenizers`), and
-through its chat template when the tokenizer config has one (rendered with jinja2).
+through its chat template when the tokenizer config has one (rendered in jinja2's immutable
+sandbox, as transformers renders it: a model directory cannot run code).
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import List, Optional, Sequence
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 
-def read_prompt_file(path: str) -> List[dict]:
-    """JSONL: one object per line with "prompt" (text), "messages" (chat), or "ids"."""
-    out = []
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            line = line.strip()
+_PROMPT_KEYS = ("prompt", "text", "messages", "ids")
+
+
+def check_prompt_item(obj, where: str) -> dict:
+    """One prompt item checked: a JSON object with exactly one of "prompt"/"text" (a string),
+    "messages" (a non-empty list of {"role": str, "content": str}) or "ids" (a non-empty list
+    of integers; 1.5 or "abc" is an error, never truncated). A bare string is a "prompt".
+    Raises ValueError naming `where` (e.g. "prompts.jsonl:3")."""
+    if isinstance(obj, str):
+        obj = {"prompt": obj}
+    if not isinstance(obj, dict):
+        raise ValueError(f"{where}: expected a JSON object with a 'prompt', 'text', 'messages' "
+                         f"or 'ids' field, got {type(obj).__name__}")
+    given = [k for k in _PROMPT_KEYS if k in obj]
+    if len(given) != 1:
+        raise ValueError(f"{where}: expected exactly one of 'prompt', 'text', 'messages' or "
+                         f"'ids', got {given or sorted(obj)}")
+    key = given[0]
+    value = obj[key]
+    if key in ("prompt", "text") and not isinstance(value, str):
+        raise ValueError(f"{where}: {key!r} must be a string, got {json.dumps(value)[:40]}")
+    if key == "messages":
+        if not isinstance(value, list) or not value:
+            raise ValueError(f"{where}: 'messages' must be a non-empty list of "
+                             "{'role': ..., 'content': ...} objects")
+        for j, m in enumerate(value):
+            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
+                    and isinstance(m.get("content"), str)):
+                raise ValueError(f"{where}: messages[{j}] must be an object with string 'role' "
+                                 f"and 'content', got {json.dumps(m)[:60]}")
+    if key == "ids":
+        from dflash_jax.validation import token_id_list
+
+        try:
+            obj = dict(obj, ids=token_id_list("'ids'", value))
+        except ValueError as e:
+            raise ValueError(f"{where}: {e}") from None
+    return obj
+
+
+def iter_prompt_file(path: str) -> Iterator[Tuple[int, dict]]:
+    """(line number, checked item) for every non-blank line of a JSONL prompt file (a bare
+    JSON string is a text prompt). Every error is a ValueError naming the file and line."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{path}: is a directory, not a prompt file")
+    if not os.path.exists(path):
+        raise ValueError(f"{path}: no such prompt file")
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise ValueError(f"{path}:{n}: not UTF-8 text (expected JSON Lines)") from None
             if not line:
                 continue
             try:
                 obj = json.loads(line)
             except ValueError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from e
-            if isinstance(obj, str):
-                obj = {"prompt": obj}
-            if not any(k in obj for k in ("prompt", "text", "messages", "ids")):
-                raise ValueError(f"{path}:{n}: expected a 'prompt', 'text', 'messages' or 'ids' "
-                                 "field")
-            out.append(obj)
-    if not out:
+                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            yield n, check_prompt_item(obj, f"{path}:{n}")
+
+
+def read_prompt_file(path: str, with_labels: bool = False):
+    """JSONL: one object per line with "prompt" (text), "messages" (chat), or "ids" (see
+    `check_prompt_item`). With `with_labels`: (items, ["path:line", ...]) for
+    `encode_prompts(labels=...)`, so later errors (ids outside the vocabulary) name the line."""
+    pairs = list(iter_prompt_file(path))
+    if not pairs:
         raise ValueError(f"{path}: no prompts")
-    return out
+    items = [item for _, item in pairs]
+    return (items, [f"{path}:{n}" for n, _ in pairs]) if with_labels else items
+
+
+def _tokenizer_config(model_dir: Optional[str]) -> dict:
+    if not model_dir:
+        return {}
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if not os.path.exists(path):
+        return {}
+    try:
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
+    return cfg if isinstance(cfg, dict) else {}
 
 
 def chat_template(model_dir: Optional[str]) -> Optional[str]:
-    if not model_dir:
-        return None
-    path = os.path.join(model_dir, "tokenizer_config.json")
-    if not os.path.exists(path):
-        return None
-    with open(path) as f:
-        template = json.load(f).get("chat_template")
+    template = _tokenizer_config(model_dir).get("chat_template")
     return template if isinstance(template, str) else None
 
 
-def render_chat(template: str, messages: Sequence[dict]) -> str:
-    import jinja2
+def special_tokens(model_dir: Optional[str]) -> dict:
+    """{"bos_token": "<s>", ...} from tokenizer_config.json: the variables transformers passes
+    to chat templates (Llama-3's starts with {{ bos_token }})."""
+    out = {}
+    for name, value in _tokenizer_config(model_dir).items():
+        if name.endswith("_token") and name in ("bos_token", "eos_token", "unk_token",
+                                                 "sep_token", "pad_token", "cls_token",
+                                                 "mask_token"):
+            value = value.get("content") if isinstance(value, dict) else value
+            if isinstance(value, str):
+                out[name] = value
+    return out
 
-    env = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
-    return env.from_string(template).render(messages=list(messages), add_generation_prompt=True,
-                                            enable_thinking=False)
+
+def _template_env():
+    """The environment chat templates are rendered in, as transformers renders them: jinja2's
+    immutable sandbox (no attribute starting with "_", no mutation of lists/dicts, so a
+    template cannot reach Python objects or the `os` module), loop controls, and the two
+    helpers templates expect (`raise_exception`, `strftime_now`), `tojson` without HTML
+    escaping. Nothing else is exposed."""
+    import datetime
+
+    import jinja2.ext
+    from jinja2.exceptions import TemplateError
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message):
+        raise TemplateError(message)
+
+    def strftime_now(fmt):
+        return datetime.datetime.now().strftime(fmt)
+
+    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                          sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = strftime_now
+    return env
+
+
+def render_chat(template: str, messages: Sequence[dict], where: str = "chat template",
+                **variables) -> str:
+    """The chat template rendered over `messages` with a generation prompt (thinking off),
+    in the sandbox of `_template_env`. `variables`: e.g. `special_tokens(model_dir)`. A
+    template that tries to reach Python internals, has a syntax error or raises is a
+    ValueError naming `where`."""
+    from jinja2.exceptions import SecurityError, TemplateError
+
+    env = _template_env()
+    try:
+        return env.from_string(template).render(
+            messages=list(messages), add_generation_prompt=True, enable_thinking=False,
+            **variables)
+    except SecurityError as e:
+        raise ValueError(f"{where}: refused to render: the template tried an unsafe operation "
+                         f"({e})") from None
+    except TemplateError as e:
+        raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
 
 
 def encode_prompts(items: Sequence[dict], tokenizer, model_dir: Optional[str],
-                   use_chat_template: bool = True) -> List[List[int]]:
-    """Token ids for each prompt item ({"prompt"|"text"|"messages"|"ids": ...})."""
+                   use_chat_template: bool = True,
+                   vocab_size: Optional[int] = None,
+                   labels: Optional[Sequence[str]] = None) -> List[List[int]]:
+    """Token ids for each prompt item ({"prompt"|"text"|"messages"|"ids": ...}). Items are
+    checked (`check_prompt_item`); `vocab_size`: ids outside it are an error; `labels`: how
+    errors name each item (e.g. "prompts.jsonl:3"; default "prompt i")."""
     template = chat_template(model_dir) if use_chat_template else None
+    where_t = os.path.join(model_dir, "tokenizer_config.json") if model_dir else "chat template"
+    variables = special_tokens(model_dir) if template is not None else {}
     out = []
-    for item in items:
+    for i, item in enumerate(items):
+        where = labels[i] if labels is not None else f"prompt {i}"
+        item = check_prompt_item(item, where)
         if "ids" in item:
-            out.append([int(i) for i in item["ids"]])
-            continue
-        if tokenizer is None:
-            raise ValueError(f"text prompts need a tokenizer.json in {model_dir}; "
-                             "pass token ids instead")
-        if "messages" in item:
-            if template is None:
-                raise ValueError("chat messages given but the target has no chat template")
-            text = render_chat(template, item["messages"])
+            ids = item["ids"]
         else:
-            text = item.get("prompt", item.get("text"))
-            if template is not None:
-                text = render_chat(template, [{"role": "user", "content": text}])
-        out.append(tokenizer.encode(text))
+            if tokenizer is None:
+                raise ValueError(f"{where}: text prompts need a tokenizer.json in {model_dir}; "
+                                 "pass token ids instead")
+            if "messages" in item:
+                if template is None:
+                    raise ValueError(f"{where}: chat messages given but the target has no "
+                                     "chat template")
+                text = render_chat(template, item["messages"], where_t, **variables)
+            else:
+                text = item.get("prompt", item.get("text"))
+                if template is not None:
+                    text = render_chat(template, [{"role": "user", "content": text}], where_t,
+                                       **variables)
+            ids = list(tokenizer.encode(text))
+        if not ids:
+            raise ValueError(f"{where} is empty")
+        if vocab_size is not None and (min(ids) < 0 or max(ids) >= vocab_size):
+            bad = next(t for t in ids if t < 0 or t >= vocab_size)
+            raise ValueError(f"{where}: token id {bad} outside the vocabulary [0, {vocab_size})")
+        out.append(ids)
     return out
 
 

@@ -157,7 +157,18 @@ class SafetensorsDir:
                     weight_map = json.load(f)["weight_map"]
             except (ValueError, KeyError) as e:
                 raise CheckpointError(f"{index}: not a valid safetensors index ({e})") from e
+            if not isinstance(weight_map, dict):
+                raise CheckpointError(f"{index}: 'weight_map' is not an object")
+            root = os.path.realpath(self.directory)
             for name, fname in weight_map.items():
+                # Model directories come from strangers: a shard must be a plain file name
+                # inside the directory, never an absolute path or a '..' escape.
+                if (not isinstance(fname, str) or not fname or os.path.isabs(fname)
+                        or os.path.realpath(os.path.join(root, fname)) !=
+                        os.path.join(root, os.path.normpath(fname))
+                        or os.path.normpath(fname).split(os.sep)[0] == os.pardir):
+                    raise CheckpointError(f"{index}: tensor {name!r} names the file {fname!r} "
+                                          "outside the model directory; refusing it")
                 self._where[name] = os.path.join(self.directory, fname)
         elif os.path.exists(single):
             f = self._open(single)

@@ -10,57 +10,153 @@ from __future__ import annotations
 import logging
 import os
 import warnings
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, List, Optional, Set, Tuple
 
+import jax
 import orbax.checkpoint as ocp
+
+from dflash_jax.safetensors_io import CheckpointError
+
+
+class IncompatibleCheckpointError(CheckpointError):
+    """A readable checkpoint whose structure or shapes differ from the config's model: it is
+    someone's good work, so it is never skipped, deleted or overwritten."""
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def tree_shapes(tree) -> Dict[str, tuple]:
+    """{"params.layers_0.attn.q_proj.kernel": shape, ...} for a pytree of arrays, abstract
+    arrays, or Orbax array metadata (the names Orbax stores)."""
+    leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
+    return {".".join(_key_name(k) for k in path): tuple(getattr(x, "shape", ()))
+            for path, x in leaves}
+
+
+def shape_differences(saved: Dict[str, tuple], expected: Dict[str, tuple]) -> List[str]:
+    """What differs between a checkpoint's names/shapes and the config's, as short phrases."""
+    out = [f"{k}: checkpoint {saved[k]} vs config {expected[k]}"
+           for k in sorted(saved.keys() & expected.keys()) if saved[k] != expected[k]]
+    only_saved = sorted(saved.keys() - expected.keys())
+    only_cfg = sorted(expected.keys() - saved.keys())
+    if only_saved:
+        out.append(f"{len(only_saved)} key(s) only in the checkpoint ({', '.join(only_saved[:3])}"
+                   f"{', ...' if len(only_saved) > 3 else ''})")
+    if only_cfg:
+        out.append(f"{len(only_cfg)} key(s) only in the config ({', '.join(only_cfg[:3])}"
+                   f"{', ...' if len(only_cfg) > 3 else ''})")
+    return out
 
 
 class Checkpointer:
-    """Wraps `ocp.CheckpointManager` (async saves every `every` steps, keeps `keep`)."""
+    """Wraps `ocp.CheckpointManager` (async saves every `every` steps, keeps `keep`).
+
+    Restore tells two failures apart. An *incompatible* checkpoint (readable metadata whose
+    names or shapes differ from the state to restore, e.g. a changed model shape) raises
+    `IncompatibleCheckpointError` before training, naming the differences and the directory;
+    nothing is deleted. A *corrupt* one (unreadable: truncated or garbled files) is skipped
+    with a warning and the previous one is tried; when the rerun reaches a corrupt step's
+    number it replaces that checkpoint. Keep-N is applied here, not by Orbax, over good
+    checkpoints only, after the previous save has finished: a corrupt newer step never pushes
+    out the newest good one, and a kill during a save leaves the previous one in place.
+    """
 
     def __init__(self, directory: str, every: int, keep: int = 3, async_save: bool = True):
         self.directory = os.path.abspath(directory)
         self.every = max(1, int(every))
+        self.keep = max(1, int(keep))
+        self.corrupt: Set[int] = set()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=keep, save_interval_steps=1, enable_async_checkpointing=async_save,
+            max_to_keep=None, save_interval_steps=1, enable_async_checkpointing=async_save,
             create=True)
-        self.manager = ocp.CheckpointManager(self.directory, options=options,
-                                             item_names=("state", "data"))
+        # Handlers named up front so that a checkpoint's metadata can be read before restoring.
+        self.manager = ocp.CheckpointManager(
+            self.directory, options=options,
+            item_handlers={"state": ocp.StandardCheckpointHandler(),
+                           "data": ocp.JsonCheckpointHandler()})
+
+    def _prune(self) -> None:
+        """Deletes the oldest good checkpoints beyond `keep` (finished saves only)."""
+        self.manager.wait_until_finished()
+        good = sorted(s for s in self.manager.all_steps() if s not in self.corrupt)
+        for step in good[:-self.keep]:
+            self.manager.delete(step)
 
     def maybe_save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
-        """Saves at multiples of `every` (or when forced). Returns whether it saved."""
+        """Saves at multiples of `every` (or when forced). Returns whether it saved. A corrupt
+        checkpoint at this step is replaced; a good one is kept."""
         if not force and step % self.every:
             return False
+        self._prune()
         if step in self.manager.all_steps():
-            return False
+            if step not in self.corrupt:
+                return False
+            logging.warning("replacing the unreadable checkpoint step %d in %s", step,
+                            self.directory)
+            self.manager.delete(step)
+            self.corrupt.discard(step)
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
             force=True)
+        return True
+
+    def _check_compatible(self, step: int, abstract_state) -> bool:
+        """Raises IncompatibleCheckpointError when step's stored names/shapes differ from
+        `abstract_state`; False when its metadata is unreadable (corrupt), else True."""
+        try:
+            meta = self.manager.item_metadata(step)["state"]
+            saved = tree_shapes(meta)
+        except Exception:  # noqa: BLE001 - unreadable metadata: corrupt, not incompatible
+            return False
+        if not saved:
+            return False
+        expected = tree_shapes(abstract_state)
+        diff = shape_differences(saved, expected)
+        # The optimizer moments mirror the parameters: name the parameters when they differ.
+        params_only = lambda d: {k: v for k, v in d.items() if k.startswith("params.")}
+        diff = shape_differences(params_only(saved), params_only(expected)) or diff
+        if diff:
+            raise IncompatibleCheckpointError(
+                f"checkpoint step {step} in {self.directory} does not match this config's "
+                f"model: {'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}. Nothing was "
+                "changed: use another --workdir, or the config it was trained with")
         return True
 
     def restore(self, abstract_state) -> Optional[Tuple[Any, dict, int]]:
         """(state, data_state, step) from the newest readable checkpoint, or None.
 
         An unreadable checkpoint (truncated, corrupted) is skipped with a warning and the
-        previous one is tried.
+        previous one is tried; an incompatible one raises `IncompatibleCheckpointError`.
         """
         self.manager.reload()
         for step in sorted(self.manager.all_steps(), reverse=True):
-            try:
-                out = self.manager.restore(step, args=ocp.args.Composite(
-                    state=ocp.args.StandardRestore(abstract_state),
-                    data=ocp.args.JsonRestore()))
-                return out["state"], dict(out["data"]), int(step)
-            except Exception as e:  # noqa: BLE001 - any failure means "unreadable"
-                msg = (f"checkpoint step {step} in {self.directory} is unreadable "
-                       f"({type(e).__name__}: {str(e)[:200]}); falling back to the previous one")
-                logging.warning(msg)
-                warnings.warn(msg, RuntimeWarning)
+            err = None
+            if self._check_compatible(step, abstract_state):
+                try:
+                    out = self.manager.restore(step, args=ocp.args.Composite(
+                        state=ocp.args.StandardRestore(abstract_state),
+                        data=ocp.args.JsonRestore()))
+                    return out["state"], dict(out["data"]), int(step)
+                except Exception as e:  # noqa: BLE001 - any failure means "unreadable"
+                    err = f"{type(e).__name__}: {str(e)[:200]}"
+            else:
+                err = "metadata unreadable"
+            self.corrupt.add(int(step))
+            msg = (f"checkpoint step {step} in {self.directory} is unreadable ({err}); "
+                   "falling back to the previous one (it is replaced when training reaches "
+                   f"step {step} again)")
+            logging.warning(msg)
+            warnings.warn(msg, RuntimeWarning)
         return None
 
     def wait(self) -> None:
         self.manager.wait_until_finished()
 
     def close(self) -> None:
-        self.manager.wait_until_finished()
+        self._prune()
         self.manager.close()

@@ -168,14 +168,35 @@ def _decode_event(buf):
             yield step, tag, v
 
 
+def _row_step(line: str) -> float:
+    """The step of a metrics.jsonl row (-inf for a blank or unreadable row: kept)."""
+    try:
+        return float(json.loads(line)["step"])
+    except (ValueError, KeyError, TypeError):
+        return float("-inf")
+
+
 class MetricsLogger:
     """Writes every record to `workdir/metrics.jsonl` and scalar fields to TensorBoard
     (`workdir/tb/<split>`)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, resume_step: Optional[int] = None):
+        """resume_step: the step training continues from; JSONL rows of later steps (written
+        by a run that stopped after its last checkpoint, and about to be redone) are dropped
+        so every step appears once."""
         self.workdir = workdir
         os.makedirs(workdir, exist_ok=True)
-        self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
+        path = os.path.join(workdir, "metrics.jsonl")
+        if resume_step is not None and os.path.exists(path):
+            with open(path) as f:
+                lines = f.readlines()
+            # (a row without its newline is a write cut short by a kill: dropped too)
+            keep = [l for l in lines if l.endswith("\n") and _row_step(l) <= resume_step]
+            if len(keep) != len(lines):
+                with open(path + ".tmp", "w") as f:
+                    f.writelines(keep)
+                os.replace(path + ".tmp", path)
+        self._jsonl = open(path, "a")
         self._tb: Dict[str, EventFileWriter] = {}
 
     def write(self, split: str, step: int, values: Dict[str, float]) -> None:

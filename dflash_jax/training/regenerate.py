@@ -55,9 +55,38 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
     return records
 
 
-def read_records(path: str) -> List[dict]:
-    with open(path) as f:
-        return [json.loads(line) for line in f if line.strip()]
+def read_records(path: str, required=("prompt_ids", "response_ids"),
+                 vocab_size: Optional[int] = None) -> List[dict]:
+    """The JSON objects of a JSONL file, each checked to hold the `required` keys (id-list
+    keys, ending in "_ids", as integer lists within `vocab_size`). Every error is a ValueError
+    naming the file and line."""
+    from dflash_jax.validation import token_id_list
+
+    out = []
+    with open(path, "rb") as f:
+        for n, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+                if not line.strip():
+                    continue
+                rec = json.loads(line)
+            except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
+                raise ValueError(f"{path}:{n}: not a valid JSON line ({e})") from None
+            if not isinstance(rec, dict):
+                raise ValueError(f"{path}:{n}: expected a JSON object, got "
+                                 f"{type(rec).__name__}")
+            for key in required:
+                if key not in rec:
+                    raise ValueError(f"{path}:{n}: missing key {key!r} (expected "
+                                     f"{', '.join(map(repr, required))})")
+                if key.endswith("_ids"):
+                    try:
+                        rec[key] = token_id_list(key, rec[key], vocab_size,
+                                                 allow_empty=key != "prompt_ids")
+                    except ValueError as e:
+                        raise ValueError(f"{path}:{n}: {e}") from None
+            out.append(rec)
+    return out
 
 
 def main(argv):
@@ -70,7 +99,7 @@ def main(argv):
     F = flags.FLAGS
     target = load_target(F.target)
     tok = load_tokenizer(F.target)
-    prompts = [tok.encode(r["prompt"]) for r in read_records(F.prompts)]
+    prompts = [tok.encode(r["prompt"]) for r in read_records(F.prompts, required=("prompt",))]
     regenerate(target, prompts, F.out, max_new_tokens=F.max_new_tokens,
                batch_size=F.batch_size, temperature=F.temperature, seed=F.seed,
                stop_token_ids=(tok.eos_id,), tokenizer=tok)

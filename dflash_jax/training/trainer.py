@@ -524,7 +524,7 @@ def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text
                    batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
                    stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
                    tokenizer=tokenizer)
-    records = read_records(path)
+    records = read_records(path, vocab_size=tcfg.vocab_size)
     n_eval = max(1, int(round(r.holdout_fraction * len(records))))
     return records[:-n_eval], records[-n_eval:]
 
@@ -596,6 +596,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
      (regen.only), "step",
      "losses": [(step, loss), ...] of this process, "eval": last eval metrics,
      "export": path or None}."""
+    from dflash_jax import validation
+
+    validation.check_train_config(config)  # one-line ConfigError before anything runs
+    validation.writable_dir(workdir, "workdir")
+    if config.regen.output and not os.path.exists(config.regen.output):
+        validation.writable_file(config.regen.output, "regen.output")
     workdir = os.path.abspath(workdir)
     regen_only = config.regen.get("only", False)
     if regen_only and (config.mode != "drafter" or config.data.kind != "regenerated"):
@@ -640,7 +646,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
     abstract = jax.tree_util.tree_map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         jax.eval_shape(lambda: state), state_sh)
-    restored = ckpt.restore(abstract)
+    try:
+        restored = ckpt.restore(abstract)
+    except BaseException:  # incompatible: leave every checkpoint as it is
+        ckpt.manager.close()
+        raise
     if restored is not None:
         state, data_state, _ = restored
         exp.train_iter.set_state(data_state)
@@ -656,7 +666,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
          f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
          f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
          f"{sharding.mesh_str(mesh)}], workdir {workdir}")
-    logger = MetricsLogger(workdir)
+    logger = MetricsLogger(workdir, resume_step=int(state.step))  # no duplicate rows
     flag = _StopFlag().install()
     step = int(state.step)
     status, last_eval, history = "done", {}, []

@@ -1,0 +1,102 @@
+"""How the command-line tools (`infer.py`, `train.py`) end on an error.
+
+    from dflash_jax import cli
+    if __name__ == "__main__":
+        cli.run(main)          # instead of absl's app.run(main)
+
+Expected errors (bad user input: `ValueError` and its subclasses `ConfigError` and
+`CheckpointError`, file errors (`OSError`), flag errors) print ONE line, `error: <message>`, to
+stderr and exit with `EXIT_USAGE` (2). Anything else is a bug and keeps its traceback; with
+`--verbose` every error does.
+
+Exit codes of the tools: 0 success; 1 a real bug (traceback) or, for `train.py`, a non-finite
+loss; 2 bad input (`EXIT_USAGE`); 3 `train.py` stopped by SIGTERM/SIGINT after saving a
+checkpoint (`EXIT_PREEMPTED`: rerun the same command to resume).
+"""
+
+from __future__ import annotations
+
+import difflib
+import sys
+from typing import Callable, Optional, Sequence
+
+from absl import app, flags
+
+EXIT_USAGE = 2
+EXIT_PREEMPTED = 3
+
+
+def expected_errors() -> tuple:
+    from dflash_jax.safetensors_io import CheckpointError
+
+    return (ValueError, CheckpointError, OSError, flags.Error, app.UsageError)
+
+
+def one_line(e: BaseException) -> str:
+    """The message of `e` on one line (newlines folded), without a traceback."""
+    msg = " ".join(str(e).split()) or type(e).__name__
+    if isinstance(e, OSError) and e.filename is not None and str(e.filename) not in msg:
+        msg = f"{e.filename}: {msg}"
+    if isinstance(e, KeyError):
+        msg = f"missing key {msg}"
+    return msg
+
+
+def fail(message: str, code: int = EXIT_USAGE):
+    sys.stderr.write(f"error: {message}\n")
+    sys.stderr.flush()
+    sys.exit(code)
+
+
+def _suggest_flag(argv: Sequence[str]) -> Optional[str]:
+    """'did you mean --config.x?' for an unknown --config.KEY override (ml_collections'
+    message names neither the key nor a near one)."""
+    try:
+        from dflash_jax.training.trainer import default_config
+        from dflash_jax.validation import _flatten
+    except Exception:  # noqa: BLE001 - a hint only
+        return None
+    known = list(_flatten(default_config()))
+    for arg in argv[1:]:
+        if not arg.startswith("--config."):
+            continue
+        key = arg[len("--config."):].split("=", 1)[0]
+        if key in known:
+            continue
+        groups = {k.rsplit(".", 1)[0] for k in known if "." in k}
+        if key in groups:
+            continue
+        near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
+        return (f"unknown config key {key!r}" +
+                (f" (did you mean '--config.{near[0]}'?)" if near else ""))
+    return None
+
+
+def _parse_flags(argv):
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        hint = _suggest_flag(argv) if any(a.startswith("--config.") for a in argv) else None
+        fail(hint or one_line(e))
+    except Exception as e:  # noqa: BLE001 - ml_collections raises plain errors for overrides
+        hint = _suggest_flag(argv)
+        if hint is None and "--verbose" in argv:
+            raise
+        fail(hint or f"bad flag value: {one_line(e)}")
+
+
+def run(main: Callable, argv=None) -> None:
+    """absl's `app.run(main)` with the error policy of this module (adds `--verbose` unless
+    the tool defines it)."""
+    if "verbose" not in flags.FLAGS:
+        flags.DEFINE_bool("verbose", False, "Print a traceback for every error.")
+
+    def wrapped(args):
+        try:
+            return main(args)
+        except expected_errors() as e:
+            if flags.FLAGS["verbose"].value:
+                raise
+            fail(one_line(e))
+
+    app.run(wrapped, argv=argv, flags_parser=_parse_flags)

@@ -1,0 +1,335 @@
+"""One validation layer for every user-facing parameter, run before any compute or file write.
+
+`generate` (the API), `infer.py` and the trainer (`train.py` configs) call these functions
+first, so bad input gets one clear line (a `ValueError`, or its subclass `ConfigError` for
+training configs) instead of a traceback from deep inside tracing, a silently truncated value,
+or results lost at the end of a run.
+
+    int_param("block_size", 8.0)             -> ValueError: block_size must be an integer ...
+    prompt_ids([1, 2, 3], vocab_size=100)    -> ValueError: ... a flat list ...; wrap it
+    sampling_params(1.0, None, 0.0)          -> ValueError: top_p must be in (0, 1] ...
+    check_train_config(config)               -> ConfigError: unknown config key 'drafter.num_layer'
+                                                (did you mean 'drafter.num_layers'?)
+    writable_file("out/results.json")        -> ValueError: ... directory out does not exist
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+import numbers
+import os
+import warnings
+from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+import numpy as np
+
+
+class ConfigError(ValueError):
+    """A training config value that is out of range, of the wrong type, or an unknown key."""
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
+        value, (bool, np.bool_))
+
+
+def _describe(value) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({type(value).__name__})"
+
+
+def int_param(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None,
+              error=ValueError) -> int:
+    """`value` as an int: integers only (a float, even 8.0, a bool or a string is an error, so
+    nothing is silently truncated), within [lo, hi] when given."""
+    if not _is_int(value):
+        raise error(f"{name} must be an integer, got {_describe(value)}")
+    value = int(value)
+    if lo is not None and value < lo or hi is not None and value > hi:
+        bounds = (f">= {lo}" if hi is None else f"<= {hi}" if lo is None
+                  else f"in [{lo}, {hi}]")
+        raise error(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def float_param(name: str, value, lo: Optional[float] = None, hi: Optional[float] = None,
+                lo_open: bool = False, error=ValueError) -> float:
+    """`value` as a finite float (ints accepted), within [lo, hi] ((lo, hi] with lo_open)."""
+    if not (isinstance(value, (numbers.Real, np.floating, np.integer))
+            and not isinstance(value, (bool, np.bool_))):
+        raise error(f"{name} must be a number, got {_describe(value)}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise error(f"{name} must be a finite number, got {value}")
+    below = lo is not None and (value <= lo if lo_open else value < lo)
+    if below or (hi is not None and value > hi):
+        left = "(" if lo_open else "["
+        bounds = (f"in {left}{lo}, {hi}]" if lo is not None and hi is not None
+                  else f"> {lo}" if lo_open else f">= {lo}" if lo is not None else f"<= {hi}")
+        raise error(f"{name} must be {bounds}, got {value}")
+    return value
+
+
+def token_id_list(name: str, value, vocab_size: Optional[int] = None,
+                  allow_empty: bool = False) -> List[int]:
+    """A list of integer token ids in [0, vocab_size). A string, a float id (1.5, even 2.0)
+    or a nested list is an error naming the first bad entry."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, np.ndarray)):
+        raise ValueError(f"{name} must be a list of integer token ids, got {_describe(value)}")
+    out = []
+    for j, t in enumerate(value):
+        if not _is_int(t):
+            raise ValueError(f"{name}[{j}] must be an integer token id, got {_describe(t)}")
+        out.append(int(t))
+    if not out and not allow_empty:
+        raise ValueError(f"{name} is empty")
+    if vocab_size is not None and out and (min(out) < 0 or max(out) >= vocab_size):
+        bad = next(t for t in out if t < 0 or t >= vocab_size)
+        raise ValueError(f"{name} has token ids outside [0, {vocab_size}): {bad} (range "
+                         f"[{min(out)}, {max(out)}])")
+    return out
+
+
+def prompt_ids(prompts, vocab_size: Optional[int] = None) -> List[List[int]]:
+    """`prompts` as a list of token-id lists (one per prompt). A flat list of ints, a string,
+    or a list of strings is an error that says what was expected."""
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist() if prompts.ndim == 2 else prompts
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
+        raise ValueError("prompts must be a list of token-id lists (one per prompt), got "
+                         f"{_describe(prompts)}")
+    if not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if all(_is_int(p) for p in prompts):
+        raise ValueError("prompts must be a list of token-id lists (one per prompt), got a flat "
+                         f"list of {len(prompts)} ints; for one prompt pass [[...]]")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, (str, bytes)):
+            raise ValueError(f"prompt {i} is a string ({p[:30]!r}); prompts are token ids: "
+                             "encode text with the target's tokenizer first")
+        if isinstance(p, (list, tuple, np.ndarray)) and len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        out.append(token_id_list(f"prompt {i}", p, vocab_size))
+    return out
+
+
+def sampling_params(temperature, top_k, top_p) -> Tuple[float, Optional[int], Optional[float]]:
+    """(temperature, top_k, top_p) checked: temperature finite and >= 0; top_k an integer
+    >= 1 (or None); top_p in (0, 1] (or None). A NaN or an empty nucleus would otherwise turn
+    every weight to -inf and the sampler would emit token 0 at every position."""
+    temperature = float_param("temperature", temperature, lo=0.0)
+    if top_k is not None:
+        top_k = int_param("top_k", top_k, lo=1)
+    if top_p is not None:
+        top_p = float_param("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
+    return temperature, top_k, top_p
+
+
+def stop_token_ids(ids: Iterable, vocab_size: int) -> Tuple[int, ...]:
+    """Sorted distinct stop ids, each an integer in [0, vocab_size)."""
+    if isinstance(ids, (str, bytes)) or (ids is not None and _is_int(ids)):
+        raise ValueError(f"stop_token_ids must be a list of token ids, got {_describe(ids)}")
+    ids = token_id_list("stop_token_ids", list(ids or ()), vocab_size, allow_empty=True)
+    return tuple(sorted(set(ids)))
+
+
+def block_size_for(block_size, drafter_block_size: int) -> int:
+    """A verify block size in [2, 64]; larger than the drafter's trained block size is allowed
+    (the drafter was never trained to fill those positions) with an explicit warning."""
+    block_size = int_param("block_size", block_size, lo=2, hi=64)
+    if block_size > drafter_block_size:
+        warnings.warn(f"block_size {block_size} is larger than the drafter's trained block size "
+                      f"{drafter_block_size}: positions past {drafter_block_size} were never "
+                      "trained and are rarely accepted", UserWarning, stacklevel=3)
+    return block_size
+
+
+def confidence_threshold(value) -> Optional[float]:
+    return None if value is None else float_param("confidence_threshold", value, 0.0, 1.0)
+
+
+# ----------------------------------------------------------------------------- output paths
+
+
+def _nearest_existing(path: str) -> str:
+    path = os.path.abspath(path)
+    while not os.path.exists(path):
+        parent = os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return path
+
+
+def writable_file(path: str, name: str = "output file") -> str:
+    """Checks that `path` can be written (without creating it): an existing writable file, or
+    a new name in an existing writable directory. Call before any compute."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"{name} must be a path, got {_describe(path)}")
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ValueError(f"{name} {path} is a directory")
+    if os.path.exists(path):
+        if not os.access(path, os.W_OK):
+            raise ValueError(f"{name} {path} is not writable")
+        return path
+    parent = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(parent):
+        raise ValueError(f"{name} {path}: directory {parent} does not exist")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {path}: directory {parent} is not writable")
+    return path
+
+
+def writable_dir(path: str, name: str = "output directory") -> str:
+    """Checks that directory `path` exists and is writable, or can be created (its nearest
+    existing ancestor is a writable directory)."""
+    if not isinstance(path, (str, os.PathLike)) or not str(path):
+        raise ValueError(f"{name} must be a path, got {_describe(path)}")
+    path = os.fspath(path)
+    base = _nearest_existing(path)
+    if not os.path.isdir(base):
+        raise ValueError(f"{name} {path}: {base} exists and is not a directory")
+    if not os.access(base, os.W_OK | os.X_OK):
+        raise ValueError(f"{name} {path}: {base} is not writable")
+    return path
+
+
+# ------------------------------------------------------------------------- training configs
+
+
+def _flatten(d: Mapping, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        key = prefix + str(k)
+        if hasattr(v, "items") and not isinstance(v, (str, bytes)):
+            out.update(_flatten(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def unknown_keys(config: Mapping, reference: Mapping) -> List[str]:
+    """'unknown config key X (did you mean Y?)' for every key of `config` that `reference`
+    (the trainer's default_config()) does not have."""
+    known = _flatten(reference)
+    groups = {k.rsplit(".", 1)[0] for k in known if "." in k}
+    out = []
+    for key in _flatten(config):
+        if key in known:
+            continue
+        near = difflib.get_close_matches(key, list(known) + sorted(groups), n=1, cutoff=0.6)
+        out.append(f"unknown config key {key!r}" +
+                   (f" (did you mean {near[0]!r}?)" if near else ""))
+    return out
+
+
+def check_train_config(config, reference: Optional[Mapping] = None) -> None:
+    """Raises ConfigError (one line) for the first bad value of a trainer config: unknown keys
+    (with the nearest valid key), wrong types, out-of-range sizes and rates, unknown choices.
+    `reference`: the known keys (default: `trainer.default_config()`)."""
+    if reference is None:
+        from dflash_jax.training.trainer import default_config
+
+        reference = default_config()
+    bad = unknown_keys(config, reference)
+    if bad:
+        raise ConfigError(bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
+    E = ConfigError
+
+    def choice(name, value, options):
+        if value not in options:
+            near = difflib.get_close_matches(str(value), options, n=1)
+            raise E(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}" +
+                    (f" (did you mean {near[0]!r}?)" if near else ""))
+
+    c = config
+    choice("mode", c.mode, ("drafter", "target"))
+    choice("loss", c.loss, ("ce", "kl"))
+    choice("mask_schedule", c.mask_schedule, ("all", "random"))
+    choice("attention_impl", c.attention_impl, ("xla", "pallas", "pallas_interpret", "auto"))
+    choice("dtype", c.dtype, ("float32", "bfloat16", "float16"))
+    choice("data.kind", c.data.kind, ("stdlib", "files", "regenerated", "synthetic"))
+    choice("regen.prompt_source", c.regen.prompt_source,
+           ("stdlib", "functions", "mixed", "random"))
+    choice("unlikelihood.prompt_source", c.unlikelihood.prompt_source,
+           ("docs", "functions", "mixed"))
+    int_param("seed", c.seed, error=E)
+    int_param("drafter.block_size", c.drafter.block_size, lo=2, hi=64, error=E)
+    int_param("drafter.num_layers", c.drafter.num_layers, lo=1, error=E)
+    int_param("drafter.num_taps", c.drafter.num_taps, lo=1, error=E)
+    int_param("drafter.mask_token_id", c.drafter.mask_token_id, lo=-1, error=E)
+    int_param("drafter.intermediate_size", c.drafter.intermediate_size, lo=0, error=E)
+    for i, t in enumerate(c.drafter.target_layer_ids):
+        int_param(f"drafter.target_layer_ids[{i}]", t, lo=0, error=E)
+    int_param("num_anchors", c.num_anchors, lo=1, error=E)
+    float_param("gamma", c.gamma, lo=0.0, lo_open=True, error=E)
+    int_param("loss_chunk_anchors", c.loss_chunk_anchors, lo=0, error=E)
+    int_param("data.seq_len", c.data.seq_len, lo=2, error=E)
+    int_param("data.batch_size", c.data.batch_size, lo=1, error=E)
+    int_param("data.num_epochs", c.data.num_epochs, lo=1, error=E)
+    float_param("data.validation_percent", c.data.validation_percent, 0.0, 100.0, error=E)
+    if c.data.kind == "files" and not len(c.data.paths):
+        raise E("data.kind='files' needs data.paths (text or JSONL files)")
+    for key in ("num_prompts", "prompt_len", "max_new_tokens", "batch_size"):
+        int_param(f"regen.{key}", c.regen[key], lo=1, error=E)
+    float_param("regen.temperature", c.regen.temperature, lo=0.0, error=E)
+    float_param("regen.holdout_fraction", c.regen.holdout_fraction, 0.0, 1.0, error=E)
+    float_param("unlikelihood.weight", c.unlikelihood.weight, lo=0.0, error=E)
+    for key in ("batch_size", "prompt_len", "max_new_tokens", "num_prompts"):
+        int_param(f"unlikelihood.{key}", c.unlikelihood[key], lo=1, error=E)
+    int_param("unlikelihood.ngram", c.unlikelihood.ngram, lo=1, error=E)
+    m = c.target_model
+    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                "head_dim", "max_position_embeddings"):
+        int_param(f"target_model.{key}", m[key], lo=1, error=E)
+    int_param("target_model.vocab_size", m.vocab_size, lo=0, error=E)
+    if m.num_heads % m.num_kv_heads:
+        raise E(f"target_model.num_heads {m.num_heads} is not a multiple of num_kv_heads "
+                f"{m.num_kv_heads}")
+    float_param("learning_rate", c.learning_rate, lo=0.0, lo_open=True, error=E)
+    float_param("warmup_ratio", c.warmup_ratio, 0.0, 1.0, error=E)
+    float_param("end_lr_ratio", c.end_lr_ratio, lo=0.0, error=E)
+    float_param("grad_clip", c.grad_clip, lo=0.0, lo_open=True, error=E)
+    float_param("weight_decay", c.weight_decay, lo=0.0, error=E)
+    float_param("b1", c.b1, 0.0, 1.0, error=E)
+    float_param("b2", c.b2, 0.0, 1.0, error=E)
+    steps = int_param("num_train_steps", c.num_train_steps, lo=-1, error=E)
+    if steps == 0:
+        raise E("num_train_steps must be >= 1 (or -1: num_epochs over the data), got 0")
+    int_param("stop_at_step", c.stop_at_step, lo=-1, error=E)
+    int_param("log_every", c.log_every, lo=1, error=E)
+    int_param("eval_every", c.eval_every, lo=0, error=E)
+    int_param("eval_batches", c.eval_batches, lo=0, error=E)
+    int_param("eval_num_prompts", c.eval_num_prompts, lo=0, error=E)
+    int_param("eval_prompt_len", c.eval_prompt_len, lo=1, error=E)
+    int_param("eval_max_new_tokens", c.eval_max_new_tokens, lo=1, error=E)
+    int_param("checkpoint_every", c.checkpoint_every, lo=1, error=E)
+    int_param("keep_checkpoints", c.keep_checkpoints, lo=1, error=E)
+
+
+def check_generate_args(target_config, drafter_config, prompts, max_new_tokens, block_size,
+                        temperature, top_k, top_p, seed, stop_ids, denoise_steps,
+                        confidence_threshold_) -> dict:
+    """Every argument of `generate` checked and normalized (see `decoding.generate`); returns
+    them as a dict. `drafter_config` None: autoregressive (block_size/denoise unused)."""
+    vocab = target_config.vocab_size
+    out = dict(prompts=prompt_ids(prompts, vocab),
+               max_new_tokens=int_param("max_new_tokens", max_new_tokens, lo=1),
+               seed=int_param("seed", seed))
+    out["temperature"], out["top_k"], out["top_p"] = sampling_params(temperature, top_k, top_p)
+    out["stop_token_ids"] = stop_token_ids(stop_ids, vocab)
+    out["denoise_steps"] = int_param("denoise_steps", denoise_steps, lo=1)
+    out["confidence_threshold"] = confidence_threshold(confidence_threshold_)
+    if drafter_config is not None:
+        bs = drafter_config.block_size if block_size is None else block_size
+        out["block_size"] = block_size_for(bs, drafter_config.block_size)
+        if out["denoise_steps"] > out["block_size"] - 1:
+            raise ValueError(f"denoise_steps must be in [1, block_size-1], got {denoise_steps}")
+    else:
+        out["block_size"] = 1
+    return out

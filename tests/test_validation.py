@@ -1,0 +1,539 @@
+"""The validation layer (dflash_jax/validation.py), prompt files, sandboxed chat templates,
+confined safetensors indexes, and the CLIs' one-line errors (subprocess)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+import warnings
+
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import prompting, validation
+from dflash_jax.validation import ConfigError
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+# ------------------------------------------------------------------- table over the layer
+
+V = 100
+GOOD, BAD = "ok", "error"
+
+CASES = [
+    # (call, expected: value or (BAD, message fragment))
+    (lambda: validation.int_param("block_size", 8), 8),
+    (lambda: validation.int_param("block_size", np.int64(8)), 8),
+    (lambda: validation.int_param("block_size", 8.0), (BAD, "must be an integer, got 8.0")),
+    (lambda: validation.int_param("block_size", True), (BAD, "must be an integer")),
+    (lambda: validation.int_param("block_size", "8"), (BAD, "must be an integer")),
+    (lambda: validation.int_param("x", 0, lo=1), (BAD, "x must be >= 1, got 0")),
+    (lambda: validation.int_param("x", 65, lo=2, hi=64), (BAD, "in [2, 64]")),
+    (lambda: validation.float_param("t", 1), 1.0),
+    (lambda: validation.float_param("t", float("nan")), (BAD, "finite")),
+    (lambda: validation.float_param("t", float("inf")), (BAD, "finite")),
+    (lambda: validation.float_param("t", "1"), (BAD, "must be a number")),
+    (lambda: validation.sampling_params(0.7, 5, 0.9), (0.7, 5, 0.9)),
+    (lambda: validation.sampling_params(0, None, None), (0.0, None, None)),
+    (lambda: validation.sampling_params(float("nan"), None, None), (BAD, "temperature")),
+    (lambda: validation.sampling_params(-0.1, None, None), (BAD, "temperature must be >= 0")),
+    (lambda: validation.sampling_params(1.0, None, 0.0), (BAD, "top_p must be in (0.0, 1.0]")),
+    (lambda: validation.sampling_params(1.0, None, -0.5), (BAD, "top_p")),
+    (lambda: validation.sampling_params(1.0, None, 1.5), (BAD, "top_p")),
+    (lambda: validation.sampling_params(1.0, None, float("nan")), (BAD, "top_p")),
+    (lambda: validation.sampling_params(1.0, 0, None), (BAD, "top_k must be >= 1")),
+    (lambda: validation.sampling_params(1.0, -3, None), (BAD, "top_k must be >= 1")),
+    (lambda: validation.sampling_params(1.0, 2.5, None), (BAD, "top_k must be an integer")),
+    (lambda: validation.confidence_threshold(0.5), 0.5),
+    (lambda: validation.confidence_threshold(None), None),
+    (lambda: validation.confidence_threshold(2), (BAD, "confidence_threshold must be in")),
+    (lambda: validation.confidence_threshold(-1), (BAD, "confidence_threshold")),
+    (lambda: validation.prompt_ids([[1, 2], (3,)], V), [[1, 2], [3]]),
+    (lambda: validation.prompt_ids(np.array([[1, 2]]), V), [[1, 2]]),
+    (lambda: validation.prompt_ids([1, 2, 3], V), (BAD, "flat list of 3 ints")),
+    (lambda: validation.prompt_ids("def f", V), (BAD, "list of token-id lists")),
+    (lambda: validation.prompt_ids(["a b", "c"], V), (BAD, "prompt 0 is a string")),
+    (lambda: validation.prompt_ids([["1", "2"]], V), (BAD, "prompt 0[0] must be an integer")),
+    (lambda: validation.prompt_ids([[1.5, 2]], V), (BAD, "prompt 0[0] must be an integer token "
+                                                    "id, got 1.5")),
+    (lambda: validation.prompt_ids([[1, 2.0]], V), (BAD, "prompt 0[1]")),
+    (lambda: validation.prompt_ids([[1], []], V), (BAD, "prompt 1 is empty")),
+    (lambda: validation.prompt_ids([], V), (BAD, "non-empty")),
+    (lambda: validation.prompt_ids([[1, 100]], V), (BAD, "outside [0, 100): 100")),
+    (lambda: validation.prompt_ids([[-1]], V), (BAD, "outside")),
+    (lambda: validation.stop_token_ids([5, 3, 5], V), (3, 5)),
+    (lambda: validation.stop_token_ids([], V), ()),
+    (lambda: validation.stop_token_ids([100], V), (BAD, "stop_token_ids has token ids outside")),
+    (lambda: validation.stop_token_ids(7, V), (BAD, "must be a list")),
+    (lambda: validation.block_size_for(8, 16), 8),
+    (lambda: validation.block_size_for(8.0, 16), (BAD, "block_size must be an integer")),
+    (lambda: validation.block_size_for(1, 16), (BAD, "block_size must be in [2, 64]")),
+    (lambda: validation.writable_file("/nonexistent_dir_i19/out.json"), (BAD, "does not exist")),
+    (lambda: validation.writable_file("/etc/hostname/x.json"), (BAD, "does not exist")),
+    (lambda: validation.writable_file(ROOT), (BAD, "is a directory")),
+    (lambda: validation.writable_dir("/etc/hostname/sub"), (BAD, "is not a directory")),
+]
+
+
+@pytest.mark.parametrize("i", range(len(CASES)))
+def test_validation_table(i):
+    call, expected = CASES[i]
+    if isinstance(expected, tuple) and expected and expected[0] == BAD:
+        with pytest.raises(ValueError) as e:
+            call()
+        assert expected[1] in str(e.value) and "\n" not in str(e.value)
+    else:
+        assert call() == expected
+
+
+def test_block_size_beyond_the_drafter_warns_explicitly():
+    with pytest.warns(UserWarning, match="larger than the drafter's trained block size 16"):
+        assert validation.block_size_for(32, 16) == 32
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        validation.block_size_for(16, 16)
+
+
+def _cfg(**kw):
+    from configs import tiny_test
+
+    c = tiny_test.get_config()
+    for key, value in kw.items():
+        node = c
+        *path, last = key.split(".")
+        for p in path:
+            node = node[p]
+        node[last] = value
+    return c
+
+
+CONFIG_CASES = [
+    ({"drafter.block_size": 1}, "drafter.block_size must be in [2, 64], got 1"),
+    ({"data.batch_size": 0}, "data.batch_size must be >= 1, got 0"),
+    ({"num_anchors": 0}, "num_anchors must be >= 1, got 0"),
+    ({"learning_rate": float("nan")}, "learning_rate must be a finite number"),
+    ({"mode": "drafterr"}, "did you mean 'drafter'?"),
+    ({"gamma": 0.0}, "gamma must be > 0.0, got 0.0"),
+    ({"regen.holdout_fraction": 1.5}, "regen.holdout_fraction must be in [0.0, 1.0]"),
+    ({"keep_checkpoints": 0}, "keep_checkpoints must be >= 1"),
+    ({"num_train_steps": 0}, "num_train_steps must be >= 1"),
+]
+
+
+@pytest.mark.parametrize("kw,message", CONFIG_CASES)
+def test_train_config_values_are_checked(kw, message):
+    with pytest.raises(ConfigError) as e:
+        validation.check_train_config(_cfg(**kw))
+    assert message in str(e.value)
+
+
+def test_unknown_config_key_names_the_nearest_valid_key():
+    validation.check_train_config(_cfg())  # the shipped config passes
+    c = _cfg()
+    c.drafter.num_layer = 2  # a typo of num_layers
+    with pytest.raises(ConfigError, match=r"unknown config key 'drafter.num_layer' \(did you "
+                                          r"mean 'drafter.num_layers'\?\)"):
+        validation.check_train_config(c)
+
+
+def test_train_and_evaluate_checks_its_config_before_writing(tmp_path):
+    from dflash_jax.training import trainer
+
+    wd = tmp_path / "never"
+    with pytest.raises(ConfigError, match="num_anchors"):
+        trainer.train_and_evaluate(_cfg(num_anchors=0), str(wd))
+    assert not wd.exists()  # nothing written
+
+
+# ----------------------------------------------------------------------- generate (API)
+
+
+@pytest.fixture(scope="module")
+def small_pair():
+    cfg = dj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
+                         num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+    target = dj.Target(cfg, dj.model.init_params(cfg, 0))
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4,
+                                  mask_token_id=63)
+    return target, dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))
+
+
+GENERATE_CASES = [
+    (dict(temperature=float("nan")), "temperature must be a finite number"),
+    (dict(temperature=1.0, top_p=0.0), "top_p must be in (0.0, 1.0]"),
+    (dict(temperature=1.0, top_p=-1.0), "top_p"),
+    (dict(temperature=1.0, top_p=1.5), "top_p"),
+    (dict(temperature=1.0, top_k=0), "top_k must be >= 1"),
+    (dict(confidence_threshold=2.0), "confidence_threshold"),
+    (dict(stop_token_ids=[64]), "stop_token_ids has token ids outside [0, 64)"),
+    (dict(block_size=8.0), "block_size must be an integer, got 8.0"),
+    (dict(prompts=[1, 2, 3]), "flat list"),
+    (dict(prompts=[["1", "2"]]), "must be an integer token id"),
+    (dict(prompts=[[1.5, 2]]), "got 1.5"),
+    (dict(max_new_tokens=4.0), "max_new_tokens must be an integer"),
+    (dict(seed=0.5), "seed must be an integer"),
+]
+
+
+@pytest.mark.parametrize("kw,message", GENERATE_CASES)
+def test_generate_rejects_bad_arguments_before_compute(small_pair, kw, message, monkeypatch):
+    from dflash_jax import decoding
+
+    target, drafter = small_pair
+    # Nothing may be compiled or run: the program cache must not be consulted.
+    monkeypatch.setattr(decoding._Compiled, "get",
+                        classmethod(lambda cls, *a: pytest.fail("compute started")))
+    args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
+    args.update(kw)
+    with pytest.raises(ValueError) as e:
+        dj.generate(target, drafter, **args)
+    assert message in str(e.value)
+
+
+def test_generate_warns_for_a_block_larger_than_the_drafters(small_pair):
+    target, drafter = small_pair
+    with pytest.warns(UserWarning, match="trained block size 4"):
+        res = dj.generate(target, drafter, [[1, 2, 3]], 4, block_size=6)
+    assert len(res.tokens[0]) == 4
+
+
+# ------------------------------------------------------------------------- prompt files
+
+
+PROMPT_FILE_CASES = [
+    (b'{"prompt": "x"}\n[1, 2]\n', ":2: expected a JSON object"),
+    (b'{"prompt": null}\n', ":1: 'prompt' must be a string"),
+    (b'{"ids": "abc"}\n', ":1: 'ids' must be a list of integer token ids"),
+    (b'{"ids": [1.7, 2.2]}\n', ":1: 'ids'[0] must be an integer token id, got 1.7"),
+    (b'{"ids": []}\n', ":1: 'ids' is empty"),
+    (b'{"messages": [{"role": "user"}]}\n', ":1: messages[0] must be an object"),
+    (b'{"prompt": "a", "ids": [1]}\n', ":1: expected exactly one of"),
+    (b'\n{"prompt": "a"}\n{oops\n', ":3: not valid JSON"),
+    (b'\x89PNG\r\n\x1a\n\x00\xff\xfe', ":1: not UTF-8 text"),
+    (b'\n\n', "no prompts"),
+]
+
+
+@pytest.mark.parametrize("content,message", PROMPT_FILE_CASES)
+def test_prompt_file_errors_name_file_and_line(tmp_path, content, message):
+    path = tmp_path / "p.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(ValueError) as e:
+        prompting.read_prompt_file(str(path))
+    assert str(e.value).startswith(str(path)) and message in str(e.value), str(e.value)
+
+
+def test_prompt_file_reads_and_ids_outside_vocab_name_the_line(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('"plain"\n\n{"ids": [1, 2]}\n{"ids": [3, 99]}\n')
+    items, labels = prompting.read_prompt_file(str(path), with_labels=True)
+    assert items[0] == {"prompt": "plain"} and items[1] == {"ids": [1, 2]}
+    assert labels == [f"{path}:1", f"{path}:3", f"{path}:4"]
+    with pytest.raises(ValueError, match=r"p.jsonl:4: token id 99 outside the vocabulary"):
+        prompting.encode_prompts(items[1:], None, None, vocab_size=64, labels=labels[1:])
+    with pytest.raises(ValueError, match="is a directory"):
+        prompting.read_prompt_file(str(tmp_path))
+
+
+def test_regenerated_data_errors_name_file_and_line(tmp_path):
+    from dflash_jax.training.regenerate import read_records
+
+    good = json.dumps({"prompt_ids": [1, 2], "response_ids": [3]})
+    for body, message in [(good + "\n{bad json\n", ":2: not a valid JSON line"),
+                          (json.dumps({"prompt_ids": [1]}) + "\n", ":1: missing key "
+                                                                   "'response_ids'"),
+                          (json.dumps({"prompt_ids": [1], "response_ids": [1.5]}) + "\n",
+                           ":1: response_ids[0] must be an integer"),
+                          (good + "\n" + json.dumps({"prompt_ids": [1], "response_ids": [70]}),
+                           ":2: response_ids has token ids outside [0, 64)")]:
+        path = tmp_path / "r.jsonl"
+        path.write_text(body)
+        with pytest.raises(ValueError) as e:
+            read_records(str(path), vocab_size=64)
+        assert str(e.value).startswith(str(path)) and message in str(e.value), str(e.value)
+    path.write_text(good + "\n\n" + good + "\n")
+    assert len(read_records(str(path), vocab_size=64)) == 2
+
+
+# ------------------------------------------------------------------------ chat templates
+
+# Representative copies of the Qwen3 and Llama-3.1 chat templates: the constructs they use
+# (namespace, reversed loops, string methods, tojson, raise_exception, strftime_now,
+# bos_token, enable_thinking).
+QWEN3_TEMPLATE = """{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- "# Tools\\n\\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\\n</tools><|im_end|>\\n" }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {{- '<|im_start|>system\\n' + messages[0].content + '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" and message.content is string and not(message.content.startswith('<tool_response>') and message.content.endswith('</tool_response>')) %}
+        {%- set ns.multi_step_tool = false %}
+        {%- set ns.last_query_index = index %}
+    {%- endif %}
+{%- endfor %}
+{%- for message in messages %}
+    {%- if message.content is string %}
+        {%- set content = message.content %}
+    {%- else %}
+        {%- set content = '' %}
+    {%- endif %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first) %}
+        {{- '<|im_start|>' + message.role + '\\n' + content + '<|im_end|>' + '\\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {%- if loop.last or (not loop.last and reasoning_content) %}
+                {{- '<|im_start|>' + message.role + '\\n<think>\\n' + reasoning_content.strip('\\n') + '\\n</think>\\n\\n' + content.lstrip('\\n') }}
+            {%- else %}
+                {{- '<|im_start|>' + message.role + '\\n' + content }}
+            {%- endif %}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if (loop.first and content) or (not loop.first) %}
+                    {{- '\\n' }}
+                {%- endif %}
+                {{- '<tool_call>\\n{"name": "' + tool_call.name + '", "arguments": ' }}
+                {{- tool_call.arguments | tojson }}
+                {{- '}\\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.first or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\\n<tool_response>\\n' + content + '\\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\\n\\n</think>\\n\\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+LLAMA3_TEMPLATE = """{{- bos_token }}
+{%- if custom_tools is defined %}
+    {%- set tools = custom_tools %}
+{%- endif %}
+{%- if not date_string is defined %}
+    {%- if strftime_now is defined %}
+        {%- set date_string = strftime_now("%d %b %Y") %}
+    {%- else %}
+        {%- set date_string = "26 Jul 2024" %}
+    {%- endif %}
+{%- endif %}
+{%- if not tools is defined %}
+    {%- set tools = none %}
+{%- endif %}
+{%- if messages[0]['role'] == 'system' %}
+    {%- set system_message = messages[0]['content']|trim %}
+    {%- set messages = messages[1:] %}
+{%- else %}
+    {%- set system_message = "" %}
+{%- endif %}
+{{- "<|start_header_id|>system<|end_header_id|>\\n\\n" }}
+{%- if tools is not none %}
+    {{- "Environment: ipython\\n" }}
+{%- endif %}
+{{- "Cutting Knowledge Date: December 2023\\n" }}
+{{- "Today Date: " + date_string + "\\n\\n" }}
+{{- system_message }}
+{{- "<|eot_id|>" }}
+{%- for message in messages %}
+    {%- if not (message.role == 'ipython' or message.role == 'tool' or 'tool_calls' in message) %}
+        {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
+    {%- elif 'tool_calls' in message %}
+        {%- if not message.tool_calls|length == 1 %}
+            {{- raise_exception("This model only supports single tool-calls at once!") }}
+        {%- endif %}
+        {%- set tool_call = message.tool_calls[0].function %}
+        {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' -}}
+        {{- '{"name": "' + tool_call.name + '", ' }}
+        {{- '"parameters": ' }}
+        {{- tool_call.arguments | tojson }}
+        {{- "}" }}
+        {{- "<|eot_id|>" }}
+    {%- elif message.role == "tool" or message.role == "ipython" %}
+        {{- "<|start_header_id|>ipython<|end_header_id|>\\n\\n" }}
+        {%- if message.content is mapping or message.content is iterable %}
+            {{- message.content | tojson }}
+        {%- else %}
+            {{- message.content }}
+        {%- endif %}
+        {{- "<|eot_id|>" }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
+{%- endif %}"""
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "Write <b>fib</b> & 'quote' in Python."}],
+    [{"role": "system", "content": "You are terse.  "},
+     {"role": "user", "content": "hi"},
+     {"role": "assistant", "content": "<think>\nplan\n</think>\n\nhello"},
+     {"role": "user", "content": "déjà vu? 你好"}],
+]
+
+
+def _template_dir(tmp_path, name, template, bos="<|begin_of_text|>"):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "tokenizer_config.json").write_text(json.dumps(
+        {"chat_template": template, "bos_token": {"content": bos, "special": True},
+         "eos_token": "<|eot_id|>"}))
+    return str(d)
+
+
+@pytest.mark.parametrize("name,template", [("qwen3", QWEN3_TEMPLATE),
+                                           ("llama3", LLAMA3_TEMPLATE)])
+def test_real_chat_templates_render_as_transformers_does(tmp_path, name, template):
+    import tokenizers
+    import transformers
+
+    model = tokenizers.models.WordLevel({"<unk>": 0, "<|begin_of_text|>": 1, "<|eot_id|>": 2},
+                                        unk_token="<unk>")
+    hf = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=tokenizers.Tokenizer(model), bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>", unk_token="<unk>")
+    hf.chat_template = template
+    d = _template_dir(tmp_path, name, template)
+    assert prompting.chat_template(d) == template
+    for messages in CONVERSATIONS:
+        ours = prompting.render_chat(template, messages, **prompting.special_tokens(d))
+        theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
+                                        enable_thinking=False)
+        assert ours == theirs
+        assert ("<think>\n\n</think>" in ours) == (name == "qwen3")
+    with pytest.raises(ValueError, match="single tool-calls"):  # raise_exception works
+        prompting.render_chat(LLAMA3_TEMPLATE, [{"role": "assistant", "content": "",
+                                                 "tool_calls": [1, 2]}])
+
+
+HOSTILE = [
+    "{{ cycler.__init__.__globals__.os.system('touch MARKER') }}",
+    "{{ lipsum.__globals__['os'].popen('touch MARKER').read() }}",
+    "{{ ''.__class__.__mro__[1].__subclasses__() }}{{ self.__init__.__globals__ }}"
+    "{{ joiner.__init__.__globals__.os.system('touch MARKER') }}",
+    "{% set x = messages.append({'role': 'x'}) %}{{ namespace.__init__.__globals__ }}",
+    "{{ raise_exception.__globals__['os'].system('touch MARKER') }}",
+    "{{ strftime_now.__globals__.datetime }}{{ cycler.__init__.__globals__.os.system("
+    "'touch MARKER') }}",
+]
+
+
+@pytest.mark.parametrize("i", range(len(HOSTILE)))
+def test_hostile_chat_template_cannot_reach_python(tmp_path, i, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError) as e:
+        prompting.render_chat(HOSTILE[i], [{"role": "user", "content": "hi"}], where="cfg")
+    assert "refused to render" in str(e.value) and "unsafe" in str(e.value), str(e.value)
+    assert not (tmp_path / "MARKER").exists()
+
+
+def test_sharded_index_naming_files_outside_the_directory_is_refused(tmp_path):
+    from dflash_jax.safetensors_io import SafetensorsDir, write_safetensors
+
+    d = tmp_path / "model"
+    d.mkdir()
+    write_safetensors(str(tmp_path / "outside.safetensors"), {"w": np.zeros(2, np.float32)})
+    write_safetensors(str(d / "shard-1.safetensors"), {"w": np.ones(2, np.float32)})
+    for fname in ("../outside.safetensors", str(tmp_path / "outside.safetensors"),
+                  "sub/../../outside.safetensors"):
+        (d / "model.safetensors.index.json").write_text(json.dumps(
+            {"weight_map": {"w": fname}}))
+        with pytest.raises(dj.CheckpointError, match="outside the model directory"):
+            SafetensorsDir(str(d))
+    os.symlink(tmp_path / "outside.safetensors", d / "link.safetensors")
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"w": "link.safetensors"}}))
+    with pytest.raises(dj.CheckpointError, match="outside the model directory"):
+        SafetensorsDir(str(d))
+    (d / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {"w": "shard-1.safetensors"}}))
+    assert SafetensorsDir(str(d)).get("w").tolist() == [1.0, 1.0]
+
+
+# ---------------------------------------------------------------- CLIs: one line, exit 2
+
+
+def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
+    """Bad inputs to infer.py and train.py, run as a user would (all processes at once): each
+    exits 2 with exactly one stderr line `error: ...`, prints nothing else, writes nothing,
+    and ends in the time it takes to start Python (no model compiled or run)."""
+    bundled = os.path.join(ROOT, "assets", "tiny-code", "target")
+    hostile = tmp_path / "hostile"
+    hostile.mkdir()
+    for f in ("config.json", "model.safetensors", "tokenizer.json"):
+        os.symlink(os.path.join(bundled, f), hostile / f)
+    (hostile / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
+        "{{ cycler.__init__.__globals__.os.system('touch " + str(tmp_path / "MARKER") +
+        "') }}")}))
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "def f():"}\n{"ids": [1.7, 2.2]}\n')
+    infer = [sys.executable, os.path.join(ROOT, "infer.py"), "--max_new_tokens=2000",
+             "--compare_ar"]
+    train = [sys.executable, os.path.join(ROOT, "train.py"),
+             f"--config={os.path.join(ROOT, 'configs', 'tiny_test.py')}",
+             f"--workdir={tmp_path / 'wd'}"]
+    cases = [
+        (infer + ["--temperature=1", "--top_p=0"], "top_p must be in (0.0, 1.0], got 0.0"),
+        (infer + [f"--json_out={tmp_path / 'missing' / 'out.json'}"], "does not exist"),
+        (infer + [f"--prompt_file={prompts}"], f"{prompts}:2: 'ids'[0] must be an integer"),
+        (infer + [f"--target={hostile}", "--prompt=hi"], "refused to render"),
+        (train + ["--config.drafter.num_layer=2"],
+         "unknown config key 'drafter.num_layer' (did you mean '--config.drafter.num_layers'?)"),
+        (train + ["--config.data.batch_size=0"], "data.batch_size must be >= 1, got 0"),
+    ]
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    t0 = time.time()
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                              cwd=ROOT, env=env) for args, _ in cases]
+    outs = [p.communicate(timeout=300) for p in procs]
+    elapsed = time.time() - t0
+    for (args, message), p, (out, err) in zip(cases, procs, outs):
+        lines = [l for l in err.splitlines() if l.strip()]
+        assert p.returncode == 2, (args[-1], err[-2000:])
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
+            (args[-1], err)
+        assert "Traceback" not in err and not out.strip(), (args[-1], out)
+    assert not (tmp_path / "MARKER").exists()  # the template's command never ran
+    assert not (tmp_path / "wd").exists() and not (tmp_path / "missing").exists()
+    # 2000 tokens with and without a drafter would take far longer than starting 6 Pythons.
+    assert elapsed < 90, elapsed
+    # --verbose: the same error with its traceback (for bug reports).
+    r = subprocess.run(infer + ["--temperature=nan", "--verbose"], capture_output=True,
+                       text=True, cwd=ROOT, env=env, timeout=120)
+    assert r.returncode != 0 and "Traceback" in r.stderr and "finite" in r.stderr
