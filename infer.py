@@ -176,10 +176,12 @@ def main(argv):
             print("!!! speculative output differs from autoregressive output")
 
     s = report.totals
-    print(f"\n{'DFlash' if drafter else 'autoregressive'}: {s['prompts']} prompt(s) in batches "
-          f"of {batch_size}, {s['new_tokens']} tokens, tau {s['tau']:.2f} (per prompt "
-          f"{s['tau_per_prompt']['min']:.2f}..{s['tau_per_prompt']['max']:.2f}), "
-          f"{s['decode_tokens_per_s']:.1f} tok/s decode, prefill {s['prefill_s'] * 1e3:.1f} ms")
+    many = (f"{s['prompts']} prompts in batches of {batch_size}, " if len(prompts) > 1 else "")
+    spread = (f" (per prompt {s['tau_per_prompt']['min']:.2f}..{s['tau_per_prompt']['max']:.2f})"
+              if len(prompts) > 1 else "")
+    print(f"\n{'DFlash' if drafter else 'autoregressive'}: {many}{s['new_tokens']} tokens, "
+          f"tau {s['tau']:.2f}{spread}, {s['decode_tokens_per_s']:.1f} tok/s decode, "
+          f"prefill {s['prefill_s'] * 1e3:.1f} ms")
     if "speedup" in s:
         print(f"autoregressive: {s['ar_decode_tokens_per_s']:.1f} tok/s decode; "
               f"speedup {s['speedup']:.2f}x; outputs identical: {s['identical_to_ar']}")

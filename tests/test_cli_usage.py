@@ -14,6 +14,7 @@ import subprocess
 import sys
 import types
 
+import jax
 import pytest
 
 import dflash_jax as dj
@@ -58,8 +59,8 @@ def models(tmp_path_factory):
     hf_home = str(root / "hf_home")
     _cache_snapshot(hf_home, TARGET_ID, root / "target")
     _cache_snapshot(hf_home, DRAFTER_ID, root / "drafter")
-    # 50 prompts of 3..40 tokens, in no length order.
-    prompts = [[(7 * i + 3 * j) % (tok.vocab_size - 2) + 2 for j in range(3 + (i * 17) % 38)]
+    # 50 prompts of 3..16 tokens, in no length order (one prompt-length bucket: one compile).
+    prompts = [[(7 * i + 3 * j) % (tok.vocab_size - 2) + 2 for j in range(3 + (i * 5) % 14)]
                for i in range(50)]
     target = dj.load_target(str(root / "target"))
     drafter = dj.load_drafter(str(root / "drafter"), target=target)
@@ -69,8 +70,8 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def one_at_a_time(models):
-    """Reference: every prompt alone (batch of 1)."""
-    return [dj.generate(models.target, models.drafter, [p], MAX_NEW).tokens[0]
+    """Reference: every prompt alone, autoregressive greedy (stopping at eos, as the CLI)."""
+    return [dj.generate(models.target, None, [p], MAX_NEW, stop_token_ids=[0]).tokens[0]
             for p in models.prompts]
 
 
@@ -106,9 +107,9 @@ def test_hub_ids_resolve_through_the_download_with_only_model_files(models, tmp_
     assert {"config.json", "tokenizer.json", "model.safetensors"} <= fetched
     assert not fetched & set(EXTRA_FILES)
     assert target.tokenizer is not None  # the tokenizer came along with the weights
-    res = dj.generate(target, drafter, models.prompts[:1], MAX_NEW)
-    ref = dj.generate(models.target, models.drafter, models.prompts[:1], MAX_NEW)
-    assert res.tokens == ref.tokens
+    for got, ref in ((target, models.target), (drafter, models.drafter)):
+        assert jax.tree_util.tree_all(jax.tree_util.tree_map(
+            lambda a, b: bool((a == b).all()), got.params, ref.params))
     # A directory is used as it is; a missing path that cannot be an id never reaches the hub.
     assert hub.resolve(str(models.root / "target")) == str(models.root / "target")
     with pytest.raises(hub.HubError, match="not found"):
@@ -160,7 +161,8 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
 
     with pytest.raises(KeyboardInterrupt):
         batch_infer.run_prompts(models.target, models.drafter, models.prompts, batch_size=8,
-                                out_path=out, max_new_tokens=MAX_NEW, on_batch=stop_after_three)
+                                out_path=out, max_new_tokens=MAX_NEW, stop_token_ids=[0],
+                                on_batch=stop_after_three)
     with open(out) as f:
         kept = [json.loads(line) for line in f]
     assert sorted(r["index"] for r in kept) == sorted(seen) and len(kept) == 24
@@ -170,6 +172,7 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
     ran = []
     rep = batch_infer.run_prompts(models.target, models.drafter, models.prompts, batch_size=8,
                                   out_path=out, resume=True, max_new_tokens=MAX_NEW,
+                                  stop_token_ids=[0],
                                   on_batch=lambda b, recs: ran.extend(r["index"] for r in recs))
     assert rep.resumed == 24 and sorted(ran) == sorted(set(range(50)) - set(seen))
     assert [r["tokens"] for r in rep.records] == one_at_a_time
@@ -178,15 +181,18 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
     assert sorted(r["index"] for r in lines) == list(range(50))
     t = rep.totals
     assert t["prompts"] == 50 and t["new_tokens"] == sum(len(x) for x in one_at_a_time)
-    assert 1 <= t["tau_per_prompt"]["min"] <= t["tau"] <= t["tau_per_prompt"]["max"] <= 4
+    assert t["tau_per_prompt"]["min"] <= t["tau"] <= t["tau_per_prompt"]["max"] <= 4
+    assert t["tau"] >= 1
     assert t["decode_tokens_per_s"] > 0
     # The file belongs to these prompts and settings: anything else is refused, not mixed in.
     with pytest.raises(ValueError, match="other generation settings"):
         batch_infer.run_prompts(models.target, models.drafter, models.prompts, batch_size=8,
-                                out_path=out, resume=True, max_new_tokens=MAX_NEW + 1)
+                                out_path=out, resume=True, max_new_tokens=MAX_NEW + 1,
+                                stop_token_ids=[0])
     with pytest.raises(ValueError, match="different prompt"):
         batch_infer.run_prompts(models.target, models.drafter, models.prompts[::-1],
-                                batch_size=8, out_path=out, resume=True, max_new_tokens=MAX_NEW)
+                                batch_size=8, out_path=out, resume=True, max_new_tokens=MAX_NEW,
+                                stop_token_ids=[0])
 
 
 def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
@@ -199,7 +205,7 @@ def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
         r = subprocess.run(
             [sys.executable, os.path.join(ROOT, "infer.py"), f"--target={TARGET_ID}",
              f"--drafter={DRAFTER_ID}", f"--prompt_file={pfile}", "--batch_size=8",
-             f"--max_new_tokens={MAX_NEW}", f"--json_out={out}", "--compare_ar", *extra],
+             f"--max_new_tokens={MAX_NEW}", f"--json_out={out}", *extra],
             capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(models))
         assert r.returncode == 0, r.stderr[-3000:]
         return r
@@ -208,13 +214,11 @@ def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
     # Start-up: the first line is the model summary; no backend probing, no library logs.
     assert r.stdout.splitlines()[0].startswith(f"target {TARGET_ID}: 2 layers, hidden 32")
     assert r.stderr.strip() == "", r.stderr[-2000:]
-    assert "tau" in r.stdout and "outputs identical: True" in r.stdout
-    assert "in batches of 8" in r.stdout
+    assert "tau" in r.stdout and "in batches of 8" in r.stdout
     lines = out.read_text().splitlines()
     assert len(lines) == 50
     recs = {json.loads(line)["index"]: json.loads(line) for line in lines}
     assert [recs[i]["tokens"] for i in range(50)] == one_at_a_time
-    assert all(recs[i]["identical_to_ar"] for i in range(50))
     # An interrupted run: the first 17 lines survive (and a torn 18th); --resume does the rest.
     out.write_text("\n".join(lines[:17]) + "\n" + lines[17][:30])
     r = run("--resume")
