@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
+from dflash_jax import console
 from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
 
@@ -80,7 +81,8 @@ def load_params(path: str, abstract_params, *, prefix: str, param_dtype,
     try:
         flat = traverse_util.flatten_dict(abstract_params)
         out = {}
-        for key, spec in flat.items():
+        for key, spec in console.progress(flat.items(), total=len(flat), desc=f"load {path}",
+                                          unit="tensor"):
             name = flax_path_to_hf(key, prefix)
             if name not in store:
                 if optional(name):
@@ -115,7 +117,9 @@ def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
     np_dtype = np.dtype(ml_dtypes.bfloat16) if as_dtype(dtype) == jnp.bfloat16 else \
         np.dtype(as_dtype(dtype))
     tensors = {}
-    for key, value in traverse_util.flatten_dict(params).items():
+    flat = traverse_util.flatten_dict(params)
+    for key, value in console.progress(flat.items(), total=len(flat), desc="export",
+                                       unit="tensor"):
         arr = np.asarray(jax.device_get(value))
         if key[-1] == "kernel":
             arr = arr.T

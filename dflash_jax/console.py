@@ -51,6 +51,12 @@ def quiet_startup() -> None:
         jax.config.update("jax_platforms", "cpu")
 
 
+def cli_startup(verbose: bool = False, log_file: Optional[str] = None) -> None:
+    """`configure_logging` + `quiet_startup`: the first call in a CLI's main."""
+    configure_logging(verbose, log_file)
+    quiet_startup()
+
+
 def configure_logging(verbose: bool = False, log_file: Optional[str] = None) -> None:
     """Console: warnings and errors only, unless `verbose` or absl's `--verbosity` was given
     (then INFO, or DEBUG at `--verbosity=1`). `log_file`: every INFO line, appended."""

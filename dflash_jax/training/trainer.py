@@ -375,7 +375,8 @@ def build_experiment(config, workdir: str) -> Experiment:
             tokenizer = load_tokenizer(tok_dir)
         else:
             tokenizer = train_bpe_tokenizer(iter_texts(train_src), tok_dir,
-                                            vocab_size=config.tokenizer_vocab_size)
+                                            vocab_size=config.tokenizer_vocab_size,
+                                            total=len(train_src))
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
 
