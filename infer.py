@@ -85,6 +85,14 @@ def main(argv):
         return
     from dflash_jax import console, hub
 
+    usage = None
+    if FLAGS.resume and not FLAGS.json_out:
+        usage = "--resume needs --json_out (the file of the interrupted run)"
+    elif FLAGS.batch_size is not None and FLAGS.batch_size < 1:
+        usage = f"--batch_size must be >= 1, got {FLAGS.batch_size}"
+    if usage:
+        print(f"error: {usage}", file=sys.stderr)
+        sys.exit(2)
     # Model locations first (a bad path or an offline hub id is one line, exit 2).
     target_dir = hub.resolve_or_exit(FLAGS.target, what="target")
     drafter_dir = FLAGS.drafter
@@ -102,8 +110,6 @@ def main(argv):
     from dflash_jax import batch_infer, prompting
     from dflash_jax.data.tokenizer import load_tokenizer
 
-    target = dj.load_target(target_dir, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
-    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
     tok = None
     if os.path.exists(os.path.join(target_dir, "tokenizer.json")):
         tok = load_tokenizer(target_dir)
@@ -113,14 +119,25 @@ def main(argv):
         items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else DEFAULT_PROMPT}]
     prompts = prompting.encode_prompts(items, tok, target_dir, FLAGS.chat_template)
     batch_size = FLAGS.batch_size or (8 if len(prompts) > 1 else 1)
-    if batch_size < 1:
-        sys.exit(f"--batch_size must be >= 1, got {batch_size}")
 
     kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
               top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
               stop_token_ids=_stop_ids(tok, target_dir))
     spec_kw = dict(kw, block_size=FLAGS.block_size, denoise_steps=FLAGS.denoise_steps,
                    confidence_threshold=FLAGS.confidence_threshold)
+    run_kw = dict(batch_size=batch_size, extra_settings={
+        "target": FLAGS.target, "drafter": FLAGS.drafter or drafter_dir, "dtype": FLAGS.dtype,
+        "chat_template": FLAGS.chat_template})
+    if FLAGS.resume:  # a file of other prompts or settings is refused before any compute
+        try:
+            batch_infer.read_done(FLAGS.json_out, prompts, batch_infer.run_settings(
+                spec_kw, batch_size, drafter_dir is not None, run_kw["extra_settings"]))
+        except ValueError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
+
+    target = dj.load_target(target_dir, dtype=FLAGS.dtype, attention_impl=FLAGS.attention_impl)
+    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
     compare = FLAGS.compare_ar if FLAGS.compare_ar is not None else (
         drafter is not None and not FLAGS.prompt_file)
     drafter_name = FLAGS.drafter or drafter_dir or "none (autoregressive)"
@@ -145,11 +162,8 @@ def main(argv):
     # Batches grouped by length; the first is run once untimed (compiles both programs).
     try:
         report = batch_infer.run_prompts(
-            target, drafter, prompts, batch_size=batch_size, out_path=FLAGS.json_out,
-            resume=FLAGS.resume, tokenizer=tok, compare_ar=compare,
-            profile_dir=FLAGS.profile_dir,
-            extra_settings={"target": FLAGS.target, "drafter": FLAGS.drafter or drafter_dir,
-                            "dtype": FLAGS.dtype, "chat_template": FLAGS.chat_template},
+            target, drafter, prompts, out_path=FLAGS.json_out, resume=FLAGS.resume,
+            tokenizer=tok, compare_ar=compare, profile_dir=FLAGS.profile_dir, **run_kw,
             **spec_kw)
     except KeyboardInterrupt:
         if FLAGS.json_out:

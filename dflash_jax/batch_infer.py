@@ -61,6 +61,15 @@ def settings_key(settings: dict) -> str:
                         ).hexdigest()[:12]
 
 
+def run_settings(gen_kw: dict, batch_size: int, with_drafter: bool,
+                 extra: Optional[dict] = None) -> str:
+    """The `settings` key of `run_prompts`' records: what must match for --resume."""
+    gen = dict(gen_kw)
+    seed = int(gen.pop("seed", 0))
+    return settings_key({"gen": gen, "seed": seed, "batch_size": batch_size,
+                         "drafter": with_drafter, **(extra or {})})
+
+
 def read_done(path: str, prompts: Sequence[Sequence[int]], settings: str) -> Dict[int, dict]:
     """Finished records of an earlier run in `path` (JSONL), by prompt index. A torn last line
     (the run was killed mid-write) is cut off the file. Raises ValueError (one line) when the
@@ -112,11 +121,10 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
     prompts = [[int(t) for t in p] for p in prompts]
     if not prompts:
         raise ValueError("no prompts")
+    settings = run_settings(gen_kw, batch_size, drafter is not None, extra_settings)
     seed = int(gen_kw.pop("seed", 0))
     ar_kw = {k: v for k, v in gen_kw.items()
              if k not in ("block_size", "denoise_steps", "confidence_threshold")}
-    settings = settings_key({"gen": gen_kw, "seed": seed, "batch_size": batch_size,
-                             "drafter": drafter is not None, **(extra_settings or {})})
     batches = length_batches([len(p) for p in prompts], batch_size)
     done: Dict[int, dict] = {}
     if out_path:

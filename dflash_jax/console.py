@@ -117,7 +117,7 @@ def progress(iterable: Optional[Iterable] = None, *, total: Optional[float] = No
 
     Use as an iterator wrapper or with `update(n)` / `set_postfix_str(...)`; it is a tqdm
     object either way (a disabled one costs nothing)."""
-    from tqdm.auto import tqdm
+    from tqdm import tqdm
 
     return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr,
                 disable=not progress_enabled(), dynamic_ncols=True, leave=False, **kw)

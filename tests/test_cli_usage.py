@@ -201,13 +201,13 @@ def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
     pfile.write_text("".join(json.dumps({"ids": p}) + "\n" for p in models.prompts))
     out = tmp_path / "out.jsonl"
 
-    def run(*extra):
+    def run(*extra, rc=0):
         r = subprocess.run(
             [sys.executable, os.path.join(ROOT, "infer.py"), f"--target={TARGET_ID}",
              f"--drafter={DRAFTER_ID}", f"--prompt_file={pfile}", "--batch_size=8",
              f"--max_new_tokens={MAX_NEW}", f"--json_out={out}", *extra],
             capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(models))
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == rc, r.stderr[-3000:]
         return r
 
     r = run()
@@ -226,6 +226,10 @@ def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
     again = {json.loads(line)["index"]: json.loads(line) for line in out.read_text().splitlines()}
     assert sorted(again) == list(range(50))
     assert [again[i]["tokens"] for i in range(50)] == one_at_a_time
+    # Resuming with other settings is refused in one line, before any model is loaded.
+    r = run("--resume", "--seed=1", rc=2)
+    assert len(r.stderr.strip().splitlines()) == 1 and "other generation settings" in r.stderr
+    assert r.stdout == ""
 
 
 # -------------------------------------------------------------------------- quiet output
