@@ -71,9 +71,13 @@ def main(argv):
     from dflash_jax.data import load_tokenizer
     from dflash_jax.target import load_target
 
+    from dflash_jax import hub
+
     F = flags.FLAGS
-    target = load_target(F.target)
-    tok = load_tokenizer(F.target)
+    target_dir = hub.resolve_or_exit(F.target, what="--target")
+    console.cli_startup()
+    target = load_target(target_dir)
+    tok = load_tokenizer(target_dir)
     prompts = [tok.encode(r["prompt"]) for r in read_records(F.prompts)]
     regenerate(target, prompts, F.out, max_new_tokens=F.max_new_tokens,
                batch_size=F.batch_size, temperature=F.temperature, seed=F.seed,
@@ -83,7 +87,8 @@ def main(argv):
 if __name__ == "__main__":
     from absl import app, flags
 
-    flags.DEFINE_string("target", None, "target model directory (HF format)", required=True)
+    flags.DEFINE_string("target", None, "target model directory (HF format) or hub id",
+                        required=True)
     flags.DEFINE_string("prompts", None, "JSONL with a 'prompt' field per line", required=True)
     flags.DEFINE_string("out", None, "output JSONL", required=True)
     flags.DEFINE_integer("max_new_tokens", 256, "response length cap")
