@@ -150,7 +150,7 @@ def test_length_batches_group_similar_lengths():
 
 
 def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
-        models, one_at_a_time, tmp_path):
+        models, one_at_a_time, tmp_path, capsys):
     out = str(tmp_path / "out.jsonl")
     seen = []
 
@@ -170,10 +170,16 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
         f.write('{"index": 3, "tok')  # killed in the middle of a line
 
     ran = []
-    rep = batch_infer.run_prompts(models.target, models.drafter, models.prompts, batch_size=8,
-                                  out_path=out, resume=True, max_new_tokens=MAX_NEW,
-                                  stop_token_ids=[0],
-                                  on_batch=lambda b, recs: ran.extend(r["index"] for r in recs))
+    console.set_progress(True)
+    try:
+        rep = batch_infer.run_prompts(
+            models.target, models.drafter, models.prompts, batch_size=8, out_path=out,
+            resume=True, max_new_tokens=MAX_NEW, stop_token_ids=[0],
+            on_batch=lambda b, recs: ran.extend(r["index"] for r in recs))
+    finally:
+        console.set_progress(None)
+    bar = capsys.readouterr().err  # the progress bar: prompts left, tokens/s, tau, ETA
+    assert "generate" in bar and "/26" in bar and "tok/s, tau" in bar and "<" in bar
     assert rep.resumed == 24 and sorted(ran) == sorted(set(range(50)) - set(seen))
     assert [r["tokens"] for r in rep.records] == one_at_a_time
     with open(out) as f:
@@ -287,8 +293,14 @@ def test_console_logging_levels_and_progress_switch(tmp_path, capsys, monkeypatc
         handler.setLevel(handler_level)
     monkeypatch.setenv("DFLASH_PROGRESS", "0")
     assert console.progress(range(3)).disable
-    console.set_progress(True)
+    train_bpe_tokenizer(CODE, vocab_size=300)
+    assert capsys.readouterr().err == ""  # not a terminal, or switched off: no bar
+    monkeypatch.setenv("DFLASH_PROGRESS", "1")
+    train_bpe_tokenizer(CODE, vocab_size=300)
+    err = capsys.readouterr().err
+    assert "tokenizer" in err and f"/{len(CODE)} [" in err  # the total is known: an ETA
+    console.set_progress(False)
     try:
-        assert not console.progress(range(3)).disable
+        assert console.progress(range(3)).disable
     finally:
         console.set_progress(None)
