@@ -2,7 +2,8 @@
 
   python infer.py                                  # the bundled tiny-code pair, default prompt
   python infer.py --target=DIR --drafter=DIR --prompt="def fib(n):" --compare_ar
-  python infer.py --target=DIR --prompt_file=prompts.jsonl --json_out=out.json
+  python infer.py --target=Qwen/Qwen3-8B --drafter=z-lab/Qwen3-8B-DFlash-b16   # hub ids
+  python infer.py --target=DIR --prompt_file=prompts.jsonl --json_out=out.jsonl --resume
   python infer.py --target=DIR --drafter=DIR --profile_dir=/tmp/trace   # XProf / Perfetto trace
 """
 
@@ -20,9 +21,11 @@ DEFAULT_PROMPT = ('import os\n\n\ndef read_lines(path):\n'
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", os.path.join(ROOT, "assets/tiny-code/target"),
-                    "Hugging Face target directory (Qwen3ForCausalLM / LlamaForCausalLM).")
-flags.DEFINE_string("drafter", None, "z-lab DFlash drafter directory; default: the bundled "
-                    "drafter when the target is the bundled one, else none (autoregressive).")
+                    "Hugging Face target directory or hub id (Qwen3ForCausalLM / "
+                    "LlamaForCausalLM), e.g. Qwen/Qwen3-8B.")
+flags.DEFINE_string("drafter", None, "z-lab DFlash drafter directory or hub id; default: the "
+                    "bundled drafter when the target is the bundled one, else none "
+                    "(autoregressive).")
 flags.DEFINE_string("prompt", None, "Text prompt (default: a code prompt).")
 flags.DEFINE_string("prompt_file", None, "JSONL prompts: {'prompt'|'messages'|'ids': ...} lines.")
 flags.DEFINE_integer("max_new_tokens", 128, "Tokens to generate per prompt.")
@@ -34,8 +37,13 @@ flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("denoise_steps", 1, "Drafter denoising passes per block.")
 flags.DEFINE_float("confidence_threshold", None, "Trim drafts after the first one below this.")
 flags.DEFINE_bool("compare_ar", None, "Also decode autoregressively and report the speedup "
-                  "(default: on when a drafter is used).")
-flags.DEFINE_string("json_out", None, "Write tokens, texts and stats as JSON here.")
+                  "(default: on when a drafter is used and there is no --prompt_file).")
+flags.DEFINE_string("json_out", None, "Write one JSON line per prompt here (tokens, text, tau, "
+                    "tokens/s), each batch as it finishes.")
+flags.DEFINE_bool("resume", False, "Keep the prompts already in --json_out (an interrupted "
+                  "run) and generate only the rest.")
+flags.DEFINE_bool("progress", None, "Progress bar on stderr (default: when it is a terminal).")
+flags.DEFINE_bool("verbose", False, "Show library log lines (JAX, checkpoint loading).")
 flags.DEFINE_string("profile_dir", None, "Write a jax.profiler trace of the generation here.")
 flags.DEFINE_string("dtype", "float32", "Compute dtype (bfloat16 on accelerators).")
 flags.DEFINE_string("param_dtype", None, "Weight storage dtype (default: --dtype). bfloat16 "
@@ -50,11 +58,13 @@ flags.DEFINE_bool("dry_run", False, "Compile 8B-sized programs from abstract par
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small "
                     "(comma-separated), or a Hugging Face model directory.")
 flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'tensor=8;data=2,tensor=4'.")
-flags.DEFINE_integer("batch_size", 1, "Dry run: sequences per batch.")
+flags.DEFINE_integer("batch_size", None, "Prompts per generate call, grouped by length "
+                     "(default 8); dry run: sequences per batch (default 1).")
 flags.DEFINE_integer("context", 4096, "Dry run: prompt tokens.")
 
 
 def _stop_ids(tok, target_dir):
+    """The tokenizer's eos and generation_config.json's eos_token_id(s)."""
     ids = set()
     if tok is not None:
         ids.add(tok.eos_id)
@@ -73,15 +83,16 @@ def main(argv):
         dry_run.ensure_cpu_devices(8)  # before JAX initializes its backends
         dry_run.run(models=FLAGS.dry_run_model.split(","), mode="infer",
                     meshes=FLAGS.mesh.split(";") if FLAGS.mesh else None,
-                    batch=FLAGS.batch_size, context=FLAGS.context,
+                    batch=FLAGS.batch_size or 1, context=FLAGS.context,
                     max_new_tokens=FLAGS.max_new_tokens)
         return
     # Every flag checked before any model is loaded or anything is computed or written.
-    from dflash_jax import prompting, validation
+    from dflash_jax import console, hub, prompting, validation
 
-    if not os.path.isdir(FLAGS.target):
-        raise ValueError(f"target directory {FLAGS.target} not found. The bundled pair lives "
-                         "in assets/tiny-code/ (see README: 'Training the bundled pair').")
+    if FLAGS.resume and not FLAGS.json_out:
+        raise ValueError("--resume needs --json_out (the file of the interrupted run)")
+    if FLAGS.batch_size is not None:
+        validation.int_param("--batch_size", FLAGS.batch_size, lo=1)
     if FLAGS.json_out:
         validation.writable_file(FLAGS.json_out, "--json_out")
     if FLAGS.profile_dir:
@@ -100,35 +111,55 @@ def main(argv):
     labels = None
     if FLAGS.prompt_file:
         items, labels = prompting.read_prompt_file(FLAGS.prompt_file, with_labels=True)
+    else:
+        items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else DEFAULT_PROMPT}]
+    # Model locations next (a bad path or an offline hub id is one line, exit 2).
+    target_dir = hub.resolve_or_exit(FLAGS.target, what="target")
+    drafter_dir = FLAGS.drafter
+    bundled = os.path.join(ROOT, "assets/tiny-code")
+    if drafter_dir is None and os.path.abspath(target_dir).startswith(bundled):
+        drafter_dir = os.path.join(bundled, "drafter")
+    if drafter_dir:
+        drafter_dir = hub.resolve_or_exit(drafter_dir, what="drafter")
+    console.configure_logging(FLAGS.verbose)
+    console.set_progress(FLAGS.progress)
+    console.quiet_startup()
     import jax
 
     import dflash_jax as dj
+    from dflash_jax import batch_infer
+    from dflash_jax.checkpoint import read_config
     from dflash_jax.data.tokenizer import load_tokenizer
 
-    drafter_dir = FLAGS.drafter
-    bundled = os.path.join(ROOT, "assets/tiny-code")
-    if drafter_dir is None and os.path.abspath(FLAGS.target).startswith(bundled):
-        drafter_dir = os.path.join(bundled, "drafter")
-
-    target = dj.load_target(FLAGS.target, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
-                            attention_impl=FLAGS.attention_impl)
-    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
     tok = None
-    if os.path.exists(os.path.join(FLAGS.target, "tokenizer.json")):
-        tok = load_tokenizer(FLAGS.target)
-    if not FLAGS.prompt_file:
-        items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else DEFAULT_PROMPT}]
-    prompts = prompting.encode_prompts(items, tok, FLAGS.target, FLAGS.chat_template,
-                                       vocab_size=target.config.vocab_size, labels=labels)
+    if os.path.exists(os.path.join(target_dir, "tokenizer.json")):
+        tok = load_tokenizer(target_dir)
+    prompts = prompting.encode_prompts(items, tok, target_dir, FLAGS.chat_template,
+                                       vocab_size=read_config(target_dir).get("vocab_size"),
+                                       labels=labels)
+    batch_size = FLAGS.batch_size or (8 if len(prompts) > 1 else 1)
 
     kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
               top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
-              stop_token_ids=_stop_ids(tok, FLAGS.target))
+              stop_token_ids=_stop_ids(tok, target_dir))
     spec_kw = dict(kw, block_size=FLAGS.block_size, denoise_steps=FLAGS.denoise_steps,
                    confidence_threshold=FLAGS.confidence_threshold)
-    compare = FLAGS.compare_ar if FLAGS.compare_ar is not None else drafter is not None
+    run_kw = dict(batch_size=batch_size, extra_settings={
+        "target": FLAGS.target, "drafter": FLAGS.drafter or drafter_dir, "dtype": FLAGS.dtype,
+        "param_dtype": FLAGS.param_dtype,
+        "chat_template": FLAGS.chat_template})
+    if FLAGS.resume:  # a file of other prompts or settings is refused before any compute
+        batch_infer.read_done(FLAGS.json_out, prompts, batch_infer.run_settings(
+            spec_kw, batch_size, drafter_dir is not None, run_kw["extra_settings"]))
+
+    target = dj.load_target(target_dir, dtype=FLAGS.dtype, param_dtype=FLAGS.param_dtype,
+                            attention_impl=FLAGS.attention_impl)
+    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
+    compare = FLAGS.compare_ar if FLAGS.compare_ar is not None else (
+        drafter is not None and not FLAGS.prompt_file)
+    drafter_name = FLAGS.drafter or drafter_dir or "none (autoregressive)"
     print(f"target {FLAGS.target}: {target.config.num_layers} layers, hidden "
-          f"{target.config.hidden_size}; drafter: {drafter_dir or 'none (autoregressive)'}; "
+          f"{target.config.hidden_size}; drafter: {drafter_name}; "
           f"backend {jax.default_backend()}", flush=True)
 
     stream_on = FLAGS.stream if FLAGS.stream is not None else sys.stdout.isatty()
@@ -145,47 +176,48 @@ def main(argv):
 
         dj.generate(target, drafter, prompts, stream_callback=stream, **spec_kw)
         print("\n")
-    # Warm-up: compiles both programs and runs them once; its timings are not reported.
-    dj.generate(target, drafter, prompts, **spec_kw)
-    if compare and drafter is not None:
-        dj.generate(target, None, prompts, **kw)
+    # Batches grouped by length; the first is run once untimed (compiles both programs).
+    try:
+        report = batch_infer.run_prompts(
+            target, drafter, prompts, out_path=FLAGS.json_out, resume=FLAGS.resume,
+            tokenizer=tok, compare_ar=compare, profile_dir=FLAGS.profile_dir, **run_kw,
+            **spec_kw)
+    except KeyboardInterrupt:
+        if FLAGS.json_out:
+            print(f"\ninterrupted: finished batches are in {FLAGS.json_out}; rerun with "
+                  "--resume to continue", file=sys.stderr)
+        sys.exit(130)
     if FLAGS.profile_dir:
-        jax.profiler.start_trace(FLAGS.profile_dir)
-    res = dj.generate(target, drafter, prompts, **spec_kw)
-    if FLAGS.profile_dir:
-        jax.profiler.stop_trace()
         print(f"profile written to {FLAGS.profile_dir} (open with TensorBoard's profile plugin, "
               "XProf, or ui.perfetto.dev)")
-    ar = dj.generate(target, None, prompts, **kw) if compare and drafter is not None else None
+    if report.resumed:
+        print(f"resumed: {report.resumed} of {len(prompts)} prompts were already in "
+              f"{FLAGS.json_out}")
 
-    texts = []
-    for i, toks in enumerate(res.tokens):
-        text = tok.decode(toks) if tok is not None else None
-        texts.append(text)
-        print(f"\n=== prompt {i} ===")
-        if tok is not None:
-            print(tok.decode(prompts[i]) + "\033[1m" + text + "\033[0m")
-        else:
-            print(prompts[i], "->", toks)
-        if ar is not None and ar.tokens[i] != toks:
+    show = not FLAGS.json_out or len(prompts) <= 20
+    for i, rec in enumerate(report.records if show else []):
+        print(f"\n=== prompt {i}: {rec['new_tokens']} tokens, tau {rec['tau']:.2f}, "
+              f"{rec['tokens_per_s']:.1f} tok/s (batch of {batch_size}) ===")
+        if not FLAGS.json_out:  # else the completion is in the file
+            if tok is not None:
+                print(tok.decode(prompts[i]) + "\033[1m" + rec["text"] + "\033[0m")
+            else:
+                print(prompts[i], "->", rec["tokens"])
+        if rec.get("identical_to_ar") is False:
             print("!!! speculative output differs from autoregressive output")
 
-    s = res.stats
-    print(f"\n{'DFlash' if drafter else 'autoregressive'}: {s['new_tokens']} tokens, "
-          f"tau {s['tau']:.2f}, {s['decode_tokens_per_s']:.1f} tok/s decode, "
+    s = report.totals
+    many = (f"{s['prompts']} prompts in batches of {batch_size}, " if len(prompts) > 1 else "")
+    spread = (f" (per prompt {s['tau_per_prompt']['min']:.2f}..{s['tau_per_prompt']['max']:.2f})"
+              if len(prompts) > 1 else "")
+    print(f"\n{'DFlash' if drafter else 'autoregressive'}: {many}{s['new_tokens']} tokens, "
+          f"tau {s['tau']:.2f}{spread}, {s['decode_tokens_per_s']:.1f} tok/s decode, "
           f"prefill {s['prefill_s'] * 1e3:.1f} ms")
-    summary = {"dflash": s}
-    if ar is not None:
-        speedup = s["decode_tokens_per_s"] / ar.stats["decode_tokens_per_s"]
-        print(f"autoregressive: {ar.stats['decode_tokens_per_s']:.1f} tok/s decode; "
-              f"speedup {speedup:.2f}x; outputs identical: {ar.tokens == res.tokens}")
-        summary.update(autoregressive=ar.stats, speedup=speedup,
-                       identical_to_ar=ar.tokens == res.tokens)
+    if "speedup" in s:
+        print(f"autoregressive: {s['ar_decode_tokens_per_s']:.1f} tok/s decode; "
+              f"speedup {s['speedup']:.2f}x; outputs identical: {s['identical_to_ar']}")
     if FLAGS.json_out:
-        with open(FLAGS.json_out, "w") as f:
-            json.dump({"prompts": prompts, "tokens": res.tokens, "texts": texts,
-                       "acceptance_lengths": res.acceptance_lengths, **summary}, f, indent=1)
-        print(f"wrote {FLAGS.json_out}")
+        print(f"wrote {FLAGS.json_out} ({len(prompts)} JSON lines)")
 
 
 if __name__ == "__main__":

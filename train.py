@@ -2,12 +2,16 @@
 
     python train.py --config=configs/tiny_code_target.py --workdir=/tmp/tiny_target
     python train.py --config=configs/tiny_code_drafter.py --workdir=/tmp/tiny_drafter \
-        --config.target_path=/tmp/tiny_target/export/target
+        --config.target_path=/tmp/tiny_target/export/target    # or a hub id: Qwen/Qwen3-8B
+
+Prints one line per log step, evaluations, checkpoints and the export; library log lines
+(Orbax, JAX) go to WORKDIR/train.log, and to stderr too with --verbose (or --verbosity=0).
 
 Exit codes: 0 done; 1 non-finite loss (last good checkpoint kept) or a bug; 2 bad input (one
 line on stderr); 3 stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to resume).
 """
 
+import os
 import sys
 
 import jax
@@ -26,6 +30,7 @@ flags.DEFINE_bool("dry_run", False, "Compile the training step for an 8B-sized t
                   "and FLOPs (batch, length and anchors from the config).")
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small.")
 flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'fsdp=8;fsdp=4,tensor=2'.")
+flags.DEFINE_bool("verbose", False, "Show library log lines (Orbax, JAX) on stderr too.")
 
 
 def main(argv):
@@ -46,6 +51,20 @@ def main(argv):
     # Config values and the workdir checked before anything is built, computed or written.
     validation.check_train_config(config)
     validation.writable_dir(flags.FLAGS.workdir, "--workdir")
+    from dflash_jax import console, hub
+
+    # Then model locations (directories or hub ids): a bad one is one line, exit 2.
+    if config.target_path:
+        config.target_path = hub.resolve_or_exit(config.target_path, what="--config.target_path")
+    if config.drafter.init_path:
+        config.drafter.init_path = hub.resolve_or_exit(config.drafter.init_path,
+                                                       what="--config.drafter.init_path")
+    if hub.looks_like_repo_id(config.tokenizer_dir) and not os.path.exists(config.tokenizer_dir):
+        config.tokenizer_dir = hub.resolve_or_exit(config.tokenizer_dir,
+                                                   what="--config.tokenizer_dir")
+    console.configure_logging(flags.FLAGS.verbose,
+                              log_file=os.path.join(flags.FLAGS.workdir, "train.log"))
+    console.quiet_startup()
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir
     if flags.FLAGS.profile_steps:

@@ -27,8 +27,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from benchmarks import text_quality  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
-flags.DEFINE_string("drafter", "assets/tiny-code/drafter", "Drafter directory.")
+flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory or hub id.")
+flags.DEFINE_string("drafter", "assets/tiny-code/drafter", "Drafter directory or hub id.")
 flags.DEFINE_string("out_dir", "benchmarks/results/tiny-code", "Where results go.")
 flags.DEFINE_string("prompt_file", None, "JSONL prompts instead of the held-out stdlib prompts.")
 flags.DEFINE_string("data_dir", "/tmp/dflash_tfds", "TFDS data dir for the stdlib corpus.")
@@ -80,12 +80,17 @@ def run_setting(dj, target, drafter, prompts, batch, **kw):
 
 def main(argv):
     del argv
+    from dflash_jax import console, hub
+
+    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
+    drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
+    console.cli_startup()
     import dflash_jax as dj
     from dflash_jax.data.tokenizer import load_tokenizer
 
-    target = dj.load_target(FLAGS.target)
-    drafter = dj.load_drafter(FLAGS.drafter, target=target)
-    tok = load_tokenizer(FLAGS.target)
+    target = dj.load_target(target_dir)
+    drafter = dj.load_drafter(drafter_dir, target=target)
+    tok = load_tokenizer(target_dir)
     prompts = load_prompts(tok)
     blocks = [int(x) for x in FLAGS.block_sizes]
     temps = [float(x) for x in FLAGS.temperatures]
@@ -99,6 +104,8 @@ def main(argv):
           f"{int(np.median([len(p) for p in prompts]))} tokens", flush=True)
 
     rows, text_stats = [], None
+    bar = console.progress(total=len(temps) * len(batches) * len(blocks) * len(denoise),
+                           desc="settings", unit="setting")
     for temp, batch in itertools.product(temps, batches):
         common = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=temp, seed=0,
                       stop_token_ids=[tok.eos_id])
@@ -117,6 +124,7 @@ def main(argv):
                   f"{text_stats['distinct_4gram_median']:.2f}, "
                   f"{100 * text_stats['share_below_0.5']:.0f}% below 0.5", flush=True)
         for bs, steps in itertools.product(blocks, denoise):
+            bar.update(1)
             if steps > bs - 1:
                 continue
             kw = dict(common, block_size=bs, denoise_steps=steps)
@@ -139,6 +147,7 @@ def main(argv):
             print(f"bs={bs:2d} T={temp:g} denoise={steps} batch={batch}: tau {row['tau']:.2f}  "
                   f"DFlash {tps:8.1f} tok/s  AR {ar_tps:8.1f} tok/s  speedup "
                   f"{row['speedup']:.2f}x  (compile {row['compile_s']:.1f}s)", flush=True)
+    bar.close()
 
     meta = {"target": FLAGS.target, "drafter": FLAGS.drafter, "num_prompts": len(prompts),
             "max_new_tokens": FLAGS.max_new_tokens, "repeats": FLAGS.repeats,

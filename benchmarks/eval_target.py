@@ -37,12 +37,15 @@ def main(argv):
     import jax.numpy as jnp
 
     import dflash_jax as dj
+    from dflash_jax import console, hub
     from dflash_jax.data import build_python_stdlib, decode_example, stdlib_prompts
     from dflash_jax.data.tokenizer import load_tokenizer
     from dflash_jax.prompting import encode_code_prompt
 
-    target = dj.load_target(FLAGS.target)
-    tok = load_tokenizer(FLAGS.target)
+    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
+    console.cli_startup()
+    target = dj.load_target(target_dir)
+    tok = load_tokenizer(target_dir)
     builder = build_python_stdlib(FLAGS.data_dir)
     source = builder.as_data_source(split="validation")
     texts = [decode_example(source[i])["text"] for i in range(len(source))]
@@ -69,7 +72,7 @@ def main(argv):
         total_tokens += len(ids) - 1
         for start in range(0, len(ids) - 1, w):
             windows.append(ids[start:start + w + 1])
-    for i in range(0, len(windows), 16):
+    for i in console.progress(range(0, len(windows), 16), desc="score", unit="batch"):
         ids = np.zeros((16, w + 1), np.int32)
         valid = np.zeros((16, w), bool)
         for r, chunk in enumerate(windows[i:i + 16]):

@@ -78,7 +78,8 @@ def draft_consistency(target, drafter):
     bs, mask = drafter.config.block_size, drafter.config.mask_token_id
     tv, dv = {"params": target.params}, {"params": drafter.params}
     agree, tf_accept, taus = [], [], []
-    for rec in read_records(FLAGS.regenerated)[-FLAGS.num_records:]:
+    for rec in console.progress(read_records(FLAGS.regenerated)[-FLAGS.num_records:],
+                                desc="records", unit="record"):
         prompt = list(rec["prompt_ids"])
         res = dj.generate(target, drafter, [prompt], FLAGS.max_new_tokens, return_drafts=True)
         out = res.tokens[0]
@@ -111,12 +112,15 @@ def main(argv):
     import jax
 
     import dflash_jax as dj
+    from dflash_jax import console, hub
 
-    target = dj.load_target(FLAGS.target)
+    console.cli_startup()
+    target = dj.load_target(hub.resolve_or_exit(FLAGS.target, what="--target"))
     print(f"backend {jax.default_backend()}: token choosers inside a compiled loop")
     result = {"choosers_us": choosers(target.config.vocab_size)}
     if FLAGS.regenerated:
-        drafter = dj.load_drafter(FLAGS.drafter, target=target)
+        drafter = dj.load_drafter(hub.resolve_or_exit(FLAGS.drafter, what="--drafter"),
+                                  target=target)
         result["consistency"] = draft_consistency(target, drafter)
     print(json.dumps(result))
 

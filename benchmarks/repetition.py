@@ -66,11 +66,14 @@ def load_pairs():
 def main(argv):
     del argv
     import dflash_jax as dj
+    from dflash_jax import console, hub
     from dflash_jax.data.tokenizer import load_tokenizer
     from dflash_jax.prompting import encode_code_prompt
 
-    target = dj.load_target(FLAGS.target)
-    tok = load_tokenizer(FLAGS.target)
+    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
+    console.cli_startup()
+    target = dj.load_target(target_dir)
+    tok = load_tokenizer(target_dir)
     n = FLAGS.max_new_tokens
     pairs = load_pairs()
     refs = [tok.encode(reference)[:n] for _, reference in pairs]
@@ -85,7 +88,8 @@ def main(argv):
     for cut in [int(x) for x in FLAGS.prompt_tokens]:
         prompts = [encode_code_prompt(tok, pairs[i][0], cut) for i in keep]
         outs = []
-        for s in range(0, len(prompts), FLAGS.batch_size):
+        for s in console.progress(range(0, len(prompts), FLAGS.batch_size),
+                                  desc=f"greedy, prompts of {cut}", unit="batch"):
             res = dj.generate(target, None, prompts[s:s + FLAGS.batch_size], n)
             outs += res.tokens
         ratios = [text_quality.distinct_ngram_ratio(o) for o in outs]

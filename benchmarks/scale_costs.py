@@ -102,7 +102,9 @@ def main(argv):
           f"{FLAGS.tokens} new tokens, quoting speedups at tau {FLAGS.tau}")
     print("  target | params | AR step ms | DFlash step ms | step/AR | speedup at tau | "
           "tau for 3x | ceiling")
-    for width, layers in sizes:
+    from dflash_jax import console
+
+    for width, layers in console.progress(sizes, desc="target sizes", unit="size"):
         heads = width // 64
         cfg = dj.ModelConfig(vocab_size=FLAGS.vocab_size, hidden_size=width,
                              intermediate_size=3 * width, num_layers=layers, num_heads=heads,

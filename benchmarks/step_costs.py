@@ -47,12 +47,16 @@ def main(argv):
     import jax.numpy as jnp
 
     import dflash_jax as dj
+    from dflash_jax import console, hub
     from dflash_jax.decoding import _lm_logits, _write_context
     from dflash_jax.drafter import ContextCache, decode_attend
     from dflash_jax.model import KVCache
 
-    target = dj.load_target(FLAGS.target)
-    drafter = dj.load_drafter(FLAGS.drafter, target=target)
+    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
+    drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
+    console.cli_startup()
+    target = dj.load_target(target_dir)
+    drafter = dj.load_drafter(drafter_dir, target=target)
     tmod, dmod = target.module, drafter.module
     ctx_len = FLAGS.context
     widths = [int(x) for x in FLAGS.block_sizes]
@@ -88,7 +92,7 @@ def main(argv):
         return jnp.argmax(_lm_logits(tmod, tp, h[:, 1:]), -1)
 
     rows = {}
-    for t in widths:
+    for t in console.progress(widths, desc="block widths", unit="width"):
         rows[t] = {"t_target_ms": 1e3 * median_time(
             lambda: target_step(t, target.params, cache), FLAGS.repeats)}
         if t > 1:

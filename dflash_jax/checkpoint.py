@@ -31,6 +31,7 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
+from dflash_jax import console
 from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
 
@@ -69,6 +70,9 @@ def _read_config(path: str) -> dict:
         raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
 
 
+read_config = _read_config  # config.json of a model directory, as a dict (CheckpointError)
+
+
 def load_params(path: str, abstract_params, *, prefix: str, param_dtype,
                 optional: Callable[[str], bool] = lambda name: False) -> dict:
     """Reads every parameter of `abstract_params` (a pytree of ShapeDtypeStructs) from `path`.
@@ -80,7 +84,8 @@ def load_params(path: str, abstract_params, *, prefix: str, param_dtype,
     try:
         flat = traverse_util.flatten_dict(abstract_params)
         out = {}
-        for key, spec in flat.items():
+        for key, spec in console.progress(flat.items(), total=len(flat), desc=f"load {path}",
+                                          unit="tensor"):
             name = flax_path_to_hf(key, prefix)
             if name not in store:
                 if optional(name):
@@ -115,7 +120,9 @@ def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
     np_dtype = np.dtype(ml_dtypes.bfloat16) if as_dtype(dtype) == jnp.bfloat16 else \
         np.dtype(as_dtype(dtype))
     tensors = {}
-    for key, value in traverse_util.flatten_dict(params).items():
+    flat = traverse_util.flatten_dict(params)
+    for key, value in console.progress(flat.items(), total=len(flat), desc="export",
+                                       unit="tensor"):
         arr = np.asarray(jax.device_get(value))
         if key[-1] == "kernel":
             arr = arr.T

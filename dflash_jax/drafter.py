@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax import attention as attn_lib
-from dflash_jax import checkpoint
+from dflash_jax import checkpoint, hub
 from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.layers import MLP, QKVProjection, RMSNorm, rope_inv_freq
 from dflash_jax.safetensors_io import CheckpointError
@@ -283,12 +283,13 @@ def validate_pair(drafter_cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
 
 def load_drafter(path: str, target=None, dtype: Optional[str] = None,
                  param_dtype: Optional[str] = None) -> Drafter:
-    """Loads a z-lab DFlash drafter directory (config.json + safetensors).
+    """Loads a z-lab DFlash drafter directory (config.json + safetensors), or hub id
+    (`z-lab/Qwen3-8B-DFlash-b16`, fetched into the Hugging Face cache by `dflash_jax.hub`).
 
     With `target`, checks that the pair fits (taps, widths, vocabulary, mask token) and
     defaults the compute dtype to the target's.
     """
-    path = str(path)
+    path = hub.local_path(str(path), what="drafter")
     hf = checkpoint._read_config(path)
     if dtype is None:
         dtype = "float32" if target is None else checkpoint.dtype_name(target.config.dtype)

@@ -228,8 +228,10 @@ def save_sharded(directory: str, tensors: Mapping[str, np.ndarray],
         current[name] = tensors[name]
         size += nbytes
     shards.append(current)
+    from dflash_jax import console
+
     weight_map = {}
-    for i, shard in enumerate(shards):
+    for i, shard in enumerate(console.progress(shards, desc=f"write {directory}", unit="shard")):
         fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
         write_safetensors(os.path.join(directory, fname), shard)
         weight_map.update({name: fname for name in shard})

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import checkpoint
+from dflash_jax import checkpoint, hub
 from dflash_jax.config import ModelConfig
 from dflash_jax.model import KVCache, Transformer
 
@@ -77,11 +77,13 @@ def _forward(module, params, ids, tap_layers):
 
 def load_target(path: str, dtype: str = "float32", param_dtype: Optional[str] = None,
                 attention_impl: str = "xla") -> Target:
-    """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory.
+    """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory, or hub id
+    (`Qwen/Qwen3-8B`, fetched into the Hugging Face cache by `dflash_jax.hub`).
 
     dtype: compute dtype ("float32" on CPU, "bfloat16" on accelerators); param_dtype defaults
     to dtype.
     """
+    path = hub.local_path(path, what="target")
     cfg, params = checkpoint.load_target_params(str(path), dtype=dtype, param_dtype=param_dtype)
     return Target(config=cfg, params=params, path=str(path), attention_impl=attention_impl)
 

@@ -98,7 +98,8 @@ ax[1].set(xlabel="draft position k", ylabel="P(accepted)", ylim=(0, 1.02),
 plt.tight_layout(); plt.show()"""),
     ("md", """## 2. A real target with its published drafter (online)
 
-Downloads the target and the z-lab drafter with `huggingface_hub`, shards the parameters over
+Fetches the target and the z-lab drafter by hub id (`dflash_jax.hub`: the Hugging Face cache,
+only config, safetensors and tokenizer files; `HF_TOKEN` for gated models), shards the parameters over
 the runtime's devices (tensor parallel on a `tensor` mesh axis) and runs the same comparison.
 Skipped with a message when offline or when the runtime is too small."""),
     ("code", """def device_gb():
@@ -113,12 +114,12 @@ def try_online():
         return "RUN_ONLINE is False"
     if device_gb() < MIN_DEVICE_GB_FOR_ONLINE:
         return f"runtime has {device_gb():.0f} GB of accelerator memory (< {MIN_DEVICE_GB_FOR_ONLINE})"
-    try:
-        from huggingface_hub import snapshot_download
-        tdir = snapshot_download(HF_TARGET, allow_patterns=["*.json", "*.safetensors", "tokenizer*"])
-        ddir = snapshot_download(HF_DRAFTER)
-    except Exception as e:  # offline, gated, or no huggingface_hub
-        return f"download failed ({type(e).__name__}: {e})"
+    from dflash_jax import hub
+    try:  # hub id -> local snapshot (config, safetensors, tokenizer files only; HF cache)
+        tdir = hub.resolve(HF_TARGET, what="target")
+        ddir = hub.resolve(HF_DRAFTER, what="drafter")
+    except hub.HubError as e:  # offline, gated, unknown id: one line saying why
+        return str(e)
     from dflash_jax import sharding
     big = dj.load_target(tdir, dtype="bfloat16")
     big_drafter = dj.load_drafter(ddir, target=big)

@@ -39,16 +39,17 @@ def test_infer_cli_compares_with_ar_and_writes_json_and_profile(pair_dirs, tmp_p
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n" +
                        json.dumps({"ids": [5, 6, 7]}) + "\n")
-    out = tmp_path / "out.json"
+    out = tmp_path / "out.jsonl"
     r = _run(f"--target={pair_dirs / 'target'}", f"--drafter={pair_dirs / 'drafter'}",
              f"--prompt_file={prompts}", "--max_new_tokens=12", f"--json_out={out}",
-             f"--profile_dir={tmp_path / 'trace'}")
+             f"--profile_dir={tmp_path / 'trace'}", "--compare_ar")
     assert r.returncode == 0, r.stderr[-3000:]
     assert "speedup" in r.stdout and "tau" in r.stdout
-    res = json.load(open(out))
-    assert res["identical_to_ar"] is True
-    assert len(res["tokens"]) == 2 and all(len(t) <= 12 for t in res["tokens"])
-    assert res["prompts"][1] == [5, 6, 7]
+    recs = sorted((json.loads(line) for line in open(out)), key=lambda rec: rec["index"])
+    assert [rec["index"] for rec in recs] == [0, 1]
+    assert all(rec["identical_to_ar"] is True for rec in recs)
+    assert all(len(rec["tokens"]) <= 12 for rec in recs)
+    assert recs[1]["prompt_ids"] == [5, 6, 7]
     traces = [f for _, _, fs in os.walk(tmp_path / "trace") for f in fs]
     assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
 

@@ -37,6 +37,8 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
+from dflash_jax import console
+
 __all__ = [
     "PythonStdlib",
     "StdlibConfig",
@@ -280,7 +282,7 @@ class PythonStdlib(_LocalBuilder, skip_registration=True):
         }
 
     def _generate_examples(self, root: str, files: Sequence[str]):
-        for rel in files:
+        for rel in console.progress(files, desc="stdlib corpus", unit="file"):
             try:
                 raw = (Path(root) / rel).read_bytes()
                 text = raw.decode("utf-8")
@@ -316,8 +318,15 @@ def build_python_stdlib(
         data_dir=os.fspath(data_dir),
         file_format="array_record",
     )
-    builder.download_and_prepare()
+    _prepare(builder)
     return builder
+
+
+def _prepare(builder) -> None:
+    """Writes the dataset unless it is there. Progress comes from `console.progress` over the
+    source files (with an ETA); TFDS's own bars (example counts, no ETA) are turned off."""
+    tfds.display_progress_bar(False)
+    builder.download_and_prepare()
 
 
 # ----------------------------------------------------------------------------
@@ -562,7 +571,7 @@ class UserFiles(_LocalBuilder, skip_registration=True):
 
     def _generate_examples(self, split: str):
         cfg: UserFilesConfig = self.builder_config
-        for path in cfg.paths:
+        for path in console.progress(cfg.paths, desc=f"{split} files", unit="file"):
             for where, ex in _read_user_file(path, cfg.text_mode):
                 key = f"{path}#{where}"
                 if split_of(key, cfg.validation_percent) != split:
@@ -586,5 +595,5 @@ def build_user_files(
         data_dir=os.fspath(data_dir),
         file_format="array_record",
     )
-    builder.download_and_prepare()
+    _prepare(builder)
     return builder

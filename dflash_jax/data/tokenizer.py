@@ -128,6 +128,7 @@ def train_bpe_tokenizer(
     min_frequency: int = 2,
     extra_special_tokens: Sequence[str] = (),
     show_progress: bool = False,
+    total: int | None = None,
 ) -> TextTokenizer:
     """Train a byte-level BPE on ``texts``; save it to ``out_dir`` if given.
 
@@ -135,6 +136,10 @@ def train_bpe_tokenizer(
     ``<|mask|>`` = 1, then ``extra_special_tokens``.  The 256 byte symbols are
     always in the vocabulary, so every string is encodable and round-trips
     exactly (no normalizer, no prefix space).
+
+    ``total``: the number of texts, for the progress bar's ETA (default ``len(texts)`` when it
+    has one). The bar (``dflash_jax.console.progress``) counts texts read; ``show_progress``
+    adds the tokenizers library's own bars.
     """
     specials = [EOS_TOKEN, MASK_TOKEN] + [t for t in extra_special_tokens]
     if vocab_size < 256 + len(specials):
@@ -149,7 +154,12 @@ def train_bpe_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
-    tok.train_from_iterator(texts, trainer=trainer)
+    from dflash_jax import console
+
+    if total is None and hasattr(texts, "__len__"):
+        total = len(texts)
+    with console.progress(texts, total=total, desc="tokenizer", unit="text") as bar:
+        tok.train_from_iterator(bar, trainer=trainer)
     wrapped = TextTokenizer(tok, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, mask_token=MASK_TOKEN)
     if out_dir is not None:
         wrapped.save(out_dir)

@@ -16,7 +16,7 @@ import os
 import time
 from typing import List, Optional, Sequence
 
-
+from dflash_jax import console
 from dflash_jax.decoding import generate
 
 
@@ -33,6 +33,7 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
     prompts = [list(map(int, p)) for p in prompts]
     t0 = time.time()
     n_batches = (len(prompts) + batch_size - 1) // batch_size
+    bar = console.progress(total=len(prompts), desc="regenerate", unit="prompt")
     for bi in range(n_batches):
         chunk = prompts[bi * batch_size:(bi + 1) * batch_size]
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
@@ -43,9 +44,12 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
             if tokenizer is not None:
                 rec = {"prompt": tokenizer.decode(p), "response": tokenizer.decode(r), **rec}
             records.append(rec)
-        if log_every and (bi + 1) % log_every == 0:
-            print(f"regenerate: {len(records)}/{len(prompts)} responses, "
-                  f"{time.time() - t0:.0f}s", flush=True)
+        bar.update(len(chunk))
+        if log_every and (bi + 1) % log_every == 0 and bar.disable:
+            # No bar (not a terminal, e.g. a log file): a line every `log_every` batches.
+            console.say(f"regenerate: {len(records)}/{len(prompts)} responses, "
+                        f"{time.time() - t0:.0f}s")
+    bar.close()
     os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
     tmp = out_path + ".tmp"
     with open(tmp, "w") as f:
@@ -96,9 +100,13 @@ def main(argv):
     from dflash_jax.data import load_tokenizer
     from dflash_jax.target import load_target
 
+    from dflash_jax import hub
+
     F = flags.FLAGS
-    target = load_target(F.target)
-    tok = load_tokenizer(F.target)
+    target_dir = hub.resolve_or_exit(F.target, what="--target")
+    console.cli_startup()
+    target = load_target(target_dir)
+    tok = load_tokenizer(target_dir)
     prompts = [tok.encode(r["prompt"]) for r in read_records(F.prompts, required=("prompt",))]
     regenerate(target, prompts, F.out, max_new_tokens=F.max_new_tokens,
                batch_size=F.batch_size, temperature=F.temperature, seed=F.seed,
@@ -108,7 +116,8 @@ def main(argv):
 if __name__ == "__main__":
     from absl import app, flags
 
-    flags.DEFINE_string("target", None, "target model directory (HF format)", required=True)
+    flags.DEFINE_string("target", None, "target model directory (HF format) or hub id",
+                        required=True)
     flags.DEFINE_string("prompts", None, "JSONL with a 'prompt' field per line", required=True)
     flags.DEFINE_string("out", None, "output JSONL", required=True)
     flags.DEFINE_integer("max_new_tokens", 256, "response length cap")

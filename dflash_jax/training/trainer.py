@@ -21,7 +21,6 @@ Config keys: see `default_config()`; experiment files in `configs/` override the
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 import signal
@@ -37,6 +36,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from dflash_jax import console, hub
 from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.drafter import DFlashDrafter, Drafter, init_drafter_params, make_drafter_config
 from dflash_jax.model import Transformer, init_params
@@ -358,8 +358,10 @@ def build_experiment(config, workdir: str) -> Experiment:
     d = config.data
     rng = np.random.RandomState(config.seed)
 
-    # Tokenizer.
-    tok_dir = config.tokenizer_dir or config.target_path or None
+    # Tokenizer. Model locations may be hub ids (resolved to their cached snapshots).
+    target_path = hub.local_path(config.target_path, what="target") if config.target_path else ""
+    tok_dir = (hub.local_path(config.tokenizer_dir, what="tokenizer") if config.tokenizer_dir
+               else target_path) or None
     tokenizer = None
     if tok_dir and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         tokenizer = load_tokenizer(tok_dir)
@@ -373,13 +375,14 @@ def build_experiment(config, workdir: str) -> Experiment:
             tokenizer = load_tokenizer(tok_dir)
         else:
             tokenizer = train_bpe_tokenizer(iter_texts(train_src), tok_dir,
-                                            vocab_size=config.tokenizer_vocab_size)
+                                            vocab_size=config.tokenizer_vocab_size,
+                                            total=len(train_src))
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
 
     # Target.
-    if config.target_path:
-        target = load_target(config.target_path, dtype=config.dtype)
+    if target_path:
+        target = load_target(target_path, dtype=config.dtype)
         tcfg, tparams = target.config, target.params
     else:
         vocab = tokenizer.vocab_size if tokenizer is not None else 0
@@ -519,7 +522,7 @@ def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text
         else:
             raise ValueError("regen.prompt_source must be 'stdlib', 'functions', 'mixed' or "
                              f"'random', got {r.prompt_source!r}")
-        print(f"regenerating {len(prompts)} responses with the target -> {path}", flush=True)
+        _log(f"regenerating {len(prompts)} responses with the target -> {path}")
         regenerate(Target(tcfg, tparams), prompts, path, max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
                    stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
@@ -586,8 +589,7 @@ class _StopFlag:
 
 
 def _log(msg: str):
-    logging.info(msg)
-    print(msg, flush=True)
+    console.say(msg)  # stdout, and the CLI's log file (never twice on the console)
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -611,7 +613,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     exp = build_experiment(config, workdir)
     if regen_only:  # the responses exist now (build_experiment wrote or found them)
         path = config.regen.output or os.path.join(workdir, "regenerated.jsonl")
-        print(f"regen.only: responses in {path}; no training", flush=True)
+        _log(f"regen.only: responses in {path}; no training")
         return {"status": "regenerated", "step": 0, "losses": [], "eval": {}, "export": None,
                 "regenerated": path}
     total = (config.num_train_steps if config.num_train_steps > 0
@@ -742,13 +744,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 _log(f"eval step {step}: " + " ".join(
                     f"{k} {v:.3f}" for k, v in last_eval.items() if not k.startswith("acc_k")
                     or k in ("acc_k01", "acc_k02", "acc_k04", "acc_k08")))
-            ckpt.maybe_save(step, state, exp.train_iter.get_state())
+            if ckpt.maybe_save(step, state, exp.train_iter.get_state()):
+                _log(f"checkpoint step {step} -> {ckpt.directory}")
             if flag.signum is not None:
                 status = "preempted"
                 _log(f"signal {flag.signum}: saving step {step} and stopping")
                 break
-        if status != "nan":
-            ckpt.maybe_save(step, state, exp.train_iter.get_state(), force=True)
+        if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state(),
+                                                force=True):
+            _log(f"checkpoint step {step} -> {ckpt.directory}")
         if status == "done" and step < total:
             status = "stopped"
     finally:

@@ -1,0 +1,227 @@
+"""Generation over many prompts: fixed-size batches grouped by length, JSON Lines written as
+batches finish, resume, progress, per-prompt and total tau / throughput.
+
+    report = run_prompts(target, drafter, prompts, batch_size=8, out_path="out.jsonl",
+                         resume=True, max_new_tokens=128, stop_token_ids=[0])
+    report.records   # per prompt, in prompt order: tokens, tau, tokens/s, ... (see `run_prompts`)
+    report.totals    # prompts, new_tokens, tau, decode_tokens_per_s, ...
+
+Prompts are sorted by length and cut into batches of `batch_size`, so a batch's padding is
+small and every batch has the same shape class (one compiled program per prompt-length
+bucket, not per batch). A short last batch is filled with copies of its last prompt, whose
+outputs are dropped. Greedy outputs do not depend on the batching (tested against one prompt
+at a time); sampled ones use seed + batch number, so they depend on `batch_size`.
+
+Each record is one JSON line: {"index", "prompt_sha", "settings", "prompt_ids", "tokens",
+"text" (with a tokenizer), "acceptance_lengths", "tau", "new_tokens", "batch",
+"batch_decode_s", "tokens_per_s", "identical_to_ar" (with compare_ar)}. A batch's lines are
+written and flushed together, so an interrupted run keeps every finished batch; a torn last
+line is dropped on resume. Resuming checks that the file was written for the same prompts
+(`prompt_sha`) and settings (`settings`) and refuses otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Callable, Dict, List, Optional, Sequence
+
+import numpy as np
+
+from dflash_jax import console
+from dflash_jax.decoding import generate
+
+
+@dataclasses.dataclass
+class BatchReport:
+    """records: per prompt (prompt order), done in this run or resumed; totals: see
+    `summarize`; resumed: how many prompts were taken from an earlier run's file."""
+
+    records: List[dict]
+    totals: dict
+    resumed: int = 0
+
+
+def length_batches(lengths: Sequence[int], batch_size: int) -> List[List[int]]:
+    """Prompt indices cut into batches of `batch_size` after sorting by length (stable)."""
+    if batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+    order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def prompt_sha(ids: Sequence[int]) -> str:
+    return hashlib.sha1(json.dumps([int(i) for i in ids]).encode()).hexdigest()[:16]
+
+
+def settings_key(settings: dict) -> str:
+    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()
+                        ).hexdigest()[:12]
+
+
+def run_settings(gen_kw: dict, batch_size: int, with_drafter: bool,
+                 extra: Optional[dict] = None) -> str:
+    """The `settings` key of `run_prompts`' records: what must match for --resume."""
+    gen = dict(gen_kw)
+    seed = int(gen.pop("seed", 0))
+    return settings_key({"gen": gen, "seed": seed, "batch_size": batch_size,
+                         "drafter": with_drafter, **(extra or {})})
+
+
+def read_done(path: str, prompts: Sequence[Sequence[int]], settings: str) -> Dict[int, dict]:
+    """Finished records of an earlier run in `path` (JSONL), by prompt index. A torn last line
+    (the run was killed mid-write) is cut off the file. Raises ValueError (one line) when the
+    file belongs to other prompts or settings."""
+    done: Dict[int, dict] = {}
+    if not os.path.exists(path):
+        return done
+    with open(path, "rb") as f:
+        data = f.read()
+    good = data[:data.rfind(b"\n") + 1]  # complete lines only
+    if len(good) != len(data):
+        with open(path, "r+b") as f:
+            f.truncate(len(good))
+    for n, line in enumerate(good.decode().splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            i = int(rec["index"])
+        except (ValueError, KeyError, TypeError):
+            raise ValueError(f"{path}:{n}: not a record of this tool; remove the file or choose "
+                             "another --json_out") from None
+        if not 0 <= i < len(prompts) or rec.get("prompt_sha") != prompt_sha(prompts[i]):
+            raise ValueError(f"{path}:{n}: written for a different prompt {i} (another prompt "
+                             "file?); remove it or choose another --json_out to start afresh")
+        if rec.get("settings") != settings:
+            raise ValueError(f"{path}:{n}: written with other generation settings (model, "
+                             "max_new_tokens, temperature, seed, block size, batch size ...); "
+                             "rerun with the same flags or choose another --json_out")
+        done[i] = rec
+    return done
+
+
+def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size: int = 8,
+                out_path: Optional[str] = None, resume: bool = False, tokenizer=None,
+                compare_ar: bool = False, warmup: bool = True, profile_dir: Optional[str] = None,
+                extra_settings: Optional[dict] = None,
+                on_batch: Optional[Callable[[int, List[dict]], None]] = None,
+                **gen_kw) -> BatchReport:
+    """Runs `generate` over `prompts` (token-id lists) in length-grouped batches.
+
+    gen_kw: `generate` keyword arguments (max_new_tokens, temperature, top_k, top_p, seed,
+    stop_token_ids, block_size, denoise_steps, confidence_threshold). The drafter-only ones are
+    dropped for the autoregressive comparison (compare_ar), which decodes the same batches.
+    warmup: run the first batch once untimed first (compiles, first-run allocations).
+    extra_settings: more values that must match on resume (e.g. model paths).
+    on_batch(batch_number, records): called after each batch's lines are written.
+    """
+    prompts = [[int(t) for t in p] for p in prompts]
+    if not prompts:
+        raise ValueError("no prompts")
+    settings = run_settings(gen_kw, batch_size, drafter is not None, extra_settings)
+    seed = int(gen_kw.pop("seed", 0))
+    ar_kw = {k: v for k, v in gen_kw.items()
+             if k not in ("block_size", "denoise_steps", "confidence_threshold")}
+    batches = length_batches([len(p) for p in prompts], batch_size)
+    done: Dict[int, dict] = {}
+    if out_path:
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        if resume:
+            done = read_done(out_path, prompts, settings)
+        elif os.path.exists(out_path):
+            os.remove(out_path)
+    resumed = len(done)
+    todo = [(b, [i for i in idx if i not in done]) for b, idx in enumerate(batches)]
+    todo = [(b, idx) for b, idx in todo if idx]
+
+    def padded(idx):
+        rows = [prompts[i] for i in idx]
+        return rows + [rows[-1]] * (batch_size - len(rows))
+
+    if warmup and todo:
+        first = padded(todo[0][1])
+        generate(target, drafter, first, seed=seed, **gen_kw)
+        if compare_ar and drafter is not None:
+            generate(target, None, first, seed=seed, **ar_kw)
+    if profile_dir:
+        import jax
+
+        jax.profiler.start_trace(profile_dir)
+    out = open(out_path, "a") if out_path else None
+    bar = console.progress(total=len(prompts) - resumed, desc="generate", unit="prompt")
+    run_tokens, run_decode_s, run_acc = 0, 0.0, []
+    try:
+        for b, idx in todo:
+            res = generate(target, drafter, padded(idx), seed=seed + b, **gen_kw)
+            ar = (generate(target, None, padded(idx), seed=seed + b, **ar_kw)
+                  if compare_ar and drafter is not None else None)
+            recs = []
+            for row, i in enumerate(idx):
+                acc = [int(a) for a in res.acceptance_lengths[row]]
+                toks = [int(t) for t in res.tokens[row]]
+                rec = {"index": i, "prompt_sha": prompt_sha(prompts[i]), "settings": settings,
+                       "prompt_ids": prompts[i], "tokens": toks,
+                       "acceptance_lengths": acc,
+                       "tau": float(np.mean(acc)) if acc else 0.0, "new_tokens": len(toks),
+                       "batch": b, "batch_decode_s": res.stats["decode_s"],
+                       "prefill_s": res.stats["prefill_s"],
+                       "compile_s": res.stats["compile_s"],
+                       "tokens_per_s": sum(acc) / max(res.stats["decode_s"], 1e-9)}
+                if tokenizer is not None:
+                    rec["text"] = tokenizer.decode(toks)
+                if ar is not None:
+                    rec["identical_to_ar"] = ar.tokens[row] == res.tokens[row]
+                    rec["ar_batch_decode_s"] = ar.stats["decode_s"]
+                    rec["ar_decode_tokens"] = int(sum(ar.acceptance_lengths[row]))
+                    rec["ar_tokens_per_s"] = rec["ar_decode_tokens"] / max(
+                        ar.stats["decode_s"], 1e-9)
+                recs.append(rec)
+                done[i] = rec
+            if out is not None:
+                out.write("".join(json.dumps(r) + "\n" for r in recs))
+                out.flush()
+            run_tokens += sum(sum(r["acceptance_lengths"]) for r in recs)
+            run_decode_s += res.stats["decode_s"]
+            run_acc += [a for r in recs for a in r["acceptance_lengths"]]
+            bar.update(len(idx))
+            bar.set_postfix_str(f"{run_tokens / max(run_decode_s, 1e-9):,.0f} tok/s, "
+                                f"tau {np.mean(run_acc) if run_acc else 0:.2f}")
+            if on_batch is not None:
+                on_batch(b, recs)
+    finally:
+        bar.close()
+        if out is not None:
+            out.close()
+        if profile_dir:
+            import jax
+
+            jax.profiler.stop_trace()
+    records = [done[i] for i in range(len(prompts))]
+    return BatchReport(records=records, totals=summarize(records), resumed=resumed)
+
+
+def summarize(records: Sequence[dict]) -> dict:
+    """Totals over records: tau over every committed block, throughput = committed decode
+    tokens / decode time of the distinct batches, per-prompt tau quantiles."""
+    acc = [a for r in records for a in r["acceptance_lengths"]]
+    batch_s = {r["batch"]: r["batch_decode_s"] for r in records}
+    decode_tokens = sum(acc)
+    taus = [r["tau"] for r in records]
+    out = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records),
+           "tau": float(np.mean(acc)) if acc else 0.0,
+           "decode_s": float(sum(batch_s.values())),
+           "decode_tokens_per_s": decode_tokens / max(sum(batch_s.values()), 1e-9),
+           "prefill_s": float(sum({r["batch"]: r["prefill_s"] for r in records}.values())),
+           "compile_s": float(sum({r["batch"]: r["compile_s"] for r in records}.values())),
+           "tau_per_prompt": {q: float(np.quantile(taus, p)) for q, p in
+                              (("min", 0), ("median", 0.5), ("max", 1))}}
+    if records and all("identical_to_ar" in r for r in records):
+        ar_s = {r["batch"]: r["ar_batch_decode_s"] for r in records}
+        ar_tokens = sum(r["ar_decode_tokens"] for r in records)
+        out["ar_decode_tokens_per_s"] = ar_tokens / max(sum(ar_s.values()), 1e-9)
+        out["speedup"] = out["decode_tokens_per_s"] / max(out["ar_decode_tokens_per_s"], 1e-9)
+        out["identical_to_ar"] = all(r["identical_to_ar"] for r in records)
+    return out
