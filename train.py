@@ -11,6 +11,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from dflash_jax import distributed
 from dflash_jax.training import train_and_evaluate
 
 config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -22,6 +23,9 @@ flags.DEFINE_bool("dry_run", False, "Compile the training step for an 8B-sized t
                   "and FLOPs (batch, length and anchors from the config).")
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small.")
 flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'fsdp=8;fsdp=4,tensor=2'.")
+flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (TPU pod / SLURM / "
+                  "multi-node: it finds the coordinator itself). Under `python -m "
+                  "dflash_jax.launch` this happens without the flag.")
 
 
 def main(argv):
@@ -37,6 +41,7 @@ def main(argv):
                     num_anchors=config.num_anchors,
                     loss_chunk_anchors=config.get("loss_chunk_anchors", 0))
         return
+    distributed.initialize(flags.FLAGS.distributed)  # before any other JAX call
     if not flags.FLAGS.workdir:
         raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")
     if flags.FLAGS.profile_dir:

@@ -27,12 +27,16 @@ class Checkpointer:
         self.manager = ocp.CheckpointManager(self.directory, options=options,
                                              item_names=("state", "data"))
 
-    def maybe_save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
-        """Saves at multiples of `every` (or when forced). Returns whether it saved."""
+    def maybe_save(self, step: int, state, data_state, force: bool = False) -> bool:
+        """Saves at multiples of `every` (or when forced). Returns whether it saved.
+        `data_state`: a dict, or a function returning it, called only when saving (with
+        several processes it gathers their iterator positions, a collective)."""
         if not force and step % self.every:
             return False
         if step in self.manager.all_steps():
             return False
+        if callable(data_state):
+            data_state = data_state()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
             force=True)

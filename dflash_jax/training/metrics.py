@@ -172,13 +172,18 @@ class MetricsLogger:
     """Writes every record to `workdir/metrics.jsonl` and scalar fields to TensorBoard
     (`workdir/tb/<split>`)."""
 
-    def __init__(self, workdir: str):
+    def __init__(self, workdir: str, enabled: bool = True):
         self.workdir = workdir
+        self.enabled = enabled  # False on all processes but the first of a process group
+        self._tb: Dict[str, EventFileWriter] = {}
+        if not enabled:
+            return
         os.makedirs(workdir, exist_ok=True)
         self._jsonl = open(os.path.join(workdir, "metrics.jsonl"), "a")
-        self._tb: Dict[str, EventFileWriter] = {}
 
     def write(self, split: str, step: int, values: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
         clean = {k: float(v) for k, v in values.items()}
         self._jsonl.write(json.dumps({"split": split, "step": int(step), **clean}) + "\n")
         self._jsonl.flush()
@@ -187,6 +192,8 @@ class MetricsLogger:
         self._tb[split].scalars(step, clean)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._jsonl.close()
         for w in self._tb.values():
             w.close()
