@@ -11,6 +11,8 @@ slices its devices hold) and come back through `gather` (every process gets the 
     any_process(flag)       OR of a flag over processes (a coordinated stop)
     allgather_json(obj)     one JSON-able object per process, on every process
     broadcast(tree)         process 0's values on every process
+    primary_first(fn)       fn on process 0, then on the others (files they then read)
+    shard_batches(it, sh)   the training batches, each process reading only its streams
 
 With one process all of these reduce to `jax.device_put` / `jax.device_get` and no collective.
 """
@@ -156,6 +158,16 @@ def sync(name: str) -> None:
         from jax.experimental import multihost_utils
 
         multihost_utils.sync_global_devices(name)
+
+
+def primary_first(fn, name: str):
+    """fn() on process 0 and, once it has returned, on the others: for steps that write files
+    the others then only read (dataset preparation, tokenizer training)."""
+    if not is_multiprocess():
+        return fn()
+    out = fn() if is_primary() else None
+    sync(name)
+    return out if is_primary() else fn()
 
 
 # ------------------------------------------------------------------------ data per process

@@ -3,8 +3,8 @@
     python -m dflash_jax.launch --num_processes=2 --devices_per_process=4 -- \
         tests/_multiprocess_worker.py generate OUT_DIR
 Joins the group, decodes a batch of mixed-length code prompts with the bundled pair on a mesh
-over every process's devices (DFlash, with drafts, and autoregressive) and on this process's
-default device alone (the single-process reference), prints one `RESULT {json}` line, then runs
+over every process's devices (DFlash, with drafts, and autoregressive) and, with DFlash, on
+this process's default device alone (the single-process reference), prints one `RESULT {json}` line, then runs
 infer.py's `main` on the same prompts and mesh with --json_out=OUT_DIR/infer.json.
 
     ... -- tests/_multiprocess_worker.py die
@@ -51,12 +51,10 @@ def generate(out_dir):
     kw = dict(stop_token_ids=infer._stop_ids(tok, os.path.join(ASSETS, "target")))
     mesh = sharding.mesh_from_spec(MESH)
     ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
-    ref_ar = dj.generate(target, None, prompts, MAX_NEW, **kw)
     got = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, mesh=mesh, **kw)
     got_ar = dj.generate(target, None, prompts, MAX_NEW, mesh=mesh, **kw)
     out = {"process": jax.process_index(), "prompt_lens": [len(p) for p in prompts],
            "ref": [ref.tokens, ref.acceptance_lengths, ref.drafts],
-           "ref_ar": ref_ar.tokens,
            "got": [got.tokens, got.acceptance_lengths, got.drafts],
            "got_ar": got_ar.tokens, "stats": got.stats, "stats_ar": got_ar.stats,
            "ids_file": os.path.join(out_dir, "prompts.jsonl")}

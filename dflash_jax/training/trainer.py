@@ -291,12 +291,13 @@ def _tfds_sources(config, workdir):
     d = config.data
     data_dir = d.data_dir or os.path.join(workdir, "tfds")
     if d.kind in ("stdlib", "regenerated"):
-        builder = build_python_stdlib(data_dir, max_files=d.max_files or None,
-                                      validation_percent=d.validation_percent,
-                                      include_tests=d.include_tests)
+        build = lambda: build_python_stdlib(data_dir, max_files=d.max_files or None,
+                                            validation_percent=d.validation_percent,
+                                            include_tests=d.include_tests)
     else:
-        builder = build_user_files(list(d.paths), data_dir,
-                                   validation_percent=d.validation_percent)
+        build = lambda: build_user_files(list(d.paths), data_dir,
+                                         validation_percent=d.validation_percent)
+    builder = distributed.primary_first(build, "tfds: " + data_dir)  # one writer
     val = load_split(builder, "validation") if "validation" in builder.info.splits else []
     return load_split(builder, "train"), val
 
@@ -371,11 +372,14 @@ def build_experiment(config, workdir: str) -> Experiment:
         train_src, val_src = _tfds_sources(config, workdir)
     if tokenizer is None and mode == "target" and d.kind != "synthetic":
         tok_dir = os.path.join(workdir, "tokenizer")
-        if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-            tokenizer = load_tokenizer(tok_dir)
-        else:
-            tokenizer = train_bpe_tokenizer(iter_texts(train_src), tok_dir,
-                                            vocab_size=config.tokenizer_vocab_size)
+
+        def load_or_train():
+            if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+                return load_tokenizer(tok_dir)
+            return train_bpe_tokenizer(iter_texts(train_src), tok_dir,
+                                       vocab_size=config.tokenizer_vocab_size)
+
+        tokenizer = distributed.primary_first(load_or_train, "tokenizer")  # one writer
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
 
