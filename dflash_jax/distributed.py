@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import json
 import os
+import sys
+import traceback
 from typing import Any, List
 
 import jax
@@ -43,7 +45,7 @@ def initialize(auto: bool = False) -> bool:
     - Otherwise nothing: a single process.
     Calling it again is a no-op.
     """
-    if _STATE["initialized"] or jax.distributed.is_initialized():
+    if _STATE["initialized"] or getattr(jax.distributed, "is_initialized", lambda: False)():
         _STATE["initialized"] = True
         return True
     kwargs = None
@@ -66,7 +68,19 @@ def initialize(auto: bool = False) -> bool:
         pass
     jax.distributed.initialize(**kwargs)
     _STATE["initialized"] = True
+    if jax.process_count() > 1:
+        sys.excepthook = _exit_now
     return True
+
+
+def _exit_now(exc_type, exc, tb):
+    """An uncaught exception in a process of a group: print it and exit at once. A normal
+    exit would first wait (minutes) in JAX's shutdown barrier for processes that are themselves
+    blocked in a collective with this one; exiting lets them fail and the launcher see it."""
+    traceback.print_exception(exc_type, exc, tb)
+    sys.stderr.flush()
+    sys.stdout.flush()
+    os._exit(1)
 
 
 def is_primary() -> bool:

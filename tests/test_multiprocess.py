@@ -111,7 +111,7 @@ def _launch_until(args, workdir, trigger_dir, action, timeout):
     action(pids). Returns (exit code, output)."""
     log = os.path.join(workdir + ".log")
     with open(log, "w") as f:
-        proc = subprocess.Popen(LAUNCH + args, cwd=ROOT, env=_env(**CACHE), stdout=f,
+        proc = subprocess.Popen(LAUNCH + args, cwd=ROOT, env=_env(), stdout=f,
                                 stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     pids, fired = None, False
@@ -131,14 +131,9 @@ def _launch_until(args, workdir, trigger_dir, action, timeout):
     return proc.returncode, open(log).read()
 
 
-CACHE = {}
-
-
 @pytest.fixture(scope="module")
 def training(tmp_path_factory):
     base = tmp_path_factory.mktemp("mp_train")
-    # The three 2-process runs compile the same programs: share them through JAX's cache.
-    CACHE["JAX_COMPILATION_CACHE_DIR"] = str(base / "jax_cache")
     ref_dir, mp_dir = str(base / "one_process"), str(base / "two_processes")
     # Reference: 1 process, 8 devices, the same global batches (2 data streams).
     env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
@@ -161,7 +156,7 @@ def training(tmp_path_factory):
     runs["terminated"] = _launch_until(mp, mp_dir, "15",
                                        lambda pids: os.kill(pids[1], signal.SIGTERM), 420)
     # 3. Resumed to the end (in-loop tau on step 20 with the 2-process generate; export).
-    runs["finished"] = _launch(mp, 440, **CACHE)[:2]
+    runs["finished"] = _launch(mp, 440)[:2]
     return ref_dir, mp_dir, runs
 
 
@@ -213,11 +208,12 @@ def test_two_process_training_equals_one_process_and_resumes(training):
 
 
 def test_launcher_names_a_dying_process_and_stops_the_group():
-    # Process 1 exits 1; process 0 sits in a barrier ignoring SIGTERM: SIGKILL after --grace.
+    # Process 1 raises; process 0 sits in a barrier ignoring SIGTERM: SIGKILL after --grace.
     rc, out, seconds = _launch(["--num_processes=2", "--devices_per_process=1", "--timeout=120",
                                 "--grace=2", "--", "tests/_multiprocess_worker.py", "die"], 180)
     assert rc == 1, out[-3000:]
     assert "[launch] process 1 exited with code 1; stopping the others" in out
+    assert "RuntimeError: process 1 fails" in out
     assert "SIGKILL" in out and seconds < 100, (seconds, out[-3000:])
     # A group that outlives --timeout is stopped with exit code 124.
     rc, out, seconds = _launch(["--num_processes=2", "--timeout=2", "--grace=1", "--", "-c",
