@@ -6,7 +6,9 @@ builds the experiment (tokenizer, data, models), restores the newest readable ch
 trains with AdamW + warmup-cosine + global-norm clipping on a device mesh (`config.mesh`:
 empty for data parallelism over all local devices, or a `sharding` spec such as "fsdp=8" or
 "data=2,fsdp=4": the trained parameters, their AdamW moments and the frozen target are then
-sharded by the partition rules of `dflash_jax.sharding`), logs progress / TensorBoard / JSONL,
+sharded by the partition rules of `dflash_jax.sharding`; with several processes, e.g. a pod or
+`dflash_jax.launch`, the mesh spans all of them and each reads only its data streams, see
+`dflash_jax.distributed`), logs progress / TensorBoard / JSONL,
 evaluates (per-position draft accuracy, tau with the real `generate`), saves Orbax checkpoints
 (periodic, async, keep-N, on SIGTERM/SIGINT), stops cleanly on a NaN loss, and exports the
 result (drafter: z-lab format; target: Hugging Face format with its tokenizer).
