@@ -67,6 +67,9 @@ def child_env(base: dict, process_id: int, num_processes: int, address: str,
     return env
 
 
+_GLOO_CHATTER = re.compile(r"\[Gloo\] Rank \d+ is connected to \d+ peer ranks")
+
+
 class _Group:
     def __init__(self, procs: List[subprocess.Popen], out):
         self.procs = procs
@@ -80,6 +83,8 @@ class _Group:
     def _pump(self, i: int, proc: subprocess.Popen):
         for line in iter(proc.stdout.readline, b""):
             text = line.decode("utf-8", "replace").rstrip("\n")
+            if _GLOO_CHATTER.match(text):  # one line per device and communicator: noise
+                continue
             with self.lock:
                 self.out.write(f"[{i}] {text}\n")
                 self.out.flush()
