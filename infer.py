@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
 # Ends without a newline on purpose: byte-level BPE merges "\n" with the next line's
@@ -57,7 +57,11 @@ flags.DEFINE_bool("dry_run", False, "Compile 8B-sized programs from abstract par
                   "8-device mesh and print per-device memory and FLOPs (dflash_jax/dry_run.py).")
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small "
                     "(comma-separated), or a Hugging Face model directory.")
-flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'tensor=8;data=2,tensor=4'.")
+flags.DEFINE_string("mesh", None, "Device mesh for generate, e.g. 'data=2,tensor=4' (default: "
+                    "one device; all devices, tensor-parallel, with several processes). Dry run: "
+                    "';'-separated meshes, e.g. 'tensor=8;data=2,tensor=4'.")
+flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (TPU pod / SLURM / "
+                  "multi-node); automatic under `python -m dflash_jax.launch`.")
 flags.DEFINE_integer("batch_size", None, "Prompts per generate call, grouped by length "
                      "(default 8); dry run: sequences per batch (default 1).")
 flags.DEFINE_integer("context", 4096, "Dry run: prompt tokens.")
@@ -127,8 +131,15 @@ def main(argv):
     import jax
 
     import dflash_jax as dj
-    from dflash_jax import batch_infer
+    from dflash_jax import batch_infer, distributed, sharding
     from dflash_jax.checkpoint import read_config
+
+    distributed.initialize(FLAGS.distributed)  # before any other JAX call
+    if not distributed.is_primary():  # every process computes; the first one reports
+        sys.stdout = open(os.devnull, "w")
+    mesh = None
+    if FLAGS.mesh or distributed.is_multiprocess():
+        mesh = sharding.mesh_from_spec(FLAGS.mesh or "")
     from dflash_jax.data.tokenizer import load_tokenizer
 
     tok = None
@@ -141,7 +152,7 @@ def main(argv):
 
     kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
               top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
-              stop_token_ids=_stop_ids(tok, target_dir))
+              stop_token_ids=_stop_ids(tok, target_dir), mesh=mesh)
     spec_kw = dict(kw, block_size=FLAGS.block_size, denoise_steps=FLAGS.denoise_steps,
                    confidence_threshold=FLAGS.confidence_threshold)
     run_kw = dict(batch_size=batch_size, extra_settings={
@@ -163,6 +174,7 @@ def main(argv):
           f"backend {jax.default_backend()}", flush=True)
 
     stream_on = FLAGS.stream if FLAGS.stream is not None else sys.stdout.isatty()
+    stream_on = stream_on and mesh is None  # the stream callback runs on one device
     if stream_on and tok is not None and len(prompts) == 1:
         # An untimed run that prints blocks as they are committed (one host callback per step).
         sys.stdout.write("\n" + tok.decode(prompts[0]))

@@ -18,7 +18,7 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dflash_jax import cli, validation
+from dflash_jax import cli, distributed, validation
 from dflash_jax.training import train_and_evaluate
 
 config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -31,6 +31,9 @@ flags.DEFINE_bool("dry_run", False, "Compile the training step for an 8B-sized t
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small.")
 flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'fsdp=8;fsdp=4,tensor=2'.")
 flags.DEFINE_bool("verbose", False, "Show library log lines (Orbax, JAX) on stderr too.")
+flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (TPU pod / SLURM / "
+                  "multi-node: it finds the coordinator itself). Under `python -m "
+                  "dflash_jax.launch` this happens without the flag.")
 
 
 def main(argv):
@@ -46,6 +49,7 @@ def main(argv):
                     num_anchors=config.num_anchors,
                     loss_chunk_anchors=config.get("loss_chunk_anchors", 0))
         return
+    distributed.initialize(flags.FLAGS.distributed)  # before any other JAX call
     if not flags.FLAGS.workdir:
         raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")
     # Config values and the workdir checked before anything is built, computed or written.
@@ -63,7 +67,8 @@ def main(argv):
         config.tokenizer_dir = hub.resolve_or_exit(config.tokenizer_dir,
                                                    what="--config.tokenizer_dir")
     console.configure_logging(flags.FLAGS.verbose,
-                              log_file=os.path.join(flags.FLAGS.workdir, "train.log"))
+                              log_file=os.path.join(flags.FLAGS.workdir, "train.log")
+                              if distributed.is_primary() else None)
     console.quiet_startup()
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir

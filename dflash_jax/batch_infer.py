@@ -61,11 +61,19 @@ def settings_key(settings: dict) -> str:
                         ).hexdigest()[:12]
 
 
+def _is_primary() -> bool:
+    import jax
+
+    return jax.process_index() == 0
+
+
 def run_settings(gen_kw: dict, batch_size: int, with_drafter: bool,
                  extra: Optional[dict] = None) -> str:
     """The `settings` key of `run_prompts`' records: what must match for --resume."""
     gen = dict(gen_kw)
     seed = int(gen.pop("seed", 0))
+    if gen.get("mesh") is not None:  # the layout, not device objects
+        gen["mesh"] = dict(gen["mesh"].shape)
     return settings_key({"gen": gen, "seed": seed, "batch_size": batch_size,
                          "drafter": with_drafter, **(extra or {})})
 
@@ -131,7 +139,7 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         if resume:
             done = read_done(out_path, prompts, settings)
-        elif os.path.exists(out_path):
+        elif os.path.exists(out_path) and _is_primary():
             os.remove(out_path)
     resumed = len(done)
     todo = [(b, [i for i in idx if i not in done]) for b, idx in enumerate(batches)]
@@ -150,7 +158,8 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
         import jax
 
         jax.profiler.start_trace(profile_dir)
-    out = open(out_path, "a") if out_path else None
+    # With several processes every one computes the same records; the first one writes them.
+    out = open(out_path, "a") if out_path and _is_primary() else None
     bar = console.progress(total=len(prompts) - resumed, desc="generate", unit="prompt")
     run_tokens, run_decode_s, run_acc = 0, 0.0, []
     try:

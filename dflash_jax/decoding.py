@@ -399,10 +399,12 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
 
     (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
     if placement is not None:  # put parameters and inputs where the sharded programs want them
+        from dflash_jax import distributed  # put: also across processes (pod hosts)
+
         tsh, dsh, arg_sh = placement
-        tparams = jax.device_put(tparams, tsh)
-        dparams = None if dparams is None else jax.device_put(dparams, dsh)
-        args = tuple(jax.device_put(a, s) for a, s in zip(args, arg_sh))
+        tparams = distributed.put(tparams, tsh)
+        dparams = None if dparams is None else distributed.put(dparams, dsh)
+        args = tuple(distributed.put(a, s) for a, s in zip(args, arg_sh))
 
     _STREAM_SINK[0] = stream_callback
     try:
@@ -418,13 +420,32 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
         t2 = time.perf_counter()
     finally:
         _STREAM_SINK[0] = None
-    result = _collect(state, plan, b, prefill_s=t1 - t0, decode_s=t2 - t1, compile_s=compile_s)
+    times = (t1 - t0, t2 - t1, compile_s)
+    if mesh is not None and jax.process_count() > 1:
+        state, times = _gather_multiprocess(state, plan, times)
+    result = _collect(state, plan, b, prefill_s=times[0], decode_s=times[1],
+                      compile_s=times[2])
     if mesh is not None:
         from dflash_jax.sharding import mesh_str
 
         result.stats.update(mesh=mesh_str(mesh),
                             cache_sharding=str(state.cache.k[0].sharding.spec))
     return result
+
+
+def _gather_multiprocess(state: DecodeState, plan: Plan, times):
+    """A mesh over several processes: the outputs `_collect` reads, gathered to numpy on every
+    process (a collective), and process 0's timings, so every process returns the same
+    result."""
+    from dflash_jax import distributed
+
+    out = dict(tokens=state.tokens, num_out=state.num_out, accepted=state.accepted,
+               step=state.step)
+    if plan.record_drafts:
+        out["drafts"] = state.drafts
+    out = distributed.gather(out)
+    times = distributed.broadcast(np.asarray(times, np.float64))
+    return state.replace(**out), tuple(float(t) for t in times)
 
 
 def _collect(state: DecodeState, plan: Plan, b: int, *, prefill_s: float, decode_s: float,

@@ -27,6 +27,9 @@ K over tensor; lengths [B] over the batch axes. Batches: leading axis over the b
 Everything else is left to GSPMD: parameters and inputs are placed with `NamedSharding`, the
 existing jitted programs of `decoding.py` are wrapped in `jax.jit` with in/out shardings, and the
 partitioner inserts the collectives (all-reduce after o_proj/down, gathers for FSDP).
+
+Meshes default to `jax.devices()`, i.e. the devices of every process when several run (a pod
+slice); `dflash_jax.distributed` joins the processes and moves values in and out of such meshes.
 """
 
 from __future__ import annotations
@@ -102,24 +105,6 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
 
 def mesh_str(mesh) -> str:
     return ",".join(f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1) or "single"
-
-
-# ------------------------------------------------------------------------------ multi-host
-
-
-def maybe_initialize_distributed(enabled: bool, **kwargs) -> bool:
-    """Calls `jax.distributed.initialize(**kwargs)` when `enabled` (multi-host TPU pods and
-    multi-node GPU: coordinator and process ids come from the environment when omitted).
-    Must run before any other JAX call. Returns whether it initialized."""
-    if not enabled:
-        return False
-    jax.distributed.initialize(**kwargs)
-    return True
-
-
-def host_info() -> Tuple[int, int]:
-    """(host_id, num_hosts) for splitting data loading across processes."""
-    return jax.process_index(), jax.process_count()
 
 
 # ---------------------------------------------------------------------------------- rules

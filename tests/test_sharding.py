@@ -69,7 +69,6 @@ def test_partition_rules_tensor_parallel(findings):
     assert t2["k_proj"] == "P(None, 'tensor')"
     rules = findings["rules"]
     assert rules["placed_q_shard_shape"] == [64, 16] and rules["placed_q_num_devices"] == 4
-    assert rules["host_info"] == [0, 1]
     assert rules["mesh_shape_rest"] == {"data": 2, "fsdp": 1, "tensor": 4}
 
 

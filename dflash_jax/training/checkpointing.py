@@ -87,9 +87,11 @@ class Checkpointer:
         for step in good[:-self.keep]:
             self.manager.delete(step)
 
-    def maybe_save(self, step: int, state, data_state: dict, force: bool = False) -> bool:
+    def maybe_save(self, step: int, state, data_state, force: bool = False) -> bool:
         """Saves at multiples of `every` (or when forced). Returns whether it saved. A corrupt
-        checkpoint at this step is replaced; a good one is kept."""
+        checkpoint at this step is replaced; a good one is kept. `data_state`: a dict, or a
+        function returning it, called only when saving (with several processes it gathers
+        their iterator positions, a collective)."""
         if not force and step % self.every:
             return False
         self._prune()
@@ -100,6 +102,8 @@ class Checkpointer:
                             self.directory)
             self.manager.delete(step)
             self.corrupt.discard(step)
+        if callable(data_state):
+            data_state = data_state()
         self.manager.save(step, args=ocp.args.Composite(
             state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
             force=True)

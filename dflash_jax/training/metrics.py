@@ -180,11 +180,16 @@ class MetricsLogger:
     """Writes every record to `workdir/metrics.jsonl` and scalar fields to TensorBoard
     (`workdir/tb/<split>`)."""
 
-    def __init__(self, workdir: str, resume_step: Optional[int] = None):
+    def __init__(self, workdir: str, resume_step: Optional[int] = None, enabled: bool = True):
         """resume_step: the step training continues from; JSONL rows of later steps (written
         by a run that stopped after its last checkpoint, and about to be redone) are dropped
-        so every step appears once."""
+        so every step appears once. enabled: False on all processes but the first of a
+        process group (they write nothing)."""
         self.workdir = workdir
+        self.enabled = enabled  # False on all processes but the first of a process group
+        self._tb: Dict[str, EventFileWriter] = {}
+        if not enabled:
+            return
         os.makedirs(workdir, exist_ok=True)
         path = os.path.join(workdir, "metrics.jsonl")
         if resume_step is not None and os.path.exists(path):
@@ -197,9 +202,10 @@ class MetricsLogger:
                     f.writelines(keep)
                 os.replace(path + ".tmp", path)
         self._jsonl = open(path, "a")
-        self._tb: Dict[str, EventFileWriter] = {}
 
     def write(self, split: str, step: int, values: Dict[str, float]) -> None:
+        if not self.enabled:
+            return
         clean = {k: float(v) for k, v in values.items()}
         self._jsonl.write(json.dumps({"split": split, "step": int(step), **clean}) + "\n")
         self._jsonl.flush()
@@ -208,6 +214,8 @@ class MetricsLogger:
         self._tb[split].scalars(step, clean)
 
     def close(self) -> None:
+        if not self.enabled:
+            return
         self._jsonl.close()
         for w in self._tb.values():
             w.close()

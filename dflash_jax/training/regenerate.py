@@ -16,18 +16,20 @@ import os
 import time
 from typing import List, Optional, Sequence
 
-from dflash_jax import console
+from dflash_jax import console, distributed
 from dflash_jax.decoding import generate
 
 
 def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
                max_new_tokens: int = 256, batch_size: int = 32, temperature: float = 0.0,
                top_p: Optional[float] = None, seed: int = 0, stop_token_ids: Sequence[int] = (),
-               tokenizer=None, drafter=None, log_every: int = 10) -> List[dict]:
+               tokenizer=None, drafter=None, log_every: int = 10, mesh=None) -> List[dict]:
     """Generates a response for each prompt (token-id lists) and writes `out_path` (JSONL).
 
     Batches have a fixed size (the last one is padded with repeats) so one compiled program
     serves them all. Written atomically (tmp file, then rename). Returns the records.
+    `mesh`: generate on it; when it spans several processes, all of them call this with the
+    same prompts, process 0 writes the file and all return once it is there.
     """
     records = []
     prompts = [list(map(int, p)) for p in prompts]
@@ -38,24 +40,26 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
         chunk = prompts[bi * batch_size:(bi + 1) * batch_size]
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
         res = generate(target, drafter, padded, max_new_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed + bi, stop_token_ids=stop_token_ids)
+                       top_p=top_p, seed=seed + bi, stop_token_ids=stop_token_ids, mesh=mesh)
         for p, r in zip(chunk, res.tokens[:len(chunk)]):
             rec = {"prompt_ids": p, "response_ids": list(map(int, r))}
             if tokenizer is not None:
                 rec = {"prompt": tokenizer.decode(p), "response": tokenizer.decode(r), **rec}
             records.append(rec)
         bar.update(len(chunk))
-        if log_every and (bi + 1) % log_every == 0 and bar.disable:
+        if log_every and (bi + 1) % log_every == 0 and bar.disable and distributed.is_primary():
             # No bar (not a terminal, e.g. a log file): a line every `log_every` batches.
             console.say(f"regenerate: {len(records)}/{len(prompts)} responses, "
                         f"{time.time() - t0:.0f}s")
     bar.close()
-    os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-    tmp = out_path + ".tmp"
-    with open(tmp, "w") as f:
-        for rec in records:
-            f.write(json.dumps(rec) + "\n")
-    os.replace(tmp, out_path)
+    if distributed.is_primary():
+        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
+        tmp = out_path + ".tmp"
+        with open(tmp, "w") as f:
+            for rec in records:
+                f.write(json.dumps(rec) + "\n")
+        os.replace(tmp, out_path)
+    distributed.sync("regenerate: " + os.path.basename(out_path))  # the file is complete
     return records
 
 

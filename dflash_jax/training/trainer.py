@@ -6,7 +6,9 @@ builds the experiment (tokenizer, data, models), restores the newest readable ch
 trains with AdamW + warmup-cosine + global-norm clipping on a device mesh (`config.mesh`:
 empty for data parallelism over all local devices, or a `sharding` spec such as "fsdp=8" or
 "data=2,fsdp=4": the trained parameters, their AdamW moments and the frozen target are then
-sharded by the partition rules of `dflash_jax.sharding`), logs progress / TensorBoard / JSONL,
+sharded by the partition rules of `dflash_jax.sharding`; with several processes, e.g. a pod or
+`dflash_jax.launch`, the mesh spans all of them and each reads only its data streams, see
+`dflash_jax.distributed`), logs progress / TensorBoard / JSONL,
 evaluates (per-position draft accuracy, tau with the real `generate`), saves Orbax checkpoints
 (periodic, async, keep-N, on SIGTERM/SIGINT), stops cleanly on a NaN loss, and exports the
 result (drafter: z-lab format; target: Hugging Face format with its tokenizer).
@@ -36,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax import console, hub
+from dflash_jax import console, distributed, hub
 from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.drafter import DFlashDrafter, Drafter, init_drafter_params, make_drafter_config
 from dflash_jax.model import Transformer, init_params
@@ -86,6 +88,7 @@ def default_config() -> ml_collections.ConfigDict:
         paths=(), data_dir="", max_files=0, validation_percent=3.0,
         include_tests=False,  # stdlib: add its test suites (held-out library files stay out)
         seq_len=3072, batch_size=8, num_epochs=6, shuffle=True, allow_split=True,
+        num_shards=0,  # data streams the global batch is made of (0: one per JAX process)
         num_docs=256, doc_len=64))  # synthetic: random-token documents
     c.regen = ml_collections.ConfigDict(dict(
         # "stdlib": random windows of prompt_len tokens of the training files; "functions":
@@ -289,12 +292,13 @@ def _tfds_sources(config, workdir):
     d = config.data
     data_dir = d.data_dir or os.path.join(workdir, "tfds")
     if d.kind in ("stdlib", "regenerated"):
-        builder = build_python_stdlib(data_dir, max_files=d.max_files or None,
-                                      validation_percent=d.validation_percent,
-                                      include_tests=d.include_tests)
+        build = lambda: build_python_stdlib(data_dir, max_files=d.max_files or None,
+                                            validation_percent=d.validation_percent,
+                                            include_tests=d.include_tests)
     else:
-        builder = build_user_files(list(d.paths), data_dir,
-                                   validation_percent=d.validation_percent)
+        build = lambda: build_user_files(list(d.paths), data_dir,
+                                         validation_percent=d.validation_percent)
+    builder = distributed.primary_first(build, "tfds: " + data_dir)  # one writer
     val = load_split(builder, "validation") if "validation" in builder.info.splits else []
     return load_split(builder, "train"), val
 
@@ -371,12 +375,15 @@ def build_experiment(config, workdir: str) -> Experiment:
         train_src, val_src = _tfds_sources(config, workdir)
     if tokenizer is None and mode == "target" and d.kind != "synthetic":
         tok_dir = os.path.join(workdir, "tokenizer")
-        if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-            tokenizer = load_tokenizer(tok_dir)
-        else:
-            tokenizer = train_bpe_tokenizer(iter_texts(train_src), tok_dir,
-                                            vocab_size=config.tokenizer_vocab_size,
-                                            total=len(train_src))
+
+        def load_or_train():
+            if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+                return load_tokenizer(tok_dir)
+            return train_bpe_tokenizer(iter_texts(train_src), tok_dir,
+                                       vocab_size=config.tokenizer_vocab_size,
+                                       total=len(train_src))
+
+        tokenizer = distributed.primary_first(load_or_train, "tokenizer")  # one writer
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
 
@@ -502,12 +509,23 @@ def _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn, stop_i
         max_new_tokens=u.max_new_tokens, ngram=u.ngram, stop_ids=stop_ids, pad_id=pad_id)
 
 
+def _process_group_mesh():
+    """Several processes: a data-parallel mesh over all their devices (generation that every
+    process takes part in). One process: None (generation on the default device)."""
+    if not distributed.is_multiprocess():
+        return None
+    from dflash_jax import sharding
+
+    return sharding.make_mesh(data=-1, fsdp=1, tensor=1)
+
+
 def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng):
     from dflash_jax.training.regenerate import read_records, regenerate
 
     r = config.regen
     path = r.output or os.path.join(workdir, "regenerated.jsonl")
-    if not os.path.exists(path):
+    # Decided once (process 0's view): a file one process is writing must not change it.
+    if not distributed.broadcast(np.int32(os.path.exists(path))):
         if r.prompt_source == "random":
             prng = np.random.RandomState(config.seed + 29)
             prompts = [prng.randint(2, tcfg.vocab_size, r.prompt_len).tolist()
@@ -526,7 +544,7 @@ def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text
         regenerate(Target(tcfg, tparams), prompts, path, max_new_tokens=r.max_new_tokens,
                    batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
                    stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
-                   tokenizer=tokenizer)
+                   tokenizer=tokenizer, mesh=_process_group_mesh())
     records = read_records(path, vocab_size=tcfg.vocab_size)
     n_eval = max(1, int(round(r.holdout_fraction * len(records))))
     return records[:-n_eval], records[-n_eval:]
@@ -589,7 +607,8 @@ class _StopFlag:
 
 
 def _log(msg: str):
-    console.say(msg)  # stdout, and the CLI's log file (never twice on the console)
+    if distributed.is_primary():  # every process sees the same values: print them once
+        console.say(msg)  # stdout, and the CLI's log file (never twice on the console)
 
 
 def train_and_evaluate(config, workdir: str) -> dict:
@@ -629,7 +648,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     mesh_spec = config.get("mesh", "")
     sizes = sharding.parse_mesh(mesh_spec or "data=-1")
-    pool = jax.devices() if mesh_spec else jax.local_devices()
+    pool = jax.devices() if mesh_spec or distributed.is_multiprocess() else jax.local_devices()
     mesh = sharding.make_mesh(**sizes, devices=pool if -1 in sizes.values()
                               else pool[:math.prod(sizes.values())])
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
@@ -643,6 +662,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if exp.repetition_sampler is not None and config.unlikelihood.batch_size % n_batch:
         raise ValueError(f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not "
                          f"divisible by the {n_batch} batch shards of the mesh")
+    # Several processes: each reads only the data streams whose rows its devices hold.
+    exp.train_iter = distributed.shard_batches(exp.train_iter, data_sh,
+                                               config.data.get("num_shards", 0))
     ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint_every,
                         config.keep_checkpoints, config.async_checkpoint)
     abstract = jax.tree_util.tree_map(
@@ -653,22 +675,30 @@ def train_and_evaluate(config, workdir: str) -> dict:
     except BaseException:  # incompatible: leave every checkpoint as it is
         ckpt.manager.close()
         raise
+    if distributed.is_multiprocess():
+        steps = distributed.allgather_json(-1 if restored is None else int(restored[2]))
+        if len(set(steps)) > 1:
+            raise RuntimeError(f"processes restored different checkpoint steps {steps} from "
+                               f"{ckpt.directory}")
     if restored is not None:
         state, data_state, _ = restored
         exp.train_iter.set_state(data_state)
         _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
-    state = jax.device_put(state, state_sh)
-    frozen = jax.device_put(exp.frozen, frozen_sh)
+    state = distributed.put(state, state_sh)
+    frozen = distributed.put(exp.frozen, frozen_sh)
     train_step = make_train_step(exp.loss_fn, optimizer, mesh, (state_sh, frozen_sh, data_sh))
     eval_mesh = mesh if n_dev > 1 else None
-    eval_step = jax.jit(lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1])
+    eval_jit = jax.jit(lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1],
+                       out_shardings=NamedSharding(mesh, P()))
+    eval_step = lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh))
 
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
     _log(f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
          f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
          f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
          f"{sharding.mesh_str(mesh)}], workdir {workdir}")
-    logger = MetricsLogger(workdir, resume_step=int(state.step))  # no duplicate rows
+    logger = MetricsLogger(workdir, resume_step=int(state.step),  # no duplicate rows
+                           enabled=distributed.is_primary())
     flag = _StopFlag().install()
     step = int(state.step)
     status, last_eval, history = "done", {}, []
@@ -691,7 +721,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             if exp.repetition_sampler is not None:
                 ul_batch, rep_frac = exp.repetition_sampler(state.params, step, eval_mesh)
                 batch.update(ul_batch)
-            batch = jax.device_put(batch, data_sh)
+            batch = distributed.put(batch, data_sh)
             new_state, metrics = train_step(state, frozen, batch)
             metrics = jax.device_get(metrics)
             if rep_frac is not None:
@@ -744,13 +774,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 _log(f"eval step {step}: " + " ".join(
                     f"{k} {v:.3f}" for k, v in last_eval.items() if not k.startswith("acc_k")
                     or k in ("acc_k01", "acc_k02", "acc_k04", "acc_k08")))
-            if ckpt.maybe_save(step, state, exp.train_iter.get_state()):
+            if ckpt.maybe_save(step, state, exp.train_iter.get_state):
                 _log(f"checkpoint step {step} -> {ckpt.directory}")
-            if flag.signum is not None:
+            # A signal to any one process stops all of them after the same step.
+            if distributed.any_process(flag.signum is not None):
                 status = "preempted"
-                _log(f"signal {flag.signum}: saving step {step} and stopping")
+                _log(f"signal {flag.signum or 'to another process'}: saving step {step} and "
+                     "stopping")
                 break
-        if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state(),
+        if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state,
                                                 force=True):
             _log(f"checkpoint step {step} -> {ckpt.directory}")
         if status == "done" and step < total:
@@ -774,12 +806,16 @@ def export(exp: Experiment, params, directory: str) -> str:
     """Drafter: z-lab format (`save_drafter`). Target: HF format with the tokenizer beside it."""
     from dflash_jax.drafter import save_drafter
 
-    params = jax.device_get(params)
+    params = distributed.gather(params)  # all processes take part; process 0 writes
     if exp.mode == "drafter":
         path = os.path.join(directory, "drafter")
+        if not distributed.is_primary():
+            return path
         save_drafter(exp.drafter_for(params), path)
     else:
         path = os.path.join(directory, "target")
+        if not distributed.is_primary():
+            return path
         save_target(exp.target_for(params), path)
         if exp.tokenizer is not None and not os.path.exists(
                 os.path.join(path, "tokenizer.json")):

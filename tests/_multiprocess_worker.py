@@ -1,0 +1,94 @@
+"""One process of a `dflash_jax.launch` group (tests/test_multiprocess.py).
+
+    python -m dflash_jax.launch --num_processes=2 --devices_per_process=4 -- \
+        tests/_multiprocess_worker.py generate OUT_DIR
+Joins the group, decodes a batch of mixed-length code prompts with the bundled pair on a mesh
+over every process's devices (DFlash, with drafts, and autoregressive) and, with DFlash, on
+this process's default device alone (the single-process reference), prints one `RESULT {json}` line, then runs
+infer.py's `main` on the same prompts and mesh with --json_out=OUT_DIR/infer.json.
+
+    ... -- tests/_multiprocess_worker.py die
+Process 1 raises after joining; process 0 waits for it in a barrier, deaf to SIGTERM (as a
+trainer saving a checkpoint would be): the launcher has to kill it.
+"""
+
+import json
+import os
+import signal
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from dflash_jax import distributed  # noqa: E402
+
+ASSETS = os.path.join(ROOT, "assets", "tiny-code")
+CODE = [
+    "def add(a, b):\n    return",
+    'import os\n\n\ndef read_lines(path):\n    """Return the list of lines in the file at *path*."""',
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):",
+    "for i in range(10):",
+]
+MAX_NEW = 16
+MESH = "data=2,tensor=4"
+
+
+def generate(out_dir):
+    import jax
+    from absl import app
+
+    import dflash_jax as dj
+    import infer
+    from dflash_jax import sharding
+    from dflash_jax.data.tokenizer import load_tokenizer
+
+    assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
+    target = dj.load_target(os.path.join(ASSETS, "target"), dtype="float32")
+    drafter = dj.load_drafter(os.path.join(ASSETS, "drafter"), target=target)
+    tok = load_tokenizer(os.path.join(ASSETS, "target"))
+    prompts = [tok.encode(c) for c in CODE]
+    # infer.py's stop ids, so that its generate calls reuse the programs compiled here.
+    kw = dict(stop_token_ids=infer._stop_ids(tok, os.path.join(ASSETS, "target")))
+    mesh = sharding.mesh_from_spec(MESH)
+    ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
+    got = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, mesh=mesh, **kw)
+    got_ar = dj.generate(target, None, prompts, MAX_NEW, mesh=mesh, **kw)
+    out = {"process": jax.process_index(), "prompt_lens": [len(p) for p in prompts],
+           "ref": [ref.tokens, ref.acceptance_lengths, ref.drafts],
+           "got": [got.tokens, got.acceptance_lengths, got.drafts],
+           "got_ar": got_ar.tokens, "stats": got.stats, "stats_ar": got_ar.stats,
+           "ids_file": os.path.join(out_dir, "prompts.jsonl")}
+    print("RESULT " + json.dumps(out), flush=True)
+    if jax.process_index() == 0:
+        with open(out["ids_file"], "w") as f:
+            for p in prompts:
+                f.write(json.dumps({"ids": p}) + "\n")
+    distributed.sync("prompt file written")
+    try:  # infer.py as a user runs it, in this process group (already joined)
+        app.run(infer.main, argv=[
+            "infer.py", f"--prompt_file={out['ids_file']}", f"--max_new_tokens={MAX_NEW}",
+            f"--mesh={MESH}", "--compare_ar=false", "--stream=false",
+            f"--json_out={os.path.join(out_dir, 'infer.json')}"])
+    except SystemExit as e:
+        assert not e.code, e.code
+
+
+def die():
+    import jax
+
+    if jax.process_index() == 1:
+        # Uncaught: without distributed.initialize's exit hook this process would wait in
+        # JAX's shutdown barrier for process 0, itself waiting for it in the barrier below.
+        raise RuntimeError("process 1 fails")
+    signal.signal(signal.SIGTERM, lambda *a: print("process 0: SIGTERM ignored", flush=True))
+    print("process 0: waiting for process 1 in a barrier", flush=True)
+    distributed.sync("never reached by process 1")
+    print("process 0: barrier passed (unexpected)", flush=True)
+
+
+if __name__ == "__main__":
+    distributed.initialize()
+    if sys.argv[1] == "generate":
+        generate(sys.argv[2])
+    else:
+        die()

@@ -1,0 +1,265 @@
+"""Several JAX processes on this machine (a pod slice in miniature), through the launcher:
+`python -m dflash_jax.launch --num_processes=2 --devices_per_process=4 -- ...` gives 2 CPU
+processes of 4 fake devices each, one process group of 8 devices (gloo collectives).
+
+- generate on a mesh over both processes equals the single-process result (tokens, acceptance,
+  drafts) on every process, DFlash and autoregressive; infer.py reports from process 0 only;
+- train.py on data=2,fsdp=4 over 2 processes gives the losses of 1 process with 8 devices, and
+  survives SIGKILL of both processes and SIGTERM of one (coordinated save) with the same losses;
+- the launcher names a process that dies, stops the rest and exits non-zero in time.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LAUNCH = [sys.executable, "-m", "dflash_jax.launch"]
+
+
+def _env(**extra):
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", **extra)
+    return env
+
+
+def _launch(args, timeout, **env):
+    t0 = time.monotonic()
+    proc = subprocess.run(LAUNCH + args, cwd=ROOT, env=_env(**env), capture_output=True,
+                          text=True, timeout=timeout)
+    return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
+
+
+def _lines(out, process):
+    return [line[len(f"[{process}] "):] for line in out.splitlines()
+            if line.startswith(f"[{process}] ")]
+
+
+# ------------------------------------------------------------------------------- generate
+
+
+@pytest.fixture(scope="module")
+def generation(tmp_path_factory):
+    out_dir = tmp_path_factory.mktemp("mp_generate")
+    rc, out, _ = _launch(["--num_processes=2", "--devices_per_process=4", "--timeout=500", "--",
+                          "tests/_multiprocess_worker.py", "generate", str(out_dir)], 560)
+    assert rc == 0, out[-6000:]
+    results = {}
+    for p in (0, 1):
+        found = [json.loads(line[len("RESULT "):]) for line in _lines(out, p)
+                 if line.startswith("RESULT ")]
+        assert len(found) == 1, out[-6000:]
+        results[p] = found[0]
+    return results, out, out_dir
+
+
+def test_generate_across_processes_equals_single_process(generation):
+    results, _, _ = generation
+    r0, r1 = results[0], results[1]
+    assert len(set(r0["prompt_lens"])) == 4  # mixed lengths
+    for r in (r0, r1):
+        ref_tokens, ref_acc, ref_drafts = r["ref"]
+        tokens, acc, drafts = r["got"]
+        assert tokens == ref_tokens and acc == ref_acc and drafts == ref_drafts
+        assert r["got_ar"] == ref_tokens  # sharded AR: lossless DFlash = greedy AR
+        assert r["stats"]["mesh"] == "data=2,tensor=4"
+        # Several drafted tokens accepted in one target pass, under sharding.
+        assert max(max(a) for a in acc) >= 3, acc
+        assert r["stats"]["tau"] > 1.0
+    # Every process returns the same result, stats included (timings are process 0's).
+    assert r0["ref"] == r1["ref"] and r0["got"] == r1["got"]
+    assert r0["stats"] == r1["stats"] and r0["stats_ar"] == r1["stats_ar"]
+
+
+def test_infer_reports_from_process_zero_only(generation):
+    results, out, out_dir = generation
+    assert sum(line.startswith("=== prompt") for line in _lines(out, 0)) == 4
+    assert not any("=== prompt" in line or line.startswith("DFlash:")
+                   for line in _lines(out, 1)), out[-4000:]
+    written = [json.loads(x) for x in open(os.path.join(out_dir, "infer.json"))]  # JSON Lines
+    assert [r["tokens"] for r in sorted(written, key=lambda r: r["index"])] == results[0]["ref"][0]
+
+
+# ------------------------------------------------------------------------------- training
+
+
+COMMON = ["--config=configs/tiny_test.py", "--config.mesh=data=2,fsdp=4",
+          "--config.num_train_steps=20", "--config.log_every=1", "--config.eval_every=20",
+          "--config.checkpoint_every=5", "--config.regen.num_prompts=64",
+          "--config.eval_num_prompts=4", "--config.eval_max_new_tokens=16"]
+
+
+def _records(workdir, split):
+    """{step: record}, the last record of each step (a resumed run logs some steps again)."""
+    out = {}
+    for line in open(os.path.join(workdir, "metrics.jsonl")):
+        rec = json.loads(line)
+        if rec["split"] == split:
+            out[rec["step"]] = rec
+    return out
+
+
+def _launch_until(args, workdir, trigger_dir, action, timeout):
+    """Runs the launcher; once `workdir/checkpoints/<trigger_dir>` exists calls
+    action(pids). Returns (exit code, output)."""
+    log = os.path.join(workdir + ".log")
+    with open(log, "w") as f:
+        proc = subprocess.Popen(LAUNCH + args, cwd=ROOT, env=_env(), stdout=f,
+                                stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + timeout
+    pids, fired = None, False
+    while proc.poll() is None and time.monotonic() < deadline:
+        if pids is None:
+            m = re.search(r"pids (\d+) (\d+)", open(log).read())
+            pids = [int(m.group(1)), int(m.group(2))] if m else None
+        if not fired and pids and os.path.isdir(
+                os.path.join(workdir, "checkpoints", trigger_dir)):
+            action(pids)
+            fired = True
+        time.sleep(0.1)
+    if proc.poll() is None:
+        proc.kill()
+    proc.wait()
+    assert fired, open(log).read()[-6000:]
+    return proc.returncode, open(log).read()
+
+
+@pytest.fixture(scope="module")
+def training(tmp_path_factory):
+    base = tmp_path_factory.mktemp("mp_train")
+    ref_dir, mp_dir = str(base / "one_process"), str(base / "two_processes")
+    # Reference: 1 process, 8 devices, the same global batches (2 data streams).
+    env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
+    proc = subprocess.run([sys.executable, "train.py", *COMMON, f"--workdir={ref_dir}",
+                           "--config.data.num_shards=2"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    regen = os.path.join(ref_dir, "regenerated.jsonl")
+    mp = ["--num_processes=2", "--devices_per_process=4", "--timeout=400", "--grace=20", "--",
+          "train.py", *COMMON, f"--workdir={mp_dir}", f"--config.regen.output={regen}"]
+    runs = {}
+
+    def kill_both(pids):
+        for pid in pids:
+            os.kill(pid, signal.SIGKILL)
+
+    # 1. Both processes killed right after the step-10 checkpoint is complete.
+    runs["killed"] = _launch_until(mp, mp_dir, "10", kill_both, 420)
+    # 2. Resumed; SIGTERM to process 1 alone once step 15 is saved: both save and stop.
+    runs["terminated"] = _launch_until(mp, mp_dir, "15",
+                                       lambda pids: os.kill(pids[1], signal.SIGTERM), 420)
+    # 3. Resumed to the end (in-loop tau on step 20 with the 2-process generate; export).
+    runs["finished"] = _launch(mp, 440)[:2]
+    return ref_dir, mp_dir, runs
+
+
+def test_two_process_training_equals_one_process_and_resumes(training):
+    ref_dir, mp_dir, runs = training
+    rc, out = runs["killed"]
+    assert rc != 0 and "was killed by SIGKILL" in out, out[-3000:]
+    rc, out = runs["terminated"]
+    assert rc == 0, out[-6000:]
+    assert re.search(r"\[0\] resumed from step (10|15)", out), out[-3000:]
+    m = re.search(r"\[0\] signal (\d+|to another process): saving step (\d+)", out)
+    assert m and 15 <= int(m.group(2)) < 20, out[-3000:]
+    stopped = int(m.group(2))
+    rc, out = runs["finished"]
+    assert rc == 0, out[-6000:]
+    assert f"[0] resumed from step {stopped}" in out, out[-3000:]
+    assert "exported to" in out
+
+    ref, got = _records(ref_dir, "train"), _records(mp_dir, "train")
+    assert sorted(ref) == sorted(got) == list(range(1, 21))
+    l1 = [ref[s]["loss"] for s in range(1, 21)]
+    l2 = [got[s]["loss"] for s in range(1, 21)]
+    # The same partitioned program on the same global batches; only the order in which
+    # float32 partial sums are reduced differs (in-process vs gloo all-reduce): ~1e-7 relative
+    # per step, 1e-5 leaves room for 20 AdamW steps. A wrong batch or resume point is O(1).
+    assert np.allclose(l1, l2, atol=0, rtol=1e-5), (l1, l2)
+    assert l2[-1] < l2[0] - 1.0  # it trained
+    tau1, tau2 = _records(ref_dir, "eval")[20]["tau"], _records(mp_dir, "eval")[20]["tau"]
+    assert tau1 == pytest.approx(tau2, abs=1e-6)
+    # Written once: a second writer would add lines / event files.
+    lines = [json.loads(x) for x in open(os.path.join(mp_dir, "metrics.jsonl"))]
+    assert sum(r["split"] == "eval" for r in lines) == 1
+    assert len(os.listdir(os.path.join(mp_dir, "tb", "eval"))) == 1
+    assert len(os.listdir(os.path.join(mp_dir, "tb", "train"))) == 3  # one per run
+    from safetensors.numpy import load_file
+
+    def weights(d):
+        d = os.path.join(d, "export", "drafter")
+        return {k: v for f in os.listdir(d) if f.endswith(".safetensors")
+                for k, v in load_file(os.path.join(d, f)).items()}
+
+    w1, w2 = weights(ref_dir), weights(mp_dir)
+    assert sorted(w1) == sorted(w2)
+    for k in w1:
+        np.testing.assert_allclose(w1[k], w2[k], atol=1e-5, rtol=1e-4)
+
+
+# ------------------------------------------------------------------------------- launcher
+
+
+def test_launcher_names_a_dying_process_and_stops_the_group():
+    # Process 1 raises; process 0 sits in a barrier ignoring SIGTERM: SIGKILL after --grace.
+    rc, out, seconds = _launch(["--num_processes=2", "--devices_per_process=1", "--timeout=120",
+                                "--grace=2", "--", "tests/_multiprocess_worker.py", "die"], 180)
+    assert rc == 1, out[-3000:]
+    assert "[launch] process 1 exited with code 1; stopping the others" in out
+    assert "RuntimeError: process 1 fails" in out
+    assert "SIGKILL" in out and seconds < 100, (seconds, out[-3000:])
+    # A group that outlives --timeout is stopped with exit code 124.
+    rc, out, seconds = _launch(["--num_processes=2", "--timeout=2", "--grace=1", "--", "-c",
+                                "import time; time.sleep(60)"], 60)
+    assert rc == 124 and "timeout" in out and seconds < 20, (rc, seconds, out)
+
+
+# ---------------------------------------------------------------------- data streams (1 process)
+
+
+def test_sharded_batches_are_the_streams_stacked_and_resume():
+    """The global batch of `num_shards` streams (what 2 processes read, one stream each) is the
+    same in one process, and its per-stream position resumes exactly."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from dflash_jax import distributed
+    from dflash_jax.data.packing import PackedBatchIterator
+
+    rng = np.random.RandomState(0)
+    docs = [(rng.randint(1, 50, n).astype(np.int32), np.ones(n, np.int32))
+            for n in rng.randint(3, 40, 30)]
+
+    def make(**kw):
+        return PackedBatchIterator(docs, lambda d: d, seq_len=16, seed=3, **kw)
+
+    sh = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
+    it = distributed.shard_batches(make(batch_size=4), sh, num_shards=2)
+    assert distributed.shard_batches(make(batch_size=4), sh, num_shards=1).__class__ is \
+        PackedBatchIterator
+    streams = [make(batch_size=2, host_id=s, num_hosts=2) for s in (0, 1)]
+    batches = [next(it) for _ in range(5)]
+    for b in batches:
+        want = [next(s) for s in streams]
+        for k in ("input_ids", "loss_mask", "segment_ids"):
+            np.testing.assert_array_equal(b[k], np.concatenate([w[k] for w in want]))
+    it2 = distributed.shard_batches(make(batch_size=4), sh, num_shards=2)
+    for _ in range(2):
+        next(it2)
+    state = it2.get_state()
+    assert state["num_shards"] == 2 and len(state["shards"]) == 2
+    it3 = distributed.shard_batches(make(batch_size=4), sh, num_shards=2)
+    it3.set_state(json.loads(json.dumps(state)))
+    for b in batches[2:]:
+        np.testing.assert_array_equal(next(it3)["input_ids"], b["input_ids"])
+    with pytest.raises(ValueError, match="data.num_shards=1"):
+        it3.set_state(make(batch_size=4).get_state())
+    with pytest.raises(ValueError, match="not divisible"):
+        distributed.shard_batches(make(batch_size=4), sh, num_shards=3)
