@@ -71,6 +71,7 @@ def draft_consistency(target, drafter):
     import jax.numpy as jnp
 
     import dflash_jax as dj
+    from dflash_jax import console
     from dflash_jax.drafter import DFlashDrafter, decode_attend
     from dflash_jax.training.regenerate import read_records
 
