@@ -11,8 +11,11 @@ $(VENV)/.runtime: requirements.txt
 	$(PY) -m pip install -q -r requirements.txt
 	touch $@
 
+# libtpu (TPU ahead-of-time compiles on this CPU machine: tests/test_tpu_compile.py) is the one
+# `jax[tpu]` pins for the jax installed in this venv, computed here so it never moves jax.
 $(VENV)/.test: requirements-test.txt $(VENV)/.runtime
 	$(PY) -m pip install -q -r requirements-test.txt
+	$(PY) -m pip install -q "jax[tpu]==$$($(PY) -c 'import jax; print(jax.__version__)')"
 	touch $@
 
 .PHONY: demo test
