@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import attention as attn_lib
 from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend, validate_pair
 from dflash_jax.model import KVCache, Transformer, write_kv
 from dflash_jax.sampling import greedy_argmax, pick_tokens
@@ -349,7 +350,9 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
                 confidence_threshold=confidence_threshold if drafter is not None else None,
                 record_drafts=bool(return_drafts and drafter is not None),
                 stream=stream_callback is not None,
-                attention_impl=attention_impl or target.attention_impl)
+                # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
+                attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl,
+                                                    mesh))
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
     p_pad = _bucket(int(lens.max()), 16)
@@ -388,9 +391,10 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
             shapes = lambda tree: jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
             tp_s, dp_s = shapes(tparams), shapes(dparams)
-            return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
-                    decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
-                    (sh["tparams"], sh["dparams"], arg_sh))
+            with sharding.compiling_for(mesh):  # kernels for the mesh's platform
+                return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
+                        decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
+                        (sh["tparams"], sh["dparams"], arg_sh))
 
     (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
     if placement is not None:  # put parameters and inputs where the sharded programs want them

@@ -31,6 +31,7 @@ partitioner inserts the collectives (all-reduce after o_proj/down, gathers for F
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
@@ -102,6 +103,17 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
 
 def mesh_str(mesh) -> str:
     return ",".join(f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1) or "single"
+
+
+def compiling_for(mesh):
+    """Context manager: programs traced inside it pick their attention kernels for the platform
+    of `mesh`'s devices (e.g. an abstract TPU topology's on a CPU-only machine), not for the
+    default backend (`pallas_kernels.backend.compiling_for`; a no-op without that folder)."""
+    try:
+        from pallas_kernels import backend
+    except ImportError:
+        return contextlib.nullcontext()
+    return backend.compiling_for(mesh)
 
 
 # ------------------------------------------------------------------------------ multi-host
