@@ -109,11 +109,23 @@ def compiling_for(mesh):
     """Context manager: programs traced inside it pick their attention kernels for the platform
     of `mesh`'s devices (e.g. an abstract TPU topology's on a CPU-only machine), not for the
     default backend (`pallas_kernels.backend.compiling_for`; a no-op without that folder)."""
+    return _compiling_for(mesh)
+
+
+@contextlib.contextmanager
+def _compiling_for(mesh):
+    # The mesh is also made the context mesh: the compiled Pallas kernels cannot be partitioned
+    # by GSPMD, so `attention` runs them per shard (shard_map) over this mesh.
     try:
         from pallas_kernels import backend
     except ImportError:
-        return contextlib.nullcontext()
-    return backend.compiling_for(mesh)
+        backend = None
+    with jax.sharding.set_mesh(mesh):
+        if backend is None:
+            yield
+        else:
+            with backend.compiling_for(mesh):
+                yield
 
 
 # ------------------------------------------------------------------------------ multi-host
@@ -327,9 +339,10 @@ def generate_programs(tmod, dmod, plan, capacity: int, n_buf: int, mesh, tparams
                   jax.ShapeDtypeStruct((batch,), jnp.int32),
                   jax.ShapeDtypeStruct((), jnp.int32),
                   jax.eval_shape(lambda: jax.random.PRNGKey(0)))
-    state_shape = jax.eval_shape(
-        lambda tp, dp, *a: decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, *a),
-        tparams, dparams, *arg_shapes)
+    with compiling_for(mesh):  # traces the prefill: kernels for the mesh's platform
+        state_shape = jax.eval_shape(
+            lambda tp, dp, *a: decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, *a),
+            tparams, dparams, *arg_shapes)
     state_sh = decode_state_sharding(state_shape, mesh)
 
     def prefill(tp, dp, ids, lens, max_new, key):
