@@ -477,7 +477,7 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
                 loop = compile_stats(lambda: decode_jit.lower(tp_a, dp_a, state),
                                      capacity_bytes)
                 programs[f"{kind}_decode" + suffix] = loop
-                if step_costs and loop["flops"] is not None:
+                if step_costs and chip is not None and loop["flops"] is not None:
                     twice = jax.jit(_loop_program(tmod, dmod, plan, 2),
                                     in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
                                     out_shardings=sh["state"], donate_argnums=(2,))

@@ -368,39 +368,3 @@ def generate_sharded(target, drafter, prompts, max_new_tokens: int, mesh, **kw):
     from dflash_jax import decoding
 
     return decoding.generate(target, drafter, prompts, max_new_tokens, mesh=mesh, **kw)
-
-
-# ----------------------------------------------------------------------- sharded training
-
-
-def train_step_programs(loss_fn: Callable, optimizer, mesh, dparams, tparams, batch,
-                        *, fsdp: bool = True, target_head_dim: Optional[int] = None,
-                        drafter_head_dim: Optional[int] = None):
-    """A jitted drafter update on `mesh`: step(dparams, opt_state, tparams, batch) ->
-    (dparams, opt_state, loss).
-
-    loss_fn(dparams, tparams, batch) -> scalar; only the drafter is trained (the target,
-    including the shared embedding / LM head, is frozen). Drafter params and AdamW moments
-    share the drafter's shardings (FSDP + tensor by default), the frozen target is sharded
-    the same way, every batch leaf over the batch axes. Arguments may be arrays or shapes.
-    Returns (step_jit, shardings dict with dparams, opt_state, tparams, batch, opt_shape).
-    """
-    import optax
-
-    dsh = param_shardings(dparams, mesh, drafter_rules(fsdp), drafter_head_dim)
-    tsh = param_shardings(tparams, mesh, target_rules(fsdp), target_head_dim)
-    opt_shape = jax.eval_shape(optimizer.init, dparams)
-    osh = param_shardings(opt_shape, mesh, drafter_rules(fsdp), drafter_head_dim)
-    bsh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, batch_spec(np.shape(x), mesh)),
-                                 batch)
-    repl = NamedSharding(mesh, P())
-
-    def step(dp, opt_state, tp, b):
-        loss, grads = jax.value_and_grad(loss_fn)(dp, tp, b)
-        updates, opt_state = optimizer.update(grads, opt_state, dp)
-        return optax.apply_updates(dp, updates), opt_state, loss
-
-    step_jit = jax.jit(step, in_shardings=(dsh, osh, tsh, bsh),
-                       out_shardings=(dsh, osh, repl), donate_argnums=(0, 1))
-    return step_jit, dict(dparams=dsh, opt_state=osh, tparams=tsh, batch=bsh,
-                          opt_shape=opt_shape)
