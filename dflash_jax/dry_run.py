@@ -176,6 +176,13 @@ def model_presets():
                               **bf16),
                   dict(num_layers=1, num_taps=2, block_size=16, mask_token_id=19000,
                        target_layer_ids=(0, 1))),
+        # Smaller still, with the 8B head shapes (head_dim 128, 8 KV heads): compile tests.
+        "tiny": (ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=512,
+                             num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
+                             tie_word_embeddings=False, max_position_embeddings=40960,
+                             **bf16),
+                 dict(num_layers=1, num_taps=2, block_size=16, mask_token_id=2000,
+                      target_layer_ids=(0, 1))),
     }
 
 
@@ -426,12 +433,15 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
                   devices=None, chip: Optional[dict] = None,
                   attention: Sequence[str] = ("pallas",), step_costs: bool = True,
                   prefill_chunk: Optional[int] = None, topology: str = "",
-                  taus: Sequence[float] = DEFAULT_TAUS) -> Dict[str, Any]:
+                  taus: Sequence[float] = DEFAULT_TAUS,
+                  only: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
     attention implementation in `attention`, and, with `step_costs`, one step of each decode
     loop (the roofline's input). context: prompt tokens (padded to a power of two as `generate`
     does); the caches hold context + max_new_tokens (rounded up) + block_size positions.
+    only: a subset of ("prefill", "dflash_decode", "ar_decode") to compile (default: all).
+    prefill_chunk: overrides `decoding.Plan.prefill_chunk` (0: one-pass prefill).
     Returns the dry-run JSON dict (module docstring)."""
     import jax
 
@@ -453,6 +463,9 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
     for impl_name in attention:
         impl = attn_lib.for_devices(impl_name, m)
         for kind in ("dflash", "ar"):
+            want = {"prefill", "dflash_decode", "ar_decode"} if only is None else set(only)
+            if not ({f"{kind}_decode"} | ({"prefill"} if kind == "dflash" else set())) & want:
+                continue
             k_bs = bs if kind == "dflash" else 1
             plan_kw = {} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)
             plan = decoding.Plan(block_size=k_bs, attention_impl=impl, **plan_kw)
@@ -470,10 +483,13 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
             state = sharding.with_shardings(sh["state_shape"], sh["state"])
             suffix = "" if impl_name == attention[0] else f"@{impl_name}"
             with sharding.compiling_for(m):
-                if kind == "dflash":  # the AR prefill is this one without the drafter context
+                # The AR prefill is the DFlash one without the drafter context.
+                if kind == "dflash" and "prefill" in want:
                     programs["prefill" + suffix] = compile_stats(
                         lambda: prefill_jit.lower(tp_a, dp_a, ids, lens, max_new, key),
                         capacity_bytes)
+                if f"{kind}_decode" not in want:
+                    continue
                 loop = compile_stats(lambda: decode_jit.lower(tp_a, dp_a, state),
                                      capacity_bytes)
                 programs[f"{kind}_decode" + suffix] = loop
