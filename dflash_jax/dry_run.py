@@ -722,6 +722,14 @@ def _floats(s: str) -> List[float]:
         raise UsageError(f"--tau wants comma-separated numbers, got {s!r}") from None
 
 
+def _programs(s: str) -> tuple:
+    names = tuple(x.strip() for x in s.split(",") if x.strip())
+    bad = set(names) - {"prefill", "dflash_decode", "ar_decode"}
+    if bad or not names:
+        raise UsageError(f"--programs: choose from prefill, dflash_decode, ar_decode; got {s!r}")
+    return names
+
+
 def main(argv=None):
     import argparse
 
@@ -739,6 +747,10 @@ def main(argv=None):
     ap.add_argument("--block_size", type=int, default=None)
     ap.add_argument("--attention", default="pallas",
                     help="infer: comma-separated attention impls to compile (pallas, xla)")
+    ap.add_argument("--programs", default="prefill,dflash_decode,ar_decode",
+                    help="infer: which of prefill, dflash_decode, ar_decode to compile")
+    ap.add_argument("--prefill_chunk", type=int, default=None,
+                    help="infer: prefill chunk (default decoding.Plan's; 0: one pass)")
     ap.add_argument("--tau", default=",".join(map(str, DEFAULT_TAUS)),
                     help="roofline: acceptance lengths for the projected speedup")
     ap.add_argument("--seq_len", type=int, default=3072, help="train: sequence length")
@@ -754,7 +766,8 @@ def main(argv=None):
             kw = dict(batch=args.batch or 1, context=args.context,
                       max_new_tokens=args.max_new_tokens, block_size=args.block_size,
                       attention=tuple(a.strip() for a in args.attention.split(",")),
-                      taus=tuple(_floats(args.tau)))
+                      taus=tuple(_floats(args.tau)), prefill_chunk=args.prefill_chunk,
+                      only=_programs(args.programs))
         else:
             kw = dict(batch=args.batch or 8, seq_len=args.seq_len, num_anchors=args.num_anchors,
                       loss_chunk_anchors=args.loss_chunk_anchors)

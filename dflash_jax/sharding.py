@@ -34,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp

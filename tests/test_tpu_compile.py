@@ -4,7 +4,6 @@ kernels, the sharded decode program, the trainer's step, the dry-run JSON and it
 Skipped (with the reason) only where libtpu is not installed; `make test` installs it.
 """
 
-import os
 
 import jax
 import jax.numpy as jnp
