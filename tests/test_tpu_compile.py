@@ -83,7 +83,7 @@ def test_dflash_decode_compiles_sharded_with_pallas_kernels(v5e, mesh):
 
 def test_trainer_step_compiles_on_fsdp(v5e):
     devices, chip = v5e
-    r = dry_run.dry_run_train("tiny", "fsdp=8", batch=8, seq_len=256, num_anchors=16,
+    r = dry_run.dry_run_train("tiny", "fsdp=8", batch=8, seq_len=64, num_anchors=4,
                               devices=devices, chip=chip)
     p = r["programs"]["train_step"]
     assert p["fits"] is True and p["flops"] > 0
