@@ -20,8 +20,11 @@ $(1)/.runtime: requirements.txt constraints-oldest.txt
 	$(1)/bin/python -m pip install -q -r requirements.txt $(3)
 	touch $$@
 
+# libtpu (TPU ahead-of-time compiles on this CPU machine: tests/test_tpu_compile.py) is the one
+# `jax[tpu]` pins for the jax installed in this venv, computed here so it never moves jax.
 $(1)/.test: requirements-test.txt $(1)/.runtime
 	$(1)/bin/python -m pip install -q -r requirements-test.txt $(3)
+	$(1)/bin/python -m pip install -q "jax[tpu]==$$$$($(1)/bin/python -c 'import jax; print(jax.__version__)')" $(3)
 	touch $$@
 endef
 $(eval $(call venv_rules,$(VENV),$(PYTHON),-c constraints-oldest.txt))

@@ -53,8 +53,11 @@ flags.DEFINE_string("attention_impl", "xla", "xla | pallas | pallas_interpret | 
 flags.DEFINE_bool("stream", None, "Print the completion of a single prompt as tokens are "
                   "committed (an extra, untimed run; default: when stdout is a terminal).")
 flags.DEFINE_bool("chat_template", True, "Apply the tokenizer's chat template when present.")
-flags.DEFINE_bool("dry_run", False, "Compile 8B-sized programs from abstract params on a fake "
-                  "8-device mesh and print per-device memory and FLOPs (dflash_jax/dry_run.py).")
+flags.DEFINE_bool("dry_run", False, "Compile the generate programs for a TPU topology from "
+                  "abstract params (libtpu, no TPU needed) and print per-device HBM, FLOPs, "
+                  "collectives and a roofline projection (dflash_jax/dry_run.py).")
+flags.DEFINE_string("topology", "v5e:2x4", "Dry run: v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x4, "
+                    "... or cpu:8 (fake CPU devices).")
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small "
                     "(comma-separated), or a Hugging Face model directory.")
 flags.DEFINE_string("mesh", None, "Device mesh for generate, e.g. 'data=2,tensor=4' (default: "
@@ -65,6 +68,7 @@ flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (TPU 
 flags.DEFINE_integer("batch_size", None, "Prompts per generate call, grouped by length "
                      "(default 8); dry run: sequences per batch (default 1).")
 flags.DEFINE_integer("context", 4096, "Dry run: prompt tokens.")
+flags.DEFINE_string("tau", "6.5,5.4", "Dry run: acceptance lengths for the projected speedup.")
 
 
 def _stop_ids(tok, target_dir):
@@ -84,11 +88,17 @@ def main(argv):
     if FLAGS.dry_run:
         from dflash_jax import dry_run
 
-        dry_run.ensure_cpu_devices(8)  # before JAX initializes its backends
-        dry_run.run(models=FLAGS.dry_run_model.split(","), mode="infer",
-                    meshes=FLAGS.mesh.split(";") if FLAGS.mesh else None,
-                    batch=FLAGS.batch_size or 1, context=FLAGS.context,
-                    max_new_tokens=FLAGS.max_new_tokens)
+        # The TPU kernels unless --attention_impl is given ("auto" is "pallas" on a TPU).
+        attention = FLAGS.attention_impl if FLAGS["attention_impl"].present else "pallas"
+        attention = "pallas" if attention == "auto" else attention
+        argv = [f"--topology={FLAGS.topology}", f"--model={FLAGS.dry_run_model}",
+                "--mode=infer", f"--mesh={FLAGS.mesh or ''}", f"--batch={FLAGS.batch_size or 1}",
+                f"--context={FLAGS.context}", f"--max_new_tokens={FLAGS.max_new_tokens}",
+                f"--attention={attention}",
+                f"--tau={FLAGS.tau}", f"--json_out={FLAGS.json_out or ''}"]
+        if FLAGS.block_size:
+            argv.append(f"--block_size={FLAGS.block_size}")
+        dry_run.main(argv)  # exits 2 with one line on bad input
         return
     # Every flag checked before any model is loaded or anything is computed or written.
     from dflash_jax import console, hub, prompting, validation

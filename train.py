@@ -25,15 +25,17 @@ config_flags.DEFINE_config_file("config", None, "experiment config file", lock_c
 flags.DEFINE_string("workdir", None, "checkpoints, metrics and exports (required unless --dry_run)")
 flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace here (config.profile_dir)")
 flags.DEFINE_string("profile_steps", None, "START:COUNT steps to trace (default 5:3)")
-flags.DEFINE_bool("dry_run", False, "Compile the training step for an 8B-sized target and its "
-                  "drafter from abstract params on a fake 8-device mesh; print per-device memory "
-                  "and FLOPs (batch, length and anchors from the config).")
+flags.DEFINE_bool("dry_run", False, "Compile the trainer's step for an 8B-sized target and its "
+                  "drafter for a TPU topology from abstract params (libtpu, no TPU needed); print "
+                  "per-device HBM, FLOPs and collectives (batch, length, anchors from the config).")
+flags.DEFINE_string("topology", "v5p:2x2x1", "Dry run: v5p:2x2x1, v4:2x2x1, v5e:2x4, ... or cpu:8.")
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small.")
 flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'fsdp=8;fsdp=4,tensor=2'.")
 flags.DEFINE_bool("verbose", False, "Show library log lines (Orbax, JAX) on stderr too.")
 flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (TPU pod / SLURM / "
                   "multi-node: it finds the coordinator itself). Under `python -m "
                   "dflash_jax.launch` this happens without the flag.")
+flags.DEFINE_string("json_out", None, "Dry run: write the result(s) as JSON here.")
 
 
 def main(argv):
@@ -42,12 +44,15 @@ def main(argv):
     if flags.FLAGS.dry_run:
         from dflash_jax import dry_run
 
-        dry_run.ensure_cpu_devices(8)  # before JAX initializes its backends
-        dry_run.run(models=flags.FLAGS.dry_run_model.split(","), mode="train",
-                    meshes=flags.FLAGS.mesh.split(";") if flags.FLAGS.mesh else None,
-                    batch=config.data.batch_size, seq_len=config.data.seq_len,
-                    num_anchors=config.num_anchors,
-                    loss_chunk_anchors=config.get("loss_chunk_anchors", 0))
+        f = flags.FLAGS
+        if f.topology.startswith("cpu"):
+            dry_run.ensure_cpu_devices(int(f.topology.partition(":")[2] or 8))
+        try:  # the trainer's step with this config's recipe, batch and length
+            dry_run.run(f.topology, f.dry_run_model.split(","), "train",
+                        f.mesh.split(";") if f.mesh else None, f.json_out, config=config)
+        except dry_run.UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            sys.exit(2)
         return
     distributed.initialize(flags.FLAGS.distributed)  # before any other JAX call
     if not flags.FLAGS.workdir:

@@ -5,6 +5,12 @@
   "pallas" - the kernels of `pallas_kernels/` for the current backend (TPU or Triton GPU),
   "pallas_interpret" - the same kernels in interpret mode (for tests on CPU),
   "auto"   - "pallas" on TPU/GPU, "xla" elsewhere.
+  "pallas_tpu" / "pallas_triton" - one kernel family, whatever the default backend is: what
+           `for_devices` turns "pallas"/"auto" into for the devices a program is compiled for,
+           so the choice is part of the static configuration (and of the jit caches' keys).
+
+The platform is that of the devices being compiled for (`pallas_kernels.backend.compiling_for`),
+not the default backend: TPU kernels compile for abstract TPU devices on a CPU-only machine.
 
 Two shapes of attention occur at decode time:
   verify: queries of a block, already written into the target cache, see slots j <= position.
@@ -18,21 +24,81 @@ import jax.numpy as jnp
 
 from dflash_jax.layers import masked_attention
 
-IMPLS = ("xla", "pallas", "pallas_interpret", "auto")
+IMPLS = ("xla", "pallas", "pallas_interpret", "auto", "pallas_tpu", "pallas_triton")
+
+
+def _compile_platform() -> str:
+    try:
+        return _kernels().backend._platform()
+    except ImportError:
+        return jax.default_backend()
 
 
 def resolve_impl(impl: str) -> str:
     if impl not in IMPLS:
         raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
     if impl == "auto":
-        return "pallas" if jax.default_backend() in ("tpu", "gpu") else "xla"
+        return "pallas" if _compile_platform() in ("tpu", "gpu", "cuda", "rocm") else "xla"
     return impl
+
+
+def for_devices(impl: str, devices=None) -> str:
+    """`impl` made concrete for the devices a program is compiled for (a Mesh, a device list,
+    a platform name; None: the default backend): "auto" / "pallas" become "xla",
+    "pallas_tpu" or "pallas_triton" by `pallas_kernels.backend.resolve` on that platform."""
+    if impl not in IMPLS:
+        raise ValueError(f"attention_impl must be one of {IMPLS}, got {impl!r}")
+    if impl not in ("auto", "pallas"):
+        return impl
+    backend = _kernels().backend
+    platform = backend.platform_of(devices) if devices is not None else backend._platform()
+    variant = backend.resolve(impl, platform=platform)
+    return "xla" if variant == backend.XLA else "pallas_" + variant
 
 
 def _kernels():
     import pallas_kernels  # imported lazily: the library works without the kernels folder
 
     return pallas_kernels
+
+
+def _kernel_impl(impl: str) -> str:
+    """The `pallas_kernels` impl for one of ours ("pallas_interpret" runs "pallas")."""
+    return "pallas" if impl in ("pallas", "pallas_interpret") else impl
+
+
+def _per_shard(fn, args, batch_dims, head_dims):
+    """fn(*args) run per shard of the context mesh (`jax.sharding.set_mesh`) when it has more
+    than one device: compiled Pallas kernels are opaque to GSPMD, which cannot partition them.
+    Each arg is split on its batch dim (the data-parallel axes, as the caches are) and on its
+    head dim over `tensor` when both the query and the KV heads divide (GQA groups stay whole);
+    batch_dims / head_dims give each arg's dims (None: not split). Output: like args[0]."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return fn(*args)
+    from jax.sharding import PartitionSpec as P
+
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
+    n_data = 1
+    for a in data:
+        n_data *= shape[a]
+    tensor = shape.get("tensor", 1)
+    b, heads = args[0].shape[0], [a.shape[d] for a, d in zip(args, head_dims) if d is not None]
+    bax = data if data and b % n_data == 0 else None
+    hax = "tensor" if tensor > 1 and all(h % tensor == 0 for h in heads) else None
+
+    def spec(x, bd, hd):
+        entries = [None] * x.ndim
+        if bd is not None:
+            entries[bd] = bax
+        if hd is not None:
+            entries[hd] = hax
+        return P(*entries)
+
+    specs = tuple(spec(x, bd, hd) for x, bd, hd in zip(args, batch_dims, head_dims))
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0],
+                         check_vma=False)(*args)
 
 
 def verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl: str = "xla"):
@@ -42,8 +108,12 @@ def verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl: str = "xla"):
         s = k_BSKD.shape[1]
         mask = jnp.arange(s)[None, None, :] <= positions_BT[:, :, None]
         return masked_attention(q_BTND, k_BSKD, v_BSKD, mask)
-    return _kernels().verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl="pallas",
-                                       interpret=impl == "pallas_interpret")
+    kernel = lambda q, k, v, pos: _kernels().verify_attention(
+        q, k, v, pos, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret")
+    if impl == "pallas_interpret":
+        return kernel(q_BTND, k_BSKD, v_BSKD, positions_BT)
+    return _per_shard(kernel, (q_BTND, k_BSKD, v_BSKD, positions_BT), (0, 0, 0, 0),
+                      (2, 2, 2, None))
 
 
 def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla"):
@@ -58,5 +128,9 @@ def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "
         k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1)
         v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1)
         return masked_attention(q_BTND, k, v, mask)
-    return _kernels().draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v,
-                                      impl="pallas", interpret=impl == "pallas_interpret")
+    kernel = lambda q, ck, cv, n, bk, bv: _kernels().draft_attention(
+        q, ck, cv, n, bk, bv, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret")
+    args = (q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v)
+    if impl == "pallas_interpret":
+        return kernel(*args)
+    return _per_shard(kernel, args, (0, 0, 0, 0, 0, 0), (2, 2, 2, None, 2, 2))

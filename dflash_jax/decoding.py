@@ -35,6 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax import attention as attn_lib
 from dflash_jax import validation
 from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend, validate_pair
 from dflash_jax.model import KVCache, Transformer, write_kv
@@ -55,6 +56,10 @@ class Plan:
     record_drafts: bool = False
     stream: bool = False  # call the registered host callback with each step's commits
     attention_impl: str = "xla"
+    # Prompts longer than this are prefilled in chunks of this many tokens (a scan appending to
+    # the cache), so attention temporaries grow linearly with the context, not quadratically:
+    # each chunk's scores are [chunk, capacity]. 0: one pass (dense [prompt, capacity] scores).
+    prefill_chunk: int = 512
 
 
 @flax.struct.dataclass
@@ -233,19 +238,42 @@ def _prefill(tmod, dmod, plan: Plan, capacity: int, n_buf: int, tparams, dparams
     b, p = prompts.shape
     tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
     cache = KVCache.create(tmod.cfg, b, capacity)
-    with jax.named_scope("prefill"):
-        hidden, cache, taps = tmod.apply({"params": tparams}, prompts, cache=cache,
+    ctx = None if dmod is None else ContextCache.create(dmod.cfg, b, capacity)
+    chunk = plan.prefill_chunk
+    if not chunk or p <= chunk or p % chunk:
+        chunk = p  # one pass
+    bidx = jnp.arange(b)
+
+    def prefill_chunk(carry, xs):
+        """Target over prompt tokens [i*chunk, (i+1)*chunk), appended to the caches; keeps
+        the final hidden state of each prompt's last token when it falls in this chunk."""
+        cache, ctx, last = carry
+        ids, i = xs
+        start = i * chunk
+        hidden, cache, taps = tmod.apply({"params": tparams}, ids, cache=cache,
                                          tap_layers=tap_layers)
+        if dmod is not None:
+            positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+            ctx = _write_context(dmod, dparams, ctx, taps, positions, prompt_lens)
+        at = prompt_lens - 1 - start
+        here = (at >= 0) & (at < chunk)
+        last = jnp.where(here[:, None], hidden[bidx, jnp.clip(at, 0, chunk - 1)], last)
+        return (cache, ctx, last), None
+
+    with jax.named_scope("prefill"):
+        last = jnp.zeros((b, tmod.cfg.hidden_size), tmod.cfg.dtype)
+        if chunk == p:
+            (cache, ctx, last), _ = prefill_chunk((cache, ctx, last), (prompts, 0))
+        else:
+            chunks = prompts.reshape(b, p // chunk, chunk).transpose(1, 0, 2)  # [n, B, chunk]
+            (cache, ctx, last), _ = jax.lax.scan(
+                prefill_chunk, (cache, ctx, last),
+                (chunks, jnp.arange(p // chunk, dtype=jnp.int32)))
         cache = cache.rollback(prompt_lens)
-        last = hidden[jnp.arange(b), prompt_lens - 1][:, None]
+        last = last[:, None]
         key, sub = jax.random.split(key)
         first = pick_tokens(_lm_logits(tmod, tparams, last)[:, 0], sub, plan.temperature,
                             plan.top_k, plan.top_p)
-        ctx = None
-        if dmod is not None:
-            ctx = ContextCache.create(dmod.cfg, b, capacity)
-            positions = jnp.broadcast_to(jnp.arange(p, dtype=jnp.int32), (b, p))
-            ctx = _write_context(dmod, dparams, ctx, taps, positions, prompt_lens)
     tokens = jnp.zeros((b, n_buf), jnp.int32).at[:, 0].set(first)
     stop = jnp.isin(first, jnp.asarray(plan.stop_ids, jnp.int32)) if plan.stop_ids else \
         jnp.zeros((b,), bool)
@@ -323,7 +351,7 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
              confidence_threshold: Optional[float] = None, return_drafts: bool = False,
              attention_impl: Optional[str] = None,
              stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
-             mesh=None) -> GenerationResult:
+             mesh=None, prefill_chunk: Optional[int] = None) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash, or
     autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
 
@@ -333,6 +361,8 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     mesh: a `jax.sharding.Mesh` (see `dflash_jax.sharding.make_mesh`): the same programs run
     sharded on it (parameters by the partition rules, batch over data axes, KV heads over
     `tensor`); stats then also name the mesh and the cache sharding.
+    prefill_chunk: prompts longer than this are prefilled this many tokens at a time (default
+    `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
     """
     # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
     if drafter is not None:
@@ -354,7 +384,10 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
                 confidence_threshold=confidence_threshold if drafter is not None else None,
                 record_drafts=bool(return_drafts and drafter is not None),
                 stream=stream_callback is not None,
-                attention_impl=attention_impl or target.attention_impl)
+                # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
+                attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl,
+                                                    mesh),
+                **({} if prefill_chunk is None else {"prefill_chunk": int(prefill_chunk)}))
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
     p_pad = _bucket(int(lens.max()), 16)
@@ -393,9 +426,10 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
             shapes = lambda tree: jax.tree_util.tree_map(
                 lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
             tp_s, dp_s = shapes(tparams), shapes(dparams)
-            return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
-                    decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
-                    (sh["tparams"], sh["dparams"], arg_sh))
+            with sharding.compiling_for(mesh):  # kernels for the mesh's platform
+                return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
+                        decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
+                        (sh["tparams"], sh["dparams"], arg_sh))
 
     (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
     if placement is not None:  # put parameters and inputs where the sharded programs want them

@@ -34,9 +34,10 @@ slice); `dflash_jax.distributed` joins the processes and moves values in and out
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
-from typing import Any, Callable, Dict, Iterable, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -105,6 +106,29 @@ def mesh_from_spec(spec: str, devices=None) -> Mesh:
 
 def mesh_str(mesh) -> str:
     return ",".join(f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1) or "single"
+
+
+def compiling_for(mesh):
+    """Context manager: programs traced inside it pick their attention kernels for the platform
+    of `mesh`'s devices (e.g. an abstract TPU topology's on a CPU-only machine), not for the
+    default backend (`pallas_kernels.backend.compiling_for`; a no-op without that folder)."""
+    return _compiling_for(mesh)
+
+
+@contextlib.contextmanager
+def _compiling_for(mesh):
+    # The mesh is also made the context mesh: the compiled Pallas kernels cannot be partitioned
+    # by GSPMD, so `attention` runs them per shard (shard_map) over this mesh.
+    try:
+        from pallas_kernels import backend
+    except ImportError:
+        backend = None
+    with jax.sharding.set_mesh(mesh):
+        if backend is None:
+            yield
+        else:
+            with backend.compiling_for(mesh):
+                yield
 
 
 # ---------------------------------------------------------------------------------- rules
@@ -300,9 +324,10 @@ def generate_programs(tmod, dmod, plan, capacity: int, n_buf: int, mesh, tparams
                   jax.ShapeDtypeStruct((batch,), jnp.int32),
                   jax.ShapeDtypeStruct((), jnp.int32),
                   jax.eval_shape(lambda: jax.random.PRNGKey(0)))
-    state_shape = jax.eval_shape(
-        lambda tp, dp, *a: decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, *a),
-        tparams, dparams, *arg_shapes)
+    with compiling_for(mesh):  # traces the prefill: kernels for the mesh's platform
+        state_shape = jax.eval_shape(
+            lambda tp, dp, *a: decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, *a),
+            tparams, dparams, *arg_shapes)
     state_sh = decode_state_sharding(state_shape, mesh)
 
     def prefill(tp, dp, ids, lens, max_new, key):
@@ -328,39 +353,3 @@ def generate_sharded(target, drafter, prompts, max_new_tokens: int, mesh, **kw):
     from dflash_jax import decoding
 
     return decoding.generate(target, drafter, prompts, max_new_tokens, mesh=mesh, **kw)
-
-
-# ----------------------------------------------------------------------- sharded training
-
-
-def train_step_programs(loss_fn: Callable, optimizer, mesh, dparams, tparams, batch,
-                        *, fsdp: bool = True, target_head_dim: Optional[int] = None,
-                        drafter_head_dim: Optional[int] = None):
-    """A jitted drafter update on `mesh`: step(dparams, opt_state, tparams, batch) ->
-    (dparams, opt_state, loss).
-
-    loss_fn(dparams, tparams, batch) -> scalar; only the drafter is trained (the target,
-    including the shared embedding / LM head, is frozen). Drafter params and AdamW moments
-    share the drafter's shardings (FSDP + tensor by default), the frozen target is sharded
-    the same way, every batch leaf over the batch axes. Arguments may be arrays or shapes.
-    Returns (step_jit, shardings dict with dparams, opt_state, tparams, batch, opt_shape).
-    """
-    import optax
-
-    dsh = param_shardings(dparams, mesh, drafter_rules(fsdp), drafter_head_dim)
-    tsh = param_shardings(tparams, mesh, target_rules(fsdp), target_head_dim)
-    opt_shape = jax.eval_shape(optimizer.init, dparams)
-    osh = param_shardings(opt_shape, mesh, drafter_rules(fsdp), drafter_head_dim)
-    bsh = jax.tree_util.tree_map(lambda x: NamedSharding(mesh, batch_spec(np.shape(x), mesh)),
-                                 batch)
-    repl = NamedSharding(mesh, P())
-
-    def step(dp, opt_state, tp, b):
-        loss, grads = jax.value_and_grad(loss_fn)(dp, tp, b)
-        updates, opt_state = optimizer.update(grads, opt_state, dp)
-        return optax.apply_updates(dp, updates), opt_state, loss
-
-    step_jit = jax.jit(step, in_shardings=(dsh, osh, tsh, bsh),
-                       out_shardings=(dsh, osh, repl), donate_argnums=(0, 1))
-    return step_jit, dict(dparams=dsh, opt_state=osh, tparams=tsh, batch=bsh,
-                          opt_shape=opt_shape)

@@ -1,7 +1,13 @@
 """The ONE place that decides which attention implementation runs.
 
-`resolve(impl)` maps the user-facing ``impl`` string plus the current JAX
-backend to one of the variant names below.  `interpret_arg(variant,
+`resolve(impl)` maps the user-facing ``impl`` string plus the platform a
+program is compiled for to one of the variant names below.  That platform is
+the one of the devices being compiled for, not necessarily the default backend:
+a program traced inside ``with compiling_for(mesh):`` (a Mesh, a sharding, a
+device list such as an abstract TPU topology's, or a platform name) picks that
+platform's kernels, so TPU kernels compile for TPU devices from a CPU-only
+process (ahead-of-time, with libtpu installed; see dflash_jax/dry_run.py).
+Outside such a block it is `jax.default_backend()`.  `interpret_arg(variant,
 interpret)` turns the public ``interpret: bool`` into what ``pl.pallas_call``
 expects for that variant.
 
@@ -40,6 +46,8 @@ The environment variable ``DFLASH_PALLAS_GPU_BACKEND`` ("triton", "cudnn" or
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import os
 import re
@@ -63,8 +71,42 @@ _MOSAIC_GPU_MSG = (
     "implement the kernels and register them in pallas_kernels/backend.py.")
 
 
+# The platform of the devices the program being traced will be compiled for
+# (None: the default backend). A context variable, so threads do not share it.
+_COMPILE_PLATFORM = contextvars.ContextVar("dflash_compile_platform", default=None)
+
+
+def platform_of(target) -> str:
+  """Platform name ("cpu" | "tpu" | "cuda" | "rocm" | ...) of a Mesh, a
+  Sharding, a device, a sequence of devices, or a platform name itself."""
+  if isinstance(target, str):
+    return target
+  if isinstance(target, jax.sharding.Mesh):
+    return target.devices.flat[0].platform
+  if isinstance(target, jax.sharding.Sharding):
+    return next(iter(target.device_set)).platform
+  if hasattr(target, "platform"):
+    return target.platform
+  return next(iter(target)).platform
+
+
+@contextlib.contextmanager
+def compiling_for(target):
+  """Within this block, kernels are chosen for `target`'s platform (see
+  `platform_of`); None leaves the current choice unchanged."""
+  if target is None:
+    yield
+    return
+  token = _COMPILE_PLATFORM.set(platform_of(target))
+  try:
+    yield
+  finally:
+    _COMPILE_PLATFORM.reset(token)
+
+
 def _platform() -> str:
-  return jax.default_backend()  # "cpu" | "gpu" | "cuda" | "rocm" | "tpu"
+  # "cpu" | "gpu" | "cuda" | "rocm" | "tpu"
+  return _COMPILE_PLATFORM.get() or jax.default_backend()
 
 
 def _is_gpu(platform: str) -> bool:

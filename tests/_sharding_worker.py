@@ -109,6 +109,10 @@ def check_rules(out):
 
 
 def check_train(out):
+    """The trainer's own step (`make_train_step` + `train_shardings` + `drafter_loss_fn`) on
+    one device and on a data x fsdp x tensor mesh: the same losses."""
+    from dflash_jax.training import trainer
+
     cfg = dj.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
                          num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
                          max_position_embeddings=512)
@@ -117,55 +121,46 @@ def check_train(out):
                                   mask_token_id=127)
     dparams0 = dj.init_drafter_params(dcfg, 1)
     rng = np.random.RandomState(0)
-    b, s, a = 8, 48, 4
-    # The trainer's loss when dflash_jax.training is there, else the dry run's reference loss.
-    loss_fn, shapes, loss_name = dry_run._default_loss(Transformer(cfg), DFlashDrafter(dcfg),
-                                                       b, s, a)
-    opt = dry_run.make_optimizer(lr=3e-3, total_steps=20)
+    b, s = 8, 48
+    config = dry_run.train_config(batch=b, seq_len=s, num_anchors=4)
+    config.learning_rate = 3e-3
+    loss_fn = trainer.drafter_loss_fn(config, Transformer(cfg), DFlashDrafter(dcfg))
+    opt = trainer.make_optimizer(config, 20)[0]
     batches = []
     for _ in range(3):
-        mask = jnp.asarray((rng.rand(b, s) < 0.8), jnp.float32)
-        tokens = jnp.asarray(rng.randint(0, 127, (b, s)), jnp.int32)
-        if "input_ids" in shapes:
-            batches.append({"input_ids": tokens, "loss_mask": mask,
-                            "segment_ids": jnp.ones((b, s), jnp.int32)})
-        else:
-            batches.append({"tokens": tokens, "loss_mask": mask,
-                            "anchors": jnp.asarray(np.where(rng.rand(b, a) < 0.9,
-                                                            rng.randint(1, s - 4, (b, a)), -1),
-                                                   jnp.int32)})
+        batches.append({"input_ids": jnp.asarray(rng.randint(0, 127, (b, s)), jnp.int32),
+                        "loss_mask": jnp.asarray((rng.rand(b, s) < 0.8), jnp.float32),
+                        "segment_ids": jnp.ones((b, s), jnp.int32)})
     res = {}
     for spec in ("tensor=1", "data=2,fsdp=2,tensor=2"):
         mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == "tensor=1"
-                                       else None)
-        step, sh = sharding.train_step_programs(loss_fn, opt, mesh, dparams0, tparams,
-                                                batches[0], target_head_dim=16,
-                                                drafter_head_dim=16)
-        dp = jax.device_put(jax.tree_util.tree_map(jnp.copy, dparams0), sh["dparams"])
-        st = jax.device_put(opt.init(dparams0), sh["opt_state"])
-        tp = jax.device_put(tparams, sh["tparams"])
+                                    else None)
+        state = trainer.TrainState(step=jnp.zeros((), jnp.int32),
+                                   params=jax.tree_util.tree_map(jnp.copy, dparams0),
+                                   opt_state=opt.init(dparams0), rng=jax.random.PRNGKey(0))
+        shardings = trainer.train_shardings(mesh, "drafter", state, tparams, 16, 16)
+        step = trainer.make_train_step(loss_fn, opt, mesh, shardings)
+        state = jax.device_put(state, shardings[0])
+        tp = jax.device_put(tparams, shardings[1])
         losses = []
         for bt in batches:
-            dp, st, loss = step(dp, st, tp, jax.device_put(bt, sh["batch"]))
-            losses.append(float(loss))
+            state, metrics = step(state, tp, jax.device_put(bt, shardings[2]))
+            losses.append(float(metrics["loss"]))
         res[spec] = {"losses": losses,
-                     "fc_spec": str(dp["fc"]["kernel"].sharding.spec),
-                     "q_spec": str(dp["layers_0"]["self_attn"]["q_proj"]["kernel"]
+                     "fc_spec": str(state.params["fc"]["kernel"].sharding.spec),
+                     "q_spec": str(state.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
                                    .sharding.spec)}
-    res["loss_name"] = loss_name
     out["train"] = res
 
 
 def check_dry_run(out):
     res = {}
     for spec in ("tensor=2", "tensor=8"):
-        r = dry_run.dry_run_infer("small", spec, batch=2, context=128, max_new_tokens=32)
-        res["infer " + spec] = {k: r[k] for k in ("param_bytes", "cache_bytes", "peak_bytes",
-                                                  "fits", "programs")}
+        r = dry_run.dry_run_infer("small", spec, batch=2, context=128, max_new_tokens=32,
+                                  attention=("xla",), step_costs=False)
+        res["infer " + spec] = {k: r[k] for k in ("sizes", "programs")}
     r = dry_run.dry_run_train("small", "fsdp=8", batch=8, seq_len=64, num_anchors=2)
-    res["train fsdp=8"] = {k: r[k] for k in ("param_bytes", "opt_bytes", "peak_bytes",
-                                             "param_bytes_total", "opt_bytes_total",
-                                             "programs")}
+    res["train fsdp=8"] = {k: r[k] for k in ("sizes", "programs")}
     res["report"] = dry_run.format_report(r)
     out["dry_run"] = res
 

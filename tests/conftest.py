@@ -6,6 +6,12 @@ import sys
 import numpy as np
 import pytest
 
+# The suite runs on the CPU, also where libtpu is installed (it is, for the TPU ahead-of-time
+# compiles of tests/test_tpu_compile.py): without this JAX would probe for a TPU at start-up.
+# Set before any test module imports JAX; subprocesses inherit it.
+if not os.environ.get("JAX_PLATFORMS"):
+    os.environ["JAX_PLATFORMS"] = "cpu"
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if ROOT not in sys.path:
     sys.path.insert(0, ROOT)

@@ -301,3 +301,31 @@ def test_streaming_callback_delivers_the_same_tokens(target, drafter, ar_out):
     res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8,
                       stream_callback=sink)
     assert got == res.tokens == ar_out
+
+
+def test_chunked_prefill_equals_one_pass(target, drafter, ar_out):
+    """Prefill in chunks of 8 tokens (a scan appending to the caches: linear attention
+    temporaries) fills the same target and drafter caches as one pass, and decodes the same
+    tokens as autoregressive greedy decoding, for DFlash and for the autoregressive loop."""
+    from dflash_jax.drafter import DFlashDrafter
+    from dflash_jax.model import Transformer
+
+    b, p_pad, n_buf = len(MIXED), 32, 64
+    ids = np.zeros((b, p_pad), np.int32)
+    for i, pr in enumerate(MIXED):
+        ids[i, :len(pr)] = pr
+    lens = jnp.asarray([len(pr) for pr in MIXED], jnp.int32)
+    tmod, dmod = Transformer(target.config), DFlashDrafter(drafter.config)
+    states = [gen_lib._prefill(tmod, dmod, gen_lib.Plan(block_size=16, prefill_chunk=c),
+                               p_pad + n_buf + 16, n_buf, target.params, drafter.params,
+                               jnp.asarray(ids), lens, jnp.asarray(40, jnp.int32),
+                               jax.random.PRNGKey(0)) for c in (0, 8)]
+    one, chunked = states
+    assert one.tokens[:, 0].tolist() == chunked.tokens[:, 0].tolist()
+    for x, y in zip(jax.tree_util.tree_leaves((one.cache, one.ctx)),
+                    jax.tree_util.tree_leaves((chunked.cache, chunked.ctx))):
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
+    assert float(jnp.abs(one.cache.k[0]).max()) > 0  # the comparison is not of empty caches
+    assert dj.generate(target, drafter, MIXED, max_new_tokens=40, prefill_chunk=8).tokens \
+        == ar_out
+    assert dj.generate(target, None, MIXED, max_new_tokens=40, prefill_chunk=8).tokens == ar_out

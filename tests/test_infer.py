@@ -64,16 +64,27 @@ def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
 
 
 def test_dry_run_clis_report_memory_and_flops():
-    r = _run("--dry_run", "--dry_run_model=small", "--mesh=tensor=2", "--context=64",
-             "--max_new_tokens=16")
+    r = _run("--dry_run", "--dry_run_model=small", "--topology=cpu:2", "--mesh=tensor=2",
+             "--context=64", "--max_new_tokens=16", "--attention_impl=xla")
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "mesh[tensor=2]" in r.stdout and "peak GiB" in r.stdout and "verdict" in r.stdout
+    assert "mesh [tensor=2]" in r.stdout and "TOTAL GiB/dev" in r.stdout
+    assert "dflash_decode" in r.stdout and "ar_decode" in r.stdout
     r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
                         "--config=" + os.path.join(ROOT, "configs/tiny_test.py"), "--dry_run",
-                        "--dry_run_model=small", "--mesh=fsdp=2"],
+                        "--dry_run_model=small", "--topology=cpu:2", "--mesh=fsdp=2"],
                        capture_output=True, text=True, timeout=300, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
-    assert "train_step" in r.stdout and "AdamW" in r.stdout
+    assert "train_step" in r.stdout and "batch 8x64" in r.stdout  # the config's batch
+
+
+def test_dry_run_cli_bad_input_is_one_line_exit_2():
+    for args, says in ((["--topology=v9x:2x4"], "unknown topology"),
+                       (["--topology=cpu:2", "--mesh=tensor=4"], "mesh"),
+                       (["--topology=cpu:2", "--dry_run_model=nope"], "unknown model")):
+        r = _run("--dry_run", *args)
+        assert r.returncode == 2, (args, r.stderr[-2000:])
+        last = r.stderr.strip().splitlines()[-1]
+        assert last.startswith("error: ") and says in last, last
 
 
 def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):

@@ -350,6 +350,23 @@ def _prompt_pool(source, tokenizer, tokenize_fn, n, n_functions, length, body_li
     return [prompts[i] for i in rng.permutation(len(prompts))]
 
 
+def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
+    """The drafter objective of `config` (the DFlash recipe) as loss_fn(params, frozen, batch,
+    key) -> (loss, metrics) for `make_train_step` (also what `dflash_jax.dry_run` compiles)."""
+    dcfg = dmod.cfg
+    recipe = losses.DrafterRecipe(
+        block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+        tap_layers=tuple(dcfg.target_layer_ids), num_anchors=config.num_anchors,
+        gamma=config.gamma, loss=config.loss, mask_schedule=config.mask_schedule,
+        attention_impl=config.attention_impl, use_segments=config.use_segments,
+        loss_chunk_anchors=config.loss_chunk_anchors)
+
+    def loss_fn(params, frozen, batch, key):
+        return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
+
+    return loss_fn
+
+
 def build_experiment(config, workdir: str) -> Experiment:
     """Tokenizer, data, target, drafter and loss for `config`."""
     from dflash_jax.data import (PackedBatchIterator, load_tokenizer, tokenize_example,
@@ -462,15 +479,7 @@ def build_experiment(config, workdir: str) -> Experiment:
         else:
             init = init_drafter_params(dcfg, seed=config.seed)
         dmod = DFlashDrafter(dcfg)
-        recipe = losses.DrafterRecipe(
-            block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-            tap_layers=tuple(dcfg.target_layer_ids), num_anchors=config.num_anchors,
-            gamma=config.gamma, loss=config.loss, mask_schedule=config.mask_schedule,
-            attention_impl=config.attention_impl, use_segments=config.use_segments,
-            loss_chunk_anchors=config.loss_chunk_anchors)
-
-        def loss_fn(params, frozen, batch, key):
-            return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
+        loss_fn = drafter_loss_fn(config, tmod, dmod)
     else:
         init = tparams
         ul_weight = float(config.unlikelihood.weight)
