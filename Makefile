@@ -34,8 +34,12 @@ $(eval $(call venv_rules,$(VENV312),$(PYTHON312),))
 demo: $(VENV)/.runtime
 	$(PY) infer.py
 
+# Two pytest workers (one per core of the 2-core CI machine); a module's tests stay together so
+# its module-scoped fixtures (compiled programs, written checkpoints) are built once.
+PYTEST_ARGS ?= -q -n 2 --dist loadfile --durations=15 tests
+
 test: $(VENV)/.test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest $(PYTEST_ARGS)
 
 test-newest: $(VENV312)/.test
-	$(VENV312)/bin/python -m pytest -q tests
+	$(VENV312)/bin/python -m pytest $(PYTEST_ARGS)

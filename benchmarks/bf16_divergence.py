@@ -34,15 +34,21 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", os.path.join(ROOT, "assets/tiny-code/target"), "Target dir.")
-flags.DEFINE_string("drafter", os.path.join(ROOT, "assets/tiny-code/drafter"), "Drafter dir.")
-flags.DEFINE_string("prompt_file", None, "JSONL prompts instead of held-out stdlib prompts.")
-flags.DEFINE_string("data_dir", "/tmp/dflash_tfds", "TFDS data dir for the stdlib corpus.")
-flags.DEFINE_integer("num_prompts", 16, "Prompts.")
-flags.DEFINE_integer("max_new_tokens", 48, "New tokens per prompt.")
-flags.DEFINE_integer("max_prompt_tokens", 256, "Prompts are cut to their last N tokens.")
-flags.DEFINE_integer("block_size", None, "Verify block size (default: the drafter's).")
-flags.DEFINE_string("out", None, "Write the figures as JSON here.")
+
+
+def define_flags():
+    """The CLI's flags (defined only when run as a script: the test imports this module beside
+    other benchmarks that define --out too)."""
+    flags.DEFINE_string("target", os.path.join(ROOT, "assets/tiny-code/target"), "Target dir.")
+    flags.DEFINE_string("drafter", os.path.join(ROOT, "assets/tiny-code/drafter"), "Drafter dir.")
+    flags.DEFINE_string("prompt_file", None, "JSONL prompts instead of held-out stdlib prompts.")
+    flags.DEFINE_string("data_dir", "/tmp/dflash_tfds", "TFDS data dir for the stdlib corpus.")
+    flags.DEFINE_integer("num_prompts", 16, "Prompts.")
+    flags.DEFINE_integer("max_new_tokens", 48, "New tokens per prompt.")
+    flags.DEFINE_integer("max_prompt_tokens", 256, "Prompts are cut to their last N tokens.")
+    flags.DEFINE_integer("block_size", None, "Verify block size (default: the drafter's).")
+    flags.DEFINE_string("out", None, "Write the figures as JSON here.")
+
 
 SETTINGS = {"bfloat16": dict(dtype="bfloat16", param_dtype="bfloat16"),
             "bf16 weights, float32 compute": dict(dtype="float32", param_dtype="bfloat16")}
@@ -212,4 +218,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    define_flags()
     app.run(main)
