@@ -72,10 +72,10 @@ def test_generate_across_processes_equals_single_process(generation):
         # draft is the weak drafter's argmax over near-equal logits, which a different float
         # reduction order, e.g. gloo's all-reduce on newer jax, may flip without any effect.)
         assert len(drafts) == len(ref_drafts)
-        for d_seq, r_seq, a_seq in zip(drafts, ref_drafts, acc):
-            assert len(d_seq) == len(r_seq) == len(a_seq)
-            for d, r, a in zip(d_seq, r_seq, a_seq):
-                assert d[:a - 1] == r[:a - 1]
+        for d_seq, ref_seq, a_seq in zip(drafts, ref_drafts, acc):
+            assert len(d_seq) == len(ref_seq) == len(a_seq)
+            for draft, ref_draft, a in zip(d_seq, ref_seq, a_seq):
+                assert draft[:a - 1] == ref_draft[:a - 1]
         assert r["got_ar"] == ref_tokens  # sharded AR: lossless DFlash = greedy AR
         assert r["stats"]["mesh"] == "data=2,tensor=4"
         # Several drafted tokens accepted in one target pass, under sharding.
