@@ -10,7 +10,8 @@ Writes results.json, results.md (a Markdown table) and PNG plots (acceptance-len
 per-position acceptance, speedup per setting).
 
 Prompts: functions cut from the held-out (validation) files of the Python standard library
-corpus (`dflash_jax.data.stdlib_prompts`), never from training files; or `--prompt_file` JSONL.
+corpus (`dflash_jax.data.prompts.benchmark_prompts`), never from training files; or
+`--prompt_file` JSONL.
 """
 
 import itertools
@@ -44,18 +45,10 @@ flags.DEFINE_bool("quick", False, "A few prompts and settings (smoke run).")
 
 
 def load_prompts(tok):
-    from dflash_jax import prompting
+    from dflash_jax.data.prompts import benchmark_prompts
 
-    if FLAGS.prompt_file:
-        items = prompting.read_prompt_file(FLAGS.prompt_file)
-        prompts = prompting.encode_prompts(items, tok, None, use_chat_template=False)
-    else:
-        from dflash_jax.data import stdlib_prompts
-
-        pairs = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_prompts, max_per_file=50,
-                               prompt_body_lines=2, reference_lines=4)
-        prompts = [prompting.encode_code_prompt(tok, p["prompt"]) for p in pairs]
-    prompts = [p[-FLAGS.max_prompt_tokens:] for p in prompts if p][:FLAGS.num_prompts]
+    prompts = benchmark_prompts(tok, FLAGS.prompt_file, FLAGS.data_dir, FLAGS.num_prompts,
+                                FLAGS.max_prompt_tokens)
     if not prompts:
         raise SystemExit("no prompts")
     return prompts

@@ -156,18 +156,9 @@ def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
 def load_prompts(tok, prompt_file=None, data_dir="/tmp/dflash_tfds", num_prompts=16,
                  max_prompt_tokens=256):
     """Token-id prompts: `prompt_file` JSONL, or held-out stdlib code-completion prompts."""
-    from dflash_jax import prompting
+    from dflash_jax.data.prompts import benchmark_prompts
 
-    if prompt_file:
-        items = prompting.read_prompt_file(prompt_file)
-        prompts = prompting.encode_prompts(items, tok, None, use_chat_template=False)
-    else:
-        from dflash_jax.data import stdlib_prompts
-
-        pairs = stdlib_prompts(data_dir, max_prompts=num_prompts, max_per_file=50,
-                               prompt_body_lines=2, reference_lines=4)
-        prompts = [prompting.encode_code_prompt(tok, p["prompt"]) for p in pairs]
-    return [p[-max_prompt_tokens:] for p in prompts if p][:num_prompts]
+    return benchmark_prompts(tok, prompt_file, data_dir, num_prompts, max_prompt_tokens)
 
 
 def main(argv):

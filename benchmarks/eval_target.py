@@ -38,9 +38,9 @@ def main(argv):
 
     import dflash_jax as dj
     from dflash_jax import console, hub
-    from dflash_jax.data import build_python_stdlib, decode_example, stdlib_prompts
+    from dflash_jax.data import build_python_stdlib, decode_example
+    from dflash_jax.data.prompts import encode_code_prompt, stdlib_prompts
     from dflash_jax.data.tokenizer import load_tokenizer
-    from dflash_jax.prompting import encode_code_prompt
 
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
     console.cli_startup()

@@ -48,12 +48,12 @@ def load_pairs():
         with open(FLAGS.prompt_file) as f:
             items = [json.loads(line) for line in f if line.strip()]
         return [(it["prompt"], it["reference"]) for it in items][:FLAGS.num_prompts]
-    from dflash_jax.data import build_python_stdlib, code_prompts, decode_example, load_split
+    from dflash_jax.data import build_python_stdlib, decode_example, load_split
+    from dflash_jax.data.prompts import BENCHMARK_PROMPTS, code_prompts
 
     source = load_split(build_python_stdlib(FLAGS.data_dir), "validation")
     examples = [decode_example(source[i]) for i in range(len(source))]
-    prompts = code_prompts(examples, max_prompts=FLAGS.num_prompts, max_per_file=50,
-                           prompt_body_lines=2, reference_lines=4)  # as bench_dflash.py
+    prompts = code_prompts(examples, max_prompts=FLAGS.num_prompts, **BENCHMARK_PROMPTS)
     texts = {ex["path"]: ex["text"] for ex in examples}
     pairs = []
     for p in prompts:  # the prompt is a verbatim slice of its file
@@ -68,7 +68,7 @@ def main(argv):
     import dflash_jax as dj
     from dflash_jax import console, hub
     from dflash_jax.data.tokenizer import load_tokenizer
-    from dflash_jax.prompting import encode_code_prompt
+    from dflash_jax.data.prompts import encode_code_prompt
 
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
     console.cli_startup()

@@ -11,7 +11,7 @@ is this one fine-tuned for the stage-2 target (configs/tiny_code_drafter_stage2.
         --config.target_path=/tmp/tiny_target/export/target
 """
 
-from dflash_jax.training.trainer import default_config
+from configs.default import get_config as default_config
 
 
 def get_config():

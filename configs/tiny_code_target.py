@@ -9,7 +9,7 @@ it (the bundled target is the stage-2 export).
     python train.py --config=configs/tiny_code_target.py --workdir=/tmp/tiny_target
 """
 
-from dflash_jax.training.trainer import default_config
+from configs.default import get_config as default_config
 
 
 def get_config():

@@ -3,7 +3,7 @@
     python train.py --config=configs/tiny_test.py --workdir=/tmp/dflash_tiny
 """
 
-from dflash_jax.training.trainer import default_config
+from configs.default import get_config as default_config
 
 
 def get_config():

@@ -52,7 +52,7 @@ def _suggest_flag(argv: Sequence[str]) -> Optional[str]:
     """'did you mean --config.x?' for an unknown --config.KEY override (ml_collections'
     message names neither the key nor a near one)."""
     try:
-        from dflash_jax.training.trainer import default_config
+        from configs.default import get_config as default_config
         from dflash_jax.validation import _flatten
     except Exception:  # noqa: BLE001 - a hint only
         return None

@@ -224,7 +224,7 @@ def abstract_params(tcfg, dcfg):
 def train_config(batch: int = 8, seq_len: int = 3072, num_anchors: int = 512,
                  loss_chunk_anchors: int = 0, attention_impl: str = "xla"):
     """The trainer's config (the paper recipe's defaults) with these data/recipe settings."""
-    from dflash_jax.training.trainer import default_config
+    from configs.default import get_config as default_config
 
     c = default_config()
     c.data.batch_size, c.data.seq_len = batch, seq_len

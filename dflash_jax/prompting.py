@@ -2,7 +2,8 @@
 
 Text goes through the target directory's `tokenizer.json` (Hugging Face `tokenizers`), and
 through its chat template when the tokenizer config has one (rendered in jinja2's immutable
-sandbox, as transformers renders it: a model directory cannot run code).
+sandbox, as transformers renders it: a model directory cannot run code). Prompts cut from a
+corpus (the benchmarks' held-out code, the trainer's prompt pools): `dflash_jax.data.prompts`.
 """
 
 from __future__ import annotations
@@ -208,12 +209,3 @@ def encode_prompts(items: Sequence[dict], tokenizer, model_dir: Optional[str],
         out.append(ids)
     return out
 
-
-def encode_code_prompt(tokenizer, text: str, max_tokens: Optional[int] = None) -> List[int]:
-    """Token ids of a code-completion prompt, trailing whitespace cut, its last `max_tokens`.
-
-    A byte-level BPE merges a newline with the next line's indentation, so a prompt ending in a
-    bare newline ends on a token the model rarely saw there; stripping it keeps prompts in
-    distribution (the model writes the newline itself)."""
-    ids = list(tokenizer.encode(text.rstrip()))
-    return ids[-max_tokens:] if max_tokens else ids

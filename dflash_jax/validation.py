@@ -215,7 +215,7 @@ def _flatten(d: Mapping, prefix: str = "") -> dict:
 
 def unknown_keys(config: Mapping, reference: Mapping) -> List[str]:
     """'unknown config key X (did you mean Y?)' for every key of `config` that `reference`
-    (the trainer's default_config()) does not have."""
+    (configs/default.py's get_config()) does not have."""
     known = _flatten(reference)
     groups = {k.rsplit(".", 1)[0] for k in known if "." in k}
     out = []
@@ -231,11 +231,11 @@ def unknown_keys(config: Mapping, reference: Mapping) -> List[str]:
 def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     """Raises ConfigError (one line) for the first bad value of a trainer config: unknown keys
     (with the nearest valid key), wrong types, out-of-range sizes and rates, unknown choices.
-    `reference`: the known keys (default: `trainer.default_config()`)."""
+    `reference`: the known keys (default: configs/default.py's `get_config()`)."""
     if reference is None:
-        from dflash_jax.training.trainer import default_config
+        from configs.default import get_config
 
-        reference = default_config()
+        reference = get_config()
     bad = unknown_keys(config, reference)
     if bad:
         raise ConfigError(bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))

@@ -18,6 +18,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from dflash_jax import data as D  # noqa: E402
 from dflash_jax.data import builders as B  # noqa: E402
+from dflash_jax.data import prompts as P  # noqa: E402
 
 tfds.disable_progress_bar()
 
@@ -258,7 +259,7 @@ def test_code_prompts_are_verbatim_slices(stdlib_splits):
             return 1
         '''
     )
-    out = B.code_prompts(
+    out = P.code_prompts(
         [{"text": src, "path": "m.py"}], prompt_body_lines=2, reference_lines=3, context_lines=None
     )
     assert len(out) == 1
@@ -268,7 +269,7 @@ def test_code_prompts_are_verbatim_slices(stdlib_splits):
     assert p["lineno"] == 8
 
     # Held-out stdlib files.
-    prompts = B.code_prompts(stdlib_splits["validation"], reference_lines=6, max_per_file=2)
+    prompts = P.code_prompts(stdlib_splits["validation"], reference_lines=6, max_per_file=2)
     assert prompts
     texts = {ex["path"]: ex["text"] for ex in stdlib_splits["validation"]}
     train_paths = {ex["path"] for ex in stdlib_splits["train"]}
@@ -282,12 +283,10 @@ def test_code_prompts_are_verbatim_slices(stdlib_splits):
 def test_regeneration_prompt_sources_come_from_training_files(stdlib_splits, tok):
     """The drafter's regeneration prompts ("functions" and "mixed"): completion prompts cut from
     the training files only, trailing whitespace removed, at most prompt_len tokens each."""
-    from dflash_jax.training.trainer import _doc_prompts, _function_prompts
-
     tokenizer, _ = tok
     train = stdlib_splits["train"]
     rng = np.random.RandomState(0)
-    fn = _function_prompts(train, tokenizer, 20, 48, 2, 5, rng)
+    fn = P.function_prompts(train, tokenizer, 20, 48, 2, 5, rng)
     assert 0 < len(fn) <= 20
     assert all(0 < len(p) <= 48 for p in fn)
     train_text = "".join(ex["text"] for ex in train)
@@ -296,8 +295,8 @@ def test_regeneration_prompt_sources_come_from_training_files(stdlib_splits, tok
         assert text == text.rstrip() and text in train_text
     # A prompt is the end of a def's first body lines: its last line is indented code.
     assert all(tokenizer.decode(p).rsplit("\n", 1)[-1].startswith(" ") for p in fn)
-    assert _function_prompts(train, tokenizer, 0, 48, 2, 5, rng) == []
-    win = _doc_prompts(train, lambda ex: D.tokenize_example(ex, tokenizer), 7, 32, rng)
+    assert P.function_prompts(train, tokenizer, 0, 48, 2, 5, rng) == []
+    win = P.window_prompts(train, lambda ex: D.tokenize_example(ex, tokenizer), 7, 32, rng)
     assert len(win) == 7 and all(len(p) == 32 for p in win)
 
 

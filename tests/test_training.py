@@ -139,7 +139,7 @@ import time
 import warnings
 
 import dflash_jax as dj
-from dflash_jax.training import losses, trainer
+from dflash_jax.training import experiment, losses, trainer
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.metrics import read_event_scalars
 
@@ -174,8 +174,8 @@ def trained(regen_file, tmp_path_factory):
 
 
 def _tiny_target(cfg):
-    tcfg = trainer._model_config_from(cfg, 0)
-    return dj.Target(tcfg, trainer._fresh_target_params(tcfg, cfg.target_model))
+    tcfg = experiment.model_config_from(cfg, 0)
+    return dj.Target(tcfg, experiment.fresh_target_params(tcfg, cfg.target_model))
 
 
 def test_drafter_learns_the_targets_greedy_outputs(trained):
@@ -473,17 +473,17 @@ def test_unlikelihood_training_lowers_greedy_repetition(tmp_path):
     with pytest.raises(ValueError, match="prompt_source"):
         c = _ul_target_config(1.0)
         c.unlikelihood.prompt_source = "functions"  # synthetic documents have no text
-        trainer.build_experiment(c, str(tmp_path / "bad"))
+        experiment.build_experiment(c, str(tmp_path / "bad"))
 
 
 def test_every_config_sets_only_keys_the_trainer_reads():
-    """configs/*.py: each builds, and every key it holds is one of default_config()'s (a typo
+    """configs/*.py: each builds, and every key it holds is one of configs/default.py's (a typo
     in a config would otherwise be a silently ignored setting)."""
     import importlib
     import os
     import sys
 
-    from dflash_jax.training.trainer import default_config
+    from configs.default import get_config as default_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, root)

@@ -14,7 +14,7 @@ SCRIPT = r"""
 import sys
 sys.path.insert(0, ROOT)
 import jax, jax.numpy as jnp, numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 assert len(jax.devices()) == 8, jax.devices()
 from configs import tiny_test
 from dflash_jax.training import trainer
@@ -29,7 +29,7 @@ state0 = trainer.TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_param
 batches = [next(exp.train_iter) for _ in range(2)]
 results = []
 for devices in (jax.devices()[:1], jax.devices()):
-    mesh = trainer.make_mesh(devices)
+    mesh = Mesh(np.asarray(devices), ("data",))
     step = trainer.make_train_step(exp.loss_fn, opt, mesh)
     state = jax.device_put(state0, NamedSharding(mesh, P()))
     losses = []

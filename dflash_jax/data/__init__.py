@@ -1,8 +1,9 @@
-"""Training data pipeline: TFDS builders, tokenizers, packing and batching.
+"""Training data pipeline: TFDS builders, tokenizers, packing and batching, prompt pools.
 
 ``tokenizer`` and ``packing`` need only ``tokenizers`` and numpy.  The TFDS
-builders (``builders``) need ``tensorflow-datasets`` and ``array_record`` but
-not TensorFlow; they are imported lazily, on first use of one of their names.
+builders (``builders``) and the prompt pools cut from their files (``prompts``)
+need ``tensorflow-datasets`` and ``array_record`` but not TensorFlow; they are
+imported lazily, on first use of one of their names.
 """
 
 from __future__ import annotations
@@ -32,16 +33,15 @@ _LAZY_BUILDERS = (
     "UserFilesConfig",
     "build_python_stdlib",
     "build_user_files",
-    "code_prompts",
     "decode_example",
     "iter_texts",
     "list_stdlib_files",
     "load_split",
     "split_of",
     "stdlib_config",
-    "stdlib_prompts",
     "user_files_config",
 )
+_LAZY_PROMPTS = ("code_prompts", "stdlib_prompts")
 
 __all__ = [
     "EOS_TOKEN",
@@ -55,11 +55,15 @@ __all__ = [
     "tokenize_example",
     "train_bpe_tokenizer",
     *_LAZY_BUILDERS,
+    *_LAZY_PROMPTS,
 ]
 
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY_BUILDERS:
         module = importlib.import_module(".builders", __name__)
+        return getattr(module, name)
+    if name in _LAZY_PROMPTS:
+        module = importlib.import_module(".prompts", __name__)
         return getattr(module, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,100 @@
+"""The trainer's default config: every key `dflash_jax.training.train_and_evaluate` reads.
+
+The defaults are the DFlash paper's drafter recipe (appendix A.1): 5 drafter layers and 5 taps,
+block 16, 512 random anchors, gamma 7, CE loss on fully masked blocks, sequences of 3072 tokens,
+AdamW lr 6e-4 with 4% warmup and a cosine decay, global-norm clip 1.0, no weight decay, 6
+epochs. Every other file in `configs/` starts from `get_config()` and sets only what differs;
+`dflash_jax.validation` checks a config's keys against it (a typo is an error, not an ignored
+setting).
+
+    python train.py --config=configs/default.py --workdir=DIR --config.target_path=...
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    """Every key the trainer reads, with the paper's drafter recipe as defaults."""
+    c = ml_collections.ConfigDict()
+    c.mode = "drafter"  # "drafter" | "target"
+    c.seed = 0
+    # Device mesh: "" = data parallel over all local devices (parameters replicated), or a
+    # dflash_jax.sharding spec ("fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"; -1 = the rest).
+    c.mesh = ""
+    c.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
+    # Target: a HF directory, or (empty path) a random/fresh model described by target_model.
+    c.target_path = ""
+    c.target_model = ml_collections.ConfigDict(dict(
+        vocab_size=0,  # 0: the tokenizer's vocabulary size
+        hidden_size=256, intermediate_size=768, num_layers=6, num_heads=4, num_kv_heads=2,
+        head_dim=64, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
+        init_std=0.0,  # > 0: redraw every weight matrix ~ N(0, init_std) (peaky random targets)
+        attn_out_scale=1.0,  # < 1 scales o_proj: a random target close to a bigram model, whose
+        # greedy outputs a small drafter learns in seconds (tests)
+        init_seed=0))
+    c.tokenizer_dir = ""  # default: target_path; in target mode a BPE is trained if empty
+    c.tokenizer_vocab_size = 4096
+    # Drafter architecture and the DFlash recipe.
+    c.drafter = ml_collections.ConfigDict(dict(
+        num_layers=5, num_taps=5, block_size=16, mask_token_id=-1,  # -1: tokenizer's / V-1
+        intermediate_size=0,  # 0: the target's
+        target_layer_ids=(),  # empty: the default spread of num_taps layers
+        init_path=""))  # a z-lab drafter directory to continue from
+    c.num_anchors = 512
+    c.gamma = 7.0
+    c.loss = "ce"  # "ce" | "kl"
+    c.mask_schedule = "all"  # "all" | "random"
+    c.loss_chunk_anchors = 0  # > 0: drafter logits for this many anchors at a time (memory)
+    c.attention_impl = "xla"  # "xla" | "pallas" | "pallas_interpret"
+    c.use_segments = True
+    # Data.
+    c.data = ml_collections.ConfigDict(dict(
+        kind="stdlib",  # "stdlib" | "files" | "regenerated" | "synthetic"
+        paths=(), data_dir="", max_files=0, validation_percent=3.0,
+        include_tests=False,  # stdlib: add its test suites (held-out library files stay out)
+        seq_len=3072, batch_size=8, num_epochs=6, shuffle=True, allow_split=True,
+        num_shards=0,  # data streams the global batch is made of (0: one per JAX process)
+        num_docs=256, doc_len=64))  # synthetic: random-token documents
+    c.regen = ml_collections.ConfigDict(dict(
+        # "stdlib": random windows of prompt_len tokens of the training files; "functions":
+        # code-completion prompts cut from them (context lines, a def header and its first
+        # function_body_lines lines, at most prompt_len tokens); "mixed": half of each;
+        # "random": random token ids.
+        prompt_source="stdlib",
+        num_prompts=512, prompt_len=64, max_new_tokens=256, temperature=0.0, batch_size=32,
+        function_body_lines=2, functions_per_file=50,
+        holdout_fraction=0.05, output="",  # output default: workdir/regenerated.jsonl
+        only=False))  # True: write the responses (regen.output) and stop before training
+    # Target mode: sequence-level unlikelihood on the model's own greedy continuations
+    # (dflash_jax.training.unlikelihood): weight 0 = off. Prompts: `num_prompts` from the
+    # training documents ("docs": random windows; "functions": code-completion prompts;
+    # "mixed": half each), cut to their last prompt_len tokens; a continuation token inside an
+    # n-gram (n = ngram) already generated earlier in it is pushed down by -log(1 - p).
+    c.unlikelihood = ml_collections.ConfigDict(dict(
+        weight=0.0, batch_size=8, prompt_len=128, max_new_tokens=64, ngram=4,
+        prompt_source="mixed", num_prompts=4096))
+    # Optimization.
+    c.learning_rate = 6e-4
+    c.warmup_ratio = 0.04
+    c.end_lr_ratio = 0.0
+    c.grad_clip = 1.0
+    c.weight_decay = 0.0
+    c.b1 = 0.9
+    c.b2 = 0.999
+    c.num_train_steps = -1  # -1: num_epochs over the training tokens
+    c.stop_at_step = -1  # stop early (time-sliced jobs); the schedule is unchanged
+    # Loop.
+    c.log_every = 10
+    c.eval_every = 200
+    c.eval_batches = 2
+    c.eval_num_prompts = 8
+    c.eval_prompt_len = 64
+    c.eval_max_new_tokens = 64
+    c.checkpoint_every = 200
+    c.keep_checkpoints = 3
+    c.async_checkpoint = True
+    c.profile_dir = ""
+    c.profile_start_step = 5
+    c.profile_num_steps = 3
+    c.export = True
+    return c

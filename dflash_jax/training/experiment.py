@@ -1,0 +1,332 @@
+"""Building a training run from its config: `build_experiment(config, workdir) -> Experiment`.
+
+The tokenizer (loaded, or a BPE trained on the corpus in target mode), the documents (the
+Python stdlib or user files as TFDS sources, synthetic random ones, or responses the target
+regenerated to prompts from the training files), packed batch iterators, held-out batches and
+prompts, the target (a Hugging Face directory or a fresh random model), the drafter, the loss
+function of the mode, and in target mode with `unlikelihood.weight > 0` the sampler of the
+model's own greedy continuations. The trainer (`trainer.train_and_evaluate`) places these on
+its mesh and runs the loop; notebooks and tests use the Experiment directly.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from typing import Any, Callable, List, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax import console, distributed, hub
+from dflash_jax.config import ModelConfig, as_dtype
+from dflash_jax.drafter import DFlashDrafter, Drafter, init_drafter_params, make_drafter_config
+from dflash_jax.model import Transformer, init_params
+from dflash_jax.target import Target, load_target
+from dflash_jax.data.prompts import prompt_pool, window_prompts
+from dflash_jax.training import losses, unlikelihood
+
+
+def log(msg: str):
+    """One line on stdout (and the CLI's log file), from process 0 only."""
+    if distributed.is_primary():  # every process sees the same values: print them once
+        console.say(msg)  # stdout, and the CLI's log file (never twice on the console)
+
+
+@dataclasses.dataclass
+class Experiment:
+    """Everything a run needs, built from a config (usable from notebooks and tests)."""
+
+    config: Any
+    mode: str
+    target_cfg: ModelConfig
+    tmod: Transformer
+    target_params: Any  # frozen in drafter mode; the init in target mode
+    drafter_cfg: Any
+    dmod: Optional[DFlashDrafter]
+    init_params: Any  # params the optimizer trains, at step 0
+    loss_fn: Callable  # (params, frozen, batch, key) -> (loss, metrics)
+    train_iter: Any  # PackedBatchIterator
+    steps_per_epoch: int
+    eval_batches: List[dict]
+    eval_prompts: List[List[int]]
+    tokenizer: Any
+    tokenizer_dir: Optional[str]
+    stop_ids: tuple
+    repetition_sampler: Any = None  # unlikelihood.RepetitionSampler (target mode, weight > 0)
+
+    @property
+    def frozen(self):
+        return self.target_params if self.mode == "drafter" else None
+
+    def target_for(self, params) -> Target:
+        tp = params if self.mode == "target" else self.target_params
+        return Target(self.target_cfg, tp, path=self.tokenizer_dir)
+
+    def drafter_for(self, params) -> Drafter:
+        return Drafter(self.drafter_cfg, params)
+
+
+def model_config_from(config, vocab_size: int) -> ModelConfig:
+    m = config.target_model
+    return ModelConfig(
+        vocab_size=int(m.vocab_size or vocab_size), hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=float(m.rope_theta),
+        tie_word_embeddings=bool(m.tie_word_embeddings),
+        max_position_embeddings=m.max_position_embeddings, dtype=as_dtype(config.dtype),
+        param_dtype=jnp.float32)
+
+
+def fresh_target_params(cfg: ModelConfig, m) -> Any:
+    params = init_params(cfg, seed=m.init_seed)
+    if m.init_std > 0:
+        leaves, tree = jax.tree_util.tree_flatten(params)
+        keys = jax.random.split(jax.random.PRNGKey(m.init_seed + 1), len(leaves))
+        leaves = [m.init_std * jax.random.normal(k, x.shape, x.dtype) if x.ndim == 2 else x
+                  for k, x in zip(keys, leaves)]
+        params = jax.tree_util.tree_unflatten(tree, leaves)
+    if m.attn_out_scale != 1.0:
+        params = jax.tree_util.tree_map_with_path(
+            lambda path, x: x * m.attn_out_scale if any(
+                getattr(k, "key", None) == "o_proj" for k in path) else x, params)
+    return params
+
+
+def _ids_doc(eos_id: Optional[int]):
+    def tokenize(rec):
+        p, r = list(rec["prompt_ids"]), list(rec["response_ids"])
+        tail = [eos_id] if eos_id is not None and (not r or r[-1] != eos_id) else []
+        ids = np.asarray(p + r + tail, np.int32)
+        mask = np.ones(len(ids), np.int32)
+        mask[:len(p)] = 0
+        return ids, mask
+    return tokenize
+
+
+def _tfds_sources(config, workdir):
+    from dflash_jax.data import build_python_stdlib, build_user_files, load_split
+
+    d = config.data
+    data_dir = d.data_dir or os.path.join(workdir, "tfds")
+    if d.kind in ("stdlib", "regenerated"):
+        build = lambda: build_python_stdlib(data_dir, max_files=d.max_files or None,
+                                            validation_percent=d.validation_percent,
+                                            include_tests=d.include_tests)
+    else:
+        build = lambda: build_user_files(list(d.paths), data_dir,
+                                         validation_percent=d.validation_percent)
+    builder = distributed.primary_first(build, "tfds: " + data_dir)  # one writer
+    val = load_split(builder, "validation") if "validation" in builder.info.splits else []
+    return load_split(builder, "train"), val
+
+
+def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
+    """The drafter objective of `config` (the DFlash recipe) as loss_fn(params, frozen, batch,
+    key) -> (loss, metrics) for `make_train_step` (also what `dflash_jax.dry_run` compiles)."""
+    dcfg = dmod.cfg
+    recipe = losses.DrafterRecipe(
+        block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
+        tap_layers=tuple(dcfg.target_layer_ids), num_anchors=config.num_anchors,
+        gamma=config.gamma, loss=config.loss, mask_schedule=config.mask_schedule,
+        attention_impl=config.attention_impl, use_segments=config.use_segments,
+        loss_chunk_anchors=config.loss_chunk_anchors)
+
+    def loss_fn(params, frozen, batch, key):
+        return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
+
+    return loss_fn
+
+
+def build_experiment(config, workdir: str) -> Experiment:
+    """Tokenizer, data, target, drafter and loss for `config`."""
+    from dflash_jax.data import (PackedBatchIterator, load_tokenizer, tokenize_example,
+                                 train_bpe_tokenizer)
+    from dflash_jax.data.builders import iter_texts
+
+    mode = config.mode
+    if mode not in ("drafter", "target"):
+        raise ValueError(f"mode must be 'drafter' or 'target', got {mode!r}")
+    d = config.data
+    rng = np.random.RandomState(config.seed)
+
+    # Tokenizer. Model locations may be hub ids (resolved to their cached snapshots).
+    target_path = hub.local_path(config.target_path, what="target") if config.target_path else ""
+    tok_dir = (hub.local_path(config.tokenizer_dir, what="tokenizer") if config.tokenizer_dir
+               else target_path) or None
+    tokenizer = None
+    if tok_dir and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+        tokenizer = load_tokenizer(tok_dir)
+    train_src = val_src = None
+    if d.kind in ("stdlib", "files") or (d.kind == "regenerated" and
+                                         config.regen.prompt_source != "random"):
+        train_src, val_src = _tfds_sources(config, workdir)
+    if tokenizer is None and mode == "target" and d.kind != "synthetic":
+        tok_dir = os.path.join(workdir, "tokenizer")
+
+        def load_or_train():
+            if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
+                return load_tokenizer(tok_dir)
+            return train_bpe_tokenizer(iter_texts(train_src), tok_dir,
+                                       vocab_size=config.tokenizer_vocab_size,
+                                       total=len(train_src))
+
+        tokenizer = distributed.primary_first(load_or_train, "tokenizer")  # one writer
+    eos_id = tokenizer.eos_id if tokenizer is not None else None
+    pad_id = tokenizer.pad_id if tokenizer is not None else 0
+
+    # Target.
+    if target_path:
+        target = load_target(target_path, dtype=config.dtype)
+        tcfg, tparams = target.config, target.params
+    else:
+        vocab = tokenizer.vocab_size if tokenizer is not None else 0
+        tcfg = model_config_from(config, vocab)
+        if tcfg.vocab_size <= 0:
+            raise ValueError("target_model.vocab_size is needed without a tokenizer")
+        tparams = fresh_target_params(tcfg, config.target_model)
+    tmod = Transformer(tcfg, "xla")
+
+    # Documents.
+    text_tokenize = (lambda ex: tokenize_example(ex, tokenizer)) if tokenizer else None
+    eval_prompts: List[List[int]] = []
+    if d.kind == "synthetic":
+        drng = np.random.RandomState(config.seed + 17)
+        docs = [{"prompt_ids": drng.randint(2, tcfg.vocab_size, 4).tolist(),
+                 "response_ids": drng.randint(2, tcfg.vocab_size, d.doc_len).tolist()}
+                for _ in range(d.num_docs)]
+        train_docs, eval_docs = docs[: int(0.9 * len(docs))], docs[int(0.9 * len(docs)):]
+        tokenize_fn = _ids_doc(eos_id)
+        eval_prompts = [list(rec["prompt_ids"]) + list(rec["response_ids"][:8])
+                        for rec in eval_docs[: config.eval_num_prompts]]
+    elif d.kind == "regenerated":
+        if mode != "drafter":
+            raise ValueError("data.kind='regenerated' is for drafter training")
+        train_docs, eval_docs = _regenerated_docs(config, workdir, tcfg, tparams, tokenizer,
+                                                  train_src, text_tokenize, rng)
+        tokenize_fn = _ids_doc(None)  # responses end with the eos the target produced
+        eval_prompts = [list(rec["prompt_ids"]) for rec in eval_docs[: config.eval_num_prompts]]
+    else:
+        if tokenizer is None:
+            raise ValueError(f"data.kind={d.kind!r} needs a tokenizer (tokenizer_dir or a "
+                             "target_path with tokenizer.json)")
+        train_docs, eval_docs, tokenize_fn = train_src, val_src, text_tokenize
+        eval_prompts = window_prompts(eval_docs, tokenize_fn, config.eval_num_prompts,
+                                      config.eval_prompt_len, rng) if len(eval_docs) else []
+
+    epoch_tokens = sum(len(tokenize_fn(train_docs[i])[0]) for i in range(len(train_docs)))
+    steps_per_epoch = max(1, math.ceil(epoch_tokens / (d.seq_len * d.batch_size)))
+    train_iter = PackedBatchIterator(train_docs, tokenize_fn, seq_len=d.seq_len,
+                                     batch_size=d.batch_size, seed=config.seed,
+                                     shuffle=d.shuffle, pad_id=pad_id, allow_split=d.allow_split)
+    eval_batches = []
+    if len(eval_docs) and config.eval_batches > 0:
+        it = PackedBatchIterator(eval_docs, tokenize_fn, seq_len=d.seq_len,
+                                 batch_size=d.batch_size, shuffle=False, num_epochs=1,
+                                 pad_id=pad_id, allow_split=d.allow_split, drop_remainder=False)
+        for batch in it:
+            eval_batches.append(batch)
+            if len(eval_batches) >= config.eval_batches:
+                break
+
+    # Trained model and loss.
+    dcfg = dmod = None
+    if mode == "drafter":
+        dc = config.drafter
+        mask_id = dc.mask_token_id
+        if mask_id < 0:
+            mask_id = (tokenizer.mask_id if tokenizer is not None and
+                       tokenizer.mask_id is not None else tcfg.vocab_size - 1)
+        overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
+        dcfg = make_drafter_config(tcfg, num_layers=dc.num_layers, num_taps=dc.num_taps,
+                                   block_size=dc.block_size, mask_token_id=mask_id,
+                                   target_layer_ids=tuple(dc.target_layer_ids) or None,
+                                   **overrides)
+        if dc.init_path:
+            from dflash_jax.drafter import load_drafter
+
+            dcfg_params = load_drafter(dc.init_path, target=Target(tcfg, tparams))
+            dcfg, init = dcfg_params.config, dcfg_params.params
+        else:
+            init = init_drafter_params(dcfg, seed=config.seed)
+        dmod = DFlashDrafter(dcfg)
+        loss_fn = drafter_loss_fn(config, tmod, dmod)
+    else:
+        init = tparams
+        ul_weight = float(config.unlikelihood.weight)
+
+        def loss_fn(params, frozen, batch, key):
+            del frozen, key
+            return unlikelihood.combined_loss(tmod, params, batch, ul_weight,
+                                              losses.target_loss)
+
+    stop_ids = (eos_id,) if eos_id is not None else ()
+    sampler = None
+    if mode == "target" and config.unlikelihood.weight > 0:
+        sampler = _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn,
+                                      stop_ids, pad_id, rng)
+    return Experiment(config=config, mode=mode, target_cfg=tcfg, tmod=tmod,
+                      target_params=tparams, drafter_cfg=dcfg, dmod=dmod, init_params=init,
+                      loss_fn=loss_fn, train_iter=train_iter, steps_per_epoch=steps_per_epoch,
+                      eval_batches=eval_batches, eval_prompts=eval_prompts, tokenizer=tokenizer,
+                      tokenizer_dir=tok_dir, stop_ids=stop_ids, repetition_sampler=sampler)
+
+
+def _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn, stop_ids, pad_id,
+                        rng) -> "unlikelihood.RepetitionSampler":
+    u = config.unlikelihood
+    if u.prompt_source not in ("docs", "functions", "mixed"):
+        raise ValueError("unlikelihood.prompt_source must be 'docs', 'functions' or 'mixed', "
+                         f"got {u.prompt_source!r}")
+    if u.prompt_source != "docs" and tokenizer is None:
+        raise ValueError(f"unlikelihood.prompt_source={u.prompt_source!r} needs text documents "
+                         "and a tokenizer; use 'docs'")
+    n_fn = {"docs": 0, "functions": u.num_prompts, "mixed": u.num_prompts // 2}[u.prompt_source]
+    prompts = prompt_pool(train_docs, tokenizer, tokenize_fn, u.num_prompts, n_fn, u.prompt_len,
+                          2, 50, rng)
+    return unlikelihood.RepetitionSampler(
+        tcfg, prompts, batch_size=u.batch_size, prompt_len=u.prompt_len,
+        max_new_tokens=u.max_new_tokens, ngram=u.ngram, stop_ids=stop_ids, pad_id=pad_id)
+
+
+def _process_group_mesh():
+    """Several processes: a data-parallel mesh over all their devices (generation that every
+    process takes part in). One process: None (generation on the default device)."""
+    if not distributed.is_multiprocess():
+        return None
+    from dflash_jax import sharding
+
+    return sharding.make_mesh(data=-1, fsdp=1, tensor=1)
+
+
+def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng):
+    from dflash_jax.training.regenerate import read_records, regenerate
+
+    r = config.regen
+    path = r.output or os.path.join(workdir, "regenerated.jsonl")
+    # Decided once (process 0's view): a file one process is writing must not change it.
+    if not distributed.broadcast(np.int32(os.path.exists(path))):
+        if r.prompt_source == "random":
+            prng = np.random.RandomState(config.seed + 29)
+            prompts = [prng.randint(2, tcfg.vocab_size, r.prompt_len).tolist()
+                       for _ in range(r.num_prompts)]
+        elif r.prompt_source in ("stdlib", "functions", "mixed"):
+            if text_tokenize is None:
+                raise ValueError(f"regen.prompt_source={r.prompt_source!r} needs a tokenizer")
+            n_fn = {"stdlib": 0, "functions": r.num_prompts,
+                    "mixed": r.num_prompts // 2}[r.prompt_source]
+            prompts = prompt_pool(train_src, tokenizer, text_tokenize, r.num_prompts, n_fn,
+                                  r.prompt_len, r.function_body_lines, r.functions_per_file, rng)
+        else:
+            raise ValueError("regen.prompt_source must be 'stdlib', 'functions', 'mixed' or "
+                             f"'random', got {r.prompt_source!r}")
+        log(f"regenerating {len(prompts)} responses with the target -> {path}")
+        regenerate(Target(tcfg, tparams), prompts, path, max_new_tokens=r.max_new_tokens,
+                   batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
+                   stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
+                   tokenizer=tokenizer, mesh=_process_group_mesh())
+    records = read_records(path, vocab_size=tcfg.vocab_size)
+    n_eval = max(1, int(round(r.holdout_fraction * len(records))))
+    return records[:-n_eval], records[-n_eval:]
