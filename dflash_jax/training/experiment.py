@@ -70,6 +70,8 @@ class Experiment:
 
 
 def model_config_from(config, vocab_size: int) -> ModelConfig:
+    """The fresh target of `config.target_model` (vocab_size 0: `vocab_size`, the
+    tokenizer's), computing in config.dtype with float32 parameters."""
     m = config.target_model
     return ModelConfig(
         vocab_size=int(m.vocab_size or vocab_size), hidden_size=m.hidden_size,
@@ -81,6 +83,8 @@ def model_config_from(config, vocab_size: int) -> ModelConfig:
 
 
 def fresh_target_params(cfg: ModelConfig, m) -> Any:
+    """Random parameters of a fresh target; `m` (config.target_model) may redraw every
+    matrix ~ N(0, init_std) and scale o_proj by attn_out_scale (see configs/default.py)."""
     params = init_params(cfg, seed=m.init_seed)
     if m.init_std > 0:
         leaves, tree = jax.tree_util.tree_flatten(params)
