@@ -11,7 +11,8 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "scripts", "reproduce_tiny_code.sh")
-CONFIG_PATH = re.compile(r"\bconfigs/[A-Za-z0-9_/]+\.py\b")
+# A repo path (not one at a git revision, `git show REV:configs/old.py`).
+CONFIG_PATH = re.compile(r"(?<![:\w/])configs/[A-Za-z0-9_/]+\.py\b")
 # Files that tell a user which config to run.
 NAMING = ["Makefile", "README.md", "train.py", "notebooks/build_notebook.py", "scripts/*.sh",
           "docs/*.md", "assets/*/README.md", "benchmarks/README.md", "configs/**/*.py"]
