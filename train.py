@@ -1,7 +1,7 @@
 """Train a DFlash drafter or a small target.
 
-    python train.py --config=configs/tiny_code_target.py --workdir=/tmp/tiny_target
-    python train.py --config=configs/tiny_code_drafter.py --workdir=/tmp/tiny_drafter \
+    python train.py --config=configs/tiny_code/target.py --workdir=/tmp/tiny_target
+    python train.py --config=configs/tiny_code/drafter.py --workdir=/tmp/tiny_drafter \
         --config.target_path=/tmp/tiny_target/export/target    # or a hub id: Qwen/Qwen3-8B
 
 Prints one line per log step, evaluations, checkpoints and the export; library log lines

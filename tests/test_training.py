@@ -497,9 +497,11 @@ def test_every_config_sets_only_keys_the_trainer_reads():
         return out
 
     known = keys(default_config())
-    names = sorted(f[:-3] for f in os.listdir(os.path.join(root, "configs"))
+    cdir = os.path.join(root, "configs")  # configs/*.py and configs/<group>/*.py
+    names = sorted(os.path.relpath(os.path.join(d, f), cdir)[:-3].replace(os.sep, ".")
+                   for d, _, fs in os.walk(cdir) for f in fs
                    if f.endswith(".py") and f not in ("__init__.py", "paper_recipe.py"))
-    assert {"tiny_code_target", "tiny_code_target_stage2", "tiny_code_drafter_stage2"} <= \
+    assert {"tiny_code.target", "tiny_code.target_stage2", "tiny_code.drafter_stage2"} <= \
         set(names)
     for name in names:
         cfg = importlib.import_module(f"configs.{name}").get_config()

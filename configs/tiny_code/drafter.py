@@ -1,13 +1,13 @@
 """A block-16 DFlash drafter for the tiny code target, on the target's own responses.
 
-First run configs/tiny_code_target.py; this config then regenerates greedy responses with that
+First run configs/tiny_code/target.py; this config then regenerates greedy responses with that
 target (workdir/regenerated.jsonl) to 16,384 prompts from the training files, half random
 128-token windows and half code-completion prompts (context, a def header and two body lines, as
 in the benchmark but from other files), and trains the drafter on them (~3 epochs). About 15
 minutes of regeneration and 40 of training on an otherwise idle 2-core CPU. The bundled drafter
-is this one fine-tuned for the stage-2 target (configs/tiny_code_drafter_stage2.py).
+is this one fine-tuned through stages 2-4 (configs/tiny_code/drafter_stage4.py).
 
-    python train.py --config=configs/tiny_code_drafter.py --workdir=/tmp/tiny_drafter \
+    python train.py --config=configs/tiny_code/drafter.py --workdir=/tmp/tiny_drafter \
         --config.target_path=/tmp/tiny_target/export/target
 """
 

@@ -3,10 +3,10 @@
 A byte-level BPE (4096 tokens) is trained on the corpus first (workdir/tokenizer). 3600 steps of
 8x256 tokens (~7.4M tokens, ~2.5 epochs of the ~2.9M-token corpus) take about 40 minutes on an
 otherwise idle 2-core CPU (~3,300 tokens/s). The result is exported as a Hugging Face directory
-(workdir/export/target, tokenizer.json beside it). configs/tiny_code_target_stage2.py continues
-it (the bundled target is the stage-2 export).
+(workdir/export/target, tokenizer.json beside it). configs/tiny_code/target_stage2.py continues
+it; the bundled target is stage 2 fine-tuned by configs/tiny_code/target_unlikelihood.py.
 
-    python train.py --config=configs/tiny_code_target.py --workdir=/tmp/tiny_target
+    python train.py --config=configs/tiny_code/target.py --workdir=/tmp/tiny_target
 """
 
 from configs.default import get_config as default_config

@@ -1,6 +1,6 @@
 """The tiny code target, fine-tuned against greedy loops (sequence-level unlikelihood).
 
-Stages 1-4 (configs/tiny_code_target*.py) showed that a better language model does not loop
+Stages 1-4 (stages 3-4, not shipped, are in git history: assets/tiny-code/README.md) showed that a better language model does not loop
 less: held-out loss fell from 1.13 to 1.00 bits/byte while the share of held-out prompts whose
 greedy completion loops rose from 20% to 34%. This stage attacks the loops directly: it
 continues the stage-2 export on the library code with, at every step, greedy continuations of
@@ -16,11 +16,11 @@ code 1.00, 0.97; stage 2: 0.70 and 20% of prompts below 0.5); the price is a les
 (1.21 bits/byte against 1.13, mean top-1 probability 0.35 against 0.50), whose text a drafter
 predicts less well (block-16 tau 3.10 -> 1.78 on the benchmark).
 
-    python train.py --config=configs/tiny_code_target_unlikelihood.py --workdir=/tmp/tiny_target_ul \\
+    python train.py --config=configs/tiny_code/target_unlikelihood.py --workdir=/tmp/tiny_target_ul \\
         --config.target_path=/tmp/tiny_target2/export/target
 """
 
-from configs.tiny_code_target_stage2 import get_config as stage2_config
+from configs.tiny_code.target_stage2 import get_config as stage2_config
 
 
 def get_config():

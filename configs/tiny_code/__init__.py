@@ -1,0 +1,1 @@
+"""The bundled tiny-code pair, stage by stage (scripts/reproduce_tiny_code.sh runs them all)."""
