@@ -217,3 +217,16 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
         c2 = ml_collections.ConfigDict(d2)  # a config file can hold any type
         with pytest.raises(validation.ConfigError, match=message):
             validation.check_train_config(c2)
+
+
+def test_conversations_end_where_the_next_prompt_would_not_fit(chat_target, tmp_path):
+    d, target, tok = chat_target
+    render, _ = chat.template_renderer(d)
+    long = "z" * (target.config.max_position_embeddings + 10)  # one token per character
+    convs = [[{"role": "user", "content": "hi"}, {"role": "user", "content": long}],
+             [{"role": "user", "content": long}]]
+    recs = regen.regenerate_chat(target, convs, str(tmp_path / "r.jsonl"), render=render,
+                                 encode=tok.encode, max_new_tokens=4, batch_size=2,
+                                 stop_token_ids=(tok.eos_id,))
+    assert len(recs) == 1 and len(recs[0]["turns"]) == 1  # cut before turn 2; one dropped
+    assert long not in tok.decode(recs[0]["input_ids"])

@@ -94,6 +94,8 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
     (the last padded with repeats, one compiled program); turn k's prompt is
     `chat.chat_ids(render, encode, conversation so far, earlier responses,
     add_generation_prompt=True)`, so earlier answers enter as the exact ids the target wrote.
+    A conversation whose next prompt + max_new_tokens would exceed the target's context ends
+    before that turn (one with no turn left is dropped; a line says how many).
     render(messages, add_generation_prompt) -> text (`chat.template_renderer`); encode(text)
     -> ids; decode(ids) -> text (only for the records' "messages"). At temperature > 0 every
     batch draws with its own seed (seed, turn, batch)."""
@@ -103,6 +105,8 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
     users = [[j for j, m in enumerate(c) if m["role"] == "user"] for c in convs]
     if any(not u for u in users):
         raise ValueError("regenerate_chat: every conversation needs a user turn")
+    if not convs:
+        raise ValueError("regenerate_chat: no conversations")
     msgs: List[List[dict]] = [[] for _ in convs]  # the conversation so far, answers included
     responses: List[List[List[int]]] = [[] for _ in convs]
     turns: List[List[dict]] = [[] for _ in convs]
@@ -110,13 +114,21 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
     total = sum(len(u) for u in users)
     bar = console.progress(total=total, desc="regenerate", unit="turn")
     t0, done, n_batches = time.time(), 0, 0
+    context = target.config.max_position_embeddings
+    ended = set()  # conversations whose next prompt would not fit the context: cut there
     for k in range(max(len(u) for u in users)):
-        active = [i for i, u in enumerate(users) if len(u) > k]
-        prompts = []
-        for i in active:
+        active, prompts = [], []
+        for i in (i for i, u in enumerate(users) if len(u) > k and i not in ended):
             start = 0 if k == 0 else users[i][k - 1] + 1
-            msgs[i] += convs[i][start:users[i][k] + 1]  # (system,) user turn k
-            prompts.append(chat_ids(render, encode, msgs[i], responses[i], True, stop)[0])
+            turn = msgs[i] + convs[i][start:users[i][k] + 1]  # (system,) user turn k
+            p = chat_ids(render, encode, turn, responses[i], True, stop)[0]
+            if len(p) + max_new_tokens > context:
+                ended.add(i)
+                bar.update(len(users[i]) - k)
+                continue
+            msgs[i] = turn
+            active.append(i)
+            prompts.append(p)
         for b0 in range(0, len(active), batch_size):
             chunk = prompts[b0:b0 + batch_size]
             padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
@@ -138,9 +150,14 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
                     distributed.is_primary():
                 console.say(f"regenerate: {done}/{total} turns, {time.time() - t0:.0f}s")
     bar.close()
+    if ended:
+        console.say(f"regenerate: {len(ended)} conversation(s) cut where prompt + "
+                    f"max_new_tokens ({max_new_tokens}) exceeds the target's context "
+                    f"({context}); {sum(not responses[i] for i in ended)} dropped entirely")
     records = []
     for i in range(len(convs)):
-        # A trailing system/user message after the last answer has no response: dropped.
+        if not responses[i]:
+            continue
         ids, mask = chat_ids(render, encode, msgs[i], responses[i], False, stop)
         rec = {"input_ids": ids, "loss_mask": mask, "prompt_ids": turns[i][0]["prompt_ids"],
                "turns": turns[i]}

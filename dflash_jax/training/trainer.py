@@ -97,7 +97,8 @@ def default_config() -> ml_collections.ConfigDict:
         # "random": random token ids; "file": the conversations of prompt_file (JSONL:
         # ShareGPT "conversations", OpenAI "messages" or plain "prompt", dflash_jax.data.chat),
         # every assistant turn regenerated in order, through the target's chat template when
-        # chat_template and the tokenizer has one (rows: loss on assistant tokens only).
+        # chat_template and the tokenizer has one (rows: loss on assistant tokens only; all
+        # of the file's conversations, num_prompts/prompt_len unused; max_new_tokens per turn).
         prompt_source="stdlib", prompt_file="", chat_template=True,
         num_prompts=512, prompt_len=64, max_new_tokens=256, temperature=0.0, batch_size=32,
         function_body_lines=2, functions_per_file=50,
