@@ -171,7 +171,7 @@ def template_renderer(model_dir: Optional[str], use_chat_template: bool = True):
 
     template = prompting.chat_template(model_dir) if use_chat_template else None
     if template is None:
-        return plain_render, "plain text (no chat template)"
+        return plain_render, "no chat template: plain text"
     where = os.path.join(model_dir, "tokenizer_config.json")
     variables = prompting.special_tokens(model_dir)
 

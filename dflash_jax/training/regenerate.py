@@ -129,6 +129,8 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
             msgs[i] = turn
             active.append(i)
             prompts.append(p)
+        order = sorted(range(len(active)), key=lambda j: len(prompts[j]))  # less padding
+        active, prompts = [active[j] for j in order], [prompts[j] for j in order]
         for b0 in range(0, len(active), batch_size):
             chunk = prompts[b0:b0 + batch_size]
             padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
