@@ -59,8 +59,12 @@ def get_config() -> ml_collections.ConfigDict:
         # "stdlib": random windows of prompt_len tokens of the training files; "functions":
         # code-completion prompts cut from them (context lines, a def header and its first
         # function_body_lines lines, at most prompt_len tokens); "mixed": half of each;
-        # "random": random token ids.
-        prompt_source="stdlib",
+        # "random": random token ids; "file": the conversations of prompt_file (JSONL:
+        # ShareGPT "conversations", OpenAI "messages" or plain "prompt", dflash_jax.data.chat),
+        # every assistant turn regenerated in order, through the target's chat template when
+        # chat_template and the tokenizer has one (rows: loss on assistant tokens only; all
+        # of the file's conversations, num_prompts/prompt_len unused; max_new_tokens per turn).
+        prompt_source="stdlib", prompt_file="", chat_template=True,
         num_prompts=512, prompt_len=64, max_new_tokens=256, temperature=0.0, batch_size=32,
         function_body_lines=2, functions_per_file=50,
         holdout_fraction=0.05, output="",  # output default: workdir/regenerated.jsonl

@@ -151,8 +151,9 @@ def _template_env():
 
 
 def render_chat(template: str, messages: Sequence[dict], where: str = "chat template",
-                **variables) -> str:
-    """The chat template rendered over `messages` with a generation prompt (thinking off),
+                add_generation_prompt: bool = True, **variables) -> str:
+    """The chat template rendered over `messages` with a generation prompt (thinking off;
+    `add_generation_prompt=False`: a finished conversation, e.g. a training row),
     in the sandbox of `_template_env`. `variables`: e.g. `special_tokens(model_dir)`. A
     template that tries to reach Python internals, has a syntax error or raises is a
     ValueError naming `where`."""
@@ -161,7 +162,8 @@ def render_chat(template: str, messages: Sequence[dict], where: str = "chat temp
     env = _template_env()
     try:
         return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=True, enable_thinking=False,
+            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            enable_thinking=False,
             **variables)
     except SecurityError as e:
         raise ValueError(f"{where}: refused to render: the template tried an unsafe operation "

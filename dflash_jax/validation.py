@@ -255,7 +255,23 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     choice("dtype", c.dtype, ("float32", "bfloat16", "float16"))
     choice("data.kind", c.data.kind, ("stdlib", "files", "regenerated", "synthetic"))
     choice("regen.prompt_source", c.regen.prompt_source,
-           ("stdlib", "functions", "mixed", "random"))
+           ("stdlib", "functions", "mixed", "random", "file"))
+    if not isinstance(c.regen.get("chat_template", True), bool):
+        raise E(f"regen.chat_template must be True or False, got "
+                f"{_describe(c.regen.chat_template)}")
+    prompt_file = c.regen.get("prompt_file", "")
+    if c.regen.prompt_source == "file":
+        # The file is read when regeneration runs; an existing regen.output is reused as is.
+        out = c.regen.output
+        if not (out and os.path.exists(out)):
+            if not isinstance(prompt_file, str) or not prompt_file:
+                raise E("regen.prompt_source='file' needs regen.prompt_file (JSONL "
+                        "conversations or prompts)")
+            if not os.path.isfile(prompt_file):
+                raise E(f"regen.prompt_file {prompt_file}: no such file")
+    elif prompt_file:
+        raise E(f"regen.prompt_file is set but regen.prompt_source is "
+                f"{c.regen.prompt_source!r}; set regen.prompt_source='file'")
     choice("unlikelihood.prompt_source", c.unlikelihood.prompt_source,
            ("docs", "functions", "mixed"))
     int_param("seed", c.seed, error=E)

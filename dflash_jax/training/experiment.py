@@ -165,7 +165,7 @@ def build_experiment(config, workdir: str) -> Experiment:
         tokenizer = load_tokenizer(tok_dir)
     train_src = val_src = None
     if d.kind in ("stdlib", "files") or (d.kind == "regenerated" and
-                                         config.regen.prompt_source != "random"):
+                                         config.regen.prompt_source not in ("random", "file")):
         train_src, val_src = _tfds_sources(config, workdir)
     if tokenizer is None and mode == "target" and d.kind != "synthetic":
         tok_dir = os.path.join(workdir, "tokenizer")
@@ -209,8 +209,10 @@ def build_experiment(config, workdir: str) -> Experiment:
         if mode != "drafter":
             raise ValueError("data.kind='regenerated' is for drafter training")
         train_docs, eval_docs = _regenerated_docs(config, workdir, tcfg, tparams, tokenizer,
-                                                  train_src, text_tokenize, rng)
-        tokenize_fn = _ids_doc(None)  # responses end with the eos the target produced
+                                                  train_src, text_tokenize, rng, tok_dir)
+        from dflash_jax.training.regenerate import record_tokens
+
+        tokenize_fn = record_tokens  # responses end with the eos the target produced
         eval_prompts = [list(rec["prompt_ids"]) for rec in eval_docs[: config.eval_num_prompts]]
     else:
         if tokenizer is None:
@@ -305,13 +307,22 @@ def _process_group_mesh():
     return sharding.make_mesh(data=-1, fsdp=1, tensor=1)
 
 
-def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng):
-    from dflash_jax.training.regenerate import read_records, regenerate
+def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng,
+                      tok_dir=None):
+    from dflash_jax.training.regenerate import read_records, regenerate, regenerate_from_file
 
     r = config.regen
     path = r.output or os.path.join(workdir, "regenerated.jsonl")
     # Decided once (process 0's view): a file one process is writing must not change it.
-    if not distributed.broadcast(np.int32(os.path.exists(path))):
+    exists = bool(distributed.broadcast(np.int32(os.path.exists(path))))
+    if not exists and r.prompt_source == "file":
+        regenerate_from_file(
+            Target(tcfg, tparams), tokenizer, tok_dir, r.prompt_file, path,
+            use_chat_template=r.chat_template, log=log, max_new_tokens=r.max_new_tokens,
+            batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
+            stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
+            mesh=_process_group_mesh())
+    elif not exists:
         if r.prompt_source == "random":
             prng = np.random.RandomState(config.seed + 29)
             prompts = [prng.randint(2, tcfg.vocab_size, r.prompt_len).tolist()

@@ -5,8 +5,19 @@ batches (greedy or sampled) and writes JSONL records that `dflash_jax.data.build
 reads: {"prompt": text, "response": text, "prompt_ids": [...], "response_ids": [...]}
 (texts only when a tokenizer is given; the ids are the exact tokens the target produced).
 
+`regenerate_chat(target, conversations, out_path, render=..., encode=...)` does what SpecForge's
+`regenerate_train_data.py` does for chat data: every assistant turn of each conversation is
+regenerated in order, turn k's prompt being the conversation so far (system message, user turns
+and the regenerated earlier answers) through the target's chat template with a generation
+prompt. Its records are training rows: {"input_ids": the templated conversation, "loss_mask":
+1 on the assistant tokens only, "prompt_ids": turn 1's prompt (evaluation), "turns":
+[{"prompt_ids", "response_ids"}, ...], "messages": texts (with a tokenizer)}.
+`record_tokens(rec)` gives (ids, loss_mask) for either kind of record.
+
 CLI: python -m dflash_jax.training.regenerate --target=DIR --prompts=FILE.jsonl --out=OUT.jsonl
-     (prompts: JSONL with "prompt" text per line; --max_new_tokens, --temperature, --batch_size)
+     (prompts: JSONL of conversations, see `dflash_jax.data.chat`: ShareGPT "conversations",
+     OpenAI "messages" or plain "prompt"; --chat_template (default on when the tokenizer has
+     one), --max_new_tokens, --temperature, --batch_size)
 """
 
 from __future__ import annotations
@@ -14,7 +25,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import List, Optional, Sequence
+from typing import Callable, List, Optional, Sequence
 
 from dflash_jax import console, distributed
 from dflash_jax.decoding import generate
@@ -52,6 +63,12 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
             console.say(f"regenerate: {len(records)}/{len(prompts)} responses, "
                         f"{time.time() - t0:.0f}s")
     bar.close()
+    _write_records(records, out_path)
+    return records
+
+
+def _write_records(records: List[dict], out_path: str) -> None:
+    """Process 0 writes `records` atomically (tmp file, then rename); all wait for the file."""
     if distributed.is_primary():
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         tmp = out_path + ".tmp"
@@ -60,15 +77,125 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
                 f.write(json.dumps(rec) + "\n")
         os.replace(tmp, out_path)
     distributed.sync("regenerate: " + os.path.basename(out_path))  # the file is complete
+
+
+def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: str, *,
+                    render: Callable, encode: Callable, decode: Optional[Callable] = None,
+                    max_new_tokens: int = 256, batch_size: int = 32, temperature: float = 0.0,
+                    top_p: Optional[float] = None, seed: int = 0,
+                    stop_token_ids: Sequence[int] = (), drafter=None, log_every: int = 10,
+                    mesh=None) -> List[dict]:
+    """Regenerates every assistant turn of `conversations` (lists of {"role", "content"}:
+    an optional system message and user turns; assistant turns given are ignored, as
+    `dflash_jax.data.chat.read_conversations` returns them) and writes training rows (JSONL,
+    see the module doc). Returns the records.
+
+    Turn k of all conversations that have one is generated together, in fixed-size batches
+    (the last padded with repeats, one compiled program); turn k's prompt is
+    `chat.chat_ids(render, encode, conversation so far, earlier responses,
+    add_generation_prompt=True)`, so earlier answers enter as the exact ids the target wrote.
+    A conversation whose next prompt + max_new_tokens would exceed the target's context ends
+    before that turn (one with no turn left is dropped; a line says how many).
+    render(messages, add_generation_prompt) -> text (`chat.template_renderer`); encode(text)
+    -> ids; decode(ids) -> text (only for the records' "messages"). At temperature > 0 every
+    batch draws with its own seed (seed, turn, batch)."""
+    from dflash_jax.data.chat import chat_ids
+
+    convs = [[dict(m) for m in c if m["role"] != "assistant"] for c in conversations]
+    users = [[j for j, m in enumerate(c) if m["role"] == "user"] for c in convs]
+    if any(not u for u in users):
+        raise ValueError("regenerate_chat: every conversation needs a user turn")
+    if not convs:
+        raise ValueError("regenerate_chat: no conversations")
+    msgs: List[List[dict]] = [[] for _ in convs]  # the conversation so far, answers included
+    responses: List[List[List[int]]] = [[] for _ in convs]
+    turns: List[List[dict]] = [[] for _ in convs]
+    stop = tuple(int(s) for s in stop_token_ids)
+    total = sum(len(u) for u in users)
+    bar = console.progress(total=total, desc="regenerate", unit="turn")
+    t0, done, n_batches = time.time(), 0, 0
+    context = target.config.max_position_embeddings
+    ended = set()  # conversations whose next prompt would not fit the context: cut there
+    for k in range(max(len(u) for u in users)):
+        active, prompts = [], []
+        for i in (i for i, u in enumerate(users) if len(u) > k and i not in ended):
+            start = 0 if k == 0 else users[i][k - 1] + 1
+            turn = msgs[i] + convs[i][start:users[i][k] + 1]  # (system,) user turn k
+            p = chat_ids(render, encode, turn, responses[i], True, stop)[0]
+            if len(p) + max_new_tokens > context:
+                ended.add(i)
+                bar.update(len(users[i]) - k)
+                continue
+            msgs[i] = turn
+            active.append(i)
+            prompts.append(p)
+        order = sorted(range(len(active)), key=lambda j: len(prompts[j]))  # less padding
+        active, prompts = [active[j] for j in order], [prompts[j] for j in order]
+        for b0 in range(0, len(active), batch_size):
+            chunk = prompts[b0:b0 + batch_size]
+            padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+            res = generate(target, drafter, padded, max_new_tokens, temperature=temperature,
+                           top_p=top_p, seed=seed + 100003 * k + b0 // batch_size,
+                           stop_token_ids=stop, mesh=mesh)
+            for i, p, r in zip(active[b0:b0 + batch_size], chunk, res.tokens):
+                r = [int(t) for t in r]
+                responses[i].append(r)
+                turns[i].append({"prompt_ids": p, "response_ids": r})
+                text = ""
+                if decode is not None:
+                    text = decode(r[:-1] if r and r[-1] in stop else r)
+                msgs[i].append({"role": "assistant", "content": text})
+            done += len(chunk)
+            n_batches += 1
+            bar.update(len(chunk))
+            if log_every and n_batches % log_every == 0 and bar.disable and \
+                    distributed.is_primary():
+                console.say(f"regenerate: {done}/{total} turns, {time.time() - t0:.0f}s")
+    bar.close()
+    if ended:
+        console.say(f"regenerate: {len(ended)} conversation(s) cut where prompt + "
+                    f"max_new_tokens ({max_new_tokens}) exceeds the target's context "
+                    f"({context}); {sum(not responses[i] for i in ended)} dropped entirely")
+    records = []
+    for i in range(len(convs)):
+        if not responses[i]:
+            continue
+        ids, mask = chat_ids(render, encode, msgs[i], responses[i], False, stop)
+        rec = {"input_ids": ids, "loss_mask": mask, "prompt_ids": turns[i][0]["prompt_ids"],
+               "turns": turns[i]}
+        if decode is not None:
+            rec["messages"] = msgs[i]
+        records.append(rec)
+    _write_records(records, out_path)
     return records
+
+
+def record_tokens(rec: dict):
+    """(ids, loss_mask) int32 arrays of a regenerated record: a chat row's own input_ids and
+    loss_mask, or prompt + response with the mask on the response."""
+    import numpy as np
+
+    if "input_ids" in rec:
+        return (np.asarray(rec["input_ids"], np.int32), np.asarray(rec["loss_mask"], np.int32))
+    p, r = list(rec["prompt_ids"]), list(rec["response_ids"])
+    mask = np.ones(len(p) + len(r), np.int32)
+    mask[:len(p)] = 0
+    return np.asarray(p + r, np.int32), mask
+
+
+_CHAT_KEYS = ("input_ids", "loss_mask", "prompt_ids")
 
 
 def read_records(path: str, required=("prompt_ids", "response_ids"),
                  vocab_size: Optional[int] = None) -> List[dict]:
     """The JSON objects of a JSONL file, each checked to hold the `required` keys (id-list
-    keys, ending in "_ids", as integer lists within `vocab_size`). Every error is a ValueError
-    naming the file and line."""
+    keys, ending in "_ids", as integer lists within `vocab_size`). With the default
+    `required`, a chat row (a record with "input_ids", see `regenerate_chat`) needs
+    input_ids, a 0/1 loss_mask of the same length and prompt_ids instead. Every error is a
+    ValueError naming the file and line."""
     from dflash_jax.validation import token_id_list
+
+    default = required == ("prompt_ids", "response_ids")
 
     out = []
     with open(path, "rb") as f:
@@ -83,7 +210,8 @@ def read_records(path: str, required=("prompt_ids", "response_ids"),
             if not isinstance(rec, dict):
                 raise ValueError(f"{path}:{n}: expected a JSON object, got "
                                  f"{type(rec).__name__}")
-            for key in required:
+            chat = default and "input_ids" in rec
+            for key in (_CHAT_KEYS if chat else required):
                 if key not in rec:
                     raise ValueError(f"{path}:{n}: missing key {key!r} (expected "
                                      f"{', '.join(map(repr, required))})")
@@ -93,8 +221,39 @@ def read_records(path: str, required=("prompt_ids", "response_ids"),
                                                  allow_empty=key != "prompt_ids")
                     except ValueError as e:
                         raise ValueError(f"{path}:{n}: {e}") from None
+            if chat:
+                mask = rec["loss_mask"]
+                if not (isinstance(mask, list) and len(mask) == len(rec["input_ids"])
+                        and all(type(x) is int and x in (0, 1) for x in mask)):
+                    raise ValueError(f"{path}:{n}: loss_mask must be a list of 0/1 as long as "
+                                     f"input_ids ({len(rec['input_ids'])})")
             out.append(rec)
     return out
+
+
+def regenerate_from_file(target, tokenizer, model_dir: Optional[str], path: str,
+                         out_path: str, *, use_chat_template: bool = True, limit: int = 0,
+                         log=None, **kw) -> List[dict]:
+    """Regenerates the conversations of the JSONL file `path` (`data.chat.read_conversations`):
+    through the target's chat template when `model_dir`'s tokenizer_config.json has one and
+    `use_chat_template` (`regenerate_chat`: multi-turn, chat rows), else as raw single-turn
+    prompts (`regenerate`: prompt/response records). `limit` > 0: the first `limit`
+    conversations. `kw`: max_new_tokens, batch_size, temperature, seed, stop_token_ids, mesh..."""
+    from dflash_jax.data.chat import plain_render, read_conversations, template_renderer
+
+    if tokenizer is None:
+        raise ValueError(f"{path}: text conversations need the target's tokenizer.json")
+    convs = read_conversations(path, limit=limit)
+    render, how = template_renderer(model_dir, use_chat_template)
+    if log is not None:
+        log(f"regenerating {len(convs)} conversations of {path} ({how}) -> {out_path}")
+    if render is plain_render:
+        prompts = []
+        for c in convs:
+            prompts.append(list(tokenizer.encode(plain_render(c, True))))
+        return regenerate(target, prompts, out_path, tokenizer=tokenizer, **kw)
+    return regenerate_chat(target, convs, out_path, render=render, encode=tokenizer.encode,
+                           decode=tokenizer.decode, **kw)
 
 
 def main(argv):
@@ -109,23 +268,31 @@ def main(argv):
     F = flags.FLAGS
     target_dir = hub.resolve_or_exit(F.target, what="--target")
     console.cli_startup()
+    from dflash_jax.data.chat import read_conversations
+
+    read_conversations(F.prompts)  # a bad row is an error before the target loads
     target = load_target(target_dir)
     tok = load_tokenizer(target_dir)
-    prompts = [tok.encode(r["prompt"]) for r in read_records(F.prompts, required=("prompt",))]
-    regenerate(target, prompts, F.out, max_new_tokens=F.max_new_tokens,
-               batch_size=F.batch_size, temperature=F.temperature, seed=F.seed,
-               stop_token_ids=(tok.eos_id,), tokenizer=tok)
+    regenerate_from_file(target, tok, target_dir, F.prompts, F.out,
+                         use_chat_template=F.chat_template, log=console.say,
+                         max_new_tokens=F.max_new_tokens, batch_size=F.batch_size,
+                         temperature=F.temperature, seed=F.seed, stop_token_ids=(tok.eos_id,))
 
 
 if __name__ == "__main__":
-    from absl import app, flags
+    from absl import flags
+
+    from dflash_jax import cli
 
     flags.DEFINE_string("target", None, "target model directory (HF format) or hub id",
                         required=True)
-    flags.DEFINE_string("prompts", None, "JSONL with a 'prompt' field per line", required=True)
+    flags.DEFINE_string("prompts", None, "JSONL conversations (ShareGPT 'conversations', OpenAI "
+                        "'messages') or prompts ('prompt')", required=True)
     flags.DEFINE_string("out", None, "output JSONL", required=True)
-    flags.DEFINE_integer("max_new_tokens", 256, "response length cap")
+    flags.DEFINE_bool("chat_template", True, "render through the target's chat template when "
+                      "its tokenizer_config.json has one")
+    flags.DEFINE_integer("max_new_tokens", 256, "response length cap (per assistant turn)")
     flags.DEFINE_integer("batch_size", 32, "prompts per generate call")
     flags.DEFINE_float("temperature", 0.0, "0 = greedy")
     flags.DEFINE_integer("seed", 0, "sampling seed")
-    app.run(main)
+    cli.run(main)

@@ -1,0 +1,136 @@
+"""benchmarks/eval_tau.py: datasets in their own schemas, both tau definitions, the table."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "eval_tau.py")
+PAIR = os.path.join(ROOT, "assets", "tiny-code")
+sys.path.insert(0, ROOT)
+from benchmarks import eval_tau  # noqa: E402
+
+# One small file per dataset, each in the dataset's own schema (extra fields as the real sets
+# have them).
+FIXTURES = {
+    "gsm8k": [{"question": "Tom has 3 apples and buys 2. How many?", "answer": "#### 5"}],
+    "math500": [{"problem": "Compute $1+1$.", "answer": "2"}],
+    "humaneval": [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n"}],
+    "mbpp": [{"task_id": 1, "text": "Write a function to reverse a list.", "code": ""}],
+    "mt_bench": [{"turns": ["Write a loop over a list.", "Now make it a while loop."]}],
+    "alpaca": [{"instruction": "Sort these numbers.", "input": "3, 1, 2", "output": ""}],
+}
+TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}### assistant\n{% endif %}")
+
+
+def _env():
+    return dict(os.environ, JAX_PLATFORMS="cpu", HF_DATASETS_OFFLINE="1", HF_HUB_OFFLINE="1")
+
+
+def _write_fixtures(d, names=FIXTURES):
+    os.makedirs(d, exist_ok=True)
+    for name in names:
+        with open(os.path.join(d, f"{name}.jsonl"), "w") as f:
+            f.write("".join(json.dumps(r) + "\n" for r in FIXTURES[name]))
+
+
+def test_tau_definitions_by_hand():
+    acc = [[1, 1, 4], [3], []]
+    assert eval_tau.tau_per_prompt(acc) == pytest.approx((2 + 3) / 2)  # z-lab
+    assert eval_tau.tau_all_steps(acc) == pytest.approx(9 / 4)
+
+
+def test_each_schema_becomes_the_benchmark_prompt(tmp_path):
+    _write_fixtures(str(tmp_path))
+    got = {n: eval_tau.load_prompts(n, str(tmp_path))[0] for n in FIXTURES}
+    assert got["gsm8k"][0][0].startswith("Tom has 3") and "\\boxed{}" in got["gsm8k"][0][0]
+    assert got["math500"][0][0].startswith("Compute $1+1$.\nPlease reason step by step")
+    assert "```python\ndef add(a, b):" in got["humaneval"][0][0]
+    assert got["mbpp"][0] == ["Write a function to reverse a list."]
+    assert got["mt_bench"][0] == FIXTURES["mt_bench"][0]["turns"]
+    assert got["alpaca"][0] == ["Sort these numbers.\n\n3, 1, 2"]
+    src = eval_tau.load_prompts("mbpp", str(tmp_path))[1]
+    assert src == f"JSONL file {tmp_path / 'mbpp.jsonl'}"
+
+
+@pytest.fixture(scope="module")
+def templated_pair(tmp_path_factory):
+    """The bundled pair, its target given a chat template (MT-Bench is multi-turn)."""
+    d = str(tmp_path_factory.mktemp("pair"))
+    shutil.copytree(os.path.join(PAIR, "target"), os.path.join(d, "target"))
+    path = os.path.join(d, "target", "tokenizer_config.json")
+    cfg = json.load(open(path))
+    cfg["chat_template"] = TEMPLATE
+    json.dump(cfg, open(path, "w"))
+    return os.path.join(d, "target"), os.path.join(PAIR, "drafter")
+
+
+def test_eval_reports_both_taus_speedup_and_table(templated_pair, tmp_path):
+    target, drafter = templated_pair
+    data = str(tmp_path / "data")
+    _write_fixtures(data)
+    out_json, out_md = str(tmp_path / "tau.json"), str(tmp_path / "tau.md")
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, f"--target={target}", f"--drafter={drafter}",
+         "--datasets=" + ",".join(FIXTURES), "--temperature=0", "--max_new_tokens=12",
+         f"--data_dir={data}", f"--json_out={out_json}", f"--md_out={out_md}"],
+        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for name in FIXTURES:  # the source of each dataset is named
+        assert f"{name}: 1 rows from JSONL file {os.path.join(data, name)}.jsonl" in proc.stdout
+    assert "prompts: chat template of" in proc.stdout
+    res = json.load(open(out_json))
+    assert list(res["datasets"]) == list(FIXTURES) and res["block_size"] == 16
+    for name, r in res["datasets"].items():
+        per = r["per_response"]
+        assert r["responses"] == len(per) == (2 if name == "mt_bench" else 1)
+        acc = [p["acceptance"] for p in per]
+        # Both definitions from the per-step acceptance the run returned, by hand.
+        by_prompt = sum(sum(a) / len(a) for a in acc) / len(acc)
+        by_step = sum(map(sum, acc)) / sum(map(len, acc))
+        assert r["tau"] == pytest.approx(by_prompt) and r["tau_steps"] == pytest.approx(by_step)
+        assert r["steps"] == sum(map(len, acc))
+        for p in per:
+            assert all(1 <= a <= 16 for a in p["acceptance"])
+            # Tokens after prefill's first one come from the steps (the last may pass a stop).
+            assert sum(p["acceptance"]) >= p["new_tokens"] - 1
+            assert p["same_tokens"] and p["ar_new_tokens"] == p["new_tokens"]  # lossless, T=0
+        timed = [p for p in per if p["tpot_s"] and p["ar_tpot_s"]]
+        expect = (sum(p["ar_tpot_s"] for p in timed) / sum(p["tpot_s"] for p in timed))
+        assert r["speedup"] == pytest.approx(expect)
+    # MT-Bench's second turn saw the first answer: its prompt is longer than turn 1's + answer.
+    mt = res["datasets"]["mt_bench"]["per_response"]
+    assert mt[1]["prompt_tokens"] > mt[0]["prompt_tokens"] + mt[0]["new_tokens"]
+    table = open(out_md).read()
+    assert "| Dataset | Speedup | tau | tau (steps) |" in table and "| **Average** |" in table
+    for name, r in res["datasets"].items():
+        assert f"| {name} | {r['speedup']:.2f}x | {r['tau']:.2f} | {r['tau_steps']:.2f} |" in table
+    assert table in proc.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--datasets=humaneval"], "error: dataset humaneval: no source ("),
+    (["--datasets=gsm8k,nope"], "error: unknown dataset 'nope'"),
+    (["--datasets=gsm8k", "BAD"], ":2: needs a non-empty string 'question'"),
+])
+def test_missing_or_bad_data_is_one_line_exit_2(tmp_path, args, message):
+    data = tmp_path / "data"
+    data.mkdir()
+    if "BAD" in args:
+        args = [a for a in args if a != "BAD"]
+        (data / "gsm8k.jsonl").write_text(json.dumps({"question": "ok"}) + "\n" +
+                                          json.dumps({"answer": "no question"}) + "\n")
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, f"--target={PAIR}/target", f"--drafter={PAIR}/drafter",
+         f"--data_dir={data}", *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
+        timeout=300)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
+    if "no source" in message:  # says what was tried and how to fix it
+        assert "humaneval.jsonl: no such file" in lines[0] and "'prompt' per line" in lines[0]
