@@ -175,6 +175,6 @@ def test_bad_topology_mesh_and_missing_libtpu_are_one_line_errors(monkeypatch):
     devices, _ = dry_run.topology_devices("v5e:2x4")
     with pytest.raises(dry_run.UsageError, match="does not match the 8 devices"):
         dry_run.resolve_mesh("tensor=3", devices)
-    monkeypatch.setattr(dry_run, "libtpu_missing", lambda: True)
+    monkeypatch.setattr(dry_run.topology, "libtpu_missing", lambda: True)
     with pytest.raises(dry_run.UsageError, match=r'pip install "jax\[tpu\]=='):
         dry_run.topology_devices("v5e:2x4")
