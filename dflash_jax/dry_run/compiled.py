@@ -116,11 +116,14 @@ def compile_stats(lower_fn, capacity: Optional[int]) -> Dict[str, Any]:
     # Live at the peak: inputs, outputs not aliased to (donated) inputs, scratch, code.
     hbm["total"] = (hbm["arguments"] + hbm["outputs"] - hbm["aliased"] + hbm["temporaries"]
                     + hbm["generated_code"])
+    text = compiled.as_text()
     return {"fits": None if capacity is None else hbm["total"] <= capacity,
             "hbm_bytes": hbm, "hbm_capacity_bytes": capacity,
             "flops": float(cost.get("flops", 0.0)),
             "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "collectives": collectives(compiled.as_text()), "compile_s": compile_s}
+            "collectives": collectives(text), "compile_s": compile_s,
+            # Compiled Pallas kernels (Mosaic custom calls) in the program.
+            "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
 
 
 def tree_bytes_per_device(tree, shardings) -> int:

@@ -166,7 +166,7 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
     state_sh, frozen_sh, batch_sh = trainer.train_shardings(
         m, "drafter", state, tparams, tcfg.head_dim, dcfg.body.head_dim)
     step = trainer.make_train_step(trainer.drafter_loss_fn(config, tmod, dmod), optimizer, m,
-                                   (state_sh, frozen_sh, batch_sh))
+                                   (state_sh, frozen_sh, batch_sh), donate=True)
     batch_shapes = {"input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
                     "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
                     "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)}
