@@ -125,7 +125,8 @@ def main(argv=None):
     ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--block_size", type=int, default=None)
     ap.add_argument("--attention", default="pallas",
-                    help="infer: comma-separated attention impls to compile (pallas, xla)")
+                    help="infer: comma-separated attention impls to compile (pallas, xla); "
+                    "train: the one the step uses (pallas: the fused kernel, per shard)")
     ap.add_argument("--programs", default="prefill,dflash_decode,ar_decode",
                     help="infer: which of prefill, dflash_decode, ar_decode to compile")
     ap.add_argument("--prefill_chunk", type=int, default=None,
@@ -148,8 +149,11 @@ def main(argv=None):
                       taus=tuple(_floats(args.tau)), prefill_chunk=args.prefill_chunk,
                       only=_programs(args.programs))
         else:
+            impl = args.attention.split(",")[0].strip()
+            if impl not in ("pallas", "xla"):
+                raise UsageError(f"--attention for --mode=train: pallas or xla, got {impl!r}")
             kw = dict(batch=args.batch or 8, seq_len=args.seq_len, num_anchors=args.num_anchors,
-                      loss_chunk_anchors=args.loss_chunk_anchors)
+                      loss_chunk_anchors=args.loss_chunk_anchors, attention_impl=impl)
         return run(args.topology, args.model.split(","), args.mode, meshes,
                    args.json_out or None, **kw)
     except UsageError as e:
