@@ -22,6 +22,7 @@ Config keys: see `default_config()`; experiment files in `configs/` override the
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -176,8 +177,12 @@ def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None,
 
     def step(state: TrainState, frozen, batch):
         key = jax.random.fold_in(state.rng, state.step)
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, frozen, batch, key)
+        # The mesh as the context mesh while tracing: the compiled Pallas training kernel, which
+        # GSPMD cannot partition, runs per shard of it (`attention.training_attention`).
+        with (contextlib.nullcontext() if mesh is None
+              else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, frozen, batch, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
