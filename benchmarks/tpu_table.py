@@ -123,17 +123,22 @@ def train_table(results) -> List[str]:
 
 
 def prefill_table(results) -> List[str]:
-    """Prefill programs against context (same model, topology, mesh, batch)."""
+    """Prefill programs against context (same model, topology, mesh, batch): temporaries
+    relative to the shortest context's, beside the context ratio (linear growth: equal)."""
     pts = [r for r in results if r["mode"] == "infer" and "prefill" in r["programs"]
            and r["programs"]["prefill"]["fits"] is not False]
-    lines = ["| model | chip (mesh) | context | args GiB | outputs GiB | temps GiB | "
-             "total GiB/chip | temps MiB per 1K tokens |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | chip (mesh) | context | args GiB | outputs (caches) GiB | temps GiB | "
+             "total GiB/chip | context / shortest | temps / shortest's |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    first: Dict[tuple, Any] = {}
     for r in pts:
         h, ctx = r["programs"]["prefill"]["hbm_bytes"], r["settings"]["context"]
+        key = (r["model"], r["topology"], r["mesh"], r["settings"]["batch"])
+        c0, t0 = first.setdefault(key, (ctx, h["temporaries"]))
         lines.append(f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {ctx} | "
                      f"{h['arguments'] / GIB:.2f} | {h['outputs'] / GIB:.2f} | "
                      f"{h['temporaries'] / GIB:.2f} | {h['total'] / GIB:.2f} | "
-                     f"{h['temporaries'] / 2 ** 20 / (ctx / 1024):.1f} |")
+                     f"{ctx / c0:.0f}x | {h['temporaries'] / t0:.2f}x |")
     return lines
 
 
