@@ -174,6 +174,20 @@ def readme_table(results, taus) -> List[str]:
         lines.append(f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | train step {s['batch']}x"
                      f"{s['seq_len']} | {_gib(p)} ({r['chip']['hbm_bytes'] / GIB:.0f}) | "
                      f"{_fits([p])} | - |")
+    curves: Dict[tuple, List[Any]] = {}
+    for r in results:
+        p = r["programs"].get("prefill") if r["mode"] == "infer" else None
+        if p is not None and p["fits"]:
+            curves.setdefault((_model(r), _chip(r), r["mesh"]), []).append(
+                (r["settings"]["context"], p["hbm_bytes"]))
+    for (model, chip, mesh), pts in curves.items():
+        if len(pts) > 1:
+            pts.sort(key=lambda x: x[0])
+            ctx = "/".join(f"{c // 1024}K" for c, _ in pts)
+            tot = " / ".join(f"{h['total'] / GIB:.2f}" for _, h in pts)
+            tmp = " / ".join(f"{h['temporaries'] / GIB:.2f}" for _, h in pts)
+            lines.append(f"| {model}, {chip} ({mesh}) | prefill {ctx} (temps {tmp}) | {tot} | "
+                         f"yes | - |")
     port = public_port_line(results)
     return lines + ([f"\n{port}"] if port else [])
 
