@@ -56,7 +56,9 @@ def _gib(p) -> str:
     total = p["hbm_bytes"].get("total")
     if total is None:
         return "?"
-    return f"{total / GIB:.2f}" + ("" if p["fits"] is not False else " (does not fit)")
+    if p["fits"] is False:  # the compiler's required figure (its RESOURCE_EXHAUSTED message)
+        return f"needs {total / GIB:.2f} (does not fit)"
+    return f"{total / GIB:.2f}"
 
 
 def _fits(programs) -> str:
