@@ -55,7 +55,7 @@ flags.DEFINE_bool("stream", None, "Print the completion of a single prompt as to
 flags.DEFINE_bool("chat_template", True, "Apply the tokenizer's chat template when present.")
 flags.DEFINE_bool("dry_run", False, "Compile the generate programs for a TPU topology from "
                   "abstract params (libtpu, no TPU needed) and print per-device HBM, FLOPs, "
-                  "collectives and a roofline projection (dflash_jax/dry_run.py).")
+                  "collectives and a roofline projection (dflash_jax/dry_run/).")
 flags.DEFINE_string("topology", "v5e:2x4", "Dry run: v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x4, "
                     "... or cpu:8 (fake CPU devices).")
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small "

@@ -134,3 +134,25 @@ def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "
     if impl == "pallas_interpret":
         return kernel(*args)
     return _per_shard(kernel, args, (0, 0, 0, 0, 0, 0), (2, 2, 2, None, 2, 2))
+
+
+def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors_BN, valid_BN, block_size: int,
+                       ctx_start_BN=None, impl: str = "pallas"):
+    """The fused Pallas drafter-training attention (`pallas_kernels.training_attention`;
+    differentiable in q, k_ctx, v_ctx, k_blk, v_blk), run per shard of the context mesh like
+    the decode kernels: the compiled kernel (forward and backward) is opaque to GSPMD, so on a
+    sharded mesh each device runs it on its rows (batch over data/fsdp) and heads (tensor).
+    q: [B,N*bs,Hq,D]; k_ctx, v_ctx: [B,S,Hkv,D]; k_blk, v_blk: [B,N*bs,Hkv,D]; anchors_BN,
+    valid_BN, ctx_start_BN (optional): [B,N]. impl: "pallas" or "pallas_interpret" (direct)."""
+    interpret = impl == "pallas_interpret"
+
+    def kernel(q_, kc, vc, kb, vb, a, v, *start):
+        return _kernels().training_attention(
+            q_, kc, vc, kb, vb, a, v, block_size=block_size,
+            ctx_start=start[0] if start else None, impl="pallas", interpret=interpret)
+
+    args = (q, k_ctx, v_ctx, k_blk, v_blk, anchors_BN, valid_BN) + (
+        () if ctx_start_BN is None else (ctx_start_BN,))
+    if interpret:
+        return kernel(*args)
+    return _per_shard(kernel, args, (0,) * len(args), (2, 2, 2, 2, 2) + (None,) * (len(args) - 5))

@@ -6,7 +6,7 @@ the one of the devices being compiled for, not necessarily the default backend:
 a program traced inside ``with compiling_for(mesh):`` (a Mesh, a sharding, a
 device list such as an abstract TPU topology's, or a platform name) picks that
 platform's kernels, so TPU kernels compile for TPU devices from a CPU-only
-process (ahead-of-time, with libtpu installed; see dflash_jax/dry_run.py).
+process (ahead-of-time, with libtpu installed; see dflash_jax/dry_run/).
 Outside such a block it is `jax.default_backend()`.  `interpret_arg(variant,
 interpret)` turns the public ``interpret: bool`` into what ``pl.pallas_call``
 expects for that variant.

@@ -91,6 +91,20 @@ def test_trainer_step_compiles_on_fsdp(v5e):
     ops = {c["op"] for c in p["collectives"]}
     assert "all-gather" in ops and ops & {"reduce-scatter", "all-reduce"}, ops
     assert r["sizes"]["opt_bytes"] < r["sizes"]["opt_bytes_total"] / 7
+    # The state is donated (`make_train_step(donate=True)`): the new state reuses its buffers.
+    assert p["hbm_bytes"]["aliased"] >= r["sizes"]["opt_bytes"] > 0, p["hbm_bytes"]
+
+
+def test_trainer_step_compiles_sharded_with_the_pallas_training_kernel(v5e):
+    """attention_impl="pallas": the fused training kernel (forward and backward) runs per shard
+    (batch over fsdp, heads over tensor), which GSPMD could not partition."""
+    devices, chip = v5e
+    r = dry_run.dry_run_train("tiny", "fsdp=2,tensor=4", batch=4, seq_len=256, num_anchors=4,
+                              devices=devices, chip=chip, attention_impl="pallas")
+    p = r["programs"]["train_step"]
+    assert r["settings"]["attention"] == "pallas"
+    assert p["fits"] is True and p["flops"] > 0
+    assert p["mosaic_kernels"] >= 2, p  # the kernel's forward and backward passes
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +189,6 @@ def test_bad_topology_mesh_and_missing_libtpu_are_one_line_errors(monkeypatch):
     devices, _ = dry_run.topology_devices("v5e:2x4")
     with pytest.raises(dry_run.UsageError, match="does not match the 8 devices"):
         dry_run.resolve_mesh("tensor=3", devices)
-    monkeypatch.setattr(dry_run, "libtpu_missing", lambda: True)
+    monkeypatch.setattr(dry_run.topology, "libtpu_missing", lambda: True)
     with pytest.raises(dry_run.UsageError, match=r'pip install "jax\[tpu\]=='):
         dry_run.topology_devices("v5e:2x4")

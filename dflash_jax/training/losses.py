@@ -20,6 +20,7 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
+from dflash_jax import attention
 from dflash_jax.drafter import DFlashDrafter
 from dflash_jax.layers import masked_attention
 from dflash_jax.model import Transformer
@@ -71,17 +72,14 @@ def training_attend(anchors_BN, valid_BN, block_size: int, ctx_len: int, segment
                                     jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), mask)
         return attend
 
-    import pallas_kernels  # lazily: the library works without the kernels folder
-
     ctx_start = None
     if segment_ids_BS is not None:
         ctx_start = jnp.take_along_axis(_segment_starts(segment_ids_BS[:, :ctx_len]),
                                         jnp.clip(anchors_BN, 0, ctx_len - 1), axis=1)
 
-    def attend(q, k, v, ctx_k, ctx_v):
-        return pallas_kernels.training_attention(
-            q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN, block_size=block_size,
-            ctx_start=ctx_start, impl="pallas", interpret=impl == "pallas_interpret")
+    def attend(q, k, v, ctx_k, ctx_v):  # per shard on a sharded mesh (GSPMD cannot split it)
+        return attention.training_attention(q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN,
+                                            block_size, ctx_start, impl)
     return attend
 
 

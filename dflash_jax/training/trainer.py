@@ -23,6 +23,7 @@ Config keys: see configs/default.py; experiment files in `configs/` override the
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import signal
@@ -68,33 +69,41 @@ def make_optimizer(config, total_steps: int):
 
 
 def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None,
-                    shardings=None):
+                    shardings=None, donate: bool = False):
     """jit(step)(state, frozen, batch) -> (state, metrics); loss_fn(params, frozen, batch, key).
 
     With a mesh and no `shardings`: batch sharded over `data`, everything else replicated; XLA
     inserts the gradient all-reduce. `shardings` = (state, frozen, batch) shardings (see
     `train_shardings`) lay the step out on the mesh that way instead. The step's random key is
     fold_in(state.rng, state.step), so a resumed run draws the same anchors as the uninterrupted
-    one.
+    one. `donate`: the input state's buffers are donated to the new state (one copy of the
+    parameters and moments in HBM, not two); the caller must not read the state it passed (nor
+    arrays sharing its buffers, e.g. the ones it was `device_put` from) after the call.
     """
 
     def step(state: TrainState, frozen, batch):
         key = jax.random.fold_in(state.rng, state.step)
-        (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            state.params, frozen, batch, key)
+        # The mesh as the context mesh while tracing: the compiled Pallas training kernel, which
+        # GSPMD cannot partition, runs per shard of it (`attention.training_attention`).
+        with (contextlib.nullcontext() if mesh is None
+              else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
+            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                state.params, frozen, batch, key)
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+    donation = dict(donate_argnums=(0,)) if donate else {}
     if mesh is None:
-        return jax.jit(step)
+        return jax.jit(step, **donation)
     if shardings is None:
         rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        return jax.jit(step, in_shardings=(rep, rep, data), out_shardings=(rep, rep))
+        return jax.jit(step, in_shardings=(rep, rep, data), out_shardings=(rep, rep),
+                       **donation)
     state_sh, frozen_sh, batch_sh = shardings
     return jax.jit(step, in_shardings=(state_sh, frozen_sh, batch_sh),
-                   out_shardings=(state_sh, NamedSharding(mesh, P())))
+                   out_shardings=(state_sh, NamedSharding(mesh, P())), **donation)
 
 
 def train_shardings(mesh: Mesh, mode: str, state, frozen, target_head_dim: int,
@@ -249,7 +258,11 @@ def train_and_evaluate(config, workdir: str) -> dict:
         _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
     state = distributed.put(state, state_sh)
     frozen = distributed.put(exp.frozen, frozen_sh)
-    train_step = make_train_step(exp.loss_fn, optimizer, mesh, (state_sh, frozen_sh, data_sh))
+    # The state is donated: each step's input state is dead once the step is called (a
+    # non-finite step breaks out with it, unused; exp.init_params may share its buffers: only
+    # its sizes are read below).
+    train_step = make_train_step(exp.loss_fn, optimizer, mesh, (state_sh, frozen_sh, data_sh),
+                                 donate=True)
     eval_mesh = mesh if n_dev > 1 else None
     eval_jit = jax.jit(lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1],
                        out_shardings=NamedSharding(mesh, P()))

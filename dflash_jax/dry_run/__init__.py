@@ -1,0 +1,56 @@
+"""Dry runs: the real programs compiled for real TPUs on this machine, no TPU needed.
+
+    python -m dflash_jax.dry_run --topology=v5e:2x4 --model=qwen3_8b --mode=infer \\
+        [--mesh=tensor=8 --batch=1 --context=4096 --max_new_tokens=256 --block_size=16] \\
+        [--attention=pallas,xla] [--tau=6.5,5.4] [--json_out=FILE]
+    python -m dflash_jax.dry_run --topology=v5p:2x2x1 --model=qwen3_8b --mode=train --mesh=fsdp=4
+
+With the `libtpu` wheel installed (`pip install "jax[tpu]==<your jax version>"`),
+`jax.experimental.topologies.get_topology_desc` gives abstract TPU devices on a CPU-only
+machine and `jit(...).lower(...).compile()` on a mesh of them runs the real TPU compiler (Mosaic
+for the Pallas kernels included); the CPU stays the runtime backend (JAX_PLATFORMS=cpu).
+Parameters are abstract (`jax.eval_shape`): an 8B model costs no memory.
+
+Modules: chips (published chip figures, the roofline), topology (devices, meshes, UsageError),
+presets (models, the trainer config), compiled (memory plan, cost analysis, collectives),
+programs (`dry_run_infer`, `dry_run_train`), cli (report lines, `main`).
+
+  infer: the programs of `decoding.generate` through `sharding.generate_programs`: the prefill,
+         the DFlash decode loop and the autoregressive decode loop, sharded by the partition
+         rules, for each attention implementation asked for ("pallas": the TPU kernels).
+  train: the trainer's own step: `training.trainer.make_train_step` with the shardings of
+         `train_shardings` and the loss of `drafter_loss_fn` (the paper recipe's settings).
+
+Per program, from the TPU compiler: HBM per device (arguments, outputs, aliased, temporaries,
+generated code, total) against the chip's capacity ("fits"), FLOPs and bytes accessed (the
+compiled cost analysis), and the collectives of the compiled HLO with their bytes. A compile that
+fails with RESOURCE_EXHAUSTED is reported as "does not fit" with the compiler's numbers.
+
+What the cost analysis of the decode loop counts (measured, see `_loop_step_costs`): the
+`while_loop` body ONCE (the FLOPs of the loop program equal those of one `spec_step` compiled on
+its own), plus the work outside the loop that runs once per call, notably the weight relayout
+copies the compiler hoists out of the loop (each weight read and written once). So its bytes are
+not one step's. The roofline therefore takes one step's FLOPs, bytes and collectives as the
+difference between the loop program with two `spec_step`s per iteration and the real one.
+
+The roofline (`roofline`): time per step = max(FLOPs / peak, bytes / HBM bandwidth) +
+collective bytes moved / ICI bandwidth, from published chip figures (`TPU_CHIPS`), and the
+speedup tau * t_AR / t_DFlash. PROJECTIONS, not measurements: no collective latency, no
+host overhead, perfect overlap inside each step.
+
+`--topology=cpu:8` compiles for 8 fake CPU devices instead (XLA:CPU; no libtpu needed).
+"""
+
+from dflash_jax.dry_run.chips import DEFAULT_TAUS, PROJECTED, TPU_CHIPS, roofline
+from dflash_jax.dry_run.cli import format_report, main, run
+from dflash_jax.dry_run.compiled import collectives, compile_stats
+from dflash_jax.dry_run.presets import (abstract_params, build_configs,
+                                        model_presets, train_config)
+from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
+from dflash_jax.dry_run.topology import (UsageError, ensure_cpu_devices,
+                                         libtpu_missing, resolve_mesh, topology_devices)
+
+__all__ = ["DEFAULT_TAUS", "PROJECTED", "TPU_CHIPS", "UsageError", "abstract_params",
+           "build_configs", "collectives", "compile_stats", "dry_run_infer", "dry_run_train",
+           "ensure_cpu_devices", "format_report", "libtpu_missing", "main", "model_presets",
+           "resolve_mesh", "roofline", "run", "topology_devices", "train_config"]
