@@ -29,6 +29,7 @@ CODE = [
     "for i in range(10):",
 ]
 MAX_NEW = 16
+MESH = "data=2,tensor=4"
 
 
 def _load_script(name):
@@ -39,7 +40,6 @@ def _load_script(name):
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
-MESH = "data=2,tensor=4"
 
 
 def generate(out_dir):
