@@ -815,11 +815,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 _log(f"checkpoint step {step} -> {ckpt.directory}")
             # A signal to any one process stops all of them after the same step.
             if distributed.any_process(flag.signum is not None):
+                if pending is not None and not finish(*pending):
+                    break  # (a non-finite loss: stopped, nothing saved)
+                pending = None
                 status = "preempted"
                 _log(f"signal {flag.signum or 'to another process'}: saving step {step} and "
                      "stopping")
                 break
-        if pending is not None:  # a signal or the data's end stopped the loop before its read
+        if pending is not None:  # the data ran out before the last step's read
             finish(*pending)
         if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state,
                                                 force=True):
