@@ -10,9 +10,27 @@ import itertools
 import json
 import os
 import struct
+import sys
 from typing import Dict, Iterator, Optional, Tuple
 
 _WRITER_IDS = itertools.count()  # two writers of one process in one second get two files
+
+
+def _summary_writer_class():
+    """`tensorboardX.SummaryWriter`. tensorboardX imports torch when torch is installed, only
+    to accept torch tensors (we pass floats); that import takes seconds at a run's first log
+    line. Unless torch is already loaded, it is hidden for that one import (tensorboardX
+    catches the ImportError) and visible again right after."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
+
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def read_event_scalars(path: str) -> Iterator[Tuple[int, str, float]]:
@@ -82,11 +100,7 @@ class MetricsLogger:
         self._jsonl.write(json.dumps({"split": split, "step": int(step), **clean}) + "\n")
         self._jsonl.flush()
         if split not in self._tb:
-            # Imported here: tensorboardX imports torch when it is installed (slow), and only
-            # the writing process needs it.
-            from tensorboardX import SummaryWriter
-
-            self._tb[split] = SummaryWriter(
+            self._tb[split] = _summary_writer_class()(
                 os.path.join(self.workdir, "tb", split),
                 filename_suffix=f".{os.getpid()}.{next(_WRITER_IDS)}")
         writer = self._tb[split]
