@@ -11,13 +11,16 @@ PY := $(VENV)/bin/python
 VENV312 := .venv312
 
 # One install recipe for every venv. $(1): venv dir, $(2): base interpreter, $(3): extra pip
-# arguments (constraints). Stamps: $(1)/.runtime (requirements.txt), $(1)/.test (+ test deps).
+# arguments (constraints). Stamps: $(1)/.runtime (requirements.txt + this package, editable:
+# `pip install -e .` maps dflash_jax, pallas_kernels, configs and benchmarks to this checkout),
+# $(1)/.test (+ test deps).
 define venv_rules
-$(1)/.runtime: requirements.txt constraints-oldest.txt
+$(1)/.runtime: requirements.txt constraints-oldest.txt pyproject.toml
 	@test -n "$(2)" || { echo "no Python interpreter for $(1): set PYTHON / PYTHON312=/path/to/python" >&2; exit 1; }
 	$(2) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
 	$(1)/bin/python -m pip install -q -r requirements.txt $(3)
+	$(1)/bin/python -m pip install -q -e . --no-deps
 	touch $$@
 
 # libtpu (TPU ahead-of-time compiles on this CPU machine: tests/test_tpu_compile.py) is the one
@@ -30,7 +33,7 @@ endef
 $(eval $(call venv_rules,$(VENV),$(PYTHON),-c constraints-oldest.txt))
 $(eval $(call venv_rules,$(VENV312),$(PYTHON312),))
 
-.PHONY: demo test test-newest
+.PHONY: demo test test-newest format-check
 demo: $(VENV)/.runtime
 	$(PY) infer.py
 
@@ -43,3 +46,8 @@ test: $(VENV)/.test
 
 test-newest: $(VENV312)/.test
 	$(VENV312)/bin/python -m pytest $(PYTEST_ARGS)
+
+# The formatter's and the linter's verdict, changing nothing (settings in pyproject.toml).
+format-check: $(VENV)/.test
+	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/ruff check .

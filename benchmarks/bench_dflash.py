@@ -23,7 +23,6 @@ import time
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks import text_quality  # noqa: E402
 

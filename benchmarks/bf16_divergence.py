@@ -25,13 +25,11 @@ Prompts: code-completion prompts from the held-out stdlib files (as `bench_dflas
 
 import json
 import os
-import sys
 
 import numpy as np
 from absl import app, flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 FLAGS = flags.FLAGS
 

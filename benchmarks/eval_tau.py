@@ -33,8 +33,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 from absl import flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
 # The prompt formats of z-lab's DFlash benchmark (facts of the evaluation; alpaca as Alpaca
 # writes instruction and input).
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."

@@ -17,14 +17,10 @@ measured per iteration of `generate`'s compiled decode loop, which is what the b
 """
 
 import json
-import os
-import sys
-import time
 
 import numpy as np
 from absl import app, flags
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.timing import loop_step_ms, median_time  # noqa: E402
 

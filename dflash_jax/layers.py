@@ -73,23 +73,30 @@ def apply_rope(x_BTnD: jnp.ndarray, positions_BT: jnp.ndarray, inv_freq: jnp.nda
     return out.astype(x_BTnD.dtype)
 
 
-def masked_attention(q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None):
-    """Reference GQA attention with an explicit boolean mask [B,T,S]; softmax in float32.
+def masked_attention(q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None,
+                     *, precision=None):
+    """GQA attention with an explicit boolean mask; softmax in float32. The one XLA reference:
+    the model's "xla" attention, and what `pallas_kernels` checks its kernels against
+    (`pallas_kernels.reference`, in float32 at `precision=HIGHEST`).
 
-    Rows whose mask is all False return zeros.
+    q [B,T,N,D], k/v [B,S,K,D] (query head h reads kv head h // (N // K)); mask: bool,
+    broadcastable to [B,T,S], True = query t may attend to key s. Returns [B,T,N,D] in q's
+    dtype. Rows whose mask is all False return zeros (and zero gradients), never NaN.
     """
     b, t, n, d = q_BTND.shape
     kh = k_BSKD.shape[2]
+    if n % kh:
+        raise ValueError(f"{n} query heads must be a multiple of {kh} key/value heads")
     g = n // kh
     scale = d ** -0.5 if sm_scale is None else sm_scale
     q = q_BTND.reshape(b, t, kh, g, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD,
+    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, precision=precision,
                         preferred_element_type=jnp.float32) * scale
-    mask = mask_BTS[:, None, None, :, :]
+    mask = jnp.broadcast_to(mask_BTS, (b, t, k_BSKD.shape[1]))[:, None, None, :, :]
     logits = jnp.where(mask, logits, _MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD,
+    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD, precision=precision,
                      preferred_element_type=jnp.float32)
     return out.reshape(b, t, n, d).astype(q_BTND.dtype)
 

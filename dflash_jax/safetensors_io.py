@@ -1,111 +1,90 @@
-"""A small, dependency-free reader and writer of the safetensors format.
+"""Safetensors files and Hugging Face model directories, read and written with `safetensors`.
 
-Reading is memory-mapped: a tensor is viewed in place and cast straight to the requested dtype,
-so loading a bfloat16 checkpoint never holds a second full float32 copy of the model. Every error
-names the file and the tensor.
-
-Format: 8-byte little-endian header length N, N bytes of JSON
-`{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {...}}`, then the data.
+What this module adds to the package: `model.safetensors.index.json` shards (confined to the
+model directory), reading one tensor at a time with an optional cast (so loading a bfloat16
+checkpoint never holds a second full copy of the model), atomic writes, and errors that name the
+file and the tensor (`CheckpointError`). bfloat16 arrays are `ml_dtypes.bfloat16`.
 """
 
 from __future__ import annotations
 
 import json
-import mmap
 import os
 import struct
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
-import ml_dtypes
 import numpy as np
-
-DTYPES = {
-    "F64": np.dtype(np.float64),
-    "F32": np.dtype(np.float32),
-    "F16": np.dtype(np.float16),
-    "BF16": np.dtype(ml_dtypes.bfloat16),
-    "I64": np.dtype(np.int64),
-    "I32": np.dtype(np.int32),
-    "I16": np.dtype(np.int16),
-    "I8": np.dtype(np.int8),
-    "U8": np.dtype(np.uint8),
-    "BOOL": np.dtype(np.bool_),
-    "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
-    "F8_E5M2": np.dtype(ml_dtypes.float8_e5m2),
-}
-_NAMES = {v: k for k, v in DTYPES.items()}
+import safetensors
+import safetensors.numpy
 
 
 class CheckpointError(ValueError):
     """A checkpoint that cannot be loaded; the message names the file and the tensor."""
 
 
+def _diagnose(path: str, err: Exception) -> str:
+    """One line for a file `safetensors` refused. The package's message names no tensor, so
+    for an unknown dtype (a new or misspelled code) the header is read to name it."""
+    try:
+        with open(path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+        for name, entry in header.items():
+            code = entry.get("dtype") if isinstance(entry, dict) else None
+            if name != "__metadata__" and code is not None and code not in _KNOWN_CODES:
+                return f"{path}: tensor {name!r} has unknown dtype {code!r}"
+    except (OSError, ValueError, struct.error, AttributeError):
+        pass
+    return f"{path}: not a readable safetensors file ({err})"
+
+
+# Dtype codes of the format (safetensors' Dtype enum); numpy reads the float/int ones.
+_KNOWN_CODES = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16",
+                "F32", "F64", "C64", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
+                "F8_E5M2FNUZ", "F4", "F6_E2M3", "F6_E3M2"}
+
+
 class SafetensorsFile:
-    """Random access to the tensors of one `.safetensors` file (memory-mapped)."""
+    """Random access to the tensors of one `.safetensors` file (`safetensors.safe_open`)."""
 
     def __init__(self, path: str):
         self.path = str(path)
+        if not os.path.exists(self.path):
+            raise CheckpointError(f"{self.path}: cannot open (no such file)")
         try:
-            self._fh = open(self.path, "rb")
+            self._f = safetensors.safe_open(self.path, framework="numpy")
         except OSError as e:
-            raise CheckpointError(f"{self.path}: cannot open ({e.strerror})") from e
-        size = os.fstat(self._fh.fileno()).st_size
-        if size < 8:
-            raise CheckpointError(f"{self.path}: not a safetensors file (only {size} bytes)")
-        (n,) = struct.unpack("<Q", self._fh.read(8))
-        if n > size - 8:
-            raise CheckpointError(f"{self.path}: corrupt header (length {n} > file size)")
-        try:
-            header = json.loads(self._fh.read(n))
-        except ValueError as e:
-            raise CheckpointError(f"{self.path}: corrupt JSON header ({e})") from e
-        self.metadata = header.pop("__metadata__", None) or {}
-        self._header = header
-        self._data_start = 8 + n
-        self._size = size
-        self._mm = mmap.mmap(self._fh.fileno(), 0, access=mmap.ACCESS_READ) if size else None
+            raise CheckpointError(f"{self.path}: cannot open ({e})") from e
+        except Exception as e:  # noqa: BLE001 - SafetensorError: a corrupt header or size
+            raise CheckpointError(_diagnose(self.path, e)) from e
+        self.metadata = self._f.metadata() or {}
+        self._keys = list(self._f.keys())
 
     def keys(self):
-        return list(self._header)
+        return list(self._keys)
 
     def __contains__(self, name):
-        return name in self._header
+        return name in self._keys
 
     def info(self, name) -> Tuple[str, tuple]:
-        entry = self._header[name]
-        return entry["dtype"], tuple(entry["shape"])
+        """(dtype code such as 'BF16', shape) without reading the tensor."""
+        s = self._f.get_slice(name)
+        return s.get_dtype(), tuple(s.get_shape())
 
     def get(self, name: str, dtype=None) -> np.ndarray:
-        """The tensor as a numpy array; a zero-copy view unless `dtype` asks for a cast."""
-        if name not in self._header:
+        """The tensor as a numpy array, cast to `dtype` when given."""
+        if name not in self._keys:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found")
-        entry = self._header[name]
-        code = entry.get("dtype")
-        if code not in DTYPES:
-            raise CheckpointError(
-                f"{self.path}: tensor {name!r} has unknown dtype {code!r}; "
-                f"supported: {sorted(DTYPES)}")
-        np_dtype = DTYPES[code]
-        shape = tuple(entry["shape"])
-        begin, end = entry["data_offsets"]
-        expected = int(np.prod(shape, dtype=np.int64)) * np_dtype.itemsize
-        if end - begin != expected or self._data_start + end > self._size:
-            raise CheckpointError(
-                f"{self.path}: tensor {name!r} is truncated or mis-sized "
-                f"({end - begin} bytes for shape {shape} {code})")
-        arr = np.frombuffer(self._mm, dtype=np_dtype, count=expected // np_dtype.itemsize,
-                            offset=self._data_start + begin).reshape(shape)
-        if dtype is not None and np.dtype(dtype) != np_dtype:
+        try:
+            arr = self._f.get_tensor(name)
+        except Exception as e:  # noqa: BLE001 - a dtype numpy cannot hold (F4, F8_E8M0, ...)
+            raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read ({e})") from e
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
             arr = arr.astype(dtype)
         return arr
 
     def close(self):
-        if self._mm is not None:
-            try:
-                self._mm.close()
-            except BufferError:
-                pass  # arrays still view the mapping; it is unmapped when the last one dies
-        self._fh.close()
+        self._f.__exit__(None, None, None)
 
     def __enter__(self):
         return self
@@ -120,25 +99,15 @@ def write_safetensors(path: str, tensors: Mapping[str, np.ndarray],
 
     Written to a temporary name and renamed, so an interrupted save never leaves a torn file.
     """
-    header = {"__metadata__": dict(metadata or {"format": "pt"})}
-    offset = 0
-    arrays = []
-    for name in sorted(tensors):
-        arr = np.ascontiguousarray(np.asarray(tensors[name]))
-        if arr.dtype not in _NAMES:
-            raise CheckpointError(f"{path}: cannot store tensor {name!r} of dtype {arr.dtype}")
-        header[name] = {"dtype": _NAMES[arr.dtype], "shape": list(arr.shape),
-                        "data_offsets": [offset, offset + arr.nbytes]}
-        offset += arr.nbytes
-        arrays.append(arr)
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)
+    arrays = {name: np.ascontiguousarray(np.asarray(t)) for name, t in tensors.items()}
     tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(blob)))
-        f.write(blob)
-        for arr in arrays:
-            f.write(arr.tobytes())
+    try:
+        safetensors.numpy.save_file(arrays, tmp, metadata=dict(metadata or {"format": "pt"}))
+    except Exception as e:  # noqa: BLE001 - an unsupported dtype (object, str, ...)
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        bad = [f"{n!r} ({a.dtype})" for n, a in arrays.items() if a.dtype.kind in "OUSMm"]
+        raise CheckpointError(f"{path}: cannot store tensors {', '.join(bad)} ({e})") from e
     os.replace(tmp, path)
 
 

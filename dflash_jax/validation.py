@@ -20,7 +20,7 @@ import math
 import numbers
 import os
 import warnings
-from typing import Any, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Iterable, List, Mapping, Optional, Tuple
 
 import numpy as np
 

@@ -59,8 +59,7 @@ if INSTALL:
     reqs = [l.strip() for l in open(os.path.join(REPO, "requirements.txt"))
             if l.strip() and not l.startswith("#") and not l.startswith(("jax", "jaxlib"))]
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", *reqs], check=True)
-sys.path.insert(0, REPO)
-os.chdir(REPO)
+os.chdir(REPO)  # a notebook kernel imports from its working directory ('' on sys.path)
 import jax
 print("JAX", jax.__version__, "backend:", jax.default_backend(), "devices:", jax.devices())"""),
     ("md", """## 1. DFlash on the bundled tiny code model

@@ -28,18 +28,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
 import time
-
-if __package__ in (None, ""):
-  sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
+from dflash_jax.training import masks
 from pallas_kernels import backend, reference
 
 
@@ -171,7 +167,7 @@ def cases_training(g, rng, args):
       def dpa(q, kc, vc, kb, vb, a, vld, implementation=None):
         k = jnp.concatenate([kc, kb], axis=1)
         v = jnp.concatenate([vc, vb], axis=1)
-        mask = reference.training_mask(a, vld, kc.shape[1], bs)
+        mask = masks.training_mask(a, vld, bs, kc.shape[1])
         return _dpa(q, k, v, mask, implementation)
       # The cudnn variant trains through the XLA reference: nothing of its own to time.
       impls = {v: grad_of(lambda *a, impl=v: pk.training_attention(

@@ -18,7 +18,6 @@ import signal
 import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 from dflash_jax import distributed  # noqa: E402
 
@@ -33,14 +32,25 @@ MAX_NEW = 16
 MESH = "data=2,tensor=4"
 
 
+def _load_script(name):
+    """A script of the repository root (`infer.py`) as a module: scripts are not installed."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def generate(out_dir):
     import jax
     from absl import app
 
     import dflash_jax as dj
-    import infer
     from dflash_jax import sharding
     from dflash_jax.data.tokenizer import load_tokenizer
+
+    infer = _load_script("infer")
 
     assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
     target = dj.load_target(os.path.join(ASSETS, "target"), dtype="float32")

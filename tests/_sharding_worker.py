@@ -2,12 +2,8 @@
 set by the parent before JAX starts) and prints one JSON line of findings, prefixed RESULT."""
 
 import json
-import os
 import sys
 import time
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

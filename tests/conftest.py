@@ -1,7 +1,6 @@
 """Shared fixtures: small random Hugging Face checkpoints written once per test session."""
 
 import os
-import sys
 
 import numpy as np
 import pytest
@@ -11,10 +10,6 @@ import pytest
 # Set before any test module imports JAX; subprocesses inherit it.
 if not os.environ.get("JAX_PLATFORMS"):
     os.environ["JAX_PLATFORMS"] = "cpu"
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-    sys.path.insert(0, ROOT)
 
 VOCAB = 128
 

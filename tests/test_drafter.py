@@ -2,7 +2,6 @@
 files, and z-lab format round trips."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp

@@ -11,8 +11,8 @@ import pytest
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "eval_tau.py")
 PAIR = os.path.join(ROOT, "assets", "tiny-code")
-sys.path.insert(0, ROOT)
-from benchmarks import eval_tau  # noqa: E402
+
+from benchmarks import eval_tau
 
 # One small file per dataset, each in the dataset's own schema (extra fields as the real sets
 # have them).

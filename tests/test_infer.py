@@ -181,7 +181,6 @@ def test_plot_training_chains_stages_and_rejects_empty_files(tmp_path):
                        capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.stat().st_size > 0
-    sys.path.insert(0, ROOT)
     from benchmarks import plot_training
 
     stages = plot_training.read_stages([t1, t2])

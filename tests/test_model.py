@@ -57,7 +57,6 @@ def test_incremental_decoding_equals_full_forward(kind, targets):
     t = targets[kind]
     rs = np.random.RandomState(1)
     lens = [5, 12, 9]
-    total = 12 + 3 + 16 + 16
     seqs = [list(rs.randint(0, 128, n + 3 + 16 + 16)) for n in lens]
     full = [np.asarray(t.forward(np.array([s])).logits)[0] for s in seqs]
     full_taps = [np.asarray(t.forward(np.array([s]), tap_layers=(1,)).taps)[0] for s in seqs]

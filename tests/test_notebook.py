@@ -1,7 +1,6 @@
 """Executes notebooks/dflash_colab.ipynb top to bottom on CPU with small parameters."""
 
 import os
-import sys
 
 import nbformat
 import pytest

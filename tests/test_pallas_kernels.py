@@ -6,15 +6,9 @@ tiny and tile sizes forced small so that padding, multiple tiles, multiple
 splits and tile skipping are all exercised.
 """
 import contextlib
-import os
-import sys
 
 import numpy as np
 import pytest
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if ROOT not in sys.path:
-  sys.path.insert(0, ROOT)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

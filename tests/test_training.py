@@ -136,16 +136,14 @@ import signal
 import subprocess
 import sys
 import time
-import warnings
 
 import dflash_jax as dj
+from configs import tiny_test
 from dflash_jax.training import experiment, losses, trainer
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.metrics import read_event_scalars
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
-from configs import tiny_test  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -481,12 +479,10 @@ def test_every_config_sets_only_keys_the_trainer_reads():
     in a config would otherwise be a silently ignored setting)."""
     import importlib
     import os
-    import sys
 
     from configs.default import get_config as default_config
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    sys.path.insert(0, root)
 
     def keys(d, prefix=""):
         out = set()

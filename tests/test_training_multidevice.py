@@ -11,8 +11,6 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = r"""
-import sys
-sys.path.insert(0, ROOT)
 import jax, jax.numpy as jnp, numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 assert len(jax.devices()) == 8, jax.devices()
@@ -66,8 +64,6 @@ def test_eight_device_step_equals_one_device_step(tmp_path):
 
 
 FSDP_SCRIPT = r"""
-import sys
-sys.path.insert(0, ROOT)
 import jax, numpy as np
 assert len(jax.devices()) == 8, jax.devices()
 from configs import tiny_test

@@ -2,7 +2,6 @@
 confined safetensors indexes, and the CLIs' one-line errors (subprocess)."""
 
 import json
-import math
 import os
 import subprocess
 import sys

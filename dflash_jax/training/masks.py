@@ -105,13 +105,18 @@ def block_inputs(input_ids_BS, anchors_BN, block_size: int, mask_token_id: int,
 
 
 def training_mask(anchors_BN, block_valid_BN, block_size: int, ctx_len: int,
-                  segment_ids_BS: Optional[jnp.ndarray] = None):
+                  segment_ids_BS: Optional[jnp.ndarray] = None,
+                  ctx_start_BN: Optional[jnp.ndarray] = None):
     """The DFlash training attention mask, [B, N*bs, ctx_len + N*bs] bool (True = may attend).
+    The one reference of it: the "xla" training attention uses it, and `pallas_kernels`
+    checks its fused training kernels against it.
 
     Query row r belongs to block n = r // bs with anchor p = anchors[b, n]. Keys are the
     ctx_len context features followed by the N*bs block keys (same row order). Row r sees
       context j  iff  j < p  (STRICTLY: the anchor's own feature is not context; seeing it
-                      would leak x_{p+1})  and, with segment ids, segment[j] == segment[p];
+                      would leak x_{p+1})  and, with segment ids, segment[j] == segment[p],
+                      and, with `ctx_start_BN` (the kernels' form of the same rule: the first
+                      position of the anchor's document), j >= ctx_start[b, n];
       block key r' iff r' // bs == n (its own block, bidirectional);
     and nothing at all when the block is invalid.
     """
@@ -125,6 +130,8 @@ def training_mask(anchors_BN, block_valid_BN, block_size: int, ctx_len: int,
     if segment_ids_BS is not None:
         anchor_seg = jnp.take_along_axis(segment_ids_BS, anchors_BN, axis=1)[:, blk_of_row]
         ctx &= segment_ids_BS[:, None, :ctx_len] == anchor_seg[:, :, None]
+    if ctx_start_BN is not None:
+        ctx &= j[None, None, :] >= ctx_start_BN[:, blk_of_row][:, :, None]
     own = jnp.broadcast_to(blk_of_row[:, None] == blk_of_row[None, :], (b, rows, rows))
     return jnp.concatenate([ctx, own], axis=2) & row_valid[:, :, None]
 

@@ -1,109 +1,46 @@
-"""Metrics sinks: a JSONL file, TensorBoard event files (written without TensorFlow) and
-human progress lines.
+"""Metrics sinks: a JSONL file and TensorBoard event files (tensorboardX, no TensorFlow).
 
-TensorBoard's format is a TFRecord stream of `Event` protobufs. We only write scalars, so the
-three messages involved are encoded by hand (field numbers from tensorflow/core/util/event.proto
-and summary.proto):
-  Event   { double wall_time = 1; int64 step = 2; string file_version = 3; Summary summary = 5; }
-  Summary { repeated Value value = 1; }   Value { string tag = 1; float simple_value = 2; }
-A record is: uint64 length, uint32 masked_crc32c(length), data, uint32 masked_crc32c(data).
+`workdir/metrics.jsonl` holds one row per record (`{"split", "step", ...}`); TensorBoard gets
+the same scalars under `workdir/tb/<split>`, one event file per run and split.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
-import socket
 import struct
-import time
+import sys
 from typing import Dict, Iterator, Optional, Tuple
 
-
-def _crc32c_table():
-    poly = 0x82F63B78
-    table = []
-    for i in range(256):
-        c = i
-        for _ in range(8):
-            c = (c >> 1) ^ poly if c & 1 else c >> 1
-        table.append(c)
-    return table
+_WRITER_IDS = itertools.count()  # two writers of one process in one second get two files
 
 
-_TABLE = _crc32c_table()
+def _summary_writer_class():
+    """`tensorboardX.SummaryWriter`. tensorboardX imports torch when torch is installed, only
+    to accept torch tensors (we pass floats); that import takes seconds at a run's first log
+    line. Unless torch is already loaded, it is hidden for that one import (tensorboardX
+    catches the ImportError) and visible again right after."""
+    if "torch" in sys.modules:
+        from tensorboardX import SummaryWriter
 
-
-def crc32c(data: bytes) -> int:
-    crc = 0xFFFFFFFF
-    for byte in data:
-        crc = _TABLE[(crc ^ byte) & 0xFF] ^ (crc >> 8)
-    return crc ^ 0xFFFFFFFF
-
-
-def masked_crc32c(data: bytes) -> int:
-    crc = crc32c(data)
-    return (((crc >> 15) | (crc << 17)) + 0xA282EAD8) & 0xFFFFFFFF
-
-
-def _varint(n: int) -> bytes:
-    n &= (1 << 64) - 1
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
-
-
-def _field_bytes(num: int, payload: bytes) -> bytes:
-    return _varint((num << 3) | 2) + _varint(len(payload)) + payload
-
-
-def encode_event(step: int, wall_time: float, scalars: Optional[Dict[str, float]] = None,
-                 file_version: Optional[str] = None) -> bytes:
-    msg = _varint((1 << 3) | 1) + struct.pack("<d", wall_time)
-    msg += _varint((2 << 3) | 0) + _varint(int(step))
-    if file_version is not None:
-        msg += _field_bytes(3, file_version.encode())
-    if scalars:
-        summary = b"".join(
-            _field_bytes(1, _field_bytes(1, tag.encode()) + _varint((2 << 3) | 5) +
-                         struct.pack("<f", float(value)))
-            for tag, value in scalars.items())
-        msg += _field_bytes(5, summary)
-    return msg
-
-
-def tfrecord(data: bytes) -> bytes:
-    header = struct.pack("<Q", len(data))
-    return (header + struct.pack("<I", masked_crc32c(header)) + data +
-            struct.pack("<I", masked_crc32c(data)))
-
-
-class EventFileWriter:
-    """Appends scalar summaries to `logdir/events.out.tfevents.<time>.<host>`."""
-
-    def __init__(self, logdir: str):
-        os.makedirs(logdir, exist_ok=True)
-        name = f"events.out.tfevents.{int(time.time())}.{socket.gethostname()}.{os.getpid()}"
-        self.path = os.path.join(logdir, name)
-        self._f = open(self.path, "ab")
-        self._f.write(tfrecord(encode_event(0, time.time(), file_version="brain.Event:2")))
-        self._f.flush()
-
-    def scalars(self, step: int, values: Dict[str, float]) -> None:
-        self._f.write(tfrecord(encode_event(step, time.time(), values)))
-        self._f.flush()
-
-    def close(self) -> None:
-        self._f.close()
+        return SummaryWriter
+    sys.modules["torch"] = None  # `import torch` raises ImportError
+    try:
+        from tensorboardX import SummaryWriter
+    finally:
+        del sys.modules["torch"]
+    return SummaryWriter
 
 
 def read_event_scalars(path: str) -> Iterator[Tuple[int, str, float]]:
-    """Reads back (step, tag, value) from an event file, checking every CRC (for tests)."""
+    """Reads back (step, tag, value) from an event file, checking every record's CRC (tests).
+
+    The file is a TFRecord stream of `Event` protobufs: uint64 length, uint32 masked crc32c
+    of the length, the data, uint32 masked crc32c of the data."""
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.record_writer import masked_crc32c
+
     with open(path, "rb") as f:
         data = f.read()
     i = 0
@@ -111,61 +48,14 @@ def read_event_scalars(path: str) -> Iterator[Tuple[int, str, float]]:
         header = data[i:i + 8]
         (n,) = struct.unpack("<Q", header)
         if struct.unpack("<I", data[i + 8:i + 12])[0] != masked_crc32c(header):
-            raise ValueError("bad length crc")
+            raise ValueError(f"{path}: bad length crc at byte {i}")
         body = data[i + 12:i + 12 + n]
         if struct.unpack("<I", data[i + 12 + n:i + 16 + n])[0] != masked_crc32c(body):
-            raise ValueError("bad data crc")
+            raise ValueError(f"{path}: bad data crc at byte {i}")
         i += 16 + n
-        yield from _decode_event(body)
-
-
-def _read_varint(buf, i):
-    shift = result = 0
-    while True:
-        b = buf[i]
-        i += 1
-        result |= (b & 0x7F) << shift
-        shift += 7
-        if not b & 0x80:
-            return result, i
-
-
-def _fields(buf):
-    i = 0
-    while i < len(buf):
-        key, i = _read_varint(buf, i)
-        num, wire = key >> 3, key & 7
-        if wire == 0:
-            val, i = _read_varint(buf, i)
-        elif wire == 1:
-            val, i = buf[i:i + 8], i + 8
-        elif wire == 5:
-            val, i = buf[i:i + 4], i + 4
-        elif wire == 2:
-            n, i = _read_varint(buf, i)
-            val, i = buf[i:i + n], i + n
-        else:
-            raise ValueError(f"wire type {wire}")
-        yield num, val
-
-
-def _decode_event(buf):
-    step = 0
-    summaries = []
-    for num, val in _fields(buf):
-        if num == 2:
-            step = val
-        elif num == 5:
-            summaries.append(val)
-    for s in summaries:
-        for num, value_msg in _fields(s):
-            tag, v = None, None
-            for n2, x in _fields(value_msg):
-                if n2 == 1:
-                    tag = x.decode()
-                elif n2 == 2:
-                    v = struct.unpack("<f", x)[0]
-            yield step, tag, v
+        event = event_pb2.Event.FromString(body)
+        for value in event.summary.value:
+            yield int(event.step), value.tag, float(value.simple_value)
 
 
 def _row_step(line: str) -> float:
@@ -187,7 +77,7 @@ class MetricsLogger:
         process group (they write nothing)."""
         self.workdir = workdir
         self.enabled = enabled  # False on all processes but the first of a process group
-        self._tb: Dict[str, EventFileWriter] = {}
+        self._tb: Dict[str, object] = {}  # split -> tensorboardX.SummaryWriter
         if not enabled:
             return
         os.makedirs(workdir, exist_ok=True)
@@ -210,8 +100,13 @@ class MetricsLogger:
         self._jsonl.write(json.dumps({"split": split, "step": int(step), **clean}) + "\n")
         self._jsonl.flush()
         if split not in self._tb:
-            self._tb[split] = EventFileWriter(os.path.join(self.workdir, "tb", split))
-        self._tb[split].scalars(step, clean)
+            self._tb[split] = _summary_writer_class()(
+                os.path.join(self.workdir, "tb", split),
+                filename_suffix=f".{os.getpid()}.{next(_WRITER_IDS)}")
+        writer = self._tb[split]
+        for tag, value in clean.items():
+            writer.add_scalar(tag, value, global_step=int(step))
+        writer.flush()  # a record per log line: TensorBoard sees it now, a kill loses none
 
     def close(self) -> None:
         if not self.enabled:

@@ -38,7 +38,7 @@ import numpy as np
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from dflash_jax import distributed
+from dflash_jax import console, distributed
 from dflash_jax.target import save_target
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.experiment import Experiment, build_experiment, log as _log
@@ -282,6 +282,60 @@ def train_and_evaluate(config, workdir: str) -> dict:
     t_window, steps_window, t_start, step_start = time.time(), 0, time.time(), step
     acc_window = None
     profiling = False
+    bar = console.progress(total=total, initial=step, desc="train", unit="step")
+
+    def finish(k, metrics, rep_frac) -> bool:
+        """The host's part of step k, once its metrics are read: the non-finite loss check,
+        the loss history, the log window. False when the loss is not finite (step k is
+        dropped: `step` goes back to k - 1, the last good step)."""
+        nonlocal status, step, t_window, steps_window, acc_window
+        metrics = jax.device_get(metrics)
+        if rep_frac is not None:
+            metrics = dict(metrics, rep_frac=np.float32(rep_frac))
+        loss = float(metrics["loss"]) + float(metrics.get("ul_loss", 0.0))
+        if not math.isfinite(loss):
+            status, step = "nan", k - 1
+            _log(f"ERROR: non-finite loss ({loss}) at step {k}; stopping. The last "
+                 f"good checkpoint (step {ckpt.manager.latest_step()}) is kept; this "
+                 "state is not saved.")
+            return False
+        history.append((k, loss))
+        bar.update(1)
+        steps_window += 1
+        acc_window = metrics if acc_window is None else jax.tree_util.tree_map(
+            np.add, acc_window, metrics)
+        if k % config.log_every == 0 or k == stop_at:
+            dt = time.time() - t_window
+            rate = steps_window * tokens_per_step / max(dt, 1e-9)
+            elapsed = time.time() - t_start
+            eta = elapsed / max(k - step_start, 1) * (total - k)
+            rec = {"loss": acc_window["loss"] / steps_window,
+                   "grad_norm": acc_window["grad_norm"] / steps_window,
+                   "learning_rate": float(schedule(k - 1)), "tokens_per_s": rate}
+            if exp.mode == "drafter":
+                per_k = acc_window["correct_k"] / np.maximum(acc_window["count_k"], 1)
+                rec["acc_k01"] = float(per_k[1])
+                rec["block_accept_len"] = float(acc_window["accept_sum"] /
+                                                max(acc_window["num_blocks"], 1))
+            ul_msg = ""
+            if "rep_frac" in acc_window:
+                rec.update({key: float(acc_window[key]) / steps_window
+                            for key in ("ul_loss", "ul_p", "rep_frac")})
+                ul_msg = (f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
+                          f"repeated {100 * rec['rep_frac']:.1f}% ")
+            logger.write("train", k, rec)
+            bar.set_postfix_str(f"loss {rec['loss']:.4f}", refresh=False)
+            _log(f"step {k}/{total} loss {rec['loss']:.4f} {ul_msg}"
+                 f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
+                 f"{rate:,.0f} tok/s ETA {format_eta(eta)}")
+            t_window, steps_window, acc_window = time.time(), 0, None
+        return True
+
+    # Metrics are read one step late (as nanodo does): step k's are read after step k + 1 is
+    # dispatched, so the host never waits for the device before queueing the next step.
+    # Steps whose state is used (evaluation, checkpoint, the last) are read at once, so no
+    # state with a non-finite loss is evaluated or saved.
+    pending = None  # (step, metrics on device, rep_frac) not read yet
     try:
         while step < stop_at:
             try:
@@ -299,52 +353,26 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 batch.update(ul_batch)
             batch = distributed.put(batch, data_sh)
             new_state, metrics = train_step(state, frozen, batch)
-            metrics = jax.device_get(metrics)
-            if rep_frac is not None:
-                metrics = dict(metrics, rep_frac=np.float32(rep_frac))
-            loss = float(metrics["loss"]) + float(metrics.get("ul_loss", 0.0))
+            if pending is not None:
+                ok, pending = finish(*pending), None
+                if not ok:
+                    break
             if profiling and step + 1 >= config.profile_start_step + config.profile_num_steps:
+                jax.block_until_ready(metrics)
                 jax.profiler.stop_trace()
                 profiling = False
                 _log(f"profile of steps {config.profile_start_step}.."
                      f"{step} written to {config.profile_dir}")
-            if not math.isfinite(loss):
-                status = "nan"
-                _log(f"ERROR: non-finite loss ({loss}) at step {step + 1}; stopping. The last "
-                     f"good checkpoint (step {ckpt.manager.latest_step()}) is kept; this "
-                     "state is not saved.")
-                break
             state = new_state
             step += 1
-            history.append((step, loss))
-            steps_window += 1
-            acc_window = metrics if acc_window is None else jax.tree_util.tree_map(
-                np.add, acc_window, metrics)
-            if step % config.log_every == 0 or step == stop_at:
-                dt = time.time() - t_window
-                rate = steps_window * tokens_per_step / max(dt, 1e-9)
-                elapsed = time.time() - t_start
-                eta = elapsed / max(step - step_start, 1) * (total - step)
-                rec = {"loss": acc_window["loss"] / steps_window,
-                       "grad_norm": acc_window["grad_norm"] / steps_window,
-                       "learning_rate": float(schedule(step - 1)), "tokens_per_s": rate}
-                if exp.mode == "drafter":
-                    per_k = acc_window["correct_k"] / np.maximum(acc_window["count_k"], 1)
-                    rec["acc_k01"] = float(per_k[1])
-                    rec["block_accept_len"] = float(acc_window["accept_sum"] /
-                                                    max(acc_window["num_blocks"], 1))
-                ul_msg = ""
-                if "rep_frac" in acc_window:
-                    rec.update({k: float(acc_window[k]) / steps_window
-                                for k in ("ul_loss", "ul_p", "rep_frac")})
-                    ul_msg = (f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
-                              f"repeated {100 * rec['rep_frac']:.1f}% ")
-                logger.write("train", step, rec)
-                _log(f"step {step}/{total} loss {rec['loss']:.4f} {ul_msg}"
-                     f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
-                     f"{rate:,.0f} tok/s ETA {format_eta(eta)}")
-                t_window, steps_window, acc_window = time.time(), 0, None
-            if config.eval_every > 0 and (step % config.eval_every == 0 or step == total):
+            pending = (step, metrics, rep_frac)
+            evaluating = config.eval_every > 0 and (step % config.eval_every == 0
+                                                    or step == total)
+            if evaluating or step % ckpt.every == 0 or step == stop_at:
+                ok, pending = finish(*pending), None
+                if not ok:
+                    break
+            if evaluating:
                 last_eval = evaluate(exp, state.params, eval_step, step, frozen, eval_mesh)
                 logger.write("eval", step, last_eval)
                 _log(f"eval step {step}: " + " ".join(
@@ -354,16 +382,22 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 _log(f"checkpoint step {step} -> {ckpt.directory}")
             # A signal to any one process stops all of them after the same step.
             if distributed.any_process(flag.signum is not None):
+                if pending is not None and not finish(*pending):
+                    break  # (a non-finite loss: stopped, nothing saved)
+                pending = None
                 status = "preempted"
                 _log(f"signal {flag.signum or 'to another process'}: saving step {step} and "
                      "stopping")
                 break
+        if pending is not None:  # the data ran out before the last step's read
+            finish(*pending)
         if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state,
                                                 force=True):
             _log(f"checkpoint step {step} -> {ckpt.directory}")
         if status == "done" and step < total:
             status = "stopped"
     finally:
+        bar.close()
         if profiling:
             jax.profiler.stop_trace()
         ckpt.close()
