@@ -66,7 +66,10 @@ def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
     streamed, reported = plain.split("\n=== prompt 0: ")
     text = reported.split("\n", 1)[1].split("\n\nDFlash: ")[0]
     assert text.startswith("def add(a, b):") and len(text) > len("def add(a, b):")
-    assert "\n" + text + "\n" in streamed
+    # Streamed pieces may split a multi-byte character (a random model emits byte tokens):
+    # compared on the ASCII characters, which decode alike either way.
+    ascii_ = lambda t: "".join(ch for ch in t if ord(ch) < 128).strip("\n")
+    assert ascii_(streamed.split("backend cpu\n", 1)[1]) == ascii_(text)
     assert "outputs identical: True" in r.stdout
 
 
