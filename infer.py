@@ -7,7 +7,6 @@
   python infer.py --target=DIR --drafter=DIR --profile_dir=/tmp/trace   # XProf / Perfetto trace
 """
 
-import json
 import os
 import sys
 
@@ -71,18 +70,6 @@ flags.DEFINE_integer("context", 4096, "Dry run: prompt tokens.")
 flags.DEFINE_string("tau", "6.5,5.4", "Dry run: acceptance lengths for the projected speedup.")
 
 
-def _stop_ids(tok, target_dir):
-    """The tokenizer's eos and generation_config.json's eos_token_id(s)."""
-    ids = set()
-    if tok is not None:
-        ids.add(tok.eos_id)
-    gen_cfg = os.path.join(target_dir, "generation_config.json")
-    if os.path.exists(gen_cfg):
-        eos = json.load(open(gen_cfg)).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return sorted(i for i in ids if i is not None)
-
-
 def main(argv):
     del argv
     if FLAGS.dry_run:
@@ -101,7 +88,7 @@ def main(argv):
         dry_run.main(argv)  # exits 2 with one line on bad input
         return
     # Every flag checked before any model is loaded or anything is computed or written.
-    from dflash_jax import console, hub, prompting, validation
+    from dflash_jax import console, hub, prompting, serving, validation
 
     if FLAGS.resume and not FLAGS.json_out:
         raise ValueError("--resume needs --json_out (the file of the interrupted run)")
@@ -142,27 +129,21 @@ def main(argv):
 
     import dflash_jax as dj
     from dflash_jax import batch_infer, distributed, sharding
-    from dflash_jax.checkpoint import read_config
 
     distributed.initialize(FLAGS.distributed)  # before any other JAX call
     if not distributed.is_primary():  # every process computes; the first one reports
         sys.stdout = open(os.devnull, "w")
     mesh = None
     if FLAGS.mesh or distributed.is_multiprocess():
-        mesh = sharding.mesh_from_spec(FLAGS.mesh or "")
-    from dflash_jax.data.tokenizer import load_tokenizer
-
-    tok = None
-    if os.path.exists(os.path.join(target_dir, "tokenizer.json")):
-        tok = load_tokenizer(target_dir)
-    prompts = prompting.encode_prompts(items, tok, target_dir, FLAGS.chat_template,
-                                       vocab_size=read_config(target_dir).get("vocab_size"),
-                                       labels=labels)
+        mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh or ""))
+    text = serving.load_text(target_dir)  # tokenizer, stop ids, vocabulary size
+    tok = text.tokenizer
+    prompts = text.encode(items, FLAGS.chat_template, labels=labels)
     batch_size = FLAGS.batch_size or (8 if len(prompts) > 1 else 1)
 
     kw = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=FLAGS.temperature,
               top_k=FLAGS.top_k, top_p=FLAGS.top_p, seed=FLAGS.seed,
-              stop_token_ids=_stop_ids(tok, target_dir), mesh=mesh)
+              stop_token_ids=text.stop_token_ids, mesh=mesh)
     spec_kw = dict(kw, block_size=FLAGS.block_size, denoise_steps=FLAGS.denoise_steps,
                    confidence_threshold=FLAGS.confidence_threshold)
     run_kw = dict(batch_size=batch_size, extra_settings={
@@ -185,8 +166,10 @@ def main(argv):
 
     stream_on = FLAGS.stream if FLAGS.stream is not None else sys.stdout.isatty()
     stream_on = stream_on and mesh is None  # the stream callback runs on one device
+    stream = None
     if stream_on and tok is not None and len(prompts) == 1:
-        # An untimed run that prints blocks as they are committed (one host callback per step).
+        # An extra untimed run that prints blocks as they are committed (a host callback per
+        # step), before the timed ones.
         sys.stdout.write("\n" + tok.decode(prompts[0]))
         committed = []
 
@@ -196,14 +179,14 @@ def main(argv):
             sys.stdout.write("\033[1m" + tok.decode(committed)[len(before):] + "\033[0m")
             sys.stdout.flush()
 
-        dj.generate(target, drafter, prompts, stream_callback=stream, **spec_kw)
-        print("\n")
     # Batches grouped by length; the first is run once untimed (compiles both programs).
     try:
         report = batch_infer.run_prompts(
             target, drafter, prompts, out_path=FLAGS.json_out, resume=FLAGS.resume,
-            tokenizer=tok, compare_ar=compare, profile_dir=FLAGS.profile_dir, **run_kw,
-            **spec_kw)
+            tokenizer=tok, compare_ar=compare, profile_dir=FLAGS.profile_dir,
+            stream_callback=stream, **run_kw, **spec_kw)
+        if stream is not None:
+            print("\n")
     except KeyboardInterrupt:
         if FLAGS.json_out:
             print(f"\ninterrupted: finished batches are in {FLAGS.json_out}; rerun with "

@@ -78,11 +78,12 @@ def main(argv):
     drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
     console.cli_startup()
     import dflash_jax as dj
-    from dflash_jax.data.tokenizer import load_tokenizer
+    from dflash_jax import serving
 
     target = dj.load_target(target_dir)
     drafter = dj.load_drafter(drafter_dir, target=target)
-    tok = load_tokenizer(target_dir)
+    text = serving.load_text(target_dir)  # tokenizer and stop ids, as infer.py uses them
+    tok = text.tokenizer
     prompts = load_prompts(tok)
     blocks = [int(x) for x in FLAGS.block_sizes]
     temps = [float(x) for x in FLAGS.temperatures]
@@ -100,8 +101,8 @@ def main(argv):
                            desc="settings", unit="setting")
     for temp, batch in itertools.product(temps, batches):
         common = dict(max_new_tokens=FLAGS.max_new_tokens, temperature=temp, seed=0,
-                      stop_token_ids=[tok.eos_id])
-        run_setting(dj, target, None, prompts[:batch], batch, **common)  # warm-up
+                      stop_token_ids=text.stop_token_ids)
+        serving.warm_up(target, None, prompts[:batch], **common)
         ar_runs = [run_setting(dj, target, None, prompts, batch, **common)
                    for _ in range(FLAGS.repeats)]
         ar_tps = float(np.median([r["tokens_per_s"] for r in ar_runs]))
@@ -120,7 +121,7 @@ def main(argv):
             if steps > bs - 1:
                 continue
             kw = dict(common, block_size=bs, denoise_steps=steps)
-            warm = run_setting(dj, target, drafter, prompts[:batch], batch, **kw)
+            warm = serving.warm_up(target, drafter, prompts[:batch], **kw)
             runs = [run_setting(dj, target, drafter, prompts, batch, **kw)
                     for _ in range(FLAGS.repeats)]
             acc = runs[0]["acceptance"]
@@ -133,7 +134,7 @@ def main(argv):
             row = {"block_size": bs, "temperature": temp, "denoise_steps": steps,
                    "batch": batch, "tau": float(np.mean(acc)), "dflash_tokens_per_s": tps,
                    "ar_tokens_per_s": ar_tps, "speedup": tps / ar_tps,
-                   "compile_s": warm["compile_s"], "steps": len(acc),
+                   "compile_s": warm.stats["compile_s"], "steps": len(acc),
                    "acceptance_histogram": hist.tolist(), "per_position_acceptance": per_pos}
             rows.append(row)
             print(f"bs={bs:2d} T={temp:g} denoise={steps} batch={batch}: tau {row['tau']:.2f}  "

@@ -119,13 +119,14 @@ def divergence_at(target, prefix, a, d) -> dict:
 def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
     """DFlash and AR greedy outputs per prompt (batch 1, as infer.py runs them); for each
     prompt where they part, `divergence_at` its first differing position."""
-    import dflash_jax as dj
+    from dflash_jax import serving
 
     records, spec_s, spec_tok, ar_s, ar_tok = [], 0.0, 0, 0.0, 0
     ties = [0, 0]  # near-tie positions, positions (AR continuations)
     for i, prompt in enumerate(prompts):
-        spec = dj.generate(target, drafter, [prompt], max_new_tokens, block_size=block_size)
-        ar = dj.generate(target, None, [prompt], max_new_tokens)
+        c = serving.compare(target, drafter, [prompt], warmup=False, stop_token_ids=(),
+                            max_new_tokens=max_new_tokens, block_size=block_size)
+        spec, ar = c.spec, c.ar
         s, r = spec.tokens[0], ar.tokens[0]
         spec_s += spec.stats["decode_s"]
         spec_tok += sum(spec.acceptance_lengths[0])
@@ -164,6 +165,7 @@ def main(argv):
     import jax.numpy as jnp
 
     import dflash_jax as dj
+    from dflash_jax import serving
     from dflash_jax.data.tokenizer import load_tokenizer
 
     if FLAGS.out:
@@ -178,8 +180,8 @@ def main(argv):
         target = dj.load_target(FLAGS.target, **kw)
         drafter = dj.load_drafter(FLAGS.drafter, target=target)
         cfg = target.config
-        dj.generate(target, drafter, prompts[:1], FLAGS.max_new_tokens)  # compile
-        dj.generate(target, None, prompts[:1], FLAGS.max_new_tokens)
+        serving.warm_up(target, drafter, prompts[:1], compare_ar=True,  # compiles both
+                        max_new_tokens=FLAGS.max_new_tokens, block_size=FLAGS.block_size)
         res = compare(target, drafter, prompts, FLAGS.max_new_tokens, FLAGS.block_size)
         res["kv_cache_bytes_per_token"] = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
                                            * jnp.dtype(cfg.dtype).itemsize)

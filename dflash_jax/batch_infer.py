@@ -30,7 +30,7 @@ from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
 
-from dflash_jax import console
+from dflash_jax import console, serving
 from dflash_jax.decoding import generate
 
 
@@ -116,6 +116,7 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
                 compare_ar: bool = False, warmup: bool = True, profile_dir: Optional[str] = None,
                 extra_settings: Optional[dict] = None,
                 on_batch: Optional[Callable[[int, List[dict]], None]] = None,
+                stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
                 **gen_kw) -> BatchReport:
     """Runs `generate` over `prompts` (token-id lists) in length-grouped batches.
 
@@ -123,6 +124,8 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
     stop_token_ids, block_size, denoise_steps, confidence_threshold). The drafter-only ones are
     dropped for the autoregressive comparison (compare_ar), which decodes the same batches.
     warmup: run the first batch once untimed first (compiles, first-run allocations).
+    stream_callback: an extra, untimed run over `prompts` before anything else that calls it
+    with each step's commits (infer.py prints a single prompt's completion as it comes).
     extra_settings: more values that must match on resume (e.g. model paths).
     on_batch(batch_number, records): called after each batch's lines are written.
     """
@@ -131,8 +134,7 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
         raise ValueError("no prompts")
     settings = run_settings(gen_kw, batch_size, drafter is not None, extra_settings)
     seed = int(gen_kw.pop("seed", 0))
-    ar_kw = {k: v for k, v in gen_kw.items()
-             if k not in ("block_size", "denoise_steps", "confidence_threshold")}
+    gen_kw.setdefault("stop_token_ids", ())
     batches = length_batches([len(p) for p in prompts], batch_size)
     done: Dict[int, dict] = {}
     if out_path:
@@ -149,11 +151,11 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
         rows = [prompts[i] for i in idx]
         return rows + [rows[-1]] * (batch_size - len(rows))
 
+    if stream_callback is not None:
+        generate(target, drafter, prompts, stream_callback=stream_callback, seed=seed, **gen_kw)
     if warmup and todo:
-        first = padded(todo[0][1])
-        generate(target, drafter, first, seed=seed, **gen_kw)
-        if compare_ar and drafter is not None:
-            generate(target, None, first, seed=seed, **ar_kw)
+        serving.warm_up(target, drafter, padded(todo[0][1]), compare_ar=compare_ar, seed=seed,
+                        **gen_kw)
     if profile_dir:
         import jax
 
@@ -164,9 +166,9 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
     run_tokens, run_decode_s, run_acc = 0, 0.0, []
     try:
         for b, idx in todo:
-            res = generate(target, drafter, padded(idx), seed=seed + b, **gen_kw)
-            ar = (generate(target, None, padded(idx), seed=seed + b, **ar_kw)
-                  if compare_ar and drafter is not None else None)
+            c = serving.compare(target, drafter, padded(idx), compare_ar=compare_ar,
+                                warmup=False, seed=seed + b, **gen_kw)
+            res, ar = c.spec, c.ar
             recs = []
             for row, i in enumerate(idx):
                 acc = [int(a) for a in res.acceptance_lengths[row]]

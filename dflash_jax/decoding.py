@@ -9,7 +9,9 @@
                     roll back both caches to the committed length, append the new taps
                   until every sequence hit max_new_tokens or a stop token.
 No host round trip per step. The autoregressive baseline is the same loop with an empty draft
-(block of one token), through the same target code and cache.
+(block of one token), through the same target code and cache. `generate_programs` wraps both in
+`jax.jit`s with in/out shardings for a device mesh (`dflash_jax.sharding`'s rules; none on one
+device); `generate_io` checks the request and reads the result back on the host.
 
 Losslessness. At temperature 0, y_i is the target's argmax after the committed prefix, and we
 commit only y's, so the output equals greedy autoregressive decoding token for token. At
@@ -36,8 +38,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import attention as attn_lib
-from dflash_jax import validation
-from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend, validate_pair
+from dflash_jax import sharding
+from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend
+from dflash_jax.generate_io import GenerationResult, check_request, collect, gather_multiprocess
 from dflash_jax.model import KVCache, Transformer, write_kv
 from dflash_jax.sampling import greedy_argmax, pick_tokens
 
@@ -54,7 +57,9 @@ class Plan:
     denoise_steps: int = 1
     confidence_threshold: Optional[float] = None
     record_drafts: bool = False
-    stream: bool = False  # call the registered host callback with each step's commits
+    # Host function called with each step's commits (`generate`'s stream_callback), or None.
+    # Part of the jit key: a program is compiled per function (reuse one to reuse the program).
+    stream: Optional[Callable[[List[List[int]]], None]] = None
     attention_impl: str = "xla"
     # Prompts longer than this are prefilled in chunks of this many tokens (a scan appending to
     # the cache), so attention temporaries grow linearly with the context, not quadratically:
@@ -74,24 +79,6 @@ class DecodeState:
     drafts: jnp.ndarray  # [N, B, bs-1] drafted blocks (shape [0, B, 0] when not recorded)
     key: jnp.ndarray
     max_new: jnp.ndarray  # [] tokens to generate per sequence
-
-
-@dataclasses.dataclass
-class GenerationResult:
-    """tokens: per sequence, the new token ids (prompt excluded, truncated after a stop token).
-    acceptance_lengths: per sequence, tokens committed at each decode step (target pass).
-    drafts: per sequence, the drafted block (bs-1 ids) of each step, when requested.
-    stats: prefill_s, decode_s, compile_s, decode_tokens_per_s, steps, tau, new_tokens.
-    """
-
-    tokens: List[List[int]]
-    acceptance_lengths: List[List[int]]
-    drafts: Optional[List[List[List[int]]]]
-    stats: dict
-
-    @property
-    def tau(self) -> float:
-        return self.stats["tau"]
 
 
 def _embed(tmod, tparams, ids):
@@ -211,10 +198,11 @@ def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> D
         num_out = state.num_out + n
         done = state.done | has_stop | (num_out >= state.max_new)
         accepted = state.accepted.at[:, state.step].set(n)
-        if plan.stream:
+        if plan.stream is not None:
             # Optional host callback (only when streaming was asked for): committed tokens
             # y[b, :n[b]] of this step; ordered so the terminal sees them in sequence.
-            jax.debug.callback(_emit_stream, y, n, ordered=True)
+            jax.debug.callback(functools.partial(_emit_stream, plan.stream), y, n,
+                               ordered=True)
         drafts_rec = state.drafts
         if plan.record_drafts and dmod is not None:
             drafts_rec = drafts_rec.at[state.step].set(drafts)
@@ -222,14 +210,9 @@ def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> D
                          step=state.step + 1, accepted=accepted, drafts=drafts_rec, key=key)
 
 
-_STREAM_SINK = [None]
-
-
-def _emit_stream(y, n):
-    sink = _STREAM_SINK[0]
-    if sink is not None:
-        y, n = np.asarray(y), np.asarray(n)
-        sink([y[b, :n[b]].tolist() for b in range(y.shape[0])])
+def _emit_stream(sink, y, n):
+    y, n = np.asarray(y), np.asarray(n)
+    sink([y[b, :n[b]].tolist() for b in range(y.shape[0])])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
@@ -301,44 +284,63 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
-def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoise_steps):
-    """Raises ValueError for bad input before any compute."""
-    cfg = target.config
-    if drafter is not None:
-        validate_pair(drafter.config, cfg)
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if drafter is not None and not 2 <= block_size <= 64:
-        raise ValueError(f"block_size must be in [2, 64], got {block_size}")
-    if denoise_steps < 1 or (drafter is not None and denoise_steps > block_size - 1):
-        raise ValueError(f"denoise_steps must be in [1, block_size-1], got {denoise_steps}")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        lo, hi = min(p), max(p)
-        if lo < 0 or hi >= cfg.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): "
-                             f"range [{lo}, {hi}]")
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
-                f"the model's context length max_position_embeddings="
-                f"{cfg.max_position_embeddings}")
+def generate_programs(tmod, dmod, plan: Plan, capacity: int, n_buf: int, mesh, tparams, dparams,
+                      batch: int, prompt_len: int):
+    """(prefill_jit, decode_jit, shardings): `_prefill` and `_decode` (the decode state
+    donated) in `jax.jit`s whose in/out shardings are fixed for `mesh`: parameters by the
+    partition rules, prompts and per-sequence state over the batch axes, caches B over batch
+    and K over tensor; GSPMD propagates them through the layers and the `while_loop`. With
+    `mesh=None` (one device) no shardings are fixed and `shardings` is None.
+
+    shardings: dict(tparams, dparams, ids, lens, state, state_shape, arg_shapes), for lowering
+    on abstract values (`sharding.with_shardings`). `tparams` / `dparams` may be shapes.
+    """
+    def prefill(tp, dp, ids, lens, max_new, key):
+        return _prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, ids, lens, max_new, key)
+
+    def decode(tp, dp, state):
+        return _decode(tmod, dmod, plan, tp, dp, state)
+
+    if mesh is None:
+        return jax.jit(prefill), jax.jit(decode, donate_argnums=(2,)), None
+    tsh = sharding.param_shardings(tparams, mesh, sharding.target_rules(), tmod.cfg.head_dim)
+    dsh = None if dparams is None else sharding.param_shardings(
+        dparams, mesh, sharding.target_rules(), dmod.cfg.body.head_dim)
+    repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    ids_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec((batch, prompt_len), mesh))
+    lens_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec((batch,), mesh))
+    arg_shapes = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+                  jax.ShapeDtypeStruct((batch,), jnp.int32),
+                  jax.ShapeDtypeStruct((), jnp.int32),
+                  jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    with sharding.compiling_for(mesh):  # traces the prefill: kernels for the mesh's platform
+        state_shape = jax.eval_shape(prefill, tparams, dparams, *arg_shapes)
+    state_sh = sharding.decode_state_sharding(state_shape, mesh)
+    prefill_jit = jax.jit(prefill, in_shardings=(tsh, dsh, ids_sh, lens_sh, repl, repl),
+                          out_shardings=state_sh)
+    decode_jit = jax.jit(decode, in_shardings=(tsh, dsh, state_sh), out_shardings=state_sh,
+                         donate_argnums=(2,))
+    shardings = dict(tparams=tsh, dparams=dsh, ids=ids_sh, lens=lens_sh, state=state_sh,
+                     state_shape=state_shape, arg_shapes=arg_shapes)
+    return prefill_jit, decode_jit, shardings
 
 
 class _Compiled:
     """AOT-compiled (prefill, decode) executables keyed by their static configuration, so
-    compile time is measured apart and new prompt lengths within a bucket never recompile."""
+    compile time is measured apart and new prompt lengths within a bucket never recompile.
+    Programs that stream keep only the latest callback's (a new function each call would
+    otherwise keep every program alive)."""
 
     cache: dict = {}
 
     @classmethod
     def get(cls, key, build):
-        """(executables, seconds spent compiling now: 0 on a hit)."""
+        """(executables, seconds spent compiling now: 0 on a hit). key[2] is the Plan."""
         if key in cls.cache:
             return cls.cache[key], 0.0
+        if key[2].stream is not None:
+            for old in [k for k in cls.cache if k[2].stream not in (None, key[2].stream)]:
+                del cls.cache[old]
         t0 = time.perf_counter()
         cls.cache[key] = build()
         return cls.cache[key], time.perf_counter() - t0
@@ -365,25 +367,18 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
     """
     # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
-    if drafter is not None:
-        validate_pair(drafter.config, target.config)
-    v = validation.check_generate_args(
-        target.config, drafter.config if drafter is not None else None, prompts,
-        max_new_tokens, block_size, temperature, top_k, top_p, seed, stop_token_ids,
-        denoise_steps, confidence_threshold)
+    v = check_request(target, drafter, prompts, max_new_tokens, block_size, temperature, top_k,
+                      top_p, seed, stop_token_ids, denoise_steps, confidence_threshold)
     prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
-    temperature, top_k, top_p = v["temperature"], v["top_k"], v["top_p"]
-    seed, denoise_steps = v["seed"], v["denoise_steps"]
-    confidence_threshold = v["confidence_threshold"]
-    validate_request(target, drafter, prompts, max_new_tokens, bs, denoise_steps)
+    temperature = v["temperature"]
     plan = Plan(block_size=bs, temperature=float(temperature),
-                top_k=None if temperature == 0 else top_k,
-                top_p=None if temperature == 0 else top_p,
+                top_k=None if temperature == 0 else v["top_k"],
+                top_p=None if temperature == 0 else v["top_p"],
                 stop_ids=v["stop_token_ids"],
-                denoise_steps=denoise_steps if drafter is not None else 1,
-                confidence_threshold=confidence_threshold if drafter is not None else None,
+                denoise_steps=v["denoise_steps"] if drafter is not None else 1,
+                confidence_threshold=v["confidence_threshold"] if drafter is not None else None,
                 record_drafts=bool(return_drafts and drafter is not None),
-                stream=stream_callback is not None,
+                stream=stream_callback,
                 # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
                 attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl,
                                                     mesh),
@@ -402,34 +397,28 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     tparams = target.params
     dparams = drafter.params if drafter is not None else None
     args = (jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(max_new_tokens, jnp.int32),
-            jax.random.PRNGKey(seed))
+            jax.random.PRNGKey(v["seed"]))
     key = (tmod, dmod, plan, b, p_pad, n_buf, capacity, mesh,
            jax.tree_util.tree_structure(tparams), jax.tree_util.tree_structure(dparams))
-    if mesh is None:
-        def build():
-            state = jax.eval_shape(
-                lambda *a: _prefill(tmod, dmod, plan, capacity, n_buf, *a), tparams, dparams,
-                *args)
-            return (_prefill.lower(tmod, dmod, plan, capacity, n_buf, tparams, dparams,
-                                   *args).compile(),
-                    _decode.lower(tmod, dmod, plan, tparams, dparams, state).compile(), None)
-    else:
-        from dflash_jax import sharding
 
-        def build():
-            prefill_jit, decode_jit, sh = sharding.generate_programs(
-                tmod, dmod, plan, capacity, n_buf, mesh, tparams, dparams, b, p_pad)
-            repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            arg_sh = (sh["ids"], sh["lens"], repl, repl)
-            # Lowered on shapes: the arrays may be placed otherwise (e.g. a trainer's FSDP
-            # layout); they are moved to the programs' shardings below.
-            shapes = lambda tree: jax.tree_util.tree_map(
-                lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
-            tp_s, dp_s = shapes(tparams), shapes(dparams)
-            with sharding.compiling_for(mesh):  # kernels for the mesh's platform
-                return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
-                        decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
-                        (sh["tparams"], sh["dparams"], arg_sh))
+    def build():
+        prefill_jit, decode_jit, sh = generate_programs(tmod, dmod, plan, capacity, n_buf, mesh,
+                                                        tparams, dparams, b, p_pad)
+        if sh is None:  # one device: lowered on the arrays as they are placed
+            state = jax.eval_shape(prefill_jit, tparams, dparams, *args)
+            return (prefill_jit.lower(tparams, dparams, *args).compile(),
+                    decode_jit.lower(tparams, dparams, state).compile(), None)
+        repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        arg_sh = (sh["ids"], sh["lens"], repl, repl)
+        # Lowered on shapes: the arrays may be placed otherwise (e.g. a trainer's FSDP
+        # layout); they are moved to the programs' shardings below.
+        shapes = lambda tree: jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+        tp_s, dp_s = shapes(tparams), shapes(dparams)
+        with sharding.compiling_for(mesh):  # kernels for the mesh's platform
+            return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
+                    decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
+                    (sh["tparams"], sh["dparams"], arg_sh))
 
     (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
     if placement is not None:  # put parameters and inputs where the sharded programs want them
@@ -440,75 +429,22 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
         dparams = None if dparams is None else distributed.put(dparams, dsh)
         args = tuple(distributed.put(a, s) for a, s in zip(args, arg_sh))
 
-    _STREAM_SINK[0] = stream_callback
-    try:
-        t0 = time.perf_counter()
-        state = prefill_x(tparams, dparams, *args)
-        jax.block_until_ready(state.tokens)
-        t1 = time.perf_counter()
-        if stream_callback is not None:
-            stream_callback([[int(t)] for t in np.asarray(state.tokens[:, 0])])
-        state = decode_x(tparams, dparams, state)
-        jax.block_until_ready(state.tokens)
-        jax.effects_barrier()
-        t2 = time.perf_counter()
-    finally:
-        _STREAM_SINK[0] = None
+    t0 = time.perf_counter()
+    state = prefill_x(tparams, dparams, *args)
+    jax.block_until_ready(state.tokens)
+    t1 = time.perf_counter()
+    if stream_callback is not None:
+        stream_callback([[int(t)] for t in np.asarray(state.tokens[:, 0])])
+    state = decode_x(tparams, dparams, state)
+    jax.block_until_ready(state.tokens)
+    jax.effects_barrier()
+    t2 = time.perf_counter()
     times = (t1 - t0, t2 - t1, compile_s)
     if mesh is not None and jax.process_count() > 1:
-        state, times = _gather_multiprocess(state, plan, times)
-    result = _collect(state, plan, b, prefill_s=times[0], decode_s=times[1],
-                      compile_s=times[2])
+        state, times = gather_multiprocess(state, plan, times)
+    result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1],
+                     compile_s=times[2])
     if mesh is not None:
-        from dflash_jax.sharding import mesh_str
-
-        result.stats.update(mesh=mesh_str(mesh),
+        result.stats.update(mesh=sharding.mesh_str(mesh),
                             cache_sharding=str(state.cache.k[0].sharding.spec))
     return result
-
-
-def _gather_multiprocess(state: DecodeState, plan: Plan, times):
-    """A mesh over several processes: the outputs `_collect` reads, gathered to numpy on every
-    process (a collective), and process 0's timings, so every process returns the same
-    result."""
-    from dflash_jax import distributed
-
-    out = dict(tokens=state.tokens, num_out=state.num_out, accepted=state.accepted,
-               step=state.step)
-    if plan.record_drafts:
-        out["drafts"] = state.drafts
-    out = distributed.gather(out)
-    times = distributed.broadcast(np.asarray(times, np.float64))
-    return state.replace(**out), tuple(float(t) for t in times)
-
-
-def _collect(state: DecodeState, plan: Plan, b: int, *, prefill_s: float, decode_s: float,
-             compile_s: float) -> GenerationResult:
-    """Host-side result: per-sequence tokens, acceptance lengths, drafts, and stats."""
-    tokens, num_out, accepted, steps = jax.device_get(
-        (state.tokens, state.num_out, state.accepted, state.step))
-    drafts_np = np.asarray(state.drafts) if plan.record_drafts else None
-    out_tokens, acc, drafts = [], [], [] if plan.record_drafts else None
-    for i in range(b):
-        out_tokens.append(tokens[i, :num_out[i]].tolist())
-        active = accepted[i, :steps] > 0
-        acc.append(accepted[i, :steps][active].tolist())
-        if drafts is not None:
-            drafts.append(drafts_np[:steps, i][active].tolist())
-    all_acc = [a for seq in acc for a in seq]
-    new_tokens = int(num_out.sum())
-    decode_tokens = int(sum(sum(a) for a in acc))
-    stats = {
-        "prefill_s": prefill_s,
-        "decode_s": decode_s,
-        "compile_s": compile_s,
-        "steps": int(steps),
-        "new_tokens": new_tokens,
-        "decode_tokens_per_s": decode_tokens / max(decode_s, 1e-9),
-        "tokens_per_s": new_tokens / max(prefill_s + decode_s, 1e-9),
-        "tau": float(np.mean(all_acc)) if all_acc else 0.0,
-        "block_size": plan.block_size,
-        "batch": b,
-    }
-    return GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=drafts,
-                            stats=stats)

@@ -1,4 +1,4 @@
-"""Scale-out on JAX's own machinery: a named mesh, partition rules, sharded generate and train.
+"""Scale-out on JAX's own machinery: a named mesh, partition rules and the specs they give.
 
 Mesh axes (always all three, size 1 when unused):
   data    - data parallelism: batches and caches split by sequence.
@@ -25,8 +25,10 @@ Caches ([B, S, K, D] per layer, target KVCache and drafter ContextCache): B over
 K over tensor; lengths [B] over the batch axes. Batches: leading axis over the batch axes.
 
 Everything else is left to GSPMD: parameters and inputs are placed with `NamedSharding`, the
-existing jitted programs of `decoding.py` are wrapped in `jax.jit` with in/out shardings, and the
-partitioner inserts the collectives (all-reduce after o_proj/down, gathers for FSDP).
+programs (`decoding.generate_programs`, `training.trainer.make_train_step`) are `jax.jit`s with
+these in/out shardings, and the partitioner inserts the collectives (all-reduce after
+o_proj/down, gathers for FSDP). This module holds only meshes, rules and specs: it imports
+neither `decoding` nor `training`.
 
 Meshes default to `jax.devices()`, i.e. the devices of every process when several run (a pod
 slice); `dflash_jax.distributed` joins the processes and moves values in and out of such meshes.
@@ -40,7 +42,6 @@ import re
 from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
@@ -100,10 +101,6 @@ def parse_mesh(spec: str) -> Dict[str, int]:
     return out
 
 
-def mesh_from_spec(spec: str, devices=None) -> Mesh:
-    return make_mesh(**parse_mesh(spec), devices=devices)
-
-
 def mesh_str(mesh) -> str:
     return ",".join(f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1) or "single"
 
@@ -150,12 +147,8 @@ def _rules(fsdp: bool) -> Tuple[Rule, ...]:
 
 
 def target_rules(fsdp: bool = False) -> Tuple[Rule, ...]:
-    """Rules for the verifier's parameters (tensor parallel; `fsdp` adds the other axis)."""
-    return _rules(fsdp)
-
-
-def drafter_rules(fsdp: bool = False) -> Tuple[Rule, ...]:
-    """Rules for the drafter's parameters: the target's layer rules plus fc [n*H, H]."""
+    """Rules for the verifier's and the drafter's parameters (the drafter's layers are named
+    as the target's, plus fc [n*H, H]): tensor parallel; `fsdp` adds the other axis."""
     return _rules(fsdp)
 
 
@@ -292,64 +285,3 @@ def with_shardings(tree, shardings):
     `.lower()` without allocating anything."""
     return jax.tree_util.tree_map(
         lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
-
-
-def constrain(tree, shardings):
-    """`with_sharding_constraint` for use inside jitted code."""
-    return jax.lax.with_sharding_constraint(tree, shardings)
-
-
-# ---------------------------------------------------------------------- sharded generation
-
-
-def generate_programs(tmod, dmod, plan, capacity: int, n_buf: int, mesh, tparams, dparams,
-                      batch: int, prompt_len: int):
-    """(prefill_jit, decode_jit, shardings) for the programs of `decoding.py` on `mesh`.
-
-    The jitted `_prefill` / `_decode` are called unchanged inside a `jax.jit` that fixes the
-    shardings at the boundary: parameters by the rules, prompts and per-sequence state over the
-    batch axes, caches B over batch and K over tensor. GSPMD propagates them through the
-    layers and the decode `while_loop`. `tparams` / `dparams` may be arrays or shapes.
-    """
-    from dflash_jax import decoding
-
-    head_t = tmod.cfg.head_dim
-    tsh = param_shardings(tparams, mesh, target_rules(), head_t)
-    dsh = None if dparams is None else param_shardings(dparams, mesh, drafter_rules(),
-                                                       dmod.cfg.body.head_dim)
-    repl = NamedSharding(mesh, P())
-    ids_sh = NamedSharding(mesh, batch_spec((batch, prompt_len), mesh))
-    lens_sh = NamedSharding(mesh, batch_spec((batch,), mesh))
-    arg_shapes = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
-                  jax.ShapeDtypeStruct((batch,), jnp.int32),
-                  jax.ShapeDtypeStruct((), jnp.int32),
-                  jax.eval_shape(lambda: jax.random.PRNGKey(0)))
-    with compiling_for(mesh):  # traces the prefill: kernels for the mesh's platform
-        state_shape = jax.eval_shape(
-            lambda tp, dp, *a: decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, *a),
-            tparams, dparams, *arg_shapes)
-    state_sh = decode_state_sharding(state_shape, mesh)
-
-    def prefill(tp, dp, ids, lens, max_new, key):
-        return decoding._prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, ids, lens,
-                                 max_new, key)
-
-    def decode(tp, dp, state):
-        return decoding._decode(tmod, dmod, plan, tp, dp, state)
-
-    prefill_jit = jax.jit(prefill, in_shardings=(tsh, dsh, ids_sh, lens_sh, repl, repl),
-                          out_shardings=state_sh)
-    decode_jit = jax.jit(decode, in_shardings=(tsh, dsh, state_sh), out_shardings=state_sh,
-                         donate_argnums=(2,))
-    shardings = dict(tparams=tsh, dparams=dsh, ids=ids_sh, lens=lens_sh, state=state_sh,
-                     state_shape=state_shape, arg_shapes=arg_shapes)
-    return prefill_jit, decode_jit, shardings
-
-
-def generate_sharded(target, drafter, prompts, max_new_tokens: int, mesh, **kw):
-    """`decoding.generate(..., mesh=mesh)`: the same programs on a device mesh. Parameters are
-    placed by the partition rules, prompts and caches split over the batch axes and KV heads
-    over `tensor`. At temperature 0 the tokens equal the single-device run (tested)."""
-    from dflash_jax import decoding
-
-    return decoding.generate(target, drafter, prompts, max_new_tokens, mesh=mesh, **kw)

@@ -52,15 +52,6 @@ class Target:
     def init_cache(self, batch: int, capacity: int) -> KVCache:
         return KVCache.create(self.config, batch, capacity)
 
-    @functools.cached_property
-    def tokenizer(self):
-        """The `tokenizers.Tokenizer` of the model directory (`tokenizer.json`), or None."""
-        if self.path is None or not os.path.exists(os.path.join(self.path, "tokenizer.json")):
-            return None
-        from tokenizers import Tokenizer
-
-        return Tokenizer.from_file(os.path.join(self.path, "tokenizer.json"))
-
 
 def _check_ids(ids, vocab_size):
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):

@@ -69,21 +69,21 @@ library with this repo's `train.py`, and a block-16 DFlash drafter trained on it
 The speculative output is checked token for token against autoregressive decoding."""),
     ("code", """import numpy as np
 import dflash_jax as dj
-from dflash_jax.data.tokenizer import load_tokenizer
+from dflash_jax import serving
 
 target = dj.load_target("assets/tiny-code/target")
 drafter = dj.load_drafter("assets/tiny-code/drafter", target=target)
-tok = load_tokenizer("assets/tiny-code/target")
+text = serving.load_text("assets/tiny-code/target")  # tokenizer, stop ids
+tok = text.tokenizer
 prompt = tok.encode(PROMPT)
-kw = dict(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=[tok.eos_id])
-dj.generate(target, drafter, [prompt], **kw); dj.generate(target, None, [prompt], **kw)  # compile
-spec = dj.generate(target, drafter, [prompt], **kw)
-ar = dj.generate(target, None, [prompt], **kw)
+kw = dict(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=text.stop_token_ids)
+# An untimed warm-up (compiles both programs), then DFlash and autoregressive, timed.
+c = serving.compare(target, drafter, [prompt], **kw)
+spec, ar = c.spec, c.ar
 print(PROMPT + tok.decode(spec.tokens[0]))
-print(f"identical to autoregressive: {spec.tokens == ar.tokens}")
+print(f"identical to autoregressive: {c.identical}")
 print(f"tau {spec.tau:.2f} | DFlash {spec.stats['decode_tokens_per_s']:.0f} tok/s | "
-      f"AR {ar.stats['decode_tokens_per_s']:.0f} tok/s | "
-      f"speedup {spec.stats['decode_tokens_per_s'] / ar.stats['decode_tokens_per_s']:.2f}x")"""),
+      f"AR {ar.stats['decode_tokens_per_s']:.0f} tok/s | speedup {c.speedup:.2f}x")"""),
     ("code", """import matplotlib.pyplot as plt
 acc = np.asarray(spec.acceptance_lengths[0])
 bs = drafter.config.block_size
@@ -123,18 +123,15 @@ def try_online():
     big = dj.load_target(tdir, dtype="bfloat16")
     big_drafter = dj.load_drafter(ddir, target=big)
     mesh = sharding.make_mesh(tensor=-1)
-    btok = load_tokenizer(tdir)
-    from dflash_jax import prompting
-    prompts = prompting.encode_prompts(
+    btext = serving.load_text(tdir)  # tokenizer (chat template), stop ids
+    prompts = btext.encode(
         [{"prompt": "Write a Python function that checks whether a number is prime."},
-         {"prompt": "Explain speculative decoding in two sentences."}], btok, tdir)
-    kw = dict(max_new_tokens=256, stop_token_ids=[btok.eos_id])
-    for _ in range(2):  # the first round compiles
-        s = sharding.generate_sharded(big, big_drafter, prompts, mesh=mesh, **kw)
-        a = sharding.generate_sharded(big, None, prompts, mesh=mesh, **kw)
-    print(btok.decode(s.tokens[0])[:500])
-    print(f"tau {s.tau:.2f}, speedup {s.stats['decode_tokens_per_s'] / a.stats['decode_tokens_per_s']:.2f}x, "
-          f"identical: {s.tokens == a.tokens}")
+         {"prompt": "Explain speculative decoding in two sentences."}])
+    # Warm-up (compiles), then the sharded DFlash and autoregressive runs, timed.
+    c = serving.compare(big, big_drafter, prompts, max_new_tokens=256,
+                        stop_token_ids=btext.stop_token_ids, mesh=mesh)
+    print(btext.tokenizer.decode(c.spec.tokens[0])[:500])
+    print(f"tau {c.spec.tau:.2f}, speedup {c.speedup:.2f}x, identical: {c.identical}")
 
 why = try_online()
 if why:

@@ -47,7 +47,7 @@ def generate(out_dir):
     from absl import app
 
     import dflash_jax as dj
-    from dflash_jax import sharding
+    from dflash_jax import serving, sharding
     from dflash_jax.data.tokenizer import load_tokenizer
 
     infer = _load_script("infer")
@@ -58,8 +58,8 @@ def generate(out_dir):
     tok = load_tokenizer(os.path.join(ASSETS, "target"))
     prompts = [tok.encode(c) for c in CODE]
     # infer.py's stop ids, so that its generate calls reuse the programs compiled here.
-    kw = dict(stop_token_ids=infer._stop_ids(tok, os.path.join(ASSETS, "target")))
-    mesh = sharding.mesh_from_spec(MESH)
+    kw = dict(stop_token_ids=serving.stop_token_ids(os.path.join(ASSETS, "target"), tok))
+    mesh = sharding.make_mesh(**sharding.parse_mesh(MESH))
     ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
     got = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, mesh=mesh, **kw)
     got_ar = dj.generate(target, None, prompts, MAX_NEW, mesh=mesh, **kw)

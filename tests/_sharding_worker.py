@@ -40,19 +40,19 @@ def check_generate(out):
     res = {"ref_equals_ar": ref.tokens == ref_ar.tokens}
     for spec in ("data=2,tensor=4", "data=4,tensor=2"):
         mesh = dry_run.resolve_mesh(spec)
-        got = sharding.generate_sharded(target, drafter, MIXED, 40, mesh, return_drafts=True)
+        got = dj.generate(target, drafter, MIXED, 40, mesh=mesh, return_drafts=True)
         res[spec] = {"equal": got.tokens == ref.tokens,
                      "drafts_equal": got.drafts == ref.drafts,
                      "acceptance_equal": got.acceptance_lengths == ref.acceptance_lengths,
                      "cache_spec": got.stats["cache_sharding"]}
     mesh = dry_run.resolve_mesh("tensor=8")
-    got = sharding.generate_sharded(target, None, MIXED, 40, mesh)
+    got = dj.generate(target, None, MIXED, 40, mesh=mesh)
     res["ar_tensor=8"] = {"equal": got.tokens == ref_ar.tokens}
     # Tied embeddings (vocab-parallel LM head through the embedding), 4 KV heads split.
     target_t, drafter_t = small_pair(tied=True, num_kv_heads=4)
     ref_t = dj.generate(target_t, drafter_t, MIXED, max_new_tokens=24)
-    got = sharding.generate_sharded(target_t, drafter_t, MIXED, 24,
-                                    dry_run.resolve_mesh("data=2,tensor=4"))
+    got = dj.generate(target_t, drafter_t, MIXED, 24,
+                      mesh=dry_run.resolve_mesh("data=2,tensor=4"))
     res["tied_data=2,tensor=4"] = {"equal": got.tokens == ref_t.tokens,
                                    "cache_spec": got.stats["cache_sharding"]}
     res["seconds"] = time.perf_counter() - t0
@@ -66,7 +66,7 @@ def check_rules(out):
         mesh = dry_run.resolve_mesh(spec)
         fsdp = mesh.shape["fsdp"] > 1
         tp = sharding.param_specs(target.params, mesh, sharding.target_rules(fsdp), 16)
-        dp = sharding.param_specs(drafter.params, mesh, sharding.drafter_rules(fsdp), 16)
+        dp = sharding.param_specs(drafter.params, mesh, sharding.target_rules(fsdp), 16)
         cache = KVCache.create(target.config, 4, 32)
         ctx = ContextCache.create(drafter.config, 4, 32)
         cs = sharding.cache_specs(cache, mesh)

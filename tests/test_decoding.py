@@ -303,6 +303,27 @@ def test_streaming_callback_delivers_the_same_tokens(target, drafter, ar_out):
     assert got == res.tokens == ar_out
 
 
+def test_compare_streams_warms_up_and_matches_autoregressive(target, drafter, ar_out):
+    """`serving.compare` (infer.py's, the notebook's): an extra streamed run, an untimed
+    warm-up, then DFlash and autoregressive timed on the same prompts. The streamed tokens are
+    the result's, and only the latest callback's streaming programs stay compiled."""
+    from dflash_jax import serving
+
+    got = [[] for _ in MIXED]
+
+    def sink(chunks):
+        for b, c in enumerate(chunks):
+            got[b].extend(c)
+
+    c = serving.compare(target, drafter, MIXED, max_new_tokens=40, block_size=8,
+                        stop_token_ids=(), stream_callback=sink)
+    assert got == c.spec.tokens == c.ar.tokens == ar_out and c.identical is True
+    assert c.spec.stats["compile_s"] == c.ar.stats["compile_s"] == 0  # warmed up
+    assert c.speedup > 0 and c.spec.stats["block_size"] == 8 and c.ar.stats["block_size"] == 1
+    streaming = {k[2].stream for k in gen_lib._Compiled.cache if k[2].stream is not None}
+    assert streaming == {sink}
+
+
 def test_chunked_prefill_equals_one_pass(target, drafter, ar_out):
     """Prefill in chunks of 8 tokens (a scan appending to the caches: linear attention
     temporaries) fills the same target and drafter caches as one pass, and decodes the same

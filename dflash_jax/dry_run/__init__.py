@@ -15,7 +15,7 @@ Modules: chips (published chip figures, the roofline), topology (devices, meshes
 presets (models, the trainer config), compiled (memory plan, cost analysis, collectives),
 programs (`dry_run_infer`, `dry_run_train`), cli (report lines, `main`).
 
-  infer: the programs of `decoding.generate` through `sharding.generate_programs`: the prefill,
+  infer: the programs of `decoding.generate` through `decoding.generate_programs`: the prefill,
          the DFlash decode loop and the autoregressive decode loop, sharded by the partition
          rules, for each attention implementation asked for ("pallas": the TPU kernels).
   train: the trainer's own step: `training.trainer.make_train_step` with the shardings of

@@ -80,7 +80,7 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
             tmod = Transformer(tcfg, impl)
             dmod = DFlashDrafter(dcfg) if kind == "dflash" else None
             dp = dparams if kind == "dflash" else None
-            prefill_jit, decode_jit, sh = sharding.generate_programs(
+            prefill_jit, decode_jit, sh = decoding.generate_programs(
                 tmod, dmod, plan, capacity, n_buf, m, tparams, dp, batch, p_pad)
             tp_a = sharding.with_shardings(tparams, sh["tparams"])
             dp_a = None if dp is None else sharding.with_shardings(dp, sh["dparams"])

@@ -115,7 +115,7 @@ def train_shardings(mesh: Mesh, mode: str, state, frozen, target_head_dim: int,
     from dflash_jax import sharding
 
     if mode == "drafter":
-        rules, head_dim = sharding.drafter_rules(True), drafter_head_dim
+        rules, head_dim = sharding.target_rules(True), drafter_head_dim
     else:
         rules, head_dim = sharding.target_rules(True), target_head_dim
     rep = NamedSharding(mesh, P())

@@ -1,0 +1,121 @@
+"""The host side of `decoding.generate`: every argument checked before any compute, and the
+decode state read back into a `GenerationResult` (also across the processes of a pod)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import jax
+import numpy as np
+
+from dflash_jax import validation
+from dflash_jax.drafter import validate_pair
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """tokens: per sequence, the new token ids (prompt excluded, truncated after a stop token).
+    acceptance_lengths: per sequence, tokens committed at each decode step (target pass).
+    drafts: per sequence, the drafted block (bs-1 ids) of each step, when requested.
+    stats: prefill_s, decode_s, compile_s, decode_tokens_per_s, steps, tau, new_tokens.
+    """
+
+    tokens: List[List[int]]
+    acceptance_lengths: List[List[int]]
+    drafts: Optional[List[List[List[int]]]]
+    stats: dict
+
+    @property
+    def tau(self) -> float:
+        return self.stats["tau"]
+
+
+def check_request(target, drafter, prompts, max_new_tokens, block_size, temperature, top_k,
+                  top_p, seed, stop_token_ids, denoise_steps, confidence_threshold) -> dict:
+    """The arguments of `generate` checked (types, ranges, ids in the vocabulary, the context
+    length) and normalized (`validation.check_generate_args`'s dict). Raises ValueError."""
+    if drafter is not None:
+        validate_pair(drafter.config, target.config)
+    v = validation.check_generate_args(
+        target.config, drafter.config if drafter is not None else None, prompts,
+        max_new_tokens, block_size, temperature, top_k, top_p, seed, stop_token_ids,
+        denoise_steps, confidence_threshold)
+    validate_request(target, drafter, v["prompts"], v["max_new_tokens"], v["block_size"],
+                     v["denoise_steps"])
+    return v
+
+
+def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoise_steps):
+    """Raises ValueError for bad input before any compute."""
+    cfg = target.config
+    if drafter is not None:
+        validate_pair(drafter.config, cfg)
+    if not isinstance(prompts, (list, tuple)) or not prompts:
+        raise ValueError("prompts must be a non-empty list of token-id lists")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if drafter is not None and not 2 <= block_size <= 64:
+        raise ValueError(f"block_size must be in [2, 64], got {block_size}")
+    if denoise_steps < 1 or (drafter is not None and denoise_steps > block_size - 1):
+        raise ValueError(f"denoise_steps must be in [1, block_size-1], got {denoise_steps}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty")
+        lo, hi = min(p), max(p)
+        if lo < 0 or hi >= cfg.vocab_size:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): "
+                             f"range [{lo}, {hi}]")
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            raise ValueError(
+                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                f"the model's context length max_position_embeddings="
+                f"{cfg.max_position_embeddings}")
+
+
+def gather_multiprocess(state, plan, times):
+    """A mesh over several processes: the outputs `collect` reads, gathered to numpy on every
+    process (a collective), and process 0's timings, so every process returns the same
+    result."""
+    from dflash_jax import distributed
+
+    out = dict(tokens=state.tokens, num_out=state.num_out, accepted=state.accepted,
+               step=state.step)
+    if plan.record_drafts:
+        out["drafts"] = state.drafts
+    out = distributed.gather(out)
+    times = distributed.broadcast(np.asarray(times, np.float64))
+    return state.replace(**out), tuple(float(t) for t in times)
+
+
+def collect(state, plan, b: int, *, prefill_s: float, decode_s: float,
+            compile_s: float) -> GenerationResult:
+    """Host-side result of a final `decoding.DecodeState`: per-sequence tokens, acceptance
+    lengths, drafts, and stats."""
+    tokens, num_out, accepted, steps = jax.device_get(
+        (state.tokens, state.num_out, state.accepted, state.step))
+    drafts_np = np.asarray(state.drafts) if plan.record_drafts else None
+    out_tokens, acc, drafts = [], [], [] if plan.record_drafts else None
+    for i in range(b):
+        out_tokens.append(tokens[i, :num_out[i]].tolist())
+        active = accepted[i, :steps] > 0
+        acc.append(accepted[i, :steps][active].tolist())
+        if drafts is not None:
+            drafts.append(drafts_np[:steps, i][active].tolist())
+    all_acc = [a for seq in acc for a in seq]
+    new_tokens = int(num_out.sum())
+    decode_tokens = int(sum(sum(a) for a in acc))
+    stats = {
+        "prefill_s": prefill_s,
+        "decode_s": decode_s,
+        "compile_s": compile_s,
+        "steps": int(steps),
+        "new_tokens": new_tokens,
+        "decode_tokens_per_s": decode_tokens / max(decode_s, 1e-9),
+        "tokens_per_s": new_tokens / max(prefill_s + decode_s, 1e-9),
+        "tau": float(np.mean(all_acc)) if all_acc else 0.0,
+        "block_size": plan.block_size,
+        "batch": b,
+    }
+    return GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=drafts,
+                            stats=stats)

@@ -1,0 +1,140 @@
+"""What infer.py, the notebook and the benchmarks share around `generate`: a model directory's
+text side (tokenizer, stop ids, vocabulary size; prompts encoded with them), and DFlash timed
+against autoregressive decoding on the same prompts after an untimed warm-up.
+
+    text = serving.load_text("assets/tiny-code/target")
+    prompts = text.encode([{"prompt": "def fib(n):"}])
+    c = serving.compare(target, drafter, prompts, max_new_tokens=64)  # stop ids: the target's
+    c.identical, c.speedup, c.spec.tau   # c.spec / c.ar: GenerationResults of the timed runs
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Callable, List, Optional, Sequence
+
+from dflash_jax.decoding import generate
+from dflash_jax.generate_io import GenerationResult
+
+# `generate` arguments that only a drafter uses: left out of the autoregressive runs.
+DRAFTER_ONLY = ("block_size", "denoise_steps", "confidence_threshold")
+
+
+def stop_token_ids(model_dir: Optional[str], tokenizer=None) -> List[int]:
+    """The tokenizer's eos and the directory's generation_config.json eos_token_id(s)."""
+    ids = set()
+    if tokenizer is not None:
+        ids.add(tokenizer.eos_id)
+    gen_cfg = os.path.join(model_dir, "generation_config.json") if model_dir else None
+    if gen_cfg and os.path.exists(gen_cfg):
+        with open(gen_cfg) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return sorted(i for i in ids if i is not None)
+
+
+@dataclasses.dataclass
+class ModelText:
+    """A model directory's text side: `tokenizer` (None without tokenizer.json), the stop ids
+    `generate` should get, and the vocabulary size (for checking token-id prompts)."""
+
+    path: str
+    tokenizer: object
+    stop_token_ids: List[int]
+    vocab_size: Optional[int]
+
+    def encode(self, items, chat_template: bool = True, labels=None) -> List[List[int]]:
+        """Prompt items ({"prompt"|"messages"|"ids": ...}, `prompting.check_prompt_item`) as
+        token-id lists, through the chat template when the tokenizer has one."""
+        from dflash_jax import prompting
+
+        return prompting.encode_prompts(items, self.tokenizer, self.path, chat_template,
+                                        vocab_size=self.vocab_size, labels=labels)
+
+
+def load_text(model_dir: str) -> ModelText:
+    """Reads `model_dir`'s tokenizer.json, generation_config.json and config.json (no
+    weights), so prompts can be checked before a model is loaded."""
+    from dflash_jax.checkpoint import read_config
+
+    tok = _tokenizer(model_dir)
+    return ModelText(path=model_dir, tokenizer=tok, stop_token_ids=stop_token_ids(model_dir, tok),
+                     vocab_size=read_config(model_dir).get("vocab_size"))
+
+
+@dataclasses.dataclass
+class Comparison:
+    """spec: the timed run with the drafter (autoregressive when there is none); ar: the timed
+    autoregressive run on the same prompts, or None."""
+
+    spec: GenerationResult
+    ar: Optional[GenerationResult] = None
+
+    @property
+    def identical(self) -> Optional[bool]:
+        return None if self.ar is None else self.spec.tokens == self.ar.tokens
+
+    @property
+    def speedup(self) -> Optional[float]:
+        """Decode tokens/s with the drafter over autoregressive decode tokens/s."""
+        if self.ar is None:
+            return None
+        return self.spec.stats["decode_tokens_per_s"] / max(
+            self.ar.stats["decode_tokens_per_s"], 1e-9)
+
+
+def ar_kwargs(gen_kw: dict) -> dict:
+    """`gen_kw` without the drafter-only arguments."""
+    return {k: v for k, v in gen_kw.items() if k not in DRAFTER_ONLY}
+
+
+def warm_up(target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bool = False,
+            **gen_kw) -> GenerationResult:
+    """Runs `generate` once untimed (compiles the programs, first-run allocations), and with
+    `compare_ar` and a drafter the autoregressive program too. Returns the first run's result
+    (its stats["compile_s"] is the compile time)."""
+    res = generate(target, drafter, prompts, **gen_kw)
+    if compare_ar and drafter is not None:
+        generate(target, None, prompts, **ar_kwargs(gen_kw))
+    return res
+
+
+def compare(target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bool = True,
+            warmup: bool = True,
+            stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+            stop_token_ids: Optional[Sequence[int]] = None, **gen_kw) -> Comparison:
+    """`generate` with `drafter` and (compare_ar) without it on the same prompts, timed after
+    an untimed `warm_up` (warmup=False: the programs are known to be compiled).
+
+    stop_token_ids: default (None) the target directory's (`stop_token_ids(target.path)`).
+    stream_callback: an extra, untimed run first that calls it with each step's commits
+    (`generate`'s stream_callback), e.g. to print a completion as it is produced.
+    gen_kw: the other `generate` arguments; the drafter-only ones are dropped for the
+    autoregressive runs.
+    """
+    if stop_token_ids is None:
+        stop_token_ids = _target_stop_ids(target)
+    gen_kw = dict(gen_kw, stop_token_ids=stop_token_ids)
+    if stream_callback is not None:
+        generate(target, drafter, prompts, stream_callback=stream_callback, **gen_kw)
+    if warmup:
+        warm_up(target, drafter, prompts, compare_ar=compare_ar, **gen_kw)
+    spec = generate(target, drafter, prompts, **gen_kw)
+    ar = (generate(target, None, prompts, **ar_kwargs(gen_kw))
+          if compare_ar and drafter is not None else None)
+    return Comparison(spec=spec, ar=ar)
+
+
+def _tokenizer(model_dir: str):
+    if not os.path.exists(os.path.join(model_dir, "tokenizer.json")):
+        return None
+    from dflash_jax.data.tokenizer import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+def _target_stop_ids(target) -> List[int]:
+    path = getattr(target, "path", None)
+    return stop_token_ids(path, _tokenizer(path)) if path else []
