@@ -49,7 +49,7 @@ def generate(out_dir):
     prompts = [tok.encode(c) for c in CODE]
     # infer.py's stop ids, so that its generate calls reuse the programs compiled here.
     kw = dict(stop_token_ids=infer._stop_ids(tok, os.path.join(ASSETS, "target")))
-    mesh = sharding.mesh_from_spec(MESH)
+    mesh = sharding.make_mesh(**sharding.parse_mesh(MESH))
     ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
     got = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, mesh=mesh, **kw)
     got_ar = dj.generate(target, None, prompts, MAX_NEW, mesh=mesh, **kw)
