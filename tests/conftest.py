@@ -35,7 +35,7 @@ def eight_device_env(**extra):
     return env
 
 
-def run_multidevice_checks(workdir, *groups, timeout=600, env=None):
+def run_multidevice_checks(workdir, *groups, timeout=1800, env=None):
     """The one mechanism of the 8-device tests: runs each group (a tuple of check names of
     tests/_multidevice_worker.py) in its own 8-device subprocess, the groups concurrently, and
     returns their merged findings (a dict: check name -> findings, "num_devices", "seconds")."""
@@ -72,11 +72,11 @@ def compile_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def eight_devices(compile_cache):
-    """`.checks(workdir, *groups, timeout=600)`: run_multidevice_checks; `.env(**extra)`:
+    """`.checks(workdir, *groups, timeout=1800)`: run_multidevice_checks; `.env(**extra)`:
     eight_device_env, for running another program (e.g. train.py) on 8 devices. Both with
     the session's compile_cache."""
     return types.SimpleNamespace(
-        checks=lambda workdir, *groups, timeout=600: run_multidevice_checks(
+        checks=lambda workdir, *groups, timeout=1800: run_multidevice_checks(
             workdir, *groups, timeout=timeout, env=compile_cache),
         env=lambda **extra: eight_device_env(**{**compile_cache, **extra}))
 
