@@ -1,4 +1,7 @@
-"""Shared fixtures: small random Hugging Face checkpoints written once per test session."""
+"""Shared fixtures: small random Hugging Face checkpoints written once per test session; the
+one mechanism of the 8-device tests (`eight_devices`: tests/_multidevice_worker.py checks in
+8-fake-device subprocesses); a per-session compilation cache for repeated subprocess launches
+(`compile_cache`); and the longest-first file order for pytest-xdist (at the end)."""
 
 import json
 import os
