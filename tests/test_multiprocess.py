@@ -146,10 +146,10 @@ def training(tmp_path_factory, eight_devices, compile_cache):
     # Reference: 1 process, 8 devices, the same global batches (2 data streams).
     proc = subprocess.run([sys.executable, "train.py", *COMMON, f"--workdir={ref_dir}",
                            "--config.data.num_shards=2"], cwd=ROOT, env=eight_devices.env(),
-                          capture_output=True, text=True, timeout=400)
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     regen = os.path.join(ref_dir, "regenerated.jsonl")
-    mp = ["--num_processes=2", "--devices_per_process=4", "--timeout=400", "--grace=20", "--",
+    mp = ["--num_processes=2", "--devices_per_process=4", "--timeout=1100", "--grace=20", "--",
           "train.py", *COMMON, f"--workdir={mp_dir}", f"--config.regen.output={regen}"]
     runs = {}
 
@@ -159,13 +159,13 @@ def training(tmp_path_factory, eight_devices, compile_cache):
 
     # The three launches run the same programs: the 2nd and 3rd load them from the cache.
     # 1. Both processes killed right after the step-10 checkpoint is complete.
-    runs["killed"] = _launch_until(mp, mp_dir, "10", kill_both, 420, **compile_cache)
+    runs["killed"] = _launch_until(mp, mp_dir, "10", kill_both, 1200, **compile_cache)
     # 2. Resumed; SIGTERM to process 1 alone once step 15 is saved: both save and stop.
     runs["terminated"] = _launch_until(mp, mp_dir, "15",
-                                       lambda pids: os.kill(pids[1], signal.SIGTERM), 420,
+                                       lambda pids: os.kill(pids[1], signal.SIGTERM), 1200,
                                        **compile_cache)
     # 3. Resumed to the end (in-loop tau on step 20 with the 2-process generate; export).
-    runs["finished"] = _launch(mp, 440, **compile_cache)[:2]
+    runs["finished"] = _launch(mp, 1200, **compile_cache)[:2]
     return ref_dir, mp_dir, runs
 
 
