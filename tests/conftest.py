@@ -1,6 +1,14 @@
-"""Shared fixtures: small random Hugging Face checkpoints written once per test session."""
+"""Shared fixtures: small random Hugging Face checkpoints written once per test session; the
+one mechanism of the 8-device tests (`eight_devices`: tests/_multidevice_worker.py checks in
+8-fake-device subprocesses); a per-session compilation cache for repeated subprocess launches
+(`compile_cache`); and the longest-first file order for pytest-xdist (at the end)."""
 
+import json
 import os
+import re
+import subprocess
+import sys
+import types
 
 import numpy as np
 import pytest
@@ -11,7 +19,67 @@ import pytest
 if not os.environ.get("JAX_PLATFORMS"):
     os.environ["JAX_PLATFORMS"] = "cpu"
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
 VOCAB = 128
+MULTIDEVICE_WORKER = os.path.join(ROOT, "tests", "_multidevice_worker.py")
+
+
+def eight_device_env(**extra):
+    """The environment of a subprocess whose JAX sees 8 fake CPU devices (JAX fixes its device
+    count at start-up, so the 8-device tests run in subprocesses). `extra`: more variables."""
+    env = dict(os.environ)
+    flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", ""))
+    env["XLA_FLAGS"] = (flags.strip() + " --xla_force_host_platform_device_count=8").strip()
+    env["JAX_PLATFORMS"] = "cpu"
+    env.update(extra)
+    return env
+
+
+def run_multidevice_checks(workdir, *groups, timeout=1800, env=None):
+    """The one mechanism of the 8-device tests: runs each group (a tuple of check names of
+    tests/_multidevice_worker.py) in its own 8-device subprocess, the groups concurrently, and
+    returns their merged findings (a dict: check name -> findings, "num_devices", "seconds")."""
+    workdir = str(workdir)
+    procs = [subprocess.Popen([sys.executable, MULTIDEVICE_WORKER, workdir, *g], cwd=ROOT,
+                              env=eight_device_env(**(env or {})), stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True) for g in groups]
+    out = {"seconds": {}}
+    for g, p in zip(groups, procs):
+        try:
+            stdout, stderr = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, \
+            f"checks {g} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
+        found = json.loads(lines[-1][len("RESULT "):])
+        assert found["num_devices"] == 8, found["num_devices"]
+        out["seconds"].update(found.pop("seconds"))
+        out.update(found)
+    return out
+
+
+@pytest.fixture(scope="session")
+def compile_cache(tmp_path_factory):
+    """Environment variables giving subprocesses a persistent compilation cache, fresh each
+    session: a process or launch that repeats an earlier one's programs (a resumed training
+    run) loads them instead of compiling. The pytest processes themselves do not use it."""
+    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_compile_cache")),
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+
+
+@pytest.fixture(scope="session")
+def eight_devices(compile_cache):
+    """`.checks(workdir, *groups, timeout=1800)`: run_multidevice_checks; `.env(**extra)`:
+    eight_device_env, for running another program (e.g. train.py) on 8 devices. Both with
+    the session's compile_cache."""
+    return types.SimpleNamespace(
+        checks=lambda workdir, *groups, timeout=1800: run_multidevice_checks(
+            workdir, *groups, timeout=timeout, env=compile_cache),
+        env=lambda **extra: eight_device_env(**{**compile_cache, **extra}))
 
 
 def make_hf_model(kind: str, seed: int = 0):
@@ -71,3 +139,26 @@ def hf_models64(hf_checkpoints):
 @pytest.fixture(scope="session")
 def rng():
     return np.random.RandomState(1234)
+
+
+# ------------------------------------------------------------------------ xdist scheduling
+# `make test` runs two workers with --dist loadfile (a file's tests stay on one worker). xdist
+# would hand out files by their number of tests, which puts the few-test, minutes-long files
+# (subprocess launches) last, where one worker runs them while the other idles. Instead the
+# files go out longest first (the durations of `--durations`, all workers busy until near the
+# end); unlisted files follow in collection order.
+LONGEST_FIRST = ("test_multiprocess.py", "test_training_multidevice.py", "test_training.py",
+                 "test_pallas_kernels.py", "test_infer.py", "test_notebook.py",
+                 "test_sharding.py", "test_decoding.py", "test_tpu_compile.py",
+                 "test_cli_usage.py", "test_bf16_divergence.py", "test_validation.py",
+                 "test_drafter.py", "test_model.py")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))

@@ -114,12 +114,12 @@ def _records(workdir, split):
     return out
 
 
-def _launch_until(args, workdir, trigger_dir, action, timeout):
+def _launch_until(args, workdir, trigger_dir, action, timeout, **env):
     """Runs the launcher; once `workdir/checkpoints/<trigger_dir>` exists calls
     action(pids). Returns (exit code, output)."""
     log = os.path.join(workdir + ".log")
     with open(log, "w") as f:
-        proc = subprocess.Popen(LAUNCH + args, cwd=ROOT, env=_env(), stdout=f,
+        proc = subprocess.Popen(LAUNCH + args, cwd=ROOT, env=_env(**env), stdout=f,
                                 stderr=subprocess.STDOUT)
     deadline = time.monotonic() + timeout
     pids, fired = None, False
@@ -140,17 +140,16 @@ def _launch_until(args, workdir, trigger_dir, action, timeout):
 
 
 @pytest.fixture(scope="module")
-def training(tmp_path_factory):
+def training(tmp_path_factory, eight_devices, compile_cache):
     base = tmp_path_factory.mktemp("mp_train")
     ref_dir, mp_dir = str(base / "one_process"), str(base / "two_processes")
     # Reference: 1 process, 8 devices, the same global batches (2 data streams).
-    env = _env(XLA_FLAGS="--xla_force_host_platform_device_count=8")
     proc = subprocess.run([sys.executable, "train.py", *COMMON, f"--workdir={ref_dir}",
-                           "--config.data.num_shards=2"], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=400)
+                           "--config.data.num_shards=2"], cwd=ROOT, env=eight_devices.env(),
+                          capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     regen = os.path.join(ref_dir, "regenerated.jsonl")
-    mp = ["--num_processes=2", "--devices_per_process=4", "--timeout=400", "--grace=20", "--",
+    mp = ["--num_processes=2", "--devices_per_process=4", "--timeout=1100", "--grace=20", "--",
           "train.py", *COMMON, f"--workdir={mp_dir}", f"--config.regen.output={regen}"]
     runs = {}
 
@@ -158,13 +157,15 @@ def training(tmp_path_factory):
         for pid in pids:
             os.kill(pid, signal.SIGKILL)
 
+    # The three launches run the same programs: the 2nd and 3rd load them from the cache.
     # 1. Both processes killed right after the step-10 checkpoint is complete.
-    runs["killed"] = _launch_until(mp, mp_dir, "10", kill_both, 420)
+    runs["killed"] = _launch_until(mp, mp_dir, "10", kill_both, 1200, **compile_cache)
     # 2. Resumed; SIGTERM to process 1 alone once step 15 is saved: both save and stop.
     runs["terminated"] = _launch_until(mp, mp_dir, "15",
-                                       lambda pids: os.kill(pids[1], signal.SIGTERM), 420)
+                                       lambda pids: os.kill(pids[1], signal.SIGTERM), 1200,
+                                       **compile_cache)
     # 3. Resumed to the end (in-loop tau on step 20 with the 2-process generate; export).
-    runs["finished"] = _launch(mp, 440)[:2]
+    runs["finished"] = _launch(mp, 1200, **compile_cache)[:2]
     return ref_dir, mp_dir, runs
 
 

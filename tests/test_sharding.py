@@ -1,39 +1,19 @@
 """Sharding on a fake 8-device CPU mesh: exact sharded generate, partition rules (with the
 non-divisible fallback), sharded train-step losses, and dry-run memory/FLOP scaling.
 
-JAX fixes its device count at start-up, so the checks run in subprocesses
-(tests/_sharding_worker.py) started with XLA_FLAGS=--xla_force_host_platform_device_count=8;
-two run concurrently, and each test asserts on their JSON findings.
+The checks run in two concurrent 8-device subprocesses (conftest's `eight_devices`: the
+tests/_multidevice_worker.py checks rules, generate, train and dry_run); the tests assert on
+their findings.
 """
-
-import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-WORKER = os.path.join(HERE, "_sharding_worker.py")
 GROUPS = (("rules", "generate"), ("train", "dry_run"))
 
 
 @pytest.fixture(scope="module")
-def findings():
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") +
-                        " --xla_force_host_platform_device_count=8").strip()
-    env["JAX_PLATFORMS"] = "cpu"
-    procs = [subprocess.Popen([sys.executable, WORKER, *g], env=env, stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for g in GROUPS]
-    out = {}
-    for p in procs:
-        stdout, stderr = p.communicate(timeout=600)
-        lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-        assert p.returncode == 0 and lines, f"worker failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        out.update(json.loads(lines[-1][len("RESULT "):]))
-    assert out["num_devices"] == 8
-    return out
+def findings(eight_devices, tmp_path_factory):
+    return eight_devices.checks(tmp_path_factory.mktemp("sharding"), *GROUPS)
 
 
 def test_sharded_greedy_generate_equals_single_device(findings):

@@ -1,9 +1,20 @@
-"""Subprocess entry point of tests/test_sharding.py: runs on 8 fake CPU devices (XLA_FLAGS is
-set by the parent before JAX starts) and prints one JSON line of findings, prefixed RESULT."""
+"""The one entry point of the suite's 8-device checks (tests/test_sharding.py,
+tests/test_training_multidevice.py), run by conftest's `eight_devices` fixture:
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_multidevice_worker.py \
+        WORKDIR CHECK [CHECK ...]
+
+JAX fixes its device count at start-up, so the checks run in a subprocess whose JAX sees 8
+fake CPU devices. Each `check_NAME(out, workdir)` adds its findings under out[NAME] (arrays too
+large for JSON go to .npz files in WORKDIR); the tests assert on them. One JSON line is
+printed, prefixed RESULT."""
 
 import json
+import os
 import sys
 import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -11,6 +22,7 @@ import numpy as np  # noqa: E402
 
 import dflash_jax as dj  # noqa: E402
 from dflash_jax import dry_run, sharding  # noqa: E402
+from dflash_jax.training import trainer  # noqa: E402
 from dflash_jax.model import KVCache, Transformer, init_params  # noqa: E402
 from dflash_jax.drafter import ContextCache, DFlashDrafter  # noqa: E402
 
@@ -32,7 +44,7 @@ def small_pair(tied=False, num_kv_heads=2):
     return target, dj.Drafter(dcfg, _scaled(dj.init_drafter_params(dcfg, 1)))
 
 
-def check_generate(out):
+def check_generate(out, workdir):
     target, drafter = small_pair()
     t0 = time.perf_counter()
     ref = dj.generate(target, drafter, MIXED, max_new_tokens=40, return_drafts=True)
@@ -40,7 +52,7 @@ def check_generate(out):
     res = {"ref_equals_ar": ref.tokens == ref_ar.tokens}
     for spec in ("data=2,tensor=4", "data=4,tensor=2"):
         mesh = dry_run.resolve_mesh(spec)
-        got = dj.generate(target, drafter, MIXED, 40, mesh=mesh, return_drafts=True)
+        got = dj.generate(target, drafter, MIXED, 40, return_drafts=True, mesh=mesh)
         res[spec] = {"equal": got.tokens == ref.tokens,
                      "drafts_equal": got.drafts == ref.drafts,
                      "acceptance_equal": got.acceptance_lengths == ref.acceptance_lengths,
@@ -51,22 +63,21 @@ def check_generate(out):
     # Tied embeddings (vocab-parallel LM head through the embedding), 4 KV heads split.
     target_t, drafter_t = small_pair(tied=True, num_kv_heads=4)
     ref_t = dj.generate(target_t, drafter_t, MIXED, max_new_tokens=24)
-    got = dj.generate(target_t, drafter_t, MIXED, 24,
-                      mesh=dry_run.resolve_mesh("data=2,tensor=4"))
+    got = dj.generate(target_t, drafter_t, MIXED, 24, mesh=dry_run.resolve_mesh("data=2,tensor=4"))
     res["tied_data=2,tensor=4"] = {"equal": got.tokens == ref_t.tokens,
                                    "cache_spec": got.stats["cache_sharding"]}
     res["seconds"] = time.perf_counter() - t0
     out["generate"] = res
 
 
-def check_rules(out):
+def check_rules(out, workdir):
     target, drafter = small_pair()  # 4 query heads, 2 KV heads, head_dim 16, vocab 128
     res = {}
     for spec in ("tensor=4", "data=2,tensor=4", "tensor=2", "fsdp=2,tensor=4"):
         mesh = dry_run.resolve_mesh(spec)
         fsdp = mesh.shape["fsdp"] > 1
         tp = sharding.param_specs(target.params, mesh, sharding.target_rules(fsdp), 16)
-        dp = sharding.param_specs(drafter.params, mesh, sharding.target_rules(fsdp), 16)
+        dp = sharding.param_specs(drafter.params, mesh, sharding.target_rules(fsdp), 16)  # one rule set
         cache = KVCache.create(target.config, 4, 32)
         ctx = ContextCache.create(drafter.config, 4, 32)
         cs = sharding.cache_specs(cache, mesh)
@@ -104,11 +115,9 @@ def check_rules(out):
     out["rules"] = res
 
 
-def check_train(out):
+def check_train(out, workdir):
     """The trainer's own step (`make_train_step` + `train_shardings` + `drafter_loss_fn`) on
     one device and on a data x fsdp x tensor mesh: the same losses."""
-    from dflash_jax.training import trainer
-
     cfg = dj.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
                          num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
                          max_position_embeddings=512)
@@ -149,7 +158,7 @@ def check_train(out):
     out["train"] = res
 
 
-def check_dry_run(out):
+def check_dry_run(out, workdir):
     res = {}
     for spec in ("tensor=2", "tensor=8"):
         r = dry_run.dry_run_infer("small", spec, batch=2, context=128, max_new_tokens=32,
@@ -161,10 +170,91 @@ def check_dry_run(out):
     out["dry_run"] = res
 
 
+def _tiny_test_config(**data):
+    from configs import tiny_test
+
+    cfg = tiny_test.get_config()
+    cfg.data.update(kind="synthetic", num_docs=64, doc_len=40, seq_len=64, batch_size=8, **data)
+    return cfg
+
+
+def check_dp_step(out, workdir):
+    """Data parallelism: two trainer steps with the batch split over 8 devices equal the same
+    steps on one device (losses here; the parameters go to dp_params_{1,8}.npz)."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    cfg = _tiny_test_config()
+    cfg.target_model.update(init_std=0.0, attn_out_scale=1.0)  # default init: moderate logits
+    exp = trainer.build_experiment(cfg, os.path.join(workdir, "dp_step"))
+    opt, _ = trainer.make_optimizer(cfg, 10)
+    state0 = trainer.TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
+                                opt_state=opt.init(exp.init_params), rng=jax.random.PRNGKey(0))
+    batches = [next(exp.train_iter) for _ in range(2)]
+    res = {}
+    for devices in (jax.devices()[:1], jax.devices()):
+        mesh = Mesh(np.asarray(devices), ("data",))
+        step = trainer.make_train_step(exp.loss_fn, opt, mesh)
+        state = jax.device_put(state0, NamedSharding(mesh, P()))
+        losses, batch_devices = [], []
+        for b in batches:
+            b = jax.device_put(b, NamedSharding(mesh, P("data")))
+            batch_devices.append(len(b["input_ids"].sharding.device_set))
+            state, m = step(state, exp.target_params, b)
+            losses.append(float(m["loss"]))
+        leaves = jax.tree_util.tree_leaves(jax.device_get(state.params))
+        np.savez(os.path.join(workdir, f"dp_params_{len(devices)}.npz"), *leaves)
+        res[len(devices)] = {"losses": losses, "batch_devices": batch_devices}
+    out["dp_step"] = res
+
+
+def check_fsdp_training(out, workdir):
+    """train_and_evaluate on data=2,fsdp=4 and on one device; interrupted at step 3 and
+    resumed from the sharded checkpoint; the sharded layout; both exported drafters (.npz)."""
+    import dflash_jax as dj
+
+    def config(mesh, **kw):
+        cfg = _tiny_test_config()
+        cfg.update({**dict(num_train_steps=6, log_every=1, eval_every=6, eval_batches=1,
+                           eval_num_prompts=4, eval_max_new_tokens=8, checkpoint_every=3,
+                           async_checkpoint=False, mesh=mesh), **kw})
+        return cfg
+
+    w = os.path.join(workdir, "fsdp_training")
+    # tau (the sharded generate) is evaluated in the fsdp run; evaluation does not change the
+    # training steps, so the reference and the resumed run skip it.
+    one = trainer.train_and_evaluate(config("data=1,fsdp=1,tensor=1", eval_every=0),
+                                     w + "/one")
+    fsdp = trainer.train_and_evaluate(config("data=2,fsdp=4"), w + "/fsdp")
+    # Interrupted at step 3 and resumed from the sharded checkpoint.
+    trainer.train_and_evaluate(config("data=2,fsdp=4", stop_at_step=3, eval_every=0),
+                               w + "/resumed")
+    resumed = trainer.train_and_evaluate(config("data=2,fsdp=4", eval_every=0), w + "/resumed")
+    res = {name: {"status": r["status"], "losses": r["losses"], "eval": r["eval"]}
+           for name, r in (("one", one), ("fsdp", fsdp), ("resumed", resumed))}
+    # The layout: which leaves of the drafter/AdamW state and of the frozen target split.
+    exp = trainer.build_experiment(config("data=2,fsdp=4"), w + "/fsdp")
+    opt, _ = trainer.make_optimizer(exp.config, 6)
+    state = trainer.TrainState(step=0, params=exp.init_params,
+                               opt_state=opt.init(exp.init_params), rng=jax.random.PRNGKey(0))
+    mesh = sharding.make_mesh(data=2, fsdp=4, tensor=1)
+    state_sh, frozen_sh, _ = trainer.train_shardings(mesh, "drafter", state, exp.frozen,
+                                                     exp.target_cfg.head_dim,
+                                                     exp.drafter_cfg.body.head_dim)
+    res["param_specs"] = [str(s.spec) for s in jax.tree_util.tree_leaves(state_sh.params)]
+    res["frozen_specs"] = [str(s.spec) for s in jax.tree_util.tree_leaves(frozen_sh)]
+    # The trained drafters, as exported and loaded back.
+    for name, r in (("one", one), ("fsdp", fsdp)):
+        d = dj.load_drafter(r["export"], target=exp.target_for(None))
+        np.savez(os.path.join(workdir, f"fsdp_drafter_{name}.npz"),
+                 *jax.tree_util.tree_leaves(d.params))
+    out["fsdp_training"] = res
+
+
 if __name__ == "__main__":
+    workdir = sys.argv[1]
     out = {"num_devices": len(jax.devices())}
-    for name in sys.argv[1:] or ("rules", "generate", "train", "dry_run"):
+    for name in sys.argv[2:]:
         t0 = time.perf_counter()
-        globals()["check_" + name](out)
+        globals()["check_" + name](out, workdir)
         out.setdefault("seconds", {})[name] = time.perf_counter() - t0
     print("RESULT " + json.dumps(out))
