@@ -139,7 +139,7 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
                   topology: str = "") -> Dict[str, Any]:
     """Compiles the trainer's own step (`make_train_step` with `train_shardings` and
     `drafter_loss_fn`) for `model` on `mesh`: global `batch` sequences of `seq_len`, the
-    recipe of `config` (default: the trainer's defaults with these settings). Drafter weights
+    recipe of `config` (default: configs/default.py with these settings). Drafter weights
     and AdamW moments in float32, the frozen target in its dtype."""
     import jax
     import jax.numpy as jnp
