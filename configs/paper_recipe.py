@@ -17,7 +17,8 @@ def paper_config(target_path: str, block_size: int, gamma: float):
     c.dtype = "bfloat16"
     c.attention_impl = "pallas"  # the fused training kernel on TPU / GPU
     c.mesh = "fsdp=-1"  # target, drafter and AdamW moments sharded over all devices
-    c.drafter.update(num_layers=5, num_taps=5, block_size=block_size)
+    c.drafter.update(num_layers=5, num_taps=5, block_size=block_size,
+                     param_dtype="float32")  # float32 masters and AdamW moments, bf16 compute
     c.num_anchors = 512
     c.loss_chunk_anchors = 32  # 32 x 16 rows of 151K-vocab logits live at a time, not 512 x 16
     c.gamma = gamma

@@ -50,3 +50,164 @@ def test_new_drafter_weights_are_initialised_as_hf_qwen3():
     # A custom initializer_range scales the draw.
     wide = dj.init_drafter_params(cfg, seed=0, initializer_range=0.1)
     np.testing.assert_allclose(np.asarray(wide["fc"]["kernel"]), 5 * kernels[0][1], rtol=1e-5)
+
+
+# ------------------------------------------------------------------ float32 master weights
+
+
+def _bf16_experiment(tmp_path, param_dtype):
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from configs import tiny_test
+    from dflash_jax.training import trainer
+
+    c = tiny_test.get_config()
+    c.dtype = "bfloat16"  # compute dtype; the frozen target is stored in it too
+    c.drafter.param_dtype = param_dtype
+    c.data.update(kind="synthetic", num_docs=40, doc_len=40)
+    c.target_model.vocab_size = 64
+    c.eval_num_prompts = 1
+    exp = trainer.build_experiment(c, str(tmp_path / param_dtype))
+    return c, exp, trainer
+
+
+@pytest.mark.parametrize("param_dtype", ("float32", "bfloat16"))
+def test_float32_masters_keep_a_1e4_relative_update_that_bf16_loses(tmp_path, param_dtype):
+    c, exp, trainer = _bf16_experiment(tmp_path, param_dtype)
+    want = jnp.dtype(param_dtype)
+    # Trained weights (and so the AdamW moments) in param_dtype, compute in bfloat16.
+    assert exp.drafter_cfg.body.dtype == jnp.bfloat16
+    assert {x.dtype for x in jax.tree_util.tree_leaves(exp.init_params)} == {want}
+    assert exp.target_cfg.dtype == jnp.bfloat16  # (a loaded target is also stored in it)
+    c.learning_rate, c.warmup_ratio, c.end_lr_ratio = 1e-4, 0.0, 1.0  # constant lr 1e-4
+    optimizer, _ = trainer.make_optimizer(c, 10)
+    state = trainer.TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
+                               opt_state=optimizer.init(exp.init_params),
+                               rng=jax.random.PRNGKey(0))
+    moments = [x for x in jax.tree_util.tree_leaves(state.opt_state)
+               if hasattr(x, "ndim") and x.ndim >= 1]
+    assert moments and {x.dtype for x in moments} == {want}
+    batch = {k: jnp.asarray(v) for k, v in next(exp.train_iter).items()}
+    new, metrics = trainer.make_train_step(exp.loss_fn, optimizer)(state, exp.frozen, batch)
+    assert np.isfinite(float(metrics["loss"]))
+    # RMSNorm scales start at 1.0; AdamW's first step moves each by ~lr = 1e-4 (relative 1e-4),
+    # below bfloat16's resolution at 1.0 (2^-8).
+    before = np.asarray(exp.init_params["norm"]["scale"], np.float64)
+    after = np.asarray(new.params["norm"]["scale"], np.float64)
+    moved = np.abs(after - before)
+    if param_dtype == "float32":
+        assert new.params["norm"]["scale"].dtype == jnp.float32
+        assert np.mean((moved > 0.5e-4) & (moved < 1.5e-4)) > 0.9, moved
+    else:
+        assert np.all(moved == 0.0)  # every update rounded away
+
+
+# ------------------------------------------------------------------ anchors (SpecForge rules)
+
+
+def _eligible(loss_mask, seg, s):
+    """Brute force: p <= S-2, loss_mask[p] and loss_mask[p+1], p+1 in p's document."""
+    return [p for p in range(s - 1) if loss_mask[p] and loss_mask[p + 1]
+            and (seg is None or seg[p] == seg[p + 1])]
+
+
+@pytest.fixture(scope="module")
+def packed():
+    rng = np.random.RandomState(7)
+    b, s = 4, 48
+    loss_mask = (rng.rand(b, s) < 0.8).astype(np.int32)
+    seg = np.ones((b, s), np.int32)
+    seg[0, 20:] = 2
+    seg[1, 8:] = 2
+    seg[1, 30:] = 3
+    seg[3, 40:] = 0  # padding
+    loss_mask[3, 40:] = 0
+    loss_mask[2, :5] = 0  # a prompt
+    return loss_mask, seg
+
+
+@pytest.mark.parametrize("use_seg", (False, True))
+def test_anchor_budget_is_per_document_against_brute_force(packed, use_seg):
+    from dflash_jax.training import masks
+
+    loss_mask, seg = packed
+    b, s = loss_mask.shape
+    segn = seg if use_seg else None
+    per_doc = 5
+    # Row budget large enough for every document's budget: each document gets exactly
+    # min(num_anchors, its eligible count), all eligible, distinct.
+    a, v = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(loss_mask), per_doc, 16,
+                                jnp.asarray(seg) if use_seg else None, anchors_per_row=40)
+    a, v = np.asarray(a), np.asarray(v)
+    assert a.shape == (b, 40)
+    for bi in range(b):
+        got = a[bi][v[bi]].tolist()
+        assert got == sorted(got) and len(set(got)) == len(got)
+        assert not v[bi][len(got):].any()  # valid blocks first
+        elig = _eligible(loss_mask[bi], segn[bi] if use_seg else None, s)
+        assert set(got) <= set(elig)
+        docs = sorted(set(seg[bi][elig])) if use_seg else [None]
+        for d in docs:
+            e_d = [p for p in elig if d is None or seg[bi, p] == d]
+            g_d = [p for p in got if d is None or seg[bi, p] == d]
+            assert len(g_d) == min(per_doc, len(e_d)), (bi, d, g_d, e_d)
+    if use_seg:  # row 1 has 3 documents: 3 budgets, more than one document's
+        assert v[1].sum() == 3 * per_doc
+    # A binding row budget: the row keeps exactly that many, each document at most its own.
+    a, v = masks.sample_anchors(jax.random.PRNGKey(1), jnp.asarray(loss_mask), per_doc, 16,
+                                jnp.asarray(seg), anchors_per_row=7)
+    a, v = np.asarray(a), np.asarray(v)
+    assert a.shape == (b, 7) and v[:2].all()
+    for bi in range(2):
+        counts = np.bincount(seg[bi][a[bi]])
+        assert counts.max() <= per_doc
+
+
+def test_anchors_are_uniform_within_each_document(packed):
+    from dflash_jax.training import masks
+
+    loss_mask, seg = packed
+    per_doc, trials = 3, 3000
+    keys = jax.random.split(jax.random.PRNGKey(2), trials)
+    sample = jax.vmap(lambda k: masks.sample_anchors(k, jnp.asarray(loss_mask[1:2]), per_doc,
+                                                     16, jnp.asarray(seg[1:2]), 20))
+    a, v = (np.asarray(x)[:, 0] for x in sample(keys))
+    freq = np.zeros(loss_mask.shape[1])
+    for t in range(trials):
+        freq[a[t][v[t]]] += 1
+    freq /= trials
+    elig = _eligible(loss_mask[1], seg[1], loss_mask.shape[1])
+    for d in sorted(set(seg[1][elig])):
+        e_d = [p for p in elig if seg[1, p] == d]
+        expect = min(1.0, per_doc / len(e_d))
+        # binomial std <= sqrt(0.25 / 3000) = 0.009: 0.05 is > 5 sigma
+        np.testing.assert_allclose(freq[e_d], expect, atol=0.05)
+    assert freq[[p for p in range(loss_mask.shape[1]) if p not in elig]].sum() == 0
+
+
+def test_blocks_run_past_the_end_with_out_of_range_labels_masked():
+    from dflash_jax.training import masks
+
+    s, bs, gamma = 12, 6, 4.0
+    lm = np.zeros((1, s), np.int32)
+    lm[0, 8:] = 1  # eligible 8, 9, 10 (11 = S-1 has no next token)
+    ids = np.arange(100, 100 + s, dtype=np.int32)[None]
+    a, v = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(lm), 8, bs)
+    a, v = np.asarray(a), np.asarray(v)
+    assert a[0][v[0]].tolist() == [8, 9, 10]  # the old p <= S - bs rule allowed none
+    w = np.asarray(masks.loss_weights(jnp.asarray(a), jnp.asarray(v), jnp.asarray(lm), bs,
+                                      gamma))
+    labels = np.asarray(masks.block_labels(jnp.asarray(ids), jnp.asarray(a), bs))
+    mask = np.asarray(masks.training_mask(jnp.asarray(a), jnp.asarray(v), bs, s))
+    for n, p in enumerate(a[0][v[0]]):
+        for k in range(bs):
+            inside = p + k < s
+            want = np.exp(-(k - 1) / gamma) if (k >= 1 and inside and lm[0, p + k]) else 0.0
+            np.testing.assert_allclose(w[0, n, k], want, rtol=1e-6)
+            if inside:
+                assert labels[0, n, k] == ids[0, p + k]  # same position, no shift
+        rows = mask[0, n * bs:(n + 1) * bs, :s]
+        assert (rows == (np.arange(s) < p)[None]).all()  # strictly before the anchor
+    assert w[0, 2, 2:].sum() == 0 and w[0, 2, 1] > 0  # anchor 10: only x_11 is in range

@@ -47,6 +47,7 @@ class DrafterRecipe:
     attention_impl: str = "xla"
     use_segments: bool = True
     loss_chunk_anchors: int = 0  # > 0: logits for this many anchors at a time (block_scores)
+    anchors_per_row: int = 0  # blocks per packed row (static); 0: num_anchors (masks.sample_anchors)
 
     def __post_init__(self):
         if self.loss not in ("ce", "kl"):
@@ -168,7 +169,8 @@ def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, 
     taps = jax.lax.stop_gradient(taps)
 
     k_anchor, k_mask = jax.random.split(key)
-    anchors, valid = masks.sample_anchors(k_anchor, loss_mask, recipe.num_anchors, bs)
+    anchors, valid = masks.sample_anchors(k_anchor, loss_mask, recipe.num_anchors, bs, seg,
+                                          recipe.anchors_per_row)
     n = anchors.shape[1]
     masked = masks.mask_pattern(k_mask, (b, n), bs, recipe.mask_schedule)
     tokens = masks.block_inputs(ids, anchors, bs, recipe.mask_token_id, masked)
