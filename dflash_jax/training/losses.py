@@ -5,7 +5,9 @@ Both are pure functions `(params, frozen_params, batch, key) -> (loss, metrics)`
 first argument only, so the target (its embedding and LM head included) stays frozen when the
 drafter trains. The index arithmetic (anchors, mask, labels, weights) lives in `masks.py`.
 
-Attention during drafter training: "xla" builds `masks.training_mask` densely (segment-aware);
+Attention during drafter training: "xla" is `blockwise_training_attention` (the same mask as
+`masks.training_mask`, segment-aware, without its dense [N*bs, S + N*bs] form; the dense
+reference stays reachable as `training_attend(..., impl="xla_dense")`);
 "pallas" / "pallas_interpret" call the fused `pallas_kernels.training_attention` with the same
 mask: with packed rows each block's context window starts at the first position of its anchor's
 document (`ctx_start`, from the segment ids), so no block sees an earlier document's features.
