@@ -39,8 +39,12 @@ def get_config() -> ml_collections.ConfigDict:
         num_layers=5, num_taps=5, block_size=16, mask_token_id=-1,  # -1: tokenizer's / V-1
         intermediate_size=0,  # 0: the target's
         target_layer_ids=(),  # empty: the default spread of num_taps layers
+        # Storage dtype of the trained drafter weights, hence of their AdamW moments (float32
+        # masters, as SpecForge keeps); compute stays in `dtype`. "": the same as `dtype`.
+        param_dtype="float32",
         init_path=""))  # a z-lab drafter directory to continue from
-    c.num_anchors = 512
+    c.num_anchors = 512  # per sequence (per document of a packed row), as SpecForge
+    c.anchors_per_row = 0  # static blocks per packed row, shared by its documents; 0: num_anchors
     c.gamma = 7.0
     c.loss = "ce"  # "ce" | "kl"
     c.mask_schedule = "all"  # "all" | "random"

@@ -220,12 +220,31 @@ def decode_attend(ctx_len_B, impl: str = "xla") -> AttendFn:
     return attend
 
 
-def init_drafter_params(cfg: DrafterConfig, seed: int = 0):
+# Hugging Face's Qwen3 `initializer_range` default: the std of new weight matrices.
+INITIALIZER_RANGE = 0.02
+
+
+def init_drafter_params(cfg: DrafterConfig, seed: int = 0,
+                        initializer_range: float = INITIALIZER_RANGE):
+    """New drafter parameters, initialised as Hugging Face's Qwen3 does (`_init_weights`):
+    every weight matrix ~ N(0, initializer_range), biases 0, RMSNorm scales 1."""
     model = DFlashDrafter(cfg)
     taps = jnp.zeros((1, 2, cfg.num_taps * cfg.target_hidden_size), cfg.body.dtype)
     emb = jnp.zeros((1, cfg.block_size, cfg.body.hidden_size), cfg.body.dtype)
-    return model.init(jax.random.PRNGKey(seed), taps, emb, method=DFlashDrafter.init_all)[
-        "params"]
+    key, redraw = jax.random.split(jax.random.PRNGKey(seed))
+    params = model.init(key, taps, emb, method=DFlashDrafter.init_all)["params"]
+
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(redraw, len(leaves))
+    out = []
+    for k, (path, x) in zip(keys, leaves):
+        name = getattr(path[-1], "key", None)
+        if name == "kernel":
+            x = (initializer_range * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+        elif name == "bias":
+            x = jnp.zeros_like(x)
+        out.append(x)  # RMSNorm scales stay ones (their initializer)
+    return jax.tree_util.tree_unflatten(tree, out)
 
 
 # ---------------------------------------------------------------------------- user object

@@ -67,24 +67,56 @@ def write_kv(cache_k_BSKD, new_BTKD, positions_BT):
                                                 mode="drop")
 
 
+def chunked_causal_attention(q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT=None,
+                             chunk: int = 512):
+    """Causal (and segment-masked) GQA attention over T tokens, `chunk` queries at a time.
+
+    Equal to `masked_attention` with the mask `pos[k] <= pos[q]` (and same segment), but the
+    float32 scores are [B, K, G, chunk, T] per step of a `lax.map` (memory linear in T), never
+    the dense [B, N, T, T]. Used by the frozen target pass of drafter training (no gradient).
+    """
+    b, t, n, d = q_BTND.shape
+    chunk = max(1, min(int(chunk), t))
+    m = -(-t // chunk)
+    pad = m * chunk - t
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids_BT is None else segment_ids_BT
+
+    def chunked(x):  # [B, T, ...] -> [m, B, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, m, chunk) + x.shape[2:]), 1, 0)
+
+    def one(args):
+        q, pos, sg = args
+        mask = (positions_BT[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == sg[:, :, None])
+        return masked_attention(q, k_BTKD, v_BTKD, mask)
+
+    out = jax.lax.map(one, (chunked(q_BTND), chunked(positions_BT), chunked(seg)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, m * chunk, n, d)[:, :t]
+
+
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attention_impl: str = "xla"
 
     @nn.compact
-    def __call__(self, x_BTH, positions_BT, inv_freq, layer_cache=None, mask_BTT=None):
+    def __call__(self, x_BTH, positions_BT, inv_freq, layer_cache=None, mask_BTT=None,
+                 attn_chunk: int = 0, segment_ids_BT=None):
         """One pre-norm decoder layer.
 
         With `layer_cache=(k [B,S,K,D], v [B,S,K,D])` the new K/V are written at `positions`
         and the queries attend to cache slots `j <= position`; it returns the updated pair.
-        Without a cache, attention is over the T new tokens with `mask_BTT`.
+        Without a cache, attention is over the T new tokens with `mask_BTT`, or, with
+        `attn_chunk > 0`, causal (and segment-masked) `chunked_causal_attention`.
         """
         c = self.cfg
         attn = QKVProjection(c, name="self_attn")
         h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="input_layernorm")(x_BTH)
         q = attn.queries(h, positions_BT, inv_freq)
         k, v = attn.keys_values(h, positions_BT, inv_freq)
-        if layer_cache is None:
+        if layer_cache is None and attn_chunk > 0:
+            out = chunked_causal_attention(q, k, v, positions_BT, segment_ids_BT, attn_chunk)
+            new_cache = None
+        elif layer_cache is None:
             out = masked_attention(q, k, v, mask_BTT)
             new_cache = None
         else:
@@ -110,6 +142,12 @@ class Transformer(nn.Module):
 
     `tap_layers` are 0-based decoder-layer indices; tap i is the residual stream after layer i
     (Hugging Face `hidden_states[i + 1]`).
+
+    `taps_only=True` (the frozen target pass of drafter training; no cache): the forward stops
+    at the last tapped layer (the layers above it, the final norm and the LM head are never
+    computed) and its causal attention runs `attn_chunk` queries at a time
+    (`chunked_causal_attention`), never a dense [B, N, T, T] score tensor. Returns
+    (None, None, taps).
     """
 
     cfg: ModelConfig
@@ -140,8 +178,14 @@ class Transformer(nn.Module):
                           preferred_element_type=jnp.float32)
 
     def __call__(self, input_ids_BT, positions_BT=None, cache: Optional[KVCache] = None,
-                 tap_layers: Sequence[int] = (), segment_ids_BT=None):
+                 tap_layers: Sequence[int] = (), segment_ids_BT=None, taps_only: bool = False,
+                 attn_chunk: int = 512):
         c = self.cfg
+        if taps_only:
+            if cache is not None or not tap_layers:
+                raise ValueError("taps_only needs tap_layers and no cache")
+            return None, None, self._taps_only(input_ids_BT, positions_BT, tuple(tap_layers),
+                                               segment_ids_BT, attn_chunk)
         b, t = input_ids_BT.shape
         if positions_BT is None:
             base = 0 if cache is None else cache.lengths[:, None]
@@ -174,6 +218,21 @@ class Transformer(nn.Module):
             by_layer = dict(taps)
             tap_out = jnp.concatenate([by_layer[i] for i in tap_layers], axis=-1)
         return hidden, new_cache, tap_out
+
+
+    def _taps_only(self, input_ids_BT, positions_BT, tap_layers, segment_ids_BT, attn_chunk):
+        b, t = input_ids_BT.shape
+        if positions_BT is None:
+            positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
+        inv_freq = rope_inv_freq(self.cfg)
+        x = self.embed(input_ids_BT)
+        taps = {}
+        for i in range(max(tap_layers) + 1):
+            x, _ = self.layers[i](x, positions_BT, inv_freq, None, None, attn_chunk,
+                                  segment_ids_BT)
+            if i in tap_layers:
+                taps[i] = x
+        return jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):

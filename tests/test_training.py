@@ -68,17 +68,17 @@ def test_anchors_are_eligible_distinct_and_padded(packed_rows):
     anchors, valid = masks.sample_anchors(jax.random.PRNGKey(3), jnp.asarray(loss_mask), 30, bs)
     anchors, valid = np.asarray(anchors), np.asarray(valid)
     s = loss_mask.shape[1]
-    assert anchors.shape == (3, min(30, s - bs + 1))
-    for bi in range(3):
-        eligible = {p for p in range(s) if loss_mask[bi, p] and p <= s - bs}
+    assert anchors.shape == (3, min(30, s - 1))
+    for bi in range(3):  # SpecForge's rule: p <= S - 2, loss_mask[p] and loss_mask[p + 1]
+        eligible = {p for p in range(s - 1) if loss_mask[bi, p] and loss_mask[bi, p + 1]}
         got = anchors[bi][valid[bi]].tolist()
         assert len(got) == len(set(got)) == min(len(eligible), anchors.shape[1])
         assert set(got) <= eligible
     # Few eligible positions: the rest of the blocks are invalid.
     lm = np.zeros((1, s), np.int32)
-    lm[0, [3, 9, 33]] = 1  # 33 > s - bs: not eligible
+    lm[0, [3, 4, 9, 10, 20, 38, 39]] = 1  # 20: lone; 39 = S - 1 has no next token
     a, v = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(lm), 10, bs)
-    assert sorted(np.asarray(a)[np.asarray(v)].tolist()) == [3, 9]
+    assert sorted(np.asarray(a)[np.asarray(v)].tolist()) == [3, 9, 38]
     # Different keys give different samples (it is random).
     a2, _ = masks.sample_anchors(jax.random.PRNGKey(4), jnp.asarray(loss_mask), 10, bs)
     a1, _ = masks.sample_anchors(jax.random.PRNGKey(3), jnp.asarray(loss_mask), 10, bs)

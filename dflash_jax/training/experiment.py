@@ -136,7 +136,8 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
         tap_layers=tuple(dcfg.target_layer_ids), num_anchors=config.num_anchors,
         gamma=config.gamma, loss=config.loss, mask_schedule=config.mask_schedule,
         attention_impl=config.attention_impl, use_segments=config.use_segments,
-        loss_chunk_anchors=config.loss_chunk_anchors)
+        loss_chunk_anchors=config.loss_chunk_anchors,
+        anchors_per_row=config.get("anchors_per_row", 0))
 
     def loss_fn(params, frozen, batch, key):
         return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
@@ -246,6 +247,8 @@ def build_experiment(config, workdir: str) -> Experiment:
             mask_id = (tokenizer.mask_id if tokenizer is not None and
                        tokenizer.mask_id is not None else tcfg.vocab_size - 1)
         overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
+        if dc.get("param_dtype"):  # float32 masters; the frozen target keeps its dtype
+            overrides["param_dtype"] = as_dtype(dc.param_dtype)
         dcfg = make_drafter_config(tcfg, num_layers=dc.num_layers, num_taps=dc.num_taps,
                                    block_size=dc.block_size, mask_token_id=mask_id,
                                    target_layer_ids=tuple(dc.target_layer_ids) or None,
@@ -253,7 +256,8 @@ def build_experiment(config, workdir: str) -> Experiment:
         if dc.init_path:
             from dflash_jax.drafter import load_drafter
 
-            dcfg_params = load_drafter(dc.init_path, target=Target(tcfg, tparams))
+            dcfg_params = load_drafter(dc.init_path, target=Target(tcfg, tparams),
+                                       param_dtype=dc.get("param_dtype") or None)
             dcfg, init = dcfg_params.config, dcfg_params.params
         else:
             init = init_drafter_params(dcfg, seed=config.seed)

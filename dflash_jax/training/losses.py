@@ -5,7 +5,9 @@ Both are pure functions `(params, frozen_params, batch, key) -> (loss, metrics)`
 first argument only, so the target (its embedding and LM head included) stays frozen when the
 drafter trains. The index arithmetic (anchors, mask, labels, weights) lives in `masks.py`.
 
-Attention during drafter training: "xla" builds `masks.training_mask` densely (segment-aware);
+Attention during drafter training: "xla" is `blockwise_training_attention` (the same mask as
+`masks.training_mask`, segment-aware, without its dense [N*bs, S + N*bs] form; the dense
+reference stays reachable as `training_attend(..., impl="xla_dense")`);
 "pallas" / "pallas_interpret" call the fused `pallas_kernels.training_attention` with the same
 mask: with packed rows each block's context window starts at the first position of its anchor's
 document (`ctx_start`, from the segment ids), so no block sees an earlier document's features.
@@ -48,6 +50,7 @@ class DrafterRecipe:
     attention_impl: str = "xla"
     use_segments: bool = True
     loss_chunk_anchors: int = 0  # > 0: logits for this many anchors at a time (block_scores)
+    anchors_per_row: int = 0  # blocks per packed row (static); 0: num_anchors (masks.sample_anchors)
 
     def __post_init__(self):
         if self.loss not in ("ce", "kl"):
@@ -60,11 +63,71 @@ class DrafterRecipe:
                              f"{self.attention_impl!r}")
 
 
+def blockwise_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, anchors_BN, valid_BN,
+                                 block_size: int, segment_ids_BS=None, chunk_anchors: int = 0):
+    """`masks.training_mask` attention without the dense [N*bs, S + N*bs] mask: each block's
+    queries score the S context keys (j < anchor, same document) and only their own bs block
+    keys (the other N*bs - bs keys are masked anyway), `chunk_anchors` blocks at a time in a
+    rematerialized `lax.map` (0: all at once). Invalid blocks give zeros. Values and gradients
+    are those of the dense form."""
+    b, rows, nh, d = q.shape
+    n, bs, s = anchors_BN.shape[1], block_size, ctx_k.shape[1]
+    kh = ctx_k.shape[2]
+    g = nh // kh
+    c = n if chunk_anchors <= 0 or chunk_anchors >= n else int(chunk_anchors)
+    m = -(-n // c)
+    pad = m * c - n
+    seg = jnp.zeros((b, s), jnp.int32) if segment_ids_BS is None else segment_ids_BS[:, :s]
+    anchor_seg = jnp.take_along_axis(seg, jnp.clip(anchors_BN, 0, s - 1), axis=1)
+
+    def chunked(x):  # [B, N, ...] -> [m, B, c, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, m, c) + x.shape[2:]), 1, 0)
+
+    def one(args):
+        qc, kc, vc, anc, val, aseg = args  # [B,c,bs,N,D], [B,c,bs,K,D] x2, [B,c] x3
+        qc = qc.reshape(b, c, bs, kh, g, d)
+        ctx_ok = ((jnp.arange(s)[None, None] < anc[:, :, None]) & (seg[:, None] == aseg[:, :, None])
+                  & val[:, :, None])  # [B,c,S]
+        lc = jnp.einsum("bcqkgd,bskd->bckgqs", qc, ctx_k,
+                        preferred_element_type=jnp.float32) * d ** -0.5
+        lb = jnp.einsum("bcqkgd,bcrkd->bckgqr", qc, kc.astype(ctx_k.dtype),
+                        preferred_element_type=jnp.float32) * d ** -0.5
+        neg = jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max))
+        lc = jnp.where(ctx_ok[:, :, None, None, None, :], lc, neg)
+        mx = jnp.maximum(jnp.max(lc, -1, keepdims=True), jnp.max(lb, -1, keepdims=True))
+        pc, pb = jnp.exp(lc - mx), jnp.exp(lb - mx)
+        pc = jnp.where(ctx_ok[:, :, None, None, None, :], pc, 0.0)
+        z = jnp.sum(pc, -1, keepdims=True) + jnp.sum(pb, -1, keepdims=True)
+        pc, pb = (pc / z).astype(ctx_v.dtype), (pb / z).astype(ctx_v.dtype)
+        out = (jnp.einsum("bckgqs,bskd->bcqkgd", pc, ctx_v, preferred_element_type=jnp.float32)
+               + jnp.einsum("bckgqr,bcrkd->bcqkgd", pb, vc.astype(ctx_v.dtype),
+                            preferred_element_type=jnp.float32))
+        out = jnp.where(val[:, :, None, None, None, None], out, 0.0)
+        return out.reshape(b, c, bs, nh, d).astype(q.dtype)
+
+    xs = (chunked(q.reshape(b, n, bs, nh, d)), chunked(k_blk.reshape(b, n, bs, kh, d)),
+          chunked(v_blk.reshape(b, n, bs, kh, d)), chunked(anchors_BN), chunked(valid_BN),
+          chunked(anchor_seg))
+    if m == 1:
+        out = one(tuple(x[0] for x in xs))[None]
+    else:
+        out = jax.lax.map(jax.checkpoint(one), xs)
+    return jnp.moveaxis(out, 0, 1).reshape(b, m * c * bs, nh, d)[:, :rows]
+
+
 def training_attend(anchors_BN, valid_BN, block_size: int, ctx_len: int, segment_ids_BS=None,
-                    impl: str = "xla"):
+                    impl: str = "xla", chunk_anchors: int = 0):
     """An `attend(q, k_blk, v_blk, ctx_k, ctx_v)` for `DFlashDrafter` implementing
-    `masks.training_mask` over N blocks of `block_size` query rows."""
+    `masks.training_mask` over N blocks of `block_size` query rows ("xla": blockwise, see
+    `blockwise_training_attention`, `chunk_anchors` blocks at a time)."""
     if impl == "xla":
+        def attend(q, k, v, ctx_k, ctx_v):
+            return blockwise_training_attention(q, k, v, ctx_k, ctx_v, anchors_BN, valid_BN,
+                                                block_size, segment_ids_BS, chunk_anchors)
+        return attend
+
+    if impl == "xla_dense":
         mask = masks.training_mask(anchors_BN, valid_BN, block_size, ctx_len, segment_ids_BS)
 
         def attend(q, k, v, ctx_k, ctx_v):
@@ -161,12 +224,16 @@ def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, 
     bs = recipe.block_size
     tvars = {"params": tparams}
 
+    # "ce" needs only the taps: the target stops at the last tapped layer, with chunked causal
+    # attention (no [B, N, S, S] scores). "kl" needs the final hidden states: full forward.
     hidden_t, _, taps = tmod.apply(tvars, ids, segment_ids_BT=batch["segment_ids"],
-                                   tap_layers=recipe.tap_layers)
+                                   tap_layers=recipe.tap_layers,
+                                   taps_only=recipe.loss == "ce")
     taps = jax.lax.stop_gradient(taps)
 
     k_anchor, k_mask = jax.random.split(key)
-    anchors, valid = masks.sample_anchors(k_anchor, loss_mask, recipe.num_anchors, bs)
+    anchors, valid = masks.sample_anchors(k_anchor, loss_mask, recipe.num_anchors, bs, seg,
+                                          recipe.anchors_per_row)
     n = anchors.shape[1]
     masked = masks.mask_pattern(k_mask, (b, n), bs, recipe.mask_schedule)
     tokens = masks.block_inputs(ids, anchors, bs, recipe.mask_token_id, masked)
@@ -180,7 +247,8 @@ def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, 
     ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     ctx_k, ctx_v = dmod.apply({"params": dparams}, taps, ctx_pos,
                               method=DFlashDrafter.context_kv)
-    attend = training_attend(anchors, valid, bs, s, seg, recipe.attention_impl)
+    attend = training_attend(anchors, valid, bs, s, seg, recipe.attention_impl,
+                             chunk_anchors=recipe.loss_chunk_anchors)
     hidden = dmod.apply({"params": dparams}, emb, positions, ctx_k, ctx_v, attend)
     t_hidden = None
     if recipe.loss == "kl":

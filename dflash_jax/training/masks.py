@@ -2,8 +2,10 @@
 
 Per sequence of length S, with N = num_anchors blocks of bs = block_size positions:
 
-  anchors      p_n: distinct positions with loss_mask[p] == 1 and p <= S - bs, sampled
-               uniformly without replacement; blocks beyond the eligible count are invalid.
+  anchors      p_n: distinct positions p <= S - 2 with loss_mask[p] == loss_mask[p+1] == 1,
+               up to num_anchors per document (per packed segment), sampled uniformly
+               without replacement; blocks beyond the chosen count are invalid. Blocks may run
+               past the end: labels beyond S (or the document) get weight 0.
   block input  position k of block n holds x_{p_n} at k = 0 and MASK at k >= 1 (the
                "random" schedule keeps some real tokens x_{p_n+k} at k >= 1 instead);
                block positions are p_n .. p_n + bs - 1.
@@ -29,25 +31,51 @@ import jax
 import jax.numpy as jnp
 
 
-def sample_anchors(key, loss_mask_BS, num_anchors: int, block_size: int):
-    """Random anchors: (anchors [B,N] int32 ascending, block_valid [B,N] bool).
+def sample_anchors(key, loss_mask_BS, num_anchors: int, block_size: int,
+                   segment_ids_BS: Optional[jnp.ndarray] = None, anchors_per_row: int = 0):
+    """Random anchors as SpecForge samples them: (anchors [B,N] int32, block_valid [B,N] bool).
 
-    Eligible: loss_mask[p] == 1 and p <= S - bs. Up to N distinct eligible positions per row,
-    uniformly without replacement (top-N of i.i.d. uniform scores); missing ones are invalid
-    (anchor 0, valid False). N is min(num_anchors, S - bs + 1).
+    Eligible: p <= S - 2 with loss_mask[p] == 1 and loss_mask[p+1] == 1 (and, with segment ids,
+    p + 1 in p's document). Blocks may run past the end of the sequence (their out-of-range
+    labels get weight 0 in `loss_weights`), so `block_size` does not restrict anchors.
+
+    Budget per SEQUENCE: every document (a segment of a packed row; the whole row without
+    segment ids) gets up to `num_anchors` distinct eligible positions, uniformly without
+    replacement. The row holds N = min(anchors_per_row or num_anchors, S - 1) blocks (a static
+    shape); when its documents' anchors exceed N, N of them are kept uniformly at random.
+    Missing blocks are invalid (anchor 0, valid False). Valid anchors come first, ascending.
     """
+    del block_size  # blocks past the end are masked, not avoided
     b, s = loss_mask_BS.shape
-    n = min(int(num_anchors), s - block_size + 1)
-    pos = jnp.arange(s, dtype=jnp.int32)
-    eligible = (loss_mask_BS > 0) & (pos[None] <= s - block_size)
-    score = jnp.where(eligible, 1.0 + jax.random.uniform(key, (b, s)), 0.0)
-    top, idx = jax.lax.top_k(score, n)
+    n = max(1, min(int(anchors_per_row) or int(num_anchors), s - 1))
+    lm = loss_mask_BS > 0
+    nxt = jnp.concatenate([lm[:, 1:], jnp.zeros_like(lm[:, :1])], axis=1)  # p = S-1: no p+1
+    eligible = lm & nxt
+    seg = jnp.zeros((b, s), jnp.int32) if segment_ids_BS is None else segment_ids_BS
+    if segment_ids_BS is not None:
+        eligible &= jnp.concatenate([seg[:, 1:] == seg[:, :-1],
+                                     jnp.zeros_like(eligible[:, :1])], axis=1)
+    k_doc, k_row = jax.random.split(key)
+    # Rank of each eligible position among its document's, by an i.i.d. uniform score: sort by
+    # (segment, score), rank = sorted index - first sorted index of that segment.
+    u = jax.random.uniform(k_doc, (b, s))
+    sort_key = jnp.where(eligible, seg.astype(jnp.float32) * 2.0 + u, jnp.inf)
+    order = jnp.argsort(sort_key, axis=1)
+    seg_sorted = jnp.take_along_axis(seg, order, axis=1)
+    idx = jnp.arange(s, dtype=jnp.int32)[None]
+    first = jax.lax.cummax(jnp.where(
+        jnp.concatenate([jnp.ones((b, 1), bool), seg_sorted[:, 1:] != seg_sorted[:, :-1]], 1),
+        idx, 0), axis=1)
+    rank = jnp.zeros((b, s), jnp.int32).at[jnp.arange(b)[:, None], order].set(idx - first)
+    chosen = eligible & (rank < num_anchors)
+    # The row's N blocks: N of the chosen, uniformly (an independent score).
+    score = jnp.where(chosen, 1.0 + jax.random.uniform(k_row, (b, s)), 0.0)
+    top, pick = jax.lax.top_k(score, n)
     valid = top > 0.0
-    # Ascending anchors, invalid blocks last: easier to read, the loss does not care.
-    order = jnp.argsort(jnp.where(valid, idx, s + idx), axis=1)
-    idx = jnp.take_along_axis(idx, order, axis=1)
+    order = jnp.argsort(jnp.where(valid, pick, s + pick), axis=1)
+    pick = jnp.take_along_axis(pick, order, axis=1)
     valid = jnp.take_along_axis(valid, order, axis=1)
-    return jnp.where(valid, idx, 0).astype(jnp.int32), valid
+    return jnp.where(valid, pick, 0).astype(jnp.int32), valid
 
 
 def block_positions(anchors_BN, block_size: int):
