@@ -25,16 +25,24 @@ config_flags.DEFINE_config_file("config", None, "experiment config file", lock_c
 flags.DEFINE_string("workdir", None, "checkpoints, metrics and exports (required unless --dry_run)")
 flags.DEFINE_string("profile_dir", None, "write a jax.profiler trace here (config.profile_dir)")
 flags.DEFINE_string("profile_steps", None, "START:COUNT steps to trace (default 5:3)")
-flags.DEFINE_bool("dry_run", False, "Compile the trainer's step for an 8B-sized target and its "
-                  "drafter for a TPU topology from abstract params (libtpu, no TPU needed); print "
-                  "per-device HBM, FLOPs and collectives (batch, length, anchors from the config).")
+flags.DEFINE_bool(
+    "dry_run",
+    False,
+    "Compile the trainer's step for an 8B-sized target and its "
+    "drafter for a TPU topology from abstract params (libtpu, no TPU needed); print "
+    "per-device HBM, FLOPs and collectives (batch, length, anchors from the config).",
+)
 flags.DEFINE_string("topology", "v5p:2x2x1", "Dry run: v5p:2x2x1, v4:2x2x1, v5e:2x4, ... or cpu:8.")
 flags.DEFINE_string("dry_run_model", "qwen3_8b", "Dry run: qwen3_8b, qwen3_4b, llama31_8b, small.")
 flags.DEFINE_string("mesh", None, "Dry run: ';'-separated meshes, e.g. 'fsdp=8;fsdp=4,tensor=2'.")
 flags.DEFINE_bool("verbose", False, "Show library log lines (Orbax, JAX) on stderr too.")
-flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() (TPU pod / SLURM / "
-                  "multi-node: it finds the coordinator itself). Under `python -m "
-                  "dflash_jax.launch` this happens without the flag.")
+flags.DEFINE_bool(
+    "distributed",
+    False,
+    "Call jax.distributed.initialize() (TPU pod / SLURM / "
+    "multi-node: it finds the coordinator itself). Under `python -m "
+    "dflash_jax.launch` this happens without the flag.",
+)
 flags.DEFINE_string("json_out", None, "Dry run: write the result(s) as JSON here.")
 
 
@@ -48,8 +56,14 @@ def main(argv):
         if f.topology.startswith("cpu"):
             dry_run.ensure_cpu_devices(int(f.topology.partition(":")[2] or 8))
         try:  # the trainer's step with this config's recipe, batch and length
-            dry_run.run(f.topology, f.dry_run_model.split(","), "train",
-                        f.mesh.split(";") if f.mesh else None, f.json_out, config=config)
+            dry_run.run(
+                f.topology,
+                f.dry_run_model.split(","),
+                "train",
+                f.mesh.split(";") if f.mesh else None,
+                f.json_out,
+                config=config,
+            )
         except dry_run.UsageError as e:
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
@@ -66,22 +80,32 @@ def main(argv):
     if config.target_path:
         config.target_path = hub.resolve_or_exit(config.target_path, what="--config.target_path")
     if config.drafter.init_path:
-        config.drafter.init_path = hub.resolve_or_exit(config.drafter.init_path,
-                                                       what="--config.drafter.init_path")
+        config.drafter.init_path = hub.resolve_or_exit(
+            config.drafter.init_path, what="--config.drafter.init_path"
+        )
     if hub.looks_like_repo_id(config.tokenizer_dir) and not os.path.exists(config.tokenizer_dir):
-        config.tokenizer_dir = hub.resolve_or_exit(config.tokenizer_dir,
-                                                   what="--config.tokenizer_dir")
-    console.configure_logging(flags.FLAGS.verbose,
-                              log_file=os.path.join(flags.FLAGS.workdir, "train.log")
-                              if distributed.is_primary() else None)
+        config.tokenizer_dir = hub.resolve_or_exit(
+            config.tokenizer_dir, what="--config.tokenizer_dir"
+        )
+    console.configure_logging(
+        flags.FLAGS.verbose,
+        log_file=os.path.join(flags.FLAGS.workdir, "train.log")
+        if distributed.is_primary()
+        else None,
+    )
     console.quiet_startup()
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir
     if flags.FLAGS.profile_steps:
         config.profile_start_step, config.profile_num_steps = map(
-            int, flags.FLAGS.profile_steps.split(":"))
-    logging.info("JAX process %d/%d, local devices %s", jax.process_index(),
-                 jax.process_count(), jax.local_devices())
+            int, flags.FLAGS.profile_steps.split(":")
+        )
+    logging.info(
+        "JAX process %d/%d, local devices %s",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_devices(),
+    )
     summary = train_and_evaluate(config, flags.FLAGS.workdir)
     if summary["status"] == "preempted":  # saved; a scheduler must not read this as success
         sys.exit(cli.EXIT_PREEMPTED)

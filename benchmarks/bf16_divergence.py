@@ -48,8 +48,10 @@ def define_flags():
     flags.DEFINE_string("out", None, "Write the figures as JSON here.")
 
 
-SETTINGS = {"bfloat16": dict(dtype="bfloat16", param_dtype="bfloat16"),
-            "bf16 weights, float32 compute": dict(dtype="float32", param_dtype="bfloat16")}
+SETTINGS = {
+    "bfloat16": dict(dtype="bfloat16", param_dtype="bfloat16"),
+    "bf16 weights, float32 compute": dict(dtype="float32", param_dtype="bfloat16"),
+}
 
 
 def _hidden_logits_head(target, ids):
@@ -64,8 +66,11 @@ def _hidden_logits_head(target, ids):
     padded[0, :n] = ids
     hidden, logits = _forward(target.module, target.params, jnp.asarray(padded))
     p = target.params
-    w = (p["embed_tokens"]["embedding"] if target.config.tie_word_embeddings
-         else p["lm_head"]["kernel"].T)
+    w = (
+        p["embed_tokens"]["embedding"]
+        if target.config.tie_word_embeddings
+        else p["lm_head"]["kernel"].T
+    )
     f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
     return f64(hidden[0, :n]), f64(logits[0, :n]), f64(w)
 
@@ -76,6 +81,7 @@ def _forward(module, params, ids):
     from dflash_jax.model import Transformer
 
     if module not in _FORWARD:
+
         def fwd(params, ids):
             hidden, _, _ = module.apply({"params": params}, ids)
             return hidden, module.apply({"params": params}, hidden, method=Transformer.logits)
@@ -97,7 +103,7 @@ def near_tie_share(target, prompt, continuation) -> tuple:
     for t in rows:
         top = np.argsort(-logits[t], kind="stable")[:2]
         gap = logits[t, top[0]] - logits[t, top[1]]
-        n += gap <= 2.0 ** -8 * np.sum(np.abs(h[t]) * np.abs(w[top[0]] - w[top[1]]))
+        n += gap <= 2.0**-8 * np.sum(np.abs(h[t]) * np.abs(w[top[0]] - w[top[1]]))
     return int(n), len(rows)
 
 
@@ -109,11 +115,17 @@ def divergence_at(target, prefix, a, d) -> dict:
     order = np.argsort(-logits, kind="stable")
     rank = {int(t): int(np.flatnonzero(order == t)[0]) for t in (a, d)}
     gap = abs(float(logits[a] - logits[d]))
-    tol = 2.0 ** -8 * float(np.sum(np.abs(h) * np.abs(w[a] - w[d])))
-    return {"position": len(prefix), "ar_token": int(a), "dflash_token": int(d),
-            "ranks": [rank[int(a)], rank[int(d)]], "gap": gap, "tol": tol,
-            "top2_gap": float(logits[order[0]] - logits[order[1]]),
-            "near_tie": sorted(rank.values()) == [0, 1] and gap <= tol}
+    tol = 2.0**-8 * float(np.sum(np.abs(h) * np.abs(w[a] - w[d])))
+    return {
+        "position": len(prefix),
+        "ar_token": int(a),
+        "dflash_token": int(d),
+        "ranks": [rank[int(a)], rank[int(d)]],
+        "gap": gap,
+        "tol": tol,
+        "top2_gap": float(logits[order[0]] - logits[order[1]]),
+        "near_tie": sorted(rank.values()) == [0, 1] and gap <= tol,
+    }
 
 
 def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
@@ -124,8 +136,15 @@ def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
     records, spec_s, spec_tok, ar_s, ar_tok = [], 0.0, 0, 0.0, 0
     ties = [0, 0]  # near-tie positions, positions (AR continuations)
     for i, prompt in enumerate(prompts):
-        c = serving.compare(target, drafter, [prompt], warmup=False, stop_token_ids=(),
-                            max_new_tokens=max_new_tokens, block_size=block_size)
+        c = serving.compare(
+            target,
+            drafter,
+            [prompt],
+            warmup=False,
+            stop_token_ids=(),
+            max_new_tokens=max_new_tokens,
+            block_size=block_size,
+        )
         spec, ar = c.spec, c.ar
         s, r = spec.tokens[0], ar.tokens[0]
         spec_s += spec.stats["decode_s"]
@@ -143,17 +162,22 @@ def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
                 rec.update(position=len(prompt) + j, near_tie=False, length_only=True)
         records.append(rec)
     parted = [r for r in records if not r["identical"]]
-    return {"prompts": len(records), "identical": len(records) - len(parted),
-            "divergent": len(parted),
-            "near_ties": sum(bool(r.get("near_tie")) for r in parted),
-            "records": records,
-            "near_tie_positions": int(ties[0]), "positions": int(ties[1]),
-            "dflash_tokens_per_s": spec_tok / max(spec_s, 1e-9),
-            "ar_tokens_per_s": ar_tok / max(ar_s, 1e-9)}
+    return {
+        "prompts": len(records),
+        "identical": len(records) - len(parted),
+        "divergent": len(parted),
+        "near_ties": sum(bool(r.get("near_tie")) for r in parted),
+        "records": records,
+        "near_tie_positions": int(ties[0]),
+        "positions": int(ties[1]),
+        "dflash_tokens_per_s": spec_tok / max(spec_s, 1e-9),
+        "ar_tokens_per_s": ar_tok / max(ar_s, 1e-9),
+    }
 
 
-def load_prompts(tok, prompt_file=None, data_dir="/tmp/dflash_tfds", num_prompts=16,
-                 max_prompt_tokens=256):
+def load_prompts(
+    tok, prompt_file=None, data_dir="/tmp/dflash_tfds", num_prompts=16, max_prompt_tokens=256
+):
     """Token-id prompts: `prompt_file` JSONL, or held-out stdlib code-completion prompts."""
     from dflash_jax.data.prompts import benchmark_prompts
 
@@ -172,36 +196,58 @@ def main(argv):
         from dflash_jax.validation import writable_file
 
         writable_file(FLAGS.out, "--out")
-    prompts = load_prompts(load_tokenizer(FLAGS.target), FLAGS.prompt_file, FLAGS.data_dir,
-                           FLAGS.num_prompts, FLAGS.max_prompt_tokens)
-    out = {"target": FLAGS.target, "drafter": FLAGS.drafter,
-           "max_new_tokens": FLAGS.max_new_tokens, "settings": {}}
+    prompts = load_prompts(
+        load_tokenizer(FLAGS.target),
+        FLAGS.prompt_file,
+        FLAGS.data_dir,
+        FLAGS.num_prompts,
+        FLAGS.max_prompt_tokens,
+    )
+    out = {
+        "target": FLAGS.target,
+        "drafter": FLAGS.drafter,
+        "max_new_tokens": FLAGS.max_new_tokens,
+        "settings": {},
+    }
     for name, kw in SETTINGS.items():
         target = dj.load_target(FLAGS.target, **kw)
         drafter = dj.load_drafter(FLAGS.drafter, target=target)
         cfg = target.config
-        serving.warm_up(target, drafter, prompts[:1], compare_ar=True,  # compiles both
-                        max_new_tokens=FLAGS.max_new_tokens, block_size=FLAGS.block_size)
+        serving.warm_up(
+            target,
+            drafter,
+            prompts[:1],
+            compare_ar=True,  # compiles both
+            max_new_tokens=FLAGS.max_new_tokens,
+            block_size=FLAGS.block_size,
+        )
         res = compare(target, drafter, prompts, FLAGS.max_new_tokens, FLAGS.block_size)
-        res["kv_cache_bytes_per_token"] = (2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim
-                                           * jnp.dtype(cfg.dtype).itemsize)
+        res["kv_cache_bytes_per_token"] = (
+            2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * jnp.dtype(cfg.dtype).itemsize
+        )
         out["settings"][name] = res
-        print(f"\n{name}: DFlash == AR on {res['identical']}/{res['prompts']} prompts "
-              f"({FLAGS.max_new_tokens} new tokens); {res['divergent']} part, "
-              f"{res['near_ties']} of them at a near-tie; near-ties are "
-              f"{res['near_tie_positions']}/{res['positions']} of all generated positions")
+        print(
+            f"\n{name}: DFlash == AR on {res['identical']}/{res['prompts']} prompts "
+            f"({FLAGS.max_new_tokens} new tokens); {res['divergent']} part, "
+            f"{res['near_ties']} of them at a near-tie; near-ties are "
+            f"{res['near_tie_positions']}/{res['positions']} of all generated positions"
+        )
         for r in res["records"]:
             if r["identical"]:
                 continue
             if r.get("length_only"):
                 print(f"  prompt {r['prompt']}: same tokens, different length")
                 continue
-            print(f"  prompt {r['prompt']}: position {r['position']}, AR {r['ar_token']} vs "
-                  f"DFlash {r['dflash_token']} (ranks {r['ranks']}), gap {r['gap']:.4f} "
-                  f"<= tol {r['tol']:.4f}: {r['gap'] <= r['tol']}; near-tie {r['near_tie']}")
-        print(f"  decode: DFlash {res['dflash_tokens_per_s']:.0f} tok/s, AR "
-              f"{res['ar_tokens_per_s']:.0f} tok/s; KV cache "
-              f"{res['kv_cache_bytes_per_token']} bytes/token")
+            print(
+                f"  prompt {r['prompt']}: position {r['position']}, AR {r['ar_token']} vs "
+                f"DFlash {r['dflash_token']} (ranks {r['ranks']}), gap {r['gap']:.4f} "
+                f"<= tol {r['tol']:.4f}: {r['gap'] <= r['tol']}; near-tie {r['near_tie']}"
+            )
+        print(
+            f"  decode: DFlash {res['dflash_tokens_per_s']:.0f} tok/s, AR "
+            f"{res['ar_tokens_per_s']:.0f} tok/s; KV cache "
+            f"{res['kv_cache_bytes_per_token']} bytes/token"
+        )
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             json.dump(out, f, indent=1)

@@ -54,8 +54,7 @@ def main(argv):
     @jax.jit
     def nll(ids, valid):  # ids [B, w+1], valid [B, w] -> summed NLL of the valid ids[:, 1:]
         hidden, _, _ = target.module.apply({"params": target.params}, ids[:, :-1])
-        lg = target.module.apply({"params": target.params}, hidden,
-                                 method=dj.Transformer.logits)
+        lg = target.module.apply({"params": target.params}, hidden, method=dj.Transformer.logits)
         logp = jax.nn.log_softmax(lg, axis=-1)
         tgt = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
         # P(a temperature-1 sample equals the argmax): the acceptance probability of a one-hot
@@ -70,23 +69,25 @@ def main(argv):
         total_bytes += len(text.encode("utf-8"))
         total_tokens += len(ids) - 1
         for start in range(0, len(ids) - 1, w):
-            windows.append(ids[start:start + w + 1])
+            windows.append(ids[start : start + w + 1])
     for i in console.progress(range(0, len(windows), 16), desc="score", unit="batch"):
         ids = np.zeros((16, w + 1), np.int32)
         valid = np.zeros((16, w), bool)
-        for r, chunk in enumerate(windows[i:i + 16]):
-            ids[r, :len(chunk)] = chunk
-            valid[r, :len(chunk) - 1] = True
+        for r, chunk in enumerate(windows[i : i + 16]):
+            ids[r, : len(chunk)] = chunk
+            valid[r, : len(chunk) - 1] = True
         nats, ptop = nll(jnp.asarray(ids), jnp.asarray(valid))
         total_nats += float(nats)
         total_ptop += float(ptop)
     loss = total_nats / total_tokens
     mean_top_p = total_ptop / total_tokens
     bpb = total_nats / math.log(2) / total_bytes
-    print(f"held-out: {len(texts)} files, {total_tokens} tokens, {total_bytes} bytes; "
-          f"loss {loss:.3f} nats/token, perplexity {math.exp(loss):.1f}, "
-          f"{bpb:.3f} bits/byte, {total_bytes / total_tokens:.2f} bytes/token; mean top-1 "
-          f"probability {mean_top_p:.3f} (acceptance of a perfect one-hot draft at T=1)")
+    print(
+        f"held-out: {len(texts)} files, {total_tokens} tokens, {total_bytes} bytes; "
+        f"loss {loss:.3f} nats/token, perplexity {math.exp(loss):.1f}, "
+        f"{bpb:.3f} bits/byte, {total_bytes / total_tokens:.2f} bytes/token; mean top-1 "
+        f"probability {mean_top_p:.3f} (acceptance of a perfect one-hot draft at T=1)"
+    )
 
     prompts = stdlib_prompts(FLAGS.data_dir, max_prompts=FLAGS.num_samples)
     samples = []
@@ -95,17 +96,35 @@ def main(argv):
         res = dj.generate(target, None, [ids], FLAGS.max_new_tokens, stop_token_ids=[tok.eos_id])
         out = res.tokens[0]
         ratio = text_quality.distinct_ngram_ratio(out)
-        samples.append({"path": p["path"], "prompt_tail": tok.decode(ids)[-300:],
-                        "completion": tok.decode(out), "distinct_4gram_ratio": ratio})
-        print(f"\n--- {p['path']} (distinct 4-grams {ratio:.2f}) ---\n"
-              f"{tok.decode(ids)[-300:]}\033[1m{tok.decode(out)}\033[0m")
+        samples.append(
+            {
+                "path": p["path"],
+                "prompt_tail": tok.decode(ids)[-300:],
+                "completion": tok.decode(out),
+                "distinct_4gram_ratio": ratio,
+            }
+        )
+        print(
+            f"\n--- {p['path']} (distinct 4-grams {ratio:.2f}) ---\n"
+            f"{tok.decode(ids)[-300:]}\033[1m{tok.decode(out)}\033[0m"
+        )
     if FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
         with open(FLAGS.out, "w") as f:
-            json.dump({"files": len(texts), "tokens": total_tokens, "bytes": total_bytes,
-                       "loss_nats_per_token": loss, "bits_per_byte": bpb,
-                       "mean_top1_probability": mean_top_p,
-                       "samples": samples, "command": " ".join(sys.argv)}, f, indent=1)
+            json.dump(
+                {
+                    "files": len(texts),
+                    "tokens": total_tokens,
+                    "bytes": total_bytes,
+                    "loss_nats_per_token": loss,
+                    "bits_per_byte": bpb,
+                    "mean_top1_probability": mean_top_p,
+                    "samples": samples,
+                    "command": " ".join(sys.argv),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

@@ -36,8 +36,10 @@ from absl import flags
 # The prompt formats of z-lab's DFlash benchmark (facts of the evaluation; alpaca as Alpaca
 # writes instruction and input).
 _REASON = "\nPlease reason step by step, and put your final answer within \\boxed{}."
-_HUMANEVAL = ("Write a solution to the following problem and make sure that it passes the "
-              "tests:\n```python\n{}\n```")
+_HUMANEVAL = (
+    "Write a solution to the following problem and make sure that it passes the "
+    "tests:\n```python\n{}\n```"
+)
 
 # name: (Hugging Face (path, config, split), TFDS (name, split) or None)
 SOURCES = {
@@ -48,8 +50,14 @@ SOURCES = {
     "mt_bench": (("HuggingFaceH4/mt_bench_prompts", None, "train"), None),
     "alpaca": (("tatsu-lab/alpaca", None, "train"), None),
 }
-SCHEMA = {"gsm8k": "question", "math500": "problem", "humaneval": "prompt", "mbpp": "text",
-          "mt_bench": "turns", "alpaca": "instruction (+ input)"}
+SCHEMA = {
+    "gsm8k": "question",
+    "math500": "problem",
+    "humaneval": "prompt",
+    "mbpp": "text",
+    "mt_bench": "turns",
+    "alpaca": "instruction (+ input)",
+}
 
 
 def _text(row, key, where):
@@ -73,8 +81,11 @@ def user_turns(name: str, row, where: str) -> List[str]:
         return [_text(row, "text" if "text" in row else "prompt", where)]
     if name == "mt_bench":
         turns = row.get("turns", row.get("prompt"))
-        if not (isinstance(turns, list) and turns and
-                all(isinstance(t, str) and t.strip() for t in turns)):
+        if not (
+            isinstance(turns, list)
+            and turns
+            and all(isinstance(t, str) and t.strip() for t in turns)
+        ):
             raise ValueError(f"{where}: needs 'turns', a non-empty list of strings")
         return list(turns)
     if name == "alpaca":
@@ -111,14 +122,17 @@ def _from_hf(name, limit):
     import datasets  # noqa: F401 (ImportError: not installed)
 
     path, config, split = SOURCES[name][0]
-    ds = datasets.load_dataset(path, config, split=split) if config else \
-        datasets.load_dataset(path, split=split)
-    rows = [dict(r) for r in ds.select(range(min(limit, len(ds)))
-                                       if limit else range(len(ds)))]
+    ds = (
+        datasets.load_dataset(path, config, split=split)
+        if config
+        else datasets.load_dataset(path, split=split)
+    )
+    rows = [dict(r) for r in ds.select(range(min(limit, len(ds))) if limit else range(len(ds)))]
     if name == "mt_bench":
         rows = [{"turns": r["prompt"]} for r in rows]
-    return [user_turns(name, r, f"{path}[{i}]") for i, r in enumerate(rows)], \
-        f"Hugging Face datasets {path}" + (f" ({config})" if config else "") + f", {split}"
+    return [
+        user_turns(name, r, f"{path}[{i}]") for i, r in enumerate(rows)
+    ], f"Hugging Face datasets {path}" + (f" ({config})" if config else "") + f", {split}"
 
 
 def _from_tfds(name, limit):
@@ -139,8 +153,9 @@ def _from_tfds(name, limit):
     return rows, f"TFDS {tname}, {split}"
 
 
-def load_prompts(name: str, data_dir: Optional[str], source: str = "auto",
-                 limit: int = 0) -> Tuple[List[List[str]], str]:
+def load_prompts(
+    name: str, data_dir: Optional[str], source: str = "auto", limit: int = 0
+) -> Tuple[List[List[str]], str]:
     """([user turns of each row], description of the source). `source`: "auto" (JSONL file in
     data_dir if present, else Hugging Face, else TFDS), "jsonl", "hf" or "tfds". ValueError
     (one line) naming what was tried when no source has the dataset."""
@@ -160,8 +175,10 @@ def load_prompts(name: str, data_dir: Optional[str], source: str = "auto",
         except Exception as e:  # noqa: BLE001 - offline, not installed, not in the catalog
             msg = " ".join(str(e).split())[:120] or type(e).__name__
             tried.append(f"{'Hugging Face datasets' if kind == 'hf' else 'TFDS'}: {msg}")
-    raise ValueError(f"dataset {name}: no source ({'; '.join(tried)}); put its rows in "
-                     f"<data_dir>/{name}.jsonl with {SCHEMA[name]!r} per line")
+    raise ValueError(
+        f"dataset {name}: no source ({'; '.join(tried)}); put its rows in "
+        f"<data_dir>/{name}.jsonl with {SCHEMA[name]!r} per line"
+    )
 
 
 def tau_per_prompt(acceptance: Sequence[Sequence[int]]) -> float:
@@ -181,10 +198,21 @@ def _tpot(res) -> Optional[float]:
     return res.stats["decode_s"] / n if n else None
 
 
-def evaluate_dataset(target, drafter, rows: List[List[str]], render: Callable,
-                     encode: Callable, decode: Callable, *, temperature: float,
-                     max_new_tokens: int, stop_ids: Sequence[int], seed: int = 0,
-                     block_size: Optional[int] = None, warmup: bool = True) -> dict:
+def evaluate_dataset(
+    target,
+    drafter,
+    rows: List[List[str]],
+    render: Callable,
+    encode: Callable,
+    decode: Callable,
+    *,
+    temperature: float,
+    max_new_tokens: int,
+    stop_ids: Sequence[int],
+    seed: int = 0,
+    block_size: Optional[int] = None,
+    warmup: bool = True,
+) -> dict:
     """DFlash and the autoregressive baseline on every turn of every row (batch 1). Returns
     per-response records and the dataset's figures. `warmup`: run the first prompt once
     first, untimed."""
@@ -194,8 +222,16 @@ def evaluate_dataset(target, drafter, rows: List[List[str]], render: Callable,
     if warmup and rows:  # first executions of the compiled programs, untimed
         prompt = list(encode(render([{"role": "user", "content": rows[0][0]}])))
         for d in (drafter, None):
-            generate(target, d, [prompt], max_new_tokens, block_size=block_size if d else None,
-                     temperature=temperature, seed=seed, stop_token_ids=stop)
+            generate(
+                target,
+                d,
+                [prompt],
+                max_new_tokens,
+                block_size=block_size if d else None,
+                temperature=temperature,
+                seed=seed,
+                stop_token_ids=stop,
+            )
     responses = []
     for i, turns in enumerate(rows):
         messages = []
@@ -203,30 +239,61 @@ def evaluate_dataset(target, drafter, rows: List[List[str]], render: Callable,
             messages.append({"role": "user", "content": user})
             prompt = list(encode(render(messages)))
             s = seed + 1000 * i + k
-            spec = generate(target, drafter, [prompt], max_new_tokens, block_size=block_size,
-                            temperature=temperature, seed=s, stop_token_ids=stop)
-            ar = generate(target, None, [prompt], max_new_tokens, temperature=temperature,
-                          seed=s, stop_token_ids=stop)
+            spec = generate(
+                target,
+                drafter,
+                [prompt],
+                max_new_tokens,
+                block_size=block_size,
+                temperature=temperature,
+                seed=s,
+                stop_token_ids=stop,
+            )
+            ar = generate(
+                target,
+                None,
+                [prompt],
+                max_new_tokens,
+                temperature=temperature,
+                seed=s,
+                stop_token_ids=stop,
+            )
             out = spec.tokens[0]
-            responses.append({
-                "row": i, "turn": k, "prompt_tokens": len(prompt),
-                "acceptance": [int(a) for a in spec.acceptance_lengths[0]],
-                "new_tokens": len(out), "ar_new_tokens": len(ar.tokens[0]),
-                "decode_s": spec.stats["decode_s"], "ar_decode_s": ar.stats["decode_s"],
-                "tpot_s": _tpot(spec), "ar_tpot_s": _tpot(ar),
-                "same_tokens": out == ar.tokens[0]})
+            responses.append(
+                {
+                    "row": i,
+                    "turn": k,
+                    "prompt_tokens": len(prompt),
+                    "acceptance": [int(a) for a in spec.acceptance_lengths[0]],
+                    "new_tokens": len(out),
+                    "ar_new_tokens": len(ar.tokens[0]),
+                    "decode_s": spec.stats["decode_s"],
+                    "ar_decode_s": ar.stats["decode_s"],
+                    "tpot_s": _tpot(spec),
+                    "ar_tpot_s": _tpot(ar),
+                    "same_tokens": out == ar.tokens[0],
+                }
+            )
             text = decode(out[:-1] if out and out[-1] in stop else out)
             messages.append({"role": "assistant", "content": text})
     acc = [r["acceptance"] for r in responses]
     timed = [r for r in responses if r["tpot_s"] and r["ar_tpot_s"]]
-    speedup = (float(np.mean([r["ar_tpot_s"] for r in timed]) /
-                     np.mean([r["tpot_s"] for r in timed])) if timed else None)
-    return {"rows": len(rows), "responses": len(responses), "speedup": speedup,
-            "tau": tau_per_prompt(acc), "tau_steps": tau_all_steps(acc),
-            "steps": sum(len(a) for a in acc), "new_tokens": sum(r["new_tokens"]
-                                                                for r in responses),
-            "same_tokens": sum(r["same_tokens"] for r in responses),
-            "per_response": responses}
+    speedup = (
+        float(np.mean([r["ar_tpot_s"] for r in timed]) / np.mean([r["tpot_s"] for r in timed]))
+        if timed
+        else None
+    )
+    return {
+        "rows": len(rows),
+        "responses": len(responses),
+        "speedup": speedup,
+        "tau": tau_per_prompt(acc),
+        "tau_steps": tau_all_steps(acc),
+        "steps": sum(len(a) for a in acc),
+        "new_tokens": sum(r["new_tokens"] for r in responses),
+        "same_tokens": sum(r["same_tokens"] for r in responses),
+        "per_response": responses,
+    }
 
 
 def _x(speedup) -> str:
@@ -236,19 +303,29 @@ def _x(speedup) -> str:
 def markdown_table(results: Dict[str, dict], temperature: float) -> str:
     """Rows: datasets (and their average); columns: speedup and tau, as the paper lays out
     its results, plus tau over all steps and the sample sizes."""
-    lines = [f"Temperature {temperature:g}. tau: mean per response, then over responses "
-             "(z-lab); tau (steps): mean over all decode steps.", "",
-             "| Dataset | Speedup | tau | tau (steps) | Responses | Source |",
-             "|---|---|---|---|---|---|"]
+    lines = [
+        f"Temperature {temperature:g}. tau: mean per response, then over responses "
+        "(z-lab); tau (steps): mean over all decode steps.",
+        "",
+        "| Dataset | Speedup | tau | tau (steps) | Responses | Source |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, r in results.items():
-        lines.append(f"| {name} | {_x(r['speedup'])} | {r['tau']:.2f} | {r['tau_steps']:.2f} "
-                     f"| {r['responses']} | {r['source']} |")
+        lines.append(
+            f"| {name} | {_x(r['speedup'])} | {r['tau']:.2f} | {r['tau_steps']:.2f} "
+            f"| {r['responses']} | {r['source']} |"
+        )
     if len(results) > 1:
-        avg = lambda k: (float(np.mean([r[k] for r in results.values()]))
-                         if all(r[k] is not None for r in results.values()) else None)
-        lines.append(f"| **Average** | {_x(avg('speedup'))} | {avg('tau'):.2f} | "
-                     f"{avg('tau_steps'):.2f} | {sum(r['responses'] for r in results.values())}"
-                     " | |")
+        avg = lambda k: (
+            float(np.mean([r[k] for r in results.values()]))
+            if all(r[k] is not None for r in results.values())
+            else None
+        )
+        lines.append(
+            f"| **Average** | {_x(avg('speedup'))} | {avg('tau'):.2f} | "
+            f"{avg('tau_steps'):.2f} | {sum(r['responses'] for r in results.values())}"
+            " | |"
+        )
     return "\n".join(lines) + "\n"
 
 
@@ -275,10 +352,10 @@ def define_flags():
     flags.DEFINE_list("datasets", list(SOURCES), "Datasets: " + ", ".join(SOURCES) + ".")
     flags.DEFINE_float("temperature", 0.0, "0 (greedy) or 1 (sampled), as the paper reports.")
     flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response.")
-    flags.DEFINE_string("data_dir", None,
-                        "Folder of <name>.jsonl files (used first when present).")
-    flags.DEFINE_enum("source", "auto", ["auto", "jsonl", "hf", "tfds"],
-                      "Where datasets come from.")
+    flags.DEFINE_string("data_dir", None, "Folder of <name>.jsonl files (used first when present).")
+    flags.DEFINE_enum(
+        "source", "auto", ["auto", "jsonl", "hf", "tfds"], "Where datasets come from."
+    )
     flags.DEFINE_integer("num_prompts", 0, "Rows per dataset (0: all).")
     flags.DEFINE_integer("block_size", None, "Block size (default: the drafter's).")
     flags.DEFINE_bool("chat_template", True, "Prompts through the target's chat template.")
@@ -334,13 +411,26 @@ def main(argv):
     stop = _stop_ids(target_dir, tok)
     results = {}
     for name, (rows, source) in data.items():
-        r = evaluate_dataset(target, drafter, rows, render, tok.encode, tok.decode,
-                             temperature=FLAGS.temperature, max_new_tokens=FLAGS.max_new_tokens,
-                             stop_ids=stop, seed=FLAGS.seed, block_size=FLAGS.block_size)
+        r = evaluate_dataset(
+            target,
+            drafter,
+            rows,
+            render,
+            tok.encode,
+            tok.decode,
+            temperature=FLAGS.temperature,
+            max_new_tokens=FLAGS.max_new_tokens,
+            stop_ids=stop,
+            seed=FLAGS.seed,
+            block_size=FLAGS.block_size,
+        )
         r["source"] = source
         results[name] = r
-        print(f"{name}: speedup {_x(r['speedup'])} tau {r['tau']:.2f} (steps "
-              f"{r['tau_steps']:.2f}), {r['responses']} responses", flush=True)
+        print(
+            f"{name}: speedup {_x(r['speedup'])} tau {r['tau']:.2f} (steps "
+            f"{r['tau_steps']:.2f}), {r['responses']} responses",
+            flush=True,
+        )
     table = markdown_table(results, FLAGS.temperature)
     print("\n" + table)
     if FLAGS.md_out:
@@ -348,11 +438,21 @@ def main(argv):
             f.write(table)
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
-            json.dump({"target": FLAGS.target, "drafter": FLAGS.drafter,
-                       "temperature": FLAGS.temperature, "max_new_tokens": FLAGS.max_new_tokens,
-                       "block_size": FLAGS.block_size or drafter.config.block_size,
-                       "dtype": FLAGS.dtype, "prompts": how, "datasets": results,
-                       "command": " ".join(sys.argv)}, f, indent=1)
+            json.dump(
+                {
+                    "target": FLAGS.target,
+                    "drafter": FLAGS.drafter,
+                    "temperature": FLAGS.temperature,
+                    "max_new_tokens": FLAGS.max_new_tokens,
+                    "block_size": FLAGS.block_size or drafter.config.block_size,
+                    "dtype": FLAGS.dtype,
+                    "prompts": how,
+                    "datasets": results,
+                    "command": " ".join(sys.argv),
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

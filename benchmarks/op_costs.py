@@ -36,8 +36,7 @@ def per_call_us(fn, x, keyed=False, iters=1000):
         key = jax.random.PRNGKey(i) if keyed else None
         return c + fn(x + c[..., None].astype(x.dtype) * 0, key).sum()
 
-    loop = jax.jit(lambda x: jax.lax.fori_loop(0, iters, body, jnp.zeros(x.shape[:-1],
-                                                                         jnp.int32)))
+    loop = jax.jit(lambda x: jax.lax.fori_loop(0, iters, body, jnp.zeros(x.shape[:-1], jnp.int32)))
     loop(x).block_until_ready()
     t0 = time.perf_counter()
     loop(x).block_until_ready()
@@ -55,9 +54,11 @@ def choosers(vocab):
         "jnp.argmax": per_call_us(lambda l, k: jnp.argmax(l, -1).astype(jnp.int32), x),
         "sampling.greedy_argmax": per_call_us(lambda l, k: sampling.greedy_argmax(l), x),
         "jax.random.categorical": per_call_us(
-            lambda l, k: jax.random.categorical(k, l, axis=-1).astype(jnp.int32), x, True),
+            lambda l, k: jax.random.categorical(k, l, axis=-1).astype(jnp.int32), x, True
+        ),
         "sampling.sample_categorical": per_call_us(
-            lambda l, k: sampling.sample_categorical(k, l), x, True),
+            lambda l, k: sampling.sample_categorical(k, l), x, True
+        ),
     }
     for name, us in rows.items():
         print(f"  {name:28s} {us:8.1f} us per [1,16,{vocab}] block")
@@ -76,32 +77,46 @@ def draft_consistency(target, drafter):
     bs, mask = drafter.config.block_size, drafter.config.mask_token_id
     tv, dv = {"params": target.params}, {"params": drafter.params}
     agree, tf_accept, taus = [], [], []
-    for rec in console.progress(read_records(FLAGS.regenerated)[-FLAGS.num_records:],
-                                desc="records", unit="record"):
+    for rec in console.progress(
+        read_records(FLAGS.regenerated)[-FLAGS.num_records :], desc="records", unit="record"
+    ):
         prompt = list(rec["prompt_ids"])
         res = dj.generate(target, drafter, [prompt], FLAGS.max_new_tokens, return_drafts=True)
         out = res.tokens[0]
         seq = jnp.asarray([prompt + out + [0] * bs], jnp.int32)
         _, _, taps = tmod.apply(tv, seq, tap_layers=drafter.config.target_layer_ids)
-        ck, cv = dmod.apply(dv, taps, jnp.arange(seq.shape[1])[None],
-                            method=DFlashDrafter.context_kv)
+        ck, cv = dmod.apply(
+            dv, taps, jnp.arange(seq.shape[1])[None], method=DFlashDrafter.context_kv
+        )
         p = len(prompt)  # the block of step i starts at the last committed token
         for a, drafts in zip(res.acceptance_lengths[0], res.drafts[0]):
             block = jnp.asarray([[int(seq[0, p])] + [mask] * (bs - 1)], jnp.int32)
-            h = dmod.apply(dv, tmod.apply(tv, block, method=dj.Transformer.embed),
-                           p + jnp.arange(bs)[None], ck, cv,
-                           decode_attend(jnp.asarray([p], jnp.int32)))
-            tf = np.asarray(jnp.argmax(tmod.apply(tv, h[:, 1:], method=dj.Transformer.logits),
-                                       -1))[0]
+            h = dmod.apply(
+                dv,
+                tmod.apply(tv, block, method=dj.Transformer.embed),
+                p + jnp.arange(bs)[None],
+                ck,
+                cv,
+                decode_attend(jnp.asarray([p], jnp.int32)),
+            )
+            tf = np.asarray(jnp.argmax(tmod.apply(tv, h[:, 1:], method=dj.Transformer.logits), -1))[
+                0
+            ]
             agree.append(float(np.mean(tf == np.asarray(drafts))))
-            tf_accept.append(1 + int(np.cumprod(tf == np.asarray(seq[0, p + 1:p + bs])).sum()))
+            tf_accept.append(1 + int(np.cumprod(tf == np.asarray(seq[0, p + 1 : p + bs])).sum()))
             p += a
         taus.append(res.tau)
-    out = {"records": len(taus), "draft_agreement": float(np.mean(agree)),
-           "tau": float(np.mean(taus)), "teacher_forced_accept": float(np.mean(tf_accept))}
-    print(f"  {out['records']} records: inference drafts = teacher-forced drafts for "
-          f"{100 * out['draft_agreement']:.1f}% of positions; tau {out['tau']:.2f}, "
-          f"teacher-forced acceptance {out['teacher_forced_accept']:.2f}")
+    out = {
+        "records": len(taus),
+        "draft_agreement": float(np.mean(agree)),
+        "tau": float(np.mean(taus)),
+        "teacher_forced_accept": float(np.mean(tf_accept)),
+    }
+    print(
+        f"  {out['records']} records: inference drafts = teacher-forced drafts for "
+        f"{100 * out['draft_agreement']:.1f}% of positions; tau {out['tau']:.2f}, "
+        f"teacher-forced acceptance {out['teacher_forced_accept']:.2f}"
+    )
     return out
 
 
@@ -117,8 +132,9 @@ def main(argv):
     print(f"backend {jax.default_backend()}: token choosers inside a compiled loop")
     result = {"choosers_us": choosers(target.config.vocab_size)}
     if FLAGS.regenerated:
-        drafter = dj.load_drafter(hub.resolve_or_exit(FLAGS.drafter, what="--drafter"),
-                                  target=target)
+        drafter = dj.load_drafter(
+            hub.resolve_or_exit(FLAGS.drafter, what="--drafter"), target=target
+        )
         result["consistency"] = draft_consistency(target, drafter)
     print(json.dumps(result))
 

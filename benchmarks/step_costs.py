@@ -66,8 +66,7 @@ def main(argv):
         cache = KVCache.create(target.config, 1, capacity)
         _, cache, taps = tmod.apply({"params": tp}, prompt, cache=cache, tap_layers=taps_layers)
         ctx = ContextCache.create(drafter.config, 1, capacity)
-        ctx = _write_context(dmod, dp, ctx, taps, jnp.arange(ctx_len)[None],
-                             jnp.array([ctx_len]))
+        ctx = _write_context(dmod, dp, ctx, taps, jnp.arange(ctx_len)[None], jnp.array([ctx_len]))
         return cache, ctx
 
     cache, ctx = prefill(target.params, drafter.params)
@@ -75,8 +74,9 @@ def main(argv):
     @functools.partial(jax.jit, static_argnums=0)
     def target_step(t, tp, cache):
         ids = jnp.ones((1, t), jnp.int32)
-        hidden, cache, taps = tmod.apply({"params": tp}, ids, cache=cache,
-                                         tap_layers=taps_layers if t > 1 else ())
+        hidden, cache, taps = tmod.apply(
+            {"params": tp}, ids, cache=cache, tap_layers=taps_layers if t > 1 else ()
+        )
         return _lm_logits(tmod, tp, hidden), cache.lengths
 
     @functools.partial(jax.jit, static_argnums=0)
@@ -89,16 +89,23 @@ def main(argv):
 
     rows = {}
     for t in console.progress(widths, desc="block widths", unit="width"):
-        rows[t] = {"t_target_ms": 1e3 * median_time(
-            lambda: target_step(t, target.params, cache), FLAGS.repeats)}
+        rows[t] = {
+            "t_target_ms": 1e3
+            * median_time(lambda: target_step(t, target.params, cache), FLAGS.repeats)
+        }
         if t > 1:
             rows[t]["t_draft_ms"] = 1e3 * median_time(
-                lambda: draft_step(t, target.params, drafter.params, ctx), FLAGS.repeats)
+                lambda: draft_step(t, target.params, drafter.params, ctx), FLAGS.repeats
+            )
     t1 = rows[1]["t_target_ms"]
-    print(f"context {ctx_len}, backend {jax.default_backend()}: one autoregressive step "
-          f"t_target(1) = {t1:.3f} ms")
-    print("  bs | t_target(bs) ms | t_draft(bs) ms | step/AR-step | tau for 3x | speedup at tau=6"
-          " | ceiling (tau=bs)")
+    print(
+        f"context {ctx_len}, backend {jax.default_backend()}: one autoregressive step "
+        f"t_target(1) = {t1:.3f} ms"
+    )
+    print(
+        "  bs | t_target(bs) ms | t_draft(bs) ms | step/AR-step | tau for 3x | speedup at tau=6"
+        " | ceiling (tau=bs)"
+    )
     for t in widths[1:]:
         r = rows[t]
         step = r["t_target_ms"] + r["t_draft_ms"]
@@ -106,9 +113,11 @@ def main(argv):
         r["tau_for_3x"] = 3.0 * step / t1
         r["speedup_at_tau6"] = 6.0 * t1 / step
         r["speedup_ceiling"] = t * t1 / step
-        print(f"  {t:2d} | {r['t_target_ms']:15.3f} | {r['t_draft_ms']:14.3f} | "
-              f"{r['step_over_ar']:12.2f} | {r['tau_for_3x']:10.2f} | "
-              f"{r['speedup_at_tau6']:15.2f}x | {r['speedup_ceiling']:.2f}x")
+        print(
+            f"  {t:2d} | {r['t_target_ms']:15.3f} | {r['t_draft_ms']:14.3f} | "
+            f"{r['step_over_ar']:12.2f} | {r['tau_for_3x']:10.2f} | "
+            f"{r['speedup_at_tau6']:15.2f}x | {r['speedup_ceiling']:.2f}x"
+        )
     # The same inside the compiled decode loop (no per-call dispatch): seconds per iteration of
     # `generate`'s while loop, median over repeats, on a random prompt of the same length.
     ids = np.asarray(prompt[0]).tolist()
@@ -117,18 +126,28 @@ def main(argv):
     print("  bs | DFlash step ms | step/AR-step | tau for 3x | ceiling (tau=bs)")
     for t in widths[1:]:
         r = rows[t]
-        r["loop_step_ms"] = loop_step_ms(target, drafter, ids, FLAGS.loop_tokens, t,
-                                         FLAGS.loop_repeats)
+        r["loop_step_ms"] = loop_step_ms(
+            target, drafter, ids, FLAGS.loop_tokens, t, FLAGS.loop_repeats
+        )
         r["loop_step_over_ar"] = r["loop_step_ms"] / ar_loop
         r["loop_tau_for_3x"] = 3.0 * r["loop_step_over_ar"]
         r["loop_speedup_ceiling"] = t / r["loop_step_over_ar"]
-        print(f"  {t:2d} | {r['loop_step_ms']:14.3f} | {r['loop_step_over_ar']:12.2f} | "
-              f"{r['loop_tau_for_3x']:10.2f} | {r['loop_speedup_ceiling']:.2f}x")
+        print(
+            f"  {t:2d} | {r['loop_step_ms']:14.3f} | {r['loop_step_over_ar']:12.2f} | "
+            f"{r['loop_tau_for_3x']:10.2f} | {r['loop_speedup_ceiling']:.2f}x"
+        )
     if FLAGS.json_out:
         with open(FLAGS.json_out, "w") as f:
-            json.dump({"context": ctx_len, "backend": jax.default_backend(),
-                       "loop_ar_step_ms": ar_loop,
-                       "rows": {str(k): v for k, v in rows.items()}}, f, indent=1)
+            json.dump(
+                {
+                    "context": ctx_len,
+                    "backend": jax.default_backend(),
+                    "loop_ar_step_ms": ar_loop,
+                    "rows": {str(k): v for k, v in rows.items()},
+                },
+                f,
+                indent=1,
+            )
 
 
 if __name__ == "__main__":

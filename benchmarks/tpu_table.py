@@ -18,7 +18,7 @@ import json
 import os
 from typing import Any, Dict, List, Sequence
 
-GIB = 2 ** 30
+GIB = 2**30
 # The one published TPU speedup: the public JAX/TPU port of DFlash, Qwen3-4B on v5p-8, block
 # 16, greedy: 3.13x at tau 5.42 (its README). Printed beside our projection for that setting.
 PUBLIC_PORT = dict(model="qwen3_4b", chip="v5p", tau=5.42, speedup=3.13)
@@ -36,9 +36,15 @@ def load(directory: str) -> List[Dict[str, Any]]:
             r["_file"] = os.path.basename(path)
             out.append(r)
     order = list(CHIP_NAMES)
-    return sorted(out, key=lambda r: (r["model"], r["mode"],
-                                      order.index(r["topology"]) if r["topology"] in order
-                                      else len(order), r["settings"].get("context", 0)))
+    return sorted(
+        out,
+        key=lambda r: (
+            r["model"],
+            r["mode"],
+            order.index(r["topology"]) if r["topology"] in order else len(order),
+            r["settings"].get("context", 0),
+        ),
+    )
 
 
 def _chip(r) -> str:
@@ -73,8 +79,11 @@ def speedups(r, taus: Sequence[float], bound: bool = False) -> Dict[float, float
     proj = (r.get("roofline") or {}).get("projection") or {}
     if not proj:
         return {}
-    t = proj[r["settings"]["attention"][0]] if r["settings"]["attention"][0] in proj \
+    t = (
+        proj[r["settings"]["attention"][0]]
+        if r["settings"]["attention"][0] in proj
         else next(iter(proj.values()))
+    )
     key = "weights_kv_bound_s" if bound else "step_s"
     return {tau: tau * t["ar"][key] / t["dflash"][key] for tau in taus}
 
@@ -89,9 +98,11 @@ def infer_rows(results) -> List[Dict[str, Any]]:
 
 def infer_table(results, taus) -> List[str]:
     head = " / ".join(str(t) for t in taus)
-    lines = [f"| model | chip (mesh) | context + new | prefill GiB | DFlash loop GiB | "
-             f"AR loop GiB | HBM GiB | fits | speedup at tau {head} | weights+KV bound |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        f"| model | chip (mesh) | context + new | prefill GiB | DFlash loop GiB | "
+        f"AR loop GiB | HBM GiB | fits | speedup at tau {head} | weights+KV bound |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in infer_rows(results):
         p, s = r["programs"], r["settings"]
         lines.append(
@@ -99,7 +110,8 @@ def infer_table(results, taus) -> List[str]:
             f"| {_gib(p.get('prefill'))} | {_gib(p.get('dflash_decode'))} | "
             f"{_gib(p.get('ar_decode'))} | {r['chip']['hbm_bytes'] / GIB:.0f} | "
             f"{_fits(p.values())} | {_x(speedups(r, taus))} | "
-            f"{_x(speedups(r, taus, bound=True))} |")
+            f"{_x(speedups(r, taus, bound=True))} |"
+        )
     return lines
 
 
@@ -108,39 +120,52 @@ def train_rows(results) -> List[Dict[str, Any]]:
 
 
 def train_table(results) -> List[str]:
-    lines = ["| model | chip (mesh) | batch x seq (anchors, loss chunk) | attention | args GiB | "
-             "temps GiB | total GiB/chip | HBM GiB | fits |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| model | chip (mesh) | batch x seq (anchors, loss chunk) | attention | args GiB | "
+        "temps GiB | total GiB/chip | HBM GiB | fits |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for r in train_rows(results):
         s, p = r["settings"], r["programs"]["train_step"]
         h = p["hbm_bytes"]
         arg = "-" if h.get("arguments") is None else f"{h['arguments'] / GIB:.2f}"
         tmp = "-" if h.get("temporaries") is None else f"{h['temporaries'] / GIB:.2f}"
         cap = p.get("hbm_capacity_bytes") or r["chip"]["hbm_bytes"]
-        lines.append(f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {s['batch']} x "
-                     f"{s['seq_len']} ({s['num_anchors']}, {s['loss_chunk_anchors']}) | "
-                     f"{s['attention']} | {arg} | {tmp} | {_gib(p)} | {cap / GIB:.2f} | "
-                     f"{_fits([p])} |")
+        lines.append(
+            f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {s['batch']} x "
+            f"{s['seq_len']} ({s['num_anchors']}, {s['loss_chunk_anchors']}) | "
+            f"{s['attention']} | {arg} | {tmp} | {_gib(p)} | {cap / GIB:.2f} | "
+            f"{_fits([p])} |"
+        )
     return lines
 
 
 def prefill_table(results) -> List[str]:
     """Prefill programs against context (same model, topology, mesh, batch): temporaries
     relative to the shortest context's, beside the context ratio (linear growth: equal)."""
-    pts = [r for r in results if r["mode"] == "infer" and "prefill" in r["programs"]
-           and r["programs"]["prefill"]["fits"] is not False]
-    lines = ["| model | chip (mesh) | context | args GiB | outputs (caches) GiB | temps GiB | "
-             "total GiB/chip | context / shortest | temps / shortest's |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    pts = [
+        r
+        for r in results
+        if r["mode"] == "infer"
+        and "prefill" in r["programs"]
+        and r["programs"]["prefill"]["fits"] is not False
+    ]
+    lines = [
+        "| model | chip (mesh) | context | args GiB | outputs (caches) GiB | temps GiB | "
+        "total GiB/chip | context / shortest | temps / shortest's |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     first: Dict[tuple, Any] = {}
     for r in pts:
         h, ctx = r["programs"]["prefill"]["hbm_bytes"], r["settings"]["context"]
         key = (r["model"], r["topology"], r["mesh"], r["settings"]["batch"])
         c0, t0 = first.setdefault(key, (ctx, h["temporaries"]))
-        lines.append(f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {ctx} | "
-                     f"{h['arguments'] / GIB:.2f} | {h['outputs'] / GIB:.2f} | "
-                     f"{h['temporaries'] / GIB:.2f} | {h['total'] / GIB:.2f} | "
-                     f"{ctx / c0:.0f}x | {h['temporaries'] / t0:.2f}x |")
+        lines.append(
+            f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {ctx} | "
+            f"{h['arguments'] / GIB:.2f} | {h['outputs'] / GIB:.2f} | "
+            f"{h['temporaries'] / GIB:.2f} | {h['total'] / GIB:.2f} | "
+            f"{ctx / c0:.0f}x | {h['temporaries'] / t0:.2f}x |"
+        )
     return lines
 
 
@@ -148,56 +173,71 @@ def public_port_line(results) -> str:
     for r in infer_rows(results):
         if r["model"] == PUBLIC_PORT["model"] and r["chip"]["chip"] == PUBLIC_PORT["chip"]:
             tau = PUBLIC_PORT["tau"]
-            return (f"{_model(r)} on {_chip(r)}, block {r['settings']['block_size']}, tau {tau}: "
-                    f"projected {speedups(r, [tau])[tau]:.2f}x (weights+KV bound "
-                    f"{speedups(r, [tau], bound=True)[tau]:.2f}x); the public JAX port measured "
-                    f"{PUBLIC_PORT['speedup']:.2f}x.")
+            return (
+                f"{_model(r)} on {_chip(r)}, block {r['settings']['block_size']}, tau {tau}: "
+                f"projected {speedups(r, [tau])[tau]:.2f}x (weights+KV bound "
+                f"{speedups(r, [tau], bound=True)[tau]:.2f}x); the public JAX port measured "
+                f"{PUBLIC_PORT['speedup']:.2f}x."
+            )
     return ""
 
 
 def readme_table(results, taus) -> List[str]:
     """<= 15 lines: one row per (model, chip) for inference, one per chip for training."""
     head = " / ".join(str(t) for t in taus)
-    lines = [f"| model, chip (mesh) | program | HBM GiB/chip (of) | fits | PROJECTED speedup at "
-             f"tau {head} (weights+KV bound) |", "|---|---|---|---|---|"]
+    lines = [
+        f"| model, chip (mesh) | program | HBM GiB/chip (of) | fits | PROJECTED speedup at "
+        f"tau {head} (weights+KV bound) |",
+        "|---|---|---|---|---|",
+    ]
     for r in infer_rows(results):
         if r["model"] == PUBLIC_PORT["model"]:
             continue
         p = r["programs"]
-        peak = max((q for q in p.values() if q["hbm_bytes"].get("total")),
-                   key=lambda q: q["hbm_bytes"]["total"])
+        peak = max(
+            (q for q in p.values() if q["hbm_bytes"].get("total")),
+            key=lambda q: q["hbm_bytes"]["total"],
+        )
         which = "+".join(k.replace("_decode", "") for k in p)
-        lines.append(f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | infer {r['settings']['context']}"
-                     f"+{r['settings']['max_new_tokens']} ({which}): peak | {_gib(peak)} "
-                     f"({r['chip']['hbm_bytes'] / GIB:.0f}) | {_fits(p.values())} | "
-                     f"{_x(speedups(r, taus))} ({_x(speedups(r, taus, bound=True))}) |")
+        lines.append(
+            f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | infer {r['settings']['context']}"
+            f"+{r['settings']['max_new_tokens']} ({which}): peak | {_gib(peak)} "
+            f"({r['chip']['hbm_bytes'] / GIB:.0f}) | {_fits(p.values())} | "
+            f"{_x(speedups(r, taus))} ({_x(speedups(r, taus, bound=True))}) |"
+        )
     for r in train_rows(results):
         s, p = r["settings"], r["programs"]["train_step"]
-        lines.append(f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | train step {s['batch']}x"
-                     f"{s['seq_len']} | {_gib(p)} ({r['chip']['hbm_bytes'] / GIB:.0f}) | "
-                     f"{_fits([p])} | - |")
+        lines.append(
+            f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | train step {s['batch']}x"
+            f"{s['seq_len']} | {_gib(p)} ({r['chip']['hbm_bytes'] / GIB:.0f}) | "
+            f"{_fits([p])} | - |"
+        )
     curves: Dict[tuple, List[Any]] = {}
     for r in results:
         p = r["programs"].get("prefill") if r["mode"] == "infer" else None
         if p is not None and p["fits"]:
             curves.setdefault((_model(r), _chip(r), r["mesh"]), []).append(
-                (r["settings"]["context"], p["hbm_bytes"]))
+                (r["settings"]["context"], p["hbm_bytes"])
+            )
     for (model, chip, mesh), pts in curves.items():
         if len(pts) > 1:
             pts.sort(key=lambda x: x[0])
             ctx = "/".join(f"{c // 1024}K" for c, _ in pts)
             tot = " / ".join(f"{h['total'] / GIB:.2f}" for _, h in pts)
             tmp = " / ".join(f"{h['temporaries'] / GIB:.2f}" for _, h in pts)
-            lines.append(f"| {model}, {chip} ({mesh}) | prefill {ctx} (temps {tmp}) | {tot} | "
-                         f"yes | - |")
+            lines.append(
+                f"| {model}, {chip} ({mesh}) | prefill {ctx} (temps {tmp}) | {tot} | yes | - |"
+            )
     port = public_port_line(results)
     return lines + ([f"\n{port}"] if port else [])
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--dir", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                  "results", "tpu_dry_run"))
+    ap.add_argument(
+        "--dir",
+        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_dry_run"),
+    )
     ap.add_argument("--tau", default="6.5,5.4")
     ap.add_argument("--readme", action="store_true", help="only the compact README table")
     args = ap.parse_args(argv)

@@ -24,25 +24,41 @@ def get_config() -> ml_collections.ConfigDict:
     c.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
     # Target: a HF directory, or (empty path) a random/fresh model described by target_model.
     c.target_path = ""
-    c.target_model = ml_collections.ConfigDict(dict(
-        vocab_size=0,  # 0: the tokenizer's vocabulary size
-        hidden_size=256, intermediate_size=768, num_layers=6, num_heads=4, num_kv_heads=2,
-        head_dim=64, max_position_embeddings=4096, rope_theta=1e6, tie_word_embeddings=True,
-        init_std=0.0,  # > 0: redraw every weight matrix ~ N(0, init_std) (peaky random targets)
-        attn_out_scale=1.0,  # < 1 scales o_proj: a random target close to a bigram model, whose
-        # greedy outputs a small drafter learns in seconds (tests)
-        init_seed=0))
+    c.target_model = ml_collections.ConfigDict(
+        dict(
+            vocab_size=0,  # 0: the tokenizer's vocabulary size
+            hidden_size=256,
+            intermediate_size=768,
+            num_layers=6,
+            num_heads=4,
+            num_kv_heads=2,
+            head_dim=64,
+            max_position_embeddings=4096,
+            rope_theta=1e6,
+            tie_word_embeddings=True,
+            init_std=0.0,  # > 0: redraw every weight matrix ~ N(0, init_std) (peaky random targets)
+            attn_out_scale=1.0,  # < 1 scales o_proj: a random target close to a bigram model, whose
+            # greedy outputs a small drafter learns in seconds (tests)
+            init_seed=0,
+        )
+    )
     c.tokenizer_dir = ""  # default: target_path; in target mode a BPE is trained if empty
     c.tokenizer_vocab_size = 4096
     # Drafter architecture and the DFlash recipe.
-    c.drafter = ml_collections.ConfigDict(dict(
-        num_layers=5, num_taps=5, block_size=16, mask_token_id=-1,  # -1: tokenizer's / V-1
-        intermediate_size=0,  # 0: the target's
-        target_layer_ids=(),  # empty: the default spread of num_taps layers
-        # Storage dtype of the trained drafter weights, hence of their AdamW moments (float32
-        # masters, as SpecForge keeps); compute stays in `dtype`. "": the same as `dtype`.
-        param_dtype="float32",
-        init_path=""))  # a z-lab drafter directory to continue from
+    c.drafter = ml_collections.ConfigDict(
+        dict(
+            num_layers=5,
+            num_taps=5,
+            block_size=16,
+            mask_token_id=-1,  # -1: tokenizer's / V-1
+            intermediate_size=0,  # 0: the target's
+            target_layer_ids=(),  # empty: the default spread of num_taps layers
+            # Storage dtype of the trained drafter weights, hence of their AdamW moments (float32
+            # masters, as SpecForge keeps); compute stays in `dtype`. "": the same as `dtype`.
+            param_dtype="float32",
+            init_path="",
+        )
+    )  # a z-lab drafter directory to continue from
     c.num_anchors = 512  # per sequence (per document of a packed row), as SpecForge
     c.anchors_per_row = 0  # static blocks per packed row, shared by its documents; 0: num_anchors
     c.gamma = 7.0
@@ -52,35 +68,65 @@ def get_config() -> ml_collections.ConfigDict:
     c.attention_impl = "xla"  # "xla" | "pallas" | "pallas_interpret"
     c.use_segments = True
     # Data.
-    c.data = ml_collections.ConfigDict(dict(
-        kind="stdlib",  # "stdlib" | "files" | "regenerated" | "synthetic"
-        paths=(), data_dir="", max_files=0, validation_percent=3.0,
-        include_tests=False,  # stdlib: add its test suites (held-out library files stay out)
-        seq_len=3072, batch_size=8, num_epochs=6, shuffle=True, allow_split=True,
-        num_shards=0,  # data streams the global batch is made of (0: one per JAX process)
-        num_docs=256, doc_len=64))  # synthetic: random-token documents
-    c.regen = ml_collections.ConfigDict(dict(
-        # "stdlib": random windows of prompt_len tokens of the training files; "functions":
-        # code-completion prompts cut from them (context lines, a def header and its first
-        # function_body_lines lines, at most prompt_len tokens); "mixed": half of each;
-        # "random": random token ids; "file": the conversations of prompt_file (JSONL:
-        # ShareGPT "conversations", OpenAI "messages" or plain "prompt", dflash_jax.data.chat),
-        # every assistant turn regenerated in order, through the target's chat template when
-        # chat_template and the tokenizer has one (rows: loss on assistant tokens only; all
-        # of the file's conversations, num_prompts/prompt_len unused; max_new_tokens per turn).
-        prompt_source="stdlib", prompt_file="", chat_template=True,
-        num_prompts=512, prompt_len=64, max_new_tokens=256, temperature=0.0, batch_size=32,
-        function_body_lines=2, functions_per_file=50,
-        holdout_fraction=0.05, output="",  # output default: workdir/regenerated.jsonl
-        only=False))  # True: write the responses (regen.output) and stop before training
+    c.data = ml_collections.ConfigDict(
+        dict(
+            kind="stdlib",  # "stdlib" | "files" | "regenerated" | "synthetic"
+            paths=(),
+            data_dir="",
+            max_files=0,
+            validation_percent=3.0,
+            include_tests=False,  # stdlib: add its test suites (held-out library files stay out)
+            seq_len=3072,
+            batch_size=8,
+            num_epochs=6,
+            shuffle=True,
+            allow_split=True,
+            num_shards=0,  # data streams the global batch is made of (0: one per JAX process)
+            num_docs=256,
+            doc_len=64,
+        )
+    )  # synthetic: random-token documents
+    c.regen = ml_collections.ConfigDict(
+        dict(
+            # "stdlib": random windows of prompt_len tokens of the training files; "functions":
+            # code-completion prompts cut from them (context lines, a def header and its first
+            # function_body_lines lines, at most prompt_len tokens); "mixed": half of each;
+            # "random": random token ids; "file": the conversations of prompt_file (JSONL:
+            # ShareGPT "conversations", OpenAI "messages" or plain "prompt", dflash_jax.data.chat),
+            # every assistant turn regenerated in order, through the target's chat template when
+            # chat_template and the tokenizer has one (rows: loss on assistant tokens only; all
+            # of the file's conversations, num_prompts/prompt_len unused; max_new_tokens per turn).
+            prompt_source="stdlib",
+            prompt_file="",
+            chat_template=True,
+            num_prompts=512,
+            prompt_len=64,
+            max_new_tokens=256,
+            temperature=0.0,
+            batch_size=32,
+            function_body_lines=2,
+            functions_per_file=50,
+            holdout_fraction=0.05,
+            output="",  # output default: workdir/regenerated.jsonl
+            only=False,
+        )
+    )  # True: write the responses (regen.output) and stop before training
     # Target mode: sequence-level unlikelihood on the model's own greedy continuations
     # (dflash_jax.training.unlikelihood): weight 0 = off. Prompts: `num_prompts` from the
     # training documents ("docs": random windows; "functions": code-completion prompts;
     # "mixed": half each), cut to their last prompt_len tokens; a continuation token inside an
     # n-gram (n = ngram) already generated earlier in it is pushed down by -log(1 - p).
-    c.unlikelihood = ml_collections.ConfigDict(dict(
-        weight=0.0, batch_size=8, prompt_len=128, max_new_tokens=64, ngram=4,
-        prompt_source="mixed", num_prompts=4096))
+    c.unlikelihood = ml_collections.ConfigDict(
+        dict(
+            weight=0.0,
+            batch_size=8,
+            prompt_len=128,
+            max_new_tokens=64,
+            ngram=4,
+            prompt_source="mixed",
+            num_prompts=4096,
+        )
+    )
     # Optimization.
     c.learning_rate = 6e-4
     c.warmup_ratio = 0.04

@@ -24,8 +24,9 @@ def paper_config(target_path: str, block_size: int, gamma: float):
     c.drafter.block_size = block_size
     c.loss_chunk_anchors = 32  # 32 x 16 rows of 151K-vocab logits live at a time, not 512 x 16
     c.gamma = gamma
-    c.data.update(kind="files", batch_size=16,
-                  allow_split=False)  # one conversation per row where it fits
+    c.data.update(
+        kind="files", batch_size=16, allow_split=False
+    )  # one conversation per row where it fits
     # Regeneration (data.kind="regenerated"): every assistant turn through the chat template,
     # greedy, up to 3072 new tokens per turn (the paper's configs; 4096 for coder targets).
     c.regen.update(max_new_tokens=3072, temperature=0.0, chat_template=True)

@@ -9,8 +9,15 @@ Public API:
 """
 
 from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import (DFlashDrafter, Drafter, DrafterConfig, init_drafter_params,
-                                load_drafter, make_drafter_config, save_drafter)
+from dflash_jax.drafter import (
+    DFlashDrafter,
+    Drafter,
+    DrafterConfig,
+    init_drafter_params,
+    load_drafter,
+    make_drafter_config,
+    save_drafter,
+)
 from dflash_jax.decoding import GenerationResult, generate
 from dflash_jax.model import KVCache, Transformer
 from dflash_jax.safetensors_io import CheckpointError

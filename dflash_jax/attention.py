@@ -97,8 +97,7 @@ def _per_shard(fn, args, batch_dims, head_dims):
         return P(*entries)
 
     specs = tuple(spec(x, bd, hd) for x, bd, hd in zip(args, batch_dims, head_dims))
-    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0],
-                         check_vma=False)(*args)
+    return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
 def verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl: str = "xla"):
@@ -109,11 +108,11 @@ def verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl: str = "xla"):
         mask = jnp.arange(s)[None, None, :] <= positions_BT[:, :, None]
         return masked_attention(q_BTND, k_BSKD, v_BSKD, mask)
     kernel = lambda q, k, v, pos: _kernels().verify_attention(
-        q, k, v, pos, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret")
+        q, k, v, pos, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret"
+    )
     if impl == "pallas_interpret":
         return kernel(q_BTND, k_BSKD, v_BSKD, positions_BT)
-    return _per_shard(kernel, (q_BTND, k_BSKD, v_BSKD, positions_BT), (0, 0, 0, 0),
-                      (2, 2, 2, None))
+    return _per_shard(kernel, (q_BTND, k_BSKD, v_BSKD, positions_BT), (0, 0, 0, 0), (2, 2, 2, None))
 
 
 def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla"):
@@ -124,20 +123,32 @@ def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "
         c = ctx_k.shape[1]
         ctx_mask = jnp.arange(c)[None, None, :] < ctx_len_B[:, None, None]
         mask = jnp.concatenate(
-            [jnp.broadcast_to(ctx_mask, (b, t, c)), jnp.ones((b, t, t), bool)], axis=-1)
+            [jnp.broadcast_to(ctx_mask, (b, t, c)), jnp.ones((b, t, t), bool)], axis=-1
+        )
         k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1)
         v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1)
         return masked_attention(q_BTND, k, v, mask)
     kernel = lambda q, ck, cv, n, bk, bv: _kernels().draft_attention(
-        q, ck, cv, n, bk, bv, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret")
+        q, ck, cv, n, bk, bv, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret"
+    )
     args = (q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v)
     if impl == "pallas_interpret":
         return kernel(*args)
     return _per_shard(kernel, args, (0, 0, 0, 0, 0, 0), (2, 2, 2, None, 2, 2))
 
 
-def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors_BN, valid_BN, block_size: int,
-                       ctx_start_BN=None, impl: str = "pallas"):
+def training_attention(
+    q,
+    k_ctx,
+    v_ctx,
+    k_blk,
+    v_blk,
+    anchors_BN,
+    valid_BN,
+    block_size: int,
+    ctx_start_BN=None,
+    impl: str = "pallas",
+):
     """The fused Pallas drafter-training attention (`pallas_kernels.training_attention`;
     differentiable in q, k_ctx, v_ctx, k_blk, v_blk), run per shard of the context mesh like
     the decode kernels: the compiled kernel (forward and backward) is opaque to GSPMD, so on a
@@ -148,11 +159,22 @@ def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors_BN, valid_BN, bloc
 
     def kernel(q_, kc, vc, kb, vb, a, v, *start):
         return _kernels().training_attention(
-            q_, kc, vc, kb, vb, a, v, block_size=block_size,
-            ctx_start=start[0] if start else None, impl="pallas", interpret=interpret)
+            q_,
+            kc,
+            vc,
+            kb,
+            vb,
+            a,
+            v,
+            block_size=block_size,
+            ctx_start=start[0] if start else None,
+            impl="pallas",
+            interpret=interpret,
+        )
 
     args = (q, k_ctx, v_ctx, k_blk, v_blk, anchors_BN, valid_BN) + (
-        () if ctx_start_BN is None else (ctx_start_BN,))
+        () if ctx_start_BN is None else (ctx_start_BN,)
+    )
     if interpret:
         return kernel(*args)
     return _per_shard(kernel, args, (0,) * len(args), (2, 2, 2, 2, 2) + (None,) * (len(args) - 5))

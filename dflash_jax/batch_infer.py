@@ -49,7 +49,7 @@ def length_batches(lengths: Sequence[int], batch_size: int) -> List[List[int]]:
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-    return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 def prompt_sha(ids: Sequence[int]) -> str:
@@ -57,8 +57,7 @@ def prompt_sha(ids: Sequence[int]) -> str:
 
 
 def settings_key(settings: dict) -> str:
-    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()
-                        ).hexdigest()[:12]
+    return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:12]
 
 
 def _is_primary() -> bool:
@@ -67,15 +66,23 @@ def _is_primary() -> bool:
     return jax.process_index() == 0
 
 
-def run_settings(gen_kw: dict, batch_size: int, with_drafter: bool,
-                 extra: Optional[dict] = None) -> str:
+def run_settings(
+    gen_kw: dict, batch_size: int, with_drafter: bool, extra: Optional[dict] = None
+) -> str:
     """The `settings` key of `run_prompts`' records: what must match for --resume."""
     gen = dict(gen_kw)
     seed = int(gen.pop("seed", 0))
     if gen.get("mesh") is not None:  # the layout, not device objects
         gen["mesh"] = dict(gen["mesh"].shape)
-    return settings_key({"gen": gen, "seed": seed, "batch_size": batch_size,
-                         "drafter": with_drafter, **(extra or {})})
+    return settings_key(
+        {
+            "gen": gen,
+            "seed": seed,
+            "batch_size": batch_size,
+            "drafter": with_drafter,
+            **(extra or {}),
+        }
+    )
 
 
 def read_done(path: str, prompts: Sequence[Sequence[int]], settings: str) -> Dict[int, dict]:
@@ -87,7 +94,7 @@ def read_done(path: str, prompts: Sequence[Sequence[int]], settings: str) -> Dic
         return done
     with open(path, "rb") as f:
         data = f.read()
-    good = data[:data.rfind(b"\n") + 1]  # complete lines only
+    good = data[: data.rfind(b"\n") + 1]  # complete lines only
     if len(good) != len(data):
         with open(path, "r+b") as f:
             f.truncate(len(good))
@@ -98,26 +105,42 @@ def read_done(path: str, prompts: Sequence[Sequence[int]], settings: str) -> Dic
             rec = json.loads(line)
             i = int(rec["index"])
         except (ValueError, KeyError, TypeError):
-            raise ValueError(f"{path}:{n}: not a record of this tool; remove the file or choose "
-                             "another --json_out") from None
+            raise ValueError(
+                f"{path}:{n}: not a record of this tool; remove the file or choose "
+                "another --json_out"
+            ) from None
         if not 0 <= i < len(prompts) or rec.get("prompt_sha") != prompt_sha(prompts[i]):
-            raise ValueError(f"{path}:{n}: written for a different prompt {i} (another prompt "
-                             "file?); remove it or choose another --json_out to start afresh")
+            raise ValueError(
+                f"{path}:{n}: written for a different prompt {i} (another prompt "
+                "file?); remove it or choose another --json_out to start afresh"
+            )
         if rec.get("settings") != settings:
-            raise ValueError(f"{path}:{n}: written with other generation settings (model, "
-                             "max_new_tokens, temperature, seed, block size, batch size ...); "
-                             "rerun with the same flags or choose another --json_out")
+            raise ValueError(
+                f"{path}:{n}: written with other generation settings (model, "
+                "max_new_tokens, temperature, seed, block size, batch size ...); "
+                "rerun with the same flags or choose another --json_out"
+            )
         done[i] = rec
     return done
 
 
-def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size: int = 8,
-                out_path: Optional[str] = None, resume: bool = False, tokenizer=None,
-                compare_ar: bool = False, warmup: bool = True, profile_dir: Optional[str] = None,
-                extra_settings: Optional[dict] = None,
-                on_batch: Optional[Callable[[int, List[dict]], None]] = None,
-                stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
-                **gen_kw) -> BatchReport:
+def run_prompts(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    batch_size: int = 8,
+    out_path: Optional[str] = None,
+    resume: bool = False,
+    tokenizer=None,
+    compare_ar: bool = False,
+    warmup: bool = True,
+    profile_dir: Optional[str] = None,
+    extra_settings: Optional[dict] = None,
+    on_batch: Optional[Callable[[int, List[dict]], None]] = None,
+    stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+    **gen_kw,
+) -> BatchReport:
     """Runs `generate` over `prompts` (token-id lists) in length-grouped batches.
 
     gen_kw: `generate` keyword arguments (max_new_tokens, temperature, top_k, top_p, seed,
@@ -154,8 +177,9 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
     if stream_callback is not None:
         generate(target, drafter, prompts, stream_callback=stream_callback, seed=seed, **gen_kw)
     if warmup and todo:
-        serving.warm_up(target, drafter, padded(todo[0][1]), compare_ar=compare_ar, seed=seed,
-                        **gen_kw)
+        serving.warm_up(
+            target, drafter, padded(todo[0][1]), compare_ar=compare_ar, seed=seed, **gen_kw
+        )
     if profile_dir:
         import jax
 
@@ -166,21 +190,35 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
     run_tokens, run_decode_s, run_acc = 0, 0.0, []
     try:
         for b, idx in todo:
-            c = serving.compare(target, drafter, padded(idx), compare_ar=compare_ar,
-                                warmup=False, seed=seed + b, **gen_kw)
+            c = serving.compare(
+                target,
+                drafter,
+                padded(idx),
+                compare_ar=compare_ar,
+                warmup=False,
+                seed=seed + b,
+                **gen_kw,
+            )
             res, ar = c.spec, c.ar
             recs = []
             for row, i in enumerate(idx):
                 acc = [int(a) for a in res.acceptance_lengths[row]]
                 toks = [int(t) for t in res.tokens[row]]
-                rec = {"index": i, "prompt_sha": prompt_sha(prompts[i]), "settings": settings,
-                       "prompt_ids": prompts[i], "tokens": toks,
-                       "acceptance_lengths": acc,
-                       "tau": float(np.mean(acc)) if acc else 0.0, "new_tokens": len(toks),
-                       "batch": b, "batch_decode_s": res.stats["decode_s"],
-                       "prefill_s": res.stats["prefill_s"],
-                       "compile_s": res.stats["compile_s"],
-                       "tokens_per_s": sum(acc) / max(res.stats["decode_s"], 1e-9)}
+                rec = {
+                    "index": i,
+                    "prompt_sha": prompt_sha(prompts[i]),
+                    "settings": settings,
+                    "prompt_ids": prompts[i],
+                    "tokens": toks,
+                    "acceptance_lengths": acc,
+                    "tau": float(np.mean(acc)) if acc else 0.0,
+                    "new_tokens": len(toks),
+                    "batch": b,
+                    "batch_decode_s": res.stats["decode_s"],
+                    "prefill_s": res.stats["prefill_s"],
+                    "compile_s": res.stats["compile_s"],
+                    "tokens_per_s": sum(acc) / max(res.stats["decode_s"], 1e-9),
+                }
                 if tokenizer is not None:
                     rec["text"] = tokenizer.decode(toks)
                 if ar is not None:
@@ -188,7 +226,8 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
                     rec["ar_batch_decode_s"] = ar.stats["decode_s"]
                     rec["ar_decode_tokens"] = int(sum(ar.acceptance_lengths[row]))
                     rec["ar_tokens_per_s"] = rec["ar_decode_tokens"] / max(
-                        ar.stats["decode_s"], 1e-9)
+                        ar.stats["decode_s"], 1e-9
+                    )
                 recs.append(rec)
                 done[i] = rec
             if out is not None:
@@ -198,8 +237,10 @@ def run_prompts(target, drafter, prompts: Sequence[Sequence[int]], *, batch_size
             run_decode_s += res.stats["decode_s"]
             run_acc += [a for r in recs for a in r["acceptance_lengths"]]
             bar.update(len(idx))
-            bar.set_postfix_str(f"{run_tokens / max(run_decode_s, 1e-9):,.0f} tok/s, "
-                                f"tau {np.mean(run_acc) if run_acc else 0:.2f}")
+            bar.set_postfix_str(
+                f"{run_tokens / max(run_decode_s, 1e-9):,.0f} tok/s, "
+                f"tau {np.mean(run_acc) if run_acc else 0:.2f}"
+            )
             if on_batch is not None:
                 on_batch(b, recs)
     finally:
@@ -221,14 +262,18 @@ def summarize(records: Sequence[dict]) -> dict:
     batch_s = {r["batch"]: r["batch_decode_s"] for r in records}
     decode_tokens = sum(acc)
     taus = [r["tau"] for r in records]
-    out = {"prompts": len(records), "new_tokens": sum(r["new_tokens"] for r in records),
-           "tau": float(np.mean(acc)) if acc else 0.0,
-           "decode_s": float(sum(batch_s.values())),
-           "decode_tokens_per_s": decode_tokens / max(sum(batch_s.values()), 1e-9),
-           "prefill_s": float(sum({r["batch"]: r["prefill_s"] for r in records}.values())),
-           "compile_s": float(sum({r["batch"]: r["compile_s"] for r in records}.values())),
-           "tau_per_prompt": {q: float(np.quantile(taus, p)) for q, p in
-                              (("min", 0), ("median", 0.5), ("max", 1))}}
+    out = {
+        "prompts": len(records),
+        "new_tokens": sum(r["new_tokens"] for r in records),
+        "tau": float(np.mean(acc)) if acc else 0.0,
+        "decode_s": float(sum(batch_s.values())),
+        "decode_tokens_per_s": decode_tokens / max(sum(batch_s.values()), 1e-9),
+        "prefill_s": float(sum({r["batch"]: r["prefill_s"] for r in records}.values())),
+        "compile_s": float(sum({r["batch"]: r["compile_s"] for r in records}.values())),
+        "tau_per_prompt": {
+            q: float(np.quantile(taus, p)) for q, p in (("min", 0), ("median", 0.5), ("max", 1))
+        },
+    }
     if records and all("identical_to_ar" in r for r in records):
         ar_s = {r["batch"]: r["ar_batch_decode_s"] for r in records}
         ar_tokens = sum(r["ar_decode_tokens"] for r in records)

@@ -46,8 +46,8 @@ def flax_path_to_hf(path: Tuple[str, ...], prefix: str = "") -> str:
     """('layers_3', 'self_attn', 'q_proj', 'kernel') -> prefix + 'layers.3.self_attn.q_proj.weight'."""
     parts = []
     for p in path[:-1]:
-        if p.startswith("layers_") and p[len("layers_"):].isdigit():
-            parts += ["layers", p[len("layers_"):]]
+        if p.startswith("layers_") and p[len("layers_") :].isdigit():
+            parts += ["layers", p[len("layers_") :]]
         else:
             parts.append(p)
     parts.append(_LEAF_NAMES[path[-1]])
@@ -73,8 +73,14 @@ def _read_config(path: str) -> dict:
 read_config = _read_config  # config.json of a model directory, as a dict (CheckpointError)
 
 
-def load_params(path: str, abstract_params, *, prefix: str, param_dtype,
-                optional: Callable[[str], bool] = lambda name: False) -> dict:
+def load_params(
+    path: str,
+    abstract_params,
+    *,
+    prefix: str,
+    param_dtype,
+    optional: Callable[[str], bool] = lambda name: False,
+) -> dict:
     """Reads every parameter of `abstract_params` (a pytree of ShapeDtypeStructs) from `path`.
 
     Tensors are cast one at a time straight from the memory-mapped file to `param_dtype` and
@@ -84,8 +90,9 @@ def load_params(path: str, abstract_params, *, prefix: str, param_dtype,
     try:
         flat = traverse_util.flatten_dict(abstract_params)
         out = {}
-        for key, spec in console.progress(flat.items(), total=len(flat), desc=f"load {path}",
-                                          unit="tensor"):
+        for key, spec in console.progress(
+            flat.items(), total=len(flat), desc=f"load {path}", unit="tensor"
+        ):
             name = flax_path_to_hf(key, prefix)
             if name not in store:
                 if optional(name):
@@ -97,19 +104,23 @@ def load_params(path: str, abstract_params, *, prefix: str, param_dtype,
             if tuple(shape) != want:
                 raise CheckpointError(
                     f"{store.file_of(name)}: tensor {name!r} has shape {tuple(shape)}, "
-                    f"expected {want}")
+                    f"expected {want}"
+                )
             arr = store.get(name)
             if arr.dtype.kind not in "fV" and arr.dtype != ml_dtypes.bfloat16:
                 raise CheckpointError(
-                    f"{store.file_of(name)}: tensor {name!r} has non-float dtype {code}")
+                    f"{store.file_of(name)}: tensor {name!r} has non-float dtype {code}"
+                )
             arr = arr.T if transpose else arr
             out[key] = jnp.asarray(np.asarray(arr, dtype=param_dtype))
         known = {flax_path_to_hf(k, prefix) for k in flat}
-        extra = [n for n in store.names()
-                 if n not in known and not n.endswith(_IGNORED_SUFFIXES) and not optional(n)]
+        extra = [
+            n
+            for n in store.names()
+            if n not in known and not n.endswith(_IGNORED_SUFFIXES) and not optional(n)
+        ]
         if extra:
-            log.warning("%s: ignoring %d unexpected tensors, e.g. %s", path, len(extra),
-                        extra[:3])
+            log.warning("%s: ignoring %d unexpected tensors, e.g. %s", path, len(extra), extra[:3])
         return traverse_util.unflatten_dict(out)
     finally:
         store.close()
@@ -117,12 +128,14 @@ def load_params(path: str, abstract_params, *, prefix: str, param_dtype,
 
 def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
     """The inverse of `load_params`: a name -> numpy tensor dict in Hugging Face layout."""
-    np_dtype = np.dtype(ml_dtypes.bfloat16) if as_dtype(dtype) == jnp.bfloat16 else \
-        np.dtype(as_dtype(dtype))
+    np_dtype = (
+        np.dtype(ml_dtypes.bfloat16)
+        if as_dtype(dtype) == jnp.bfloat16
+        else np.dtype(as_dtype(dtype))
+    )
     tensors = {}
     flat = traverse_util.flatten_dict(params)
-    for key, value in console.progress(flat.items(), total=len(flat), desc="export",
-                                       unit="tensor"):
+    for key, value in console.progress(flat.items(), total=len(flat), desc="export", unit="tensor"):
         arr = np.asarray(jax.device_get(value))
         if key[-1] == "kernel":
             arr = arr.T
@@ -131,35 +144,45 @@ def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
 
 
 def dtype_name(dtype) -> str:
-    return {jnp.dtype(jnp.float32): "float32", jnp.dtype(jnp.bfloat16): "bfloat16",
-            jnp.dtype(jnp.float16): "float16"}[jnp.dtype(dtype)]
+    return {
+        jnp.dtype(jnp.float32): "float32",
+        jnp.dtype(jnp.bfloat16): "bfloat16",
+        jnp.dtype(jnp.float16): "float16",
+    }[jnp.dtype(dtype)]
 
 
 # ---------------------------------------------------------------------------- targets
 
 
-def load_target_params(path: str, dtype="float32", param_dtype=None
-                       ) -> Tuple[ModelConfig, dict]:
+def load_target_params(path: str, dtype="float32", param_dtype=None) -> Tuple[ModelConfig, dict]:
     """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` directory."""
     from dflash_jax.model import Transformer
 
     hf = _read_config(path)
     as_dtype(dtype)  # a bad dtype name is the caller's error, not the checkpoint's
     try:
-        cfg = ModelConfig.from_hf(hf, dtype=dtype, param_dtype=param_dtype,
-                                  source=os.path.join(path, "config.json"))
+        cfg = ModelConfig.from_hf(
+            hf, dtype=dtype, param_dtype=param_dtype, source=os.path.join(path, "config.json")
+        )
     except ValueError as e:
         raise CheckpointError(str(e)) from e
     model = Transformer(cfg)
     abstract = jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"])
-    params = load_params(path, abstract, prefix="model.", param_dtype=cfg.param_dtype,
-                         optional=lambda n: cfg.tie_word_embeddings and n == "lm_head.weight")
+        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    )
+    params = load_params(
+        path,
+        abstract,
+        prefix="model.",
+        param_dtype=cfg.param_dtype,
+        optional=lambda n: cfg.tie_word_embeddings and n == "lm_head.weight",
+    )
     return cfg, params
 
 
-def save_target_params(cfg: ModelConfig, params, path: str, dtype=None,
-                       extra_files: Optional[Dict[str, str]] = None) -> None:
+def save_target_params(
+    cfg: ModelConfig, params, path: str, dtype=None, extra_files: Optional[Dict[str, str]] = None
+) -> None:
     """Writes `config.json` + safetensors that transformers' `from_pretrained` loads."""
     dtype = cfg.param_dtype if dtype is None else dtype
     os.makedirs(path, exist_ok=True)
@@ -169,6 +192,7 @@ def save_target_params(cfg: ModelConfig, params, path: str, dtype=None,
         json.dump(cfg.to_hf(torch_dtype=dtype_name(as_dtype(dtype))), f, indent=2)
     for name, src in (extra_files or {}).items():
         if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(
-                os.path.join(path, name)):
+            os.path.join(path, name)
+        ):
             with open(src, "rb") as fi, open(os.path.join(path, name), "wb") as fo:
                 fo.write(fi.read())

@@ -60,15 +60,16 @@ def _suggest_flag(argv: Sequence[str]) -> Optional[str]:
     for arg in argv[1:]:
         if not arg.startswith("--config."):
             continue
-        key = arg[len("--config."):].split("=", 1)[0]
+        key = arg[len("--config.") :].split("=", 1)[0]
         if key in known:
             continue
         groups = {k.rsplit(".", 1)[0] for k in known if "." in k}
         if key in groups:
             continue
         near = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-        return (f"unknown config key {key!r}" +
-                (f" (did you mean '--config.{near[0]}'?)" if near else ""))
+        return f"unknown config key {key!r}" + (
+            f" (did you mean '--config.{near[0]}'?)" if near else ""
+        )
     return None
 
 

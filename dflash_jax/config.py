@@ -29,8 +29,7 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
     """Maps "float32" / "bfloat16" / "float16" (or a dtype) to a jnp dtype, with a clear error."""
     if isinstance(name_or_dtype, str):
         if name_or_dtype not in _DTYPES:
-            raise ValueError(
-                f"unknown dtype {name_or_dtype!r}; expected one of {sorted(_DTYPES)}")
+            raise ValueError(f"unknown dtype {name_or_dtype!r}; expected one of {sorted(_DTYPES)}")
         return jnp.dtype(_DTYPES[name_or_dtype])
     return jnp.dtype(name_or_dtype)
 
@@ -80,7 +79,8 @@ class ModelConfig:
     def __post_init__(self):
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
-                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+                f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
+            )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
@@ -94,8 +94,9 @@ class ModelConfig:
     # ------------------------------------------------------------------ HF conversion
 
     @classmethod
-    def from_hf(cls, hf: dict, *, dtype="float32", param_dtype=None,
-                source: str = "config.json") -> "ModelConfig":
+    def from_hf(
+        cls, hf: dict, *, dtype="float32", param_dtype=None, source: str = "config.json"
+    ) -> "ModelConfig":
         """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x)."""
         archs = hf.get("architectures") or []
         arch = None
@@ -109,9 +110,11 @@ class ModelConfig:
             else:
                 raise ValueError(
                     f"{source}: unsupported architecture {archs or model_type!r}; supported: "
-                    f"{sorted(SUPPORTED_ARCHITECTURES)}")
-        return cls._from_hf_fields(hf, arch=arch, dtype=dtype, param_dtype=param_dtype,
-                                   source=source)
+                    f"{sorted(SUPPORTED_ARCHITECTURES)}"
+                )
+        return cls._from_hf_fields(
+            hf, arch=arch, dtype=dtype, param_dtype=param_dtype, source=source
+        )
 
     @classmethod
     def _from_hf_fields(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
@@ -139,8 +142,10 @@ class ModelConfig:
             if rtype == "default":
                 scaling = None
             elif rtype not in ("linear", "llama3"):
-                raise ValueError(f"{source}: unsupported rope_scaling type {rtype!r}; "
-                                 "supported: default, linear, llama3")
+                raise ValueError(
+                    f"{source}: unsupported rope_scaling type {rtype!r}; "
+                    "supported: default, linear, llama3"
+                )
         dt = as_dtype(dtype)
         return cls(
             arch=arch,

@@ -111,13 +111,28 @@ def progress_enabled() -> bool:
     return sys.stderr.isatty()
 
 
-def progress(iterable: Optional[Iterable] = None, *, total: Optional[float] = None,
-             desc: Optional[str] = None, unit: str = "it", **kw):
+def progress(
+    iterable: Optional[Iterable] = None,
+    *,
+    total: Optional[float] = None,
+    desc: Optional[str] = None,
+    unit: str = "it",
+    **kw,
+):
     """A tqdm bar on stderr (rate and ETA), disabled unless `progress_enabled()`.
 
     Use as an iterator wrapper or with `update(n)` / `set_postfix_str(...)`; it is a tqdm
     object either way (a disabled one costs nothing)."""
     from tqdm import tqdm
 
-    return tqdm(iterable, total=total, desc=desc, unit=unit, file=sys.stderr,
-                disable=not progress_enabled(), dynamic_ncols=True, leave=False, **kw)
+    return tqdm(
+        iterable,
+        total=total,
+        desc=desc,
+        unit=unit,
+        file=sys.stderr,
+        disable=not progress_enabled(),
+        dynamic_ncols=True,
+        leave=False,
+        **kw,
+    )

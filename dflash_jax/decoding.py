@@ -1,5 +1,9 @@
 """Speculative (DFlash) and autoregressive generation as two compiled programs.
 
+(Over ~450 lines on purpose: the algorithm, spec_step inside one while_loop, its prefill and
+the programs that compile them belong together; request checks and results live in
+generate_io.py, warm-up and comparison in serving.py.)
+
   prefill  (jit): target forward over the (right-padded) prompts with taps; first token; the
                   drafter context cache filled with the prompt's context K/V.
   decode   (jit): one `lax.while_loop`; every iteration is `spec_step`:
@@ -116,8 +120,9 @@ def draft_block(tmod, tparams, dmod, dparams, ctx: ContextCache, x_last, start, 
     steps = plan.denoise_steps
     for j in range(1, steps + 1):
         block = jnp.concatenate([x_last[:, None], tokens], axis=1)
-        hidden = dmod.apply({"params": dparams}, _embed(tmod, tparams, block), positions,
-                            ctx.k, ctx.v, attend)
+        hidden = dmod.apply(
+            {"params": dparams}, _embed(tmod, tparams, block), positions, ctx.k, ctx.v, attend
+        )
         logits = _lm_logits(tmod, tparams, hidden[:, 1:])
         pred = greedy_argmax(logits)
         if steps == 1 and plan.confidence_threshold is None:
@@ -157,15 +162,15 @@ def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> D
 
     if dmod is not None:
         with jax.named_scope("draft"):
-            drafts, conf = draft_block(tmod, tparams, dmod, dparams, state.ctx, x_last, start,
-                                       plan)
+            drafts, conf = draft_block(tmod, tparams, dmod, dparams, state.ctx, x_last, start, plan)
         block = jnp.concatenate([x_last[:, None], drafts], axis=1)
     else:
         block = x_last[:, None]
 
     with jax.named_scope("verify"):
-        hidden, cache, taps = tmod.apply({"params": tparams}, block, cache=state.cache,
-                                         tap_layers=tap_layers)
+        hidden, cache, taps = tmod.apply(
+            {"params": tparams}, block, cache=state.cache, tap_layers=tap_layers
+        )
         logits = _lm_logits(tmod, tparams, hidden)  # [B, bs, V]
         key, sub = jax.random.split(state.key)
         y = pick_tokens(logits, sub, plan.temperature, plan.top_k, plan.top_p)  # [B, bs]
@@ -182,8 +187,11 @@ def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> D
             a = jnp.zeros((b,), jnp.int32)
         n = jnp.minimum(a + 1, state.max_new - state.num_out)
         idx = jnp.arange(bs, dtype=jnp.int32)[None]
-        is_stop = jnp.isin(y, jnp.asarray(plan.stop_ids, jnp.int32)) & (idx < n[:, None]) \
-            if plan.stop_ids else jnp.zeros_like(y, bool)
+        is_stop = (
+            jnp.isin(y, jnp.asarray(plan.stop_ids, jnp.int32)) & (idx < n[:, None])
+            if plan.stop_ids
+            else jnp.zeros_like(y, bool)
+        )
         has_stop = jnp.any(is_stop, axis=1)
         n = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n)
         n = jnp.where(state.done, 0, n).astype(jnp.int32)
@@ -201,23 +209,42 @@ def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> D
         if plan.stream is not None:
             # Optional host callback (only when streaming was asked for): committed tokens
             # y[b, :n[b]] of this step; ordered so the terminal sees them in sequence.
-            jax.debug.callback(functools.partial(_emit_stream, plan.stream), y, n,
-                               ordered=True)
+            jax.debug.callback(functools.partial(_emit_stream, plan.stream), y, n, ordered=True)
         drafts_rec = state.drafts
         if plan.record_drafts and dmod is not None:
             drafts_rec = drafts_rec.at[state.step].set(drafts)
-    return state.replace(cache=cache, ctx=ctx, tokens=tokens, num_out=num_out, done=done,
-                         step=state.step + 1, accepted=accepted, drafts=drafts_rec, key=key)
+    return state.replace(
+        cache=cache,
+        ctx=ctx,
+        tokens=tokens,
+        num_out=num_out,
+        done=done,
+        step=state.step + 1,
+        accepted=accepted,
+        drafts=drafts_rec,
+        key=key,
+    )
 
 
 def _emit_stream(sink, y, n):
     y, n = np.asarray(y), np.asarray(n)
-    sink([y[b, :n[b]].tolist() for b in range(y.shape[0])])
+    sink([y[b, : n[b]].tolist() for b in range(y.shape[0])])
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
-def _prefill(tmod, dmod, plan: Plan, capacity: int, n_buf: int, tparams, dparams, prompts,
-             prompt_lens, max_new, key) -> DecodeState:
+def _prefill(
+    tmod,
+    dmod,
+    plan: Plan,
+    capacity: int,
+    n_buf: int,
+    tparams,
+    dparams,
+    prompts,
+    prompt_lens,
+    max_new,
+    key,
+) -> DecodeState:
     b, p = prompts.shape
     tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
     cache = KVCache.create(tmod.cfg, b, capacity)
@@ -233,8 +260,9 @@ def _prefill(tmod, dmod, plan: Plan, capacity: int, n_buf: int, tparams, dparams
         cache, ctx, last = carry
         ids, i = xs
         start = i * chunk
-        hidden, cache, taps = tmod.apply({"params": tparams}, ids, cache=cache,
-                                         tap_layers=tap_layers)
+        hidden, cache, taps = tmod.apply(
+            {"params": tparams}, ids, cache=cache, tap_layers=tap_layers
+        )
         if dmod is not None:
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
             ctx = _write_context(dmod, dparams, ctx, taps, positions, prompt_lens)
@@ -250,23 +278,34 @@ def _prefill(tmod, dmod, plan: Plan, capacity: int, n_buf: int, tparams, dparams
         else:
             chunks = prompts.reshape(b, p // chunk, chunk).transpose(1, 0, 2)  # [n, B, chunk]
             (cache, ctx, last), _ = jax.lax.scan(
-                prefill_chunk, (cache, ctx, last),
-                (chunks, jnp.arange(p // chunk, dtype=jnp.int32)))
+                prefill_chunk, (cache, ctx, last), (chunks, jnp.arange(p // chunk, dtype=jnp.int32))
+            )
         cache = cache.rollback(prompt_lens)
         last = last[:, None]
         key, sub = jax.random.split(key)
-        first = pick_tokens(_lm_logits(tmod, tparams, last)[:, 0], sub, plan.temperature,
-                            plan.top_k, plan.top_p)
+        first = pick_tokens(
+            _lm_logits(tmod, tparams, last)[:, 0], sub, plan.temperature, plan.top_k, plan.top_p
+        )
     tokens = jnp.zeros((b, n_buf), jnp.int32).at[:, 0].set(first)
-    stop = jnp.isin(first, jnp.asarray(plan.stop_ids, jnp.int32)) if plan.stop_ids else \
-        jnp.zeros((b,), bool)
+    stop = (
+        jnp.isin(first, jnp.asarray(plan.stop_ids, jnp.int32))
+        if plan.stop_ids
+        else jnp.zeros((b,), bool)
+    )
     num_out = jnp.ones((b,), jnp.int32)
-    nd = (n_buf if plan.record_drafts and dmod is not None else 0)
+    nd = n_buf if plan.record_drafts and dmod is not None else 0
     return DecodeState(
-        cache=cache, ctx=ctx, tokens=tokens, num_out=num_out, done=stop | (num_out >= max_new),
-        step=jnp.zeros((), jnp.int32), accepted=jnp.zeros((b, n_buf), jnp.int32),
-        drafts=jnp.zeros((nd, b, plan.block_size - 1 if nd else 0), jnp.int32), key=key,
-        max_new=max_new)
+        cache=cache,
+        ctx=ctx,
+        tokens=tokens,
+        num_out=num_out,
+        done=stop | (num_out >= max_new),
+        step=jnp.zeros((), jnp.int32),
+        accepted=jnp.zeros((b, n_buf), jnp.int32),
+        drafts=jnp.zeros((nd, b, plan.block_size - 1 if nd else 0), jnp.int32),
+        key=key,
+        max_new=max_new,
+    )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
@@ -277,15 +316,26 @@ def _decode(tmod, dmod, plan: Plan, tparams, dparams, state: DecodeState) -> Dec
         return (~jnp.all(s.done)) & (s.step < n_buf)
 
     return jax.lax.while_loop(
-        cond, functools.partial(spec_step, tmod, tparams, dmod, dparams, plan), state)
+        cond, functools.partial(spec_step, tmod, tparams, dmod, dparams, plan), state
+    )
 
 
 def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
-def generate_programs(tmod, dmod, plan: Plan, capacity: int, n_buf: int, mesh, tparams, dparams,
-                      batch: int, prompt_len: int):
+def generate_programs(
+    tmod,
+    dmod,
+    plan: Plan,
+    capacity: int,
+    n_buf: int,
+    mesh,
+    tparams,
+    dparams,
+    batch: int,
+    prompt_len: int,
+):
     """(prefill_jit, decode_jit, shardings): `_prefill` and `_decode` (the decode state
     donated) in `jax.jit`s whose in/out shardings are fixed for `mesh`: parameters by the
     partition rules, prompts and per-sequence state over the batch axes, caches B over batch
@@ -295,6 +345,7 @@ def generate_programs(tmod, dmod, plan: Plan, capacity: int, n_buf: int, mesh, t
     shardings: dict(tparams, dparams, ids, lens, state, state_shape, arg_shapes), for lowering
     on abstract values (`sharding.with_shardings`). `tparams` / `dparams` may be shapes.
     """
+
     def prefill(tp, dp, ids, lens, max_new, key):
         return _prefill(tmod, dmod, plan, capacity, n_buf, tp, dp, ids, lens, max_new, key)
 
@@ -304,24 +355,40 @@ def generate_programs(tmod, dmod, plan: Plan, capacity: int, n_buf: int, mesh, t
     if mesh is None:
         return jax.jit(prefill), jax.jit(decode, donate_argnums=(2,)), None
     tsh = sharding.param_shardings(tparams, mesh, sharding.target_rules(), tmod.cfg.head_dim)
-    dsh = None if dparams is None else sharding.param_shardings(
-        dparams, mesh, sharding.target_rules(), dmod.cfg.body.head_dim)
+    dsh = (
+        None
+        if dparams is None
+        else sharding.param_shardings(
+            dparams, mesh, sharding.target_rules(), dmod.cfg.body.head_dim
+        )
+    )
     repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     ids_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec((batch, prompt_len), mesh))
     lens_sh = jax.sharding.NamedSharding(mesh, sharding.batch_spec((batch,), mesh))
-    arg_shapes = (jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
-                  jax.ShapeDtypeStruct((batch,), jnp.int32),
-                  jax.ShapeDtypeStruct((), jnp.int32),
-                  jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    arg_shapes = (
+        jax.ShapeDtypeStruct((batch, prompt_len), jnp.int32),
+        jax.ShapeDtypeStruct((batch,), jnp.int32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+        jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+    )
     with sharding.compiling_for(mesh):  # traces the prefill: kernels for the mesh's platform
         state_shape = jax.eval_shape(prefill, tparams, dparams, *arg_shapes)
     state_sh = sharding.decode_state_sharding(state_shape, mesh)
-    prefill_jit = jax.jit(prefill, in_shardings=(tsh, dsh, ids_sh, lens_sh, repl, repl),
-                          out_shardings=state_sh)
-    decode_jit = jax.jit(decode, in_shardings=(tsh, dsh, state_sh), out_shardings=state_sh,
-                         donate_argnums=(2,))
-    shardings = dict(tparams=tsh, dparams=dsh, ids=ids_sh, lens=lens_sh, state=state_sh,
-                     state_shape=state_shape, arg_shapes=arg_shapes)
+    prefill_jit = jax.jit(
+        prefill, in_shardings=(tsh, dsh, ids_sh, lens_sh, repl, repl), out_shardings=state_sh
+    )
+    decode_jit = jax.jit(
+        decode, in_shardings=(tsh, dsh, state_sh), out_shardings=state_sh, donate_argnums=(2,)
+    )
+    shardings = dict(
+        tparams=tsh,
+        dparams=dsh,
+        ids=ids_sh,
+        lens=lens_sh,
+        state=state_sh,
+        state_shape=state_shape,
+        arg_shapes=arg_shapes,
+    )
     return prefill_jit, decode_jit, shardings
 
 
@@ -346,14 +413,25 @@ class _Compiled:
         return cls.cache[key], time.perf_counter() - t0
 
 
-def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]],
-             max_new_tokens: int, block_size: Optional[int] = None, temperature: float = 0.0,
-             top_k: Optional[int] = None, top_p: Optional[float] = None, seed: int = 0,
-             stop_token_ids: Sequence[int] = (), denoise_steps: int = 1,
-             confidence_threshold: Optional[float] = None, return_drafts: bool = False,
-             attention_impl: Optional[str] = None,
-             stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
-             mesh=None, prefill_chunk: Optional[int] = None) -> GenerationResult:
+def generate(
+    target,
+    drafter: Optional[Drafter],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    block_size: Optional[int] = None,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    denoise_steps: int = 1,
+    confidence_threshold: Optional[float] = None,
+    return_drafts: bool = False,
+    attention_impl: Optional[str] = None,
+    stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+    mesh=None,
+    prefill_chunk: Optional[int] = None,
+) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash, or
     autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
 
@@ -367,22 +445,36 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
     """
     # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
-    v = check_request(target, drafter, prompts, max_new_tokens, block_size, temperature, top_k,
-                      top_p, seed, stop_token_ids, denoise_steps, confidence_threshold)
+    v = check_request(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens,
+        block_size,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        stop_token_ids,
+        denoise_steps,
+        confidence_threshold,
+    )
     prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
     temperature = v["temperature"]
-    plan = Plan(block_size=bs, temperature=float(temperature),
-                top_k=None if temperature == 0 else v["top_k"],
-                top_p=None if temperature == 0 else v["top_p"],
-                stop_ids=v["stop_token_ids"],
-                denoise_steps=v["denoise_steps"] if drafter is not None else 1,
-                confidence_threshold=v["confidence_threshold"] if drafter is not None else None,
-                record_drafts=bool(return_drafts and drafter is not None),
-                stream=stream_callback,
-                # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
-                attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl,
-                                                    mesh),
-                **({} if prefill_chunk is None else {"prefill_chunk": int(prefill_chunk)}))
+    plan = Plan(
+        block_size=bs,
+        temperature=float(temperature),
+        top_k=None if temperature == 0 else v["top_k"],
+        top_p=None if temperature == 0 else v["top_p"],
+        stop_ids=v["stop_token_ids"],
+        denoise_steps=v["denoise_steps"] if drafter is not None else 1,
+        confidence_threshold=v["confidence_threshold"] if drafter is not None else None,
+        record_drafts=bool(return_drafts and drafter is not None),
+        stream=stream_callback,
+        # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
+        attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl, mesh),
+        **({} if prefill_chunk is None else {"prefill_chunk": int(prefill_chunk)}),
+    )
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
     p_pad = _bucket(int(lens.max()), 16)
@@ -390,35 +482,56 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     capacity = p_pad + n_buf + bs
     ids = np.zeros((b, p_pad), np.int32)
     for i, p in enumerate(prompts):
-        ids[i, :len(p)] = p
+        ids[i, : len(p)] = p
 
     tmod = Transformer(target.config, plan.attention_impl)
     dmod = DFlashDrafter(drafter.config) if drafter is not None else None
     tparams = target.params
     dparams = drafter.params if drafter is not None else None
-    args = (jnp.asarray(ids), jnp.asarray(lens), jnp.asarray(max_new_tokens, jnp.int32),
-            jax.random.PRNGKey(v["seed"]))
-    key = (tmod, dmod, plan, b, p_pad, n_buf, capacity, mesh,
-           jax.tree_util.tree_structure(tparams), jax.tree_util.tree_structure(dparams))
+    args = (
+        jnp.asarray(ids),
+        jnp.asarray(lens),
+        jnp.asarray(max_new_tokens, jnp.int32),
+        jax.random.PRNGKey(v["seed"]),
+    )
+    key = (
+        tmod,
+        dmod,
+        plan,
+        b,
+        p_pad,
+        n_buf,
+        capacity,
+        mesh,
+        jax.tree_util.tree_structure(tparams),
+        jax.tree_util.tree_structure(dparams),
+    )
 
     def build():
-        prefill_jit, decode_jit, sh = generate_programs(tmod, dmod, plan, capacity, n_buf, mesh,
-                                                        tparams, dparams, b, p_pad)
+        prefill_jit, decode_jit, sh = generate_programs(
+            tmod, dmod, plan, capacity, n_buf, mesh, tparams, dparams, b, p_pad
+        )
         if sh is None:  # one device: lowered on the arrays as they are placed
             state = jax.eval_shape(prefill_jit, tparams, dparams, *args)
-            return (prefill_jit.lower(tparams, dparams, *args).compile(),
-                    decode_jit.lower(tparams, dparams, state).compile(), None)
+            return (
+                prefill_jit.lower(tparams, dparams, *args).compile(),
+                decode_jit.lower(tparams, dparams, state).compile(),
+                None,
+            )
         repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         arg_sh = (sh["ids"], sh["lens"], repl, repl)
         # Lowered on shapes: the arrays may be placed otherwise (e.g. a trainer's FSDP
         # layout); they are moved to the programs' shardings below.
         shapes = lambda tree: jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree)
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree
+        )
         tp_s, dp_s = shapes(tparams), shapes(dparams)
         with sharding.compiling_for(mesh):  # kernels for the mesh's platform
-            return (prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
-                    decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
-                    (sh["tparams"], sh["dparams"], arg_sh))
+            return (
+                prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
+                decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
+                (sh["tparams"], sh["dparams"], arg_sh),
+            )
 
     (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
     if placement is not None:  # put parameters and inputs where the sharded programs want them
@@ -442,9 +555,9 @@ def generate(target, drafter: Optional[Drafter], prompts: Sequence[Sequence[int]
     times = (t1 - t0, t2 - t1, compile_s)
     if mesh is not None and jax.process_count() > 1:
         state, times = gather_multiprocess(state, plan, times)
-    result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1],
-                     compile_s=times[2])
+    result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1], compile_s=times[2])
     if mesh is not None:
-        result.stats.update(mesh=sharding.mesh_str(mesh),
-                            cache_sharding=str(state.cache.k[0].sharding.spec))
+        result.stats.update(
+            mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
+        )
     return result

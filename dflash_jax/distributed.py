@@ -51,12 +51,16 @@ def initialize(auto: bool = False) -> bool:
     kwargs = None
     if os.environ.get(ENV_ADDRESS):
         try:
-            kwargs = dict(coordinator_address=os.environ[ENV_ADDRESS],
-                          num_processes=int(os.environ[ENV_NUM_PROCESSES]),
-                          process_id=int(os.environ[ENV_PROCESS_ID]))
+            kwargs = dict(
+                coordinator_address=os.environ[ENV_ADDRESS],
+                num_processes=int(os.environ[ENV_NUM_PROCESSES]),
+                process_id=int(os.environ[ENV_PROCESS_ID]),
+            )
         except (KeyError, ValueError) as e:
-            raise ValueError(f"{ENV_ADDRESS} is set but {ENV_NUM_PROCESSES} / "
-                             f"{ENV_PROCESS_ID} are missing or not integers ({e})") from None
+            raise ValueError(
+                f"{ENV_ADDRESS} is set but {ENV_NUM_PROCESSES} / "
+                f"{ENV_PROCESS_ID} are missing or not integers ({e})"
+            ) from None
     elif auto:
         kwargs = {}
     if kwargs is None:
@@ -126,8 +130,10 @@ def gather(tree):
     if any(_is_global(x) for x in leaves):
         from jax.experimental import multihost_utils
 
-        leaves = [multihost_utils.process_allgather(x, tiled=True) if _is_global(x) else
-                  np.asarray(x) for x in leaves]
+        leaves = [
+            multihost_utils.process_allgather(x, tiled=True) if _is_global(x) else np.asarray(x)
+            for x in leaves
+        ]
     else:
         leaves = jax.device_get(leaves)
     return jax.tree_util.tree_unflatten(treedef, [np.asarray(x) for x in leaves])
@@ -152,7 +158,7 @@ def allgather_json(obj) -> List[Any]:
     data = np.frombuffer(json.dumps(obj).encode(), np.uint8)
     sizes = multihost_utils.process_allgather(np.asarray([data.size], np.int32)).reshape(-1)
     buf = np.zeros(int(sizes.max()), np.uint8)
-    buf[:data.size] = data
+    buf[: data.size] = data
     bufs = multihost_utils.process_allgather(buf)
     return [json.loads(bytes(b[:n]).decode()) for b, n in zip(bufs, sizes)]
 
@@ -222,7 +228,7 @@ class ShardedBatches:
         for key, first in next(iter(parts.values())).items():
             buf = np.zeros((self.batch_size,) + first.shape[1:], first.dtype)
             for s, part in parts.items():
-                buf[s * self.rows:(s + 1) * self.rows] = part[key]
+                buf[s * self.rows : (s + 1) * self.rows] = part[key]
             out[key] = buf
         return out
 
@@ -238,9 +244,11 @@ class ShardedBatches:
         shards = state.get("shards") if isinstance(state, dict) else None
         if shards is None or len(shards) != self.num_shards:
             have = len(shards) if shards is not None else 1
-            raise ValueError(f"the checkpoint's data position is for {have} data shard(s), this "
-                             f"run reads {self.num_shards}: set data.num_shards={have} to "
-                             "resume it")
+            raise ValueError(
+                f"the checkpoint's data position is for {have} data shard(s), this "
+                f"run reads {self.num_shards}: set data.num_shards={have} to "
+                "resume it"
+            )
         for it, s in zip(self.streams, shards):
             if it is not None:
                 it.set_state(s)
@@ -263,9 +271,24 @@ def shard_batches(it, sharding, num_shards: int = 0):
     for index in sharding.addressable_devices_indices_map((b, it.seq_len)).values():
         start, stop, _ = index[0].indices(b)
         needed.update(range(start // rows, -(-stop // rows)))
-    streams = [PackedBatchIterator(
-        it.source, it.tokenize_fn, seq_len=it.seq_len, batch_size=rows, seed=it.seed,
-        shuffle=it.shuffle, num_epochs=it.num_epochs, host_id=s, num_hosts=n, pad_id=it.pad_id,
-        allow_split=it.allow_split, drop_remainder=it.drop_remainder,
-        include_positions=it.include_positions) if s in needed else None for s in range(n)]
+    streams = [
+        PackedBatchIterator(
+            it.source,
+            it.tokenize_fn,
+            seq_len=it.seq_len,
+            batch_size=rows,
+            seed=it.seed,
+            shuffle=it.shuffle,
+            num_epochs=it.num_epochs,
+            host_id=s,
+            num_hosts=n,
+            pad_id=it.pad_id,
+            allow_split=it.allow_split,
+            drop_remainder=it.drop_remainder,
+            include_positions=it.include_positions,
+        )
+        if s in needed
+        else None
+        for s in range(n)
+    ]
     return ShardedBatches(streams, b, it.seq_len, it.pad_id)

@@ -42,7 +42,8 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> Tuple[int
     if min(ids) < 0 or max(ids) >= num_target_layers:
         raise ValueError(
             f"the default spread of {num_taps} taps gives layers {list(ids)}, outside a "
-            f"{num_target_layers}-layer target; pass target_layer_ids")
+            f"{num_target_layers}-layer target; pass target_layer_ids"
+        )
     return ids
 
 
@@ -74,16 +75,25 @@ class DrafterConfig:
     # ---------------------------------------------------------------- z-lab config.json
 
     @classmethod
-    def from_hf(cls, hf: dict, *, target_hidden_size: Optional[int] = None, dtype="float32",
-                param_dtype=None, source="config.json") -> "DrafterConfig":
+    def from_hf(
+        cls,
+        hf: dict,
+        *,
+        target_hidden_size: Optional[int] = None,
+        dtype="float32",
+        param_dtype=None,
+        source="config.json",
+    ) -> "DrafterConfig":
         archs = hf.get("architectures") or []
         if "DFlashDraftModel" not in archs:
             raise CheckpointError(
                 f"{source}: not a DFlash drafter (architectures={archs!r}, expected "
-                "['DFlashDraftModel'])")
+                "['DFlashDraftModel'])"
+            )
         try:
-            body = ModelConfig._from_hf_fields(hf, arch="qwen3", dtype=dtype,
-                                               param_dtype=param_dtype, source=source)
+            body = ModelConfig._from_hf_fields(
+                hf, arch="qwen3", dtype=dtype, param_dtype=param_dtype, source=source
+            )
         except ValueError as e:
             raise CheckpointError(str(e)) from e
         dcfg = hf.get("dflash_config") or {}
@@ -97,28 +107,36 @@ class DrafterConfig:
         if ids is None:
             if num_target_layers is None:
                 raise CheckpointError(
-                    f"{source}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'")
+                    f"{source}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'"
+                )
             ids = default_target_layer_ids(num_target_layers, body.num_layers)
         if num_target_layers is None:
             num_target_layers = max(ids) + 1
-        return cls(body=body, block_size=int(block_size),
-                   mask_token_id=int(dcfg["mask_token_id"]),
-                   target_layer_ids=tuple(int(i) for i in ids),
-                   target_hidden_size=int(target_hidden_size or body.hidden_size),
-                   num_target_layers=int(num_target_layers))
+        return cls(
+            body=body,
+            block_size=int(block_size),
+            mask_token_id=int(dcfg["mask_token_id"]),
+            target_layer_ids=tuple(int(i) for i in ids),
+            target_hidden_size=int(target_hidden_size or body.hidden_size),
+            num_target_layers=int(num_target_layers),
+        )
 
     def to_hf(self, torch_dtype="bfloat16") -> dict:
         out = self.body.replace(arch="qwen3", qk_norm=True).to_hf(torch_dtype)
-        out.update({
-            "architectures": ["DFlashDraftModel"],
-            "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
-            "block_size": self.block_size,
-            "num_target_layers": self.num_target_layers,
-            "layer_types": ["full_attention"] * self.body.num_layers,
-            "dflash_config": {"mask_token_id": self.mask_token_id,
-                              "target_layer_ids": list(self.target_layer_ids),
-                              "block_size": self.block_size},
-        })
+        out.update(
+            {
+                "architectures": ["DFlashDraftModel"],
+                "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+                "block_size": self.block_size,
+                "num_target_layers": self.num_target_layers,
+                "layer_types": ["full_attention"] * self.body.num_layers,
+                "dflash_config": {
+                    "mask_token_id": self.mask_token_id,
+                    "target_layer_ids": list(self.target_layer_ids),
+                    "block_size": self.block_size,
+                },
+            }
+        )
         return out
 
 
@@ -135,9 +153,11 @@ class ContextCache:
     def create(cls, cfg: DrafterConfig, batch: int, capacity: int) -> "ContextCache":
         b = cfg.body
         shape = (batch, capacity, b.num_kv_heads, b.head_dim)
-        return cls(k=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
-                   v=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+        return cls(
+            k=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
+            v=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
 
     def rollback(self, lengths) -> "ContextCache":
         return self.replace(lengths=lengths.astype(jnp.int32))
@@ -176,8 +196,7 @@ class DFlashDrafter(nn.Module):
 
     def setup(self):
         b = self.cfg.body
-        self.fc = nn.Dense(b.hidden_size, use_bias=False, dtype=b.dtype,
-                           param_dtype=b.param_dtype)
+        self.fc = nn.Dense(b.hidden_size, use_bias=False, dtype=b.dtype, param_dtype=b.param_dtype)
         self.hidden_norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
         self.layers = [DrafterLayer(b, name=f"layers_{i}") for i in range(b.num_layers)]
         self.norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
@@ -207,8 +226,13 @@ class DFlashDrafter(nn.Module):
         t = block_emb_BTH.shape[1]
         ctx_pos = jnp.broadcast_to(jnp.arange(c), (b, c))
         ck, cv = self.context_kv(taps_BCF, ctx_pos)
-        return self(block_emb_BTH, c + jnp.broadcast_to(jnp.arange(t), (b, t)), ck, cv,
-                    decode_attend(jnp.full((b,), c, jnp.int32)))
+        return self(
+            block_emb_BTH,
+            c + jnp.broadcast_to(jnp.arange(t), (b, t)),
+            ck,
+            cv,
+            decode_attend(jnp.full((b,), c, jnp.int32)),
+        )
 
 
 def decode_attend(ctx_len_B, impl: str = "xla") -> AttendFn:
@@ -224,8 +248,9 @@ def decode_attend(ctx_len_B, impl: str = "xla") -> AttendFn:
 INITIALIZER_RANGE = 0.02
 
 
-def init_drafter_params(cfg: DrafterConfig, seed: int = 0,
-                        initializer_range: float = INITIALIZER_RANGE):
+def init_drafter_params(
+    cfg: DrafterConfig, seed: int = 0, initializer_range: float = INITIALIZER_RANGE
+):
     """New drafter parameters, initialised as Hugging Face's Qwen3 does (`_init_weights`):
     every weight matrix ~ N(0, initializer_range), biases 0, RMSNorm scales 1."""
     model = DFlashDrafter(cfg)
@@ -261,47 +286,74 @@ class Drafter:
         return DFlashDrafter(self.config)
 
 
-def make_drafter_config(target_config: ModelConfig, *, num_layers: int = 5,
-                        num_taps: int = 5, block_size: int = 16,
-                        mask_token_id: Optional[int] = None,
-                        target_layer_ids: Optional[Sequence[int]] = None,
-                        **body_overrides) -> DrafterConfig:
+def make_drafter_config(
+    target_config: ModelConfig,
+    *,
+    num_layers: int = 5,
+    num_taps: int = 5,
+    block_size: int = 16,
+    mask_token_id: Optional[int] = None,
+    target_layer_ids: Optional[Sequence[int]] = None,
+    **body_overrides,
+) -> DrafterConfig:
     """A drafter config matched to a target: same width, heads and vocabulary by default."""
-    body = target_config.replace(num_layers=num_layers, arch="qwen3", qk_norm=True,
-                                 tie_word_embeddings=False, attention_bias=False,
-                                 rope_scaling=None, **body_overrides)
-    ids = tuple(target_layer_ids) if target_layer_ids is not None else \
-        default_target_layer_ids(target_config.num_layers, num_taps)
-    return DrafterConfig(body=body, block_size=block_size,
-                         mask_token_id=(target_config.vocab_size - 1 if mask_token_id is None
-                                        else mask_token_id),
-                         target_layer_ids=ids, target_hidden_size=target_config.hidden_size,
-                         num_target_layers=target_config.num_layers)
+    body = target_config.replace(
+        num_layers=num_layers,
+        arch="qwen3",
+        qk_norm=True,
+        tie_word_embeddings=False,
+        attention_bias=False,
+        rope_scaling=None,
+        **body_overrides,
+    )
+    ids = (
+        tuple(target_layer_ids)
+        if target_layer_ids is not None
+        else default_target_layer_ids(target_config.num_layers, num_taps)
+    )
+    return DrafterConfig(
+        body=body,
+        block_size=block_size,
+        mask_token_id=(target_config.vocab_size - 1 if mask_token_id is None else mask_token_id),
+        target_layer_ids=ids,
+        target_hidden_size=target_config.hidden_size,
+        num_target_layers=target_config.num_layers,
+    )
 
 
 def validate_pair(drafter_cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
     """Clear errors for a drafter that cannot serve this target."""
     ids = drafter_cfg.target_layer_ids
     if not ids or min(ids) < 0 or max(ids) >= target_cfg.num_layers:
-        raise ValueError(f"drafter taps target layers {list(ids)}, but the target has "
-                         f"{target_cfg.num_layers} layers (valid ids 0..{target_cfg.num_layers - 1})")
+        raise ValueError(
+            f"drafter taps target layers {list(ids)}, but the target has "
+            f"{target_cfg.num_layers} layers (valid ids 0..{target_cfg.num_layers - 1})"
+        )
     if drafter_cfg.target_hidden_size != target_cfg.hidden_size:
-        raise ValueError(f"drafter expects target hidden size {drafter_cfg.target_hidden_size}, "
-                         f"target has {target_cfg.hidden_size}")
+        raise ValueError(
+            f"drafter expects target hidden size {drafter_cfg.target_hidden_size}, "
+            f"target has {target_cfg.hidden_size}"
+        )
     if drafter_cfg.body.hidden_size != target_cfg.hidden_size:
         raise ValueError(
             f"drafter width {drafter_cfg.body.hidden_size} differs from the target's "
-            f"{target_cfg.hidden_size}: it cannot share the target's embedding and LM head")
+            f"{target_cfg.hidden_size}: it cannot share the target's embedding and LM head"
+        )
     if drafter_cfg.body.vocab_size != target_cfg.vocab_size:
-        raise ValueError(f"drafter vocabulary {drafter_cfg.body.vocab_size} differs from the "
-                         f"target's {target_cfg.vocab_size}")
+        raise ValueError(
+            f"drafter vocabulary {drafter_cfg.body.vocab_size} differs from the "
+            f"target's {target_cfg.vocab_size}"
+        )
     if not 0 <= drafter_cfg.mask_token_id < target_cfg.vocab_size:
-        raise ValueError(f"mask_token_id {drafter_cfg.mask_token_id} is outside the target's "
-                         f"embedding table (0..{target_cfg.vocab_size - 1})")
+        raise ValueError(
+            f"mask_token_id {drafter_cfg.mask_token_id} is outside the target's "
+            f"embedding table (0..{target_cfg.vocab_size - 1})"
+        )
 
 
-def load_drafter(path: str, target=None, dtype: Optional[str] = None,
-                 param_dtype: Optional[str] = None) -> Drafter:
+def load_drafter(
+    path: str, target=None, dtype: Optional[str] = None, param_dtype: Optional[str] = None
+) -> Drafter:
     """Loads a z-lab DFlash drafter directory (config.json + safetensors), or hub id
     (`z-lab/Qwen3-8B-DFlash-b16`, fetched into the Hugging Face cache by `dflash_jax.hub`).
 
@@ -314,8 +366,13 @@ def load_drafter(path: str, target=None, dtype: Optional[str] = None,
         dtype = "float32" if target is None else checkpoint.dtype_name(target.config.dtype)
     as_dtype(dtype)
     th = target.config.hidden_size if target is not None else None
-    cfg = DrafterConfig.from_hf(hf, target_hidden_size=th, dtype=dtype, param_dtype=param_dtype,
-                                source=os.path.join(path, "config.json"))
+    cfg = DrafterConfig.from_hf(
+        hf,
+        target_hidden_size=th,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        source=os.path.join(path, "config.json"),
+    )
     if target is not None:
         validate_pair(cfg, target.config)
     abstract = jax.eval_shape(lambda: init_drafter_params(cfg))

@@ -31,18 +31,41 @@ class GenerationResult:
         return self.stats["tau"]
 
 
-def check_request(target, drafter, prompts, max_new_tokens, block_size, temperature, top_k,
-                  top_p, seed, stop_token_ids, denoise_steps, confidence_threshold) -> dict:
+def check_request(
+    target,
+    drafter,
+    prompts,
+    max_new_tokens,
+    block_size,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    stop_token_ids,
+    denoise_steps,
+    confidence_threshold,
+) -> dict:
     """The arguments of `generate` checked (types, ranges, ids in the vocabulary, the context
     length) and normalized (`validation.check_generate_args`'s dict). Raises ValueError."""
     if drafter is not None:
         validate_pair(drafter.config, target.config)
     v = validation.check_generate_args(
-        target.config, drafter.config if drafter is not None else None, prompts,
-        max_new_tokens, block_size, temperature, top_k, top_p, seed, stop_token_ids,
-        denoise_steps, confidence_threshold)
-    validate_request(target, drafter, v["prompts"], v["max_new_tokens"], v["block_size"],
-                     v["denoise_steps"])
+        target.config,
+        drafter.config if drafter is not None else None,
+        prompts,
+        max_new_tokens,
+        block_size,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        stop_token_ids,
+        denoise_steps,
+        confidence_threshold,
+    )
+    validate_request(
+        target, drafter, v["prompts"], v["max_new_tokens"], v["block_size"], v["denoise_steps"]
+    )
     return v
 
 
@@ -64,13 +87,15 @@ def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoi
             raise ValueError(f"prompt {i} is empty")
         lo, hi = min(p), max(p)
         if lo < 0 or hi >= cfg.vocab_size:
-            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): "
-                             f"range [{lo}, {hi}]")
+            raise ValueError(
+                f"prompt {i} has token ids outside [0, {cfg.vocab_size}): range [{lo}, {hi}]"
+            )
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
                 f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
                 f"the model's context length max_position_embeddings="
-                f"{cfg.max_position_embeddings}")
+                f"{cfg.max_position_embeddings}"
+            )
 
 
 def gather_multiprocess(state, plan, times):
@@ -79,8 +104,7 @@ def gather_multiprocess(state, plan, times):
     result."""
     from dflash_jax import distributed
 
-    out = dict(tokens=state.tokens, num_out=state.num_out, accepted=state.accepted,
-               step=state.step)
+    out = dict(tokens=state.tokens, num_out=state.num_out, accepted=state.accepted, step=state.step)
     if plan.record_drafts:
         out["drafts"] = state.drafts
     out = distributed.gather(out)
@@ -88,16 +112,18 @@ def gather_multiprocess(state, plan, times):
     return state.replace(**out), tuple(float(t) for t in times)
 
 
-def collect(state, plan, b: int, *, prefill_s: float, decode_s: float,
-            compile_s: float) -> GenerationResult:
+def collect(
+    state, plan, b: int, *, prefill_s: float, decode_s: float, compile_s: float
+) -> GenerationResult:
     """Host-side result of a final `decoding.DecodeState`: per-sequence tokens, acceptance
     lengths, drafts, and stats."""
     tokens, num_out, accepted, steps = jax.device_get(
-        (state.tokens, state.num_out, state.accepted, state.step))
+        (state.tokens, state.num_out, state.accepted, state.step)
+    )
     drafts_np = np.asarray(state.drafts) if plan.record_drafts else None
     out_tokens, acc, drafts = [], [], [] if plan.record_drafts else None
     for i in range(b):
-        out_tokens.append(tokens[i, :num_out[i]].tolist())
+        out_tokens.append(tokens[i, : num_out[i]].tolist())
         active = accepted[i, :steps] > 0
         acc.append(accepted[i, :steps][active].tolist())
         if drafts is not None:
@@ -117,5 +143,4 @@ def collect(state, plan, b: int, *, prefill_s: float, decode_s: float,
         "block_size": plan.block_size,
         "batch": b,
     }
-    return GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=drafts,
-                            stats=stats)
+    return GenerationResult(tokens=out_tokens, acceptance_lengths=acc, drafts=drafts, stats=stats)

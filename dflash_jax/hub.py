@@ -20,9 +20,13 @@ from typing import Optional
 # The files `load_target` / `load_drafter` / the tokenizer loader read; nothing else is fetched
 # (no PyTorch .bin weights, no remote code, no README assets).
 ALLOW_PATTERNS = (
-    "config.json", "generation_config.json",
-    "*.safetensors", "*.safetensors.index.json",
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+    "config.json",
+    "generation_config.json",
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
 )
 
 # Hugging Face repository ids: "name" or "namespace/name" of [A-Za-z0-9._-], optionally
@@ -37,8 +41,12 @@ class HubError(ValueError):
 def looks_like_repo_id(name: str) -> bool:
     """True for "org/name" (or "name", optionally "@revision") that is not a local path."""
     name = str(name)
-    return (bool(_REPO_ID.match(name)) and not name.startswith(".") and ".." not in name
-            and not name.endswith((".json", ".safetensors")))
+    return (
+        bool(_REPO_ID.match(name))
+        and not name.startswith(".")
+        and ".." not in name
+        and not name.endswith((".json", ".safetensors"))
+    )
 
 
 def resolve(name_or_path, *, what: str = "model") -> str:
@@ -48,31 +56,43 @@ def resolve(name_or_path, *, what: str = "model") -> str:
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
-        raise HubError(f"{what} {path!r} is a file; expected a Hugging Face model directory "
-                       "(config.json + safetensors) or a hub id such as Qwen/Qwen3-8B")
+        raise HubError(
+            f"{what} {path!r} is a file; expected a Hugging Face model directory "
+            "(config.json + safetensors) or a hub id such as Qwen/Qwen3-8B"
+        )
     if not looks_like_repo_id(path):
-        raise HubError(f"{what} directory {path!r} not found (and it is not a hub id of the "
-                       "form org/name); check the path")
+        raise HubError(
+            f"{what} directory {path!r} not found (and it is not a hub id of the "
+            "form org/name); check the path"
+        )
     repo_id, _, revision = path.partition("@")
     try:
         import huggingface_hub
         from huggingface_hub import errors
     except ImportError:
-        raise HubError(f"{what} {path!r} is not a local directory, and resolving it as a hub id "
-                       "needs huggingface_hub (pip install huggingface_hub)") from None
+        raise HubError(
+            f"{what} {path!r} is not a local directory, and resolving it as a hub id "
+            "needs huggingface_hub (pip install huggingface_hub)"
+        ) from None
     offline = _offline()
     try:
         local = huggingface_hub.snapshot_download(
-            repo_id, revision=revision or None, allow_patterns=list(ALLOW_PATTERNS))
+            repo_id, revision=revision or None, allow_patterns=list(ALLOW_PATTERNS)
+        )
     except errors.GatedRepoError:
-        raise HubError(f"{what} {path!r}: the hub repository is gated; accept its terms on "
-                       "huggingface.co and set HF_TOKEN (or run `hf auth login`)") from None
+        raise HubError(
+            f"{what} {path!r}: the hub repository is gated; accept its terms on "
+            "huggingface.co and set HF_TOKEN (or run `hf auth login`)"
+        ) from None
     except errors.RepositoryNotFoundError:
-        raise HubError(f"{what} {path!r}: no such hub repository (or it is private: set "
-                       "HF_TOKEN); check the id, or pass a local directory") from None
+        raise HubError(
+            f"{what} {path!r}: no such hub repository (or it is private: set "
+            "HF_TOKEN); check the id, or pass a local directory"
+        ) from None
     except errors.RevisionNotFoundError:
-        raise HubError(f"{what} {path!r}: the hub repository has no revision "
-                       f"{revision!r}") from None
+        raise HubError(
+            f"{what} {path!r}: the hub repository has no revision {revision!r}"
+        ) from None
     except (errors.LocalEntryNotFoundError, errors.OfflineModeIsEnabled, OSError) as e:
         if offline:
             reason = "HF_HUB_OFFLINE is set and it is not in the local cache"
@@ -80,11 +100,15 @@ def resolve(name_or_path, *, what: str = "model") -> str:
         else:
             reason = f"the hub could not be reached and it is not cached ({_first_line(e)})"
             fix = "check connectivity (or HF_ENDPOINT), or pass a local directory"
-        raise HubError(f"{what} {path!r} is not a local directory and could not be fetched "
-                       f"from the Hugging Face hub: {reason}; fix: {fix}") from None
+        raise HubError(
+            f"{what} {path!r} is not a local directory and could not be fetched "
+            f"from the Hugging Face hub: {reason}; fix: {fix}"
+        ) from None
     if not os.path.exists(os.path.join(local, "config.json")):
-        raise HubError(f"{what} {path!r}: the hub repository has no config.json; it is not a "
-                       "Hugging Face model (or DFlash drafter) repository")
+        raise HubError(
+            f"{what} {path!r}: the hub repository has no config.json; it is not a "
+            "Hugging Face model (or DFlash drafter) repository"
+        )
     return local
 
 

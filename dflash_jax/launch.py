@@ -51,18 +51,26 @@ def child_command(command: Sequence[str]) -> List[str]:
     return command
 
 
-def child_env(base: dict, process_id: int, num_processes: int, address: str,
-              devices_per_process: int) -> dict:
+def child_env(
+    base: dict, process_id: int, num_processes: int, address: str, devices_per_process: int
+) -> dict:
     env = dict(base, PYTHONUNBUFFERED="1")
-    env.update({ENV_ADDRESS: address, ENV_NUM_PROCESSES: str(num_processes),
-                ENV_PROCESS_ID: str(process_id),
-                # The coordinator (process 0) listens on loopback only.
-                "JAX_COORDINATOR_BIND_ADDRESS": address})
+    env.update(
+        {
+            ENV_ADDRESS: address,
+            ENV_NUM_PROCESSES: str(num_processes),
+            ENV_PROCESS_ID: str(process_id),
+            # The coordinator (process 0) listens on loopback only.
+            "JAX_COORDINATOR_BIND_ADDRESS": address,
+        }
+    )
     if devices_per_process > 0:
-        flags = re.sub(r"--xla_force_host_platform_device_count=\S+", "",
-                       env.get("XLA_FLAGS", "")).strip()
-        env["XLA_FLAGS"] = (flags + " " if flags else "") + \
-            f"--xla_force_host_platform_device_count={devices_per_process}"
+        flags = re.sub(
+            r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+        ).strip()
+        env["XLA_FLAGS"] = (
+            flags + " " if flags else ""
+        ) + f"--xla_force_host_platform_device_count={devices_per_process}"
         env["JAX_PLATFORMS"] = "cpu"
     return env
 
@@ -75,8 +83,10 @@ class _Group:
         self.procs = procs
         self.out = out
         self.lock = threading.Lock()
-        self.readers = [threading.Thread(target=self._pump, args=(i, p), daemon=True)
-                        for i, p in enumerate(procs)]
+        self.readers = [
+            threading.Thread(target=self._pump, args=(i, p), daemon=True)
+            for i, p in enumerate(procs)
+        ]
         for t in self.readers:
             t.start()
 
@@ -128,9 +138,15 @@ def _describe(code: int) -> str:
     return f"exited with code {code}"
 
 
-def launch(command: Sequence[str], num_processes: int = 2, devices_per_process: int = 0,
-           timeout: Optional[float] = None, grace: float = 10.0, port: int = 0,
-           out=None) -> int:
+def launch(
+    command: Sequence[str],
+    num_processes: int = 2,
+    devices_per_process: int = 0,
+    timeout: Optional[float] = None,
+    grace: float = 10.0,
+    port: int = 0,
+    out=None,
+) -> int:
     """Runs `command` as `num_processes` processes of one JAX process group; returns the exit
     code the launcher exits with (0, the first failing process's code, or 124 on timeout)."""
     if num_processes < 1:
@@ -142,13 +158,22 @@ def launch(command: Sequence[str], num_processes: int = 2, devices_per_process: 
     cmd = child_command(command)
     procs = []
     for i in range(num_processes):
-        procs.append(subprocess.Popen(
-            cmd, env=child_env(os.environ, i, num_processes, address, devices_per_process),
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True))
+        procs.append(
+            subprocess.Popen(
+                cmd,
+                env=child_env(os.environ, i, num_processes, address, devices_per_process),
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        )
     group = _Group(procs, out)
-    group.say(f"{num_processes} process(es)" +
-              (f" x {devices_per_process} CPU devices" if devices_per_process else "") +
-              f", coordinator {address}, pids " + " ".join(str(p.pid) for p in procs))
+    group.say(
+        f"{num_processes} process(es)"
+        + (f" x {devices_per_process} CPU devices" if devices_per_process else "")
+        + f", coordinator {address}, pids "
+        + " ".join(str(p.pid) for p in procs)
+    )
 
     forwarded = []
 
@@ -200,26 +225,47 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
         cut = argv.index("--")
-        own, command = argv[:cut], argv[cut + 1:]
+        own, command = argv[:cut], argv[cut + 1 :]
     else:
         own, command = argv, []
-    p = argparse.ArgumentParser(prog="python -m dflash_jax.launch", description=__doc__.split(
-        "\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m dflash_jax.launch",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--num_processes", type=int, default=2)
-    p.add_argument("--devices_per_process", type=int, default=0,
-                   help="> 0: CPU processes with this many fake devices each")
-    p.add_argument("--timeout", type=float, default=0,
-                   help="seconds for the whole group (0: none); then exit 124")
-    p.add_argument("--grace", type=float, default=10.0,
-                   help="seconds between SIGTERM and SIGKILL when stopping processes")
+    p.add_argument(
+        "--devices_per_process",
+        type=int,
+        default=0,
+        help="> 0: CPU processes with this many fake devices each",
+    )
+    p.add_argument(
+        "--timeout",
+        type=float,
+        default=0,
+        help="seconds for the whole group (0: none); then exit 124",
+    )
+    p.add_argument(
+        "--grace",
+        type=float,
+        default=10.0,
+        help="seconds between SIGTERM and SIGKILL when stopping processes",
+    )
     p.add_argument("--port", type=int, default=0, help="coordinator port (0: a free one)")
     args = p.parse_args(own)
     if not command:
         p.error("give the command to run after `--`, e.g. -- train.py --config=...")
     if args.num_processes < 1 or args.devices_per_process < 0:
         p.error("--num_processes must be >= 1 and --devices_per_process >= 0")
-    return launch(command, args.num_processes, args.devices_per_process,
-                  args.timeout or None, args.grace, args.port)
+    return launch(
+        command,
+        args.num_processes,
+        args.devices_per_process,
+        args.timeout or None,
+        args.grace,
+        args.port,
+    )
 
 
 if __name__ == "__main__":

@@ -73,8 +73,9 @@ def apply_rope(x_BTnD: jnp.ndarray, positions_BT: jnp.ndarray, inv_freq: jnp.nda
     return out.astype(x_BTnD.dtype)
 
 
-def masked_attention(q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None,
-                     *, precision=None):
+def masked_attention(
+    q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None, *, precision=None
+):
     """GQA attention with an explicit boolean mask; softmax in float32. The one XLA reference:
     the model's "xla" attention, and what `pallas_kernels` checks its kernels against
     (`pallas_kernels.reference`, in float32 at `precision=HIGHEST`).
@@ -88,16 +89,21 @@ def masked_attention(q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float]
     if n % kh:
         raise ValueError(f"{n} query heads must be a multiple of {kh} key/value heads")
     g = n // kh
-    scale = d ** -0.5 if sm_scale is None else sm_scale
+    scale = d**-0.5 if sm_scale is None else sm_scale
     q = q_BTND.reshape(b, t, kh, g, d)
-    logits = jnp.einsum("btkgd,bskd->bkgts", q, k_BSKD, precision=precision,
-                        preferred_element_type=jnp.float32) * scale
+    logits = (
+        jnp.einsum(
+            "btkgd,bskd->bkgts", q, k_BSKD, precision=precision, preferred_element_type=jnp.float32
+        )
+        * scale
+    )
     mask = jnp.broadcast_to(mask_BTS, (b, t, k_BSKD.shape[1]))[:, None, None, :, :]
     logits = jnp.where(mask, logits, _MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
     probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype)
-    out = jnp.einsum("bkgts,bskd->btkgd", probs, v_BSKD, precision=precision,
-                     preferred_element_type=jnp.float32)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", probs, v_BSKD, precision=precision, preferred_element_type=jnp.float32
+    )
     return out.reshape(b, t, n, d).astype(q_BTND.dtype)
 
 
@@ -109,10 +115,12 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.cfg
-        dense = lambda f, name: nn.Dense(f, use_bias=False, dtype=c.dtype,
-                                         param_dtype=c.param_dtype, name=name)
+        dense = lambda f, name: nn.Dense(
+            f, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype, name=name
+        )
         h = nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(
-            c.intermediate_size, "up_proj")(x)
+            c.intermediate_size, "up_proj"
+        )(x)
         return dense(c.hidden_size, "down_proj")(h)
 
 
@@ -127,13 +135,19 @@ class QKVProjection(nn.Module):
 
     def setup(self):
         c = self.cfg
-        dense = lambda f, name: nn.Dense(f, use_bias=c.attention_bias, dtype=c.dtype,
-                                         param_dtype=c.param_dtype, name=name)
+        dense = lambda f, name: nn.Dense(
+            f, use_bias=c.attention_bias, dtype=c.dtype, param_dtype=c.param_dtype, name=name
+        )
         self.q_proj = dense(c.num_heads * c.head_dim, "q_proj")
         self.k_proj = dense(c.num_kv_heads * c.head_dim, "k_proj")
         self.v_proj = dense(c.num_kv_heads * c.head_dim, "v_proj")
-        self.o_proj = nn.Dense(c.hidden_size, use_bias=c.attention_bias, dtype=c.dtype,
-                               param_dtype=c.param_dtype, name="o_proj")
+        self.o_proj = nn.Dense(
+            c.hidden_size,
+            use_bias=c.attention_bias,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="o_proj",
+        )
         if c.qk_norm:
             self.q_norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="q_norm")
             self.k_norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="k_norm")

@@ -44,9 +44,11 @@ class KVCache:
     def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> "KVCache":
         shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
         dtype = cfg.dtype if dtype is None else dtype
-        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-                   lengths=jnp.zeros((batch,), jnp.int32))
+        return cls(
+            k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+            lengths=jnp.zeros((batch,), jnp.int32),
+        )
 
     @property
     def capacity(self) -> int:
@@ -63,12 +65,12 @@ def write_kv(cache_k_BSKD, new_BTKD, positions_BT):
     Out-of-range slots are dropped (never clamped onto valid data).
     """
     b = jnp.arange(new_BTKD.shape[0])[:, None]
-    return cache_k_BSKD.at[b, positions_BT].set(new_BTKD.astype(cache_k_BSKD.dtype),
-                                                mode="drop")
+    return cache_k_BSKD.at[b, positions_BT].set(new_BTKD.astype(cache_k_BSKD.dtype), mode="drop")
 
 
-def chunked_causal_attention(q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT=None,
-                             chunk: int = 512):
+def chunked_causal_attention(
+    q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT=None, chunk: int = 512
+):
     """Causal (and segment-masked) GQA attention over T tokens, `chunk` queries at a time.
 
     Equal to `masked_attention` with the mask `pos[k] <= pos[q]` (and same segment), but the
@@ -99,8 +101,16 @@ class DecoderLayer(nn.Module):
     attention_impl: str = "xla"
 
     @nn.compact
-    def __call__(self, x_BTH, positions_BT, inv_freq, layer_cache=None, mask_BTT=None,
-                 attn_chunk: int = 0, segment_ids_BT=None):
+    def __call__(
+        self,
+        x_BTH,
+        positions_BT,
+        inv_freq,
+        layer_cache=None,
+        mask_BTT=None,
+        attn_chunk: int = 0,
+        segment_ids_BT=None,
+    ):
         """One pre-norm decoder layer.
 
         With `layer_cache=(k [B,S,K,D], v [B,S,K,D])` the new K/V are written at `positions`
@@ -155,14 +165,25 @@ class Transformer(nn.Module):
 
     def setup(self):
         c = self.cfg
-        self.embed_tokens = nn.Embed(c.vocab_size, c.hidden_size, dtype=c.dtype,
-                                     param_dtype=c.param_dtype, name="embed_tokens")
-        self.layers = [DecoderLayer(c, self.attention_impl, name=f"layers_{i}")
-                       for i in range(c.num_layers)]
+        self.embed_tokens = nn.Embed(
+            c.vocab_size,
+            c.hidden_size,
+            dtype=c.dtype,
+            param_dtype=c.param_dtype,
+            name="embed_tokens",
+        )
+        self.layers = [
+            DecoderLayer(c, self.attention_impl, name=f"layers_{i}") for i in range(c.num_layers)
+        ]
         self.norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
         if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(c.vocab_size, use_bias=False, dtype=c.dtype,
-                                    param_dtype=c.param_dtype, name="lm_head")
+            self.lm_head = nn.Dense(
+                c.vocab_size,
+                use_bias=False,
+                dtype=c.dtype,
+                param_dtype=c.param_dtype,
+                name="lm_head",
+            )
 
     def embed(self, input_ids_BT):
         return self.embed_tokens(input_ids_BT)
@@ -171,21 +192,38 @@ class Transformer(nn.Module):
         """Float32 logits [B,T,V] from final-normed hidden states."""
         if self.cfg.tie_word_embeddings:
             w = self.embed_tokens.embedding.astype(self.cfg.dtype)
-            return jnp.einsum("bth,vh->btv", hidden_BTH.astype(self.cfg.dtype), w,
-                              preferred_element_type=jnp.float32)
+            return jnp.einsum(
+                "bth,vh->btv",
+                hidden_BTH.astype(self.cfg.dtype),
+                w,
+                preferred_element_type=jnp.float32,
+            )
         w = self.lm_head.variables["params"]["kernel"].astype(self.cfg.dtype)
-        return jnp.einsum("bth,hv->btv", hidden_BTH.astype(self.cfg.dtype), w,
-                          preferred_element_type=jnp.float32)
+        return jnp.einsum(
+            "bth,hv->btv", hidden_BTH.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32
+        )
 
-    def __call__(self, input_ids_BT, positions_BT=None, cache: Optional[KVCache] = None,
-                 tap_layers: Sequence[int] = (), segment_ids_BT=None, taps_only: bool = False,
-                 attn_chunk: int = 512):
+    def __call__(
+        self,
+        input_ids_BT,
+        positions_BT=None,
+        cache: Optional[KVCache] = None,
+        tap_layers: Sequence[int] = (),
+        segment_ids_BT=None,
+        taps_only: bool = False,
+        attn_chunk: int = 512,
+    ):
         c = self.cfg
         if taps_only:
             if cache is not None or not tap_layers:
                 raise ValueError("taps_only needs tap_layers and no cache")
-            return None, None, self._taps_only(input_ids_BT, positions_BT, tuple(tap_layers),
-                                               segment_ids_BT, attn_chunk)
+            return (
+                None,
+                None,
+                self._taps_only(
+                    input_ids_BT, positions_BT, tuple(tap_layers), segment_ids_BT, attn_chunk
+                ),
+            )
         b, t = input_ids_BT.shape
         if positions_BT is None:
             base = 0 if cache is None else cache.lengths[:, None]
@@ -219,7 +257,6 @@ class Transformer(nn.Module):
             tap_out = jnp.concatenate([by_layer[i] for i in tap_layers], axis=-1)
         return hidden, new_cache, tap_out
 
-
     def _taps_only(self, input_ids_BT, positions_BT, tap_layers, segment_ids_BT, attn_chunk):
         b, t = input_ids_BT.shape
         if positions_BT is None:
@@ -228,8 +265,7 @@ class Transformer(nn.Module):
         x = self.embed(input_ids_BT)
         taps = {}
         for i in range(max(tap_layers) + 1):
-            x, _ = self.layers[i](x, positions_BT, inv_freq, None, None, attn_chunk,
-                                  segment_ids_BT)
+            x, _ = self.layers[i](x, positions_BT, inv_freq, None, None, attn_chunk, segment_ids_BT)
             if i in tap_layers:
                 taps[i] = x
         return jnp.concatenate([taps[i] for i in tap_layers], axis=-1)

@@ -24,25 +24,36 @@ def check_prompt_item(obj, where: str) -> dict:
     if isinstance(obj, str):
         obj = {"prompt": obj}
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with a 'prompt', 'text', 'messages' "
-                         f"or 'ids' field, got {type(obj).__name__}")
+        raise ValueError(
+            f"{where}: expected a JSON object with a 'prompt', 'text', 'messages' "
+            f"or 'ids' field, got {type(obj).__name__}"
+        )
     given = [k for k in _PROMPT_KEYS if k in obj]
     if len(given) != 1:
-        raise ValueError(f"{where}: expected exactly one of 'prompt', 'text', 'messages' or "
-                         f"'ids', got {given or sorted(obj)}")
+        raise ValueError(
+            f"{where}: expected exactly one of 'prompt', 'text', 'messages' or "
+            f"'ids', got {given or sorted(obj)}"
+        )
     key = given[0]
     value = obj[key]
     if key in ("prompt", "text") and not isinstance(value, str):
         raise ValueError(f"{where}: {key!r} must be a string, got {json.dumps(value)[:40]}")
     if key == "messages":
         if not isinstance(value, list) or not value:
-            raise ValueError(f"{where}: 'messages' must be a non-empty list of "
-                             "{'role': ..., 'content': ...} objects")
+            raise ValueError(
+                f"{where}: 'messages' must be a non-empty list of "
+                "{'role': ..., 'content': ...} objects"
+            )
         for j, m in enumerate(value):
-            if not (isinstance(m, dict) and isinstance(m.get("role"), str)
-                    and isinstance(m.get("content"), str)):
-                raise ValueError(f"{where}: messages[{j}] must be an object with string 'role' "
-                                 f"and 'content', got {json.dumps(m)[:60]}")
+            if not (
+                isinstance(m, dict)
+                and isinstance(m.get("role"), str)
+                and isinstance(m.get("content"), str)
+            ):
+                raise ValueError(
+                    f"{where}: messages[{j}] must be an object with string 'role' "
+                    f"and 'content', got {json.dumps(m)[:60]}"
+                )
     if key == "ids":
         from dflash_jax.validation import token_id_list
 
@@ -111,9 +122,15 @@ def special_tokens(model_dir: Optional[str]) -> dict:
     to chat templates (Llama-3's starts with {{ bos_token }})."""
     out = {}
     for name, value in _tokenizer_config(model_dir).items():
-        if name.endswith("_token") and name in ("bos_token", "eos_token", "unk_token",
-                                                 "sep_token", "pad_token", "cls_token",
-                                                 "mask_token"):
+        if name.endswith("_token") and name in (
+            "bos_token",
+            "eos_token",
+            "unk_token",
+            "sep_token",
+            "pad_token",
+            "cls_token",
+            "mask_token",
+        ):
             value = value.get("content") if isinstance(value, dict) else value
             if isinstance(value, str):
                 out[name] = value
@@ -139,19 +156,26 @@ def _template_env():
         return datetime.datetime.now().strftime(fmt)
 
     def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
-                          sort_keys=sort_keys)
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
+    )
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
     return env
 
 
-def render_chat(template: str, messages: Sequence[dict], where: str = "chat template",
-                add_generation_prompt: bool = True, **variables) -> str:
+def render_chat(
+    template: str,
+    messages: Sequence[dict],
+    where: str = "chat template",
+    add_generation_prompt: bool = True,
+    **variables,
+) -> str:
     """The chat template rendered over `messages` with a generation prompt (thinking off;
     `add_generation_prompt=False`: a finished conversation, e.g. a training row),
     in the sandbox of `_template_env`. `variables`: e.g. `special_tokens(model_dir)`. A
@@ -162,20 +186,27 @@ def render_chat(template: str, messages: Sequence[dict], where: str = "chat temp
     env = _template_env()
     try:
         return env.from_string(template).render(
-            messages=list(messages), add_generation_prompt=add_generation_prompt,
+            messages=list(messages),
+            add_generation_prompt=add_generation_prompt,
             enable_thinking=False,
-            **variables)
+            **variables,
+        )
     except SecurityError as e:
-        raise ValueError(f"{where}: refused to render: the template tried an unsafe operation "
-                         f"({e})") from None
+        raise ValueError(
+            f"{where}: refused to render: the template tried an unsafe operation ({e})"
+        ) from None
     except TemplateError as e:
         raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
 
 
-def encode_prompts(items: Sequence[dict], tokenizer, model_dir: Optional[str],
-                   use_chat_template: bool = True,
-                   vocab_size: Optional[int] = None,
-                   labels: Optional[Sequence[str]] = None) -> List[List[int]]:
+def encode_prompts(
+    items: Sequence[dict],
+    tokenizer,
+    model_dir: Optional[str],
+    use_chat_template: bool = True,
+    vocab_size: Optional[int] = None,
+    labels: Optional[Sequence[str]] = None,
+) -> List[List[int]]:
     """Token ids for each prompt item ({"prompt"|"text"|"messages"|"ids": ...}). Items are
     checked (`check_prompt_item`); `vocab_size`: ids outside it are an error; `labels`: how
     errors name each item (e.g. "prompts.jsonl:3"; default "prompt i")."""
@@ -190,18 +221,22 @@ def encode_prompts(items: Sequence[dict], tokenizer, model_dir: Optional[str],
             ids = item["ids"]
         else:
             if tokenizer is None:
-                raise ValueError(f"{where}: text prompts need a tokenizer.json in {model_dir}; "
-                                 "pass token ids instead")
+                raise ValueError(
+                    f"{where}: text prompts need a tokenizer.json in {model_dir}; "
+                    "pass token ids instead"
+                )
             if "messages" in item:
                 if template is None:
-                    raise ValueError(f"{where}: chat messages given but the target has no "
-                                     "chat template")
+                    raise ValueError(
+                        f"{where}: chat messages given but the target has no chat template"
+                    )
                 text = render_chat(template, item["messages"], where_t, **variables)
             else:
                 text = item.get("prompt", item.get("text"))
                 if template is not None:
-                    text = render_chat(template, [{"role": "user", "content": text}], where_t,
-                                       **variables)
+                    text = render_chat(
+                        template, [{"role": "user", "content": text}], where_t, **variables
+                    )
             ids = list(tokenizer.encode(text))
         if not ids:
             raise ValueError(f"{where} is empty")
@@ -210,4 +245,3 @@ def encode_prompts(items: Sequence[dict], tokenizer, model_dir: Optional[str],
             raise ValueError(f"{where}: token id {bad} outside the vocabulary [0, {vocab_size})")
         out.append(ids)
     return out
-

@@ -39,9 +39,30 @@ def _diagnose(path: str, err: Exception) -> str:
 
 
 # Dtype codes of the format (safetensors' Dtype enum); numpy reads the float/int ones.
-_KNOWN_CODES = {"BOOL", "U8", "I8", "U16", "I16", "U32", "I32", "U64", "I64", "F16", "BF16",
-                "F32", "F64", "C64", "F8_E5M2", "F8_E4M3", "F8_E8M0", "F8_E4M3FNUZ",
-                "F8_E5M2FNUZ", "F4", "F6_E2M3", "F6_E3M2"}
+_KNOWN_CODES = {
+    "BOOL",
+    "U8",
+    "I8",
+    "U16",
+    "I16",
+    "U32",
+    "I32",
+    "U64",
+    "I64",
+    "F16",
+    "BF16",
+    "F32",
+    "F64",
+    "C64",
+    "F8_E5M2",
+    "F8_E4M3",
+    "F8_E8M0",
+    "F8_E4M3FNUZ",
+    "F8_E5M2FNUZ",
+    "F4",
+    "F6_E2M3",
+    "F6_E3M2",
+}
 
 
 class SafetensorsFile:
@@ -93,8 +114,9 @@ class SafetensorsFile:
         self.close()
 
 
-def write_safetensors(path: str, tensors: Mapping[str, np.ndarray],
-                      metadata: Optional[Dict[str, str]] = None) -> None:
+def write_safetensors(
+    path: str, tensors: Mapping[str, np.ndarray], metadata: Optional[Dict[str, str]] = None
+) -> None:
     """Writes tensors (numpy arrays; bfloat16 via ml_dtypes) to one safetensors file.
 
     Written to a temporary name and renamed, so an interrupted save never leaves a torn file.
@@ -132,12 +154,18 @@ class SafetensorsDir:
             for name, fname in weight_map.items():
                 # Model directories come from strangers: a shard must be a plain file name
                 # inside the directory, never an absolute path or a '..' escape.
-                if (not isinstance(fname, str) or not fname or os.path.isabs(fname)
-                        or os.path.realpath(os.path.join(root, fname)) !=
-                        os.path.join(root, os.path.normpath(fname))
-                        or os.path.normpath(fname).split(os.sep)[0] == os.pardir):
-                    raise CheckpointError(f"{index}: tensor {name!r} names the file {fname!r} "
-                                          "outside the model directory; refusing it")
+                if (
+                    not isinstance(fname, str)
+                    or not fname
+                    or os.path.isabs(fname)
+                    or os.path.realpath(os.path.join(root, fname))
+                    != os.path.join(root, os.path.normpath(fname))
+                    or os.path.normpath(fname).split(os.sep)[0] == os.pardir
+                ):
+                    raise CheckpointError(
+                        f"{index}: tensor {name!r} names the file {fname!r} "
+                        "outside the model directory; refusing it"
+                    )
                 self._where[name] = os.path.join(self.directory, fname)
         elif os.path.exists(single):
             f = self._open(single)
@@ -145,7 +173,8 @@ class SafetensorsDir:
                 self._where[name] = single
         else:
             raise CheckpointError(
-                f"{self.directory}: no model.safetensors or model.safetensors.index.json")
+                f"{self.directory}: no model.safetensors or model.safetensors.index.json"
+            )
 
     def _open(self, path) -> SafetensorsFile:
         if path not in self._files:
@@ -180,8 +209,9 @@ class SafetensorsDir:
         self._files.clear()
 
 
-def save_sharded(directory: str, tensors: Mapping[str, np.ndarray],
-                 max_shard_bytes: int = 5 * 2**30) -> None:
+def save_sharded(
+    directory: str, tensors: Mapping[str, np.ndarray], max_shard_bytes: int = 5 * 2**30
+) -> None:
     """Writes `model.safetensors`, or shards plus `model.safetensors.index.json` when large."""
     os.makedirs(directory, exist_ok=True)
     total = sum(np.asarray(t).nbytes for t in tensors.values())

@@ -50,8 +50,14 @@ class ModelText:
         token-id lists, through the chat template when the tokenizer has one."""
         from dflash_jax import prompting
 
-        return prompting.encode_prompts(items, self.tokenizer, self.path, chat_template,
-                                        vocab_size=self.vocab_size, labels=labels)
+        return prompting.encode_prompts(
+            items,
+            self.tokenizer,
+            self.path,
+            chat_template,
+            vocab_size=self.vocab_size,
+            labels=labels,
+        )
 
 
 def load_text(model_dir: str) -> ModelText:
@@ -60,8 +66,12 @@ def load_text(model_dir: str) -> ModelText:
     from dflash_jax.checkpoint import read_config
 
     tok = _tokenizer(model_dir)
-    return ModelText(path=model_dir, tokenizer=tok, stop_token_ids=stop_token_ids(model_dir, tok),
-                     vocab_size=read_config(model_dir).get("vocab_size"))
+    return ModelText(
+        path=model_dir,
+        tokenizer=tok,
+        stop_token_ids=stop_token_ids(model_dir, tok),
+        vocab_size=read_config(model_dir).get("vocab_size"),
+    )
 
 
 @dataclasses.dataclass
@@ -82,7 +92,8 @@ class Comparison:
         if self.ar is None:
             return None
         return self.spec.stats["decode_tokens_per_s"] / max(
-            self.ar.stats["decode_tokens_per_s"], 1e-9)
+            self.ar.stats["decode_tokens_per_s"], 1e-9
+        )
 
 
 def ar_kwargs(gen_kw: dict) -> dict:
@@ -90,8 +101,9 @@ def ar_kwargs(gen_kw: dict) -> dict:
     return {k: v for k, v in gen_kw.items() if k not in DRAFTER_ONLY}
 
 
-def warm_up(target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bool = False,
-            **gen_kw) -> GenerationResult:
+def warm_up(
+    target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bool = False, **gen_kw
+) -> GenerationResult:
     """Runs `generate` once untimed (compiles the programs, first-run allocations), and with
     `compare_ar` and a drafter the autoregressive program too. Returns the first run's result
     (its stats["compile_s"] is the compile time)."""
@@ -101,10 +113,17 @@ def warm_up(target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bo
     return res
 
 
-def compare(target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bool = True,
-            warmup: bool = True,
-            stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
-            stop_token_ids: Optional[Sequence[int]] = None, **gen_kw) -> Comparison:
+def compare(
+    target,
+    drafter,
+    prompts: Sequence[Sequence[int]],
+    *,
+    compare_ar: bool = True,
+    warmup: bool = True,
+    stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+    stop_token_ids: Optional[Sequence[int]] = None,
+    **gen_kw,
+) -> Comparison:
     """`generate` with `drafter` and (compare_ar) without it on the same prompts, timed after
     an untimed `warm_up` (warmup=False: the programs are known to be compiled).
 
@@ -122,8 +141,11 @@ def compare(target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bo
     if warmup:
         warm_up(target, drafter, prompts, compare_ar=compare_ar, **gen_kw)
     spec = generate(target, drafter, prompts, **gen_kw)
-    ar = (generate(target, None, prompts, **ar_kwargs(gen_kw))
-          if compare_ar and drafter is not None else None)
+    ar = (
+        generate(target, None, prompts, **ar_kwargs(gen_kw))
+        if compare_ar and drafter is not None
+        else None
+    )
     return Comparison(spec=spec, ar=ar)
 
 

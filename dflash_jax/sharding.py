@@ -56,8 +56,9 @@ Rule = Tuple[str, P, Tuple[int, ...]]
 # ------------------------------------------------------------------------------------- mesh
 
 
-def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = -1,
-              devices: Optional[Sequence[Any]] = None) -> Mesh:
+def make_mesh(
+    data: int = 1, fsdp: int = 1, tensor: int = -1, devices: Optional[Sequence[Any]] = None
+) -> Mesh:
     """A ("data", "fsdp", "tensor") mesh. One size may be -1: the devices left over.
 
     Devices default to `jax.devices()` (all hosts). On TPU/GPU the device order comes from
@@ -66,16 +67,19 @@ def make_mesh(data: int = 1, fsdp: int = 1, tensor: int = -1,
     devices = list(jax.devices() if devices is None else devices)
     sizes = [data, fsdp, tensor]
     if sum(s == -1 for s in sizes) > 1:
-        raise ValueError(f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} "
-                         f"tensor={tensor}")
+        raise ValueError(
+            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}"
+        )
     known = math.prod(s for s in sizes if s != -1)
     if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
-        raise ValueError(f"mesh data={data} fsdp={fsdp} tensor={tensor} does not fit "
-                         f"{len(devices)} devices")
+        raise ValueError(
+            f"mesh data={data} fsdp={fsdp} tensor={tensor} does not fit {len(devices)} devices"
+        )
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
-        raise ValueError(f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, "
-                         f"have {len(devices)}")
+        raise ValueError(
+            f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}"
+        )
     try:
         from jax.experimental import mesh_utils
 
@@ -95,8 +99,7 @@ def parse_mesh(spec: str) -> Dict[str, int]:
         name, _, value = part.partition("=")
         name = name.strip()
         if name not in out or not value.strip():
-            raise ValueError(f"bad mesh spec {spec!r}: expected 'axis=size,...' with axes "
-                             f"{AXES}")
+            raise ValueError(f"bad mesh spec {spec!r}: expected 'axis=size,...' with axes {AXES}")
         out[name] = int(value)
     return out
 
@@ -172,8 +175,13 @@ def _axis_size(mesh, axes) -> int:
     return math.prod(mesh.shape[a] for a in axes)
 
 
-def fit_spec(shape: Sequence[int], spec: P, mesh, head_dims: Iterable[int] = (),
-             head_dim: Optional[int] = None) -> P:
+def fit_spec(
+    shape: Sequence[int],
+    spec: P,
+    mesh,
+    head_dims: Iterable[int] = (),
+    head_dim: Optional[int] = None,
+) -> P:
     """`spec` padded/truncated to `len(shape)`, with every dimension that the mesh axes do not
     divide evenly (in whole heads for `head_dims`, when `head_dim` is known) replicated.
 
@@ -220,13 +228,20 @@ def param_specs(params, mesh, rules: Sequence[Rule], head_dim: Optional[int] = N
 
 def param_shardings(params, mesh, rules: Sequence[Rule], head_dim: Optional[int] = None):
     """NamedShardings for a pytree of parameters (or optimizer state mirroring them)."""
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s),
-                                  param_specs(params, mesh, rules, head_dim),
-                                  is_leaf=lambda x: isinstance(x, P))
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s),
+        param_specs(params, mesh, rules, head_dim),
+        is_leaf=lambda x: isinstance(x, P),
+    )
 
 
-def shard_params(params, mesh, rules: Optional[Sequence[Rule]] = None,
-                 head_dim: Optional[int] = None, fsdp: bool = False):
+def shard_params(
+    params,
+    mesh,
+    rules: Optional[Sequence[Rule]] = None,
+    head_dim: Optional[int] = None,
+    fsdp: bool = False,
+):
     """`jax.device_put`s `params` onto the mesh (default rules: `target_rules(fsdp)`)."""
     rules = target_rules(fsdp) if rules is None else rules
     return jax.device_put(params, param_shardings(params, mesh, rules, head_dim))
@@ -252,14 +267,20 @@ def cache_specs(cache, mesh):
     """Specs for a KVCache or ContextCache (arrays or shapes): k/v [B,S,K,D] -> B over the
     batch axes, K over tensor (each replicated when not divisible); lengths [B] over batch."""
     kv = lambda x: fit_spec(np.shape(x), P(BATCH, None, "tensor", None), mesh)
-    return cache.replace(k=tuple(kv(x) for x in cache.k), v=tuple(kv(x) for x in cache.v),
-                         lengths=batch_spec(np.shape(cache.lengths), mesh))
+    return cache.replace(
+        k=tuple(kv(x) for x in cache.k),
+        v=tuple(kv(x) for x in cache.v),
+        lengths=batch_spec(np.shape(cache.lengths), mesh),
+    )
 
 
 def cache_sharding(cache, mesh):
     """NamedShardings for a KVCache / ContextCache pytree (see `cache_specs`)."""
-    return jax.tree_util.tree_map(lambda s: NamedSharding(mesh, s), cache_specs(cache, mesh),
-                                  is_leaf=lambda x: isinstance(x, P))
+    return jax.tree_util.tree_map(
+        lambda s: NamedSharding(mesh, s),
+        cache_specs(cache, mesh),
+        is_leaf=lambda x: isinstance(x, P),
+    )
 
 
 def decode_state_sharding(state, mesh):
@@ -269,7 +290,8 @@ def decode_state_sharding(state, mesh):
     cache = cache_sharding(state.cache, mesh)
     ctx = None if state.ctx is None else cache_sharding(state.ctx, mesh)
     return state.replace(
-        cache=cache, ctx=ctx,
+        cache=cache,
+        ctx=ctx,
         tokens=ns(batch_spec(state.tokens.shape, mesh)),
         num_out=ns(batch_spec(state.num_out.shape, mesh)),
         done=ns(batch_spec(state.done.shape, mesh)),
@@ -277,11 +299,13 @@ def decode_state_sharding(state, mesh):
         accepted=ns(batch_spec(state.accepted.shape, mesh)),
         drafts=ns(batch_spec(state.drafts.shape, mesh, axis=1)),
         key=ns(P()),
-        max_new=ns(P()))
+        max_new=ns(P()),
+    )
 
 
 def with_shardings(tree, shardings):
     """ShapeDtypeStructs of `tree` (arrays or shapes) carrying `shardings`: abstract inputs for
     `.lower()` without allocating anything."""
     return jax.tree_util.tree_map(
-        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings)
+        lambda x, s: jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=s), tree, shardings
+    )

@@ -55,8 +55,10 @@ class Target:
 
 def _check_ids(ids, vocab_size):
     if ids.size and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
-        raise ValueError(f"token ids must be in [0, {vocab_size}); got range "
-                         f"[{int(ids.min())}, {int(ids.max())}]")
+        raise ValueError(
+            f"token ids must be in [0, {vocab_size}); got range "
+            f"[{int(ids.min())}, {int(ids.max())}]"
+        )
 
 
 @functools.partial(jax.jit, static_argnums=(0, 3))
@@ -66,8 +68,12 @@ def _forward(module, params, ids, tap_layers):
     return logits, taps
 
 
-def load_target(path: str, dtype: str = "float32", param_dtype: Optional[str] = None,
-                attention_impl: str = "xla") -> Target:
+def load_target(
+    path: str,
+    dtype: str = "float32",
+    param_dtype: Optional[str] = None,
+    attention_impl: str = "xla",
+) -> Target:
     """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory, or hub id
     (`Qwen/Qwen3-8B`, fetched into the Hugging Face cache by `dflash_jax.hub`).
 
@@ -86,8 +92,13 @@ def save_target(target: Target, path: str, dtype: Optional[str] = None) -> None:
     """
     extra = {}
     if target.path:
-        for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                     "generation_config.json"):
+        for name in (
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "special_tokens_map.json",
+            "generation_config.json",
+        ):
             extra[name] = os.path.join(target.path, name)
-    checkpoint.save_target_params(target.config, target.params, str(path), dtype=dtype,
-                                  extra_files=extra)
+    checkpoint.save_target_params(
+        target.config, target.params, str(path), dtype=dtype, extra_files=extra
+    )

@@ -31,7 +31,8 @@ class ConfigError(ValueError):
 
 def _is_int(value) -> bool:
     return isinstance(value, (numbers.Integral, np.integer)) and not isinstance(
-        value, (bool, np.bool_))
+        value, (bool, np.bool_)
+    )
 
 
 def _describe(value) -> str:
@@ -41,25 +42,33 @@ def _describe(value) -> str:
     return f"{text} ({type(value).__name__})"
 
 
-def int_param(name: str, value, lo: Optional[int] = None, hi: Optional[int] = None,
-              error=ValueError) -> int:
+def int_param(
+    name: str, value, lo: Optional[int] = None, hi: Optional[int] = None, error=ValueError
+) -> int:
     """`value` as an int: integers only (a float, even 8.0, a bool or a string is an error, so
     nothing is silently truncated), within [lo, hi] when given."""
     if not _is_int(value):
         raise error(f"{name} must be an integer, got {_describe(value)}")
     value = int(value)
     if lo is not None and value < lo or hi is not None and value > hi:
-        bounds = (f">= {lo}" if hi is None else f"<= {hi}" if lo is None
-                  else f"in [{lo}, {hi}]")
+        bounds = f">= {lo}" if hi is None else f"<= {hi}" if lo is None else f"in [{lo}, {hi}]"
         raise error(f"{name} must be {bounds}, got {value}")
     return value
 
 
-def float_param(name: str, value, lo: Optional[float] = None, hi: Optional[float] = None,
-                lo_open: bool = False, error=ValueError) -> float:
+def float_param(
+    name: str,
+    value,
+    lo: Optional[float] = None,
+    hi: Optional[float] = None,
+    lo_open: bool = False,
+    error=ValueError,
+) -> float:
     """`value` as a finite float (ints accepted), within [lo, hi] ((lo, hi] with lo_open)."""
-    if not (isinstance(value, (numbers.Real, np.floating, np.integer))
-            and not isinstance(value, (bool, np.bool_))):
+    if not (
+        isinstance(value, (numbers.Real, np.floating, np.integer))
+        and not isinstance(value, (bool, np.bool_))
+    ):
         raise error(f"{name} must be a number, got {_describe(value)}")
     value = float(value)
     if not math.isfinite(value):
@@ -67,14 +76,22 @@ def float_param(name: str, value, lo: Optional[float] = None, hi: Optional[float
     below = lo is not None and (value <= lo if lo_open else value < lo)
     if below or (hi is not None and value > hi):
         left = "(" if lo_open else "["
-        bounds = (f"in {left}{lo}, {hi}]" if lo is not None and hi is not None
-                  else f"> {lo}" if lo_open else f">= {lo}" if lo is not None else f"<= {hi}")
+        bounds = (
+            f"in {left}{lo}, {hi}]"
+            if lo is not None and hi is not None
+            else f"> {lo}"
+            if lo_open
+            else f">= {lo}"
+            if lo is not None
+            else f"<= {hi}"
+        )
         raise error(f"{name} must be {bounds}, got {value}")
     return value
 
 
-def token_id_list(name: str, value, vocab_size: Optional[int] = None,
-                  allow_empty: bool = False) -> List[int]:
+def token_id_list(
+    name: str, value, vocab_size: Optional[int] = None, allow_empty: bool = False
+) -> List[int]:
     """A list of integer token ids in [0, vocab_size). A string, a float id (1.5, even 2.0)
     or a nested list is an error naming the first bad entry."""
     if isinstance(value, (str, bytes)) or not isinstance(value, (list, tuple, np.ndarray)):
@@ -88,8 +105,10 @@ def token_id_list(name: str, value, vocab_size: Optional[int] = None,
         raise ValueError(f"{name} is empty")
     if vocab_size is not None and out and (min(out) < 0 or max(out) >= vocab_size):
         bad = next(t for t in out if t < 0 or t >= vocab_size)
-        raise ValueError(f"{name} has token ids outside [0, {vocab_size}): {bad} (range "
-                         f"[{min(out)}, {max(out)}])")
+        raise ValueError(
+            f"{name} has token ids outside [0, {vocab_size}): {bad} (range "
+            f"[{min(out)}, {max(out)}])"
+        )
     return out
 
 
@@ -99,18 +118,23 @@ def prompt_ids(prompts, vocab_size: Optional[int] = None) -> List[List[int]]:
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist() if prompts.ndim == 2 else prompts
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
-        raise ValueError("prompts must be a list of token-id lists (one per prompt), got "
-                         f"{_describe(prompts)}")
+        raise ValueError(
+            f"prompts must be a list of token-id lists (one per prompt), got {_describe(prompts)}"
+        )
     if not prompts:
         raise ValueError("prompts must be a non-empty list of token-id lists")
     if all(_is_int(p) for p in prompts):
-        raise ValueError("prompts must be a list of token-id lists (one per prompt), got a flat "
-                         f"list of {len(prompts)} ints; for one prompt pass [[...]]")
+        raise ValueError(
+            "prompts must be a list of token-id lists (one per prompt), got a flat "
+            f"list of {len(prompts)} ints; for one prompt pass [[...]]"
+        )
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, (str, bytes)):
-            raise ValueError(f"prompt {i} is a string ({p[:30]!r}); prompts are token ids: "
-                             "encode text with the target's tokenizer first")
+            raise ValueError(
+                f"prompt {i} is a string ({p[:30]!r}); prompts are token ids: "
+                "encode text with the target's tokenizer first"
+            )
         if isinstance(p, (list, tuple, np.ndarray)) and len(p) == 0:
             raise ValueError(f"prompt {i} is empty")
         out.append(token_id_list(f"prompt {i}", p, vocab_size))
@@ -142,9 +166,13 @@ def block_size_for(block_size, drafter_block_size: int) -> int:
     (the drafter was never trained to fill those positions) with an explicit warning."""
     block_size = int_param("block_size", block_size, lo=2, hi=64)
     if block_size > drafter_block_size:
-        warnings.warn(f"block_size {block_size} is larger than the drafter's trained block size "
-                      f"{drafter_block_size}: positions past {drafter_block_size} were never "
-                      "trained and are rarely accepted", UserWarning, stacklevel=3)
+        warnings.warn(
+            f"block_size {block_size} is larger than the drafter's trained block size "
+            f"{drafter_block_size}: positions past {drafter_block_size} were never "
+            "trained and are rarely accepted",
+            UserWarning,
+            stacklevel=3,
+        )
     return block_size
 
 
@@ -223,8 +251,9 @@ def unknown_keys(config: Mapping, reference: Mapping) -> List[str]:
         if key in known:
             continue
         near = difflib.get_close_matches(key, list(known) + sorted(groups), n=1, cutoff=0.6)
-        out.append(f"unknown config key {key!r}" +
-                   (f" (did you mean {near[0]!r}?)" if near else ""))
+        out.append(
+            f"unknown config key {key!r}" + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
     return out
 
 
@@ -244,8 +273,10 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     def choice(name, value, options):
         if value not in options:
             near = difflib.get_close_matches(str(value), options, n=1)
-            raise E(f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}" +
-                    (f" (did you mean {near[0]!r}?)" if near else ""))
+            raise E(
+                f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}"
+                + (f" (did you mean {near[0]!r}?)" if near else "")
+            )
 
     c = config
     choice("mode", c.mode, ("drafter", "target"))
@@ -254,26 +285,35 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     choice("attention_impl", c.attention_impl, ("xla", "pallas", "pallas_interpret", "auto"))
     choice("dtype", c.dtype, ("float32", "bfloat16", "float16"))
     choice("data.kind", c.data.kind, ("stdlib", "files", "regenerated", "synthetic"))
-    choice("regen.prompt_source", c.regen.prompt_source,
-           ("stdlib", "functions", "mixed", "random", "file"))
+    choice(
+        "regen.prompt_source",
+        c.regen.prompt_source,
+        ("stdlib", "functions", "mixed", "random", "file"),
+    )
     if not isinstance(c.regen.get("chat_template", True), bool):
-        raise E(f"regen.chat_template must be True or False, got "
-                f"{_describe(c.regen.chat_template)}")
+        raise E(
+            f"regen.chat_template must be True or False, got {_describe(c.regen.chat_template)}"
+        )
     prompt_file = c.regen.get("prompt_file", "")
     if c.regen.prompt_source == "file":
         # The file is read when regeneration runs; an existing regen.output is reused as is.
         out = c.regen.output
         if not (out and os.path.exists(out)):
             if not isinstance(prompt_file, str) or not prompt_file:
-                raise E("regen.prompt_source='file' needs regen.prompt_file (JSONL "
-                        "conversations or prompts)")
+                raise E(
+                    "regen.prompt_source='file' needs regen.prompt_file (JSONL "
+                    "conversations or prompts)"
+                )
             if not os.path.isfile(prompt_file):
                 raise E(f"regen.prompt_file {prompt_file}: no such file")
     elif prompt_file:
-        raise E(f"regen.prompt_file is set but regen.prompt_source is "
-                f"{c.regen.prompt_source!r}; set regen.prompt_source='file'")
-    choice("unlikelihood.prompt_source", c.unlikelihood.prompt_source,
-           ("docs", "functions", "mixed"))
+        raise E(
+            f"regen.prompt_file is set but regen.prompt_source is "
+            f"{c.regen.prompt_source!r}; set regen.prompt_source='file'"
+        )
+    choice(
+        "unlikelihood.prompt_source", c.unlikelihood.prompt_source, ("docs", "functions", "mixed")
+    )
     int_param("seed", c.seed, error=E)
     int_param("drafter.block_size", c.drafter.block_size, lo=2, hi=64, error=E)
     int_param("drafter.num_layers", c.drafter.num_layers, lo=1, error=E)
@@ -300,13 +340,22 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
         int_param(f"unlikelihood.{key}", c.unlikelihood[key], lo=1, error=E)
     int_param("unlikelihood.ngram", c.unlikelihood.ngram, lo=1, error=E)
     m = c.target_model
-    for key in ("hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-                "head_dim", "max_position_embeddings"):
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_layers",
+        "num_heads",
+        "num_kv_heads",
+        "head_dim",
+        "max_position_embeddings",
+    ):
         int_param(f"target_model.{key}", m[key], lo=1, error=E)
     int_param("target_model.vocab_size", m.vocab_size, lo=0, error=E)
     if m.num_heads % m.num_kv_heads:
-        raise E(f"target_model.num_heads {m.num_heads} is not a multiple of num_kv_heads "
-                f"{m.num_kv_heads}")
+        raise E(
+            f"target_model.num_heads {m.num_heads} is not a multiple of num_kv_heads "
+            f"{m.num_kv_heads}"
+        )
     float_param("learning_rate", c.learning_rate, lo=0.0, lo_open=True, error=E)
     float_param("warmup_ratio", c.warmup_ratio, 0.0, 1.0, error=E)
     float_param("end_lr_ratio", c.end_lr_ratio, lo=0.0, error=E)
@@ -328,15 +377,28 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     int_param("keep_checkpoints", c.keep_checkpoints, lo=1, error=E)
 
 
-def check_generate_args(target_config, drafter_config, prompts, max_new_tokens, block_size,
-                        temperature, top_k, top_p, seed, stop_ids, denoise_steps,
-                        confidence_threshold_) -> dict:
+def check_generate_args(
+    target_config,
+    drafter_config,
+    prompts,
+    max_new_tokens,
+    block_size,
+    temperature,
+    top_k,
+    top_p,
+    seed,
+    stop_ids,
+    denoise_steps,
+    confidence_threshold_,
+) -> dict:
     """Every argument of `generate` checked and normalized (see `decoding.generate`); returns
     them as a dict. `drafter_config` None: autoregressive (block_size/denoise unused)."""
     vocab = target_config.vocab_size
-    out = dict(prompts=prompt_ids(prompts, vocab),
-               max_new_tokens=int_param("max_new_tokens", max_new_tokens, lo=1),
-               seed=int_param("seed", seed))
+    out = dict(
+        prompts=prompt_ids(prompts, vocab),
+        max_new_tokens=int_param("max_new_tokens", max_new_tokens, lo=1),
+        seed=int_param("seed", seed),
+    )
     out["temperature"], out["top_k"], out["top_p"] = sampling_params(temperature, top_k, top_p)
     out["stop_token_ids"] = stop_token_ids(stop_ids, vocab)
     out["denoise_steps"] = int_param("denoise_steps", denoise_steps, lo=1)

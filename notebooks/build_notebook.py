@@ -14,7 +14,9 @@ from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 CELLS = [
-    ("md", """# DFlash speculative decoding in JAX
+    (
+        "md",
+        """# DFlash speculative decoding in JAX
 
 [dflash-jax](../README.md) runs DFlash (block-diffusion drafts, verified losslessly by the
 target) as one compiled JAX program. This notebook, top to bottom:
@@ -28,8 +30,11 @@ target) as one compiled JAX program. This notebook, top to bottom:
    the loss and tau,
 5. profiles one generation with `jax.profiler`.
 
-Runtime: Colab TPU (v2-8 / v5e) or GPU; everything also runs on CPU, slowly."""),
-    ("code", """# Parameters (CI overrides these to keep the run under two minutes on CPU).
+Runtime: Colab TPU (v2-8 / v5e) or GPU; everything also runs on CPU, slowly.""",
+    ),
+    (
+        "code",
+        """# Parameters (CI overrides these to keep the run under two minutes on CPU).
 INSTALL = True                    # pip-install this repo's requirements (never JAX itself)
 REPO_URL = ""                     # git URL of dflash-jax when the notebook runs outside a clone
 MAX_NEW_TOKENS = 128
@@ -40,8 +45,11 @@ HF_DRAFTER = "z-lab/Qwen3-4B-DFlash-b16"
 MIN_DEVICE_GB_FOR_ONLINE = 30     # skip the 4B model on smaller runtimes
 TRAIN_STEPS = 300
 TRAIN_REGEN_PROMPTS = 256
-WORKDIR = "/tmp/dflash_notebook\""""),
-    ("code", """import os, subprocess, sys
+WORKDIR = "/tmp/dflash_notebook\"""",
+    ),
+    (
+        "code",
+        """import os, subprocess, sys
 
 def find_repo():
     for d in (os.getcwd(), os.path.dirname(os.getcwd()), "/content/dflash-jax"):
@@ -61,13 +69,19 @@ if INSTALL:
     subprocess.run([sys.executable, "-m", "pip", "install", "-q", *reqs], check=True)
 os.chdir(REPO)  # a notebook kernel imports from its working directory ('' on sys.path)
 import jax
-print("JAX", jax.__version__, "backend:", jax.default_backend(), "devices:", jax.devices())"""),
-    ("md", """## 1. DFlash on the bundled tiny code model
+print("JAX", jax.__version__, "backend:", jax.default_backend(), "devices:", jax.devices())""",
+    ),
+    (
+        "md",
+        """## 1. DFlash on the bundled tiny code model
 
 `assets/tiny-code/` holds a small Qwen3-architecture code model trained on the Python standard
 library with this repo's `train.py`, and a block-16 DFlash drafter trained on its own outputs.
-The speculative output is checked token for token against autoregressive decoding."""),
-    ("code", """import numpy as np
+The speculative output is checked token for token against autoregressive decoding.""",
+    ),
+    (
+        "code",
+        """import numpy as np
 import dflash_jax as dj
 from dflash_jax import serving
 
@@ -83,8 +97,11 @@ spec, ar = c.spec, c.ar
 print(PROMPT + tok.decode(spec.tokens[0]))
 print(f"identical to autoregressive: {c.identical}")
 print(f"tau {spec.tau:.2f} | DFlash {spec.stats['decode_tokens_per_s']:.0f} tok/s | "
-      f"AR {ar.stats['decode_tokens_per_s']:.0f} tok/s | speedup {c.speedup:.2f}x")"""),
-    ("code", """import matplotlib.pyplot as plt
+      f"AR {ar.stats['decode_tokens_per_s']:.0f} tok/s | speedup {c.speedup:.2f}x")""",
+    ),
+    (
+        "code",
+        """import matplotlib.pyplot as plt
 acc = np.asarray(spec.acceptance_lengths[0])
 bs = drafter.config.block_size
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -94,14 +111,20 @@ ax[0].set(xlabel="tokens committed per target pass", ylabel="fraction of steps",
 ax[1].plot(np.arange(1, bs), [np.mean(acc > k) for k in range(1, bs)], marker="o")
 ax[1].set(xlabel="draft position k", ylabel="P(accepted)", ylim=(0, 1.02),
           title="Per-position acceptance")
-plt.tight_layout(); plt.show()"""),
-    ("md", """## 2. A real target with its published drafter (online)
+plt.tight_layout(); plt.show()""",
+    ),
+    (
+        "md",
+        """## 2. A real target with its published drafter (online)
 
 Fetches the target and the z-lab drafter by hub id (`dflash_jax.hub`: the Hugging Face cache,
 only config, safetensors and tokenizer files; `HF_TOKEN` for gated models), shards the parameters over
 the runtime's devices (tensor parallel on a `tensor` mesh axis) and runs the same comparison.
-Skipped with a message when offline or when the runtime is too small."""),
-    ("code", """def device_gb():
+Skipped with a message when offline or when the runtime is too small.""",
+    ),
+    (
+        "code",
+        """def device_gb():
     try:
         stats = jax.devices()[0].memory_stats() or {}
         return stats.get("bytes_limit", 0) * jax.device_count() / 2**30
@@ -135,14 +158,20 @@ def try_online():
 
 why = try_online()
 if why:
-    print("skipped the online section:", why)"""),
-    ("md", """## 3. Train a drafter with the library entry point
+    print("skipped the online section:", why)""",
+    ),
+    (
+        "md",
+        """## 3. Train a drafter with the library entry point
 
 `dflash_jax.training.train_and_evaluate(config, workdir)` is what `train.py` calls. Here it
 trains a fresh block-16 drafter for the bundled target from `configs/tiny_code/drafter.py`
 (responses regenerated by the target itself, random anchors, the DFlash training mask and
-position-decayed loss), evaluating tau with the real `generate` along the way."""),
-    ("code", """import json, importlib.util
+position-decayed loss), evaluating tau with the real `generate` along the way.""",
+    ),
+    (
+        "code",
+        """import json, importlib.util
 from dflash_jax.training import train_and_evaluate
 
 spec_ = importlib.util.spec_from_file_location("cfg", "configs/tiny_code/drafter.py")
@@ -156,8 +185,11 @@ config.checkpoint_every = max(TRAIN_STEPS // 2, 1)
 config.log_every = max(TRAIN_STEPS // 10, 1)
 workdir = os.path.join(WORKDIR, "drafter")
 summary = train_and_evaluate(config, workdir)
-print(summary["status"], "at step", summary["step"], "| last eval:", summary["eval"])"""),
-    ("code", """records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+print(summary["status"], "at step", summary["step"], "| last eval:", summary["eval"])""",
+    ),
+    (
+        "code",
+        """records = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
 train = [(r["step"], r["loss"]) for r in records if r["split"] == "train" and "loss" in r]
 taus = [(r["step"], r["tau"]) for r in records if "tau" in r]
 fig, ax = plt.subplots(1, 2, figsize=(11, 3.5))
@@ -165,24 +197,34 @@ ax[0].plot(*zip(*train)); ax[0].set(xlabel="step", ylabel="loss", title="Drafter
 if taus:
     ax[1].plot(*zip(*taus), marker="o")
 ax[1].set(xlabel="step", ylabel="tau", title="tau with the real generate (held-out prompts)")
-plt.tight_layout(); plt.show()"""),
-    ("md", """## 4. Profile one generation
+plt.tight_layout(); plt.show()""",
+    ),
+    (
+        "md",
+        """## 4. Profile one generation
 
 The generation program has `jax.named_scope`s around `draft`, `verify` and `accept`. Open the
 trace with TensorBoard's profile plugin (`%load_ext tensorboard`, `%tensorboard --logdir
-TRACE_DIR`), XProf, or by loading the `.trace.json.gz` file in https://ui.perfetto.dev."""),
-    ("code", """trace_dir = os.path.join(WORKDIR, "trace")
+TRACE_DIR`), XProf, or by loading the `.trace.json.gz` file in https://ui.perfetto.dev.""",
+    ),
+    (
+        "code",
+        """trace_dir = os.path.join(WORKDIR, "trace")
 with jax.profiler.trace(trace_dir):
     dj.generate(target, drafter, [prompt], **kw)
 files = [os.path.join(r, f) for r, _, fs in os.walk(trace_dir) for f in fs]
-print("trace files:", *files, sep="\\n  ")"""),
+print("trace files:", *files, sep="\\n  ")""",
+    ),
 ]
 
 
 def build():
     nb = new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
-                                 "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nb.metadata["accelerator"] = "TPU"
     for kind, src in CELLS:
         cell = new_markdown_cell(src) if kind == "md" else new_code_cell(src)

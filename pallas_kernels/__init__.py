@@ -21,6 +21,7 @@ via pltpu.InterpretParams(), Triton kernels via the HLO interpreter).
 verify/draft are inference kernels (forward only); training_attention has a
 custom_vjp whose gradients match jax.grad of the reference.
 """
+
 from __future__ import annotations
 
 import functools
@@ -31,116 +32,200 @@ import jax.numpy as jnp
 from . import backend
 from . import reference
 
-__all__ = ["verify_attention", "draft_attention", "training_attention",
-           "reference", "backend"]
+__all__ = ["verify_attention", "draft_attention", "training_attention", "reference", "backend"]
 
 
 def _decode_module(variant):
-  if variant == backend.TPU:
-    from . import tpu_decode as m
-  else:
-    from . import triton_decode as m
-  return m
+    if variant == backend.TPU:
+        from . import tpu_decode as m
+    else:
+        from . import triton_decode as m
+    return m
 
 
 def _decode_kwargs(variant, interpret, block_k, num_splits):
-  kw = dict(interpret=backend.interpret_arg(variant, interpret),
-            num_splits=num_splits)
-  if block_k is not None:
-    kw["block_k"] = block_k
-  return kw
+    kw = dict(interpret=backend.interpret_arg(variant, interpret), num_splits=num_splits)
+    if block_k is not None:
+        kw["block_k"] = block_k
+    return kw
 
 
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "variant", "interpret", "block_k", "num_splits"))
-def _verify(q, k_cache, v_cache, q_positions, *, sm_scale, variant, interpret,
-            block_k, num_splits):
-  if variant == backend.XLA:
-    return reference.verify_attention(q, k_cache, v_cache, q_positions,
-                                      sm_scale=sm_scale)
-  if variant == backend.CUDNN:
-    from . import cudnn_attention
-    return cudnn_attention.verify_attention(q, k_cache, v_cache, q_positions,
-                                            sm_scale=sm_scale)
-  return _decode_module(variant).decode_attention(
-      q, k_cache, v_cache, q_positions.astype(jnp.int32), sm_scale=sm_scale,
-      **_decode_kwargs(variant, interpret, block_k, num_splits))
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "variant", "interpret", "block_k", "num_splits")
+)
+def _verify(q, k_cache, v_cache, q_positions, *, sm_scale, variant, interpret, block_k, num_splits):
+    if variant == backend.XLA:
+        return reference.verify_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale)
+    if variant == backend.CUDNN:
+        from . import cudnn_attention
+
+        return cudnn_attention.verify_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale)
+    return _decode_module(variant).decode_attention(
+        q,
+        k_cache,
+        v_cache,
+        q_positions.astype(jnp.int32),
+        sm_scale=sm_scale,
+        **_decode_kwargs(variant, interpret, block_k, num_splits),
+    )
 
 
-def verify_attention(q, k_cache, v_cache, q_positions, *, sm_scale=None,
-                     impl: str = "auto", interpret: bool = False,
-                     block_k: int | None = None, num_splits: int | None = None):
-  """Target-model verification attention over a KV cache.
+def verify_attention(
+    q,
+    k_cache,
+    v_cache,
+    q_positions,
+    *,
+    sm_scale=None,
+    impl: str = "auto",
+    interpret: bool = False,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+):
+    """Target-model verification attention over a KV cache.
 
-  q: [B,T,Hq,D]; k_cache, v_cache: [B,S,Hkv,D] (the block's own K/V already
-  written at their positions); q_positions: [B,T] int32.  Query (b,t) sees
-  cache slot j iff j <= q_positions[b,t].  Returns [B,T,Hq,D].
-  """
-  variant = backend.resolve(impl, interpret)
-  return _verify(q, k_cache, v_cache, q_positions, sm_scale=sm_scale,
-                 variant=variant, interpret=bool(interpret), block_k=block_k,
-                 num_splits=num_splits)
-
-
-@functools.partial(jax.jit, static_argnames=(
-    "sm_scale", "variant", "interpret", "block_k", "num_splits"))
-def _draft(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale, variant,
-           interpret, block_k, num_splits):
-  if variant == backend.XLA:
-    return reference.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v,
-                                     sm_scale=sm_scale)
-  if variant == backend.CUDNN:
-    from . import cudnn_attention
-    return cudnn_attention.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v,
-                                           sm_scale=sm_scale)
-  b, t = q.shape[:2]
-  ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, ctx_k.shape[1])
-  if ctx_k.shape[1] == 0:   # no context: one dummy slot that nobody sees
-    pad = [(0, 0), (0, 1), (0, 0), (0, 0)]
-    ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
-  lim = jnp.broadcast_to((ctx_len - 1)[:, None], (b, t))
-  return _decode_module(variant).decode_attention(
-      q, ctx_k, ctx_v, lim, blk_k=blk_k, blk_v=blk_v, sm_scale=sm_scale,
-      **_decode_kwargs(variant, interpret, block_k, num_splits))
+    q: [B,T,Hq,D]; k_cache, v_cache: [B,S,Hkv,D] (the block's own K/V already
+    written at their positions); q_positions: [B,T] int32.  Query (b,t) sees
+    cache slot j iff j <= q_positions[b,t].  Returns [B,T,Hq,D].
+    """
+    variant = backend.resolve(impl, interpret)
+    return _verify(
+        q,
+        k_cache,
+        v_cache,
+        q_positions,
+        sm_scale=sm_scale,
+        variant=variant,
+        interpret=bool(interpret),
+        block_k=block_k,
+        num_splits=num_splits,
+    )
 
 
-def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None,
-                    impl: str = "auto", interpret: bool = False,
-                    block_k: int | None = None, num_splits: int | None = None):
-  """Drafter attention over [context ; block].
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "variant", "interpret", "block_k", "num_splits")
+)
+def _draft(
+    q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale, variant, interpret, block_k, num_splits
+):
+    if variant == backend.XLA:
+        return reference.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, sm_scale=sm_scale)
+    if variant == backend.CUDNN:
+        from . import cudnn_attention
 
-  q: [B,T,Hq,D]; ctx_k, ctx_v: [B,C,Hkv,D]; ctx_len: [B] int32;
-  blk_k, blk_v: [B,T,Hkv,D].  Query sees context slot j iff j < ctx_len[b]
-  and all T block slots (non-causal).  Returns [B,T,Hq,D].
-  """
-  variant = backend.resolve(impl, interpret)
-  return _draft(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, sm_scale=sm_scale,
-                variant=variant, interpret=bool(interpret), block_k=block_k,
-                num_splits=num_splits)
+        return cudnn_attention.draft_attention(
+            q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, sm_scale=sm_scale
+        )
+    b, t = q.shape[:2]
+    ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, ctx_k.shape[1])
+    if ctx_k.shape[1] == 0:  # no context: one dummy slot that nobody sees
+        pad = [(0, 0), (0, 1), (0, 0), (0, 0)]
+        ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
+    lim = jnp.broadcast_to((ctx_len - 1)[:, None], (b, t))
+    return _decode_module(variant).decode_attention(
+        q,
+        ctx_k,
+        ctx_v,
+        lim,
+        blk_k=blk_k,
+        blk_v=blk_v,
+        sm_scale=sm_scale,
+        **_decode_kwargs(variant, interpret, block_k, num_splits),
+    )
 
 
-def training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
-                       block_size: int, ctx_start=None, sm_scale=None,
-                       impl: str = "auto", interpret: bool = False,
-                       block_q_rows: int | None = None, block_k: int | None = None):
-  """DFlash training attention (differentiable w.r.t. q, k_ctx, v_ctx, k_blk, v_blk).
+def draft_attention(
+    q,
+    ctx_k,
+    ctx_v,
+    ctx_len,
+    blk_k,
+    blk_v,
+    *,
+    sm_scale=None,
+    impl: str = "auto",
+    interpret: bool = False,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+):
+    """Drafter attention over [context ; block].
 
-  q: [B,N*bs,Hq,D]; k_ctx, v_ctx: [B,S,Hkv,D]; k_blk, v_blk: [B,N*bs,Hkv,D];
-  anchors: [B,N] int32; block_valid: [B,N] bool; ctx_start: optional [B,N]
-  int32 (None = 0).  Block n's queries see context slot j iff
-  ctx_start[b,n] <= j < anchors[b,n] and the bs keys of their own block
-  (packed rows: ctx_start = first position of the anchor's document); rows of
-  invalid blocks output 0 (zero gradients).  Context tiles wholly outside
-  every window of a query tile are skipped.  Returns [B,N*bs,Hq,D].
-  """
-  variant = backend.resolve(impl, interpret)
-  if variant in (backend.XLA, backend.CUDNN):   # no fused cuDNN training path (yet)
-    return reference.training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors,
-                                        block_valid, block_size=block_size,
-                                        ctx_start=ctx_start, sm_scale=sm_scale)
-  from . import training
-  return training.training_attention(
-      q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid,
-      block_size=block_size, ctx_start=ctx_start, sm_scale=sm_scale,
-      variant=variant, interpret=interpret, rows_target=block_q_rows,
-      block_k=block_k)
+    q: [B,T,Hq,D]; ctx_k, ctx_v: [B,C,Hkv,D]; ctx_len: [B] int32;
+    blk_k, blk_v: [B,T,Hkv,D].  Query sees context slot j iff j < ctx_len[b]
+    and all T block slots (non-causal).  Returns [B,T,Hq,D].
+    """
+    variant = backend.resolve(impl, interpret)
+    return _draft(
+        q,
+        ctx_k,
+        ctx_v,
+        ctx_len,
+        blk_k,
+        blk_v,
+        sm_scale=sm_scale,
+        variant=variant,
+        interpret=bool(interpret),
+        block_k=block_k,
+        num_splits=num_splits,
+    )
+
+
+def training_attention(
+    q,
+    k_ctx,
+    v_ctx,
+    k_blk,
+    v_blk,
+    anchors,
+    block_valid,
+    *,
+    block_size: int,
+    ctx_start=None,
+    sm_scale=None,
+    impl: str = "auto",
+    interpret: bool = False,
+    block_q_rows: int | None = None,
+    block_k: int | None = None,
+):
+    """DFlash training attention (differentiable w.r.t. q, k_ctx, v_ctx, k_blk, v_blk).
+
+    q: [B,N*bs,Hq,D]; k_ctx, v_ctx: [B,S,Hkv,D]; k_blk, v_blk: [B,N*bs,Hkv,D];
+    anchors: [B,N] int32; block_valid: [B,N] bool; ctx_start: optional [B,N]
+    int32 (None = 0).  Block n's queries see context slot j iff
+    ctx_start[b,n] <= j < anchors[b,n] and the bs keys of their own block
+    (packed rows: ctx_start = first position of the anchor's document); rows of
+    invalid blocks output 0 (zero gradients).  Context tiles wholly outside
+    every window of a query tile are skipped.  Returns [B,N*bs,Hq,D].
+    """
+    variant = backend.resolve(impl, interpret)
+    if variant in (backend.XLA, backend.CUDNN):  # no fused cuDNN training path (yet)
+        return reference.training_attention(
+            q,
+            k_ctx,
+            v_ctx,
+            k_blk,
+            v_blk,
+            anchors,
+            block_valid,
+            block_size=block_size,
+            ctx_start=ctx_start,
+            sm_scale=sm_scale,
+        )
+    from . import training
+
+    return training.training_attention(
+        q,
+        k_ctx,
+        v_ctx,
+        k_blk,
+        v_blk,
+        anchors,
+        block_valid,
+        block_size=block_size,
+        ctx_start=ctx_start,
+        sm_scale=sm_scale,
+        variant=variant,
+        interpret=interpret,
+        rows_target=block_q_rows,
+        block_k=block_k,
+    )

@@ -44,6 +44,7 @@ Public ``impl`` values
 The environment variable ``DFLASH_PALLAS_GPU_BACKEND`` ("triton", "cudnn" or
 "mosaic_gpu") overrides the GPU default without code changes.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -61,14 +62,14 @@ MOSAIC_GPU = "mosaic_gpu"
 CUDNN = "cudnn"
 
 VARIANTS = (XLA, TPU, TRITON, MOSAIC_GPU, CUDNN)
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_triton", "pallas_mosaic_gpu",
-         "cudnn")
+IMPLS = ("auto", "xla", "pallas", "pallas_tpu", "pallas_triton", "pallas_mosaic_gpu", "cudnn")
 
 _MOSAIC_GPU_MSG = (
     "The Pallas Mosaic GPU variant of the DFlash attention kernels is not "
     "implemented yet. Use impl='pallas_triton' (Triton backend, deprecated in "
     "JAX >= 0.11 but still available), impl='cudnn' or impl='xla'. To add it, "
-    "implement the kernels and register them in pallas_kernels/backend.py.")
+    "implement the kernels and register them in pallas_kernels/backend.py."
+)
 
 
 # The platform of the devices the program being traced will be compiled for
@@ -77,59 +78,59 @@ _COMPILE_PLATFORM = contextvars.ContextVar("dflash_compile_platform", default=No
 
 
 def platform_of(target) -> str:
-  """Platform name ("cpu" | "tpu" | "cuda" | "rocm" | ...) of a Mesh, a
-  Sharding, a device, a sequence of devices, or a platform name itself."""
-  if isinstance(target, str):
-    return target
-  if isinstance(target, jax.sharding.Mesh):
-    return target.devices.flat[0].platform
-  if isinstance(target, jax.sharding.Sharding):
-    return next(iter(target.device_set)).platform
-  if hasattr(target, "platform"):
-    return target.platform
-  return next(iter(target)).platform
+    """Platform name ("cpu" | "tpu" | "cuda" | "rocm" | ...) of a Mesh, a
+    Sharding, a device, a sequence of devices, or a platform name itself."""
+    if isinstance(target, str):
+        return target
+    if isinstance(target, jax.sharding.Mesh):
+        return target.devices.flat[0].platform
+    if isinstance(target, jax.sharding.Sharding):
+        return next(iter(target.device_set)).platform
+    if hasattr(target, "platform"):
+        return target.platform
+    return next(iter(target)).platform
 
 
 @contextlib.contextmanager
 def compiling_for(target):
-  """Within this block, kernels are chosen for `target`'s platform (see
-  `platform_of`); None leaves the current choice unchanged."""
-  if target is None:
-    yield
-    return
-  token = _COMPILE_PLATFORM.set(platform_of(target))
-  try:
-    yield
-  finally:
-    _COMPILE_PLATFORM.reset(token)
+    """Within this block, kernels are chosen for `target`'s platform (see
+    `platform_of`); None leaves the current choice unchanged."""
+    if target is None:
+        yield
+        return
+    token = _COMPILE_PLATFORM.set(platform_of(target))
+    try:
+        yield
+    finally:
+        _COMPILE_PLATFORM.reset(token)
 
 
 def _platform() -> str:
-  # "cpu" | "gpu" | "cuda" | "rocm" | "tpu"
-  return _COMPILE_PLATFORM.get() or jax.default_backend()
+    # "cpu" | "gpu" | "cuda" | "rocm" | "tpu"
+    return _COMPILE_PLATFORM.get() or jax.default_backend()
 
 
 def _is_gpu(platform: str) -> bool:
-  return platform in ("gpu", "cuda", "rocm")
+    return platform in ("gpu", "cuda", "rocm")
 
 
 def jax_version() -> tuple[int, ...]:
-  return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:3])
+    return tuple(int(x) for x in re.findall(r"\d+", jax.__version__)[:3])
 
 
 def triton_deprecated() -> bool:
-  """JAX deprecates the Pallas Triton backend (for Mosaic GPU) from 0.11 on."""
-  return jax_version() >= (0, 11)
+    """JAX deprecates the Pallas Triton backend (for Mosaic GPU) from 0.11 on."""
+    return jax_version() >= (0, 11)
 
 
 @functools.cache
 def triton_available() -> bool:
-  """Whether this jax still ships the Pallas Triton backend."""
-  try:
-    from jax.experimental.pallas import triton  # noqa: F401
-  except ImportError:
-    return False
-  return True
+    """Whether this jax still ships the Pallas Triton backend."""
+    try:
+        from jax.experimental.pallas import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 # Hopper (sm_90) and Blackwell (sm_100+) data-centre parts, by device_kind.
@@ -137,90 +138,101 @@ _SM90_PLUS = re.compile(r"\b(GH200|H100|H200|H800|H20|B100|B200|GB200|B300|GB300
 
 
 def is_sm90_or_later(device_kind: str | None) -> bool:
-  return bool(device_kind and _SM90_PLUS.search(device_kind))
+    return bool(device_kind and _SM90_PLUS.search(device_kind))
 
 
 def _gpu_device_kind() -> str | None:
-  """device_kind of the first local GPU, None when this process has none."""
-  try:
-    return jax.local_devices(backend="gpu")[0].device_kind
-  except (RuntimeError, ValueError):   # no GPU backend in this process
-    return None
+    """device_kind of the first local GPU, None when this process has none."""
+    try:
+        return jax.local_devices(backend="gpu")[0].device_kind
+    except (RuntimeError, ValueError):  # no GPU backend in this process
+        return None
 
 
 def _default_gpu_variant(device_kind: str | None = None) -> str:
-  """GPU variant for impl="auto"/"pallas" (policy: module docstring)."""
-  choice = os.environ.get("DFLASH_PALLAS_GPU_BACKEND", "").strip().lower()
-  if choice:
-    if choice not in (TRITON, MOSAIC_GPU, CUDNN):
-      raise ValueError("DFLASH_PALLAS_GPU_BACKEND must be 'triton', 'cudnn' or "
-                       f"'mosaic_gpu', got {choice!r}")
-    return choice
-  if not triton_available():
-    return CUDNN
-  if triton_deprecated() and is_sm90_or_later(device_kind or _gpu_device_kind()):
-    return CUDNN
-  return TRITON
+    """GPU variant for impl="auto"/"pallas" (policy: module docstring)."""
+    choice = os.environ.get("DFLASH_PALLAS_GPU_BACKEND", "").strip().lower()
+    if choice:
+        if choice not in (TRITON, MOSAIC_GPU, CUDNN):
+            raise ValueError(
+                "DFLASH_PALLAS_GPU_BACKEND must be 'triton', 'cudnn' or "
+                f"'mosaic_gpu', got {choice!r}"
+            )
+        return choice
+    if not triton_available():
+        return CUDNN
+    if triton_deprecated() and is_sm90_or_later(device_kind or _gpu_device_kind()):
+        return CUDNN
+    return TRITON
 
 
-def resolve(impl: str = "auto", interpret: bool = False,
-            platform: str | None = None) -> str:
-  """Returns the variant ("xla" | "tpu" | "triton" | "mosaic_gpu") to run."""
-  platform = platform or _platform()
-  if impl not in IMPLS:
-    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if impl == "xla":
-    return XLA
-  if impl == "auto":
-    if platform == "tpu":
-      return TPU
-    if _is_gpu(platform):
-      return _check(_default_gpu_variant())
-    return XLA
-  if impl == "pallas":
-    if platform == "tpu":
-      return TPU
-    if _is_gpu(platform):
-      return _check(_default_gpu_variant())
-    if interpret:
-      return TPU
-    raise ValueError(
-        f"impl='pallas' has no compiled kernel on platform {platform!r}; pass "
-        "interpret=True or use impl='xla'.")
-  variant = {"pallas_tpu": TPU, "pallas_triton": TRITON,
-             "pallas_mosaic_gpu": MOSAIC_GPU, "cudnn": CUDNN}[impl]
-  variant = _check(variant)
-  if variant == CUDNN and (interpret or not _is_gpu(platform)):
-    raise ValueError(
-        f"impl='cudnn' runs on a GPU only (platform {platform!r}, interpret="
-        f"{interpret}); use impl='xla' or a Pallas variant with interpret=True.")
-  if not interpret:
-    ok = (variant == TPU and platform == "tpu") or (
-        variant in (TRITON, CUDNN) and _is_gpu(platform))
-    if not ok:
-      raise ValueError(
-          f"impl={impl!r} cannot be compiled on platform {platform!r}; pass "
-          "interpret=True to run it in Pallas interpret mode.")
-  return variant
+def resolve(impl: str = "auto", interpret: bool = False, platform: str | None = None) -> str:
+    """Returns the variant ("xla" | "tpu" | "triton" | "mosaic_gpu") to run."""
+    platform = platform or _platform()
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "xla":
+        return XLA
+    if impl == "auto":
+        if platform == "tpu":
+            return TPU
+        if _is_gpu(platform):
+            return _check(_default_gpu_variant())
+        return XLA
+    if impl == "pallas":
+        if platform == "tpu":
+            return TPU
+        if _is_gpu(platform):
+            return _check(_default_gpu_variant())
+        if interpret:
+            return TPU
+        raise ValueError(
+            f"impl='pallas' has no compiled kernel on platform {platform!r}; pass "
+            "interpret=True or use impl='xla'."
+        )
+    variant = {
+        "pallas_tpu": TPU,
+        "pallas_triton": TRITON,
+        "pallas_mosaic_gpu": MOSAIC_GPU,
+        "cudnn": CUDNN,
+    }[impl]
+    variant = _check(variant)
+    if variant == CUDNN and (interpret or not _is_gpu(platform)):
+        raise ValueError(
+            f"impl='cudnn' runs on a GPU only (platform {platform!r}, interpret="
+            f"{interpret}); use impl='xla' or a Pallas variant with interpret=True."
+        )
+    if not interpret:
+        ok = (variant == TPU and platform == "tpu") or (
+            variant in (TRITON, CUDNN) and _is_gpu(platform)
+        )
+        if not ok:
+            raise ValueError(
+                f"impl={impl!r} cannot be compiled on platform {platform!r}; pass "
+                "interpret=True to run it in Pallas interpret mode."
+            )
+    return variant
 
 
 def _check(variant: str) -> str:
-  if variant == MOSAIC_GPU:
-    raise NotImplementedError(_MOSAIC_GPU_MSG)
-  if variant == TRITON and not triton_available():
-    raise ValueError(
-        f"jax {jax.__version__} no longer ships the Pallas Triton backend; use "
-        "impl='cudnn' (GPU), 'auto' or 'xla'.")
-  return variant
+    if variant == MOSAIC_GPU:
+        raise NotImplementedError(_MOSAIC_GPU_MSG)
+    if variant == TRITON and not triton_available():
+        raise ValueError(
+            f"jax {jax.__version__} no longer ships the Pallas Triton backend; use "
+            "impl='cudnn' (GPU), 'auto' or 'xla'."
+        )
+    return variant
 
 
 def interpret_arg(variant: str, interpret: bool):
-  """Value for ``pl.pallas_call(..., interpret=...)``."""
-  if not interpret:
-    return False
-  if variant == TPU:
-    # TPU interpret mode: simulates VMEM/SMEM, DMAs, scalar prefetch and
-    # checks out-of-bounds accesses.
-    from jax.experimental.pallas import tpu as pltpu
-    return pltpu.InterpretParams()
-  return True  # Triton-style kernels: generic HLO interpreter.
+    """Value for ``pl.pallas_call(..., interpret=...)``."""
+    if not interpret:
+        return False
+    if variant == TPU:
+        # TPU interpret mode: simulates VMEM/SMEM, DMAs, scalar prefetch and
+        # checks out-of-bounds accesses.
+        from jax.experimental.pallas import tpu as pltpu
+
+        return pltpu.InterpretParams()
+    return True  # Triton-style kernels: generic HLO interpreter.

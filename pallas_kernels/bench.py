@@ -24,6 +24,7 @@ Shapes (default): Qwen3-8B attention -- 32 query heads, 8 kv heads, head_dim
 --quick: contexts 1K/8K, batch 1.  --interpret (CPU): tiny shapes, kernels
 in Pallas interpret mode -- only proves the script runs.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,244 +42,338 @@ from pallas_kernels import backend, reference
 
 # ------------------------------------------------------------------ shapes --
 def shape_grid(args):
-  if args.interpret:
-    return dict(hq=4, hkv=2, d=32, block=4, contexts=[64, 200], batches=[1, 2],
-                n_blocks=4, dtype=jnp.float32)
-  if args.quick:
-    return dict(hq=32, hkv=8, d=128, block=16, contexts=[1024, 8192], batches=[1],
-                n_blocks=32, dtype=jnp.bfloat16)
-  return dict(hq=32, hkv=8, d=128, block=16,
-              contexts=[1024, 4096, 8192, 16384, 32768], batches=[1, 8],
-              n_blocks=32, dtype=jnp.bfloat16)
+    if args.interpret:
+        return dict(
+            hq=4,
+            hkv=2,
+            d=32,
+            block=4,
+            contexts=[64, 200],
+            batches=[1, 2],
+            n_blocks=4,
+            dtype=jnp.float32,
+        )
+    if args.quick:
+        return dict(
+            hq=32,
+            hkv=8,
+            d=128,
+            block=16,
+            contexts=[1024, 8192],
+            batches=[1],
+            n_blocks=32,
+            dtype=jnp.bfloat16,
+        )
+    return dict(
+        hq=32,
+        hkv=8,
+        d=128,
+        block=16,
+        contexts=[1024, 4096, 8192, 16384, 32768],
+        batches=[1, 8],
+        n_blocks=32,
+        dtype=jnp.bfloat16,
+    )
 
 
 # ------------------------------------------------------------------ timing --
 def time_fn(fn, args, repeats):
-  """Median wall time (s) of fn(*args); compile + one warm-up excluded."""
-  out = fn(*args)
-  jax.block_until_ready(out)
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
+    """Median wall time (s) of fn(*args); compile + one warm-up excluded."""
     out = fn(*args)
     jax.block_until_ready(out)
-    times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+    out = fn(*args)
+    jax.block_until_ready(out)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        out = fn(*args)
+        jax.block_until_ready(out)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _dpa(q, k, v, mask, implementation=None):
-  """jax.nn.dot_product_attention with a [B,T,S] boolean mask."""
-  return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None],
-                                      implementation=implementation)
+    """jax.nn.dot_product_attention with a [B,T,S] boolean mask."""
+    return jax.nn.dot_product_attention(q, k, v, mask=mask[:, None], implementation=implementation)
 
 
 def _cudnn_ok():
-  return jax.default_backend() in ("gpu", "cuda")
+    return jax.default_backend() in ("gpu", "cuda")
 
 
 def variants(args):
-  """The kernel variants (public impl names) to time on this backend."""
-  if args.impl != "all":
-    return args.impl.split(",")
-  if args.interpret:
-    return ["pallas_tpu", "pallas_triton"]
-  platform = jax.default_backend()
-  if platform == "tpu":
-    return ["pallas_tpu"]
-  if platform in ("gpu", "cuda", "rocm"):
-    return (["pallas_triton"] if backend.triton_available() else []) + ["cudnn"]
-  return []   # CPU without --interpret: the XLA baselines only
+    """The kernel variants (public impl names) to time on this backend."""
+    if args.impl != "all":
+        return args.impl.split(",")
+    if args.interpret:
+        return ["pallas_tpu", "pallas_triton"]
+    platform = jax.default_backend()
+    if platform == "tpu":
+        return ["pallas_tpu"]
+    if platform in ("gpu", "cuda", "rocm"):
+        return (["pallas_triton"] if backend.triton_available() else []) + ["cudnn"]
+    return []  # CPU without --interpret: the XLA baselines only
 
 
 # ---------------------------------------------------------------- kernels --
 def cases_verify(g, rng, args):
-  for b in g["batches"]:
-    for ctx in g["contexts"]:
-      t = g["block"]
-      s = ctx + t
-      q = rng((b, t, g["hq"], g["d"]))
-      k, v = rng((b, s, g["hkv"], g["d"])), rng((b, s, g["hkv"], g["d"]))
-      pos = jnp.broadcast_to(ctx + jnp.arange(t, dtype=jnp.int32), (b, t))
-      kv_bytes = 2 * b * s * g["hkv"] * g["d"] * q.dtype.itemsize
-      flops = 4 * b * g["hq"] * g["d"] * int(jnp.sum(pos + 1))
-      impls = {v: jax.jit(lambda q, k, v_, p, impl=v: pk.verify_attention(
-          q, k, v_, p, impl=impl, interpret=args.interpret)) for v in args.variants}
-      impls.update({
-          "xla_ref": jax.jit(lambda q, k, v, p: reference.verify_attention(q, k, v, p)),
-          "dot_product_attention": jax.jit(lambda q, k, v, p: _dpa(
-              q, k, v, reference.verify_mask(p, k.shape[1]))),
-      })
-      yield dict(kernel="verify", batch=b, context=ctx, bytes=kv_bytes,
-                 flops=flops), impls, (q, k, v, pos)
+    for b in g["batches"]:
+        for ctx in g["contexts"]:
+            t = g["block"]
+            s = ctx + t
+            q = rng((b, t, g["hq"], g["d"]))
+            k, v = rng((b, s, g["hkv"], g["d"])), rng((b, s, g["hkv"], g["d"]))
+            pos = jnp.broadcast_to(ctx + jnp.arange(t, dtype=jnp.int32), (b, t))
+            kv_bytes = 2 * b * s * g["hkv"] * g["d"] * q.dtype.itemsize
+            flops = 4 * b * g["hq"] * g["d"] * int(jnp.sum(pos + 1))
+            impls = {
+                v: jax.jit(
+                    lambda q, k, v_, p, impl=v: pk.verify_attention(
+                        q, k, v_, p, impl=impl, interpret=args.interpret
+                    )
+                )
+                for v in args.variants
+            }
+            impls.update(
+                {
+                    "xla_ref": jax.jit(lambda q, k, v, p: reference.verify_attention(q, k, v, p)),
+                    "dot_product_attention": jax.jit(
+                        lambda q, k, v, p: _dpa(q, k, v, reference.verify_mask(p, k.shape[1]))
+                    ),
+                }
+            )
+            yield (
+                dict(kernel="verify", batch=b, context=ctx, bytes=kv_bytes, flops=flops),
+                impls,
+                (q, k, v, pos),
+            )
 
 
 def cases_draft(g, rng, args):
-  for b in g["batches"]:
-    for ctx in g["contexts"]:
-      t = g["block"]
-      q = rng((b, t, g["hq"], g["d"]))
-      ck, cv = rng((b, ctx, g["hkv"], g["d"])), rng((b, ctx, g["hkv"], g["d"]))
-      bk, bv = rng((b, t, g["hkv"], g["d"])), rng((b, t, g["hkv"], g["d"]))
-      clen = jnp.full((b,), ctx, jnp.int32)
-      kv_bytes = 2 * b * (ctx + t) * g["hkv"] * g["d"] * q.dtype.itemsize
-      flops = 4 * b * g["hq"] * g["d"] * t * (ctx + t)
+    for b in g["batches"]:
+        for ctx in g["contexts"]:
+            t = g["block"]
+            q = rng((b, t, g["hq"], g["d"]))
+            ck, cv = rng((b, ctx, g["hkv"], g["d"])), rng((b, ctx, g["hkv"], g["d"]))
+            bk, bv = rng((b, t, g["hkv"], g["d"])), rng((b, t, g["hkv"], g["d"]))
+            clen = jnp.full((b,), ctx, jnp.int32)
+            kv_bytes = 2 * b * (ctx + t) * g["hkv"] * g["d"] * q.dtype.itemsize
+            flops = 4 * b * g["hq"] * g["d"] * t * (ctx + t)
 
-      def dpa(q, ck, cv, cl, bk, bv, implementation=None):
-        k = jnp.concatenate([ck, bk], axis=1)
-        v = jnp.concatenate([cv, bv], axis=1)
-        mask = jnp.broadcast_to(reference.draft_mask(cl, ck.shape[1], bk.shape[1]),
-                                (q.shape[0], q.shape[1], k.shape[1]))
-        return _dpa(q, k, v, mask, implementation)
-      impls = {v: jax.jit(lambda *a, impl=v: pk.draft_attention(
-          *a, impl=impl, interpret=args.interpret)) for v in args.variants}
-      impls.update({
-          "xla_ref": jax.jit(lambda *a: reference.draft_attention(*a)),
-          "dot_product_attention": jax.jit(dpa),
-      })
-      yield dict(kernel="draft", batch=b, context=ctx, bytes=kv_bytes,
-                 flops=flops), impls, (q, ck, cv, clen, bk, bv)
+            def dpa(q, ck, cv, cl, bk, bv, implementation=None):
+                k = jnp.concatenate([ck, bk], axis=1)
+                v = jnp.concatenate([cv, bv], axis=1)
+                mask = jnp.broadcast_to(
+                    reference.draft_mask(cl, ck.shape[1], bk.shape[1]),
+                    (q.shape[0], q.shape[1], k.shape[1]),
+                )
+                return _dpa(q, k, v, mask, implementation)
+
+            impls = {
+                v: jax.jit(
+                    lambda *a, impl=v: pk.draft_attention(*a, impl=impl, interpret=args.interpret)
+                )
+                for v in args.variants
+            }
+            impls.update(
+                {
+                    "xla_ref": jax.jit(lambda *a: reference.draft_attention(*a)),
+                    "dot_product_attention": jax.jit(dpa),
+                }
+            )
+            yield (
+                dict(kernel="draft", batch=b, context=ctx, bytes=kv_bytes, flops=flops),
+                impls,
+                (q, ck, cv, clen, bk, bv),
+            )
 
 
 def cases_training(g, rng, args):
-  bs, n = g["block"], g["n_blocks"]
-  for b in g["batches"]:
-    for ctx in g["contexts"]:
-      l = n * bs
-      q = rng((b, l, g["hq"], g["d"]))
-      kc, vc = rng((b, ctx, g["hkv"], g["d"])), rng((b, ctx, g["hkv"], g["d"]))
-      kb, vb = rng((b, l, g["hkv"], g["d"])), rng((b, l, g["hkv"], g["d"]))
-      # Anchors spread over the context (sorted, like sampled DFlash anchors).
-      anchors = jnp.broadcast_to(
-          jnp.linspace(1, ctx, n).astype(jnp.int32), (b, n))
-      valid = jnp.ones((b, n), bool)
-      visible = int(jnp.sum(anchors)) * bs + b * n * bs * bs
-      flops = int(4 * g["hq"] * g["d"] * visible * 3.5)   # fwd (1x) + bwd (2.5x)
-      item = q.dtype.itemsize
-      bytes_ = item * g["d"] * (2 * b * ctx * g["hkv"] + 2 * b * l * g["hkv"]
-                                + 2 * b * l * g["hq"])
+    bs, n = g["block"], g["n_blocks"]
+    for b in g["batches"]:
+        for ctx in g["contexts"]:
+            l = n * bs
+            q = rng((b, l, g["hq"], g["d"]))
+            kc, vc = rng((b, ctx, g["hkv"], g["d"])), rng((b, ctx, g["hkv"], g["d"]))
+            kb, vb = rng((b, l, g["hkv"], g["d"])), rng((b, l, g["hkv"], g["d"]))
+            # Anchors spread over the context (sorted, like sampled DFlash anchors).
+            anchors = jnp.broadcast_to(jnp.linspace(1, ctx, n).astype(jnp.int32), (b, n))
+            valid = jnp.ones((b, n), bool)
+            visible = int(jnp.sum(anchors)) * bs + b * n * bs * bs
+            flops = int(4 * g["hq"] * g["d"] * visible * 3.5)  # fwd (1x) + bwd (2.5x)
+            item = q.dtype.itemsize
+            bytes_ = (
+                item
+                * g["d"]
+                * (2 * b * ctx * g["hkv"] + 2 * b * l * g["hkv"] + 2 * b * l * g["hq"])
+            )
 
-      def grad_of(f):
-        def loss(q, kc, vc, kb, vb, a, vld):
-          return jnp.sum(f(q, kc, vc, kb, vb, a, vld).astype(jnp.float32))
-        return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+            def grad_of(f):
+                def loss(q, kc, vc, kb, vb, a, vld):
+                    return jnp.sum(f(q, kc, vc, kb, vb, a, vld).astype(jnp.float32))
 
-      def dpa(q, kc, vc, kb, vb, a, vld, implementation=None):
-        k = jnp.concatenate([kc, kb], axis=1)
-        v = jnp.concatenate([vc, vb], axis=1)
-        mask = masks.training_mask(a, vld, bs, kc.shape[1])
-        return _dpa(q, k, v, mask, implementation)
-      # The cudnn variant trains through the XLA reference: nothing of its own to time.
-      impls = {v: grad_of(lambda *a, impl=v: pk.training_attention(
-          *a, block_size=bs, impl=impl, interpret=args.interpret))
-               for v in args.variants if v != "cudnn"}
-      impls.update({
-          "xla_ref": grad_of(lambda *a: reference.training_attention(*a, block_size=bs)),
-          "dot_product_attention": grad_of(dpa),
-      })
-      if _cudnn_ok():
-        impls["dpa_cudnn"] = grad_of(lambda *a: dpa(*a, implementation="cudnn"))
-      yield dict(kernel="training(fwd+bwd)", batch=b, context=ctx, bytes=bytes_,
-                 flops=flops), impls, (q, kc, vc, kb, vb, anchors, valid)
+                return jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+            def dpa(q, kc, vc, kb, vb, a, vld, implementation=None):
+                k = jnp.concatenate([kc, kb], axis=1)
+                v = jnp.concatenate([vc, vb], axis=1)
+                mask = masks.training_mask(a, vld, bs, kc.shape[1])
+                return _dpa(q, k, v, mask, implementation)
+
+            # The cudnn variant trains through the XLA reference: nothing of its own to time.
+            impls = {
+                v: grad_of(
+                    lambda *a, impl=v: pk.training_attention(
+                        *a, block_size=bs, impl=impl, interpret=args.interpret
+                    )
+                )
+                for v in args.variants
+                if v != "cudnn"
+            }
+            impls.update(
+                {
+                    "xla_ref": grad_of(lambda *a: reference.training_attention(*a, block_size=bs)),
+                    "dot_product_attention": grad_of(dpa),
+                }
+            )
+            if _cudnn_ok():
+                impls["dpa_cudnn"] = grad_of(lambda *a: dpa(*a, implementation="cudnn"))
+            yield (
+                dict(kernel="training(fwd+bwd)", batch=b, context=ctx, bytes=bytes_, flops=flops),
+                impls,
+                (q, kc, vc, kb, vb, anchors, valid),
+            )
 
 
 # ------------------------------------------------------------------- main --
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--kernel", default="all", choices=["verify", "draft", "training", "all"])
-  p.add_argument("--quick", action="store_true")
-  p.add_argument("--interpret", action="store_true",
-                 help="run the Pallas kernels in interpret mode (CPU smoke test)")
-  p.add_argument("--impl", default="all",
-                 help="'all' (every variant of this backend) or a comma-separated list of "
-                      "pallas, pallas_tpu, pallas_triton, cudnn")
-  p.add_argument("--peak_hbm_gbps", type=float, default=4800.0)
-  p.add_argument("--repeats", type=int, default=None)
-  p.add_argument("--no_check", action="store_true",
-                 help="skip the pallas-vs-reference output check")
-  p.add_argument("--contexts", default=None,
-                 help="comma-separated context lengths overriding the default grid")
-  p.add_argument("--batches", default=None,
-                 help="comma-separated batch sizes overriding the default grid")
-  p.add_argument("--json_out", default=None)
-  args = p.parse_args(argv)
-  args.variants = variants(args)
-  bad = [v for v in args.variants if v not in ("pallas", "pallas_tpu", "pallas_triton", "cudnn")]
-  if bad:
-    p.error(f"--impl: unknown variant(s) {bad}")
-  if args.interpret and jax.default_backend() != "cpu":
-    print("note: --interpret on an accelerator measures the interpreter, not the kernel")
-  repeats = args.repeats or (2 if args.interpret else 5 if args.quick else 20)
-  g = shape_grid(args)
-  if args.contexts:
-    g["contexts"] = [int(x) for x in args.contexts.split(",")]
-  if args.batches:
-    g["batches"] = [int(x) for x in args.batches.split(",")]
-  key = [jax.random.PRNGKey(0)]
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--kernel", default="all", choices=["verify", "draft", "training", "all"])
+    p.add_argument("--quick", action="store_true")
+    p.add_argument(
+        "--interpret",
+        action="store_true",
+        help="run the Pallas kernels in interpret mode (CPU smoke test)",
+    )
+    p.add_argument(
+        "--impl",
+        default="all",
+        help="'all' (every variant of this backend) or a comma-separated list of "
+        "pallas, pallas_tpu, pallas_triton, cudnn",
+    )
+    p.add_argument("--peak_hbm_gbps", type=float, default=4800.0)
+    p.add_argument("--repeats", type=int, default=None)
+    p.add_argument(
+        "--no_check", action="store_true", help="skip the pallas-vs-reference output check"
+    )
+    p.add_argument(
+        "--contexts",
+        default=None,
+        help="comma-separated context lengths overriding the default grid",
+    )
+    p.add_argument(
+        "--batches", default=None, help="comma-separated batch sizes overriding the default grid"
+    )
+    p.add_argument("--json_out", default=None)
+    args = p.parse_args(argv)
+    args.variants = variants(args)
+    bad = [v for v in args.variants if v not in ("pallas", "pallas_tpu", "pallas_triton", "cudnn")]
+    if bad:
+        p.error(f"--impl: unknown variant(s) {bad}")
+    if args.interpret and jax.default_backend() != "cpu":
+        print("note: --interpret on an accelerator measures the interpreter, not the kernel")
+    repeats = args.repeats or (2 if args.interpret else 5 if args.quick else 20)
+    g = shape_grid(args)
+    if args.contexts:
+        g["contexts"] = [int(x) for x in args.contexts.split(",")]
+    if args.batches:
+        g["batches"] = [int(x) for x in args.batches.split(",")]
+    key = [jax.random.PRNGKey(0)]
 
-  def rng(shape):
-    key[0], sub = jax.random.split(key[0])
-    return jax.random.normal(sub, shape, jnp.float32).astype(g["dtype"])
+    def rng(shape):
+        key[0], sub = jax.random.split(key[0])
+        return jax.random.normal(sub, shape, jnp.float32).astype(g["dtype"])
 
-  kernels = ["verify", "draft", "training"] if args.kernel == "all" else [args.kernel]
-  gens = {"verify": cases_verify, "draft": cases_draft, "training": cases_training}
-  print(f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
+    kernels = ["verify", "draft", "training"] if args.kernel == "all" else [args.kernel]
+    gens = {"verify": cases_verify, "draft": cases_draft, "training": cases_training}
+    print(
+        f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
         f"jax={jax.__version__} variants={','.join(args.variants) or 'none'} interpret={args.interpret} repeats={repeats} "
-        f"dtype={jnp.dtype(g['dtype']).name} Hq={g['hq']} Hkv={g['hkv']} D={g['d']}")
-  header = (f"{'kernel':<18} {'impl':<22} {'B':>2} {'ctx':>6} {'time_ms':>9} "
-            f"{'GB/s':>8} {'%peak':>6} {'TFLOP/s':>8} {'vs_xla':>7}")
-  print(header)
-  print("-" * len(header))
-  rows = []
-  for name in kernels:
-    for meta, impls, inputs in gens[name](g, rng, args):
-      base = None
-      errs = {}
-      if not args.no_check:
-        want = impls["xla_ref"](*inputs)
-        for v in args.variants:
-          if v not in impls:
-            continue
-          try:
-            got = impls[v](*inputs)
-            errs[v] = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                          for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)))
-          except Exception as e:  # noqa: BLE001 -- reported, benchmark goes on
-            errs[v] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
-      for impl_name in ["xla_ref"] + [k for k in impls if k != "xla_ref"]:
-        row = dict(meta, impl=impl_name)
-        if impl_name in errs:
-          row["max_abs_err_vs_ref"] = errs[impl_name]
-        try:
-          t = time_fn(impls[impl_name], inputs, repeats)
-          row.update(time_ms=t * 1e3, gbps=meta["bytes"] / t / 1e9,
-                     pct_peak=100 * meta["bytes"] / t / 1e9 / args.peak_hbm_gbps,
-                     tflops=meta["flops"] / t / 1e12)
-          if impl_name == "xla_ref":
-            base = t
-          row["speedup_vs_xla"] = (base / t) if base else None
-          print(f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} "
-                f"{meta['context']:>6} {row['time_ms']:>9.3f} {row['gbps']:>8.1f} "
-                f"{row['pct_peak']:>6.1f} {row['tflops']:>8.2f} "
-                f"{(row['speedup_vs_xla'] or 0):>6.2f}x")
-        except Exception as e:  # noqa: BLE001 -- e.g. OOM or cuDNN unsupported
-          row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-          print(f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} "
-                f"{meta['context']:>6} {'n/a':>9}  ({row['error'][:60]})")
-        rows.append(row)
-      for v, err in errs.items():
-        print(f"{'':<18} check: max|{v} - xla_ref| = {err}")
-  if args.json_out:
-    with open(args.json_out, "w") as f:
-      json.dump(dict(backend=jax.default_backend(),
-                     device=jax.devices()[0].device_kind,
-                     peak_hbm_gbps=args.peak_hbm_gbps, repeats=repeats,
-                     interpret=args.interpret, jax=jax.__version__,
-                     variants=args.variants, rows=rows), f, indent=1)
-    print(f"wrote {args.json_out}")
-  return rows
+        f"dtype={jnp.dtype(g['dtype']).name} Hq={g['hq']} Hkv={g['hkv']} D={g['d']}"
+    )
+    header = (
+        f"{'kernel':<18} {'impl':<22} {'B':>2} {'ctx':>6} {'time_ms':>9} "
+        f"{'GB/s':>8} {'%peak':>6} {'TFLOP/s':>8} {'vs_xla':>7}"
+    )
+    print(header)
+    print("-" * len(header))
+    rows = []
+    for name in kernels:
+        for meta, impls, inputs in gens[name](g, rng, args):
+            base = None
+            errs = {}
+            if not args.no_check:
+                want = impls["xla_ref"](*inputs)
+                for v in args.variants:
+                    if v not in impls:
+                        continue
+                    try:
+                        got = impls[v](*inputs)
+                        errs[v] = max(
+                            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+                        )
+                    except Exception as e:  # noqa: BLE001 -- reported, benchmark goes on
+                        errs[v] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            for impl_name in ["xla_ref"] + [k for k in impls if k != "xla_ref"]:
+                row = dict(meta, impl=impl_name)
+                if impl_name in errs:
+                    row["max_abs_err_vs_ref"] = errs[impl_name]
+                try:
+                    t = time_fn(impls[impl_name], inputs, repeats)
+                    row.update(
+                        time_ms=t * 1e3,
+                        gbps=meta["bytes"] / t / 1e9,
+                        pct_peak=100 * meta["bytes"] / t / 1e9 / args.peak_hbm_gbps,
+                        tflops=meta["flops"] / t / 1e12,
+                    )
+                    if impl_name == "xla_ref":
+                        base = t
+                    row["speedup_vs_xla"] = (base / t) if base else None
+                    print(
+                        f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} "
+                        f"{meta['context']:>6} {row['time_ms']:>9.3f} {row['gbps']:>8.1f} "
+                        f"{row['pct_peak']:>6.1f} {row['tflops']:>8.2f} "
+                        f"{(row['speedup_vs_xla'] or 0):>6.2f}x"
+                    )
+                except Exception as e:  # noqa: BLE001 -- e.g. OOM or cuDNN unsupported
+                    row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    print(
+                        f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} "
+                        f"{meta['context']:>6} {'n/a':>9}  ({row['error'][:60]})"
+                    )
+                rows.append(row)
+            for v, err in errs.items():
+                print(f"{'':<18} check: max|{v} - xla_ref| = {err}")
+    if args.json_out:
+        with open(args.json_out, "w") as f:
+            json.dump(
+                dict(
+                    backend=jax.default_backend(),
+                    device=jax.devices()[0].device_kind,
+                    peak_hbm_gbps=args.peak_hbm_gbps,
+                    repeats=repeats,
+                    interpret=args.interpret,
+                    jax=jax.__version__,
+                    variants=args.variants,
+                    rows=rows,
+                ),
+                f,
+                indent=1,
+            )
+        print(f"wrote {args.json_out}")
+    return rows
 
 
 if __name__ == "__main__":
-  main()
+    main()

@@ -13,6 +13,7 @@ cuDNN takes float16/bfloat16 with head_dim % 8 == 0 and head_dim <= 128
 (256 from Hopper on); other inputs run the XLA reference instead (same
 semantics, so the choice never changes a result beyond rounding).
 """
+
 from __future__ import annotations
 
 import jax
@@ -28,37 +29,42 @@ _IMPLEMENTATION = "cudnn"
 
 
 def supported(q) -> bool:
-  """Whether cuDNN's fused attention takes q's dtype and head_dim (<= 128: any GPU)."""
-  d = q.shape[-1]
-  return jnp.dtype(q.dtype) in [jnp.dtype(x) for x in _DTYPES] and d % 8 == 0 and d <= 128
+    """Whether cuDNN's fused attention takes q's dtype and head_dim (<= 128: any GPU)."""
+    d = q.shape[-1]
+    return jnp.dtype(q.dtype) in [jnp.dtype(x) for x in _DTYPES] and d % 8 == 0 and d <= 128
 
 
 def masked_attention(q, k, v, mask, sm_scale=None):
-  """q: [B,T,Hq,D]; k, v: [B,S,Hkv,D]; mask: bool broadcastable to [B,T,S].
+    """q: [B,T,Hq,D]; k, v: [B,S,Hkv,D]; mask: bool broadcastable to [B,T,S].
 
-  Same contract as reference.masked_attention for rows that see >= 1 key.
-  """
-  if not supported(q):
-    return reference.masked_attention(q, k, v, mask, sm_scale)
-  b, t = q.shape[:2]
-  mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None]   # [B,1,T,S]
-  return jax.nn.dot_product_attention(
-      q, k.astype(q.dtype), v.astype(q.dtype), mask=mask,
-      scale=default_scale(q.shape[-1], sm_scale), implementation=_IMPLEMENTATION)
+    Same contract as reference.masked_attention for rows that see >= 1 key.
+    """
+    if not supported(q):
+        return reference.masked_attention(q, k, v, mask, sm_scale)
+    b, t = q.shape[:2]
+    mask = jnp.broadcast_to(mask, (b, t, k.shape[1]))[:, None]  # [B,1,T,S]
+    return jax.nn.dot_product_attention(
+        q,
+        k.astype(q.dtype),
+        v.astype(q.dtype),
+        mask=mask,
+        scale=default_scale(q.shape[-1], sm_scale),
+        implementation=_IMPLEMENTATION,
+    )
 
 
 def verify_attention(q, k_cache, v_cache, q_positions, *, sm_scale=None):
-  """q: [B,T,Hq,D]; k_cache, v_cache: [B,S,Hkv,D]; q_positions: [B,T]."""
-  mask = reference.verify_mask(q_positions.astype(jnp.int32), k_cache.shape[1])
-  return masked_attention(q, k_cache, v_cache, mask, sm_scale)
+    """q: [B,T,Hq,D]; k_cache, v_cache: [B,S,Hkv,D]; q_positions: [B,T]."""
+    mask = reference.verify_mask(q_positions.astype(jnp.int32), k_cache.shape[1])
+    return masked_attention(q, k_cache, v_cache, mask, sm_scale)
 
 
 def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None):
-  """q: [B,T,Hq,D]; ctx_k/v: [B,C,Hkv,D]; ctx_len: [B]; blk_k/v: [B,T,Hkv,D].
+    """q: [B,T,Hq,D]; ctx_k/v: [B,C,Hkv,D]; ctx_len: [B]; blk_k/v: [B,T,Hkv,D].
 
-  Keys are [context ; block] (a copy of the context, C+T rows per call).
-  """
-  k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1)
-  v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1)
-  mask = reference.draft_mask(ctx_len.astype(jnp.int32), ctx_k.shape[1], blk_k.shape[1])
-  return masked_attention(q, k, v, mask, sm_scale)
+    Keys are [context ; block] (a copy of the context, C+T rows per call).
+    """
+    k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1)
+    v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1)
+    mask = reference.draft_mask(ctx_len.astype(jnp.int32), ctx_k.shape[1], blk_k.shape[1])
+    return masked_attention(q, k, v, mask, sm_scale)

@@ -27,6 +27,7 @@ merged afterwards (combine_splits).  Tiles past kv_len are skipped: their
 index_map is clamped to the last needed tile (no new DMA) and the body is
 guarded by pl.when.  Tiles every row sees completely take a mask-free path.
 """
+
 from __future__ import annotations
 
 import functools
@@ -41,228 +42,254 @@ from .reference import default_scale
 
 
 def _choose_kv_tile(s: int, block_k: int, align: int):
-  """Returns (tk, padded_S)."""
-  if s <= block_k:
-    tk = C.round_up(s, align)
-    return tk, tk
-  t = block_k
-  while t >= 128 and s % t:
-    t //= 2
-  if t >= 128 and s % t == 0:
-    return t, s
-  return block_k, C.round_up(s, block_k)
+    """Returns (tk, padded_S)."""
+    if s <= block_k:
+        tk = C.round_up(s, align)
+        return tk, tk
+    t = block_k
+    while t >= 128 and s % t:
+        t //= 2
+    if t >= 128 and s % t == 0:
+        return t, s
+    return block_k, C.round_up(s, block_k)
 
 
 def _heads_per_block(hkv: int, d: int) -> int:
-  for hb in range(1, hkv + 1):
-    if hkv % hb == 0 and (hb * d) % 128 == 0:
-      return hb
-  return hkv
+    for hb in range(1, hkv + 1):
+        if hkv % hb == 0 and (hb * d) % 128 == 0:
+            return hb
+    return hkv
 
 
 def _split_tile(kv_len, s, i, *, tk, ns):
-  """KV tile visited at grid point (split s, step i), clamped (see module doc)."""
-  # lax.div (truncating) on non-negative ints: `//` would lower a sign op.
-  needed = jax.lax.div(kv_len + (tk - 1), tk)
-  per = jax.lax.div(needed + (ns - 1), ns)
-  j = s * per + jnp.minimum(i, jnp.maximum(per - 1, 0))
-  return jnp.maximum(jnp.minimum(j, needed - 1), 0), needed, per
+    """KV tile visited at grid point (split s, step i), clamped (see module doc)."""
+    # lax.div (truncating) on non-negative ints: `//` would lower a sign op.
+    needed = jax.lax.div(kv_len + (tk - 1), tk)
+    per = jax.lax.div(needed + (ns - 1), ns)
+    j = s * per + jnp.minimum(i, jnp.maximum(per - 1, 0))
+    return jnp.maximum(jnp.minimum(j, needed - 1), 0), needed, per
 
 
 def _col(ref, c: int):
-  """Column c of a per-row statistics tile as an (rows, 1) value.
+    """Column c of a per-row statistics tile as an (rows, 1) value.
 
-  Loads the whole (rows, lanes) tile and slices the value (rather than the
-  ref) so the load stays tile-aligned.
-  """
-  return ref[...][:, c:c + 1]
-
-
-def _online_update(q, k, v, m_ref, l_ref, acc_ref, *, scale, prec, mask=None,
-                   v_rows_valid=None):
-  """One flash-attention step on VMEM scratch m/l (rows, LANES), acc (rows, W)."""
-  s = jax.lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                          preferred_element_type=jnp.float32, precision=prec)
-  s = s * scale
-  if mask is not None:
-    s = jnp.where(mask, s, C.NEG)
-  m_prev = m_ref[...]                                  # (R, LANES)
-  l_prev = l_ref[...]
-  m_cur = jnp.max(s, axis=1, keepdims=True)            # (R, 1)
-  m_new = jnp.maximum(m_prev, m_cur)                   # (R, LANES)
-  m1 = m_new[:, :1]
-  p = jnp.exp(s - m1)
-  if mask is not None:
-    p = jnp.where(mask, p, 0.0)
-  alpha = jnp.exp(m_prev - m_new)
-  l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
-  m_ref[...] = m_new
-  if v_rows_valid is not None:   # stale / padded slots may hold non-finite data
-    v = jnp.where(v_rows_valid, v, jnp.zeros_like(v))
-  pv = jax.lax.dot_general(p.astype(v.dtype), v, (((1,), (0,)), ((), ())),
-                           preferred_element_type=jnp.float32, precision=prec)
-  acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
+    Loads the whole (rows, lanes) tile and slices the value (rather than the
+    ref) so the load stays tile-aligned.
+    """
+    return ref[...][:, c : c + 1]
 
 
-def _decode_kernel(kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest,
-                   tk, ns, scale, prec, blk_len):
-  if blk_len:
-    bk_ref, bv_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
-  else:
-    o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
-  b = pl.program_id(0)
-  s = pl.program_id(2)
-  i = pl.program_id(3)
-  kv_len = kvlen_ref[b]
-  min_lim = minlim_ref[b]
-  rows, w = q_ref.shape
-  upd = functools.partial(_online_update, m_ref=m_ref, l_ref=l_ref,
-                          acc_ref=acc_ref, scale=scale, prec=prec)
+def _online_update(q, k, v, m_ref, l_ref, acc_ref, *, scale, prec, mask=None, v_rows_valid=None):
+    """One flash-attention step on VMEM scratch m/l (rows, LANES), acc (rows, W)."""
+    s = jax.lax.dot_general(
+        q, k, (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32, precision=prec
+    )
+    s = s * scale
+    if mask is not None:
+        s = jnp.where(mask, s, C.NEG)
+    m_prev = m_ref[...]  # (R, LANES)
+    l_prev = l_ref[...]
+    m_cur = jnp.max(s, axis=1, keepdims=True)  # (R, 1)
+    m_new = jnp.maximum(m_prev, m_cur)  # (R, LANES)
+    m1 = m_new[:, :1]
+    p = jnp.exp(s - m1)
+    if mask is not None:
+        p = jnp.where(mask, p, 0.0)
+    alpha = jnp.exp(m_prev - m_new)
+    l_ref[...] = alpha * l_prev + jnp.sum(p, axis=1, keepdims=True)
+    m_ref[...] = m_new
+    if v_rows_valid is not None:  # stale / padded slots may hold non-finite data
+        v = jnp.where(v_rows_valid, v, jnp.zeros_like(v))
+    pv = jax.lax.dot_general(
+        p.astype(v.dtype),
+        v,
+        (((1,), (0,)), ((), ())),
+        preferred_element_type=jnp.float32,
+        precision=prec,
+    )
+    acc_ref[...] = acc_ref[...] * alpha[:, :1] + pv
 
-  @pl.when(i == 0)
-  def _init():
-    m_ref[...] = jnp.full(m_ref.shape, C.NEG, jnp.float32)
-    l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
-    acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  if blk_len:
-    @pl.when((i == 0) & (s == 0))
-    def _block_keys():
-      tb = bk_ref.shape[0]
-      mask = jax.lax.broadcasted_iota(jnp.int32, (rows, tb), 1) < blk_len
-      vrow = jax.lax.broadcasted_iota(jnp.int32, (tb, w), 0) < blk_len
-      upd(q_ref[...], bk_ref[...], bv_ref[...], mask=mask, v_rows_valid=vrow)
+def _decode_kernel(
+    kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest, tk, ns, scale, prec, blk_len
+):
+    if blk_len:
+        bk_ref, bv_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+    else:
+        o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+    b = pl.program_id(0)
+    s = pl.program_id(2)
+    i = pl.program_id(3)
+    kv_len = kvlen_ref[b]
+    min_lim = minlim_ref[b]
+    rows, w = q_ref.shape
+    upd = functools.partial(
+        _online_update, m_ref=m_ref, l_ref=l_ref, acc_ref=acc_ref, scale=scale, prec=prec
+    )
 
-  _, needed, per = _split_tile(kv_len, s, i, tk=tk, ns=ns)
-  j = s * per + i
-  start = j * tk
-  active = (i < per) & (j < needed)
-  full = active & (start + tk - 1 <= min_lim)
+    @pl.when(i == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, C.NEG, jnp.float32)
+        l_ref[...] = jnp.zeros(l_ref.shape, jnp.float32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, jnp.float32)
 
-  @pl.when(full)
-  def _full_tile():
-    upd(q_ref[...], k_ref[...], v_ref[...])
+    if blk_len:
 
-  @pl.when(active & jnp.logical_not(full))
-  def _partial_tile():
-    lim = _col(lim_ref, 0)                                        # (R, 1)
-    col = start + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
-    vrow = (start + jax.lax.broadcasted_iota(jnp.int32, (tk, w), 0)) < kv_len
-    upd(q_ref[...], k_ref[...], v_ref[...], mask=col <= lim, v_rows_valid=vrow)
+        @pl.when((i == 0) & (s == 0))
+        def _block_keys():
+            tb = bk_ref.shape[0]
+            mask = jax.lax.broadcasted_iota(jnp.int32, (rows, tb), 1) < blk_len
+            vrow = jax.lax.broadcasted_iota(jnp.int32, (tb, w), 0) < blk_len
+            upd(q_ref[...], bk_ref[...], bv_ref[...], mask=mask, v_rows_valid=vrow)
 
-  @pl.when(i == pl.num_programs(3) - 1)
-  def _finalize():
-    l = l_ref[...]
-    ok = l > 0.0
-    lsafe = jnp.where(ok, l, 1.0)
-    o_ref[...] = acc_ref[...] / lsafe[:, :1]
-    lse_ref[...] = jnp.where(ok, m_ref[...] + jnp.log(lsafe), C.NEG)
+    _, needed, per = _split_tile(kv_len, s, i, tk=tk, ns=ns)
+    j = s * per + i
+    start = j * tk
+    active = (i < per) & (j < needed)
+    full = active & (start + tk - 1 <= min_lim)
+
+    @pl.when(full)
+    def _full_tile():
+        upd(q_ref[...], k_ref[...], v_ref[...])
+
+    @pl.when(active & jnp.logical_not(full))
+    def _partial_tile():
+        lim = _col(lim_ref, 0)  # (R, 1)
+        col = start + jax.lax.broadcasted_iota(jnp.int32, (rows, tk), 1)
+        vrow = (start + jax.lax.broadcasted_iota(jnp.int32, (tk, w), 0)) < kv_len
+        upd(q_ref[...], k_ref[...], v_ref[...], mask=col <= lim, v_rows_valid=vrow)
+
+    @pl.when(i == pl.num_programs(3) - 1)
+    def _finalize():
+        l = l_ref[...]
+        ok = l > 0.0
+        lsafe = jnp.where(ok, l, 1.0)
+        o_ref[...] = acc_ref[...] / lsafe[:, :1]
+        lse_ref[...] = jnp.where(ok, m_ref[...] + jnp.log(lsafe), C.NEG)
 
 
 def expand_heads(x, hb: int):
-  """[B, Hkv, R, D] -> [B, Hkv/hb, hb*R, hb*D] block-diagonal (see module doc)."""
-  if hb == 1:
-    return x
-  b, hkv, r, d = x.shape
-  x = x.reshape(b, hkv // hb, hb, r, d)
-  eye = jnp.eye(hb, dtype=x.dtype)
-  x = jnp.einsum("bkirD,ij->bkirjD", x, eye)
-  return x.reshape(b, hkv // hb, hb * r, hb * d)
+    """[B, Hkv, R, D] -> [B, Hkv/hb, hb*R, hb*D] block-diagonal (see module doc)."""
+    if hb == 1:
+        return x
+    b, hkv, r, d = x.shape
+    x = x.reshape(b, hkv // hb, hb, r, d)
+    eye = jnp.eye(hb, dtype=x.dtype)
+    x = jnp.einsum("bkirD,ij->bkirjD", x, eye)
+    return x.reshape(b, hkv // hb, hb * r, hb * d)
 
 
 def collapse_heads(x, hb: int):
-  """Inverse of expand_heads on [..., Hkv/hb, hb*R, hb*D] -> [..., Hkv, R, D]."""
-  if hb == 1:
-    return x
-  *lead, hg, rr, ww = x.shape
-  r, d = rr // hb, ww // hb
-  x = x.reshape(*lead, hg, hb, r, hb, d)
-  x = jnp.diagonal(x, axis1=-4, axis2=-2)            # [..., hg, r, d, hb]
-  x = jnp.moveaxis(x, -1, -3)                         # [..., hg, hb, r, d]
-  return x.reshape(*lead, hg * hb, r, d)
+    """Inverse of expand_heads on [..., Hkv/hb, hb*R, hb*D] -> [..., Hkv, R, D]."""
+    if hb == 1:
+        return x
+    *lead, hg, rr, ww = x.shape
+    r, d = rr // hb, ww // hb
+    x = x.reshape(*lead, hg, hb, r, hb, d)
+    x = jnp.diagonal(x, axis1=-4, axis2=-2)  # [..., hg, r, d, hb]
+    x = jnp.moveaxis(x, -1, -3)  # [..., hg, hb, r, d]
+    return x.reshape(*lead, hg * hb, r, d)
 
 
-def decode_attention(q, k, v, lim, *, blk_k=None, blk_v=None, sm_scale=None,
-                     block_k: int = 512, num_splits: int | None = None,
-                     interpret=False):
-  """Shared entry for verify/draft.
+def decode_attention(
+    q,
+    k,
+    v,
+    lim,
+    *,
+    blk_k=None,
+    blk_v=None,
+    sm_scale=None,
+    block_k: int = 512,
+    num_splits: int | None = None,
+    interpret=False,
+):
+    """Shared entry for verify/draft.
 
-  q: [B,T,Hq,D]; k, v: [B,S,Hkv,D]; lim: [B,T] int32, row (b,t) sees slot j
-  iff j <= lim[b,t].  Optional blk_k/blk_v [B,Tb,Hkv,D]: always-visible keys.
-  """
-  b, t, hq, d, hkv, g = C.check_gqa(q, k)
-  s_len = k.shape[1]
-  scale = default_scale(d, sm_scale)
-  align = C.sublane_multiple(k.dtype)
-  rows = C.round_up(t * g, C.sublane_multiple(q.dtype))
-  tk, s_pad = _choose_kv_tile(s_len, block_k, align)
-  hb = _heads_per_block(hkv, d)
-  n_tiles = s_pad // tk
+    q: [B,T,Hq,D]; k, v: [B,S,Hkv,D]; lim: [B,T] int32, row (b,t) sees slot j
+    iff j <= lim[b,t].  Optional blk_k/blk_v [B,Tb,Hkv,D]: always-visible keys.
+    """
+    b, t, hq, d, hkv, g = C.check_gqa(q, k)
+    s_len = k.shape[1]
+    scale = default_scale(d, sm_scale)
+    align = C.sublane_multiple(k.dtype)
+    rows = C.round_up(t * g, C.sublane_multiple(q.dtype))
+    tk, s_pad = _choose_kv_tile(s_len, block_k, align)
+    hb = _heads_per_block(hkv, d)
+    n_tiles = s_pad // tk
 
-  lim = jnp.minimum(lim.astype(jnp.int32), s_len - 1)
-  kv_len = jnp.maximum(jnp.max(lim, axis=1) + 1, 0).astype(jnp.int32)
-  min_lim = jnp.min(lim, axis=1).astype(jnp.int32)
-  lim_rows = C.per_row(lim, g, rows, -1)
-  lim_rows = jnp.broadcast_to(lim_rows[:, :, None], (b, rows, C.LANES))
+    lim = jnp.minimum(lim.astype(jnp.int32), s_len - 1)
+    kv_len = jnp.maximum(jnp.max(lim, axis=1) + 1, 0).astype(jnp.int32)
+    min_lim = jnp.min(lim, axis=1).astype(jnp.int32)
+    lim_rows = C.per_row(lim, g, rows, -1)
+    lim_rows = jnp.broadcast_to(lim_rows[:, :, None], (b, rows, C.LANES))
 
-  hg, hr, w = hkv // hb, hb * rows, hb * d      # programs per b, rows, lanes
-  lim_rows = jnp.tile(lim_rows, (1, hb, 1))      # row block i = head i
+    hg, hr, w = hkv // hb, hb * rows, hb * d  # programs per b, rows, lanes
+    lim_rows = jnp.tile(lim_rows, (1, hb, 1))  # row block i = head i
 
-  ns = num_splits or C.cdiv(4, b * hg)
-  ns = max(1, min(ns, n_tiles))
-  steps = C.cdiv(n_tiles, ns)
+    ns = num_splits or C.cdiv(4, b * hg)
+    ns = max(1, min(ns, n_tiles))
+    steps = C.cdiv(n_tiles, ns)
 
-  q4 = expand_heads(C.q_to_rows(q, hkv, rows), hb)          # [B, hg, hr, w]
-  k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)   # free view
-  v2 = C.pad_axis(v, 1, s_pad).reshape(b, s_pad, hkv * d)
+    q4 = expand_heads(C.q_to_rows(q, hkv, rows), hb)  # [B, hg, hr, w]
+    k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)  # free view
+    v2 = C.pad_axis(v, 1, s_pad).reshape(b, s_pad, hkv * d)
 
-  def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref):
-    j, _, _ = _split_tile(kvlen_ref[bi], si, ii, tk=tk, ns=ns)
-    return bi, j, hi
+    def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref):
+        j, _, _ = _split_tile(kvlen_ref[bi], si, ii, tk=tk, ns=ns)
+        return bi, j, hi
 
-  in_specs = [
-      pl.BlockSpec((None, None, hr, w), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
-      pl.BlockSpec((None, hr, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
-      pl.BlockSpec((None, tk, w), kv_map),
-      pl.BlockSpec((None, tk, w), kv_map),
-  ]
-  args = [q4, lim_rows, k2, v2]
-  blk_len = 0
-  if blk_k is not None:
-    blk_len = blk_k.shape[1]
-    tb = C.round_up(blk_len, align)
-    bk2 = C.pad_axis(blk_k.astype(k.dtype), 1, tb).reshape(b, tb, hkv * d)
-    bv2 = C.pad_axis(blk_v.astype(v.dtype), 1, tb).reshape(b, tb, hkv * d)
-    spec = pl.BlockSpec((None, tb, w), lambda bi, hi, si, ii, *_: (bi, 0, hi))
-    in_specs += [spec, spec]
-    args += [bk2, bv2]
+    in_specs = [
+        pl.BlockSpec((None, None, hr, w), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
+        pl.BlockSpec((None, hr, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
+        pl.BlockSpec((None, tk, w), kv_map),
+        pl.BlockSpec((None, tk, w), kv_map),
+    ]
+    args = [q4, lim_rows, k2, v2]
+    blk_len = 0
+    if blk_k is not None:
+        blk_len = blk_k.shape[1]
+        tb = C.round_up(blk_len, align)
+        bk2 = C.pad_axis(blk_k.astype(k.dtype), 1, tb).reshape(b, tb, hkv * d)
+        bv2 = C.pad_axis(blk_v.astype(v.dtype), 1, tb).reshape(b, tb, hkv * d)
+        spec = pl.BlockSpec((None, tb, w), lambda bi, hi, si, ii, *_: (bi, 0, hi))
+        in_specs += [spec, spec]
+        args += [bk2, bv2]
 
-  out_map = lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)
-  out_specs = [pl.BlockSpec((None, None, None, hr, w), out_map),
-               pl.BlockSpec((None, None, None, hr, C.LANES), out_map)]
-  out_shape = [jax.ShapeDtypeStruct((b, hg, ns, hr, w), jnp.float32),
-               jax.ShapeDtypeStruct((b, hg, ns, hr, C.LANES), jnp.float32)]
-  grid_spec = pltpu.PrefetchScalarGridSpec(
-      num_scalar_prefetch=2,
-      grid=(b, hg, ns, steps),
-      in_specs=in_specs,
-      out_specs=out_specs,
-      scratch_shapes=[pltpu.VMEM((hr, C.LANES), jnp.float32),
-                      pltpu.VMEM((hr, C.LANES), jnp.float32),
-                      pltpu.VMEM((hr, w), jnp.float32)],
-  )
-  kernel = functools.partial(_decode_kernel, tk=tk, ns=ns, scale=scale,
-                             prec=C.dot_precision(q.dtype), blk_len=blk_len)
-  cost = C.decode_cost(q, k, s_len, blk_len)
-  o_part, lse_part = pl.pallas_call(
-      kernel,
-      out_shape=out_shape,
-      grid_spec=grid_spec,
-      compiler_params=pltpu.CompilerParams(
-          dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")),
-      cost_estimate=cost,
-      interpret=interpret,
-      name="dflash_decode_attention_tpu",
-  )(kv_len, min_lim, *args)
-  o = collapse_heads(C.combine_splits(o_part, lse_part[..., 0]), hb)
-  return C.rows_to_q(o, t, g, q.dtype)
+    out_map = lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)
+    out_specs = [
+        pl.BlockSpec((None, None, None, hr, w), out_map),
+        pl.BlockSpec((None, None, None, hr, C.LANES), out_map),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hg, ns, hr, w), jnp.float32),
+        jax.ShapeDtypeStruct((b, hg, ns, hr, C.LANES), jnp.float32),
+    ]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=2,
+        grid=(b, hg, ns, steps),
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=[
+            pltpu.VMEM((hr, C.LANES), jnp.float32),
+            pltpu.VMEM((hr, C.LANES), jnp.float32),
+            pltpu.VMEM((hr, w), jnp.float32),
+        ],
+    )
+    kernel = functools.partial(
+        _decode_kernel, tk=tk, ns=ns, scale=scale, prec=C.dot_precision(q.dtype), blk_len=blk_len
+    )
+    cost = C.decode_cost(q, k, s_len, blk_len)
+    o_part, lse_part = pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        name="dflash_decode_attention_tpu",
+    )(kv_len, min_lim, *args)
+    o = collapse_heads(C.combine_splits(o_part, lse_part[..., 0]), hb)
+    return C.rows_to_q(o, t, g, q.dtype)

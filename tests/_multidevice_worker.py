@@ -35,12 +35,19 @@ def _scaled(params, factor=4.0):
 
 
 def small_pair(tied=False, num_kv_heads=2):
-    cfg = dj.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
-                         num_heads=4, num_kv_heads=num_kv_heads, head_dim=16,
-                         tie_word_embeddings=tied, max_position_embeddings=512)
+    cfg = dj.ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=num_kv_heads,
+        head_dim=16,
+        tie_word_embeddings=tied,
+        max_position_embeddings=512,
+    )
     target = dj.Target(cfg, _scaled(init_params(cfg, 0)))
-    dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8,
-                                  mask_token_id=127)
+    dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8, mask_token_id=127)
     return target, dj.Drafter(dcfg, _scaled(dj.init_drafter_params(dcfg, 1)))
 
 
@@ -53,10 +60,12 @@ def check_generate(out, workdir):
     for spec in ("data=2,tensor=4", "data=4,tensor=2"):
         mesh = dry_run.resolve_mesh(spec)
         got = dj.generate(target, drafter, MIXED, 40, return_drafts=True, mesh=mesh)
-        res[spec] = {"equal": got.tokens == ref.tokens,
-                     "drafts_equal": got.drafts == ref.drafts,
-                     "acceptance_equal": got.acceptance_lengths == ref.acceptance_lengths,
-                     "cache_spec": got.stats["cache_sharding"]}
+        res[spec] = {
+            "equal": got.tokens == ref.tokens,
+            "drafts_equal": got.drafts == ref.drafts,
+            "acceptance_equal": got.acceptance_lengths == ref.acceptance_lengths,
+            "cache_spec": got.stats["cache_sharding"],
+        }
     mesh = dry_run.resolve_mesh("tensor=8")
     got = dj.generate(target, None, MIXED, 40, mesh=mesh)
     res["ar_tensor=8"] = {"equal": got.tokens == ref_ar.tokens}
@@ -64,8 +73,10 @@ def check_generate(out, workdir):
     target_t, drafter_t = small_pair(tied=True, num_kv_heads=4)
     ref_t = dj.generate(target_t, drafter_t, MIXED, max_new_tokens=24)
     got = dj.generate(target_t, drafter_t, MIXED, 24, mesh=dry_run.resolve_mesh("data=2,tensor=4"))
-    res["tied_data=2,tensor=4"] = {"equal": got.tokens == ref_t.tokens,
-                                   "cache_spec": got.stats["cache_sharding"]}
+    res["tied_data=2,tensor=4"] = {
+        "equal": got.tokens == ref_t.tokens,
+        "cache_spec": got.stats["cache_sharding"],
+    }
     res["seconds"] = time.perf_counter() - t0
     out["generate"] = res
 
@@ -77,7 +88,9 @@ def check_rules(out, workdir):
         mesh = dry_run.resolve_mesh(spec)
         fsdp = mesh.shape["fsdp"] > 1
         tp = sharding.param_specs(target.params, mesh, sharding.target_rules(fsdp), 16)
-        dp = sharding.param_specs(drafter.params, mesh, sharding.target_rules(fsdp), 16)  # one rule set
+        dp = sharding.param_specs(
+            drafter.params, mesh, sharding.target_rules(fsdp), 16
+        )  # one rule set
         cache = KVCache.create(target.config, 4, 32)
         ctx = ContextCache.create(drafter.config, 4, 32)
         cs = sharding.cache_specs(cache, mesh)
@@ -95,8 +108,10 @@ def check_rules(out, workdir):
             "lm_head": str(tp["lm_head"]["kernel"]),
             "fc": str(dp["fc"]["kernel"]),
             "drafter_q_proj": str(dp["layers_0"]["self_attn"]["q_proj"]["kernel"]),
-            "cache_k": str(cs.k[0]), "cache_lengths": str(cs.lengths),
-            "ctx_k": str(xs.k[0]), "ctx_lengths": str(xs.lengths),
+            "cache_k": str(cs.k[0]),
+            "cache_lengths": str(cs.lengths),
+            "ctx_k": str(xs.k[0]),
+            "ctx_lengths": str(xs.lengths),
             "batch": str(sharding.batch_sharding(mesh, (4, 16)).spec),
             "odd_batch": str(sharding.batch_sharding(mesh, (3, 16)).spec),
         }
@@ -104,10 +119,10 @@ def check_rules(out, workdir):
     mesh = dry_run.resolve_mesh("tensor=8")
     odd = {"embed_tokens": {"embedding": jax.ShapeDtypeStruct((130, 64), jnp.float32)}}
     res["odd_vocab_tensor=8"] = str(
-        sharding.param_specs(odd, mesh, sharding.target_rules())["embed_tokens"]["embedding"])
+        sharding.param_specs(odd, mesh, sharding.target_rules())["embed_tokens"]["embedding"]
+    )
     # shard_params really places the arrays.
-    placed = sharding.shard_params(target.params, dry_run.resolve_mesh("tensor=4"),
-                                   head_dim=16)
+    placed = sharding.shard_params(target.params, dry_run.resolve_mesh("tensor=4"), head_dim=16)
     q = placed["layers_0"]["self_attn"]["q_proj"]["kernel"]
     res["placed_q_shard_shape"] = list(q.addressable_shards[0].data.shape)
     res["placed_q_num_devices"] = len(q.sharding.device_set)
@@ -118,12 +133,19 @@ def check_rules(out, workdir):
 def check_train(out, workdir):
     """The trainer's own step (`make_train_step` + `train_shardings` + `drafter_loss_fn`) on
     one device and on a data x fsdp x tensor mesh: the same losses."""
-    cfg = dj.ModelConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_layers=4,
-                         num_heads=4, num_kv_heads=2, head_dim=16, tie_word_embeddings=False,
-                         max_position_embeddings=512)
+    cfg = dj.ModelConfig(
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
     tparams = _scaled(init_params(cfg, 0), 2.0)
-    dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8,
-                                  mask_token_id=127)
+    dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8, mask_token_id=127)
     dparams0 = dj.init_drafter_params(dcfg, 1)
     rng = np.random.RandomState(0)
     b, s = 8, 48
@@ -133,16 +155,22 @@ def check_train(out, workdir):
     opt = trainer.make_optimizer(config, 20)[0]
     batches = []
     for _ in range(3):
-        batches.append({"input_ids": jnp.asarray(rng.randint(0, 127, (b, s)), jnp.int32),
-                        "loss_mask": jnp.asarray((rng.rand(b, s) < 0.8), jnp.float32),
-                        "segment_ids": jnp.ones((b, s), jnp.int32)})
+        batches.append(
+            {
+                "input_ids": jnp.asarray(rng.randint(0, 127, (b, s)), jnp.int32),
+                "loss_mask": jnp.asarray((rng.rand(b, s) < 0.8), jnp.float32),
+                "segment_ids": jnp.ones((b, s), jnp.int32),
+            }
+        )
     res = {}
     for spec in ("tensor=1", "data=2,fsdp=2,tensor=2"):
-        mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == "tensor=1"
-                                    else None)
-        state = trainer.TrainState(step=jnp.zeros((), jnp.int32),
-                                   params=jax.tree_util.tree_map(jnp.copy, dparams0),
-                                   opt_state=opt.init(dparams0), rng=jax.random.PRNGKey(0))
+        mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == "tensor=1" else None)
+        state = trainer.TrainState(
+            step=jnp.zeros((), jnp.int32),
+            params=jax.tree_util.tree_map(jnp.copy, dparams0),
+            opt_state=opt.init(dparams0),
+            rng=jax.random.PRNGKey(0),
+        )
         shardings = trainer.train_shardings(mesh, "drafter", state, tparams, 16, 16)
         step = trainer.make_train_step(loss_fn, opt, mesh, shardings)
         state = jax.device_put(state, shardings[0])
@@ -151,18 +179,26 @@ def check_train(out, workdir):
         for bt in batches:
             state, metrics = step(state, tp, jax.device_put(bt, shardings[2]))
             losses.append(float(metrics["loss"]))
-        res[spec] = {"losses": losses,
-                     "fc_spec": str(state.params["fc"]["kernel"].sharding.spec),
-                     "q_spec": str(state.params["layers_0"]["self_attn"]["q_proj"]["kernel"]
-                                   .sharding.spec)}
+        res[spec] = {
+            "losses": losses,
+            "fc_spec": str(state.params["fc"]["kernel"].sharding.spec),
+            "q_spec": str(state.params["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec),
+        }
     out["train"] = res
 
 
 def check_dry_run(out, workdir):
     res = {}
     for spec in ("tensor=2", "tensor=8"):
-        r = dry_run.dry_run_infer("small", spec, batch=2, context=128, max_new_tokens=32,
-                                  attention=("xla",), step_costs=False)
+        r = dry_run.dry_run_infer(
+            "small",
+            spec,
+            batch=2,
+            context=128,
+            max_new_tokens=32,
+            attention=("xla",),
+            step_costs=False,
+        )
         res["infer " + spec] = {k: r[k] for k in ("sizes", "programs")}
     r = dry_run.dry_run_train("small", "fsdp=8", batch=8, seq_len=64, num_anchors=2)
     res["train fsdp=8"] = {k: r[k] for k in ("sizes", "programs")}
@@ -187,8 +223,12 @@ def check_dp_step(out, workdir):
     cfg.target_model.update(init_std=0.0, attn_out_scale=1.0)  # default init: moderate logits
     exp = trainer.build_experiment(cfg, os.path.join(workdir, "dp_step"))
     opt, _ = trainer.make_optimizer(cfg, 10)
-    state0 = trainer.TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
-                                opt_state=opt.init(exp.init_params), rng=jax.random.PRNGKey(0))
+    state0 = trainer.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=exp.init_params,
+        opt_state=opt.init(exp.init_params),
+        rng=jax.random.PRNGKey(0),
+    )
     batches = [next(exp.train_iter) for _ in range(2)]
     res = {}
     for devices in (jax.devices()[:1], jax.devices()):
@@ -214,39 +254,59 @@ def check_fsdp_training(out, workdir):
 
     def config(mesh, **kw):
         cfg = _tiny_test_config()
-        cfg.update({**dict(num_train_steps=6, log_every=1, eval_every=6, eval_batches=1,
-                           eval_num_prompts=4, eval_max_new_tokens=8, checkpoint_every=3,
-                           async_checkpoint=False, mesh=mesh), **kw})
+        cfg.update(
+            {
+                **dict(
+                    num_train_steps=6,
+                    log_every=1,
+                    eval_every=6,
+                    eval_batches=1,
+                    eval_num_prompts=4,
+                    eval_max_new_tokens=8,
+                    checkpoint_every=3,
+                    async_checkpoint=False,
+                    mesh=mesh,
+                ),
+                **kw,
+            }
+        )
         return cfg
 
     w = os.path.join(workdir, "fsdp_training")
     # tau (the sharded generate) is evaluated in the fsdp run; evaluation does not change the
     # training steps, so the reference and the resumed run skip it.
-    one = trainer.train_and_evaluate(config("data=1,fsdp=1,tensor=1", eval_every=0),
-                                     w + "/one")
+    one = trainer.train_and_evaluate(config("data=1,fsdp=1,tensor=1", eval_every=0), w + "/one")
     fsdp = trainer.train_and_evaluate(config("data=2,fsdp=4"), w + "/fsdp")
     # Interrupted at step 3 and resumed from the sharded checkpoint.
-    trainer.train_and_evaluate(config("data=2,fsdp=4", stop_at_step=3, eval_every=0),
-                               w + "/resumed")
+    trainer.train_and_evaluate(
+        config("data=2,fsdp=4", stop_at_step=3, eval_every=0), w + "/resumed"
+    )
     resumed = trainer.train_and_evaluate(config("data=2,fsdp=4", eval_every=0), w + "/resumed")
-    res = {name: {"status": r["status"], "losses": r["losses"], "eval": r["eval"]}
-           for name, r in (("one", one), ("fsdp", fsdp), ("resumed", resumed))}
+    res = {
+        name: {"status": r["status"], "losses": r["losses"], "eval": r["eval"]}
+        for name, r in (("one", one), ("fsdp", fsdp), ("resumed", resumed))
+    }
     # The layout: which leaves of the drafter/AdamW state and of the frozen target split.
     exp = trainer.build_experiment(config("data=2,fsdp=4"), w + "/fsdp")
     opt, _ = trainer.make_optimizer(exp.config, 6)
-    state = trainer.TrainState(step=0, params=exp.init_params,
-                               opt_state=opt.init(exp.init_params), rng=jax.random.PRNGKey(0))
+    state = trainer.TrainState(
+        step=0,
+        params=exp.init_params,
+        opt_state=opt.init(exp.init_params),
+        rng=jax.random.PRNGKey(0),
+    )
     mesh = sharding.make_mesh(data=2, fsdp=4, tensor=1)
-    state_sh, frozen_sh, _ = trainer.train_shardings(mesh, "drafter", state, exp.frozen,
-                                                     exp.target_cfg.head_dim,
-                                                     exp.drafter_cfg.body.head_dim)
+    state_sh, frozen_sh, _ = trainer.train_shardings(
+        mesh, "drafter", state, exp.frozen, exp.target_cfg.head_dim, exp.drafter_cfg.body.head_dim
+    )
     res["param_specs"] = [str(s.spec) for s in jax.tree_util.tree_leaves(state_sh.params)]
     res["frozen_specs"] = [str(s.spec) for s in jax.tree_util.tree_leaves(frozen_sh)]
     # The trained drafters, as exported and loaded back.
     for name, r in (("one", one), ("fsdp", fsdp)):
         d = dj.load_drafter(r["export"], target=exp.target_for(None))
-        np.savez(os.path.join(workdir, f"fsdp_drafter_{name}.npz"),
-                 *jax.tree_util.tree_leaves(d.params))
+        np.savez(
+            os.path.join(workdir, f"fsdp_drafter_{name}.npz"), *jax.tree_util.tree_leaves(d.params)
+        )
     out["fsdp_training"] = res
 
 

@@ -63,11 +63,16 @@ def generate(out_dir):
     ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
     got = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, mesh=mesh, **kw)
     got_ar = dj.generate(target, None, prompts, MAX_NEW, mesh=mesh, **kw)
-    out = {"process": jax.process_index(), "prompt_lens": [len(p) for p in prompts],
-           "ref": [ref.tokens, ref.acceptance_lengths, ref.drafts],
-           "got": [got.tokens, got.acceptance_lengths, got.drafts],
-           "got_ar": got_ar.tokens, "stats": got.stats, "stats_ar": got_ar.stats,
-           "ids_file": os.path.join(out_dir, "prompts.jsonl")}
+    out = {
+        "process": jax.process_index(),
+        "prompt_lens": [len(p) for p in prompts],
+        "ref": [ref.tokens, ref.acceptance_lengths, ref.drafts],
+        "got": [got.tokens, got.acceptance_lengths, got.drafts],
+        "got_ar": got_ar.tokens,
+        "stats": got.stats,
+        "stats_ar": got_ar.stats,
+        "ids_file": os.path.join(out_dir, "prompts.jsonl"),
+    }
     print("RESULT " + json.dumps(out), flush=True)
     if jax.process_index() == 0:
         with open(out["ids_file"], "w") as f:
@@ -75,10 +80,18 @@ def generate(out_dir):
                 f.write(json.dumps({"ids": p}) + "\n")
     distributed.sync("prompt file written")
     try:  # infer.py as a user runs it, in this process group (already joined)
-        app.run(infer.main, argv=[
-            "infer.py", f"--prompt_file={out['ids_file']}", f"--max_new_tokens={MAX_NEW}",
-            f"--mesh={MESH}", "--compare_ar=false", "--stream=false",
-            f"--json_out={os.path.join(out_dir, 'infer.json')}"])
+        app.run(
+            infer.main,
+            argv=[
+                "infer.py",
+                f"--prompt_file={out['ids_file']}",
+                f"--max_new_tokens={MAX_NEW}",
+                f"--mesh={MESH}",
+                "--compare_ar=false",
+                "--stream=false",
+                f"--json_out={os.path.join(out_dir, 'infer.json')}",
+            ],
+        )
     except SystemExit as e:
         assert not e.code, e.code
 

@@ -41,9 +41,17 @@ def run_multidevice_checks(workdir, *groups, timeout=1800, env=None):
     tests/_multidevice_worker.py) in its own 8-device subprocess, the groups concurrently, and
     returns their merged findings (a dict: check name -> findings, "num_devices", "seconds")."""
     workdir = str(workdir)
-    procs = [subprocess.Popen([sys.executable, MULTIDEVICE_WORKER, workdir, *g], cwd=ROOT,
-                              env=eight_device_env(**(env or {})), stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True) for g in groups]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, MULTIDEVICE_WORKER, workdir, *g],
+            cwd=ROOT,
+            env=eight_device_env(**(env or {})),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for g in groups
+    ]
     out = {"seconds": {}}
     for g, p in zip(groups, procs):
         try:
@@ -53,9 +61,10 @@ def run_multidevice_checks(workdir, *groups, timeout=1800, env=None):
                 q.kill()
             raise
         lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-        assert p.returncode == 0 and lines, \
+        assert p.returncode == 0 and lines, (
             f"checks {g} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        found = json.loads(lines[-1][len("RESULT "):])
+        )
+        found = json.loads(lines[-1][len("RESULT ") :])
         assert found["num_devices"] == 8, found["num_devices"]
         out["seconds"].update(found.pop("seconds"))
         out.update(found)
@@ -67,8 +76,10 @@ def compile_cache(tmp_path_factory):
     """Environment variables giving subprocesses a persistent compilation cache, fresh each
     session: a process or launch that repeats an earlier one's programs (a resumed training
     run) loads them instead of compiling. The pytest processes themselves do not use it."""
-    return {"JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_compile_cache")),
-            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5"}
+    return {
+        "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_compile_cache")),
+        "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
+    }
 
 
 @pytest.fixture(scope="session")
@@ -78,8 +89,10 @@ def eight_devices(compile_cache):
     the session's compile_cache."""
     return types.SimpleNamespace(
         checks=lambda workdir, *groups, timeout=1800: run_multidevice_checks(
-            workdir, *groups, timeout=timeout, env=compile_cache),
-        env=lambda **extra: eight_device_env(**{**compile_cache, **extra}))
+            workdir, *groups, timeout=timeout, env=compile_cache
+        ),
+        env=lambda **extra: eight_device_env(**{**compile_cache, **extra}),
+    )
 
 
 def make_hf_model(kind: str, seed: int = 0):
@@ -88,19 +101,34 @@ def make_hf_model(kind: str, seed: int = 0):
     import transformers
 
     torch.manual_seed(seed)
-    common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  rms_norm_eps=1e-6)
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+    )
     if kind.startswith("qwen3"):
-        cfg = transformers.Qwen3Config(head_dim=32, tie_word_embeddings=(kind == "qwen3_tied"),
-                                       rope_theta=1e6, **common)
+        cfg = transformers.Qwen3Config(
+            head_dim=32, tie_word_embeddings=(kind == "qwen3_tied"), rope_theta=1e6, **common
+        )
         model = transformers.Qwen3ForCausalLM(cfg)
     elif kind == "llama3":
         cfg = transformers.LlamaConfig(
-            tie_word_embeddings=False, rope_theta=5e5,
-            rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64},
-            **common)
+            tie_word_embeddings=False,
+            rope_theta=5e5,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+            **common,
+        )
         model = transformers.LlamaForCausalLM(cfg)
     else:
         raise ValueError(kind)
@@ -147,11 +175,22 @@ def rng():
 # (subprocess launches) last, where one worker runs them while the other idles. Instead the
 # files go out longest first (the durations of `--durations`, all workers busy until near the
 # end); unlisted files follow in collection order.
-LONGEST_FIRST = ("test_multiprocess.py", "test_training_multidevice.py", "test_training.py",
-                 "test_pallas_kernels.py", "test_infer.py", "test_notebook.py",
-                 "test_sharding.py", "test_decoding.py", "test_tpu_compile.py",
-                 "test_cli_usage.py", "test_bf16_divergence.py", "test_validation.py",
-                 "test_drafter.py", "test_model.py")
+LONGEST_FIRST = (
+    "test_multiprocess.py",
+    "test_training_multidevice.py",
+    "test_training.py",
+    "test_pallas_kernels.py",
+    "test_infer.py",
+    "test_notebook.py",
+    "test_sharding.py",
+    "test_decoding.py",
+    "test_tpu_compile.py",
+    "test_cli_usage.py",
+    "test_bf16_divergence.py",
+    "test_validation.py",
+    "test_drafter.py",
+    "test_model.py",
+)
 
 
 def pytest_configure(config):

@@ -20,8 +20,9 @@ def _run(prompts, setting):
 
 
 def test_bf16_divergences_are_near_ties_and_float32_compute_agrees(tmp_path):
-    prompts = bd.load_prompts(load_tokenizer(os.path.join(PAIR, "target")),
-                              data_dir=str(tmp_path / "tfds"))
+    prompts = bd.load_prompts(
+        load_tokenizer(os.path.join(PAIR, "target")), data_dir=str(tmp_path / "tfds")
+    )
     prompts = [prompts[2], prompts[4]]  # two that part in the measurement (x86 CPU); one
     # length bucket, so few programs to compile
     bf16 = _run(prompts, "bfloat16")

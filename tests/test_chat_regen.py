@@ -11,8 +11,10 @@ from dflash_jax.data import chat, load_tokenizer
 from dflash_jax.training import regenerate as regen
 
 # ChatML, as Qwen's templates write it (system, user, assistant turns; generation prompt).
-TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|mask|>"]
 
 
@@ -40,8 +42,15 @@ def chat_target(hf_checkpoints, tmp_path_factory):
         shutil.copy(os.path.join(src, name), d)
     _char_tokenizer(model.config.vocab_size).save(os.path.join(d, "tokenizer.json"))
     with open(os.path.join(d, "tokenizer_config.json"), "w") as f:
-        json.dump({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
-                   "mask_token": "<|mask|>", "chat_template": TEMPLATE}, f)
+        json.dump(
+            {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "mask_token": "<|mask|>",
+                "chat_template": TEMPLATE,
+            },
+            f,
+        )
     from dflash_jax.target import load_target
 
     return d, load_target(d), load_tokenizer(d)
@@ -49,17 +58,25 @@ def chat_target(hf_checkpoints, tmp_path_factory):
 
 ROWS = [
     # ShareGPT, system + two user turns (the assistant values are placeholders).
-    {"conversations": [{"from": "system", "value": "Be brief."},
-                       {"from": "human", "value": "Hi there"},
-                       {"from": "gpt", "value": "old answer"},
-                       {"from": "human", "value": "And 2+2?"},
-                       {"from": "gpt", "value": "4"}]},
+    {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Hi there"},
+            {"from": "gpt", "value": "old answer"},
+            {"from": "human", "value": "And 2+2?"},
+            {"from": "gpt", "value": "4"},
+        ]
+    },
     # OpenAI messages, three user turns, the last without an answer.
-    {"messages": [{"role": "user", "content": "def f(x):"},
-                  {"role": "assistant", "content": "x"},
-                  {"role": "user", "content": "more"},
-                  {"role": "assistant", "content": "y"},
-                  {"role": "user", "content": "last one"}]},
+    {
+        "messages": [
+            {"role": "user", "content": "def f(x):"},
+            {"role": "assistant", "content": "x"},
+            {"role": "user", "content": "more"},
+            {"role": "assistant", "content": "y"},
+            {"role": "user", "content": "last one"},
+        ]
+    },
     # Plain prompt.
     {"prompt": "Write a haiku."},
 ]
@@ -86,12 +103,12 @@ def test_multi_turn_rows_mask_exactly_the_regenerated_answers(chat_target, tmp_p
     data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
     out = str(tmp_path / "regen.jsonl")
     n_new, eos = 6, tok.eos_id
-    recs = regen.regenerate_from_file(target, tok, d, str(data), out, max_new_tokens=n_new,
-                                      batch_size=2, stop_token_ids=(eos,))
+    recs = regen.regenerate_from_file(
+        target, tok, d, str(data), out, max_new_tokens=n_new, batch_size=2, stop_token_ids=(eos,)
+    )
     assert [json.loads(l) for l in open(out)] == recs
     assert regen.read_records(out, vocab_size=128) == recs  # chat rows pass the reader
-    render = lambda msgs, gen: prompting.render_chat(TEMPLATE, msgs,
-                                                     add_generation_prompt=gen)
+    render = lambda msgs, gen: prompting.render_chat(TEMPLATE, msgs, add_generation_prompt=gen)
     convs = chat.read_conversations(str(data))
     assert [len(r["turns"]) for r in recs] == [2, 3, 1]
     for conv, rec in zip(convs, recs):
@@ -111,7 +128,7 @@ def test_multi_turn_rows_mask_exactly_the_regenerated_answers(chat_target, tmp_p
             text = tok.decode(r[:-1] if r[-1] == eos else r)
             so_far.append({"role": "assistant", "content": text})
             # The answer was generated in the context the training row gives it.
-            assert rec["input_ids"][:len(p)] == p
+            assert rec["input_ids"][: len(p)] == p
         ids, mask = rec["input_ids"], rec["loss_mask"]
         # The row is the templated conversation ...
         assert tok.decode(ids) == render(so_far, False)
@@ -151,19 +168,32 @@ def test_stop_token_is_kept_once_in_the_answer():
         chat.chat_ids(lambda m, g: "no answers here", encode, msgs, [[5]], False)
 
 
-@pytest.mark.parametrize("row, message", [
-    ("{oops", "not valid JSON"),
-    (json.dumps({"conversations": [{"from": "robot", "value": "x"}]}), "has role 'robot'"),
-    (json.dumps({"messages": [{"role": "assistant", "content": "x"}]}),
-     "must start with a user turn"),
-    (json.dumps({"messages": [{"role": "user"}]}), "needs a string content"),
-    (json.dumps({"messages": [{"role": "user", "content": "a"},
-                              {"role": "user", "content": "b"}]}), "two user turns in a row"),
-    (json.dumps({"messages": [{"role": "user", "content": "a"},
-                              {"role": "system", "content": "b"}]}), "system message may only"),
-    (json.dumps({"prompt": "a", "messages": []}), "exactly one of"),
-    (json.dumps([1, 2]), "expected a JSON object"),
-])
+@pytest.mark.parametrize(
+    "row, message",
+    [
+        ("{oops", "not valid JSON"),
+        (json.dumps({"conversations": [{"from": "robot", "value": "x"}]}), "has role 'robot'"),
+        (
+            json.dumps({"messages": [{"role": "assistant", "content": "x"}]}),
+            "must start with a user turn",
+        ),
+        (json.dumps({"messages": [{"role": "user"}]}), "needs a string content"),
+        (
+            json.dumps(
+                {"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}
+            ),
+            "two user turns in a row",
+        ),
+        (
+            json.dumps(
+                {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]}
+            ),
+            "system message may only",
+        ),
+        (json.dumps({"prompt": "a", "messages": []}), "exactly one of"),
+        (json.dumps([1, 2]), "expected a JSON object"),
+    ],
+)
 def test_bad_rows_are_one_line_errors_naming_file_and_line(tmp_path, row, message):
     path = tmp_path / "data.jsonl"
     path.write_text(json.dumps({"prompt": "fine"}) + "\n\n" + row + "\n")
@@ -175,9 +205,14 @@ def test_bad_rows_are_one_line_errors_naming_file_and_line(tmp_path, row, messag
 
 def test_multi_turn_without_a_template_is_an_error():
     with pytest.raises(ValueError, match="need a chat template"):
-        chat.plain_render([{"role": "user", "content": "a"},
-                           {"role": "assistant", "content": "b"},
-                           {"role": "user", "content": "c"}], True)
+        chat.plain_render(
+            [
+                {"role": "user", "content": "a"},
+                {"role": "assistant", "content": "b"},
+                {"role": "user", "content": "c"},
+            ],
+            True,
+        )
 
 
 def _default_config():
@@ -199,8 +234,15 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
     c.data.kind = "regenerated"
     c.data.seq_len, c.data.batch_size = 64, 2
     c.drafter.num_layers, c.drafter.num_taps, c.drafter.block_size = 1, 2, 4
-    c.regen.update(prompt_source="file", prompt_file=str(data), output=out_file, only=True,
-                   max_new_tokens=4, batch_size=4, holdout_fraction=0.3)
+    c.regen.update(
+        prompt_source="file",
+        prompt_file=str(data),
+        output=out_file,
+        only=True,
+        max_new_tokens=4,
+        batch_size=4,
+        holdout_fraction=0.3,
+    )
     validation.check_train_config(c)
     res = trainer.train_and_evaluate(c, str(tmp_path / "work"))
     assert res["status"] == "regenerated"
@@ -213,9 +255,11 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
     exp = trainer.build_experiment(c, str(tmp_path / "work"))
     batch = next(exp.train_iter)
     assert 0 < batch["loss_mask"].sum() < batch["loss_mask"].size
-    for bad, message in [(dict(prompt_file=""), "needs regen.prompt_file"),
-                         (dict(prompt_file=str(tmp_path / "nope.jsonl")), "no such file"),
-                         (dict(chat_template="yes"), "regen.chat_template must be True or")]:
+    for bad, message in [
+        (dict(prompt_file=""), "needs regen.prompt_file"),
+        (dict(prompt_file=str(tmp_path / "nope.jsonl")), "no such file"),
+        (dict(chat_template="yes"), "regen.chat_template must be True or"),
+    ]:
         import ml_collections
 
         d2 = _default_config().to_dict()
@@ -229,10 +273,19 @@ def test_conversations_end_where_the_next_prompt_would_not_fit(chat_target, tmp_
     d, target, tok = chat_target
     render, _ = chat.template_renderer(d)
     long = "z" * (target.config.max_position_embeddings + 10)  # one token per character
-    convs = [[{"role": "user", "content": "hi"}, {"role": "user", "content": long}],
-             [{"role": "user", "content": long}]]
-    recs = regen.regenerate_chat(target, convs, str(tmp_path / "r.jsonl"), render=render,
-                                 encode=tok.encode, max_new_tokens=4, batch_size=2,
-                                 stop_token_ids=(tok.eos_id,))
+    convs = [
+        [{"role": "user", "content": "hi"}, {"role": "user", "content": long}],
+        [{"role": "user", "content": long}],
+    ]
+    recs = regen.regenerate_chat(
+        target,
+        convs,
+        str(tmp_path / "r.jsonl"),
+        render=render,
+        encode=tok.encode,
+        max_new_tokens=4,
+        batch_size=2,
+        stop_token_ids=(tok.eos_id,),
+    )
     assert len(recs) == 1 and len(recs[0]["turns"]) == 1  # cut before turn 2; one dropped
     assert long not in tok.decode(recs[0]["input_ids"])

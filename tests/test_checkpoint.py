@@ -21,8 +21,9 @@ def _copy(src, dst):
 
 
 @pytest.mark.parametrize("kind", ("qwen3_tied", "qwen3_untied", "llama3"))
-def test_save_load_round_trip_exact_and_loads_in_transformers(kind, hf_checkpoints, hf_models64,
-                                                              tmp_path):
+def test_save_load_round_trip_exact_and_loads_in_transformers(
+    kind, hf_checkpoints, hf_models64, tmp_path
+):
     src, ref_model = hf_checkpoints[kind][0], hf_models64[kind]
     t = dj.load_target(src)
     out = tmp_path / "saved"
@@ -33,7 +34,7 @@ def test_save_load_round_trip_exact_and_loads_in_transformers(kind, hf_checkpoin
     assert t2.config == t.config
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float64).eval()
     ids = np.random.RandomState(3).randint(0, 128, (1, 20))
-    with torch.no_grad():   # both in float64 (see hf_models64): the same weights agree closely
+    with torch.no_grad():  # both in float64 (see hf_models64): the same weights agree closely
         want = ref_model(torch.tensor(ids)).logits.numpy()
         got = hf(torch.tensor(ids)).logits.numpy()
     np.testing.assert_allclose(got, want, atol=1e-9)
@@ -54,11 +55,11 @@ def test_bfloat16_storage_and_float32_compute(hf_checkpoints, tmp_path):
     ids = np.arange(12)[None]
     a, b = t.forward(ids).logits, t32.forward(ids).logits
     assert float(jnp.abs(a - b).max()) < 0.1  # bf16 rounding only
-    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "bf16"),
-                                                           dtype=torch.float64)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(
+        str(tmp_path / "bf16"), dtype=torch.float64
+    )
     with torch.no_grad():
-        np.testing.assert_allclose(hf(torch.tensor(ids)).logits.numpy(), np.asarray(b),
-                                   atol=1e-4)
+        np.testing.assert_allclose(hf(torch.tensor(ids)).logits.numpy(), np.asarray(b), atol=1e-4)
 
 
 def test_sharded_checkpoint_loads(hf_checkpoints, tmp_path):
@@ -71,8 +72,10 @@ def test_sharded_checkpoint_loads(hf_checkpoints, tmp_path):
     index = json.load(open(d / "model.safetensors.index.json"))
     assert len(set(index["weight_map"].values())) > 1
     t2 = dj.load_target(d)
-    np.testing.assert_array_equal(np.asarray(t.forward(np.arange(9)[None]).logits),
-                                  np.asarray(t2.forward(np.arange(9)[None]).logits))
+    np.testing.assert_array_equal(
+        np.asarray(t.forward(np.arange(9)[None]).logits),
+        np.asarray(t2.forward(np.arange(9)[None]).logits),
+    )
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))  # transformers reads it too
     assert hf.config.num_hidden_layers == 4
 
@@ -83,14 +86,24 @@ def test_transformers_4_and_5_config_styles_agree(hf_checkpoints, tmp_path):
     v5 = dict(cfg)
     v5.pop("rope_theta", None)
     v5.pop("rope_scaling", None)
-    v5["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0,
-                             "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                             "original_max_position_embeddings": 64}
+    v5["rope_parameters"] = {
+        "rope_type": "llama3",
+        "rope_theta": 5e5,
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     v4 = dict(cfg)
     v4.pop("rope_parameters", None)
     v4["rope_theta"] = 5e5
-    v4["rope_scaling"] = {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                          "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+    v4["rope_scaling"] = {
+        "type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64,
+    }
     a = dj.ModelConfig.from_hf(v5)
     b = dj.ModelConfig.from_hf(v4)
     assert a == b
@@ -127,12 +140,16 @@ def test_bad_checkpoints_give_clear_errors(hf_checkpoints, tmp_path):
         dj.load_target(d)
 
     d = _copy(src, tmp_path / "shape")
+
     def bad_shape(t):
         t["model.layers.1.self_attn.k_proj.weight"] = np.zeros((3, 64), np.float32)
+
     _rewrite_tensor(d, None, bad_shape)
-    with pytest.raises(dj.CheckpointError,
-                       match=r"model.safetensors: tensor 'model.layers.1.self_attn.k_proj.weight'"
-                             r" has shape \(3, 64\), expected \(64, 64\)"):
+    with pytest.raises(
+        dj.CheckpointError,
+        match=r"model.safetensors: tensor 'model.layers.1.self_attn.k_proj.weight'"
+        r" has shape \(3, 64\), expected \(64, 64\)",
+    ):
         dj.load_target(d)
 
     d = _copy(src, tmp_path / "dtype")

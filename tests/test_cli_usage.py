@@ -22,8 +22,11 @@ from dflash_jax import batch_infer, console, hub
 from dflash_jax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CODE = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
-        "class Foo:\n    def __init__(self):\n        self.x = 1\n"] * 20
+CODE = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "class Foo:\n    def __init__(self):\n        self.x = 1\n",
+] * 20
 TARGET_ID, DRAFTER_ID = "dflash-test/tiny-target", "dflash-test/tiny-drafter"
 MAX_NEW = 10
 # Files a real hub repository has that the loaders do not read: never fetched.
@@ -45,13 +48,21 @@ def _cache_snapshot(hf_home, repo_id, src):
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("cli_usage")
     tok = train_bpe_tokenizer(CODE, str(root / "target"), vocab_size=300)
-    cfg = dj.ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                         max_position_embeddings=512)
+    cfg = dj.ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     target = dj.Target(cfg, dj.model.init_params(cfg, 0), path=str(root / "target"))
     dj.save_target(target, root / "target")
-    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4,
-                                  mask_token_id=tok.mask_id)
+    dcfg = dj.make_drafter_config(
+        cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=tok.mask_id
+    )
     dj.save_drafter(dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0)), root / "drafter")
     for d in ("target", "drafter"):
         for name in EXTRA_FILES:
@@ -60,26 +71,30 @@ def models(tmp_path_factory):
     _cache_snapshot(hf_home, TARGET_ID, root / "target")
     _cache_snapshot(hf_home, DRAFTER_ID, root / "drafter")
     # 50 prompts of 3..16 tokens, in no length order (one prompt-length bucket: one compile).
-    prompts = [[(7 * i + 3 * j) % (tok.vocab_size - 2) + 2 for j in range(3 + (i * 5) % 14)]
-               for i in range(50)]
+    prompts = [
+        [(7 * i + 3 * j) % (tok.vocab_size - 2) + 2 for j in range(3 + (i * 5) % 14)]
+        for i in range(50)
+    ]
     target = dj.load_target(str(root / "target"))
     drafter = dj.load_drafter(str(root / "drafter"), target=target)
-    return types.SimpleNamespace(root=root, tok=tok, hf_home=hf_home, prompts=prompts,
-                                 target=target, drafter=drafter)
+    return types.SimpleNamespace(
+        root=root, tok=tok, hf_home=hf_home, prompts=prompts, target=target, drafter=drafter
+    )
 
 
 @pytest.fixture(scope="module")
 def one_at_a_time(models):
     """Reference: every prompt alone, autoregressive greedy (stopping at eos, as the CLI)."""
-    return [dj.generate(models.target, None, [p], MAX_NEW, stop_token_ids=[0]).tokens[0]
-            for p in models.prompts]
+    return [
+        dj.generate(models.target, None, [p], MAX_NEW, stop_token_ids=[0]).tokens[0]
+        for p in models.prompts
+    ]
 
 
 # ------------------------------------------------------------------------------- hub ids
 
 
-def test_hub_ids_resolve_through_the_download_with_only_model_files(models, tmp_path,
-                                                                     monkeypatch):
+def test_hub_ids_resolve_through_the_download_with_only_model_files(models, tmp_path, monkeypatch):
     import huggingface_hub
     from huggingface_hub import errors
     from huggingface_hub.utils import filter_repo_objects
@@ -91,7 +106,8 @@ def test_hub_ids_resolve_through_the_download_with_only_model_files(models, tmp_
         calls.append((repo_id, revision))
         if repo_id not in mirror:
             raise errors.RepositoryNotFoundError(
-                "404", response=types.SimpleNamespace(headers={}, request=None))
+                "404", response=types.SimpleNamespace(headers={}, request=None)
+            )
         names = sorted(os.listdir(mirror[repo_id]))
         out = tmp_path / "snapshots" / repo_id.replace("/", "--")
         out.mkdir(parents=True)
@@ -108,8 +124,9 @@ def test_hub_ids_resolve_through_the_download_with_only_model_files(models, tmp_
     assert not fetched & set(EXTRA_FILES)
     assert load_tokenizer(target.path) is not None  # the tokenizer came along with the weights
     for got, ref in ((target, models.target), (drafter, models.drafter)):
-        assert jax.tree_util.tree_all(jax.tree_util.tree_map(
-            lambda a, b: bool((a == b).all()), got.params, ref.params))
+        assert jax.tree_util.tree_all(
+            jax.tree_util.tree_map(lambda a, b: bool((a == b).all()), got.params, ref.params)
+        )
     # A directory is used as it is; a missing path that cannot be an id never reaches the hub.
     assert hub.resolve(str(models.root / "target")) == str(models.root / "target")
     with pytest.raises(hub.HubError, match="not found"):
@@ -126,12 +143,23 @@ def _env(models, **extra):
 
 
 def test_offline_unknown_hub_id_is_one_line_and_exit_2(models, tmp_path):
-    for args in ([os.path.join(ROOT, "infer.py"), "--target=nobody/nothing"],
-                 [os.path.join(ROOT, "train.py"), "--config=" + os.path.join(
-                     ROOT, "configs/tiny_test.py"), f"--workdir={tmp_path / 'w'}",
-                  "--config.target_path=nobody/nothing"]):
-        r = subprocess.run([sys.executable, *args], capture_output=True, text=True,
-                           timeout=120, cwd=ROOT, env=_env(models))
+    for args in (
+        [os.path.join(ROOT, "infer.py"), "--target=nobody/nothing"],
+        [
+            os.path.join(ROOT, "train.py"),
+            "--config=" + os.path.join(ROOT, "configs/tiny_test.py"),
+            f"--workdir={tmp_path / 'w'}",
+            "--config.target_path=nobody/nothing",
+        ],
+    ):
+        r = subprocess.run(
+            [sys.executable, *args],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+            env=_env(models),
+        )
         assert r.returncode == 2, r.stderr[-2000:]
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and "'nobody/nothing'" in lines[0], r.stderr
@@ -150,7 +178,8 @@ def test_length_batches_group_similar_lengths():
 
 
 def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
-        models, one_at_a_time, tmp_path, capsys):
+    models, one_at_a_time, tmp_path, capsys
+):
     out = str(tmp_path / "out.jsonl")
     seen = []
 
@@ -160,9 +189,16 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        batch_infer.run_prompts(models.target, models.drafter, models.prompts, batch_size=8,
-                                out_path=out, max_new_tokens=MAX_NEW, stop_token_ids=[0],
-                                on_batch=stop_after_three)
+        batch_infer.run_prompts(
+            models.target,
+            models.drafter,
+            models.prompts,
+            batch_size=8,
+            out_path=out,
+            max_new_tokens=MAX_NEW,
+            stop_token_ids=[0],
+            on_batch=stop_after_three,
+        )
     with open(out) as f:
         kept = [json.loads(line) for line in f]
     assert sorted(r["index"] for r in kept) == sorted(seen) and len(kept) == 24
@@ -173,9 +209,16 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
     console.set_progress(True)
     try:
         rep = batch_infer.run_prompts(
-            models.target, models.drafter, models.prompts, batch_size=8, out_path=out,
-            resume=True, max_new_tokens=MAX_NEW, stop_token_ids=[0],
-            on_batch=lambda b, recs: ran.extend(r["index"] for r in recs))
+            models.target,
+            models.drafter,
+            models.prompts,
+            batch_size=8,
+            out_path=out,
+            resume=True,
+            max_new_tokens=MAX_NEW,
+            stop_token_ids=[0],
+            on_batch=lambda b, recs: ran.extend(r["index"] for r in recs),
+        )
     finally:
         console.set_progress(None)
     bar = capsys.readouterr().err  # the progress bar: prompts left, tokens/s, tau, ETA
@@ -192,27 +235,55 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
     assert t["decode_tokens_per_s"] > 0
     # The file belongs to these prompts and settings: anything else is refused, not mixed in.
     with pytest.raises(ValueError, match="other generation settings"):
-        batch_infer.run_prompts(models.target, models.drafter, models.prompts, batch_size=8,
-                                out_path=out, resume=True, max_new_tokens=MAX_NEW + 1,
-                                stop_token_ids=[0])
+        batch_infer.run_prompts(
+            models.target,
+            models.drafter,
+            models.prompts,
+            batch_size=8,
+            out_path=out,
+            resume=True,
+            max_new_tokens=MAX_NEW + 1,
+            stop_token_ids=[0],
+        )
     with pytest.raises(ValueError, match="different prompt"):
-        batch_infer.run_prompts(models.target, models.drafter, models.prompts[::-1],
-                                batch_size=8, out_path=out, resume=True, max_new_tokens=MAX_NEW,
-                                stop_token_ids=[0])
+        batch_infer.run_prompts(
+            models.target,
+            models.drafter,
+            models.prompts[::-1],
+            batch_size=8,
+            out_path=out,
+            resume=True,
+            max_new_tokens=MAX_NEW,
+            stop_token_ids=[0],
+        )
 
 
 def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
-        models, one_at_a_time, tmp_path):
+    models, one_at_a_time, tmp_path
+):
     pfile = tmp_path / "prompts.jsonl"
     pfile.write_text("".join(json.dumps({"ids": p}) + "\n" for p in models.prompts))
     out = tmp_path / "out.jsonl"
 
     def run(*extra, rc=0):
         r = subprocess.run(
-            [sys.executable, os.path.join(ROOT, "infer.py"), f"--target={TARGET_ID}",
-             f"--drafter={DRAFTER_ID}", f"--prompt_file={pfile}", "--batch_size=8",
-             f"--max_new_tokens={MAX_NEW}", f"--json_out={out}", *extra],
-            capture_output=True, text=True, timeout=300, cwd=ROOT, env=_env(models))
+            [
+                sys.executable,
+                os.path.join(ROOT, "infer.py"),
+                f"--target={TARGET_ID}",
+                f"--drafter={DRAFTER_ID}",
+                f"--prompt_file={pfile}",
+                "--batch_size=8",
+                f"--max_new_tokens={MAX_NEW}",
+                f"--json_out={out}",
+                *extra,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd=ROOT,
+            env=_env(models),
+        )
         assert r.returncode == rc, r.stderr[-3000:]
         return r
 
@@ -244,15 +315,32 @@ def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
 def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_path):
     work = tmp_path / "w"
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "train.py"),
-         "--config=" + os.path.join(ROOT, "configs/tiny_test.py"), f"--workdir={work}",
-         "--config.data.kind=synthetic", "--config.num_train_steps=4", "--config.log_every=2",
-         "--config.eval_every=0", "--config.checkpoint_every=2"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--config=" + os.path.join(ROOT, "configs/tiny_test.py"),
+            f"--workdir={work}",
+            "--config.data.kind=synthetic",
+            "--config.num_train_steps=4",
+            "--config.log_every=2",
+            "--config.eval_every=0",
+            "--config.checkpoint_every=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     out = r.stdout.strip().splitlines()
-    kinds = ["drafter training", "step 2/4", "checkpoint step 2", "step 4/4",
-             "checkpoint step 4", "exported to"]
+    kinds = [
+        "drafter training",
+        "step 2/4",
+        "checkpoint step 2",
+        "step 4/4",
+        "checkpoint step 4",
+        "exported to",
+    ]
     assert len(out) == len(kinds), r.stdout
     assert [line for line, k in zip(out, kinds) if not line.startswith(k)] == []
     assert r.stderr.strip() == "", r.stderr[-2000:]  # no Orbax INFO, no backend probe

@@ -14,8 +14,17 @@ SCRIPT = os.path.join(ROOT, "scripts", "reproduce_tiny_code.sh")
 # A repo path (not one at a git revision, `git show REV:configs/old.py`).
 CONFIG_PATH = re.compile(r"(?<![:\w/])configs/[A-Za-z0-9_/]+\.py\b")
 # Files that tell a user which config to run.
-NAMING = ["Makefile", "README.md", "train.py", "notebooks/build_notebook.py", "scripts/*.sh",
-          "docs/*.md", "assets/*/README.md", "benchmarks/README.md", "configs/**/*.py"]
+NAMING = [
+    "Makefile",
+    "README.md",
+    "train.py",
+    "notebooks/build_notebook.py",
+    "scripts/*.sh",
+    "docs/*.md",
+    "assets/*/README.md",
+    "benchmarks/README.md",
+    "configs/**/*.py",
+]
 
 
 def _load(path):
@@ -27,8 +36,13 @@ def _load(path):
 
 def _dry_run(tmp_path):
     runs = tmp_path / "runs"
-    out = subprocess.run(["bash", SCRIPT, "--dry_run", str(runs)], cwd=ROOT, capture_output=True,
-                         text=True, timeout=60)
+    out = subprocess.run(
+        ["bash", SCRIPT, "--dry_run", str(runs)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert out.returncode == 0, out.stderr
     assert not runs.exists()  # a dry run writes nothing
     return out.stdout.splitlines()
@@ -41,15 +55,25 @@ def test_reproduce_script_parses():
 
 def test_reproduce_script_runs_every_stage_in_order(tmp_path):
     lines = _dry_run(tmp_path)
-    trained = [m.group(0) for ln in lines if " train.py " in f" {ln} "
-               for m in [CONFIG_PATH.search(ln)] if m]
+    trained = [
+        m.group(0)
+        for ln in lines
+        if " train.py " in f" {ln} "
+        for m in [CONFIG_PATH.search(ln)]
+        if m
+    ]
     # Each stage of configs/tiny_code/ is used, and every one after its predecessor.
-    stages = sorted(os.path.relpath(p, ROOT) for p in glob.glob(
-        os.path.join(ROOT, "configs", "tiny_code", "*.py")) if not p.endswith("__init__.py"))
+    stages = sorted(
+        os.path.relpath(p, ROOT)
+        for p in glob.glob(os.path.join(ROOT, "configs", "tiny_code", "*.py"))
+        if not p.endswith("__init__.py")
+    )
     assert set(trained) == set(stages)
     first = {c: trained.index(c) for c in stages}
-    order = ["target", "target_stage2", "target_unlikelihood"], \
-        ["drafter", "drafter_stage2", "drafter_stage3", "drafter_stage4"]
+    order = (
+        ["target", "target_stage2", "target_unlikelihood"],
+        ["drafter", "drafter_stage2", "drafter_stage3", "drafter_stage4"],
+    )
     for chain in order:
         idx = [first[f"configs/tiny_code/{s}.py"] for s in chain]
         assert idx == sorted(idx), chain
@@ -59,7 +83,11 @@ def test_reproduce_script_runs_every_stage_in_order(tmp_path):
     made = []
 
     def check(src, ln):
-        assert any((src + "/").startswith(p) or src == p for p in made), (src, "used before it is made:", ln)
+        assert any((src + "/").startswith(p) or src == p for p in made), (
+            src,
+            "used before it is made:",
+            ln,
+        )
 
     for ln in lines:
         for key in ("target_path", "drafter.init_path"):
@@ -82,8 +110,9 @@ def test_reproduce_script_runs_every_stage_in_order(tmp_path):
 
 
 def test_reproduce_script_rejects_bad_arguments():
-    out = subprocess.run(["bash", SCRIPT, "--fast"], cwd=ROOT, capture_output=True, text=True,
-                         timeout=60)
+    out = subprocess.run(
+        ["bash", SCRIPT, "--fast"], cwd=ROOT, capture_output=True, text=True, timeout=60
+    )
     assert out.returncode == 2 and "usage:" in out.stderr
 
 

@@ -94,15 +94,27 @@ def test_stdlib_file_listing():
 def test_stdlib_listing_with_test_suites(tmp_path):
     # A fake stdlib tree: the test suites join only with include_tests, and every library file
     # keeps its split (so a held-out library file stays held out in the larger corpus).
-    for rel in ("a.py", "pkg/b.py", "test/test_a.py", "pkg/tests/t.py", "idlelib/idle_test/x.py",
-                "site-packages/dep.py", "pkg/empty.py"):
+    for rel in (
+        "a.py",
+        "pkg/b.py",
+        "test/test_a.py",
+        "pkg/tests/t.py",
+        "idlelib/idle_test/x.py",
+        "site-packages/dep.py",
+        "pkg/empty.py",
+    ):
         (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / rel).write_text("" if rel.endswith("empty.py") else "x = 1\n")
     lib = B.list_stdlib_files(tmp_path)
     both = B.list_stdlib_files(tmp_path, include_tests=True)
     assert lib == ["a.py", "pkg/b.py"]
-    assert both == ["a.py", "idlelib/idle_test/x.py", "pkg/b.py", "pkg/tests/t.py",
-                    "test/test_a.py"]
+    assert both == [
+        "a.py",
+        "idlelib/idle_test/x.py",
+        "pkg/b.py",
+        "pkg/tests/t.py",
+        "test/test_a.py",
+    ]
     c0, c1 = B.stdlib_config(), B.stdlib_config(include_tests=True)
     assert c0.name != c1.name and c1.include_tests and not c0.include_tests
     real = B.list_stdlib_files()
@@ -200,7 +212,9 @@ def _read_all(builder, split):
 def test_user_files_text_and_jsonl(tmp_path):
     doc_a = "first file\n\twith a tab and unicode: é ☃\n"
     (tmp_path / "a.txt").write_text(doc_a, encoding="utf-8")
-    (tmp_path / "b.txt").write_text("doc one\nline 2\n\n\n  \ndoc two\n\ndoc three", encoding="utf-8")
+    (tmp_path / "b.txt").write_text(
+        "doc one\nline 2\n\n\n  \ndoc two\n\ndoc three", encoding="utf-8"
+    )
     records = [
         {"text": "plain json text"},
         {"prompt": "Q: 2+2?\n", "response": "A: 4"},
@@ -214,7 +228,9 @@ def test_user_files_text_and_jsonl(tmp_path):
     per_file = D.build_user_files(paths, tmp_path / "tfds")
     exs = _read_all(per_file, "train")
     texts = sorted(ex["text"] for ex in exs if ex["text"])
-    assert texts == sorted([doc_a, "doc one\nline 2\n\n\n  \ndoc two\n\ndoc three", "plain json text"])
+    assert texts == sorted(
+        [doc_a, "doc one\nline 2\n\n\n  \ndoc two\n\ndoc three", "plain json text"]
+    )
     pairs = sorted((ex["prompt"], ex["response"]) for ex in exs if ex["prompt"])
     assert pairs == sorted([("Q: 2+2?\n", "A: 4"), ("Say hi", " hi")])
     assert all(ex["source"] for ex in exs)
@@ -371,7 +387,9 @@ def test_load_tokenizer_from_model_dir(tok, tmp_path):
     raw = small.tokenizer
     raw_json = json.loads(raw.to_str())
     raw_json["added_tokens"] = [a for a in raw_json["added_tokens"] if a["content"] != "<|mask|>"]
-    raw_json["added_tokens"] = [a for a in raw_json["added_tokens"] if a["content"] != "<|endoftext|>"]
+    raw_json["added_tokens"] = [
+        a for a in raw_json["added_tokens"] if a["content"] != "<|endoftext|>"
+    ]
     vocab = raw_json["model"]["vocab"]
     del vocab["<|mask|>"], vocab["<|endoftext|>"]
     plain.mkdir()
@@ -428,7 +446,9 @@ def test_packing_conserves_tokens_and_marks_boundaries(allow_split):
     seq_len, pad_id = 64, -1
     docs = _random_docs(rng, 60, max_len=150)
     rows = list(D.pack_documents(docs, seq_len, pad_id=pad_id, allow_split=allow_split))
-    assert all(r["input_ids"].shape == (seq_len,) and r["input_ids"].dtype == np.int32 for r in rows)
+    assert all(
+        r["input_ids"].shape == (seq_len,) and r["input_ids"].dtype == np.int32 for r in rows
+    )
     pieces = _pieces(rows, pad_id)
     # Concatenating the unpadded segments gives back the documents (+eos).
     np.testing.assert_array_equal(
@@ -565,8 +585,15 @@ def test_host_sharding_disjoint_and_covering():
     seen = []
     for host in range(num_hosts):
         it = D.PackedBatchIterator(
-            source, _id_tokenize, seq_len=24, batch_size=2, seed=5, num_epochs=1,
-            host_id=host, num_hosts=num_hosts, drop_remainder=False,
+            source,
+            _id_tokenize,
+            seq_len=24,
+            batch_size=2,
+            seed=5,
+            num_epochs=1,
+            host_id=host,
+            num_hosts=num_hosts,
+            drop_remainder=False,
         )
         batches = list(it)
         assert all(b["input_ids"].shape == (2, 24) for b in batches)
@@ -585,8 +612,9 @@ def test_host_sharding_disjoint_and_covering():
     assert set().union(*seen) == set(range(len(source)))
     # Per-epoch shards stay disjoint and covering in later epochs too.
     orders = [
-        D.PackedBatchIterator(source, _id_tokenize, seq_len=8, batch_size=1, seed=5,
-                              host_id=h, num_hosts=num_hosts).epoch_order(4)
+        D.PackedBatchIterator(
+            source, _id_tokenize, seq_len=8, batch_size=1, seed=5, host_id=h, num_hosts=num_hosts
+        ).epoch_order(4)
         for h in range(num_hosts)
     ]
     assert sorted(np.concatenate(orders).tolist()) == list(range(len(source)))
@@ -624,8 +652,9 @@ def test_end_to_end_from_tfds_source(stdlib_builder, tok):
     if n + 1 <= flat.size:
         assert t.decode(flat[:n]) == first and flat[n] == t.eos_id
     state = it.get_state()
-    again = D.make_batch_iterator(src, t, seq_len=128, batch_size=4, seed=0, include_positions=True,
-                                  state=state)
+    again = D.make_batch_iterator(
+        src, t, seq_len=128, batch_size=4, seed=0, include_positions=True, state=state
+    )
     fresh = D.make_batch_iterator(src, t, seq_len=128, batch_size=4, seed=0, include_positions=True)
     _collect(fresh, 5)
     _assert_batches_equal(_collect(again, 2), _collect(fresh, 2))

@@ -22,8 +22,9 @@ def target(hf_checkpoints):
 
 @pytest.fixture(scope="module")
 def drafter(target):
-    cfg = dj.make_drafter_config(target.config, num_layers=2, num_taps=3, block_size=16,
-                                 mask_token_id=127)
+    cfg = dj.make_drafter_config(
+        target.config, num_layers=2, num_taps=3, block_size=16, mask_token_id=127
+    )
     return dj.Drafter(cfg, dj.init_drafter_params(cfg, seed=1))
 
 
@@ -37,9 +38,15 @@ def test_ar_baseline_equals_transformers_generate(hf_models64, ar_out):
     model = hf_models64["qwen3_untied"]
     for prompt, ours in zip(MIXED, ar_out):
         with torch.no_grad():
-            ref = model.generate(torch.tensor([prompt]), max_new_tokens=40, do_sample=False,
-                                 min_new_tokens=40, pad_token_id=0, eos_token_id=None)
-        assert ref[0, len(prompt):].tolist() == ours
+            ref = model.generate(
+                torch.tensor([prompt]),
+                max_new_tokens=40,
+                do_sample=False,
+                min_new_tokens=40,
+                pad_token_id=0,
+                eos_token_id=None,
+            )
+        assert ref[0, len(prompt) :].tolist() == ours
 
 
 @pytest.mark.parametrize("block_size", (2, 8, 16))
@@ -58,9 +65,10 @@ def test_stop_tokens_truncate_like_autoregressive(target, drafter, ar_out, block
     stop = ar_out[1][17]
     want = []
     for seq in ar_out:
-        want.append(seq[:seq.index(stop) + 1] if stop in seq else seq)
-    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=block_size,
-                      stop_token_ids=[stop])
+        want.append(seq[: seq.index(stop) + 1] if stop in seq else seq)
+    res = dj.generate(
+        target, drafter, MIXED, max_new_tokens=40, block_size=block_size, stop_token_ids=[stop]
+    )
     ar = dj.generate(target, None, MIXED, max_new_tokens=40, stop_token_ids=[stop])
     assert res.tokens == want and ar.tokens == want
     assert any(len(w) < 40 for w in want)
@@ -90,7 +98,7 @@ def _oracle_draft(full_seqs, wrong_every):
 def test_oracle_drafts_commit_many_tokens_and_stay_exact(target, drafter, ar_out, monkeypatch):
     full = np.zeros((4, 128), np.int32)
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
-        full[i, :len(p) + len(c)] = p + c
+        full[i, : len(p) + len(c)] = p + c
     monkeypatch.setattr(gen_lib, "draft_block", _oracle_draft(full, wrong_every=11))
     _forget_compiled(monkeypatch)
     res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8)
@@ -102,32 +110,38 @@ def test_oracle_drafts_commit_many_tokens_and_stay_exact(target, drafter, ar_out
 
 
 def test_denoise_steps_and_confidence_threshold_stay_lossless(target, drafter, ar_out):
-    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8, denoise_steps=3,
-                      return_drafts=True)
+    res = dj.generate(
+        target, drafter, MIXED, max_new_tokens=40, block_size=8, denoise_steps=3, return_drafts=True
+    )
     assert res.tokens == ar_out
-    assert all(len(d) == len(a) and all(len(b) == 7 for b in d)
-               for d, a in zip(res.drafts, res.acceptance_lengths))
-    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8,
-                      confidence_threshold=0.5)
+    assert all(
+        len(d) == len(a) and all(len(b) == 7 for b in d)
+        for d, a in zip(res.drafts, res.acceptance_lengths)
+    )
+    res = dj.generate(
+        target, drafter, MIXED, max_new_tokens=40, block_size=8, confidence_threshold=0.5
+    )
     assert res.tokens == ar_out
 
 
 def test_recorded_drafts_explain_acceptance(target, drafter, ar_out):
-    res = dj.generate(target, drafter, MIXED[:2], max_new_tokens=40, block_size=8,
-                      return_drafts=True)
+    res = dj.generate(
+        target, drafter, MIXED[:2], max_new_tokens=40, block_size=8, return_drafts=True
+    )
     for seq, acc, drafts, prompt in zip(res.tokens, res.acceptance_lengths, res.drafts, MIXED):
         pos = 1  # tokens committed before this step (first one from prefill)
         for a, d in zip(acc, drafts):
             # The a-1 accepted drafts equal the committed tokens; the next draft was wrong.
-            assert d[:a - 1] == seq[pos:pos + a - 1]
+            assert d[: a - 1] == seq[pos : pos + a - 1]
             if pos + a - 1 < len(seq) and a - 1 < len(d) and pos + a < 40:
                 assert d[a - 1] != seq[pos + a - 1]
             pos += a
 
 
 def test_bad_input_is_rejected_before_compute(target, drafter):
-    g = lambda **kw: dj.generate(**{"target": target, "drafter": drafter, "prompts": [[1, 2]],
-                                    "max_new_tokens": 8, **kw})
+    g = lambda **kw: dj.generate(
+        **{"target": target, "drafter": drafter, "prompts": [[1, 2]], "max_new_tokens": 8, **kw}
+    )
     with pytest.raises(ValueError, match="prompt 0 is empty"):
         g(prompts=[[]])
     with pytest.raises(ValueError, match="outside"):
@@ -142,8 +156,9 @@ def test_bad_input_is_rejected_before_compute(target, drafter):
     bad = dj.Drafter(drafter.config.replace(mask_token_id=500), drafter.params)
     with pytest.raises(ValueError, match="mask_token_id 500"):
         g(drafter=bad)
-    bad = dj.Drafter(drafter.config.replace(body=drafter.config.body.replace(vocab_size=99)),
-                     drafter.params)
+    bad = dj.Drafter(
+        drafter.config.replace(body=drafter.config.body.replace(vocab_size=99)), drafter.params
+    )
     with pytest.raises(ValueError, match="vocabulary"):
         g(drafter=bad)
     bad = dj.Drafter(drafter.config.replace(target_hidden_size=32), drafter.params)
@@ -159,10 +174,19 @@ V = 6
 @pytest.fixture(scope="module")
 def tiny():
     """A 6-token target with a sharp-ish distribution, and an oracle (greedy) drafter."""
-    cfg = dj.ModelConfig(vocab_size=V, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=64)
-    params = jax.tree_util.tree_map(lambda x: x * 6.0 if x.ndim == 2 else x,
-                                    dj.model.init_params(cfg, seed=3))
+    cfg = dj.ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    params = jax.tree_util.tree_map(
+        lambda x: x * 6.0 if x.ndim == 2 else x, dj.model.init_params(cfg, seed=3)
+    )
     t = dj.Target(cfg, params)
     dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=0)
     return t, dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))
@@ -172,9 +196,10 @@ def _exact_joint(t, prompt, n, temperature, top_k=None):
     """Exact distribution of the first n sampled tokens, by enumeration."""
     seqs = np.array(np.meshgrid(*[np.arange(V)] * n, indexing="ij")).reshape(n, -1).T
     ids = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
-    logits = np.asarray(t.forward(ids).logits)[:, len(prompt) - 1:-1]  # [M, n, V]
-    logp = np.asarray(jax.nn.log_softmax(
-        sampling.adjusted_logits(jnp.asarray(logits), temperature, top_k, None)))
+    logits = np.asarray(t.forward(ids).logits)[:, len(prompt) - 1 : -1]  # [M, n, V]
+    logp = np.asarray(
+        jax.nn.log_softmax(sampling.adjusted_logits(jnp.asarray(logits), temperature, top_k, None))
+    )
     lp = np.take_along_axis(logp, seqs[:, :, None], axis=2)[..., 0].sum(1)
     return {tuple(s): float(np.exp(l)) for s, l in zip(seqs, lp)}
 
@@ -199,8 +224,16 @@ def _tv_of_sampling(t, drafter, monkeypatch, n_samples, temperature, top_k=None)
     n = 3
     monkeypatch.setattr(gen_lib, "draft_block", _greedy_oracle(t))
     _forget_compiled(monkeypatch)
-    res = dj.generate(t, drafter, [prompt] * n_samples, max_new_tokens=n, block_size=4,
-                      temperature=temperature, top_k=top_k, seed=7)
+    res = dj.generate(
+        t,
+        drafter,
+        [prompt] * n_samples,
+        max_new_tokens=n,
+        block_size=4,
+        temperature=temperature,
+        top_k=top_k,
+        seed=7,
+    )
     counts = collections.Counter(tuple(s) for s in res.tokens)
     exact = _exact_joint(t, np.array(prompt), n, temperature, top_k)
     tv = 0.5 * sum(abs(counts.get(k, 0) / n_samples - p) for k, p in exact.items())
@@ -216,8 +249,9 @@ def test_speculative_sampling_matches_target_distribution(tiny, monkeypatch):
     # Expected TV of an exact sampler with 216 cells and 6000 samples is ~0.05.
     assert tv < 0.08, tv
 
-    monkeypatch.setattr(gen_lib, "accepted_prefix",
-                        lambda d, y, trusted=None: jnp.full(d.shape[:1], d.shape[1]))
+    monkeypatch.setattr(
+        gen_lib, "accepted_prefix", lambda d, y, trusted=None: jnp.full(d.shape[:1], d.shape[1])
+    )
     _forget_compiled(monkeypatch)
     tv_broken, _, _ = _tv_of_sampling(t, drafter, monkeypatch, n_samples, temperature=1.0)
     assert tv_broken > 0.15, tv_broken
@@ -286,8 +320,14 @@ def test_inverse_transform_sampler_draws_the_distribution():
 
 def test_pallas_attention_path_gives_the_same_tokens(target, drafter, ar_out):
     """The models with the Pallas kernels (interpret mode on CPU) decode the same tokens."""
-    res = dj.generate(target, drafter, MIXED[:2], max_new_tokens=6, block_size=4,
-                      attention_impl="pallas_interpret")
+    res = dj.generate(
+        target,
+        drafter,
+        MIXED[:2],
+        max_new_tokens=6,
+        block_size=4,
+        attention_impl="pallas_interpret",
+    )
     assert res.tokens == [seq[:6] for seq in ar_out[:2]]
 
 
@@ -298,8 +338,7 @@ def test_streaming_callback_delivers_the_same_tokens(target, drafter, ar_out):
         for b, c in enumerate(chunks):
             got[b].extend(c)
 
-    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8,
-                      stream_callback=sink)
+    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8, stream_callback=sink)
     assert got == res.tokens == ar_out
 
 
@@ -315,8 +354,15 @@ def test_compare_streams_warms_up_and_matches_autoregressive(target, drafter, ar
         for b, c in enumerate(chunks):
             got[b].extend(c)
 
-    c = serving.compare(target, drafter, MIXED, max_new_tokens=40, block_size=8,
-                        stop_token_ids=(), stream_callback=sink)
+    c = serving.compare(
+        target,
+        drafter,
+        MIXED,
+        max_new_tokens=40,
+        block_size=8,
+        stop_token_ids=(),
+        stream_callback=sink,
+    )
     assert got == c.spec.tokens == c.ar.tokens == ar_out and c.identical is True
     assert c.spec.stats["compile_s"] == c.ar.stats["compile_s"] == 0  # warmed up
     assert c.speedup > 0 and c.spec.stats["block_size"] == 8 and c.ar.stats["block_size"] == 1
@@ -334,19 +380,32 @@ def test_chunked_prefill_equals_one_pass(target, drafter, ar_out):
     b, p_pad, n_buf = len(MIXED), 32, 64
     ids = np.zeros((b, p_pad), np.int32)
     for i, pr in enumerate(MIXED):
-        ids[i, :len(pr)] = pr
+        ids[i, : len(pr)] = pr
     lens = jnp.asarray([len(pr) for pr in MIXED], jnp.int32)
     tmod, dmod = Transformer(target.config), DFlashDrafter(drafter.config)
-    states = [gen_lib._prefill(tmod, dmod, gen_lib.Plan(block_size=16, prefill_chunk=c),
-                               p_pad + n_buf + 16, n_buf, target.params, drafter.params,
-                               jnp.asarray(ids), lens, jnp.asarray(40, jnp.int32),
-                               jax.random.PRNGKey(0)) for c in (0, 8)]
+    states = [
+        gen_lib._prefill(
+            tmod,
+            dmod,
+            gen_lib.Plan(block_size=16, prefill_chunk=c),
+            p_pad + n_buf + 16,
+            n_buf,
+            target.params,
+            drafter.params,
+            jnp.asarray(ids),
+            lens,
+            jnp.asarray(40, jnp.int32),
+            jax.random.PRNGKey(0),
+        )
+        for c in (0, 8)
+    ]
     one, chunked = states
     assert one.tokens[:, 0].tolist() == chunked.tokens[:, 0].tolist()
-    for x, y in zip(jax.tree_util.tree_leaves((one.cache, one.ctx)),
-                    jax.tree_util.tree_leaves((chunked.cache, chunked.ctx))):
+    for x, y in zip(
+        jax.tree_util.tree_leaves((one.cache, one.ctx)),
+        jax.tree_util.tree_leaves((chunked.cache, chunked.ctx)),
+    ):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(one.cache.k[0]).max()) > 0  # the comparison is not of empty caches
-    assert dj.generate(target, drafter, MIXED, max_new_tokens=40, prefill_chunk=8).tokens \
-        == ar_out
+    assert dj.generate(target, drafter, MIXED, max_new_tokens=40, prefill_chunk=8).tokens == ar_out
     assert dj.generate(target, None, MIXED, max_new_tokens=40, prefill_chunk=8).tokens == ar_out

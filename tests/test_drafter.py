@@ -26,10 +26,12 @@ def test_default_target_layer_ids_follow_the_doc():
 @pytest.fixture(scope="module")
 def pair(hf_checkpoints):
     target = dj.load_target(hf_checkpoints["qwen3_tied"][0])
-    cfg = dj.make_drafter_config(target.config, num_layers=2, num_taps=2, block_size=8,
-                                 mask_token_id=120)
-    params = jax.tree_util.tree_map(lambda x: x * 3.0 if x.ndim == 2 else x + 0.1,
-                                    dj.init_drafter_params(cfg, seed=5))
+    cfg = dj.make_drafter_config(
+        target.config, num_layers=2, num_taps=2, block_size=8, mask_token_id=120
+    )
+    params = jax.tree_util.tree_map(
+        lambda x: x * 3.0 if x.ndim == 2 else x + 0.1, dj.init_drafter_params(cfg, seed=5)
+    )
     return target, dj.Drafter(cfg, params)
 
 
@@ -47,7 +49,7 @@ def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
         ang = pos[:, None].double() * inv[None]
         cos = torch.cat([ang.cos(), ang.cos()], -1)[:, None]
         sin = torch.cat([ang.sin(), ang.sin()], -1)[:, None]
-        rot = torch.cat([-x[..., d // 2:], x[..., :d // 2]], -1)
+        rot = torch.cat([-x[..., d // 2 :], x[..., : d // 2]], -1)
         return x * cos + rot * sin
 
     ctx = rms(taps @ state["fc.weight"].T, state["hidden_norm.weight"])
@@ -58,12 +60,14 @@ def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
         x = rms(h, p("input_layernorm.weight"))
         q = rms((x @ p("self_attn.q_proj.weight").T).view(t, n, d), p("self_attn.q_norm.weight"))
         kv_in = torch.cat([ctx, x], 0)
-        k = rms((kv_in @ p("self_attn.k_proj.weight").T).view(c + t, kh, d),
-                p("self_attn.k_norm.weight"))
+        k = rms(
+            (kv_in @ p("self_attn.k_proj.weight").T).view(c + t, kh, d),
+            p("self_attn.k_norm.weight"),
+        )
         v = (kv_in @ p("self_attn.v_proj.weight").T).view(c + t, kh, d)
         q, k = rope(q, blk_pos), rope(k, torch.cat([ctx_pos, blk_pos]))
         k, v = k.repeat_interleave(n // kh, 1), v.repeat_interleave(n // kh, 1)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d ** 0.5, -1)  # non-causal
+        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d**0.5, -1)  # non-causal
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(t, n * d)
         h = h + o @ p("self_attn.o_proj.weight").T
         x = rms(h, p("post_attention_layernorm.weight"))
@@ -83,21 +87,33 @@ def test_drafter_forward_matches_independent_torch_implementation(pair, tmp_path
     c, t = 13, drafter.config.block_size
     taps = rs.randn(1, c, drafter.config.num_taps * 64).astype(np.float32)
     block_ids = np.array([[17] + [drafter.config.mask_token_id] * (t - 1)])
-    emb = target.module.apply({"params": target.params}, jnp.asarray(block_ids),
-                              method=dj.Transformer.embed)
+    emb = target.module.apply(
+        {"params": target.params}, jnp.asarray(block_ids), method=dj.Transformer.embed
+    )
 
     # Our decode path: context K/V cached at slots 0..c-1 of a larger cache, block at c..c+t-1.
     dmod = DFlashDrafter(drafter.config)
     ctx = ContextCache.create(drafter.config, 1, 32)
-    ctx = decoding._write_context(dmod, drafter.params, ctx, jnp.asarray(taps),
-                                  jnp.arange(c)[None], jnp.array([c]))
-    ours = dmod.apply({"params": drafter.params}, emb, c + jnp.arange(t)[None], ctx.k, ctx.v,
-                      decode_attend(ctx.lengths))
-    with torch.no_grad():   # the reference in float64: no float32 rounding on its side
-        ref = _torch_drafter({k: v.double() for k, v in state.items()}, hf_cfg,
-                             torch.tensor(taps[0]).double(),
-                             torch.tensor(np.asarray(emb)[0]).double(), torch.arange(c),
-                             c + torch.arange(t))
+    ctx = decoding._write_context(
+        dmod, drafter.params, ctx, jnp.asarray(taps), jnp.arange(c)[None], jnp.array([c])
+    )
+    ours = dmod.apply(
+        {"params": drafter.params},
+        emb,
+        c + jnp.arange(t)[None],
+        ctx.k,
+        ctx.v,
+        decode_attend(ctx.lengths),
+    )
+    with torch.no_grad():  # the reference in float64: no float32 rounding on its side
+        ref = _torch_drafter(
+            {k: v.double() for k, v in state.items()},
+            hf_cfg,
+            torch.tensor(taps[0]).double(),
+            torch.tensor(np.asarray(emb)[0]).double(),
+            torch.arange(c),
+            c + torch.arange(t),
+        )
     np.testing.assert_allclose(np.asarray(ours)[0], ref.numpy(), atol=2e-4)
 
 
@@ -112,8 +128,9 @@ def test_zlab_round_trip_and_config_variants(pair, tmp_path):
     assert cfg["auto_map"] == {"AutoModel": "dflash.DFlashDraftModel"}
     back = dj.load_drafter(out, target=target)
     assert back.config == drafter.config
-    for a, b in zip(jax.tree_util.tree_leaves(drafter.params),
-                    jax.tree_util.tree_leaves(back.params)):
+    for a, b in zip(
+        jax.tree_util.tree_leaves(drafter.params), jax.tree_util.tree_leaves(back.params)
+    ):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
     # Older files: block_size at top level only, no target_layer_ids (derived from counts).

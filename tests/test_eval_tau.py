@@ -19,13 +19,15 @@ from benchmarks import eval_tau
 FIXTURES = {
     "gsm8k": [{"question": "Tom has 3 apples and buys 2. How many?", "answer": "#### 5"}],
     "math500": [{"problem": "Compute $1+1$.", "answer": "2"}],
-    "humaneval": [{"task_id": "HumanEval/0", "prompt": "def add(a, b):\n    \"\"\"Sum.\"\"\"\n"}],
+    "humaneval": [{"task_id": "HumanEval/0", "prompt": 'def add(a, b):\n    """Sum."""\n'}],
     "mbpp": [{"task_id": 1, "text": "Write a function to reverse a list.", "code": ""}],
     "mt_bench": [{"turns": ["Write a loop over a list.", "Now make it a while loop."]}],
     "alpaca": [{"instruction": "Sort these numbers.", "input": "3, 1, 2", "output": ""}],
 }
-TEMPLATE = ("{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
-            "{% if add_generation_prompt %}### assistant\n{% endif %}")
+TEMPLATE = (
+    "{% for m in messages %}### {{ m['role'] }}\n{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant\n{% endif %}"
+)
 
 
 def _env():
@@ -76,10 +78,24 @@ def test_eval_reports_both_taus_speedup_and_table(templated_pair, tmp_path):
     _write_fixtures(data)
     out_json, out_md = str(tmp_path / "tau.json"), str(tmp_path / "tau.md")
     proc = subprocess.run(
-        [sys.executable, SCRIPT, f"--target={target}", f"--drafter={drafter}",
-         "--datasets=" + ",".join(FIXTURES), "--temperature=0", "--max_new_tokens=12",
-         f"--data_dir={data}", f"--json_out={out_json}", f"--md_out={out_md}"],
-        cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=900)
+        [
+            sys.executable,
+            SCRIPT,
+            f"--target={target}",
+            f"--drafter={drafter}",
+            "--datasets=" + ",".join(FIXTURES),
+            "--temperature=0",
+            "--max_new_tokens=12",
+            f"--data_dir={data}",
+            f"--json_out={out_json}",
+            f"--md_out={out_md}",
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     for name in FIXTURES:  # the source of each dataset is named
         assert f"{name}: 1 rows from JSONL file {os.path.join(data, name)}.jsonl" in proc.stdout
@@ -101,7 +117,7 @@ def test_eval_reports_both_taus_speedup_and_table(templated_pair, tmp_path):
             assert sum(p["acceptance"]) >= p["new_tokens"] - 1
             assert p["same_tokens"] and p["ar_new_tokens"] == p["new_tokens"]  # lossless, T=0
         timed = [p for p in per if p["tpot_s"] and p["ar_tpot_s"]]
-        expect = (sum(p["ar_tpot_s"] for p in timed) / sum(p["tpot_s"] for p in timed))
+        expect = sum(p["ar_tpot_s"] for p in timed) / sum(p["tpot_s"] for p in timed)
         assert r["speedup"] == pytest.approx(expect)
     # MT-Bench's second turn saw the first answer: its prompt is longer than turn 1's + answer.
     mt = res["datasets"]["mt_bench"]["per_response"]
@@ -113,22 +129,37 @@ def test_eval_reports_both_taus_speedup_and_table(templated_pair, tmp_path):
     assert table in proc.stdout
 
 
-@pytest.mark.parametrize("args, message", [
-    (["--datasets=humaneval"], "error: dataset humaneval: no source ("),
-    (["--datasets=gsm8k,nope"], "error: unknown dataset 'nope'"),
-    (["--datasets=gsm8k", "BAD"], ":2: needs a non-empty string 'question'"),
-])
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--datasets=humaneval"], "error: dataset humaneval: no source ("),
+        (["--datasets=gsm8k,nope"], "error: unknown dataset 'nope'"),
+        (["--datasets=gsm8k", "BAD"], ":2: needs a non-empty string 'question'"),
+    ],
+)
 def test_missing_or_bad_data_is_one_line_exit_2(tmp_path, args, message):
     data = tmp_path / "data"
     data.mkdir()
     if "BAD" in args:
         args = [a for a in args if a != "BAD"]
-        (data / "gsm8k.jsonl").write_text(json.dumps({"question": "ok"}) + "\n" +
-                                          json.dumps({"answer": "no question"}) + "\n")
+        (data / "gsm8k.jsonl").write_text(
+            json.dumps({"question": "ok"}) + "\n" + json.dumps({"answer": "no question"}) + "\n"
+        )
     proc = subprocess.run(
-        [sys.executable, SCRIPT, f"--target={PAIR}/target", f"--drafter={PAIR}/drafter",
-         f"--data_dir={data}", *args], cwd=ROOT, env=_env(), capture_output=True, text=True,
-        timeout=300)
+        [
+            sys.executable,
+            SCRIPT,
+            f"--target={PAIR}/target",
+            f"--drafter={PAIR}/drafter",
+            f"--data_dir={data}",
+            *args,
+        ],
+        cwd=ROOT,
+        env=_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 2, proc.stderr[-2000:]
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines

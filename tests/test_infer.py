@@ -13,38 +13,61 @@ from dflash_jax import serving
 from dflash_jax.data.tokenizer import train_bpe_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-CODE = ["def add(a, b):\n    return a + b\n", "for i in range(10):\n    print(i)\n",
-        "class Foo:\n    def __init__(self):\n        self.x = 1\n"] * 20
+CODE = [
+    "def add(a, b):\n    return a + b\n",
+    "for i in range(10):\n    print(i)\n",
+    "class Foo:\n    def __init__(self):\n        self.x = 1\n",
+] * 20
 
 
 @pytest.fixture(scope="module")
 def pair_dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("infer")
     tok = train_bpe_tokenizer(CODE, str(root / "target"), vocab_size=300)
-    cfg = dj.ModelConfig(vocab_size=tok.vocab_size, hidden_size=32, intermediate_size=64,
-                         num_layers=2, num_heads=2, num_kv_heads=1, head_dim=16,
-                         max_position_embeddings=512)
+    cfg = dj.ModelConfig(
+        vocab_size=tok.vocab_size,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+    )
     target = dj.Target(cfg, dj.model.init_params(cfg, 0), path=str(root / "target"))
     dj.save_target(target, root / "target")
-    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4,
-                                  mask_token_id=tok.mask_id)
+    dcfg = dj.make_drafter_config(
+        cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=tok.mask_id
+    )
     dj.save_drafter(dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0)), root / "drafter")
     return root
 
 
 def _run(*args):
-    return subprocess.run([sys.executable, os.path.join(ROOT, "infer.py"), *args],
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
+    return subprocess.run(
+        [sys.executable, os.path.join(ROOT, "infer.py"), *args],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
 
 
 def test_infer_cli_compares_with_ar_and_writes_json_and_profile(pair_dirs, tmp_path):
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def add(a, b):"}) + "\n" +
-                       json.dumps({"ids": [5, 6, 7]}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "def add(a, b):"}) + "\n" + json.dumps({"ids": [5, 6, 7]}) + "\n"
+    )
     out = tmp_path / "out.jsonl"
-    r = _run(f"--target={pair_dirs / 'target'}", f"--drafter={pair_dirs / 'drafter'}",
-             f"--prompt_file={prompts}", "--max_new_tokens=12", f"--json_out={out}",
-             f"--profile_dir={tmp_path / 'trace'}", "--compare_ar")
+    r = _run(
+        f"--target={pair_dirs / 'target'}",
+        f"--drafter={pair_dirs / 'drafter'}",
+        f"--prompt_file={prompts}",
+        "--max_new_tokens=12",
+        f"--json_out={out}",
+        f"--profile_dir={tmp_path / 'trace'}",
+        "--compare_ar",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "speedup" in r.stdout and "tau" in r.stdout
     recs = sorted((json.loads(line) for line in open(out)), key=lambda rec: rec["index"])
@@ -59,8 +82,13 @@ def test_infer_cli_compares_with_ar_and_writes_json_and_profile(pair_dirs, tmp_p
 def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
     """--stream: an extra run prints the prompt and the completion as steps commit it; the
     timed runs after it report the same text, identical to autoregressive decoding."""
-    r = _run(f"--target={pair_dirs / 'target'}", f"--drafter={pair_dirs / 'drafter'}",
-             "--prompt=def add(a, b):", "--max_new_tokens=12", "--stream")
+    r = _run(
+        f"--target={pair_dirs / 'target'}",
+        f"--drafter={pair_dirs / 'drafter'}",
+        "--prompt=def add(a, b):",
+        "--max_new_tokens=12",
+        "--stream",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     plain = re.sub("\033\\[[01]m", "", r.stdout)
     streamed, reported = plain.split("\n=== prompt 0: ")
@@ -95,23 +123,43 @@ def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
 
 
 def test_dry_run_clis_report_memory_and_flops():
-    r = _run("--dry_run", "--dry_run_model=small", "--topology=cpu:2", "--mesh=tensor=2",
-             "--context=64", "--max_new_tokens=16", "--attention_impl=xla")
+    r = _run(
+        "--dry_run",
+        "--dry_run_model=small",
+        "--topology=cpu:2",
+        "--mesh=tensor=2",
+        "--context=64",
+        "--max_new_tokens=16",
+        "--attention_impl=xla",
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "mesh [tensor=2]" in r.stdout and "TOTAL GiB/dev" in r.stdout
     assert "dflash_decode" in r.stdout and "ar_decode" in r.stdout
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"),
-                        "--config=" + os.path.join(ROOT, "configs/tiny_test.py"), "--dry_run",
-                        "--dry_run_model=small", "--topology=cpu:2", "--mesh=fsdp=2"],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "train.py"),
+            "--config=" + os.path.join(ROOT, "configs/tiny_test.py"),
+            "--dry_run",
+            "--dry_run_model=small",
+            "--topology=cpu:2",
+            "--mesh=fsdp=2",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "train_step" in r.stdout and "batch 8x64" in r.stdout  # the config's batch
 
 
 def test_dry_run_cli_bad_input_is_one_line_exit_2():
-    for args, says in ((["--topology=v9x:2x4"], "unknown topology"),
-                       (["--topology=cpu:2", "--mesh=tensor=4"], "mesh"),
-                       (["--topology=cpu:2", "--dry_run_model=nope"], "unknown model")):
+    for args, says in (
+        (["--topology=v9x:2x4"], "unknown topology"),
+        (["--topology=cpu:2", "--mesh=tensor=4"], "mesh"),
+        (["--topology=cpu:2", "--dry_run_model=nope"], "unknown model"),
+    ):
         r = _run("--dry_run", *args)
         assert r.returncode == 2, (args, r.stderr[-2000:])
         last = r.stderr.strip().splitlines()[-1]
@@ -122,14 +170,31 @@ def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
     """benchmarks/bench_dflash.py on the bundled pair (two prompts, one setting per temperature,
     16 tokens): JSON, Markdown and plots written; greedy DFlash matched AR (else it exits 1)."""
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "import os\n\n\ndef read(path):"}) + "\n" +
-                       json.dumps({"prompt": "class Stack:\n    def push(self, x):"}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "import os\n\n\ndef read(path):"})
+        + "\n"
+        + json.dumps({"prompt": "class Stack:\n    def push(self, x):"})
+        + "\n"
+    )
     out = tmp_path / "bench"
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "bench_dflash.py"),
-         f"--prompt_file={prompts}", f"--out_dir={out}", "--max_new_tokens=16", "--repeats=1",
-         "--block_sizes=8", "--temperatures=0,1", "--denoise_steps=1", "--batch_sizes=1"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "bench_dflash.py"),
+            f"--prompt_file={prompts}",
+            f"--out_dir={out}",
+            "--max_new_tokens=16",
+            "--repeats=1",
+            "--block_sizes=8",
+            "--temperatures=0,1",
+            "--denoise_steps=1",
+            "--batch_sizes=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.load(open(out / "results.json"))
     assert [(row["temperature"], row["block_size"]) for row in res["rows"]] == [(0, 8), (1, 8)]
@@ -141,12 +206,21 @@ def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
 
 
 def test_op_costs_script_times_the_token_choosers():
-    r = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "op_costs.py")],
-                       capture_output=True, text=True, timeout=300, cwd=ROOT)
+    r = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "op_costs.py")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(r.stdout.strip().splitlines()[-1])["choosers_us"]
-    assert set(res) == {"jnp.argmax", "sampling.greedy_argmax", "jax.random.categorical",
-                        "sampling.sample_categorical"} and all(v > 0 for v in res.values())
+    assert set(res) == {
+        "jnp.argmax",
+        "sampling.greedy_argmax",
+        "jax.random.categorical",
+        "sampling.sample_categorical",
+    } and all(v > 0 for v in res.values())
 
 
 def test_repetition_script_compares_greedy_completions_with_the_real_continuation(tmp_path):
@@ -155,13 +229,27 @@ def test_repetition_script_compares_greedy_completions_with_the_real_continuatio
     loop = "x = 1\n" * 40
     varied = "".join(f"value_{i} = compute_{i}(arg_{i}) + {i * 7}\n" for i in range(40))
     prompts = tmp_path / "p.jsonl"
-    prompts.write_text(json.dumps({"prompt": "def f():\n", "reference": loop}) + "\n" +
-                       json.dumps({"prompt": "def g():\n", "reference": varied}) + "\n")
+    prompts.write_text(
+        json.dumps({"prompt": "def f():\n", "reference": loop})
+        + "\n"
+        + json.dumps({"prompt": "def g():\n", "reference": varied})
+        + "\n"
+    )
     out = tmp_path / "rep.json"
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "repetition.py"),
-         f"--prompt_file={prompts}", f"--out={out}", "--max_new_tokens=16",
-         "--prompt_tokens=8,4"], capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "repetition.py"),
+            f"--prompt_file={prompts}",
+            f"--out={out}",
+            "--max_new_tokens=16",
+            "--prompt_tokens=8,4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     res = json.load(open(out))
     assert res["reference"]["n"] == 2 and res["reference"]["share_below"] == 0.5
@@ -174,10 +262,21 @@ def test_repetition_script_compares_greedy_completions_with_the_real_continuatio
 def test_scale_costs_script_times_both_loops_per_target_size(tmp_path):
     out = tmp_path / "scale.json"
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"), "--sizes=128x6",
-         "--tokens=8", "--repeats=1", "--context=16", f"--json_out={out}",
-         f"--plot={tmp_path / 'scale.png'}"],
-        capture_output=True, text=True, timeout=300, cwd=ROOT)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "scale_costs.py"),
+            "--sizes=128x6",
+            "--tokens=8",
+            "--repeats=1",
+            "--context=16",
+            f"--json_out={out}",
+            f"--plot={tmp_path / 'scale.png'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
     (row,) = json.load(open(out))["rows"]
     assert (row["width"], row["layers"]) == (128, 6) and row["params"] > 1e6
@@ -185,12 +284,25 @@ def test_scale_costs_script_times_both_loops_per_target_size(tmp_path):
     assert abs(row["ceiling"] * row["step_over_ar"] - 16) < 1e-6
     assert (tmp_path / "scale.png").stat().st_size > 0
     redraw = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"),
-         f"--from_json={out}", f"--plot={tmp_path / 're.png'}"],
-        capture_output=True, text=True, timeout=120, cwd=ROOT)
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "scale_costs.py"),
+            f"--from_json={out}",
+            f"--plot={tmp_path / 're.png'}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert redraw.returncode == 0 and (tmp_path / "re.png").stat().st_size > 0, redraw.stderr
-    bad = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"),
-                          "--sizes=100x2"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "benchmarks", "scale_costs.py"), "--sizes=100x2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert bad.returncode != 0 and "multiple of 128" in bad.stderr
 
 
@@ -200,16 +312,29 @@ def test_plot_training_chains_stages_and_rejects_empty_files(tmp_path):
         path.write_text("".join(json.dumps(r) + "\n" for r in rows))
         return str(path)
 
-    t1 = write("t1.jsonl", [{"split": "train", "step": s, "loss": 5.0 - s / 100}
-                            for s in range(10, 110, 10)] +
-               [{"split": "eval", "step": 100, "loss": 4.2}])
+    t1 = write(
+        "t1.jsonl",
+        [{"split": "train", "step": s, "loss": 5.0 - s / 100} for s in range(10, 110, 10)]
+        + [{"split": "eval", "step": 100, "loss": 4.2}],
+    )
     t2 = write("t2.jsonl", [{"split": "train", "step": s, "loss": 4.0} for s in (10, 20)])
     d1 = write("d1.jsonl", [{"split": "eval", "step": 50, "loss": 2.0, "tau": 2.5}])
     script = os.path.join(ROOT, "benchmarks", "plot_training.py")
     out = tmp_path / "curves.png"
-    r = subprocess.run([sys.executable, script, f"--target_runs={t1},{t2}",
-                        f"--drafter_runs={d1}", f"--out={out}", "--smooth=3"],
-                       capture_output=True, text=True, timeout=120, cwd=ROOT)
+    r = subprocess.run(
+        [
+            sys.executable,
+            script,
+            f"--target_runs={t1},{t2}",
+            f"--drafter_runs={d1}",
+            f"--out={out}",
+            "--smooth=3",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert r.returncode == 0, r.stderr[-3000:]
     assert out.stat().st_size > 0
     from benchmarks import plot_training
@@ -217,7 +342,11 @@ def test_plot_training_chains_stages_and_rejects_empty_files(tmp_path):
     stages = plot_training.read_stages([t1, t2])
     assert [s[2] for s in stages] == [0, 100]  # stage 2 starts after stage 1's last step
     empty = write("e.jsonl", [{"split": "other", "step": 1}])
-    bad = subprocess.run([sys.executable, script, f"--target_runs={empty}",
-                          f"--drafter_runs={d1}", f"--out={out}"],
-                         capture_output=True, text=True, timeout=120, cwd=ROOT)
+    bad = subprocess.run(
+        [sys.executable, script, f"--target_runs={empty}", f"--drafter_runs={d1}", f"--out={out}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=ROOT,
+    )
     assert bad.returncode != 0 and "no train or eval rows" in bad.stderr

@@ -76,13 +76,15 @@ def test_incremental_decoding_equals_full_forward(kind, targets):
 
     def feed(width, commit):
         nonlocal cache
-        ids = np.array([seqs[b][pos[b]:pos[b] + width] for b in range(3)], np.int32)
+        ids = np.array([seqs[b][pos[b] : pos[b] + width] for b in range(3)], np.int32)
         logits, cache, taps = _cached_step(t.module, t.params, jnp.asarray(ids), cache)
         for b in range(3):
-            np.testing.assert_allclose(np.asarray(logits)[b], full[b][pos[b]:pos[b] + width],
-                                       atol=1e-4)
-            np.testing.assert_allclose(np.asarray(taps)[b],
-                                       full_taps[b][pos[b]:pos[b] + width], atol=1e-4)
+            np.testing.assert_allclose(
+                np.asarray(logits)[b], full[b][pos[b] : pos[b] + width], atol=1e-4
+            )
+            np.testing.assert_allclose(
+                np.asarray(taps)[b], full_taps[b][pos[b] : pos[b] + width], atol=1e-4
+            )
         for b in range(3):
             pos[b] += commit[b]
         cache = cache.rollback(jnp.asarray(pos))

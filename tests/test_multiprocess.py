@@ -32,14 +32,18 @@ def _env(**extra):
 
 def _launch(args, timeout, **env):
     t0 = time.monotonic()
-    proc = subprocess.run(LAUNCH + args, cwd=ROOT, env=_env(**env), capture_output=True,
-                          text=True, timeout=timeout)
+    proc = subprocess.run(
+        LAUNCH + args, cwd=ROOT, env=_env(**env), capture_output=True, text=True, timeout=timeout
+    )
     return proc.returncode, proc.stdout + proc.stderr, time.monotonic() - t0
 
 
 def _lines(out, process):
-    return [line[len(f"[{process}] "):] for line in out.splitlines()
-            if line.startswith(f"[{process}] ")]
+    return [
+        line[len(f"[{process}] ") :]
+        for line in out.splitlines()
+        if line.startswith(f"[{process}] ")
+    ]
 
 
 # ------------------------------------------------------------------------------- generate
@@ -48,13 +52,26 @@ def _lines(out, process):
 @pytest.fixture(scope="module")
 def generation(tmp_path_factory):
     out_dir = tmp_path_factory.mktemp("mp_generate")
-    rc, out, _ = _launch(["--num_processes=2", "--devices_per_process=4", "--timeout=500", "--",
-                          "tests/_multiprocess_worker.py", "generate", str(out_dir)], 560)
+    rc, out, _ = _launch(
+        [
+            "--num_processes=2",
+            "--devices_per_process=4",
+            "--timeout=500",
+            "--",
+            "tests/_multiprocess_worker.py",
+            "generate",
+            str(out_dir),
+        ],
+        560,
+    )
     assert rc == 0, out[-6000:]
     results = {}
     for p in (0, 1):
-        found = [json.loads(line[len("RESULT "):]) for line in _lines(out, p)
-                 if line.startswith("RESULT ")]
+        found = [
+            json.loads(line[len("RESULT ") :])
+            for line in _lines(out, p)
+            if line.startswith("RESULT ")
+        ]
         assert len(found) == 1, out[-6000:]
         results[p] = found[0]
     return results, out, out_dir
@@ -75,7 +92,7 @@ def test_generate_across_processes_equals_single_process(generation):
         for d_seq, ref_seq, a_seq in zip(drafts, ref_drafts, acc):
             assert len(d_seq) == len(ref_seq) == len(a_seq)
             for draft, ref_draft, a in zip(d_seq, ref_seq, a_seq):
-                assert draft[:a - 1] == ref_draft[:a - 1]
+                assert draft[: a - 1] == ref_draft[: a - 1]
         assert r["got_ar"] == ref_tokens  # sharded AR: lossless DFlash = greedy AR
         assert r["stats"]["mesh"] == "data=2,tensor=4"
         # Several drafted tokens accepted in one target pass, under sharding.
@@ -89,8 +106,9 @@ def test_generate_across_processes_equals_single_process(generation):
 def test_infer_reports_from_process_zero_only(generation):
     results, out, out_dir = generation
     assert sum(line.startswith("=== prompt") for line in _lines(out, 0)) == 4
-    assert not any("=== prompt" in line or line.startswith("DFlash:")
-                   for line in _lines(out, 1)), out[-4000:]
+    assert not any("=== prompt" in line or line.startswith("DFlash:") for line in _lines(out, 1)), (
+        out[-4000:]
+    )
     written = [json.loads(x) for x in open(os.path.join(out_dir, "infer.json"))]  # JSON Lines
     assert [r["tokens"] for r in sorted(written, key=lambda r: r["index"])] == results[0]["ref"][0]
 
@@ -98,10 +116,17 @@ def test_infer_reports_from_process_zero_only(generation):
 # ------------------------------------------------------------------------------- training
 
 
-COMMON = ["--config=configs/tiny_test.py", "--config.mesh=data=2,fsdp=4",
-          "--config.num_train_steps=20", "--config.log_every=1", "--config.eval_every=20",
-          "--config.checkpoint_every=5", "--config.regen.num_prompts=64",
-          "--config.eval_num_prompts=4", "--config.eval_max_new_tokens=16"]
+COMMON = [
+    "--config=configs/tiny_test.py",
+    "--config.mesh=data=2,fsdp=4",
+    "--config.num_train_steps=20",
+    "--config.log_every=1",
+    "--config.eval_every=20",
+    "--config.checkpoint_every=5",
+    "--config.regen.num_prompts=64",
+    "--config.eval_num_prompts=4",
+    "--config.eval_max_new_tokens=16",
+]
 
 
 def _records(workdir, split):
@@ -119,16 +144,16 @@ def _launch_until(args, workdir, trigger_dir, action, timeout, **env):
     action(pids). Returns (exit code, output)."""
     log = os.path.join(workdir + ".log")
     with open(log, "w") as f:
-        proc = subprocess.Popen(LAUNCH + args, cwd=ROOT, env=_env(**env), stdout=f,
-                                stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            LAUNCH + args, cwd=ROOT, env=_env(**env), stdout=f, stderr=subprocess.STDOUT
+        )
     deadline = time.monotonic() + timeout
     pids, fired = None, False
     while proc.poll() is None and time.monotonic() < deadline:
         if pids is None:
             m = re.search(r"pids (\d+) (\d+)", open(log).read())
             pids = [int(m.group(1)), int(m.group(2))] if m else None
-        if not fired and pids and os.path.isdir(
-                os.path.join(workdir, "checkpoints", trigger_dir)):
+        if not fired and pids and os.path.isdir(os.path.join(workdir, "checkpoints", trigger_dir)):
             action(pids)
             fired = True
         time.sleep(0.1)
@@ -144,13 +169,27 @@ def training(tmp_path_factory, eight_devices, compile_cache):
     base = tmp_path_factory.mktemp("mp_train")
     ref_dir, mp_dir = str(base / "one_process"), str(base / "two_processes")
     # Reference: 1 process, 8 devices, the same global batches (2 data streams).
-    proc = subprocess.run([sys.executable, "train.py", *COMMON, f"--workdir={ref_dir}",
-                           "--config.data.num_shards=2"], cwd=ROOT, env=eight_devices.env(),
-                          capture_output=True, text=True, timeout=1200)
+    proc = subprocess.run(
+        [sys.executable, "train.py", *COMMON, f"--workdir={ref_dir}", "--config.data.num_shards=2"],
+        cwd=ROOT,
+        env=eight_devices.env(),
+        capture_output=True,
+        text=True,
+        timeout=1200,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     regen = os.path.join(ref_dir, "regenerated.jsonl")
-    mp = ["--num_processes=2", "--devices_per_process=4", "--timeout=1100", "--grace=20", "--",
-          "train.py", *COMMON, f"--workdir={mp_dir}", f"--config.regen.output={regen}"]
+    mp = [
+        "--num_processes=2",
+        "--devices_per_process=4",
+        "--timeout=1100",
+        "--grace=20",
+        "--",
+        "train.py",
+        *COMMON,
+        f"--workdir={mp_dir}",
+        f"--config.regen.output={regen}",
+    ]
     runs = {}
 
     def kill_both(pids):
@@ -161,9 +200,9 @@ def training(tmp_path_factory, eight_devices, compile_cache):
     # 1. Both processes killed right after the step-10 checkpoint is complete.
     runs["killed"] = _launch_until(mp, mp_dir, "10", kill_both, 1200, **compile_cache)
     # 2. Resumed; SIGTERM to process 1 alone once step 15 is saved: both save and stop.
-    runs["terminated"] = _launch_until(mp, mp_dir, "15",
-                                       lambda pids: os.kill(pids[1], signal.SIGTERM), 1200,
-                                       **compile_cache)
+    runs["terminated"] = _launch_until(
+        mp, mp_dir, "15", lambda pids: os.kill(pids[1], signal.SIGTERM), 1200, **compile_cache
+    )
     # 3. Resumed to the end (in-loop tau on step 20 with the 2-process generate; export).
     runs["finished"] = _launch(mp, 1200, **compile_cache)[:2]
     return ref_dir, mp_dir, runs
@@ -204,8 +243,12 @@ def test_two_process_training_equals_one_process_and_resumes(training):
 
     def weights(d):
         d = os.path.join(d, "export", "drafter")
-        return {k: v for f in os.listdir(d) if f.endswith(".safetensors")
-                for k, v in load_file(os.path.join(d, f)).items()}
+        return {
+            k: v
+            for f in os.listdir(d)
+            if f.endswith(".safetensors")
+            for k, v in load_file(os.path.join(d, f)).items()
+        }
 
     w1, w2 = weights(ref_dir), weights(mp_dir)
     assert sorted(w1) == sorted(w2)
@@ -218,15 +261,34 @@ def test_two_process_training_equals_one_process_and_resumes(training):
 
 def test_launcher_names_a_dying_process_and_stops_the_group():
     # Process 1 raises; process 0 sits in a barrier ignoring SIGTERM: SIGKILL after --grace.
-    rc, out, seconds = _launch(["--num_processes=2", "--devices_per_process=1", "--timeout=120",
-                                "--grace=2", "--", "tests/_multiprocess_worker.py", "die"], 180)
+    rc, out, seconds = _launch(
+        [
+            "--num_processes=2",
+            "--devices_per_process=1",
+            "--timeout=120",
+            "--grace=2",
+            "--",
+            "tests/_multiprocess_worker.py",
+            "die",
+        ],
+        180,
+    )
     assert rc == 1, out[-3000:]
     assert "[launch] process 1 exited with code 1; stopping the others" in out
     assert "RuntimeError: process 1 fails" in out
     assert "SIGKILL" in out and seconds < 100, (seconds, out[-3000:])
     # A group that outlives --timeout is stopped with exit code 124.
-    rc, out, seconds = _launch(["--num_processes=2", "--timeout=2", "--grace=1", "--", "-c",
-                                "import time; time.sleep(60)"], 60)
+    rc, out, seconds = _launch(
+        [
+            "--num_processes=2",
+            "--timeout=2",
+            "--grace=1",
+            "--",
+            "-c",
+            "import time; time.sleep(60)",
+        ],
+        60,
+    )
     assert rc == 124 and "timeout" in out and seconds < 20, (rc, seconds, out)
 
 
@@ -243,16 +305,20 @@ def test_sharded_batches_are_the_streams_stacked_and_resume():
     from dflash_jax.data.packing import PackedBatchIterator
 
     rng = np.random.RandomState(0)
-    docs = [(rng.randint(1, 50, n).astype(np.int32), np.ones(n, np.int32))
-            for n in rng.randint(3, 40, 30)]
+    docs = [
+        (rng.randint(1, 50, n).astype(np.int32), np.ones(n, np.int32))
+        for n in rng.randint(3, 40, 30)
+    ]
 
     def make(**kw):
         return PackedBatchIterator(docs, lambda d: d, seq_len=16, seed=3, **kw)
 
     sh = NamedSharding(jax.sharding.Mesh(np.array(jax.devices()[:1]), ("data",)), P("data"))
     it = distributed.shard_batches(make(batch_size=4), sh, num_shards=2)
-    assert distributed.shard_batches(make(batch_size=4), sh, num_shards=1).__class__ is \
-        PackedBatchIterator
+    assert (
+        distributed.shard_batches(make(batch_size=4), sh, num_shards=1).__class__
+        is PackedBatchIterator
+    )
     streams = [make(batch_size=2, host_id=s, num_hosts=2) for s in (0, 1)]
     batches = [next(it) for _ in range(5)]
     for b in batches:

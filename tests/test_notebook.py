@@ -22,14 +22,23 @@ def test_notebook_runs_top_to_bottom(tmp_path):
         pytest.fail("the bundled pair assets/tiny-code is missing")
     nb = nbformat.read(NOTEBOOK, as_version=4)
     idx = next(i for i, c in enumerate(nb.cells) if "parameters" in c.metadata.get("tags", []))
-    nb.cells.insert(idx + 1, nbformat.v4.new_code_cell(
-        f"INSTALL = False\nRUN_ONLINE = False\nMAX_NEW_TOKENS = 32\nTRAIN_STEPS = 12\n"
-        f"TRAIN_REGEN_PROMPTS = 16\nWORKDIR = {str(tmp_path)!r}"))
-    client = NotebookClient(nb, timeout=300, kernel_name="python3",
-                            resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}})
+    nb.cells.insert(
+        idx + 1,
+        nbformat.v4.new_code_cell(
+            f"INSTALL = False\nRUN_ONLINE = False\nMAX_NEW_TOKENS = 32\nTRAIN_STEPS = 12\n"
+            f"TRAIN_REGEN_PROMPTS = 16\nWORKDIR = {str(tmp_path)!r}"
+        ),
+    )
+    client = NotebookClient(
+        nb,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": os.path.join(ROOT, "notebooks")}},
+    )
     client.execute()  # raises CellExecutionError on the first failing cell
-    text = "\n".join(o.get("text", "") for c in nb.cells if c.cell_type == "code"
-                     for o in c.outputs)
+    text = "\n".join(
+        o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs
+    )
     assert "identical to autoregressive: True" in text
     assert "skipped the online section: RUN_ONLINE is False" in text
     assert "trace files:" in text and (".xplane.pb" in text or ".trace.json.gz" in text)

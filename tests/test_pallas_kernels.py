@@ -5,6 +5,7 @@ pltpu.InterpretParams, Triton kernels via the HLO interpreter).  Shapes are
 tiny and tile sizes forced small so that padding, multiple tiles, multiple
 splits and tile skipping are all exercised.
 """
+
 import contextlib
 
 import numpy as np
@@ -21,236 +22,265 @@ ATOL = 2e-5
 
 
 def _rand(rng, *shape, dtype=jnp.float32):
-  return jnp.asarray(rng.standard_normal(shape), dtype)
+    return jnp.asarray(rng.standard_normal(shape), dtype)
 
 
 # ----------------------------------------------------- brute-force numpy ----
 def _np_attend(q, k, v, visible, scale):
-  """q [T,Hq,D], k/v [S,Hkv,D], visible(t, j) -> bool. Plain loops."""
-  t_len, hq, d = q.shape
-  g = hq // k.shape[1]
-  out = np.zeros((t_len, hq, d))
-  for t in range(t_len):
-    js = [j for j in range(k.shape[0]) if visible(t, j)]
-    if not js:
-      continue
-    for h in range(hq):
-      kh = h // g
-      s = np.array([np.dot(q[t, h], k[j, kh]) * scale for j in js], np.float64)
-      w = np.exp(s - s.max())
-      w /= w.sum()
-      out[t, h] = sum(wi * v[j, kh] for wi, j in zip(w, js))
-  return out
+    """q [T,Hq,D], k/v [S,Hkv,D], visible(t, j) -> bool. Plain loops."""
+    t_len, hq, d = q.shape
+    g = hq // k.shape[1]
+    out = np.zeros((t_len, hq, d))
+    for t in range(t_len):
+        js = [j for j in range(k.shape[0]) if visible(t, j)]
+        if not js:
+            continue
+        for h in range(hq):
+            kh = h // g
+            s = np.array([np.dot(q[t, h], k[j, kh]) * scale for j in js], np.float64)
+            w = np.exp(s - s.max())
+            w /= w.sum()
+            out[t, h] = sum(wi * v[j, kh] for wi, j in zip(w, js))
+    return out
 
 
 def _np_verify(q, k, v, pos):
-  q, k, v, pos = map(np.asarray, (q, k, v, pos))
-  scale = q.shape[-1] ** -0.5
-  return np.stack([_np_attend(q[b], k[b], v[b], lambda t, j: j <= pos[b, t], scale)
-                   for b in range(q.shape[0])])
+    q, k, v, pos = map(np.asarray, (q, k, v, pos))
+    scale = q.shape[-1] ** -0.5
+    return np.stack(
+        [
+            _np_attend(q[b], k[b], v[b], lambda t, j: j <= pos[b, t], scale)
+            for b in range(q.shape[0])
+        ]
+    )
 
 
 def _np_draft(q, ck, cv, clen, bk, bv):
-  q, ck, cv, clen, bk, bv = map(np.asarray, (q, ck, cv, clen, bk, bv))
-  c = ck.shape[1]
-  scale = q.shape[-1] ** -0.5
-  outs = []
-  for b in range(q.shape[0]):
-    k = np.concatenate([ck[b], bk[b]])
-    v = np.concatenate([cv[b], bv[b]])
-    outs.append(_np_attend(q[b], k, v, lambda t, j: j >= c or j < clen[b], scale))
-  return np.stack(outs)
+    q, ck, cv, clen, bk, bv = map(np.asarray, (q, ck, cv, clen, bk, bv))
+    c = ck.shape[1]
+    scale = q.shape[-1] ** -0.5
+    outs = []
+    for b in range(q.shape[0]):
+        k = np.concatenate([ck[b], bk[b]])
+        v = np.concatenate([cv[b], bv[b]])
+        outs.append(_np_attend(q[b], k, v, lambda t, j: j >= c or j < clen[b], scale))
+    return np.stack(outs)
 
 
 def _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=False, ctx_start=None):
-  q, kc, vc, kb, vb, anchors, valid = map(np.asarray, (q, kc, vc, kb, vb, anchors, valid))
-  start = np.zeros_like(anchors) if ctx_start is None else np.asarray(ctx_start)
-  s_len = kc.shape[1]
-  scale = q.shape[-1] ** -0.5
-  outs = []
-  for b in range(q.shape[0]):
-    k = np.concatenate([kc[b], kb[b]])
-    v = np.concatenate([vc[b], vb[b]])
+    q, kc, vc, kb, vb, anchors, valid = map(np.asarray, (q, kc, vc, kb, vb, anchors, valid))
+    start = np.zeros_like(anchors) if ctx_start is None else np.asarray(ctx_start)
+    s_len = kc.shape[1]
+    scale = q.shape[-1] ** -0.5
+    outs = []
+    for b in range(q.shape[0]):
+        k = np.concatenate([kc[b], kb[b]])
+        v = np.concatenate([vc[b], vb[b]])
 
-    def visible(t, j, b=b):
-      n = t // bs
-      if not valid[b, n]:
-        return False
-      if j < s_len:
-        if j < start[b, n]:
-          return False
-        return j <= anchors[b, n] if inclusive else j < anchors[b, n]
-      return (j - s_len) // bs == n
-    outs.append(_np_attend(q[b], k, v, visible, scale))
-  return np.stack(outs)
+        def visible(t, j, b=b):
+            n = t // bs
+            if not valid[b, n]:
+                return False
+            if j < s_len:
+                if j < start[b, n]:
+                    return False
+                return j <= anchors[b, n] if inclusive else j < anchors[b, n]
+            return (j - s_len) // bs == n
+
+        outs.append(_np_attend(q[b], k, v, visible, scale))
+    return np.stack(outs)
 
 
 def test_reference_verify_matches_brute_force():
-  rng = np.random.default_rng(0)
-  q, k, v = _rand(rng, 2, 3, 4, 8), _rand(rng, 2, 11, 2, 8), _rand(rng, 2, 11, 2, 8)
-  pos = jnp.array([[0, 1, 2], [8, 9, 10]], jnp.int32)
-  np.testing.assert_allclose(reference.verify_attention(q, k, v, pos),
-                             _np_verify(q, k, v, pos), atol=1e-5)
+    rng = np.random.default_rng(0)
+    q, k, v = _rand(rng, 2, 3, 4, 8), _rand(rng, 2, 11, 2, 8), _rand(rng, 2, 11, 2, 8)
+    pos = jnp.array([[0, 1, 2], [8, 9, 10]], jnp.int32)
+    np.testing.assert_allclose(
+        reference.verify_attention(q, k, v, pos), _np_verify(q, k, v, pos), atol=1e-5
+    )
 
 
 def test_reference_draft_matches_brute_force():
-  rng = np.random.default_rng(1)
-  q = _rand(rng, 3, 4, 4, 8)
-  ck, cv = _rand(rng, 3, 9, 1, 8), _rand(rng, 3, 9, 1, 8)
-  bk, bv = _rand(rng, 3, 4, 1, 8), _rand(rng, 3, 4, 1, 8)
-  clen = jnp.array([0, 5, 9], jnp.int32)
-  np.testing.assert_allclose(reference.draft_attention(q, ck, cv, clen, bk, bv),
-                             _np_draft(q, ck, cv, clen, bk, bv), atol=1e-5)
+    rng = np.random.default_rng(1)
+    q = _rand(rng, 3, 4, 4, 8)
+    ck, cv = _rand(rng, 3, 9, 1, 8), _rand(rng, 3, 9, 1, 8)
+    bk, bv = _rand(rng, 3, 4, 1, 8), _rand(rng, 3, 4, 1, 8)
+    clen = jnp.array([0, 5, 9], jnp.int32)
+    np.testing.assert_allclose(
+        reference.draft_attention(q, ck, cv, clen, bk, bv),
+        _np_draft(q, ck, cv, clen, bk, bv),
+        atol=1e-5,
+    )
 
 
 def test_reference_training_matches_brute_force_and_catches_le_trap():
-  rng = np.random.default_rng(2)
-  bs, n, s_len = 3, 4, 10
-  q = _rand(rng, 2, n * bs, 4, 8)
-  kc, vc = _rand(rng, 2, s_len, 2, 8), _rand(rng, 2, s_len, 2, 8)
-  kb, vb = _rand(rng, 2, n * bs, 2, 8), _rand(rng, 2, n * bs, 2, 8)
-  anchors = jnp.array([[0, 3, 7, 9], [2, 2, 5, 8]], jnp.int32)
-  valid = jnp.array([[True, True, False, True], [True, True, True, False]])
-  ref = np.asarray(reference.training_attention(q, kc, vc, kb, vb, anchors, valid,
-                                                block_size=bs))
-  good = _np_training(q, kc, vc, kb, vb, anchors, valid, bs)
-  np.testing.assert_allclose(ref, good, atol=1e-5)
-  # Rows of invalid blocks are exactly zero.
-  assert np.all(ref[0, 2 * bs:3 * bs] == 0) and np.all(ref[1, 3 * bs:] == 0)
-  # The `<=` anchor trap: an implementation attending to slot `anchor` must
-  # fail the very same check.
-  trap = _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=True)
-  assert not np.allclose(ref, trap, atol=1e-3)
-  with pytest.raises(AssertionError):
-    np.testing.assert_allclose(trap, good, atol=1e-5)
+    rng = np.random.default_rng(2)
+    bs, n, s_len = 3, 4, 10
+    q = _rand(rng, 2, n * bs, 4, 8)
+    kc, vc = _rand(rng, 2, s_len, 2, 8), _rand(rng, 2, s_len, 2, 8)
+    kb, vb = _rand(rng, 2, n * bs, 2, 8), _rand(rng, 2, n * bs, 2, 8)
+    anchors = jnp.array([[0, 3, 7, 9], [2, 2, 5, 8]], jnp.int32)
+    valid = jnp.array([[True, True, False, True], [True, True, True, False]])
+    ref = np.asarray(reference.training_attention(q, kc, vc, kb, vb, anchors, valid, block_size=bs))
+    good = _np_training(q, kc, vc, kb, vb, anchors, valid, bs)
+    np.testing.assert_allclose(ref, good, atol=1e-5)
+    # Rows of invalid blocks are exactly zero.
+    assert np.all(ref[0, 2 * bs : 3 * bs] == 0) and np.all(ref[1, 3 * bs :] == 0)
+    # The `<=` anchor trap: an implementation attending to slot `anchor` must
+    # fail the very same check.
+    trap = _np_training(q, kc, vc, kb, vb, anchors, valid, bs, inclusive=True)
+    assert not np.allclose(ref, trap, atol=1e-3)
+    with pytest.raises(AssertionError):
+        np.testing.assert_allclose(trap, good, atol=1e-5)
 
 
 def test_reference_training_ctx_start_matches_brute_force():
-  """ctx_start[b,n] <= j < anchors[b,n]: a lower bound (empty when ctx_start >=
-  anchor) that the reference must honour exactly."""
-  rng = np.random.default_rng(12)
-  bs, n, s_len = 3, 4, 10
-  q = _rand(rng, 2, n * bs, 4, 8)
-  kc, vc = _rand(rng, 2, s_len, 2, 8), _rand(rng, 2, s_len, 2, 8)
-  kb, vb = _rand(rng, 2, n * bs, 2, 8), _rand(rng, 2, n * bs, 2, 8)
-  anchors = jnp.array([[4, 3, 7, 9], [2, 6, 5, 8]], jnp.int32)
-  start = jnp.array([[0, 3, 2, 5], [1, 7, 0, 6]], jnp.int32)   # == / > anchor too
-  valid = jnp.array([[True, True, True, True], [True, True, True, False]])
-  ref = np.asarray(reference.training_attention(q, kc, vc, kb, vb, anchors, valid,
-                                                block_size=bs, ctx_start=start))
-  np.testing.assert_allclose(
-      ref, _np_training(q, kc, vc, kb, vb, anchors, valid, bs, ctx_start=start), atol=1e-5)
-  # The bound matters: ignoring it gives a different answer.
-  assert not np.allclose(ref, _np_training(q, kc, vc, kb, vb, anchors, valid, bs), atol=1e-3)
-  # ctx_start = 0 is the default.
-  np.testing.assert_array_equal(
-      reference.training_attention(q, kc, vc, kb, vb, anchors, valid, block_size=bs,
-                                   ctx_start=jnp.zeros_like(anchors)),
-      reference.training_attention(q, kc, vc, kb, vb, anchors, valid, block_size=bs))
+    """ctx_start[b,n] <= j < anchors[b,n]: a lower bound (empty when ctx_start >=
+    anchor) that the reference must honour exactly."""
+    rng = np.random.default_rng(12)
+    bs, n, s_len = 3, 4, 10
+    q = _rand(rng, 2, n * bs, 4, 8)
+    kc, vc = _rand(rng, 2, s_len, 2, 8), _rand(rng, 2, s_len, 2, 8)
+    kb, vb = _rand(rng, 2, n * bs, 2, 8), _rand(rng, 2, n * bs, 2, 8)
+    anchors = jnp.array([[4, 3, 7, 9], [2, 6, 5, 8]], jnp.int32)
+    start = jnp.array([[0, 3, 2, 5], [1, 7, 0, 6]], jnp.int32)  # == / > anchor too
+    valid = jnp.array([[True, True, True, True], [True, True, True, False]])
+    ref = np.asarray(
+        reference.training_attention(
+            q, kc, vc, kb, vb, anchors, valid, block_size=bs, ctx_start=start
+        )
+    )
+    np.testing.assert_allclose(
+        ref, _np_training(q, kc, vc, kb, vb, anchors, valid, bs, ctx_start=start), atol=1e-5
+    )
+    # The bound matters: ignoring it gives a different answer.
+    assert not np.allclose(ref, _np_training(q, kc, vc, kb, vb, anchors, valid, bs), atol=1e-3)
+    # ctx_start = 0 is the default.
+    np.testing.assert_array_equal(
+        reference.training_attention(
+            q, kc, vc, kb, vb, anchors, valid, block_size=bs, ctx_start=jnp.zeros_like(anchors)
+        ),
+        reference.training_attention(q, kc, vc, kb, vb, anchors, valid, block_size=bs),
+    )
 
 
 def test_reference_training_grads_finite_for_invalid_blocks():
-  rng = np.random.default_rng(3)
-  q = _rand(rng, 1, 4, 2, 8)
-  kc, vc = _rand(rng, 1, 5, 1, 8), _rand(rng, 1, 5, 1, 8)
-  kb, vb = _rand(rng, 1, 4, 1, 8), _rand(rng, 1, 4, 1, 8)
-  anchors = jnp.array([[0, 3]], jnp.int32)
-  valid = jnp.array([[False, True]])
-  grads = jax.grad(lambda *x: jnp.sum(reference.training_attention(
-      *x, anchors, valid, block_size=2) ** 2), argnums=(0, 1, 2, 3, 4))(q, kc, vc, kb, vb)
-  for g in grads:
-    assert np.all(np.isfinite(g))
-  assert np.all(grads[0][0, :2] == 0)   # invalid block: zero dq
+    rng = np.random.default_rng(3)
+    q = _rand(rng, 1, 4, 2, 8)
+    kc, vc = _rand(rng, 1, 5, 1, 8), _rand(rng, 1, 5, 1, 8)
+    kb, vb = _rand(rng, 1, 4, 1, 8), _rand(rng, 1, 4, 1, 8)
+    anchors = jnp.array([[0, 3]], jnp.int32)
+    valid = jnp.array([[False, True]])
+    grads = jax.grad(
+        lambda *x: jnp.sum(reference.training_attention(*x, anchors, valid, block_size=2) ** 2),
+        argnums=(0, 1, 2, 3, 4),
+    )(q, kc, vc, kb, vb)
+    for g in grads:
+        assert np.all(np.isfinite(g))
+    assert np.all(grads[0][0, :2] == 0)  # invalid block: zero dq
 
 
 # ------------------------------------------------------------- backend ------
 def test_backend_resolution():
-  assert backend.resolve("auto", platform="cpu") == "xla"
-  assert backend.resolve("auto", platform="tpu") == "tpu"
-  assert backend.resolve("auto", platform="gpu") == backend._default_gpu_variant()
-  assert backend.resolve("pallas", platform="cuda") == backend._default_gpu_variant()
-  assert backend.resolve("cudnn", platform="gpu") == "cudnn"
-  with pytest.raises(ValueError, match="GPU only"):
-    backend.resolve("cudnn", interpret=True, platform="cpu")
-  assert backend.resolve("xla", platform="tpu") == "xla"
-  assert backend.resolve("pallas", interpret=True, platform="cpu") == "tpu"
-  assert backend.resolve("pallas_triton", interpret=True, platform="cpu") == "triton"
-  with pytest.raises(ValueError):
-    backend.resolve("pallas", platform="cpu")
-  with pytest.raises(ValueError):
-    backend.resolve("pallas_tpu", platform="gpu")
-  with pytest.raises(ValueError):
-    backend.resolve("bogus")
-  with pytest.raises(NotImplementedError, match="Mosaic GPU"):
-    backend.resolve("pallas_mosaic_gpu", interpret=True)
+    assert backend.resolve("auto", platform="cpu") == "xla"
+    assert backend.resolve("auto", platform="tpu") == "tpu"
+    assert backend.resolve("auto", platform="gpu") == backend._default_gpu_variant()
+    assert backend.resolve("pallas", platform="cuda") == backend._default_gpu_variant()
+    assert backend.resolve("cudnn", platform="gpu") == "cudnn"
+    with pytest.raises(ValueError, match="GPU only"):
+        backend.resolve("cudnn", interpret=True, platform="cpu")
+    assert backend.resolve("xla", platform="tpu") == "xla"
+    assert backend.resolve("pallas", interpret=True, platform="cpu") == "tpu"
+    assert backend.resolve("pallas_triton", interpret=True, platform="cpu") == "triton"
+    with pytest.raises(ValueError):
+        backend.resolve("pallas", platform="cpu")
+    with pytest.raises(ValueError):
+        backend.resolve("pallas_tpu", platform="gpu")
+    with pytest.raises(ValueError):
+        backend.resolve("bogus")
+    with pytest.raises(NotImplementedError, match="Mosaic GPU"):
+        backend.resolve("pallas_mosaic_gpu", interpret=True)
 
 
-@pytest.mark.parametrize("version,has_triton,kind,want", [
-    ((0, 10, 2), True, "NVIDIA H200", "triton"),      # Triton not deprecated yet
-    ((0, 10, 2), True, "NVIDIA A100-SXM4-80GB", "triton"),
-    ((0, 11, 2), True, "NVIDIA H200", "cudnn"),       # deprecated: Hopper -> cuDNN
-    ((0, 12, 0), True, "NVIDIA GH200 480GB", "cudnn"),
-    ((0, 12, 0), True, "NVIDIA B200", "cudnn"),
-    ((0, 12, 0), True, "NVIDIA A100-SXM4-80GB", "triton"),   # pre-Hopper keeps Triton
-    ((0, 12, 0), True, "NVIDIA L4", "triton"),
-    ((0, 13, 0), False, "NVIDIA A100-SXM4-80GB", "cudnn"),   # Triton gone
-])
-def test_backend_gpu_default_by_jax_version_and_device_kind(monkeypatch, version, has_triton,
-                                                           kind, want):
-  monkeypatch.delenv("DFLASH_PALLAS_GPU_BACKEND", raising=False)
-  monkeypatch.setattr(backend, "jax_version", lambda: version)
-  monkeypatch.setattr(backend, "triton_available", lambda: has_triton)
-  monkeypatch.setattr(backend, "_gpu_device_kind", lambda: kind)
-  assert backend._default_gpu_variant() == want
-  assert backend.resolve("auto", platform="gpu") == want
-  if not has_triton:
-    with pytest.raises(ValueError, match="no longer ships"):
-      backend.resolve("pallas_triton", platform="gpu")
-  monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "triton" if want == "cudnn" else "cudnn")
-  assert backend._default_gpu_variant() != want   # the override wins
+@pytest.mark.parametrize(
+    "version,has_triton,kind,want",
+    [
+        ((0, 10, 2), True, "NVIDIA H200", "triton"),  # Triton not deprecated yet
+        ((0, 10, 2), True, "NVIDIA A100-SXM4-80GB", "triton"),
+        ((0, 11, 2), True, "NVIDIA H200", "cudnn"),  # deprecated: Hopper -> cuDNN
+        ((0, 12, 0), True, "NVIDIA GH200 480GB", "cudnn"),
+        ((0, 12, 0), True, "NVIDIA B200", "cudnn"),
+        ((0, 12, 0), True, "NVIDIA A100-SXM4-80GB", "triton"),  # pre-Hopper keeps Triton
+        ((0, 12, 0), True, "NVIDIA L4", "triton"),
+        ((0, 13, 0), False, "NVIDIA A100-SXM4-80GB", "cudnn"),  # Triton gone
+    ],
+)
+def test_backend_gpu_default_by_jax_version_and_device_kind(
+    monkeypatch, version, has_triton, kind, want
+):
+    monkeypatch.delenv("DFLASH_PALLAS_GPU_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "jax_version", lambda: version)
+    monkeypatch.setattr(backend, "triton_available", lambda: has_triton)
+    monkeypatch.setattr(backend, "_gpu_device_kind", lambda: kind)
+    assert backend._default_gpu_variant() == want
+    assert backend.resolve("auto", platform="gpu") == want
+    if not has_triton:
+        with pytest.raises(ValueError, match="no longer ships"):
+            backend.resolve("pallas_triton", platform="gpu")
+    monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "triton" if want == "cudnn" else "cudnn")
+    assert backend._default_gpu_variant() != want  # the override wins
 
 
 def test_backend_this_jax_version():
-  """The version gate reads the installed jax; Triton ships in every version we test on."""
-  major, minor = backend.jax_version()[:2]
-  assert backend.triton_deprecated() == ((major, minor) >= (0, 11))
-  assert backend.triton_available()
+    """The version gate reads the installed jax; Triton ships in every version we test on."""
+    major, minor = backend.jax_version()[:2]
+    assert backend.triton_deprecated() == ((major, minor) >= (0, 11))
+    assert backend.triton_available()
 
 
 def test_cudnn_variant_masks_and_layout(monkeypatch):
-  """cudnn_attention's masks, GQA layout and scale, through jax.nn.dot_product_attention's
-  XLA implementation (the cuDNN kernel itself needs a GPU; its lowering is tested below)."""
-  from pallas_kernels import cudnn_attention
-  monkeypatch.setattr(cudnn_attention, "_IMPLEMENTATION", "xla")
-  monkeypatch.setattr(cudnn_attention, "supported", lambda q: True)
-  rng = np.random.default_rng(11)
-  q, k, v = _rand(rng, 3, 5, 8, 16), _rand(rng, 3, 37, 2, 16), _rand(rng, 3, 37, 2, 16)
-  pos = jnp.asarray(np.array([4, 20, 36])[:, None] - 4 + np.arange(5)[None], jnp.int32)
-  np.testing.assert_allclose(cudnn_attention.verify_attention(q, k, v, pos, sm_scale=0.3),
-                             _np_verify(q * (0.3 * 4), k, v, pos), atol=ATOL)
-  bk, bv = _rand(rng, 3, 5, 2, 16), _rand(rng, 3, 5, 2, 16)
-  clen = jnp.array([0, 13, 37], jnp.int32)
-  np.testing.assert_allclose(cudnn_attention.draft_attention(q, k, v, clen, bk, bv),
-                             _np_draft(q, k, v, clen, bk, bv), atol=ATOL)
-  # float32 is not a cuDNN dtype: the public entry point runs the reference instead.
-  monkeypatch.undo()
-  assert not cudnn_attention.supported(q)
-  np.testing.assert_array_equal(cudnn_attention.verify_attention(q, k, v, pos),
-                                reference.verify_attention(q, k, v, pos))
+    """cudnn_attention's masks, GQA layout and scale, through jax.nn.dot_product_attention's
+    XLA implementation (the cuDNN kernel itself needs a GPU; its lowering is tested below)."""
+    from pallas_kernels import cudnn_attention
+
+    monkeypatch.setattr(cudnn_attention, "_IMPLEMENTATION", "xla")
+    monkeypatch.setattr(cudnn_attention, "supported", lambda q: True)
+    rng = np.random.default_rng(11)
+    q, k, v = _rand(rng, 3, 5, 8, 16), _rand(rng, 3, 37, 2, 16), _rand(rng, 3, 37, 2, 16)
+    pos = jnp.asarray(np.array([4, 20, 36])[:, None] - 4 + np.arange(5)[None], jnp.int32)
+    np.testing.assert_allclose(
+        cudnn_attention.verify_attention(q, k, v, pos, sm_scale=0.3),
+        _np_verify(q * (0.3 * 4), k, v, pos),
+        atol=ATOL,
+    )
+    bk, bv = _rand(rng, 3, 5, 2, 16), _rand(rng, 3, 5, 2, 16)
+    clen = jnp.array([0, 13, 37], jnp.int32)
+    np.testing.assert_allclose(
+        cudnn_attention.draft_attention(q, k, v, clen, bk, bv),
+        _np_draft(q, k, v, clen, bk, bv),
+        atol=ATOL,
+    )
+    # float32 is not a cuDNN dtype: the public entry point runs the reference instead.
+    monkeypatch.undo()
+    assert not cudnn_attention.supported(q)
+    np.testing.assert_array_equal(
+        cudnn_attention.verify_attention(q, k, v, pos), reference.verify_attention(q, k, v, pos)
+    )
 
 
 def test_backend_mosaic_gpu_env_placeholder(monkeypatch):
-  monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "mosaic_gpu")
-  with pytest.raises(NotImplementedError, match="Mosaic GPU"):
-    backend.resolve("auto", platform="gpu")
+    monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "mosaic_gpu")
+    with pytest.raises(NotImplementedError, match="Mosaic GPU"):
+        backend.resolve("auto", platform="gpu")
 
 
 def test_auto_on_cpu_is_reference():
-  rng = np.random.default_rng(4)
-  q, k, v = _rand(rng, 1, 2, 2, 8), _rand(rng, 1, 6, 1, 8), _rand(rng, 1, 6, 1, 8)
-  pos = jnp.array([[3, 4]], jnp.int32)
-  np.testing.assert_array_equal(pk.verify_attention(q, k, v, pos),
-                                reference.verify_attention(q, k, v, pos))
+    rng = np.random.default_rng(4)
+    q, k, v = _rand(rng, 1, 2, 2, 8), _rand(rng, 1, 6, 1, 8), _rand(rng, 1, 6, 1, 8)
+    pos = jnp.array([[3, 4]], jnp.int32)
+    np.testing.assert_array_equal(
+        pk.verify_attention(q, k, v, pos), reference.verify_attention(q, k, v, pos)
+    )
 
 
 # ------------------------------------------------- kernels vs reference -----
@@ -260,66 +290,65 @@ def test_auto_on_cpu_is_reference():
 # training; Triton: power-of-two tiles).
 # (B, T, Hq, Hkv, D, S, block_k, num_splits)
 VERIFY_CASES = [
-    (1, 1, 2, 2, 128, 45, 16, None),     # GQA 1, single query, S % tile != 0
-    (3, 5, 8, 2, 16, 77, 16, 2),         # GQA 4, different lengths, 2 splits,
-                                         # NaN in stale slots
+    (1, 1, 2, 2, 128, 45, 16, None),  # GQA 1, single query, S % tile != 0
+    (3, 5, 8, 2, 16, 77, 16, 2),  # GQA 4, different lengths, 2 splits,
+    # NaN in stale slots
 ]
 
 
 @pytest.mark.parametrize("impl", VARIANTS)
 @pytest.mark.parametrize("case", VERIFY_CASES, ids=["b1g1", "b3g4"])
 def test_verify_kernel(impl, case):
-  b, t, hq, hkv, d, s, bk, ns = case
-  rng = np.random.default_rng(5)
-  q, k, v = _rand(rng, b, t, hq, d), _rand(rng, b, s, hkv, d), _rand(rng, b, s, hkv, d)
-  last = np.array([4, 40, s - 1][:b])
-  if b == 1:
-    last = np.array([30])
-  pos = jnp.asarray(last[:, None] - (t - 1) + np.arange(t)[None, :], jnp.int32)
-  ref = reference.verify_attention(q, k, v, pos)
-  if b > 1:
-    # Slots beyond each sequence's last position (stale / never written) may
-    # hold anything, even NaN: they must be masked or never read at all
-    # (skipped tiles, masked boundary tile).
-    stale = jnp.arange(s)[None, :, None, None] > pos[:, -1][:, None, None, None]
-    k, v = jnp.where(stale, jnp.nan, k), jnp.where(stale, jnp.nan, v)
-  out = pk.verify_attention(q, k, v, pos, impl=impl, interpret=True, block_k=bk,
-                            num_splits=ns)
-  np.testing.assert_allclose(out, ref, atol=ATOL)
+    b, t, hq, hkv, d, s, bk, ns = case
+    rng = np.random.default_rng(5)
+    q, k, v = _rand(rng, b, t, hq, d), _rand(rng, b, s, hkv, d), _rand(rng, b, s, hkv, d)
+    last = np.array([4, 40, s - 1][:b])
+    if b == 1:
+        last = np.array([30])
+    pos = jnp.asarray(last[:, None] - (t - 1) + np.arange(t)[None, :], jnp.int32)
+    ref = reference.verify_attention(q, k, v, pos)
+    if b > 1:
+        # Slots beyond each sequence's last position (stale / never written) may
+        # hold anything, even NaN: they must be masked or never read at all
+        # (skipped tiles, masked boundary tile).
+        stale = jnp.arange(s)[None, :, None, None] > pos[:, -1][:, None, None, None]
+        k, v = jnp.where(stale, jnp.nan, k), jnp.where(stale, jnp.nan, v)
+    out = pk.verify_attention(q, k, v, pos, impl=impl, interpret=True, block_k=bk, num_splits=ns)
+    np.testing.assert_allclose(out, ref, atol=ATOL)
 
 
 # (B, T, Hq, Hkv, D, C, block_k, ctx_len)
 DRAFT_CASES = [
     (1, 4, 2, 2, 128, 40, 16, [23]),
-    (3, 5, 8, 2, 16, 50, 16, [0, 13, 50]),   # includes empty context
+    (3, 5, 8, 2, 16, 50, 16, [0, 13, 50]),  # includes empty context
 ]
 
 
 @pytest.mark.parametrize("impl", VARIANTS)
 @pytest.mark.parametrize("case", DRAFT_CASES, ids=["b1g1", "b3g4"])
 def test_draft_kernel(impl, case):
-  b, t, hq, hkv, d, c, bk, clen = case
-  rng = np.random.default_rng(6)
-  q = _rand(rng, b, t, hq, d)
-  ck, cv = _rand(rng, b, c, hkv, d), _rand(rng, b, c, hkv, d)
-  blk_k, blk_v = _rand(rng, b, t, hkv, d), _rand(rng, b, t, hkv, d)
-  clen = jnp.asarray(clen, jnp.int32)
-  out = pk.draft_attention(q, ck, cv, clen, blk_k, blk_v, impl=impl, interpret=True,
-                           block_k=bk, num_splits=2)
-  ref = reference.draft_attention(q, ck, cv, clen, blk_k, blk_v)
-  np.testing.assert_allclose(out, ref, atol=ATOL)
+    b, t, hq, hkv, d, c, bk, clen = case
+    rng = np.random.default_rng(6)
+    q = _rand(rng, b, t, hq, d)
+    ck, cv = _rand(rng, b, c, hkv, d), _rand(rng, b, c, hkv, d)
+    blk_k, blk_v = _rand(rng, b, t, hkv, d), _rand(rng, b, t, hkv, d)
+    clen = jnp.asarray(clen, jnp.int32)
+    out = pk.draft_attention(
+        q, ck, cv, clen, blk_k, blk_v, impl=impl, interpret=True, block_k=bk, num_splits=2
+    )
+    ref = reference.draft_attention(q, ck, cv, clen, blk_k, blk_v)
+    np.testing.assert_allclose(out, ref, atol=ATOL)
 
 
 @pytest.mark.parametrize("impl", VARIANTS)
 def test_draft_kernel_without_context_capacity(impl):
-  """C == 0 (no context cache at all): only the block keys are attended."""
-  rng = np.random.default_rng(10)
-  q, bk, bv = _rand(rng, 2, 3, 4, 16), _rand(rng, 2, 3, 2, 16), _rand(rng, 2, 3, 2, 16)
-  ck = jnp.zeros((2, 0, 2, 16), jnp.float32)
-  clen = jnp.zeros((2,), jnp.int32)
-  out = pk.draft_attention(q, ck, ck, clen, bk, bv, impl=impl, interpret=True)
-  np.testing.assert_allclose(out, reference.draft_attention(q, ck, ck, clen, bk, bv),
-                             atol=ATOL)
+    """C == 0 (no context cache at all): only the block keys are attended."""
+    rng = np.random.default_rng(10)
+    q, bk, bv = _rand(rng, 2, 3, 4, 16), _rand(rng, 2, 3, 2, 16), _rand(rng, 2, 3, 2, 16)
+    ck = jnp.zeros((2, 0, 2, 16), jnp.float32)
+    clen = jnp.zeros((2,), jnp.int32)
+    out = pk.draft_attention(q, ck, ck, clen, bk, bv, impl=impl, interpret=True)
+    np.testing.assert_allclose(out, reference.draft_attention(q, ck, ck, clen, bk, bv), atol=ATOL)
 
 
 # (B, N, bs, Hq, Hkv, D, S, anchors, ctx_start, valid, nan_slots); context
@@ -337,223 +366,318 @@ def test_draft_kernel_without_context_capacity(impl):
 #   be read at all.
 TRAIN_CASES = [
     (1, 3, 4, 2, 2, 128, 21, [[5, 0, 21]], None, [[True, True, True]], None),
-    (1, 5, 4, 2, 2, 128, 45, [[10, 40, 44, 30, 45]], [[3, 20, 44, 17, 33]],
-     [[True] * 5], None),
-    (3, 3, 4, 8, 2, 16, 37,
-     [[0, 20, 36], [5, 33, 30], [17, 3, 37]],
-     [[5, 18, 3], [5, 17, 29], [16, 0, 2]],
-     [[True, True, True], [True, False, True], [False, True, True]], (1, 16)),
+    (1, 5, 4, 2, 2, 128, 45, [[10, 40, 44, 30, 45]], [[3, 20, 44, 17, 33]], [[True] * 5], None),
+    (
+        3,
+        3,
+        4,
+        8,
+        2,
+        16,
+        37,
+        [[0, 20, 36], [5, 33, 30], [17, 3, 37]],
+        [[5, 18, 3], [5, 17, 29], [16, 0, 2]],
+        [[True, True, True], [True, False, True], [False, True, True]],
+        (1, 16),
+    ),
 ]
 
 
 @pytest.mark.parametrize("impl", VARIANTS)
 @pytest.mark.parametrize("case", TRAIN_CASES, ids=["b1g1", "b1g1_start", "b3g4_start"])
 def test_training_kernel_forward_and_grads(impl, case):
-  b, n, bs, hq, hkv, d, s, anchors, start, valid, nan_slots = case
-  rng = np.random.default_rng(7)
-  l = n * bs
-  args = (_rand(rng, b, l, hq, d), _rand(rng, b, s, hkv, d), _rand(rng, b, s, hkv, d),
-          _rand(rng, b, l, hkv, d), _rand(rng, b, l, hkv, d))
-  anchors = jnp.asarray(anchors, jnp.int32)
-  valid = jnp.asarray(valid)
-  ct = _rand(rng, b, l, hq, d)
-  kw = dict(block_size=bs)
-  if start is not None:
-    kw["ctx_start"] = jnp.asarray(start, jnp.int32)
-  ref, vjp_ref = jax.vjp(lambda *x: reference.training_attention(
-      *x, anchors, valid, **kw), *args)
-  kargs = list(args)
-  if nan_slots is not None:
-    row, stop = nan_slots
-    poison = ((jnp.arange(b) == row)[:, None, None, None]
-              & (jnp.arange(s) < stop)[None, :, None, None])
-    kargs[1] = jnp.where(poison, jnp.nan, args[1])
-    kargs[2] = jnp.where(poison, jnp.nan, args[2])
-  out, vjp = jax.vjp(lambda *x: pk.training_attention(
-      *x, anchors, valid, impl=impl, interpret=True, block_q_rows=16, block_k=16, **kw),
-      *kargs)   # several query and context tiles
-  np.testing.assert_allclose(out, ref, atol=ATOL)
-  names = ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"]
-  for name, g, gr in zip(names, vjp(ct), vjp_ref(ct)):
-    assert np.all(np.isfinite(g)), name
-    np.testing.assert_allclose(g, gr, atol=ATOL, err_msg=name)
+    b, n, bs, hq, hkv, d, s, anchors, start, valid, nan_slots = case
+    rng = np.random.default_rng(7)
+    l = n * bs
+    args = (
+        _rand(rng, b, l, hq, d),
+        _rand(rng, b, s, hkv, d),
+        _rand(rng, b, s, hkv, d),
+        _rand(rng, b, l, hkv, d),
+        _rand(rng, b, l, hkv, d),
+    )
+    anchors = jnp.asarray(anchors, jnp.int32)
+    valid = jnp.asarray(valid)
+    ct = _rand(rng, b, l, hq, d)
+    kw = dict(block_size=bs)
+    if start is not None:
+        kw["ctx_start"] = jnp.asarray(start, jnp.int32)
+    ref, vjp_ref = jax.vjp(lambda *x: reference.training_attention(*x, anchors, valid, **kw), *args)
+    kargs = list(args)
+    if nan_slots is not None:
+        row, stop = nan_slots
+        poison = (jnp.arange(b) == row)[:, None, None, None] & (jnp.arange(s) < stop)[
+            None, :, None, None
+        ]
+        kargs[1] = jnp.where(poison, jnp.nan, args[1])
+        kargs[2] = jnp.where(poison, jnp.nan, args[2])
+    out, vjp = jax.vjp(
+        lambda *x: pk.training_attention(
+            *x, anchors, valid, impl=impl, interpret=True, block_q_rows=16, block_k=16, **kw
+        ),
+        *kargs,
+    )  # several query and context tiles
+    np.testing.assert_allclose(out, ref, atol=ATOL)
+    names = ["q", "k_ctx", "v_ctx", "k_blk", "v_blk"]
+    for name, g, gr in zip(names, vjp(ct), vjp_ref(ct)):
+        assert np.all(np.isfinite(g)), name
+        np.testing.assert_allclose(g, gr, atol=ATOL, err_msg=name)
 
 
 @pytest.mark.parametrize("impl", VARIANTS)
 def test_bfloat16_verify_and_training(impl):
-  rng = np.random.default_rng(9)
-  bf = jnp.bfloat16
-  q, k, v = (_rand(rng, 2, 4, 4, 32, dtype=bf), _rand(rng, 2, 50, 1, 32, dtype=bf),
-             _rand(rng, 2, 50, 1, 32, dtype=bf))
-  pos = jnp.array([[3, 4, 5, 6], [46, 47, 48, 49]], jnp.int32)
-  out = pk.verify_attention(q, k, v, pos, impl=impl, interpret=True, block_k=16)
-  assert out.dtype == bf
-  np.testing.assert_allclose(out.astype(np.float32),
-                             reference.verify_attention(q, k, v, pos).astype(np.float32),
-                             atol=3e-2)
+    rng = np.random.default_rng(9)
+    bf = jnp.bfloat16
+    q, k, v = (
+        _rand(rng, 2, 4, 4, 32, dtype=bf),
+        _rand(rng, 2, 50, 1, 32, dtype=bf),
+        _rand(rng, 2, 50, 1, 32, dtype=bf),
+    )
+    pos = jnp.array([[3, 4, 5, 6], [46, 47, 48, 49]], jnp.int32)
+    out = pk.verify_attention(q, k, v, pos, impl=impl, interpret=True, block_k=16)
+    assert out.dtype == bf
+    np.testing.assert_allclose(
+        out.astype(np.float32),
+        reference.verify_attention(q, k, v, pos).astype(np.float32),
+        atol=3e-2,
+    )
 
-  bs, n = 4, 2
-  args = (_rand(rng, 1, n * bs, 4, 32, dtype=bf), _rand(rng, 1, 40, 1, 32, dtype=bf),
-          _rand(rng, 1, 40, 1, 32, dtype=bf), _rand(rng, 1, n * bs, 1, 32, dtype=bf),
-          _rand(rng, 1, n * bs, 1, 32, dtype=bf))
-  anchors, valid = jnp.array([[9, 35]], jnp.int32), jnp.array([[True, True]])
+    bs, n = 4, 2
+    args = (
+        _rand(rng, 1, n * bs, 4, 32, dtype=bf),
+        _rand(rng, 1, 40, 1, 32, dtype=bf),
+        _rand(rng, 1, 40, 1, 32, dtype=bf),
+        _rand(rng, 1, n * bs, 1, 32, dtype=bf),
+        _rand(rng, 1, n * bs, 1, 32, dtype=bf),
+    )
+    anchors, valid = jnp.array([[9, 35]], jnp.int32), jnp.array([[True, True]])
 
-  def loss(fn):
-    return lambda *x: jnp.sum(fn(*x, anchors, valid, block_size=bs).astype(jnp.float32) ** 2)
-  kern = lambda *x, **kw: pk.training_attention(*x, impl=impl, interpret=True,
-                                                block_q_rows=32, block_k=32, **kw)
-  gk = jax.grad(loss(kern), argnums=(0, 1, 2, 3, 4))(*args)
-  gr = jax.grad(loss(reference.training_attention), argnums=(0, 1, 2, 3, 4))(*args)
-  for a, r in zip(gk, gr):
-    assert a.dtype == bf
-    np.testing.assert_allclose(a.astype(np.float32), r.astype(np.float32),
-                               atol=0.1, rtol=0.05)
+    def loss(fn):
+        return lambda *x: jnp.sum(fn(*x, anchors, valid, block_size=bs).astype(jnp.float32) ** 2)
+
+    kern = lambda *x, **kw: pk.training_attention(
+        *x, impl=impl, interpret=True, block_q_rows=32, block_k=32, **kw
+    )
+    gk = jax.grad(loss(kern), argnums=(0, 1, 2, 3, 4))(*args)
+    gr = jax.grad(loss(reference.training_attention), argnums=(0, 1, 2, 3, 4))(*args)
+    for a, r in zip(gk, gr):
+        assert a.dtype == bf
+        np.testing.assert_allclose(a.astype(np.float32), r.astype(np.float32), atol=0.1, rtol=0.05)
 
 
 # ------------------------------------------ drafter loss on packed rows ------
 def test_drafter_loss_pallas_equals_xla_on_packed_rows(monkeypatch):
-  """Several documents per row: the fused kernel gets ctx_start = first
-  position of each anchor's document and matches the segment-aware XLA mask;
-  without that bound it would not (earlier documents' context leaks)."""
-  import dflash_jax as dj
-  from dflash_jax.model import init_params
-  from dflash_jax.training import losses
+    """Several documents per row: the fused kernel gets ctx_start = first
+    position of each anchor's document and matches the segment-aware XLA mask;
+    without that bound it would not (earlier documents' context leaks)."""
+    import dflash_jax as dj
+    from dflash_jax.model import init_params
+    from dflash_jax.training import losses
 
-  seg = np.array([[1] * 9 + [2] * 13 + [3] * 7 + [0] * 3,
-                  [1] * 5 + [2] * 14 + [3] * 13], np.int32)
-  np.testing.assert_array_equal(   # first position of each position's document
-      losses._segment_starts(jnp.asarray(seg))[0],
-      [0] * 9 + [9] * 13 + [22] * 7 + [29] * 3)
-  cfg = dj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                       num_heads=4, num_kv_heads=2, head_dim=16)
-  tparams = init_params(cfg, seed=0)
-  dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=2, block_size=4,
-                                target_layer_ids=(0, 1))
-  dparams = dj.init_drafter_params(dcfg)
-  rng = np.random.default_rng(13)
-  batch = {"input_ids": jnp.asarray(rng.integers(0, 63, seg.shape), jnp.int32),
-           "loss_mask": jnp.asarray(seg > 0, jnp.int32),
-           "segment_ids": jnp.asarray(seg)}
+    seg = np.array(
+        [[1] * 9 + [2] * 13 + [3] * 7 + [0] * 3, [1] * 5 + [2] * 14 + [3] * 13], np.int32
+    )
+    np.testing.assert_array_equal(  # first position of each position's document
+        losses._segment_starts(jnp.asarray(seg))[0], [0] * 9 + [9] * 13 + [22] * 7 + [29] * 3
+    )
+    cfg = dj.ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
+    tparams = init_params(cfg, seed=0)
+    dcfg = dj.make_drafter_config(
+        cfg, num_layers=1, num_taps=2, block_size=4, target_layer_ids=(0, 1)
+    )
+    dparams = dj.init_drafter_params(dcfg)
+    rng = np.random.default_rng(13)
+    batch = {
+        "input_ids": jnp.asarray(rng.integers(0, 63, seg.shape), jnp.int32),
+        "loss_mask": jnp.asarray(seg > 0, jnp.int32),
+        "segment_ids": jnp.asarray(seg),
+    }
 
-  def loss(impl):
-    recipe = losses.DrafterRecipe(block_size=4, mask_token_id=dcfg.mask_token_id,
-                                  tap_layers=(0, 1), num_anchors=8, gamma=4.0,
-                                  attention_impl=impl)
-    fn = jax.jit(lambda dp: losses.drafter_loss(
-        dj.Transformer(cfg), dj.DFlashDrafter(dcfg), recipe, dp, tparams, batch,
-        jax.random.PRNGKey(0))[0])
-    return float(fn(dparams))
+    def loss(impl):
+        recipe = losses.DrafterRecipe(
+            block_size=4,
+            mask_token_id=dcfg.mask_token_id,
+            tap_layers=(0, 1),
+            num_anchors=8,
+            gamma=4.0,
+            attention_impl=impl,
+        )
+        fn = jax.jit(
+            lambda dp: losses.drafter_loss(
+                dj.Transformer(cfg),
+                dj.DFlashDrafter(dcfg),
+                recipe,
+                dp,
+                tparams,
+                batch,
+                jax.random.PRNGKey(0),
+            )[0]
+        )
+        return float(fn(dparams))
 
-  xla = loss("xla")
-  assert abs(loss("pallas_interpret") - xla) < 1e-5
-  # The check discriminates: dropping the lower bound changes the loss.
-  monkeypatch.setattr(losses, "_segment_starts", jnp.zeros_like)
-  assert abs(loss("pallas_interpret") - xla) > 1e-3
+    xla = loss("xla")
+    assert abs(loss("pallas_interpret") - xla) < 1e-5
+    # The check discriminates: dropping the lower bound changes the loss.
+    monkeypatch.setattr(losses, "_segment_starts", jnp.zeros_like)
+    assert abs(loss("pallas_interpret") - xla) > 1e-3
 
 
 # ---------------------------------------- lowering for the real accelerators --
 @pytest.mark.parametrize("platform,impl,d", [("tpu", "pallas", 128), ("tpu", "pallas", 64)])
 def test_kernels_lower_for_accelerator(monkeypatch, platform, impl, d):
-  """Cross-lowers all kernels (Qwen3-8B-like heads, bf16) to Mosaic TPU /
-  Triton IR on this CPU machine: catches block-shape and lowering errors that
-  interpret mode cannot (the final Mosaic/Triton compile still needs the chip)."""
-  monkeypatch.setattr(backend, "_platform", lambda: "tpu" if platform == "tpu" else "gpu")
-  sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-  b, t, hkv, g, s, bs, n = 2, 16, 8, 4, 4096, 16, 8
-  q, kv = sd((b, t, hkv * g, d), bf), sd((b, s, hkv, d), bf)
-  i32 = lambda *shape: sd(shape, jnp.int32)
-  lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=(platform,))
-  lower(lambda *a: pk.verify_attention(*a, impl=impl), q, kv, kv, i32(b, t))
-  lower(lambda *a: pk.draft_attention(*a, impl=impl), q, kv, kv, i32(b),
-        sd((b, t, hkv, d), bf), sd((b, t, hkv, d), bf))
-  qt, kb = sd((b, n * bs, hkv * g, d), bf), sd((b, n * bs, hkv, d), bf)
+    """Cross-lowers all kernels (Qwen3-8B-like heads, bf16) to Mosaic TPU /
+    Triton IR on this CPU machine: catches block-shape and lowering errors that
+    interpret mode cannot (the final Mosaic/Triton compile still needs the chip)."""
+    monkeypatch.setattr(backend, "_platform", lambda: "tpu" if platform == "tpu" else "gpu")
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    b, t, hkv, g, s, bs, n = 2, 16, 8, 4, 4096, 16, 8
+    q, kv = sd((b, t, hkv * g, d), bf), sd((b, s, hkv, d), bf)
+    i32 = lambda *shape: sd(shape, jnp.int32)
+    lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=(platform,))
+    lower(lambda *a: pk.verify_attention(*a, impl=impl), q, kv, kv, i32(b, t))
+    lower(
+        lambda *a: pk.draft_attention(*a, impl=impl),
+        q,
+        kv,
+        kv,
+        i32(b),
+        sd((b, t, hkv, d), bf),
+        sd((b, t, hkv, d), bf),
+    )
+    qt, kb = sd((b, n * bs, hkv * g, d), bf), sd((b, n * bs, hkv, d), bf)
 
-  def train_grads(q_, kc, vc, kb_, vb, anchors, valid):
-    f = lambda *x: jnp.sum(pk.training_attention(
-        *x, anchors, valid, block_size=bs, impl=impl).astype(jnp.float32))
-    return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q_, kc, vc, kb_, vb)
-  text = lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool)).as_text()
-  marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
-  assert text.count(marker) >= 3   # fwd + 2 backward kernels
+    def train_grads(q_, kc, vc, kb_, vb, anchors, valid):
+        f = lambda *x: jnp.sum(
+            pk.training_attention(*x, anchors, valid, block_size=bs, impl=impl).astype(jnp.float32)
+        )
+        return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q_, kc, vc, kb_, vb)
+
+    text = lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool)).as_text()
+    marker = "tpu_custom_call" if platform == "tpu" else "xla.gpu.triton"
+    assert text.count(marker) >= 3  # fwd + 2 backward kernels
 
 
 @pytest.fixture
 def abstract_h200(monkeypatch):
-  """Lowering for an NVIDIA H200 on a machine without a GPU.
+    """Lowering for an NVIDIA H200 on a machine without a GPU.
 
-  Pallas Triton reads the target's compute capability from an abstract device
-  (jax >= 0.11 refuses to guess; 0.10 falls back to sm_90 and accepts it too).
-  cuDNN attention cannot lower under an abstract mesh (its primitives require
-  devices), and asks the installed cuDNN for its version and the local GPU for
-  its compute capability: the probes answer for cuDNN 9.8 on sm_90 here.
-  """
-  from jax._src.cudnn import fused_attention_stablehlo as fa
-  monkeypatch.setattr(fa, "check_cudnn_version", lambda: 90800)
-  monkeypatch.setattr(fa, "check_compute_capability",
-                      lambda c: tuple(map(int, c.split("."))) <= (9, 0))
-  monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: c == "9.0")
-  monkeypatch.setattr(backend, "_platform", lambda: "gpu")
-  dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
-  mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,),
-                                   abstract_device=dev)
-  return lambda: jax.sharding.use_abstract_mesh(mesh)
+    Pallas Triton reads the target's compute capability from an abstract device
+    (jax >= 0.11 refuses to guess; 0.10 falls back to sm_90 and accepts it too).
+    cuDNN attention cannot lower under an abstract mesh (its primitives require
+    devices), and asks the installed cuDNN for its version and the local GPU for
+    its compute capability: the probes answer for cuDNN 9.8 on sm_90 here.
+    """
+    from jax._src.cudnn import fused_attention_stablehlo as fa
+
+    monkeypatch.setattr(fa, "check_cudnn_version", lambda: 90800)
+    monkeypatch.setattr(
+        fa, "check_compute_capability", lambda c: tuple(map(int, c.split("."))) <= (9, 0)
+    )
+    monkeypatch.setattr(fa, "is_cuda_compute_capability_equal", lambda c: c == "9.0")
+    monkeypatch.setattr(backend, "_platform", lambda: "gpu")
+    dev = jax.sharding.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+    mesh = jax.sharding.AbstractMesh(
+        (1,), ("x",), axis_types=(jax.sharding.AxisType.Explicit,), abstract_device=dev
+    )
+    return lambda: jax.sharding.use_abstract_mesh(mesh)
 
 
 def test_gpu_kernels_lower_for_cuda(abstract_h200):
-  """Every GPU variant at Qwen3-8B heads (32 q / 8 kv heads, head_dim 128, bf16) lowers for
-  CUDA on this CPU: Triton verify, draft, training fwd + both backward kernels; cuDNN verify
-  and draft (the final PTX / cuDNN compile still needs the GPU)."""
-  import re
-  sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
-  b, t, hkv, g, d, s, bs, n = 2, 16, 8, 4, 128, 4096, 16, 8
-  q, kv, blk = sd((b, t, hkv * g, d), bf), sd((b, s, hkv, d), bf), sd((b, t, hkv, d), bf)
-  i32 = lambda *shape: sd(shape, jnp.int32)
-  lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
-  calls = lambda text: re.findall(r"custom_call @([^(]+)\(", text)
-  qt, kb = sd((b, n * bs, hkv * g, d), bf), sd((b, n * bs, hkv, d), bf)
+    """Every GPU variant at Qwen3-8B heads (32 q / 8 kv heads, head_dim 128, bf16) lowers for
+    CUDA on this CPU: Triton verify, draft, training fwd + both backward kernels; cuDNN verify
+    and draft (the final PTX / cuDNN compile still needs the GPU)."""
+    import re
 
-  def train_grads(q_, kc, vc, kb_, vb, anchors, valid):
-    f = lambda *x: jnp.sum(pk.training_attention(
-        *x, anchors, valid, block_size=bs, impl="pallas_triton").astype(jnp.float32))
-    return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q_, kc, vc, kb_, vb)
-  # jax >= 0.11 deprecates the Pallas Triton backend and says so when lowering it.
-  deprecated = (pytest.warns(DeprecationWarning, match="Pallas Triton backend is deprecated")
-                if backend.triton_deprecated() else contextlib.nullcontext())
-  with abstract_h200(), deprecated:
-    texts = [lower(lambda *a: pk.verify_attention(*a, impl="pallas_triton"), q, kv, kv,
-                   i32(b, t)),
-             lower(lambda *a: pk.draft_attention(*a, impl="pallas_triton"), q, kv, kv, i32(b),
-                   blk, blk),
-             lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool))]
-  assert [calls(x).count("__gpu$xla.gpu.triton") for x in texts] == [1, 1, 3]
-  for fn, args in [(pk.verify_attention, (q, kv, kv, i32(b, t))),
-                   (pk.draft_attention, (q, kv, kv, i32(b), blk, blk))]:
-    text = lower(lambda *a, fn=fn: fn(*a, impl="cudnn"), *args)
-    assert calls(text).count("__cudnn$fmhaScaleBiasSoftmax") == 1, calls(text)
+    sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
+    b, t, hkv, g, d, s, bs, n = 2, 16, 8, 4, 128, 4096, 16, 8
+    q, kv, blk = sd((b, t, hkv * g, d), bf), sd((b, s, hkv, d), bf), sd((b, t, hkv, d), bf)
+    i32 = lambda *shape: sd(shape, jnp.int32)
+    lower = lambda f, *a: jax.jit(f).trace(*a).lower(lowering_platforms=("cuda",)).as_text()
+    calls = lambda text: re.findall(r"custom_call @([^(]+)\(", text)
+    qt, kb = sd((b, n * bs, hkv * g, d), bf), sd((b, n * bs, hkv, d), bf)
+
+    def train_grads(q_, kc, vc, kb_, vb, anchors, valid):
+        f = lambda *x: jnp.sum(
+            pk.training_attention(*x, anchors, valid, block_size=bs, impl="pallas_triton").astype(
+                jnp.float32
+            )
+        )
+        return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q_, kc, vc, kb_, vb)
+
+    # jax >= 0.11 deprecates the Pallas Triton backend and says so when lowering it.
+    deprecated = (
+        pytest.warns(DeprecationWarning, match="Pallas Triton backend is deprecated")
+        if backend.triton_deprecated()
+        else contextlib.nullcontext()
+    )
+    with abstract_h200(), deprecated:
+        texts = [
+            lower(lambda *a: pk.verify_attention(*a, impl="pallas_triton"), q, kv, kv, i32(b, t)),
+            lower(
+                lambda *a: pk.draft_attention(*a, impl="pallas_triton"), q, kv, kv, i32(b), blk, blk
+            ),
+            lower(train_grads, qt, kv, kv, kb, kb, i32(b, n), sd((b, n), bool)),
+        ]
+    assert [calls(x).count("__gpu$xla.gpu.triton") for x in texts] == [1, 1, 3]
+    for fn, args in [
+        (pk.verify_attention, (q, kv, kv, i32(b, t))),
+        (pk.draft_attention, (q, kv, kv, i32(b), blk, blk)),
+    ]:
+        text = lower(lambda *a, fn=fn: fn(*a, impl="cudnn"), *args)
+        assert calls(text).count("__cudnn$fmhaScaleBiasSoftmax") == 1, calls(text)
 
 
 def test_bench_script_smoke(tmp_path, monkeypatch):
-  """bench.py runs end to end on CPU (interpret mode, one tiny shape), the variant checked
-  against the reference; by default it times every variant of the backend it runs on."""
-  import json
-  from pallas_kernels import bench
-  out = tmp_path / "bench.json"
-  rows = bench.main(["--quick", "--interpret", "--kernel", "verify", "--impl", "pallas_triton",
-                     "--contexts", "40", "--batches", "1", "--repeats", "1",
-                     "--json_out", str(out)])
-  data = json.loads(out.read_text())
-  assert data["variants"] == ["pallas_triton"]
-  assert {r["impl"] for r in data["rows"]} == {"pallas_triton", "xla_ref",
-                                               "dot_product_attention"}
-  assert all("time_ms" in r and r["gbps"] > 0 for r in rows)
-  [kernel_row] = [r for r in rows if r["impl"] == "pallas_triton"]
-  assert kernel_row["max_abs_err_vs_ref"] < 1e-4
-  every = lambda: bench.variants(bench.argparse.Namespace(impl="all", interpret=False))
-  assert bench.variants(bench.argparse.Namespace(impl="all", interpret=True)) == [
-      "pallas_tpu", "pallas_triton"]
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  assert every() == ["pallas_triton", "cudnn"]
-  monkeypatch.setattr(backend, "triton_available", lambda: False)
-  assert every() == ["cudnn"]
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert every() == ["pallas_tpu"]
+    """bench.py runs end to end on CPU (interpret mode, one tiny shape), the variant checked
+    against the reference; by default it times every variant of the backend it runs on."""
+    import json
+    from pallas_kernels import bench
+
+    out = tmp_path / "bench.json"
+    rows = bench.main(
+        [
+            "--quick",
+            "--interpret",
+            "--kernel",
+            "verify",
+            "--impl",
+            "pallas_triton",
+            "--contexts",
+            "40",
+            "--batches",
+            "1",
+            "--repeats",
+            "1",
+            "--json_out",
+            str(out),
+        ]
+    )
+    data = json.loads(out.read_text())
+    assert data["variants"] == ["pallas_triton"]
+    assert {r["impl"] for r in data["rows"]} == {
+        "pallas_triton",
+        "xla_ref",
+        "dot_product_attention",
+    }
+    assert all("time_ms" in r and r["gbps"] > 0 for r in rows)
+    [kernel_row] = [r for r in rows if r["impl"] == "pallas_triton"]
+    assert kernel_row["max_abs_err_vs_ref"] < 1e-4
+    every = lambda: bench.variants(bench.argparse.Namespace(impl="all", interpret=False))
+    assert bench.variants(bench.argparse.Namespace(impl="all", interpret=True)) == [
+        "pallas_tpu",
+        "pallas_triton",
+    ]
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert every() == ["pallas_triton", "cudnn"]
+    monkeypatch.setattr(backend, "triton_available", lambda: False)
+    assert every() == ["cudnn"]
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert every() == ["pallas_tpu"]

@@ -33,17 +33,17 @@ def test_sharded_greedy_generate_equals_single_device(findings):
 
 def test_partition_rules_tensor_parallel(findings):
     r = findings["rules"]["data=2,tensor=4"]
-    assert r["q_proj"] == "P(None, 'tensor')"      # [H, N*D]: output (heads) axis
-    assert r["o_proj"] == "P('tensor',)"           # [N*D, H]: input axis
+    assert r["q_proj"] == "P(None, 'tensor')"  # [H, N*D]: output (heads) axis
+    assert r["o_proj"] == "P('tensor',)"  # [N*D, H]: input axis
     assert r["gate_proj"] == "P(None, 'tensor')"
     assert r["down_proj"] == "P('tensor',)"
-    assert r["embedding"] == "P('tensor',)"        # [V, H]: vocab-parallel
-    assert r["lm_head"] == "P(None, 'tensor')"     # [H, V]
-    assert r["fc"] == "P('tensor',)"               # drafter fc [n*H, H]
+    assert r["embedding"] == "P('tensor',)"  # [V, H]: vocab-parallel
+    assert r["lm_head"] == "P(None, 'tensor')"  # [H, V]
+    assert r["fc"] == "P('tensor',)"  # drafter fc [n*H, H]
     assert r["drafter_q_proj"] == "P(None, 'tensor')"
     assert r["q_norm"] == r["input_layernorm"] == "P()"
     assert r["cache_lengths"] == r["ctx_lengths"] == r["batch"] == "P('data',)"
-    assert r["odd_batch"] == "P()"                 # batch 3 on data=2: replicated
+    assert r["odd_batch"] == "P()"  # batch 3 on data=2: replicated
     t2 = findings["rules"]["tensor=2"]
     assert t2["cache_k"] == t2["ctx_k"] == "P(None, None, 'tensor')"
     assert t2["k_proj"] == "P(None, 'tensor')"
@@ -59,7 +59,7 @@ def test_non_divisible_dims_fall_back_to_replication(findings):
     assert r["tensor=4"]["k_proj"] == "P()"
     assert r["tensor=4"]["q_proj"] == "P(None, 'tensor')"
     assert r["data=2,tensor=4"]["cache_k"] == r["data=2,tensor=4"]["ctx_k"] == "P('data',)"
-    assert r["odd_vocab_tensor=8"] == "P()"        # vocab 130 on tensor=8
+    assert r["odd_vocab_tensor=8"] == "P()"  # vocab 130 on tensor=8
 
 
 def test_fsdp_rules_shard_the_other_axis(findings):
@@ -69,8 +69,8 @@ def test_fsdp_rules_shard_the_other_axis(findings):
     assert r["embedding"] == "P('tensor', 'fsdp')"
     assert r["lm_head"] == "P('fsdp', 'tensor')"
     assert r["fc"] == "P('tensor', 'fsdp')"
-    assert r["k_proj"] == "P('fsdp',)"             # tensor part replicated (2 KV heads)
-    assert r["batch"] == "P('fsdp',)"              # fsdp is data-parallel for the batch
+    assert r["k_proj"] == "P('fsdp',)"  # tensor part replicated (2 KV heads)
+    assert r["batch"] == "P('fsdp',)"  # fsdp is data-parallel for the batch
 
 
 def test_sharded_train_step_matches_single_device(findings):

@@ -4,7 +4,6 @@ kernels, the sharded decode program, the trainer's step, the dry-run JSON and it
 Skipped (with the reason) only where libtpu is not installed; `make test` installs it.
 """
 
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -12,8 +11,9 @@ import pytest
 
 from dflash_jax import dry_run
 
-pytestmark = pytest.mark.skipif(dry_run.libtpu_missing(),
-                                reason='needs libtpu: pip install "jax[tpu]" (make test does)')
+pytestmark = pytest.mark.skipif(
+    dry_run.libtpu_missing(), reason='needs libtpu: pip install "jax[tpu]" (make test does)'
+)
 
 SD, BF = jax.ShapeDtypeStruct, jnp.bfloat16
 
@@ -32,14 +32,19 @@ def _kernel_programs(b, t, s, n_blocks, bs, hkv=8, g=4, d=128):
     qt, kb = SD((b, n_blocks * bs, hkv * g, d), BF), SD((b, n_blocks * bs, hkv, d), BF)
 
     def train_grads(q_, kc, vc, kb_, vb, anchors, valid):
-        f = lambda *x: jnp.sum(pk.training_attention(
-            *x, anchors, valid, block_size=bs, impl="pallas").astype(jnp.float32))
+        f = lambda *x: jnp.sum(
+            pk.training_attention(*x, anchors, valid, block_size=bs, impl="pallas").astype(
+                jnp.float32
+            )
+        )
         return jax.grad(f, argnums=(0, 1, 2, 3, 4))(q_, kc, vc, kb_, vb)
 
     return {
         "verify": (lambda *a: pk.verify_attention(*a, impl="pallas"), (q, kv, kv, i32(b, t))),
-        "draft": (lambda *a: pk.draft_attention(*a, impl="pallas"),
-                  (q, kv, kv, i32(b), SD((b, t, hkv, d), BF), SD((b, t, hkv, d), BF))),
+        "draft": (
+            lambda *a: pk.draft_attention(*a, impl="pallas"),
+            (q, kv, kv, i32(b), SD((b, t, hkv, d), BF), SD((b, t, hkv, d), BF)),
+        ),
         "train": (train_grads, (qt, kv, kv, kb, kb, i32(b, n_blocks), SD((b, n_blocks), bool))),
     }
 
@@ -54,8 +59,10 @@ def test_pallas_tpu_kernels_compile_with_mosaic(topology):
     devices, chip = dry_run.topology_devices(topology)
     mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
     one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    for shape in (dict(b=2, t=16, s=4096, n_blocks=8, bs=16),
-                  dict(b=1, t=13, s=1000, n_blocks=7, bs=10)):
+    for shape in (
+        dict(b=2, t=16, s=4096, n_blocks=8, bs=16),
+        dict(b=1, t=13, s=1000, n_blocks=7, bs=10),
+    ):
         for name, (fn, args) in _kernel_programs(**shape).items():
             args = [SD(a.shape, a.dtype, sharding=one) for a in args]
             with backend.compiling_for(mesh):  # the TPU variant although the backend is CPU
@@ -69,9 +76,18 @@ def test_pallas_tpu_kernels_compile_with_mosaic(topology):
 @pytest.mark.parametrize("mesh", ["tensor=8", "data=2,tensor=4"])
 def test_dflash_decode_compiles_sharded_with_pallas_kernels(v5e, mesh):
     devices, chip = v5e
-    r = dry_run.dry_run_infer("tiny", mesh, batch=2, context=256, max_new_tokens=64,
-                              devices=devices, chip=chip, attention=("pallas",),
-                              step_costs=False, only=("dflash_decode",))
+    r = dry_run.dry_run_infer(
+        "tiny",
+        mesh,
+        batch=2,
+        context=256,
+        max_new_tokens=64,
+        devices=devices,
+        chip=chip,
+        attention=("pallas",),
+        step_costs=False,
+        only=("dflash_decode",),
+    )
     p = r["programs"]["dflash_decode"]
     assert p["fits"] is True and 0 < p["hbm_bytes"]["total"] < chip["hbm_bytes"]
     assert p["flops"] > 0 and p["bytes_accessed"] > 0
@@ -83,8 +99,9 @@ def test_dflash_decode_compiles_sharded_with_pallas_kernels(v5e, mesh):
 
 def test_trainer_step_compiles_on_fsdp(v5e):
     devices, chip = v5e
-    r = dry_run.dry_run_train("tiny", "fsdp=8", batch=8, seq_len=64, num_anchors=4,
-                              devices=devices, chip=chip)
+    r = dry_run.dry_run_train(
+        "tiny", "fsdp=8", batch=8, seq_len=64, num_anchors=4, devices=devices, chip=chip
+    )
     p = r["programs"]["train_step"]
     assert p["fits"] is True and p["flops"] > 0
     # FSDP: parameters are gathered for use and gradients reduce-scattered (or all-reduced).
@@ -99,8 +116,16 @@ def test_trainer_step_compiles_sharded_with_the_pallas_training_kernel(v5e):
     """attention_impl="pallas": the fused training kernel (forward and backward) runs per shard
     (batch over fsdp, heads over tensor), which GSPMD could not partition."""
     devices, chip = v5e
-    r = dry_run.dry_run_train("tiny", "fsdp=2,tensor=4", batch=4, seq_len=256, num_anchors=4,
-                              devices=devices, chip=chip, attention_impl="pallas")
+    r = dry_run.dry_run_train(
+        "tiny",
+        "fsdp=2,tensor=4",
+        batch=4,
+        seq_len=256,
+        num_anchors=4,
+        devices=devices,
+        chip=chip,
+        attention_impl="pallas",
+    )
     p = r["programs"]["train_step"]
     assert r["settings"]["attention"] == "pallas"
     assert p["fits"] is True and p["flops"] > 0
@@ -110,8 +135,17 @@ def test_trainer_step_compiles_sharded_with_the_pallas_training_kernel(v5e):
 @pytest.fixture(scope="module")
 def cli_json(tmp_path_factory):
     out = tmp_path_factory.mktemp("dry") / "r.json"
-    dry_run.main(["--topology=v5e:2x4", "--model=tiny", "--mode=infer", "--context=256",
-                  "--max_new_tokens=64", "--batch=2", f"--json_out={out}"])
+    dry_run.main(
+        [
+            "--topology=v5e:2x4",
+            "--model=tiny",
+            "--mode=infer",
+            "--context=256",
+            "--max_new_tokens=64",
+            "--batch=2",
+            f"--json_out={out}",
+        ]
+    )
     import json
 
     return json.loads(out.read_text())
@@ -120,13 +154,22 @@ def cli_json(tmp_path_factory):
 def test_dry_run_json_schema_and_roofline(cli_json):
     r = cli_json
     assert {"topology", "model", "mode", "mesh", "programs", "roofline"} <= set(r)
-    assert (r["topology"], r["model"], r["mode"], r["mesh"]) == ("v5e:2x4", "tiny", "infer",
-                                                                 "tensor=8")
+    assert (r["topology"], r["model"], r["mode"], r["mesh"]) == (
+        "v5e:2x4",
+        "tiny",
+        "infer",
+        "tensor=8",
+    )
     assert set(r["programs"]) == {"prefill", "dflash_decode", "ar_decode"}
     for p in r["programs"].values():
         assert set(p) >= {"hbm_bytes", "fits", "flops", "bytes_accessed", "collectives"}
-        assert set(p["hbm_bytes"]) >= {"arguments", "outputs", "temporaries", "generated_code",
-                                       "total"}
+        assert set(p["hbm_bytes"]) >= {
+            "arguments",
+            "outputs",
+            "temporaries",
+            "generated_code",
+            "total",
+        }
         assert p["fits"] is True
         for c in p["collectives"]:
             assert c["bytes"] > 0 and c["count"] >= 1 and c["op"]
@@ -146,8 +189,7 @@ def test_dry_run_json_schema_and_roofline(cli_json):
 def test_reported_hbm_grows_with_batch_and_context(v5e, cli_json):
     devices, chip = v5e
     base = cli_json["programs"]["prefill"]["hbm_bytes"]["total"]  # batch 2, context 256
-    kw = dict(max_new_tokens=64, devices=devices, chip=chip, step_costs=False,
-              only=("prefill",))
+    kw = dict(max_new_tokens=64, devices=devices, chip=chip, step_costs=False, only=("prefill",))
     more_batch = dry_run.dry_run_infer("tiny", "tensor=8", batch=8, context=256, **kw)
     more_ctx = dry_run.dry_run_infer("tiny", "tensor=8", batch=2, context=2048, **kw)
     assert more_batch["programs"]["prefill"]["hbm_bytes"]["total"] > base
@@ -158,8 +200,15 @@ def test_prefill_temporaries_grow_linearly_with_context(v5e):
     """Chunked prefill: 4x the context, at most ~4x the temporaries; the one-pass prefill (dense
     [prompt, capacity] scores) grows much faster over the same contexts."""
     devices, chip = v5e
-    kw = dict(batch=1, max_new_tokens=64, devices=devices, chip=chip, step_costs=False,
-              only=("prefill",), attention=("xla",))
+    kw = dict(
+        batch=1,
+        max_new_tokens=64,
+        devices=devices,
+        chip=chip,
+        step_costs=False,
+        only=("prefill",),
+        attention=("xla",),
+    )
     temps = {}
     for chunk in (512, 0):
         for ctx in (2048, 8192):
@@ -174,8 +223,9 @@ def test_a_program_that_cannot_fit_is_reported_with_numbers():
     """One v5e chip (16 GiB), a training batch whose drafter logits alone exceed it: the compile
     fails with RESOURCE_EXHAUSTED and the dry run reports "does not fit" with the numbers."""
     devices, chip = dry_run.topology_devices("v5e:1x1")
-    r = dry_run.dry_run_train("tiny", "fsdp=1", batch=256, seq_len=2048, num_anchors=512,
-                              devices=devices, chip=chip)
+    r = dry_run.dry_run_train(
+        "tiny", "fsdp=1", batch=256, seq_len=2048, num_anchors=512, devices=devices, chip=chip
+    )
     p = r["programs"]["train_step"]
     assert p["fits"] is False
     assert p["hbm_bytes"]["total"] > chip["hbm_bytes"] * 0.9

@@ -28,7 +28,7 @@ def brute_mask(anchors, valid, bs, ctx_len, seg=None, strict=True):
                 same_doc = seg is None or seg[bi, j] == seg[bi, p]
                 out[bi, r, j] = before and same_doc
             for r2 in range(rows):
-                out[bi, r, ctx_len + r2] = (r2 // bs == blk)
+                out[bi, r, ctx_len + r2] = r2 // bs == blk
     return out
 
 
@@ -41,8 +41,12 @@ def brute_weights(anchors, valid, loss_mask, bs, gamma, seg=None):
             p = anchors[bi, ni]
             for k in range(1, bs):
                 q = p + k
-                if valid[bi, ni] and q < s and loss_mask[bi, q] and (
-                        seg is None or seg[bi, q] == seg[bi, p]):
+                if (
+                    valid[bi, ni]
+                    and q < s
+                    and loss_mask[bi, q]
+                    and (seg is None or seg[bi, q] == seg[bi, p])
+                ):
                     w[bi, ni, k] = math.exp(-(k - 1) / gamma)
     return w
 
@@ -199,9 +203,9 @@ def test_regen_only_writes_responses_and_does_not_train(tmp_path):
     assert len(recs) == 24 and all(len(r["response_ids"]) > 0 for r in recs)
     assert not os.path.exists(tmp_path / "work" / "checkpoints") and out["export"] is None
     with pytest.raises(ValueError, match="regen.only"):
-        trainer.train_and_evaluate(tiny_config(out_file, **{"regen.only": True,
-                                                            "mode": "target"}),
-                                   str(tmp_path / "work2"))
+        trainer.train_and_evaluate(
+            tiny_config(out_file, **{"regen.only": True, "mode": "target"}), str(tmp_path / "work2")
+        )
 
 
 def test_export_load_generate(trained, regen_file):
@@ -225,7 +229,7 @@ def test_teacher_positions_predict_the_labels_on_greedy_data(regen_file, trained
     ids = np.asarray([rec["prompt_ids"] + rec["response_ids"]], np.int32)
     logits = np.asarray(target.forward(ids).logits)
     lm = np.zeros_like(ids)
-    lm[0, len(rec["prompt_ids"]):] = 1
+    lm[0, len(rec["prompt_ids"]) :] = 1
     anchors, valid = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(lm), 8, 8)
     src = np.asarray(masks.teacher_positions(anchors, 8))
     labels = np.asarray(masks.block_labels(jnp.asarray(ids), anchors, 8))
@@ -238,17 +242,33 @@ def test_teacher_positions_predict_the_labels_on_greedy_data(regen_file, trained
 def test_loss_options_give_finite_gradients(trained, loss, schedule):
     cfg = trained[0]
     target = _tiny_target(cfg)
-    dcfg = dj.make_drafter_config(target.config, num_layers=1, num_taps=2, block_size=8,
-                                  target_layer_ids=(0, 1))
-    recipe = losses.DrafterRecipe(block_size=8, mask_token_id=dcfg.mask_token_id,
-                                  tap_layers=(0, 1), num_anchors=6, gamma=4.0, loss=loss,
-                                  mask_schedule=schedule)
+    dcfg = dj.make_drafter_config(
+        target.config, num_layers=1, num_taps=2, block_size=8, target_layer_ids=(0, 1)
+    )
+    recipe = losses.DrafterRecipe(
+        block_size=8,
+        mask_token_id=dcfg.mask_token_id,
+        tap_layers=(0, 1),
+        num_anchors=6,
+        gamma=4.0,
+        loss=loss,
+        mask_schedule=schedule,
+    )
     rng = np.random.RandomState(0)
-    batch = {"input_ids": jnp.asarray(rng.randint(0, 64, (2, 32)), jnp.int32),
-             "loss_mask": jnp.ones((2, 32), jnp.int32),
-             "segment_ids": jnp.ones((2, 32), jnp.int32)}
-    fn = lambda p: losses.drafter_loss(target.module, dj.DFlashDrafter(dcfg), recipe, p,
-                                       target.params, batch, jax.random.PRNGKey(0))
+    batch = {
+        "input_ids": jnp.asarray(rng.randint(0, 64, (2, 32)), jnp.int32),
+        "loss_mask": jnp.ones((2, 32), jnp.int32),
+        "segment_ids": jnp.ones((2, 32), jnp.int32),
+    }
+    fn = lambda p: losses.drafter_loss(
+        target.module,
+        dj.DFlashDrafter(dcfg),
+        recipe,
+        p,
+        target.params,
+        batch,
+        jax.random.PRNGKey(0),
+    )
     (l, m), g = jax.value_and_grad(fn, has_aux=True)(dj.init_drafter_params(dcfg))
     assert np.isfinite(float(l)) and float(l) > 0
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(g))
@@ -264,34 +284,48 @@ def test_block_scores_brute_force_and_chunked_loss_equals_one_shot(trained):
     h = jnp.asarray(rng.randn(2, 3, 4, target.config.hidden_size), jnp.float32)
     th = jnp.asarray(rng.randn(2, 3, 4, target.config.hidden_size), jnp.float32)
     lab = jnp.asarray(rng.randint(0, target.config.vocab_size, (2, 3, 4)), jnp.int32)
-    logits = lambda x: np.asarray(tmod.apply({"params": target.params}, x.reshape(2, 12, -1),
-                                             method=dj.Transformer.logits),
-                                  np.float64).reshape(2, 3, 4, -1)
+    logits = lambda x: np.asarray(
+        tmod.apply({"params": target.params}, x.reshape(2, 12, -1), method=dj.Transformer.logits),
+        np.float64,
+    ).reshape(2, 3, 4, -1)
+
     def log_softmax(x):
         x = x - x.max(-1, keepdims=True)
         return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
     lp, tlp = log_softmax(logits(h)), log_softmax(logits(th))
     ce, corr = losses.block_scores(tmod, target.params, h, lab, None, "ce")
-    np.testing.assert_allclose(ce, -np.take_along_axis(lp, np.asarray(lab)[..., None], -1)[..., 0],
-                               rtol=1e-5)
+    np.testing.assert_allclose(
+        ce, -np.take_along_axis(lp, np.asarray(lab)[..., None], -1)[..., 0], rtol=1e-5
+    )
     assert np.array_equal(corr, lp.argmax(-1) == np.asarray(lab))
     kl, _ = losses.block_scores(tmod, target.params, h, lab, th, "kl", chunk_anchors=2)
     np.testing.assert_allclose(kl, (np.exp(tlp) * (tlp - lp)).sum(-1), rtol=1e-4, atol=1e-6)
 
-    dcfg = dj.make_drafter_config(target.config, num_layers=1, num_taps=2, block_size=8,
-                                  target_layer_ids=(0, 1))
-    batch = {"input_ids": jnp.asarray(rng.randint(0, 64, (2, 32)), jnp.int32),
-             "loss_mask": jnp.ones((2, 32), jnp.int32),
-             "segment_ids": jnp.ones((2, 32), jnp.int32)}
+    dcfg = dj.make_drafter_config(
+        target.config, num_layers=1, num_taps=2, block_size=8, target_layer_ids=(0, 1)
+    )
+    batch = {
+        "input_ids": jnp.asarray(rng.randint(0, 64, (2, 32)), jnp.int32),
+        "loss_mask": jnp.ones((2, 32), jnp.int32),
+        "segment_ids": jnp.ones((2, 32), jnp.int32),
+    }
     dparams = dj.init_drafter_params(dcfg, 3)
     for loss in ("ce", "kl"):
         out = []
         for chunk in (0, 4):
-            recipe = losses.DrafterRecipe(block_size=8, mask_token_id=dcfg.mask_token_id,
-                                          tap_layers=(0, 1), num_anchors=6, gamma=4.0,
-                                          loss=loss, loss_chunk_anchors=chunk)
-            fn = lambda p: losses.drafter_loss(tmod, dj.DFlashDrafter(dcfg), recipe, p,
-                                               target.params, batch, jax.random.PRNGKey(0))
+            recipe = losses.DrafterRecipe(
+                block_size=8,
+                mask_token_id=dcfg.mask_token_id,
+                tap_layers=(0, 1),
+                num_anchors=6,
+                gamma=4.0,
+                loss=loss,
+                loss_chunk_anchors=chunk,
+            )
+            fn = lambda p: losses.drafter_loss(
+                tmod, dj.DFlashDrafter(dcfg), recipe, p, target.params, batch, jax.random.PRNGKey(0)
+            )
             out.append(jax.value_and_grad(fn, has_aux=True)(dparams))
         ((l0, m0), g0), ((l1, m1), g1) = out
         np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
@@ -326,8 +360,11 @@ def test_resume_reproduces_losses_and_corrupt_checkpoint_falls_back(regen_file, 
     assert int(ck.manager.restore(12).state["step"]) == 12  # readable again
     ck.close()
     # metrics.jsonl: each train step once, although steps 9..12 ran twice.
-    steps = [json.loads(l)["step"] for l in open(os.path.join(wd, "metrics.jsonl"))
-             if json.loads(l)["split"] == "train"]
+    steps = [
+        json.loads(l)["step"]
+        for l in open(os.path.join(wd, "metrics.jsonl"))
+        if json.loads(l)["split"] == "train"
+    ]
     assert steps == sorted(set(steps)) and steps[-1] == 12, steps
 
 
@@ -344,11 +381,18 @@ def _snapshot(directory, steps):
 
 
 def test_incompatible_checkpoint_stops_before_training_and_keep_n_spares_good_work(
-        regen_file, tmp_path):
+    regen_file, tmp_path
+):
     from dflash_jax.training.checkpointing import IncompatibleCheckpointError
 
-    kw = dict(num_train_steps=12, checkpoint_every=4, eval_every=0, log_every=4, export=False,
-              keep_checkpoints=1)
+    kw = dict(
+        num_train_steps=12,
+        checkpoint_every=4,
+        eval_every=0,
+        log_every=4,
+        export=False,
+        keep_checkpoints=1,
+    )
     wd = str(tmp_path / "w")
     trainer.train_and_evaluate(tiny_config(regen_file, stop_at_step=8, **kw), wd)
     ckdir = os.path.join(wd, "checkpoints")
@@ -358,8 +402,7 @@ def test_incompatible_checkpoint_stops_before_training_and_keep_n_spares_good_wo
     # A changed model shape: one line naming the differing parameters and the directory; the
     # checkpoint stays byte for byte, nothing is trained or logged.
     with pytest.raises(IncompatibleCheckpointError) as e:
-        trainer.train_and_evaluate(tiny_config(regen_file, **{"drafter.num_layers": 2}, **kw),
-                                   wd)
+        trainer.train_and_evaluate(tiny_config(regen_file, **{"drafter.num_layers": 2}, **kw), wd)
     msg = str(e.value)
     assert "\n" not in msg and ckdir in msg and "params.layers_1" in msg, msg
     assert sorted(os.listdir(ckdir)) == ["8"] and _snapshot(ckdir, ("8",)) == before
@@ -377,8 +420,7 @@ def test_incompatible_checkpoint_stops_before_training_and_keep_n_spares_good_wo
         else:
             open(os.path.join(ckdir, "12", item), "wb").write(open(src, "rb").read())
     with pytest.warns(RuntimeWarning, match="step 12 .* unreadable"):
-        out = trainer.train_and_evaluate(tiny_config(regen_file, **dict(kw, stop_at_step=10)),
-                                         wd)
+        out = trainer.train_and_evaluate(tiny_config(regen_file, **dict(kw, stop_at_step=10)), wd)
     assert out["step"] == 10 and [s for s, _ in out["losses"]] == [9, 10]
     assert sorted(os.listdir(ckdir), key=int) == ["10", "12"]
     ck = Checkpointer(ckdir, 4)
@@ -387,8 +429,14 @@ def test_incompatible_checkpoint_stops_before_training_and_keep_n_spares_good_wo
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(regen_file, tmp_path):
-    cfg = tiny_config(regen_file, num_train_steps=20, learning_rate=1e38, checkpoint_every=1,
-                      eval_every=0, export=False)
+    cfg = tiny_config(
+        regen_file,
+        num_train_steps=20,
+        learning_rate=1e38,
+        checkpoint_every=1,
+        eval_every=0,
+        export=False,
+    )
     out = trainer.train_and_evaluate(cfg, str(tmp_path))
     assert out["status"] == "nan" and out["export"] is None
     saved = sorted(int(s) for s in os.listdir(tmp_path / "checkpoints") if s.isdigit())
@@ -398,13 +446,21 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(regen_file, tmp_path):
 
 def test_sigterm_saves_a_checkpoint_that_resumes(regen_file, tmp_path, trained):
     wd = str(tmp_path / "run")
-    args = [sys.executable, os.path.join(ROOT, "train.py"),
-            f"--config={os.path.join(ROOT, 'configs', 'tiny_test.py')}", f"--workdir={wd}",
-            f"--config.regen.output={regen_file}", "--config.num_train_steps=100000",
-            "--config.checkpoint_every=100000", "--config.eval_every=0",
-            "--config.log_every=1", "--config.export=False"]
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                            cwd=ROOT)
+    args = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        f"--config={os.path.join(ROOT, 'configs', 'tiny_test.py')}",
+        f"--workdir={wd}",
+        f"--config.regen.output={regen_file}",
+        "--config.num_train_steps=100000",
+        "--config.checkpoint_every=100000",
+        "--config.eval_every=0",
+        "--config.log_every=1",
+        "--config.export=False",
+    ]
+    proc = subprocess.Popen(
+        args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT
+    )
     deadline = time.time() + 120
     for line in proc.stdout:
         if line.startswith("step 3/"):
@@ -415,8 +471,14 @@ def test_sigterm_saves_a_checkpoint_that_resumes(regen_file, tmp_path, trained):
     assert proc.wait(timeout=120) == 3, rest[-2000:]  # EXIT_PREEMPTED: saved, not success
     saved = [int(s) for s in os.listdir(os.path.join(wd, "checkpoints")) if s.isdigit()]
     assert len(saved) == 1 and saved[0] >= 3
-    cfg = tiny_config(regen_file, num_train_steps=100000, stop_at_step=saved[0] + 2,
-                      eval_every=0, export=False, checkpoint_every=100000)
+    cfg = tiny_config(
+        regen_file,
+        num_train_steps=100000,
+        stop_at_step=saved[0] + 2,
+        eval_every=0,
+        export=False,
+        checkpoint_every=100000,
+    )
     out = trainer.train_and_evaluate(cfg, wd)
     assert [s for s, _ in out["losses"]] == [saved[0] + 1, saved[0] + 2]
 
@@ -442,10 +504,17 @@ def _ul_target_config(weight):
     c = tiny_test.get_config()
     c.mode = "target"
     c.data.update(kind="synthetic", seq_len=64, batch_size=8, num_docs=256, doc_len=64)
-    c.unlikelihood.update(weight=weight, batch_size=8, prompt_len=16, max_new_tokens=32,
-                          prompt_source="docs", num_prompts=256)
-    c.update(num_train_steps=100, eval_every=0, log_every=50, learning_rate=3e-3,
-             checkpoint_every=100000)
+    c.unlikelihood.update(
+        weight=weight,
+        batch_size=8,
+        prompt_len=16,
+        max_new_tokens=32,
+        prompt_source="docs",
+        num_prompts=256,
+    )
+    c.update(
+        num_train_steps=100, eval_every=0, log_every=50, learning_rate=3e-3, checkpoint_every=100000
+    )
     return c
 
 
@@ -494,11 +563,13 @@ def test_every_config_sets_only_keys_the_trainer_reads():
 
     known = keys(default_config())
     cdir = os.path.join(root, "configs")  # configs/*.py and configs/<group>/*.py
-    names = sorted(os.path.relpath(os.path.join(d, f), cdir)[:-3].replace(os.sep, ".")
-                   for d, _, fs in os.walk(cdir) for f in fs
-                   if f.endswith(".py") and f not in ("__init__.py", "paper_recipe.py"))
-    assert {"tiny_code.target", "tiny_code.target_stage2", "tiny_code.drafter_stage2"} <= \
-        set(names)
+    names = sorted(
+        os.path.relpath(os.path.join(d, f), cdir)[:-3].replace(os.sep, ".")
+        for d, _, fs in os.walk(cdir)
+        for f in fs
+        if f.endswith(".py") and f not in ("__init__.py", "paper_recipe.py")
+    )
+    assert {"tiny_code.target", "tiny_code.target_stage2", "tiny_code.drafter_stage2"} <= set(names)
     for name in names:
         cfg = importlib.import_module(f"configs.{name}").get_config()
         assert keys(cfg) <= known, (name, keys(cfg) - known)

@@ -12,9 +12,18 @@ from dflash_jax.config import ModelConfig
 
 
 def _target_cfg(**kw):
-    base = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_layers=4,
-                num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096,
-                qk_norm=True, tie_word_embeddings=False)
+    base = dict(
+        vocab_size=512,
+        hidden_size=256,
+        intermediate_size=512,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        qk_norm=True,
+        tie_word_embeddings=False,
+    )
     base.update(kw)
     return ModelConfig(**base)
 
@@ -26,8 +35,11 @@ def test_new_drafter_weights_are_initialised_as_hf_qwen3():
     cfg = dj.make_drafter_config(_target_cfg(), num_layers=2, num_taps=2, block_size=8)
     params = dj.init_drafter_params(cfg, seed=0)
     flat = jax.tree_util.tree_flatten_with_path(params)[0]
-    kernels = [(jax.tree_util.keystr(p), np.asarray(x, np.float64)) for p, x in flat
-               if getattr(p[-1], "key", None) == "kernel"]
+    kernels = [
+        (jax.tree_util.keystr(p), np.asarray(x, np.float64))
+        for p, x in flat
+        if getattr(p[-1], "key", None) == "kernel"
+    ]
     scales = [np.asarray(x) for p, x in flat if getattr(p[-1], "key", None) == "scale"]
     assert len(kernels) == 1 + 2 * 7  # fc + per layer q, k, v, o, gate, up, down
     assert scales and all(np.all(s == 1.0) for s in scales)  # every RMSNorm starts at 1
@@ -79,11 +91,15 @@ def test_float32_masters_keep_a_1e4_relative_update_that_bf16_loses(tmp_path, pa
     assert exp.target_cfg.dtype == jnp.bfloat16  # (a loaded target is also stored in it)
     c.learning_rate, c.warmup_ratio, c.end_lr_ratio = 1e-4, 0.0, 1.0  # constant lr 1e-4
     optimizer, _ = trainer.make_optimizer(c, 10)
-    state = trainer.TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
-                               opt_state=optimizer.init(exp.init_params),
-                               rng=jax.random.PRNGKey(0))
-    moments = [x for x in jax.tree_util.tree_leaves(state.opt_state)
-               if hasattr(x, "ndim") and x.ndim >= 1]
+    state = trainer.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=exp.init_params,
+        opt_state=optimizer.init(exp.init_params),
+        rng=jax.random.PRNGKey(0),
+    )
+    moments = [
+        x for x in jax.tree_util.tree_leaves(state.opt_state) if hasattr(x, "ndim") and x.ndim >= 1
+    ]
     assert moments and {x.dtype for x in moments} == {want}
     batch = {k: jnp.asarray(v) for k, v in next(exp.train_iter).items()}
     step = trainer.make_train_step(exp.loss_fn, optimizer)
@@ -107,8 +123,11 @@ def test_float32_masters_keep_a_1e4_relative_update_that_bf16_loses(tmp_path, pa
 
 def _eligible(loss_mask, seg, s):
     """Brute force: p <= S-2, loss_mask[p] and loss_mask[p+1], p+1 in p's document."""
-    return [p for p in range(s - 1) if loss_mask[p] and loss_mask[p + 1]
-            and (seg is None or seg[p] == seg[p + 1])]
+    return [
+        p
+        for p in range(s - 1)
+        if loss_mask[p] and loss_mask[p + 1] and (seg is None or seg[p] == seg[p + 1])
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -136,14 +155,20 @@ def test_anchor_budget_is_per_document_against_brute_force(packed, use_seg):
     per_doc = 5
     # Row budget large enough for every document's budget: each document gets exactly
     # min(num_anchors, its eligible count), all eligible, distinct.
-    a, v = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(loss_mask), per_doc, 16,
-                                jnp.asarray(seg) if use_seg else None, anchors_per_row=40)
+    a, v = masks.sample_anchors(
+        jax.random.PRNGKey(0),
+        jnp.asarray(loss_mask),
+        per_doc,
+        16,
+        jnp.asarray(seg) if use_seg else None,
+        anchors_per_row=40,
+    )
     a, v = np.asarray(a), np.asarray(v)
     assert a.shape == (b, 40)
     for bi in range(b):
         got = a[bi][v[bi]].tolist()
         assert got == sorted(got) and len(set(got)) == len(got)
-        assert not v[bi][len(got):].any()  # valid blocks first
+        assert not v[bi][len(got) :].any()  # valid blocks first
         elig = _eligible(loss_mask[bi], segn[bi] if use_seg else None, s)
         assert set(got) <= set(elig)
         docs = sorted(set(seg[bi][elig])) if use_seg else [None]
@@ -154,8 +179,14 @@ def test_anchor_budget_is_per_document_against_brute_force(packed, use_seg):
     if use_seg:  # row 1 has 3 documents: 3 budgets, more than one document's
         assert v[1].sum() == 3 * per_doc
     # A binding row budget: the row keeps exactly that many, each document at most its own.
-    a, v = masks.sample_anchors(jax.random.PRNGKey(1), jnp.asarray(loss_mask), per_doc, 16,
-                                jnp.asarray(seg), anchors_per_row=7)
+    a, v = masks.sample_anchors(
+        jax.random.PRNGKey(1),
+        jnp.asarray(loss_mask),
+        per_doc,
+        16,
+        jnp.asarray(seg),
+        anchors_per_row=7,
+    )
     a, v = np.asarray(a), np.asarray(v)
     assert a.shape == (b, 7) and v[:2].all()
     for bi in range(2):
@@ -169,8 +200,11 @@ def test_anchors_are_uniform_within_each_document(packed):
     loss_mask, seg = packed
     per_doc, trials = 3, 3000
     keys = jax.random.split(jax.random.PRNGKey(2), trials)
-    sample = jax.vmap(lambda k: masks.sample_anchors(k, jnp.asarray(loss_mask[1:2]), per_doc,
-                                                     16, jnp.asarray(seg[1:2]), 20))
+    sample = jax.vmap(
+        lambda k: masks.sample_anchors(
+            k, jnp.asarray(loss_mask[1:2]), per_doc, 16, jnp.asarray(seg[1:2]), 20
+        )
+    )
     a, v = (np.asarray(x)[:, 0] for x in sample(keys))
     freq = np.zeros(loss_mask.shape[1])
     for t in range(trials):
@@ -195,8 +229,7 @@ def test_blocks_run_past_the_end_with_out_of_range_labels_masked():
     a, v = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(lm), 8, bs)
     a, v = np.asarray(a), np.asarray(v)
     assert a[0][v[0]].tolist() == [8, 9, 10]  # the old p <= S - bs rule allowed none
-    w = np.asarray(masks.loss_weights(jnp.asarray(a), jnp.asarray(v), jnp.asarray(lm), bs,
-                                      gamma))
+    w = np.asarray(masks.loss_weights(jnp.asarray(a), jnp.asarray(v), jnp.asarray(lm), bs, gamma))
     labels = np.asarray(masks.block_labels(jnp.asarray(ids), jnp.asarray(a), bs))
     mask = np.asarray(masks.training_mask(jnp.asarray(a), jnp.asarray(v), bs, s))
     for n, p in enumerate(a[0][v[0]]):
@@ -206,7 +239,7 @@ def test_blocks_run_past_the_end_with_out_of_range_labels_masked():
             np.testing.assert_allclose(w[0, n, k], want, rtol=1e-6)
             if inside:
                 assert labels[0, n, k] == ids[0, p + k]  # same position, no shift
-        rows = mask[0, n * bs:(n + 1) * bs, :s]
+        rows = mask[0, n * bs : (n + 1) * bs, :s]
         assert (rows == (np.arange(s) < p)[None]).all()  # strictly before the anchor
     assert w[0, 2, 2:].sum() == 0 and w[0, 2, 1] > 0  # anchor 10: only x_11 is in range
 
@@ -217,8 +250,15 @@ def test_blocks_run_past_the_end_with_out_of_range_labels_masked():
 def _small_target(num_layers=4):
     from dflash_jax.model import init_params
 
-    cfg = _target_cfg(num_layers=num_layers, vocab_size=97, hidden_size=64,
-                      intermediate_size=128, num_heads=4, num_kv_heads=2, head_dim=16)
+    cfg = _target_cfg(
+        num_layers=num_layers,
+        vocab_size=97,
+        hidden_size=64,
+        intermediate_size=128,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+    )
     return cfg, init_params(cfg, seed=3)
 
 
@@ -235,8 +275,14 @@ def test_taps_only_pass_equals_the_full_forward_taps():
     for taps_at, segj in (((0, 2), jnp.asarray(seg)), ((1, 3), None), ((2,), jnp.asarray(seg))):
         _, _, full = tmod.apply({"params": params}, ids, tap_layers=taps_at, segment_ids_BT=segj)
         for chunk in (8, 64):  # 8 does not divide 37
-            h, cache, taps = tmod.apply({"params": params}, ids, tap_layers=taps_at,
-                                        segment_ids_BT=segj, taps_only=True, attn_chunk=chunk)
+            h, cache, taps = tmod.apply(
+                {"params": params},
+                ids,
+                tap_layers=taps_at,
+                segment_ids_BT=segj,
+                taps_only=True,
+                attn_chunk=chunk,
+            )
             assert h is None and cache is None
             np.testing.assert_allclose(np.asarray(taps), np.asarray(full), rtol=2e-5, atol=2e-5)
     # Layers above the last tap are never computed: their parameters do not matter.
@@ -254,8 +300,11 @@ def test_taps_only_pass_memory_grows_linearly_not_quadratically():
     tmod = Transformer(cfg)
 
     def temp_bytes(t, taps_only):
-        fn = jax.jit(lambda p, ids: tmod.apply({"params": p}, ids, tap_layers=(0, 1),
-                                               taps_only=taps_only, attn_chunk=128)[2])
+        fn = jax.jit(
+            lambda p, ids: tmod.apply(
+                {"params": p}, ids, tap_layers=(0, 1), taps_only=taps_only, attn_chunk=128
+            )[2]
+        )
         ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
         return fn.lower(params, ids).compile().memory_analysis().temp_size_in_bytes
 
@@ -291,9 +340,13 @@ def test_blockwise_training_attention_equals_the_dense_mask(chunk):
     dense = run("xla_dense", q, kb, vb, ck, cv)
     block = run("xla", q, kb, vb, ck, cv)
     np.testing.assert_allclose(np.asarray(block), np.asarray(dense), rtol=1e-5, atol=1e-5)
-    assert np.all(np.asarray(block)[0, 3 * bs:4 * bs] == 0)
+    assert np.all(np.asarray(block)[0, 3 * bs : 4 * bs] == 0)
     cot = jnp.asarray(rng.randn(*dense.shape), jnp.float32)
-    g = [jax.grad(lambda *a: jnp.sum(run(impl, *a) * cot), argnums=(0, 1, 2, 3, 4))(
-        q, kb, vb, ck, cv) for impl in ("xla_dense", "xla")]
+    g = [
+        jax.grad(lambda *a: jnp.sum(run(impl, *a) * cot), argnums=(0, 1, 2, 3, 4))(
+            q, kb, vb, ck, cv
+        )
+        for impl in ("xla_dense", "xla")
+    ]
     for a, bb in zip(*g):
         np.testing.assert_allclose(np.asarray(bb), np.asarray(a), rtol=1e-4, atol=1e-5)

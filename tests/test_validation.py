@@ -57,8 +57,10 @@ CASES = [
     (lambda: validation.prompt_ids("def f", V), (BAD, "list of token-id lists")),
     (lambda: validation.prompt_ids(["a b", "c"], V), (BAD, "prompt 0 is a string")),
     (lambda: validation.prompt_ids([["1", "2"]], V), (BAD, "prompt 0[0] must be an integer")),
-    (lambda: validation.prompt_ids([[1.5, 2]], V), (BAD, "prompt 0[0] must be an integer token "
-                                                    "id, got 1.5")),
+    (
+        lambda: validation.prompt_ids([[1.5, 2]], V),
+        (BAD, "prompt 0[0] must be an integer token id, got 1.5"),
+    ),
     (lambda: validation.prompt_ids([[1, 2.0]], V), (BAD, "prompt 0[1]")),
     (lambda: validation.prompt_ids([[1], []], V), (BAD, "prompt 1 is empty")),
     (lambda: validation.prompt_ids([], V), (BAD, "non-empty")),
@@ -134,8 +136,11 @@ def test_unknown_config_key_names_the_nearest_valid_key():
     validation.check_train_config(_cfg())  # the shipped config passes
     c = _cfg()
     c.drafter.num_layer = 2  # a typo of num_layers
-    with pytest.raises(ConfigError, match=r"unknown config key 'drafter.num_layer' \(did you "
-                                          r"mean 'drafter.num_layers'\?\)"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown config key 'drafter.num_layer' \(did you "
+        r"mean 'drafter.num_layers'\?\)",
+    ):
         validation.check_train_config(c)
 
 
@@ -153,11 +158,18 @@ def test_train_and_evaluate_checks_its_config_before_writing(tmp_path):
 
 @pytest.fixture(scope="module")
 def small_pair():
-    cfg = dj.ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2,
-                         num_heads=2, num_kv_heads=1, head_dim=16, max_position_embeddings=256)
+    cfg = dj.ModelConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=256,
+    )
     target = dj.Target(cfg, dj.model.init_params(cfg, 0))
-    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4,
-                                  mask_token_id=63)
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=63)
     return target, dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))
 
 
@@ -184,8 +196,9 @@ def test_generate_rejects_bad_arguments_before_compute(small_pair, kw, message, 
 
     target, drafter = small_pair
     # Nothing may be compiled or run: the program cache must not be consulted.
-    monkeypatch.setattr(decoding._Compiled, "get",
-                        classmethod(lambda cls, *a: pytest.fail("compute started")))
+    monkeypatch.setattr(
+        decoding._Compiled, "get", classmethod(lambda cls, *a: pytest.fail("compute started"))
+    )
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
     args.update(kw)
     with pytest.raises(ValueError) as e:
@@ -212,8 +225,8 @@ PROMPT_FILE_CASES = [
     (b'{"messages": [{"role": "user"}]}\n', ":1: messages[0] must be an object"),
     (b'{"prompt": "a", "ids": [1]}\n', ":1: expected exactly one of"),
     (b'\n{"prompt": "a"}\n{oops\n', ":3: not valid JSON"),
-    (b'\x89PNG\r\n\x1a\n\x00\xff\xfe', ":1: not UTF-8 text"),
-    (b'\n\n', "no prompts"),
+    (b"\x89PNG\r\n\x1a\n\x00\xff\xfe", ":1: not UTF-8 text"),
+    (b"\n\n", "no prompts"),
 ]
 
 
@@ -242,13 +255,18 @@ def test_regenerated_data_errors_name_file_and_line(tmp_path):
     from dflash_jax.training.regenerate import read_records
 
     good = json.dumps({"prompt_ids": [1, 2], "response_ids": [3]})
-    for body, message in [(good + "\n{bad json\n", ":2: not a valid JSON line"),
-                          (json.dumps({"prompt_ids": [1]}) + "\n", ":1: missing key "
-                                                                   "'response_ids'"),
-                          (json.dumps({"prompt_ids": [1], "response_ids": [1.5]}) + "\n",
-                           ":1: response_ids[0] must be an integer"),
-                          (good + "\n" + json.dumps({"prompt_ids": [1], "response_ids": [70]}),
-                           ":2: response_ids has token ids outside [0, 64)")]:
+    for body, message in [
+        (good + "\n{bad json\n", ":2: not a valid JSON line"),
+        (json.dumps({"prompt_ids": [1]}) + "\n", ":1: missing key 'response_ids'"),
+        (
+            json.dumps({"prompt_ids": [1], "response_ids": [1.5]}) + "\n",
+            ":1: response_ids[0] must be an integer",
+        ),
+        (
+            good + "\n" + json.dumps({"prompt_ids": [1], "response_ids": [70]}),
+            ":2: response_ids has token ids outside [0, 64)",
+        ),
+    ]:
         path = tmp_path / "r.jsonl"
         path.write_text(body)
         with pytest.raises(ValueError) as e:
@@ -400,45 +418,58 @@ LLAMA3_TEMPLATE = """{{- bos_token }}
 
 CONVERSATIONS = [
     [{"role": "user", "content": "Write <b>fib</b> & 'quote' in Python."}],
-    [{"role": "system", "content": "You are terse.  "},
-     {"role": "user", "content": "hi"},
-     {"role": "assistant", "content": "<think>\nplan\n</think>\n\nhello"},
-     {"role": "user", "content": "déjà vu? 你好"}],
+    [
+        {"role": "system", "content": "You are terse.  "},
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "<think>\nplan\n</think>\n\nhello"},
+        {"role": "user", "content": "déjà vu? 你好"},
+    ],
 ]
 
 
 def _template_dir(tmp_path, name, template, bos="<|begin_of_text|>"):
     d = tmp_path / name
     d.mkdir()
-    (d / "tokenizer_config.json").write_text(json.dumps(
-        {"chat_template": template, "bos_token": {"content": bos, "special": True},
-         "eos_token": "<|eot_id|>"}))
+    (d / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": template,
+                "bos_token": {"content": bos, "special": True},
+                "eos_token": "<|eot_id|>",
+            }
+        )
+    )
     return str(d)
 
 
-@pytest.mark.parametrize("name,template", [("qwen3", QWEN3_TEMPLATE),
-                                           ("llama3", LLAMA3_TEMPLATE)])
+@pytest.mark.parametrize("name,template", [("qwen3", QWEN3_TEMPLATE), ("llama3", LLAMA3_TEMPLATE)])
 def test_real_chat_templates_render_as_transformers_does(tmp_path, name, template):
     import tokenizers
     import transformers
 
-    model = tokenizers.models.WordLevel({"<unk>": 0, "<|begin_of_text|>": 1, "<|eot_id|>": 2},
-                                        unk_token="<unk>")
+    model = tokenizers.models.WordLevel(
+        {"<unk>": 0, "<|begin_of_text|>": 1, "<|eot_id|>": 2}, unk_token="<unk>"
+    )
     hf = transformers.PreTrainedTokenizerFast(
-        tokenizer_object=tokenizers.Tokenizer(model), bos_token="<|begin_of_text|>",
-        eos_token="<|eot_id|>", unk_token="<unk>")
+        tokenizer_object=tokenizers.Tokenizer(model),
+        bos_token="<|begin_of_text|>",
+        eos_token="<|eot_id|>",
+        unk_token="<unk>",
+    )
     hf.chat_template = template
     d = _template_dir(tmp_path, name, template)
     assert prompting.chat_template(d) == template
     for messages in CONVERSATIONS:
         ours = prompting.render_chat(template, messages, **prompting.special_tokens(d))
-        theirs = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True,
-                                        enable_thinking=False)
+        theirs = hf.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=True, enable_thinking=False
+        )
         assert ours == theirs
         assert ("<think>\n\n</think>" in ours) == (name == "qwen3")
     with pytest.raises(ValueError, match="single tool-calls"):  # raise_exception works
-        prompting.render_chat(LLAMA3_TEMPLATE, [{"role": "assistant", "content": "",
-                                                 "tool_calls": [1, 2]}])
+        prompting.render_chat(
+            LLAMA3_TEMPLATE, [{"role": "assistant", "content": "", "tool_calls": [1, 2]}]
+        )
 
 
 HOSTILE = [
@@ -469,19 +500,23 @@ def test_sharded_index_naming_files_outside_the_directory_is_refused(tmp_path):
     d.mkdir()
     write_safetensors(str(tmp_path / "outside.safetensors"), {"w": np.zeros(2, np.float32)})
     write_safetensors(str(d / "shard-1.safetensors"), {"w": np.ones(2, np.float32)})
-    for fname in ("../outside.safetensors", str(tmp_path / "outside.safetensors"),
-                  "sub/../../outside.safetensors"):
-        (d / "model.safetensors.index.json").write_text(json.dumps(
-            {"weight_map": {"w": fname}}))
+    for fname in (
+        "../outside.safetensors",
+        str(tmp_path / "outside.safetensors"),
+        "sub/../../outside.safetensors",
+    ):
+        (d / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": fname}}))
         with pytest.raises(dj.CheckpointError, match="outside the model directory"):
             SafetensorsDir(str(d))
     os.symlink(tmp_path / "outside.safetensors", d / "link.safetensors")
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"w": "link.safetensors"}}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "link.safetensors"}})
+    )
     with pytest.raises(dj.CheckpointError, match="outside the model directory"):
         SafetensorsDir(str(d))
-    (d / "model.safetensors.index.json").write_text(json.dumps(
-        {"weight_map": {"w": "shard-1.safetensors"}}))
+    (d / "model.safetensors.index.json").write_text(
+        json.dumps({"weight_map": {"w": "shard-1.safetensors"}})
+    )
     assert SafetensorsDir(str(d)).get("w").tolist() == [1.0, 1.0]
 
 
@@ -497,42 +532,71 @@ def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
     hostile.mkdir()
     for f in ("config.json", "model.safetensors", "tokenizer.json"):
         os.symlink(os.path.join(bundled, f), hostile / f)
-    (hostile / "tokenizer_config.json").write_text(json.dumps({"chat_template": (
-        "{{ cycler.__init__.__globals__.os.system('touch " + str(tmp_path / "MARKER") +
-        "') }}")}))
+    (hostile / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "chat_template": (
+                    "{{ cycler.__init__.__globals__.os.system('touch "
+                    + str(tmp_path / "MARKER")
+                    + "') }}"
+                )
+            }
+        )
+    )
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f():"}\n{"ids": [1.7, 2.2]}\n')
-    infer = [sys.executable, os.path.join(ROOT, "infer.py"), "--max_new_tokens=2000",
-             "--compare_ar"]
-    train = [sys.executable, os.path.join(ROOT, "train.py"),
-             f"--config={os.path.join(ROOT, 'configs', 'tiny_test.py')}",
-             f"--workdir={tmp_path / 'wd'}"]
+    infer = [
+        sys.executable,
+        os.path.join(ROOT, "infer.py"),
+        "--max_new_tokens=2000",
+        "--compare_ar",
+    ]
+    train = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        f"--config={os.path.join(ROOT, 'configs', 'tiny_test.py')}",
+        f"--workdir={tmp_path / 'wd'}",
+    ]
     cases = [
         (infer + ["--temperature=1", "--top_p=0"], "top_p must be in (0.0, 1.0], got 0.0"),
         (infer + [f"--json_out={tmp_path / 'missing' / 'out.json'}"], "does not exist"),
         (infer + [f"--prompt_file={prompts}"], f"{prompts}:2: 'ids'[0] must be an integer"),
         (infer + [f"--target={hostile}", "--prompt=hi"], "refused to render"),
-        (train + ["--config.drafter.num_layer=2"],
-         "unknown config key 'drafter.num_layer' (did you mean '--config.drafter.num_layers'?)"),
+        (
+            train + ["--config.drafter.num_layer=2"],
+            "unknown config key 'drafter.num_layer' (did you mean '--config.drafter.num_layers'?)",
+        ),
         (train + ["--config.data.batch_size=0"], "data.batch_size must be >= 1, got 0"),
     ]
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     t0 = time.time()
-    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                              cwd=ROOT, env=env) for args, _ in cases]
+    procs = [
+        subprocess.Popen(
+            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
+        )
+        for args, _ in cases
+    ]
     outs = [p.communicate(timeout=300) for p in procs]
     elapsed = time.time() - t0
     for (args, message), p, (out, err) in zip(cases, procs, outs):
         lines = [l for l in err.splitlines() if l.strip()]
         assert p.returncode == 2, (args[-1], err[-2000:])
-        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], \
-            (args[-1], err)
+        assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (
+            args[-1],
+            err,
+        )
         assert "Traceback" not in err and not out.strip(), (args[-1], out)
     assert not (tmp_path / "MARKER").exists()  # the template's command never ran
     assert not (tmp_path / "wd").exists() and not (tmp_path / "missing").exists()
     # 2000 tokens with and without a drafter would take far longer than starting 6 Pythons.
     assert elapsed < 90, elapsed
     # --verbose: the same error with its traceback (for bug reports).
-    r = subprocess.run(infer + ["--temperature=nan", "--verbose"], capture_output=True,
-                       text=True, cwd=ROOT, env=env, timeout=120)
+    r = subprocess.run(
+        infer + ["--temperature=nan", "--verbose"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        env=env,
+        timeout=120,
+    )
     assert r.returncode != 0 and "Traceback" in r.stderr and "finite" in r.stderr

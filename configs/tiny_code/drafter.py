@@ -22,8 +22,16 @@ def get_config():
     c.num_anchors = 16  # 16 blocks x 16 rows per sequence: affordable on CPU
     c.gamma = 7.0
     c.data.update(kind="regenerated", max_files=0, seq_len=256, batch_size=8)
-    c.regen.update(prompt_source="mixed", num_prompts=16384, prompt_len=128, max_new_tokens=128,
-                   temperature=0.0, batch_size=64, function_body_lines=2, functions_per_file=200)
+    c.regen.update(
+        prompt_source="mixed",
+        num_prompts=16384,
+        prompt_len=128,
+        max_new_tokens=128,
+        temperature=0.0,
+        batch_size=64,
+        function_body_lines=2,
+        functions_per_file=200,
+    )
     c.learning_rate = 1e-3
     c.num_train_steps = 6000
     c.log_every = 10

@@ -16,9 +16,17 @@ def get_config():
     c = default_config()
     c.mode = "target"
     c.tokenizer_vocab_size = 4096
-    c.target_model.update(vocab_size=0, hidden_size=256, intermediate_size=768, num_layers=6,
-                          num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096,
-                          tie_word_embeddings=True)
+    c.target_model.update(
+        vocab_size=0,
+        hidden_size=256,
+        intermediate_size=768,
+        num_layers=6,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=64,
+        max_position_embeddings=4096,
+        tie_word_embeddings=True,
+    )
     c.data.update(kind="stdlib", max_files=0, seq_len=256, batch_size=8, num_epochs=3)
     c.learning_rate = 1.5e-3
     c.b2 = 0.98

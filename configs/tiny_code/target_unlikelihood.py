@@ -26,8 +26,15 @@ from configs.tiny_code.target_stage2 import get_config as stage2_config
 def get_config():
     c = stage2_config()
     c.target_path = ""  # required: the stage-2 export (its tokenizer.json is reused)
-    c.unlikelihood.update(weight=1.0, batch_size=8, prompt_len=192, max_new_tokens=64, ngram=4,
-                          prompt_source="mixed", num_prompts=8192)
+    c.unlikelihood.update(
+        weight=1.0,
+        batch_size=8,
+        prompt_len=192,
+        max_new_tokens=64,
+        ngram=4,
+        prompt_source="mixed",
+        num_prompts=8192,
+    )
     c.learning_rate = 2e-4
     c.warmup_ratio = 0.03
     c.num_train_steps = 1200

@@ -102,9 +102,7 @@ def _short_hash(obj: Any) -> str:
 
 def decode_example(example: dict[str, Any]) -> dict[str, Any]:
     """Turn the ``bytes`` text fields a TFDS data source returns into ``str``."""
-    return {
-        k: (v.decode("utf-8") if isinstance(v, bytes) else v) for k, v in example.items()
-    }
+    return {k: (v.decode("utf-8") if isinstance(v, bytes) else v) for k, v in example.items()}
 
 
 def iter_texts(source: Sequence[dict[str, Any]]) -> Iterator[str]:
@@ -269,7 +267,9 @@ class PythonStdlib(_LocalBuilder, skip_registration=True):
         cfg: StdlibConfig = self.builder_config
         root = cfg.stdlib_dir or _default_stdlib_dir()
         files = list_stdlib_files(
-            root, max_files=cfg.max_files, max_file_bytes=cfg.max_file_bytes,
+            root,
+            max_files=cfg.max_files,
+            max_file_bytes=cfg.max_file_bytes,
             include_tests=cfg.include_tests,
         )
         by_split: dict[str, list[str]] = {"train": [], "validation": []}
@@ -380,9 +380,7 @@ def user_files_config(
         if not os.path.isfile(p):
             raise FileNotFoundError(p)
     if name is None:
-        name = "files-" + _short_hash(
-            [_fingerprint(resolved), text_mode, validation_percent]
-        )
+        name = "files-" + _short_hash([_fingerprint(resolved), text_mode, validation_percent])
     return UserFilesConfig(
         name=name,
         description="User-provided text / JSONL files.",

@@ -21,9 +21,17 @@ import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
-_ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant",
-          "assistant": "assistant", "chatgpt": "assistant", "bard": "assistant",
-          "bing": "assistant", "model": "assistant"}
+_ROLES = {
+    "system": "system",
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "bing": "assistant",
+    "model": "assistant",
+}
 
 Message = Dict[str, str]
 
@@ -34,12 +42,16 @@ def conversation_from(obj, where: str) -> List[Message]:
     if isinstance(obj, str):
         obj = {"prompt": obj}
     if not isinstance(obj, dict):
-        raise ValueError(f"{where}: expected a JSON object with 'conversations', 'messages' or "
-                         f"'prompt', got {type(obj).__name__}")
+        raise ValueError(
+            f"{where}: expected a JSON object with 'conversations', 'messages' or "
+            f"'prompt', got {type(obj).__name__}"
+        )
     keys = [k for k in ("conversations", "messages", "prompt", "text") if k in obj]
     if len(keys) != 1:
-        raise ValueError(f"{where}: expected exactly one of 'conversations', 'messages', "
-                         f"'prompt' or 'text', got {keys or sorted(obj)}")
+        raise ValueError(
+            f"{where}: expected exactly one of 'conversations', 'messages', "
+            f"'prompt' or 'text', got {keys or sorted(obj)}"
+        )
     key = keys[0]
     if key in ("prompt", "text"):
         if not isinstance(obj[key], str) or not obj[key]:
@@ -55,8 +67,10 @@ def conversation_from(obj, where: str) -> List[Message]:
         role = t.get("from", t.get("role"))
         content = t.get("value", t.get("content"))
         if not isinstance(role, str) or role.lower() not in _ROLES:
-            raise ValueError(f"{where}: {key}[{j}] has role {role!r}; expected one of "
-                             f"{', '.join(sorted(_ROLES))}")
+            raise ValueError(
+                f"{where}: {key}[{j}] has role {role!r}; expected one of "
+                f"{', '.join(sorted(_ROLES))}"
+            )
         role = _ROLES[role.lower()]
         if role != "assistant" and not isinstance(content, str):
             raise ValueError(f"{where}: {key}[{j}] ({role}) needs a string content/value")
@@ -65,12 +79,15 @@ def conversation_from(obj, where: str) -> List[Message]:
         raise ValueError(f"{where}: a system message may only open the conversation")
     body = out[1:] if out[0]["role"] == "system" else out
     if not body or body[0]["role"] != "user":
-        raise ValueError(f"{where}: the conversation must start with a user turn (after an "
-                         "optional system message)")
+        raise ValueError(
+            f"{where}: the conversation must start with a user turn (after an "
+            "optional system message)"
+        )
     for a, b in zip(body, body[1:]):
         if a["role"] == b["role"]:
-            raise ValueError(f"{where}: two {a['role']} turns in a row; user and assistant "
-                             "turns must alternate")
+            raise ValueError(
+                f"{where}: two {a['role']} turns in a row; user and assistant turns must alternate"
+            )
     # The input's assistant turns are placeholders: keep the system message and user turns.
     return [m for m in out if m["role"] != "assistant"]
 
@@ -110,9 +127,15 @@ _MARK = "\ue000{}\ue001"
 _MARK_RE = re.compile("\ue000(\\d+)\ue001")
 
 
-def chat_ids(render, encode, messages: Sequence[Message], responses: Sequence[Sequence[int]],
-             add_generation_prompt: bool, stop_ids: Sequence[int] = (),
-             where: str = "chat template") -> Tuple[List[int], List[int]]:
+def chat_ids(
+    render,
+    encode,
+    messages: Sequence[Message],
+    responses: Sequence[Sequence[int]],
+    add_generation_prompt: bool,
+    stop_ids: Sequence[int] = (),
+    where: str = "chat template",
+) -> Tuple[List[int], List[int]]:
     """(ids, loss_mask) of `messages` rendered through a chat template, where the k-th
     assistant message is the token ids `responses[k]` (inserted as they are, mask 1; all
     template text mask 0).
@@ -134,8 +157,10 @@ def chat_ids(render, encode, messages: Sequence[Message], responses: Sequence[Se
     pieces = _MARK_RE.split(text)  # text, index, text, index, ..., text
     order = [int(i) for i in pieces[1::2]]
     if order != list(range(k)):
-        raise ValueError(f"{where}: the chat template does not write each assistant message "
-                         f"once and in order (got {order} for {k} messages)")
+        raise ValueError(
+            f"{where}: the chat template does not write each assistant message "
+            f"once and in order (got {order} for {k} messages)"
+        )
     ids, mask = [], []
     stop = set(int(s) for s in stop_ids)
     prev_stop = None
@@ -158,10 +183,13 @@ def plain_render(messages: Sequence[Message], add_generation_prompt: bool) -> st
     del add_generation_prompt
     users = [m for m in messages if m["role"] != "assistant"]
     if len(users) != 1 or users[0]["role"] != "user":
-        raise ValueError("conversations with several turns or a system message need a chat "
-                         "template (the tokenizer has none, or regen.chat_template is False)")
+        raise ValueError(
+            "conversations with several turns or a system message need a chat "
+            "template (the tokenizer has none, or regen.chat_template is False)"
+        )
     return users[0]["content"] + "".join(
-        _MARK.format(i) for i in range(sum(m["role"] == "assistant" for m in messages)))
+        _MARK.format(i) for i in range(sum(m["role"] == "assistant" for m in messages))
+    )
 
 
 def template_renderer(model_dir: Optional[str], use_chat_template: bool = True):
@@ -176,7 +204,8 @@ def template_renderer(model_dir: Optional[str], use_chat_template: bool = True):
     variables = prompting.special_tokens(model_dir)
 
     def render(messages, add_generation_prompt):
-        return prompting.render_chat(template, messages, where,
-                                     add_generation_prompt=add_generation_prompt, **variables)
+        return prompting.render_chat(
+            template, messages, where, add_generation_prompt=add_generation_prompt, **variables
+        )
 
     return render, f"chat template of {where}"

@@ -291,9 +291,7 @@ class PackedBatchIterator:
             ids = np.asarray(ids, dtype=np.int32)
             mask = np.asarray(mask, dtype=np.int32)
             if ids.shape != mask.shape or ids.ndim != 1:
-                raise ValueError(
-                    f"tokenize_fn returned mismatched arrays for document {src_idx}"
-                )
+                raise ValueError(f"tokenize_fn returned mismatched arrays for document {src_idx}")
             self._cur = (ids, mask)
         return self._cur
 

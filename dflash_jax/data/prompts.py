@@ -86,9 +86,7 @@ def code_prompts(
                 continue
         lines = _split_lines(text)
         funcs = [
-            n
-            for n in ast.walk(tree)
-            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+            n for n in ast.walk(tree) if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
         ]
         funcs.sort(key=lambda n: n.lineno)
         taken = 0
@@ -188,7 +186,7 @@ def window_prompts(
             if len(ids) < length + 8:
                 continue
             start = int(rng.randint(0, len(ids) - length - 8 + 1))
-            out.append(ids[start:start + length].tolist())
+            out.append(ids[start : start + length].tolist())
             if len(out) >= n:
                 return out
         if len(out) == before:
@@ -197,7 +195,12 @@ def window_prompts(
 
 
 def function_prompts(
-    source: Sequence, tokenizer, n: int, max_len: int, body_lines: int, per_file: int,
+    source: Sequence,
+    tokenizer,
+    n: int,
+    max_len: int,
+    body_lines: int,
+    per_file: int,
     rng: np.random.RandomState,
 ) -> list[list[int]]:
     """Up to n code-completion prompts (the benchmark's kind, see `code_prompts`) from the
@@ -205,8 +208,13 @@ def function_prompts(
     order."""
     if n <= 0:
         return []
-    items = code_prompts((source[i] for i in range(len(source))), prompt_body_lines=body_lines,
-                         reference_lines=1, context_lines=40, max_per_file=per_file)
+    items = code_prompts(
+        (source[i] for i in range(len(source))),
+        prompt_body_lines=body_lines,
+        reference_lines=1,
+        context_lines=40,
+        max_per_file=per_file,
+    )
     out = []
     for i in rng.permutation(len(items))[:n]:
         ids = encode_code_prompt(tokenizer, items[int(i)]["prompt"], max_len)
@@ -216,8 +224,15 @@ def function_prompts(
 
 
 def prompt_pool(
-    source: Sequence, tokenizer, tokenize_fn: Callable, n: int, n_functions: int, length: int,
-    body_lines: int, per_file: int, rng: np.random.RandomState,
+    source: Sequence,
+    tokenizer,
+    tokenize_fn: Callable,
+    n: int,
+    n_functions: int,
+    length: int,
+    body_lines: int,
+    per_file: int,
+    rng: np.random.RandomState,
 ) -> list[list[int]]:
     """n prompts of at most `length` tokens: n_functions code-completion prompts, random
     document windows for the rest, shuffled."""

@@ -84,9 +84,7 @@ class TextTokenizer:
 
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Text of ``ids``; special tokens are kept unless ``skip_special_tokens``."""
-        return self.tokenizer.decode(
-            [int(i) for i in ids], skip_special_tokens=skip_special_tokens
-        )
+        return self.tokenizer.decode([int(i) for i in ids], skip_special_tokens=skip_special_tokens)
 
     def token_to_id(self, token: str) -> int | None:
         return self.tokenizer.token_to_id(token)

@@ -44,13 +44,35 @@ host overhead, perfect overlap inside each step.
 from dflash_jax.dry_run.chips import DEFAULT_TAUS, PROJECTED, TPU_CHIPS, roofline
 from dflash_jax.dry_run.cli import format_report, main, run
 from dflash_jax.dry_run.compiled import collectives, compile_stats
-from dflash_jax.dry_run.presets import (abstract_params, build_configs,
-                                        model_presets, train_config)
+from dflash_jax.dry_run.presets import abstract_params, build_configs, model_presets, train_config
 from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
-from dflash_jax.dry_run.topology import (UsageError, ensure_cpu_devices,
-                                         libtpu_missing, resolve_mesh, topology_devices)
+from dflash_jax.dry_run.topology import (
+    UsageError,
+    ensure_cpu_devices,
+    libtpu_missing,
+    resolve_mesh,
+    topology_devices,
+)
 
-__all__ = ["DEFAULT_TAUS", "PROJECTED", "TPU_CHIPS", "UsageError", "abstract_params",
-           "build_configs", "collectives", "compile_stats", "dry_run_infer", "dry_run_train",
-           "ensure_cpu_devices", "format_report", "libtpu_missing", "main", "model_presets",
-           "resolve_mesh", "roofline", "run", "topology_devices", "train_config"]
+__all__ = [
+    "DEFAULT_TAUS",
+    "PROJECTED",
+    "TPU_CHIPS",
+    "UsageError",
+    "abstract_params",
+    "build_configs",
+    "collectives",
+    "compile_stats",
+    "dry_run_infer",
+    "dry_run_train",
+    "ensure_cpu_devices",
+    "format_report",
+    "libtpu_missing",
+    "main",
+    "model_presets",
+    "resolve_mesh",
+    "roofline",
+    "run",
+    "topology_devices",
+    "train_config",
+]

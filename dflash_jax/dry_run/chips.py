@@ -16,20 +16,46 @@ from typing import Any, Dict, Optional, Sequence
 # v4 and v5p have two TensorCores per chip run as one device (megacore): one JAX device = one
 # chip. `host` is the chips-per-host shape of a full host (v5e/v6e: 8 chips, v4/v5p: 4).
 TPU_CHIPS = {
-    "v4": dict(hbm_bytes=32 * 2 ** 30, bf16_flops=275e12, hbm_bw=1200e9, ici_bw=540e9,
-               host=(2, 2, 1), topology_kw=dict(chip_config_name="megacore")),
-    "v5e": dict(hbm_bytes=16 * 2 ** 30, bf16_flops=197e12, hbm_bw=819e9, ici_bw=400e9,
-                host=(2, 4, 1), topology_kw={}),
-    "v5p": dict(hbm_bytes=95 * 2 ** 30, bf16_flops=459e12, hbm_bw=2765e9, ici_bw=1200e9,
-                host=(2, 2, 1), topology_kw={}),
-    "v6e": dict(hbm_bytes=32 * 2 ** 30, bf16_flops=918e12, hbm_bw=1638e9, ici_bw=800e9,
-                host=(2, 4, 1), topology_kw={}),
+    "v4": dict(
+        hbm_bytes=32 * 2**30,
+        bf16_flops=275e12,
+        hbm_bw=1200e9,
+        ici_bw=540e9,
+        host=(2, 2, 1),
+        topology_kw=dict(chip_config_name="megacore"),
+    ),
+    "v5e": dict(
+        hbm_bytes=16 * 2**30,
+        bf16_flops=197e12,
+        hbm_bw=819e9,
+        ici_bw=400e9,
+        host=(2, 4, 1),
+        topology_kw={},
+    ),
+    "v5p": dict(
+        hbm_bytes=95 * 2**30,
+        bf16_flops=459e12,
+        hbm_bw=2765e9,
+        ici_bw=1200e9,
+        host=(2, 2, 1),
+        topology_kw={},
+    ),
+    "v6e": dict(
+        hbm_bytes=32 * 2**30,
+        bf16_flops=918e12,
+        hbm_bw=1638e9,
+        ici_bw=800e9,
+        host=(2, 4, 1),
+        topology_kw={},
+    ),
 }
 # The published tau for the default --tau: the DFlash paper's Qwen3-8B (greedy, block 16) and
 # the public JAX/TPU port's Qwen3-4B on v5p-8 (3.13x measured at tau 5.42).
 DEFAULT_TAUS = (6.5, 5.4)
-PROJECTED = ("PROJECTED from the compiled programs' cost analysis and published chip figures; "
-             "not measured on a TPU")
+PROJECTED = (
+    "PROJECTED from the compiled programs' cost analysis and published chip figures; "
+    "not measured on a TPU"
+)
 
 
 def chip_public(chip):
@@ -38,8 +64,13 @@ def chip_public(chip):
     return {k: chip[k] for k in ("chip", "hbm_bytes", "bf16_flops", "hbm_bw", "ici_bw")}
 
 
-def roofline(steps: Dict[str, Any], chip: Optional[dict], sizes: Dict[str, int],
-             attention: Sequence[str], taus: Sequence[float] = DEFAULT_TAUS) -> Dict[str, Any]:
+def roofline(
+    steps: Dict[str, Any],
+    chip: Optional[dict],
+    sizes: Dict[str, int],
+    attention: Sequence[str],
+    taus: Sequence[float] = DEFAULT_TAUS,
+) -> Dict[str, Any]:
     """Per-step time projections from one step's FLOPs / bytes / collective bytes (see the
     `dflash_jax.dry_run` docstring) and the chip figures; speedup = tau * t_AR / t_DFlash."""
     out: Dict[str, Any] = {"note": PROJECTED, "steps": steps}
@@ -58,14 +89,21 @@ def roofline(steps: Dict[str, Any], chip: Optional[dict], sizes: Dict[str, int],
             comm = s["collective_moved_bytes"] / chip["ici_bw"]
             # The bound: every weight and the whole (capacity-sized) KV cache read once a step.
             floor = (sizes[f"{kind}_param_bytes"] + sizes[f"{kind}_cache_bytes"]) / chip["hbm_bw"]
-            t[kind] = {"compute_s": compute, "memory_s": memory, "collective_s": comm,
-                       "step_s": max(compute, memory) + comm, "weights_kv_bound_s": floor}
+            t[kind] = {
+                "compute_s": compute,
+                "memory_s": memory,
+                "collective_s": comm,
+                "step_s": max(compute, memory) + comm,
+                "weights_kv_bound_s": floor,
+            }
         if len(t) == 2:
-            t["speedup_at_tau"] = {str(tau): tau * t["ar"]["step_s"] / t["dflash"]["step_s"]
-                                   for tau in taus}
+            t["speedup_at_tau"] = {
+                str(tau): tau * t["ar"]["step_s"] / t["dflash"]["step_s"] for tau in taus
+            }
             t["bound_speedup_at_tau"] = {
                 str(tau): tau * t["ar"]["weights_kv_bound_s"] / t["dflash"]["weights_kv_bound_s"]
-                for tau in taus}
+                for tau in taus
+            }
             proj[impl_name] = t
     out["projection"] = proj
     return out

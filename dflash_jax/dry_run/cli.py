@@ -8,73 +8,97 @@ from typing import Any, Dict, List, Optional, Sequence
 from dflash_jax.dry_run.chips import DEFAULT_TAUS
 from dflash_jax.dry_run.presets import build_configs
 from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
-from dflash_jax.dry_run.topology import (UsageError, ensure_cpu_devices, resolve_mesh,
-                                         topology_devices)
+from dflash_jax.dry_run.topology import (
+    UsageError,
+    ensure_cpu_devices,
+    resolve_mesh,
+    topology_devices,
+)
 
 
 def _gb(n) -> str:
-    return "      -" if n is None else f"{n / 2 ** 30:7.2f}"
+    return "      -" if n is None else f"{n / 2**30:7.2f}"
 
 
 def format_report(r: Dict[str, Any]) -> str:
     """Human lines for one dry-run result."""
     s = r["settings"]
     chip = r["chip"]
-    head = (f"{r['model']} {r['mode']} on {r['topology']} ({r['devices']} devices), mesh "
-            f"[{r['mesh']}], " + (f"batch {s['batch']}, context {s['context']}, "
-                                  f"{s['max_new_tokens']} new tokens, block {s['block_size']}"
-                                  if r["mode"] == "infer" else
-                                  f"batch {s['batch']}x{s['seq_len']}, {s['num_anchors']} "
-                                  f"anchors x block {s['block_size']}"))
-    cap = "" if chip is None else f" (HBM {chip['hbm_bytes'] / 2 ** 30:.0f} GiB per chip)"
-    lines = [head + cap,
-             "  program            args  out-alias  temps  code   TOTAL GiB/dev  fits   "
-             "GFLOP/dev  GB accessed  collective MB (count)"]
+    head = (
+        f"{r['model']} {r['mode']} on {r['topology']} ({r['devices']} devices), mesh "
+        f"[{r['mesh']}], "
+        + (
+            f"batch {s['batch']}, context {s['context']}, "
+            f"{s['max_new_tokens']} new tokens, block {s['block_size']}"
+            if r["mode"] == "infer"
+            else f"batch {s['batch']}x{s['seq_len']}, {s['num_anchors']} "
+            f"anchors x block {s['block_size']}"
+        )
+    )
+    cap = "" if chip is None else f" (HBM {chip['hbm_bytes'] / 2**30:.0f} GiB per chip)"
+    lines = [
+        head + cap,
+        "  program            args  out-alias  temps  code   TOTAL GiB/dev  fits   "
+        "GFLOP/dev  GB accessed  collective MB (count)",
+    ]
     for name, p in r["programs"].items():
         h = p["hbm_bytes"]
         fits = {True: "yes", False: "NO", None: "-"}[p["fits"]]
         if "error" in p:
-            lines.append(f"  {name:17s} does not fit: needs {_gb(h['total']).strip()} GiB, "
-                         f"{_gb(p['hbm_capacity_bytes']).strip()} GiB available "
-                         f"(compiler: {p['error'][:160]})")
+            lines.append(
+                f"  {name:17s} does not fit: needs {_gb(h['total']).strip()} GiB, "
+                f"{_gb(p['hbm_capacity_bytes']).strip()} GiB available "
+                f"(compiler: {p['error'][:160]})"
+            )
             continue
         coll = sum(c["bytes"] * c["count"] for c in p["collectives"]) / 1e6
         ncoll = sum(c["count"] for c in p["collectives"])
-        lines.append(f"  {name:17s}{_gb(h['arguments'])}  {_gb(h['outputs'] - h['aliased'])}"
-                     f"{_gb(h['temporaries'])} {h['generated_code'] / 2 ** 20:5.1f}M "
-                     f"{_gb(h['total'])}       {fits:4s} {p['flops'] / 1e9:10.1f}  "
-                     f"{p['bytes_accessed'] / 1e9:11.2f}  {coll:9.2f} ({ncoll})")
+        lines.append(
+            f"  {name:17s}{_gb(h['arguments'])}  {_gb(h['outputs'] - h['aliased'])}"
+            f"{_gb(h['temporaries'])} {h['generated_code'] / 2**20:5.1f}M "
+            f"{_gb(h['total'])}       {fits:4s} {p['flops'] / 1e9:10.1f}  "
+            f"{p['bytes_accessed'] / 1e9:11.2f}  {coll:9.2f} ({ncoll})"
+        )
     roof = r.get("roofline") or {}
     if roof.get("projection"):
         lines.append("  roofline per step (" + roof["note"] + "):")
         for impl, t in roof["projection"].items():
             for kind in ("ar", "dflash"):
                 k = t[kind]
-                lines.append(f"    {impl:6s} {kind:6s} step {k['step_s'] * 1e3:7.3f} ms = max("
-                             f"compute {k['compute_s'] * 1e3:.3f}, memory "
-                             f"{k['memory_s'] * 1e3:.3f}) + ICI {k['collective_s'] * 1e3:.3f};"
-                             f" weights+KV bound {k['weights_kv_bound_s'] * 1e3:.3f} ms")
+                lines.append(
+                    f"    {impl:6s} {kind:6s} step {k['step_s'] * 1e3:7.3f} ms = max("
+                    f"compute {k['compute_s'] * 1e3:.3f}, memory "
+                    f"{k['memory_s'] * 1e3:.3f}) + ICI {k['collective_s'] * 1e3:.3f};"
+                    f" weights+KV bound {k['weights_kv_bound_s'] * 1e3:.3f} ms"
+                )
             sp = ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in t["speedup_at_tau"].items())
             bd = ", ".join(f"{v:.2f}x" for v in t["bound_speedup_at_tau"].values())
             lines.append(f"    {impl:6s} projected speedup {sp} (weights+KV bound: {bd})")
-        lines.append("  (cost analysis of a decode loop counts its body once plus the "
-                     "once-per-call work outside it; the step figures are two-step-loop minus "
-                     "one-step-loop differences)")
+        lines.append(
+            "  (cost analysis of a decode loop counts its body once plus the "
+            "once-per-call work outside it; the step figures are two-step-loop minus "
+            "one-step-loop differences)"
+        )
     return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------ CLI
 
 
-def run(topology: str = "v5e:2x4", models: Sequence[str] = ("qwen3_8b",), mode: str = "infer",
-        meshes: Optional[Sequence[str]] = None, json_out: Optional[str] = None, **kw):
+def run(
+    topology: str = "v5e:2x4",
+    models: Sequence[str] = ("qwen3_8b",),
+    mode: str = "infer",
+    meshes: Optional[Sequence[str]] = None,
+    json_out: Optional[str] = None,
+    **kw,
+):
     """Dry-runs every (model, mesh) pair on `topology`, printing a report for each; returns
     the results (and writes them to `json_out`: one dict, or a list for several)."""
     devices, chip = topology_devices(topology)
     for model in models:  # bad names fail before any compile
         build_configs(model)
-    meshes = meshes or ([f"tensor={len(devices)}"] if mode == "infer"
-                        else [f"fsdp={len(devices)}"])
+    meshes = meshes or ([f"tensor={len(devices)}"] if mode == "infer" else [f"fsdp={len(devices)}"])
     meshes_ok = [resolve_mesh(mesh, devices) for mesh in meshes]
     fn = dry_run_infer if mode == "infer" else dry_run_train
     results = []
@@ -110,29 +134,54 @@ def _programs(s: str) -> tuple:
 def main(argv=None):
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m dflash_jax.dry_run",
-                                 description="Compiles the real programs for a TPU topology "
-                                 "on this machine (libtpu; no TPU needed).")
-    ap.add_argument("--topology", default="v5e:2x4",
-                    help="v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x4, v5e:4x4, v5p:4x4x4, ... or cpu:8")
-    ap.add_argument("--model", default="qwen3_8b",
-                    help="comma-separated: qwen3_8b, qwen3_4b, llama31_8b, small, or an HF dir")
+    ap = argparse.ArgumentParser(
+        prog="python -m dflash_jax.dry_run",
+        description="Compiles the real programs for a TPU topology "
+        "on this machine (libtpu; no TPU needed).",
+    )
+    ap.add_argument(
+        "--topology",
+        default="v5e:2x4",
+        help="v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x4, v5e:4x4, v5p:4x4x4, ... or cpu:8",
+    )
+    ap.add_argument(
+        "--model",
+        default="qwen3_8b",
+        help="comma-separated: qwen3_8b, qwen3_4b, llama31_8b, small, or an HF dir",
+    )
     ap.add_argument("--mode", default="infer", choices=("infer", "train"))
-    ap.add_argument("--mesh", default="", help="';'-separated meshes, e.g. 'tensor=8;data=2,"
-                    "tensor=4' (default: tensor=N for infer, fsdp=N for train)")
+    ap.add_argument(
+        "--mesh",
+        default="",
+        help="';'-separated meshes, e.g. 'tensor=8;data=2,"
+        "tensor=4' (default: tensor=N for infer, fsdp=N for train)",
+    )
     ap.add_argument("--batch", type=int, default=None)
     ap.add_argument("--context", type=int, default=4096, help="infer: prompt tokens")
     ap.add_argument("--max_new_tokens", type=int, default=256)
     ap.add_argument("--block_size", type=int, default=None)
-    ap.add_argument("--attention", default="pallas",
-                    help="infer: comma-separated attention impls to compile (pallas, xla); "
-                    "train: the one the step uses (pallas: the fused kernel, per shard)")
-    ap.add_argument("--programs", default="prefill,dflash_decode,ar_decode",
-                    help="infer: which of prefill, dflash_decode, ar_decode to compile")
-    ap.add_argument("--prefill_chunk", type=int, default=None,
-                    help="infer: prefill chunk (default decoding.Plan's; 0: one pass)")
-    ap.add_argument("--tau", default=",".join(map(str, DEFAULT_TAUS)),
-                    help="roofline: acceptance lengths for the projected speedup")
+    ap.add_argument(
+        "--attention",
+        default="pallas",
+        help="infer: comma-separated attention impls to compile (pallas, xla); "
+        "train: the one the step uses (pallas: the fused kernel, per shard)",
+    )
+    ap.add_argument(
+        "--programs",
+        default="prefill,dflash_decode,ar_decode",
+        help="infer: which of prefill, dflash_decode, ar_decode to compile",
+    )
+    ap.add_argument(
+        "--prefill_chunk",
+        type=int,
+        default=None,
+        help="infer: prefill chunk (default decoding.Plan's; 0: one pass)",
+    )
+    ap.add_argument(
+        "--tau",
+        default=",".join(map(str, DEFAULT_TAUS)),
+        help="roofline: acceptance lengths for the projected speedup",
+    )
     ap.add_argument("--seq_len", type=int, default=3072, help="train: sequence length")
     ap.add_argument("--num_anchors", type=int, default=512)
     ap.add_argument("--loss_chunk_anchors", type=int, default=0)
@@ -143,19 +192,30 @@ def main(argv=None):
             ensure_cpu_devices(int(args.topology.partition(":")[2] or 8))
         meshes = [m for m in args.mesh.split(";") if m.strip()] or None
         if args.mode == "infer":
-            kw = dict(batch=args.batch or 1, context=args.context,
-                      max_new_tokens=args.max_new_tokens, block_size=args.block_size,
-                      attention=tuple(a.strip() for a in args.attention.split(",")),
-                      taus=tuple(_floats(args.tau)), prefill_chunk=args.prefill_chunk,
-                      only=_programs(args.programs))
+            kw = dict(
+                batch=args.batch or 1,
+                context=args.context,
+                max_new_tokens=args.max_new_tokens,
+                block_size=args.block_size,
+                attention=tuple(a.strip() for a in args.attention.split(",")),
+                taus=tuple(_floats(args.tau)),
+                prefill_chunk=args.prefill_chunk,
+                only=_programs(args.programs),
+            )
         else:
             impl = args.attention.split(",")[0].strip()
             if impl not in ("pallas", "xla"):
                 raise UsageError(f"--attention for --mode=train: pallas or xla, got {impl!r}")
-            kw = dict(batch=args.batch or 8, seq_len=args.seq_len, num_anchors=args.num_anchors,
-                      loss_chunk_anchors=args.loss_chunk_anchors, attention_impl=impl)
-        return run(args.topology, args.model.split(","), args.mode, meshes,
-                   args.json_out or None, **kw)
+            kw = dict(
+                batch=args.batch or 8,
+                seq_len=args.seq_len,
+                num_anchors=args.num_anchors,
+                loss_chunk_anchors=args.loss_chunk_anchors,
+                attention_impl=impl,
+            )
+        return run(
+            args.topology, args.model.split(","), args.mode, meshes, args.json_out or None, **kw
+        )
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -9,12 +9,28 @@ import time
 from typing import Any, Dict, List, Optional
 
 
-_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "bf16": 2, "f16": 2,
-                "s32": 4, "u32": 4, "f32": 4, "s64": 8, "u64": 8, "f64": 8,
-                "f8e4m3fn": 1, "f8e5m2": 1}
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "bf16": 2,
+    "f16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "f8e4m3fn": 1,
+    "f8e5m2": 1,
+}
 _ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\]")
-_COLLECTIVE = re.compile(r"=\s*(\(.*?\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
-                         r"collective-permute|collective-broadcast)(-start)?\(")
+_COLLECTIVE = re.compile(
+    r"=\s*(\(.*?\)|\S+)\s+(all-reduce|all-gather|reduce-scatter|all-to-all|"
+    r"collective-permute|collective-broadcast)(-start)?\("
+)
 
 
 def _shapes(text: str) -> List[int]:
@@ -54,7 +70,7 @@ def collectives(hlo_text: str) -> List[Dict[str, Any]]:
         if not sizes:
             continue
         if start and op in ("all-gather", "collective-permute") and len(sizes) >= 2:
-            nbytes = sizes[1] if op == "collective-permute" else sum(sizes[len(sizes) // 2:])
+            nbytes = sizes[1] if op == "collective-permute" else sum(sizes[len(sizes) // 2 :])
         elif start and op in ("all-gather", "reduce-scatter", "all-to-all"):
             nbytes = max(sizes)
         else:
@@ -64,8 +80,9 @@ def collectives(hlo_text: str) -> List[Dict[str, Any]]:
         if n and op != "collective-permute":
             factor *= (n - 1) / n
         key = (op, nbytes, n)
-        g = groups.setdefault(key, dict(op=op, bytes=nbytes, group_size=n, count=0,
-                                        moved_bytes=0.0))
+        g = groups.setdefault(
+            key, dict(op=op, bytes=nbytes, group_size=n, count=0, moved_bytes=0.0)
+        )
         g["count"] += 1
         g["moved_bytes"] += factor * nbytes
     return sorted(groups.values(), key=lambda g: -g["moved_bytes"])
@@ -73,7 +90,7 @@ def collectives(hlo_text: str) -> List[Dict[str, Any]]:
 
 def _hbm_numbers(message: str) -> Dict[str, float]:
     """Byte figures the TPU compiler's RESOURCE_EXHAUSTED message gives (used / available)."""
-    unit = {"": 1, "K": 2 ** 10, "M": 2 ** 20, "G": 2 ** 30, "T": 2 ** 40}
+    unit = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
     num = lambda v, u: float(v) * unit[u.upper()[:1] if u else ""]
     out = {}
     m = re.search(r"Used ([\d.]+)([KMGT]?)\S* of ([\d.]+)([KMGT]?)\S* hbm", message)
@@ -97,33 +114,49 @@ def compile_stats(lower_fn, capacity: Optional[int]) -> Dict[str, Any]:
         if "RESOURCE_EXHAUSTED" not in msg and "Ran out of memory" not in msg:
             raise
         nums = _hbm_numbers(msg)
-        return {"fits": False, "hbm_bytes": {"total": nums.get("required")},
-                "hbm_capacity_bytes": nums.get("available", capacity), "flops": None,
-                "bytes_accessed": None, "collectives": [],
-                "compile_s": time.perf_counter() - t0,
-                "error": " ".join(msg.split())[:600]}
+        return {
+            "fits": False,
+            "hbm_bytes": {"total": nums.get("required")},
+            "hbm_capacity_bytes": nums.get("available", capacity),
+            "flops": None,
+            "bytes_accessed": None,
+            "collectives": [],
+            "compile_s": time.perf_counter() - t0,
+            "error": " ".join(msg.split())[:600],
+        }
     compile_s = time.perf_counter() - t0
     mem = compiled.memory_analysis()
     cost = compiled.cost_analysis()
     if isinstance(cost, (list, tuple)):
         cost = cost[0] if cost else {}
     cost = cost or {}
-    hbm = {"arguments": int(mem.argument_size_in_bytes),
-           "outputs": int(mem.output_size_in_bytes),
-           "aliased": int(mem.alias_size_in_bytes),
-           "temporaries": int(mem.temp_size_in_bytes),
-           "generated_code": int(mem.generated_code_size_in_bytes)}
+    hbm = {
+        "arguments": int(mem.argument_size_in_bytes),
+        "outputs": int(mem.output_size_in_bytes),
+        "aliased": int(mem.alias_size_in_bytes),
+        "temporaries": int(mem.temp_size_in_bytes),
+        "generated_code": int(mem.generated_code_size_in_bytes),
+    }
     # Live at the peak: inputs, outputs not aliased to (donated) inputs, scratch, code.
-    hbm["total"] = (hbm["arguments"] + hbm["outputs"] - hbm["aliased"] + hbm["temporaries"]
-                    + hbm["generated_code"])
+    hbm["total"] = (
+        hbm["arguments"]
+        + hbm["outputs"]
+        - hbm["aliased"]
+        + hbm["temporaries"]
+        + hbm["generated_code"]
+    )
     text = compiled.as_text()
-    return {"fits": None if capacity is None else hbm["total"] <= capacity,
-            "hbm_bytes": hbm, "hbm_capacity_bytes": capacity,
-            "flops": float(cost.get("flops", 0.0)),
-            "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-            "collectives": collectives(text), "compile_s": compile_s,
-            # Compiled Pallas kernels (Mosaic custom calls) in the program.
-            "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"')}
+    return {
+        "fits": None if capacity is None else hbm["total"] <= capacity,
+        "hbm_bytes": hbm,
+        "hbm_capacity_bytes": capacity,
+        "flops": float(cost.get("flops", 0.0)),
+        "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+        "collectives": collectives(text),
+        "compile_s": compile_s,
+        # Compiled Pallas kernels (Mosaic custom calls) in the program.
+        "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
+    }
 
 
 def tree_bytes_per_device(tree, shardings) -> int:
@@ -141,8 +174,9 @@ def tree_bytes(tree) -> int:
     import jax
     import numpy as np
 
-    return sum(math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize
-               for x in jax.tree_util.tree_leaves(tree))
+    return sum(
+        math.prod(np.shape(x)) * np.dtype(x.dtype).itemsize for x in jax.tree_util.tree_leaves(tree)
+    )
 
 
 def moved_bytes(stats) -> float:

@@ -16,41 +16,108 @@ def model_presets():
     from dflash_jax.config import ModelConfig
 
     bf16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    llama_scaling = tuple(sorted({"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
-                                  "high_freq_factor": 4.0,
-                                  "original_max_position_embeddings": 8192}.items()))
+    llama_scaling = tuple(
+        sorted(
+            {
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 8192,
+            }.items()
+        )
+    )
     return {
-        "qwen3_8b": (ModelConfig(vocab_size=151936, hidden_size=4096, intermediate_size=12288,
-                                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                                 tie_word_embeddings=False, max_position_embeddings=40960,
-                                 **bf16),
-                     dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669)),
-        "qwen3_4b": (ModelConfig(vocab_size=151936, hidden_size=2560, intermediate_size=9728,
-                                 num_layers=36, num_heads=32, num_kv_heads=8, head_dim=128,
-                                 tie_word_embeddings=True, max_position_embeddings=40960,
-                                 **bf16),
-                     dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669)),
-        "llama31_8b": (ModelConfig(arch="llama", vocab_size=128256, hidden_size=4096,
-                                   intermediate_size=14336, num_layers=32, num_heads=32,
-                                   num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
-                                   rope_theta=500000.0, rope_scaling=llama_scaling,
-                                   qk_norm=False, tie_word_embeddings=False,
-                                   max_position_embeddings=131072, **bf16),
-                       dict(num_layers=5, num_taps=5, block_size=10, mask_token_id=128002)),
+        "qwen3_8b": (
+            ModelConfig(
+                vocab_size=151936,
+                hidden_size=4096,
+                intermediate_size=12288,
+                num_layers=36,
+                num_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+                tie_word_embeddings=False,
+                max_position_embeddings=40960,
+                **bf16,
+            ),
+            dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669),
+        ),
+        "qwen3_4b": (
+            ModelConfig(
+                vocab_size=151936,
+                hidden_size=2560,
+                intermediate_size=9728,
+                num_layers=36,
+                num_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+                tie_word_embeddings=True,
+                max_position_embeddings=40960,
+                **bf16,
+            ),
+            dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669),
+        ),
+        "llama31_8b": (
+            ModelConfig(
+                arch="llama",
+                vocab_size=128256,
+                hidden_size=4096,
+                intermediate_size=14336,
+                num_layers=32,
+                num_heads=32,
+                num_kv_heads=8,
+                head_dim=128,
+                rms_norm_eps=1e-5,
+                rope_theta=500000.0,
+                rope_scaling=llama_scaling,
+                qk_norm=False,
+                tie_word_embeddings=False,
+                max_position_embeddings=131072,
+                **bf16,
+            ),
+            dict(num_layers=5, num_taps=5, block_size=10, mask_token_id=128002),
+        ),
         # An 8B-shaped model scaled down (widths / 8, 2 layers) for tests.
-        "small": (ModelConfig(vocab_size=19008, hidden_size=512, intermediate_size=1536,
-                              num_layers=2, num_heads=16, num_kv_heads=8, head_dim=32,
-                              tie_word_embeddings=False, max_position_embeddings=40960,
-                              **bf16),
-                  dict(num_layers=1, num_taps=2, block_size=16, mask_token_id=19000,
-                       target_layer_ids=(0, 1))),
+        "small": (
+            ModelConfig(
+                vocab_size=19008,
+                hidden_size=512,
+                intermediate_size=1536,
+                num_layers=2,
+                num_heads=16,
+                num_kv_heads=8,
+                head_dim=32,
+                tie_word_embeddings=False,
+                max_position_embeddings=40960,
+                **bf16,
+            ),
+            dict(
+                num_layers=1,
+                num_taps=2,
+                block_size=16,
+                mask_token_id=19000,
+                target_layer_ids=(0, 1),
+            ),
+        ),
         # Smaller still, with the 8B head shapes (head_dim 128, 8 KV heads): compile tests.
-        "tiny": (ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=512,
-                             num_layers=2, num_heads=16, num_kv_heads=8, head_dim=128,
-                             tie_word_embeddings=False, max_position_embeddings=40960,
-                             **bf16),
-                 dict(num_layers=1, num_taps=2, block_size=16, mask_token_id=2000,
-                      target_layer_ids=(0, 1))),
+        "tiny": (
+            ModelConfig(
+                vocab_size=2048,
+                hidden_size=256,
+                intermediate_size=512,
+                num_layers=2,
+                num_heads=16,
+                num_kv_heads=8,
+                head_dim=128,
+                tie_word_embeddings=False,
+                max_position_embeddings=40960,
+                **bf16,
+            ),
+            dict(
+                num_layers=1, num_taps=2, block_size=16, mask_token_id=2000, target_layer_ids=(0, 1)
+            ),
+        ),
     }
 
 
@@ -70,8 +137,10 @@ def build_configs(model: str, dtype: Optional[str] = None):
             tcfg = ModelConfig.from_hf(json.load(f), dtype=dtype or "bfloat16")
         return tcfg, make_drafter_config(tcfg)
     if model not in presets:
-        raise UsageError(f"unknown model {model!r}: use one of {sorted(presets)} or a Hugging "
-                         "Face model directory (with config.json)")
+        raise UsageError(
+            f"unknown model {model!r}: use one of {sorted(presets)} or a Hugging "
+            "Face model directory (with config.json)"
+        )
     tcfg, dkw = presets[model]
     if dtype is not None:
         tcfg = tcfg.replace(dtype=as_dtype(dtype), param_dtype=as_dtype(dtype))
@@ -85,12 +154,19 @@ def abstract_params(tcfg, dcfg):
     from dflash_jax.drafter import init_drafter_params
     from dflash_jax.model import init_params
 
-    return (jax.eval_shape(lambda: init_params(tcfg)),
-            jax.eval_shape(lambda: init_drafter_params(dcfg)))
+    return (
+        jax.eval_shape(lambda: init_params(tcfg)),
+        jax.eval_shape(lambda: init_drafter_params(dcfg)),
+    )
 
 
-def train_config(batch: int = 8, seq_len: int = 3072, num_anchors: int = 512,
-                 loss_chunk_anchors: int = 0, attention_impl: str = "xla"):
+def train_config(
+    batch: int = 8,
+    seq_len: int = 3072,
+    num_anchors: int = 512,
+    loss_chunk_anchors: int = 0,
+    attention_impl: str = "xla",
+):
     """The trainer's config (the paper recipe's defaults) with these data/recipe settings."""
     from configs.default import get_config as default_config
 

@@ -6,8 +6,12 @@ from __future__ import annotations
 from typing import Any, Dict, Optional, Sequence, Union
 
 from dflash_jax.dry_run.chips import DEFAULT_TAUS, chip_public, roofline
-from dflash_jax.dry_run.compiled import (compile_stats, moved_bytes, tree_bytes,
-                                         tree_bytes_per_device)
+from dflash_jax.dry_run.compiled import (
+    compile_stats,
+    moved_bytes,
+    tree_bytes,
+    tree_bytes_per_device,
+)
 from dflash_jax.dry_run.presets import abstract_params, build_configs, train_config
 from dflash_jax.dry_run.topology import platform_name, resolve_mesh
 
@@ -34,14 +38,23 @@ def _loop_program(tmod, dmod, plan, reps: int):
     return run
 
 
-def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor=8",
-                  batch: int = 1, context: int = 4096, max_new_tokens: int = 256,
-                  block_size: Optional[int] = None, dtype: Optional[str] = None,
-                  devices=None, chip: Optional[dict] = None,
-                  attention: Sequence[str] = ("pallas",), step_costs: bool = True,
-                  prefill_chunk: Optional[int] = None, topology: str = "",
-                  taus: Sequence[float] = DEFAULT_TAUS,
-                  only: Optional[Sequence[str]] = None) -> Dict[str, Any]:
+def dry_run_infer(
+    model: str = "qwen3_8b",
+    mesh: Union[str, dict, Any] = "tensor=8",
+    batch: int = 1,
+    context: int = 4096,
+    max_new_tokens: int = 256,
+    block_size: Optional[int] = None,
+    dtype: Optional[str] = None,
+    devices=None,
+    chip: Optional[dict] = None,
+    attention: Sequence[str] = ("pallas",),
+    step_costs: bool = True,
+    prefill_chunk: Optional[int] = None,
+    topology: str = "",
+    taus: Sequence[float] = DEFAULT_TAUS,
+    only: Optional[Sequence[str]] = None,
+) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
     attention implementation in `attention`, and, with `step_costs`, one step of each decode
@@ -81,7 +94,8 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
             dmod = DFlashDrafter(dcfg) if kind == "dflash" else None
             dp = dparams if kind == "dflash" else None
             prefill_jit, decode_jit, sh = decoding.generate_programs(
-                tmod, dmod, plan, capacity, n_buf, m, tparams, dp, batch, p_pad)
+                tmod, dmod, plan, capacity, n_buf, m, tparams, dp, batch, p_pad
+            )
             tp_a = sharding.with_shardings(tparams, sh["tparams"])
             dp_a = None if dp is None else sharding.with_shardings(dp, sh["dparams"])
             ids, lens, max_new, key = sh["arg_shapes"]
@@ -94,16 +108,19 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
                 if kind == "dflash" and "prefill" in want:
                     programs["prefill" + suffix] = compile_stats(
                         lambda: prefill_jit.lower(tp_a, dp_a, ids, lens, max_new, key),
-                        capacity_bytes)
+                        capacity_bytes,
+                    )
                 if f"{kind}_decode" not in want:
                     continue
-                loop = compile_stats(lambda: decode_jit.lower(tp_a, dp_a, state),
-                                     capacity_bytes)
+                loop = compile_stats(lambda: decode_jit.lower(tp_a, dp_a, state), capacity_bytes)
                 programs[f"{kind}_decode" + suffix] = loop
                 if step_costs and chip is not None and loop["flops"] is not None:
-                    twice = jax.jit(_loop_program(tmod, dmod, plan, 2),
-                                    in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
-                                    out_shardings=sh["state"], donate_argnums=(2,))
+                    twice = jax.jit(
+                        _loop_program(tmod, dmod, plan, 2),
+                        in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
+                        out_shardings=sh["state"],
+                        donate_argnums=(2,),
+                    )
                     two = compile_stats(lambda: twice.lower(tp_a, dp_a, state), None)
                     steps[f"{kind}_step" + suffix] = {
                         "flops": two["flops"] - loop["flops"],
@@ -111,32 +128,55 @@ def dry_run_infer(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "tensor
                         "collective_moved_bytes": moved_bytes(two) - moved_bytes(loop),
                         "collectives_per_step": sum(c["count"] for c in two["collectives"])
                         - sum(c["count"] for c in loop["collectives"]),
-                        "loop_flops": loop["flops"]}
+                        "loop_flops": loop["flops"],
+                    }
             if impl_name == attention[0]:
                 st = sh["state_shape"]
                 caches = [st.cache] + ([st.ctx] if st.ctx is not None else [])
                 sizes[f"{kind}_cache_bytes"] = sum(
-                    tree_bytes_per_device(c, sharding.cache_sharding(c, m)) for c in caches)
-                sizes[f"{kind}_param_bytes"] = tree_bytes_per_device(tparams, sh["tparams"]) \
-                    + (0 if dp is None else tree_bytes_per_device(dp, sh["dparams"]))
-    result = {"topology": topology or platform_name(m), "model": model, "mode": "infer",
-              "mesh": sharding.mesh_str(m), "devices": int(m.size),
-              "chip": chip_public(chip),
-              "settings": {"batch": batch, "context": context, "prompt_pad": p_pad,
-                           "max_new_tokens": max_new_tokens, "block_size": bs,
-                           "attention": list(attention)},
-              "sizes": sizes, "programs": programs,
-              "param_bytes_total": tree_bytes(tparams) + tree_bytes(dparams),
-              "backend": jax.default_backend()}
+                    tree_bytes_per_device(c, sharding.cache_sharding(c, m)) for c in caches
+                )
+                sizes[f"{kind}_param_bytes"] = tree_bytes_per_device(tparams, sh["tparams"]) + (
+                    0 if dp is None else tree_bytes_per_device(dp, sh["dparams"])
+                )
+    result = {
+        "topology": topology or platform_name(m),
+        "model": model,
+        "mode": "infer",
+        "mesh": sharding.mesh_str(m),
+        "devices": int(m.size),
+        "chip": chip_public(chip),
+        "settings": {
+            "batch": batch,
+            "context": context,
+            "prompt_pad": p_pad,
+            "max_new_tokens": max_new_tokens,
+            "block_size": bs,
+            "attention": list(attention),
+        },
+        "sizes": sizes,
+        "programs": programs,
+        "param_bytes_total": tree_bytes(tparams) + tree_bytes(dparams),
+        "backend": jax.default_backend(),
+    }
     result["roofline"] = roofline(steps, chip, sizes, attention, taus) if steps else {}
     return result
 
 
-def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8",
-                  batch: int = 8, seq_len: int = 3072, num_anchors: int = 512,
-                  dtype: Optional[str] = None, devices=None, chip: Optional[dict] = None,
-                  loss_chunk_anchors: int = 0, attention_impl: str = "xla", config=None,
-                  topology: str = "") -> Dict[str, Any]:
+def dry_run_train(
+    model: str = "qwen3_8b",
+    mesh: Union[str, dict, Any] = "fsdp=8",
+    batch: int = 8,
+    seq_len: int = 3072,
+    num_anchors: int = 512,
+    dtype: Optional[str] = None,
+    devices=None,
+    chip: Optional[dict] = None,
+    loss_chunk_anchors: int = 0,
+    attention_impl: str = "xla",
+    config=None,
+    topology: str = "",
+) -> Dict[str, Any]:
     """Compiles the trainer's own step (`make_train_step` with `train_shardings` and
     `drafter_loss_fn`) for `model` on `mesh`: global `batch` sequences of `seq_len`, the
     recipe of `config` (default: configs/default.py with these settings). Drafter weights
@@ -160,33 +200,59 @@ def dry_run_train(model: str = "qwen3_8b", mesh: Union[str, dict, Any] = "fsdp=8
     tparams, dparams = abstract_params(tcfg, dcfg)
     tmod, dmod = Transformer(tcfg, "xla"), DFlashDrafter(dcfg)
     optimizer = trainer.make_optimizer(config, 10000)[0]
-    state = trainer.TrainState(step=jax.ShapeDtypeStruct((), jnp.int32), params=dparams,
-                               opt_state=jax.eval_shape(optimizer.init, dparams),
-                               rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)))
+    state = trainer.TrainState(
+        step=jax.ShapeDtypeStruct((), jnp.int32),
+        params=dparams,
+        opt_state=jax.eval_shape(optimizer.init, dparams),
+        rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)),
+    )
     state_sh, frozen_sh, batch_sh = trainer.train_shardings(
-        m, "drafter", state, tparams, tcfg.head_dim, dcfg.body.head_dim)
-    step = trainer.make_train_step(trainer.drafter_loss_fn(config, tmod, dmod), optimizer, m,
-                                   (state_sh, frozen_sh, batch_sh), donate=True)
-    batch_shapes = {"input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-                    "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
-                    "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32)}
-    args = (sharding.with_shardings(state, state_sh),
-            sharding.with_shardings(tparams, frozen_sh),
-            jax.tree_util.tree_map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                                  sharding=batch_sh),
-                                   batch_shapes))
+        m, "drafter", state, tparams, tcfg.head_dim, dcfg.body.head_dim
+    )
+    step = trainer.make_train_step(
+        trainer.drafter_loss_fn(config, tmod, dmod),
+        optimizer,
+        m,
+        (state_sh, frozen_sh, batch_sh),
+        donate=True,
+    )
+    batch_shapes = {
+        "input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
+        "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+    }
+    args = (
+        sharding.with_shardings(state, state_sh),
+        sharding.with_shardings(tparams, frozen_sh),
+        jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sh), batch_shapes
+        ),
+    )
     with sharding.compiling_for(m):
         stats = compile_stats(lambda: step.lower(*args), capacity_bytes)
-    return {"topology": topology or platform_name(m), "model": model, "mode": "train",
-            "mesh": sharding.mesh_str(m), "devices": int(m.size), "chip": chip_public(chip),
-            "settings": {"batch": batch, "seq_len": seq_len, "num_anchors": config.num_anchors,
-                         "block_size": dcfg.block_size,
-                         "loss_chunk_anchors": config.loss_chunk_anchors,
-                         "attention": config.attention_impl},
-            "sizes": {"param_bytes": tree_bytes_per_device(tparams, frozen_sh)
-                      + tree_bytes_per_device(dparams, state_sh.params),
-                      "opt_bytes": tree_bytes_per_device(state.opt_state, state_sh.opt_state),
-                      "param_bytes_total": tree_bytes(tparams) + tree_bytes(dparams),
-                      "opt_bytes_total": tree_bytes(state.opt_state)},
-            "programs": {"train_step": stats}, "roofline": {},
-            "backend": jax.default_backend()}
+    return {
+        "topology": topology or platform_name(m),
+        "model": model,
+        "mode": "train",
+        "mesh": sharding.mesh_str(m),
+        "devices": int(m.size),
+        "chip": chip_public(chip),
+        "settings": {
+            "batch": batch,
+            "seq_len": seq_len,
+            "num_anchors": config.num_anchors,
+            "block_size": dcfg.block_size,
+            "loss_chunk_anchors": config.loss_chunk_anchors,
+            "attention": config.attention_impl,
+        },
+        "sizes": {
+            "param_bytes": tree_bytes_per_device(tparams, frozen_sh)
+            + tree_bytes_per_device(dparams, state_sh.params),
+            "opt_bytes": tree_bytes_per_device(state.opt_state, state_sh.opt_state),
+            "param_bytes_total": tree_bytes(tparams) + tree_bytes(dparams),
+            "opt_bytes_total": tree_bytes(state.opt_state),
+        },
+        "programs": {"train_step": stats},
+        "roofline": {},
+        "backend": jax.default_backend(),
+    }

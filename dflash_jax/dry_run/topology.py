@@ -21,8 +21,7 @@ def ensure_cpu_devices(n: int = 8) -> None:
     import jax
 
     try:
-        if jax.config.jax_num_cpu_devices in (-1, None) or \
-                jax.config.jax_num_cpu_devices < n:
+        if jax.config.jax_num_cpu_devices in (-1, None) or jax.config.jax_num_cpu_devices < n:
             jax.config.update("jax_num_cpu_devices", n)
     except Exception:  # backends already up: the caller must have set XLA_FLAGS
         pass
@@ -42,19 +41,25 @@ def topology_devices(topology: str):
         n = int(shape or 8)
         devices = jax.devices("cpu")
         if len(devices) < n:
-            raise UsageError(f"topology {topology!r} needs {n} CPU devices but JAX has "
-                             f"{len(devices)}: start Python with XLA_FLAGS="
-                             f"--xla_force_host_platform_device_count={n}")
+            raise UsageError(
+                f"topology {topology!r} needs {n} CPU devices but JAX has "
+                f"{len(devices)}: start Python with XLA_FLAGS="
+                f"--xla_force_host_platform_device_count={n}"
+            )
         return devices[:n], None
     if chip not in TPU_CHIPS or not re.fullmatch(r"\d+(x\d+){1,2}", shape):
-        raise UsageError(f"unknown topology {topology!r}: use <chip>:<shape> with chip one of "
-                         f"{sorted(TPU_CHIPS)} (e.g. v5e:2x4, v6e:2x4, v4:2x2x1, v5p:2x2x1, "
-                         "v5p:4x4x4), or cpu:8")
+        raise UsageError(
+            f"unknown topology {topology!r}: use <chip>:<shape> with chip one of "
+            f"{sorted(TPU_CHIPS)} (e.g. v5e:2x4, v6e:2x4, v4:2x2x1, v5p:2x2x1, "
+            "v5p:4x4x4), or cpu:8"
+        )
     if libtpu_missing():
         import jax as _jax
 
-        raise UsageError(f"compiling for {topology} needs libtpu: pip install "
-                         f"\"jax[tpu]=={_jax.__version__}\" (compile-only; no TPU needed)")
+        raise UsageError(
+            f"compiling for {topology} needs libtpu: pip install "
+            f'"jax[tpu]=={_jax.__version__}" (compile-only; no TPU needed)'
+        )
     # Compile-only clients in several processes at once (parallel tests, other users): libtpu's
     # lockfile is for processes that own a real TPU.
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
@@ -64,12 +69,16 @@ def topology_devices(topology: str):
     spec = TPU_CHIPS[chip]
     host = tuple(min(h, d) for h, d in zip(spec["host"], dims[:3]))
     try:
-        topo = topologies.get_topology_desc(platform="tpu", topology_name=topology,
-                                            chips_per_host_bounds=host,
-                                            **spec["topology_kw"])
+        topo = topologies.get_topology_desc(
+            platform="tpu",
+            topology_name=topology,
+            chips_per_host_bounds=host,
+            **spec["topology_kw"],
+        )
     except Exception as e:  # e.g. a shape the chip does not come in
-        raise UsageError(f"topology {topology!r} rejected by libtpu: "
-                         f"{str(e).splitlines()[0][:200]}") from None
+        raise UsageError(
+            f"topology {topology!r} rejected by libtpu: {str(e).splitlines()[0][:200]}"
+        ) from None
     return list(topo.devices), dict(spec, chip=chip)
 
 
@@ -93,14 +102,17 @@ def resolve_mesh(mesh: Union[str, dict, Any], devices=None):
             raise UsageError(
                 f"mesh {mesh!r} needs {n} devices but JAX sees {len(devices)}. For a dry run "
                 "on CPU start Python with XLA_FLAGS=--xla_force_host_platform_device_count=8 "
-                "(or call dflash_jax.dry_run.ensure_cpu_devices(8) before any other JAX call).")
+                "(or call dflash_jax.dry_run.ensure_cpu_devices(8) before any other JAX call)."
+            )
         if -1 not in spec.values():
             devices = devices[:n]
     try:
         return sharding.make_mesh(**spec, devices=devices)
     except ValueError as e:
-        raise UsageError(f"mesh {mesh!r} does not match the {len(devices)} devices of the "
-                         f"topology ({e}); e.g. --mesh=tensor={len(devices)}") from None
+        raise UsageError(
+            f"mesh {mesh!r} does not match the {len(devices)} devices of the "
+            f"topology ({e}); e.g. --mesh=tensor={len(devices)}"
+        ) from None
 
 
 def platform_name(mesh) -> str:

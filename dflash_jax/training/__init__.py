@@ -22,5 +22,15 @@ def __getattr__(name):  # the trainer pulls in orbax / data: import it on first 
     raise AttributeError(name)
 
 
-__all__ = ["DrafterRecipe", "drafter_loss", "masks", "target_loss", "train_and_evaluate",
-           "TrainState", "make_optimizer", "make_train_step", "Experiment", "build_experiment"]
+__all__ = [
+    "DrafterRecipe",
+    "drafter_loss",
+    "masks",
+    "target_loss",
+    "train_and_evaluate",
+    "TrainState",
+    "make_optimizer",
+    "make_train_step",
+    "Experiment",
+    "build_experiment",
+]

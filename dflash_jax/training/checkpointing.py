@@ -34,22 +34,30 @@ def tree_shapes(tree) -> Dict[str, tuple]:
     """{"params.layers_0.attn.q_proj.kernel": shape, ...} for a pytree of arrays, abstract
     arrays, or Orbax array metadata (the names Orbax stores)."""
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
-    return {".".join(_key_name(k) for k in path): tuple(getattr(x, "shape", ()))
-            for path, x in leaves}
+    return {
+        ".".join(_key_name(k) for k in path): tuple(getattr(x, "shape", ())) for path, x in leaves
+    }
 
 
 def shape_differences(saved: Dict[str, tuple], expected: Dict[str, tuple]) -> List[str]:
     """What differs between a checkpoint's names/shapes and the config's, as short phrases."""
-    out = [f"{k}: checkpoint {saved[k]} vs config {expected[k]}"
-           for k in sorted(saved.keys() & expected.keys()) if saved[k] != expected[k]]
+    out = [
+        f"{k}: checkpoint {saved[k]} vs config {expected[k]}"
+        for k in sorted(saved.keys() & expected.keys())
+        if saved[k] != expected[k]
+    ]
     only_saved = sorted(saved.keys() - expected.keys())
     only_cfg = sorted(expected.keys() - saved.keys())
     if only_saved:
-        out.append(f"{len(only_saved)} key(s) only in the checkpoint ({', '.join(only_saved[:3])}"
-                   f"{', ...' if len(only_saved) > 3 else ''})")
+        out.append(
+            f"{len(only_saved)} key(s) only in the checkpoint ({', '.join(only_saved[:3])}"
+            f"{', ...' if len(only_saved) > 3 else ''})"
+        )
     if only_cfg:
-        out.append(f"{len(only_cfg)} key(s) only in the config ({', '.join(only_cfg[:3])}"
-                   f"{', ...' if len(only_cfg) > 3 else ''})")
+        out.append(
+            f"{len(only_cfg)} key(s) only in the config ({', '.join(only_cfg[:3])}"
+            f"{', ...' if len(only_cfg) > 3 else ''})"
+        )
     return out
 
 
@@ -72,19 +80,26 @@ class Checkpointer:
         self.keep = max(1, int(keep))
         self.corrupt: Set[int] = set()
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=None, save_interval_steps=1, enable_async_checkpointing=async_save,
-            create=True)
+            max_to_keep=None,
+            save_interval_steps=1,
+            enable_async_checkpointing=async_save,
+            create=True,
+        )
         # Handlers named up front so that a checkpoint's metadata can be read before restoring.
         self.manager = ocp.CheckpointManager(
-            self.directory, options=options,
-            item_handlers={"state": ocp.StandardCheckpointHandler(),
-                           "data": ocp.JsonCheckpointHandler()})
+            self.directory,
+            options=options,
+            item_handlers={
+                "state": ocp.StandardCheckpointHandler(),
+                "data": ocp.JsonCheckpointHandler(),
+            },
+        )
 
     def _prune(self) -> None:
         """Deletes the oldest good checkpoints beyond `keep` (finished saves only)."""
         self.manager.wait_until_finished()
         good = sorted(s for s in self.manager.all_steps() if s not in self.corrupt)
-        for step in good[:-self.keep]:
+        for step in good[: -self.keep]:
             self.manager.delete(step)
 
     def maybe_save(self, step: int, state, data_state, force: bool = False) -> bool:
@@ -98,15 +113,20 @@ class Checkpointer:
         if step in self.manager.all_steps():
             if step not in self.corrupt:
                 return False
-            logging.warning("replacing the unreadable checkpoint step %d in %s", step,
-                            self.directory)
+            logging.warning(
+                "replacing the unreadable checkpoint step %d in %s", step, self.directory
+            )
             self.manager.delete(step)
             self.corrupt.discard(step)
         if callable(data_state):
             data_state = data_state()
-        self.manager.save(step, args=ocp.args.Composite(
-            state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)),
-            force=True)
+        self.manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state), data=ocp.args.JsonSave(data_state)
+            ),
+            force=True,
+        )
         return True
 
     def _check_compatible(self, step: int, abstract_state) -> bool:
@@ -128,7 +148,8 @@ class Checkpointer:
             raise IncompatibleCheckpointError(
                 f"checkpoint step {step} in {self.directory} does not match this config's "
                 f"model: {'; '.join(diff[:4])}{'; ...' if len(diff) > 4 else ''}. Nothing was "
-                "changed: use another --workdir, or the config it was trained with")
+                "changed: use another --workdir, or the config it was trained with"
+            )
         return True
 
     def restore(self, abstract_state) -> Optional[Tuple[Any, dict, int]]:
@@ -142,18 +163,24 @@ class Checkpointer:
             err = None
             if self._check_compatible(step, abstract_state):
                 try:
-                    out = self.manager.restore(step, args=ocp.args.Composite(
-                        state=ocp.args.StandardRestore(abstract_state),
-                        data=ocp.args.JsonRestore()))
+                    out = self.manager.restore(
+                        step,
+                        args=ocp.args.Composite(
+                            state=ocp.args.StandardRestore(abstract_state),
+                            data=ocp.args.JsonRestore(),
+                        ),
+                    )
                     return out["state"], dict(out["data"]), int(step)
                 except Exception as e:  # noqa: BLE001 - any failure means "unreadable"
                     err = f"{type(e).__name__}: {str(e)[:200]}"
             else:
                 err = "metadata unreadable"
             self.corrupt.add(int(step))
-            msg = (f"checkpoint step {step} in {self.directory} is unreadable ({err}); "
-                   "falling back to the previous one (it is replaced when training reaches "
-                   f"step {step} again)")
+            msg = (
+                f"checkpoint step {step} in {self.directory} is unreadable ({err}); "
+                "falling back to the previous one (it is replaced when training reaches "
+                f"step {step} again)"
+            )
             logging.warning(msg)
             warnings.warn(msg, RuntimeWarning)
         return None

@@ -1,5 +1,7 @@
 """Building a training run from its config: `build_experiment(config, workdir) -> Experiment`.
 
+(Over ~450 lines on purpose: one job, every data source and both modes of the run.)
+
 The tokenizer (loaded, or a BPE trained on the corpus in target mode), the documents (the
 Python stdlib or user files as TFDS sources, synthetic random ones, or responses the target
 regenerated to prompts from the training files), packed batch iterators, held-out batches and
@@ -74,12 +76,19 @@ def model_config_from(config, vocab_size: int) -> ModelConfig:
     tokenizer's), computing in config.dtype with float32 parameters."""
     m = config.target_model
     return ModelConfig(
-        vocab_size=int(m.vocab_size or vocab_size), hidden_size=m.hidden_size,
-        intermediate_size=m.intermediate_size, num_layers=m.num_layers, num_heads=m.num_heads,
-        num_kv_heads=m.num_kv_heads, head_dim=m.head_dim, rope_theta=float(m.rope_theta),
+        vocab_size=int(m.vocab_size or vocab_size),
+        hidden_size=m.hidden_size,
+        intermediate_size=m.intermediate_size,
+        num_layers=m.num_layers,
+        num_heads=m.num_heads,
+        num_kv_heads=m.num_kv_heads,
+        head_dim=m.head_dim,
+        rope_theta=float(m.rope_theta),
         tie_word_embeddings=bool(m.tie_word_embeddings),
-        max_position_embeddings=m.max_position_embeddings, dtype=as_dtype(config.dtype),
-        param_dtype=jnp.float32)
+        max_position_embeddings=m.max_position_embeddings,
+        dtype=as_dtype(config.dtype),
+        param_dtype=jnp.float32,
+    )
 
 
 def fresh_target_params(cfg: ModelConfig, m) -> Any:
@@ -89,13 +98,20 @@ def fresh_target_params(cfg: ModelConfig, m) -> Any:
     if m.init_std > 0:
         leaves, tree = jax.tree_util.tree_flatten(params)
         keys = jax.random.split(jax.random.PRNGKey(m.init_seed + 1), len(leaves))
-        leaves = [m.init_std * jax.random.normal(k, x.shape, x.dtype) if x.ndim == 2 else x
-                  for k, x in zip(keys, leaves)]
+        leaves = [
+            m.init_std * jax.random.normal(k, x.shape, x.dtype) if x.ndim == 2 else x
+            for k, x in zip(keys, leaves)
+        ]
         params = jax.tree_util.tree_unflatten(tree, leaves)
     if m.attn_out_scale != 1.0:
         params = jax.tree_util.tree_map_with_path(
-            lambda path, x: x * m.attn_out_scale if any(
-                getattr(k, "key", None) == "o_proj" for k in path) else x, params)
+            lambda path, x: (
+                x * m.attn_out_scale
+                if any(getattr(k, "key", None) == "o_proj" for k in path)
+                else x
+            ),
+            params,
+        )
     return params
 
 
@@ -105,8 +121,9 @@ def _ids_doc(eos_id: Optional[int]):
         tail = [eos_id] if eos_id is not None and (not r or r[-1] != eos_id) else []
         ids = np.asarray(p + r + tail, np.int32)
         mask = np.ones(len(ids), np.int32)
-        mask[:len(p)] = 0
+        mask[: len(p)] = 0
         return ids, mask
+
     return tokenize
 
 
@@ -116,12 +133,16 @@ def _tfds_sources(config, workdir):
     d = config.data
     data_dir = d.data_dir or os.path.join(workdir, "tfds")
     if d.kind in ("stdlib", "regenerated"):
-        build = lambda: build_python_stdlib(data_dir, max_files=d.max_files or None,
-                                            validation_percent=d.validation_percent,
-                                            include_tests=d.include_tests)
+        build = lambda: build_python_stdlib(
+            data_dir,
+            max_files=d.max_files or None,
+            validation_percent=d.validation_percent,
+            include_tests=d.include_tests,
+        )
     else:
-        build = lambda: build_user_files(list(d.paths), data_dir,
-                                         validation_percent=d.validation_percent)
+        build = lambda: build_user_files(
+            list(d.paths), data_dir, validation_percent=d.validation_percent
+        )
     builder = distributed.primary_first(build, "tfds: " + data_dir)  # one writer
     val = load_split(builder, "validation") if "validation" in builder.info.splits else []
     return load_split(builder, "train"), val
@@ -132,12 +153,18 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
     key) -> (loss, metrics) for `make_train_step` (also what `dflash_jax.dry_run` compiles)."""
     dcfg = dmod.cfg
     recipe = losses.DrafterRecipe(
-        block_size=dcfg.block_size, mask_token_id=dcfg.mask_token_id,
-        tap_layers=tuple(dcfg.target_layer_ids), num_anchors=config.num_anchors,
-        gamma=config.gamma, loss=config.loss, mask_schedule=config.mask_schedule,
-        attention_impl=config.attention_impl, use_segments=config.use_segments,
+        block_size=dcfg.block_size,
+        mask_token_id=dcfg.mask_token_id,
+        tap_layers=tuple(dcfg.target_layer_ids),
+        num_anchors=config.num_anchors,
+        gamma=config.gamma,
+        loss=config.loss,
+        mask_schedule=config.mask_schedule,
+        attention_impl=config.attention_impl,
+        use_segments=config.use_segments,
         loss_chunk_anchors=config.loss_chunk_anchors,
-        anchors_per_row=config.get("anchors_per_row", 0))
+        anchors_per_row=config.get("anchors_per_row", 0),
+    )
 
     def loss_fn(params, frozen, batch, key):
         return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
@@ -147,8 +174,12 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
 
 def build_experiment(config, workdir: str) -> Experiment:
     """Tokenizer, data, target, drafter and loss for `config`."""
-    from dflash_jax.data import (PackedBatchIterator, load_tokenizer, tokenize_example,
-                                 train_bpe_tokenizer)
+    from dflash_jax.data import (
+        PackedBatchIterator,
+        load_tokenizer,
+        tokenize_example,
+        train_bpe_tokenizer,
+    )
     from dflash_jax.data.builders import iter_texts
 
     mode = config.mode
@@ -159,14 +190,18 @@ def build_experiment(config, workdir: str) -> Experiment:
 
     # Tokenizer. Model locations may be hub ids (resolved to their cached snapshots).
     target_path = hub.local_path(config.target_path, what="target") if config.target_path else ""
-    tok_dir = (hub.local_path(config.tokenizer_dir, what="tokenizer") if config.tokenizer_dir
-               else target_path) or None
+    tok_dir = (
+        hub.local_path(config.tokenizer_dir, what="tokenizer")
+        if config.tokenizer_dir
+        else target_path
+    ) or None
     tokenizer = None
     if tok_dir and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
         tokenizer = load_tokenizer(tok_dir)
     train_src = val_src = None
-    if d.kind in ("stdlib", "files") or (d.kind == "regenerated" and
-                                         config.regen.prompt_source not in ("random", "file")):
+    if d.kind in ("stdlib", "files") or (
+        d.kind == "regenerated" and config.regen.prompt_source not in ("random", "file")
+    ):
         train_src, val_src = _tfds_sources(config, workdir)
     if tokenizer is None and mode == "target" and d.kind != "synthetic":
         tok_dir = os.path.join(workdir, "tokenizer")
@@ -174,9 +209,12 @@ def build_experiment(config, workdir: str) -> Experiment:
         def load_or_train():
             if os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
                 return load_tokenizer(tok_dir)
-            return train_bpe_tokenizer(iter_texts(train_src), tok_dir,
-                                       vocab_size=config.tokenizer_vocab_size,
-                                       total=len(train_src))
+            return train_bpe_tokenizer(
+                iter_texts(train_src),
+                tok_dir,
+                vocab_size=config.tokenizer_vocab_size,
+                total=len(train_src),
+            )
 
         tokenizer = distributed.primary_first(load_or_train, "tokenizer")  # one writer
     eos_id = tokenizer.eos_id if tokenizer is not None else None
@@ -199,40 +237,69 @@ def build_experiment(config, workdir: str) -> Experiment:
     eval_prompts: List[List[int]] = []
     if d.kind == "synthetic":
         drng = np.random.RandomState(config.seed + 17)
-        docs = [{"prompt_ids": drng.randint(2, tcfg.vocab_size, 4).tolist(),
-                 "response_ids": drng.randint(2, tcfg.vocab_size, d.doc_len).tolist()}
-                for _ in range(d.num_docs)]
-        train_docs, eval_docs = docs[: int(0.9 * len(docs))], docs[int(0.9 * len(docs)):]
+        docs = [
+            {
+                "prompt_ids": drng.randint(2, tcfg.vocab_size, 4).tolist(),
+                "response_ids": drng.randint(2, tcfg.vocab_size, d.doc_len).tolist(),
+            }
+            for _ in range(d.num_docs)
+        ]
+        train_docs, eval_docs = docs[: int(0.9 * len(docs))], docs[int(0.9 * len(docs)) :]
         tokenize_fn = _ids_doc(eos_id)
-        eval_prompts = [list(rec["prompt_ids"]) + list(rec["response_ids"][:8])
-                        for rec in eval_docs[: config.eval_num_prompts]]
+        eval_prompts = [
+            list(rec["prompt_ids"]) + list(rec["response_ids"][:8])
+            for rec in eval_docs[: config.eval_num_prompts]
+        ]
     elif d.kind == "regenerated":
         if mode != "drafter":
             raise ValueError("data.kind='regenerated' is for drafter training")
-        train_docs, eval_docs = _regenerated_docs(config, workdir, tcfg, tparams, tokenizer,
-                                                  train_src, text_tokenize, rng, tok_dir)
+        train_docs, eval_docs = _regenerated_docs(
+            config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng, tok_dir
+        )
         from dflash_jax.training.regenerate import record_tokens
 
         tokenize_fn = record_tokens  # responses end with the eos the target produced
         eval_prompts = [list(rec["prompt_ids"]) for rec in eval_docs[: config.eval_num_prompts]]
     else:
         if tokenizer is None:
-            raise ValueError(f"data.kind={d.kind!r} needs a tokenizer (tokenizer_dir or a "
-                             "target_path with tokenizer.json)")
+            raise ValueError(
+                f"data.kind={d.kind!r} needs a tokenizer (tokenizer_dir or a "
+                "target_path with tokenizer.json)"
+            )
         train_docs, eval_docs, tokenize_fn = train_src, val_src, text_tokenize
-        eval_prompts = window_prompts(eval_docs, tokenize_fn, config.eval_num_prompts,
-                                      config.eval_prompt_len, rng) if len(eval_docs) else []
+        eval_prompts = (
+            window_prompts(
+                eval_docs, tokenize_fn, config.eval_num_prompts, config.eval_prompt_len, rng
+            )
+            if len(eval_docs)
+            else []
+        )
 
     epoch_tokens = sum(len(tokenize_fn(train_docs[i])[0]) for i in range(len(train_docs)))
     steps_per_epoch = max(1, math.ceil(epoch_tokens / (d.seq_len * d.batch_size)))
-    train_iter = PackedBatchIterator(train_docs, tokenize_fn, seq_len=d.seq_len,
-                                     batch_size=d.batch_size, seed=config.seed,
-                                     shuffle=d.shuffle, pad_id=pad_id, allow_split=d.allow_split)
+    train_iter = PackedBatchIterator(
+        train_docs,
+        tokenize_fn,
+        seq_len=d.seq_len,
+        batch_size=d.batch_size,
+        seed=config.seed,
+        shuffle=d.shuffle,
+        pad_id=pad_id,
+        allow_split=d.allow_split,
+    )
     eval_batches = []
     if len(eval_docs) and config.eval_batches > 0:
-        it = PackedBatchIterator(eval_docs, tokenize_fn, seq_len=d.seq_len,
-                                 batch_size=d.batch_size, shuffle=False, num_epochs=1,
-                                 pad_id=pad_id, allow_split=d.allow_split, drop_remainder=False)
+        it = PackedBatchIterator(
+            eval_docs,
+            tokenize_fn,
+            seq_len=d.seq_len,
+            batch_size=d.batch_size,
+            shuffle=False,
+            num_epochs=1,
+            pad_id=pad_id,
+            allow_split=d.allow_split,
+            drop_remainder=False,
+        )
         for batch in it:
             eval_batches.append(batch)
             if len(eval_batches) >= config.eval_batches:
@@ -244,20 +311,31 @@ def build_experiment(config, workdir: str) -> Experiment:
         dc = config.drafter
         mask_id = dc.mask_token_id
         if mask_id < 0:
-            mask_id = (tokenizer.mask_id if tokenizer is not None and
-                       tokenizer.mask_id is not None else tcfg.vocab_size - 1)
+            mask_id = (
+                tokenizer.mask_id
+                if tokenizer is not None and tokenizer.mask_id is not None
+                else tcfg.vocab_size - 1
+            )
         overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
         if dc.get("param_dtype"):  # float32 masters; the frozen target keeps its dtype
             overrides["param_dtype"] = as_dtype(dc.param_dtype)
-        dcfg = make_drafter_config(tcfg, num_layers=dc.num_layers, num_taps=dc.num_taps,
-                                   block_size=dc.block_size, mask_token_id=mask_id,
-                                   target_layer_ids=tuple(dc.target_layer_ids) or None,
-                                   **overrides)
+        dcfg = make_drafter_config(
+            tcfg,
+            num_layers=dc.num_layers,
+            num_taps=dc.num_taps,
+            block_size=dc.block_size,
+            mask_token_id=mask_id,
+            target_layer_ids=tuple(dc.target_layer_ids) or None,
+            **overrides,
+        )
         if dc.init_path:
             from dflash_jax.drafter import load_drafter
 
-            dcfg_params = load_drafter(dc.init_path, target=Target(tcfg, tparams),
-                                       param_dtype=dc.get("param_dtype") or None)
+            dcfg_params = load_drafter(
+                dc.init_path,
+                target=Target(tcfg, tparams),
+                param_dtype=dc.get("param_dtype") or None,
+            )
             dcfg, init = dcfg_params.config, dcfg_params.params
         else:
             init = init_drafter_params(dcfg, seed=config.seed)
@@ -269,36 +347,63 @@ def build_experiment(config, workdir: str) -> Experiment:
 
         def loss_fn(params, frozen, batch, key):
             del frozen, key
-            return unlikelihood.combined_loss(tmod, params, batch, ul_weight,
-                                              losses.target_loss)
+            return unlikelihood.combined_loss(tmod, params, batch, ul_weight, losses.target_loss)
 
     stop_ids = (eos_id,) if eos_id is not None else ()
     sampler = None
     if mode == "target" and config.unlikelihood.weight > 0:
-        sampler = _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn,
-                                      stop_ids, pad_id, rng)
-    return Experiment(config=config, mode=mode, target_cfg=tcfg, tmod=tmod,
-                      target_params=tparams, drafter_cfg=dcfg, dmod=dmod, init_params=init,
-                      loss_fn=loss_fn, train_iter=train_iter, steps_per_epoch=steps_per_epoch,
-                      eval_batches=eval_batches, eval_prompts=eval_prompts, tokenizer=tokenizer,
-                      tokenizer_dir=tok_dir, stop_ids=stop_ids, repetition_sampler=sampler)
+        sampler = _repetition_sampler(
+            config, tcfg, tokenizer, train_docs, tokenize_fn, stop_ids, pad_id, rng
+        )
+    return Experiment(
+        config=config,
+        mode=mode,
+        target_cfg=tcfg,
+        tmod=tmod,
+        target_params=tparams,
+        drafter_cfg=dcfg,
+        dmod=dmod,
+        init_params=init,
+        loss_fn=loss_fn,
+        train_iter=train_iter,
+        steps_per_epoch=steps_per_epoch,
+        eval_batches=eval_batches,
+        eval_prompts=eval_prompts,
+        tokenizer=tokenizer,
+        tokenizer_dir=tok_dir,
+        stop_ids=stop_ids,
+        repetition_sampler=sampler,
+    )
 
 
-def _repetition_sampler(config, tcfg, tokenizer, train_docs, tokenize_fn, stop_ids, pad_id,
-                        rng) -> "unlikelihood.RepetitionSampler":
+def _repetition_sampler(
+    config, tcfg, tokenizer, train_docs, tokenize_fn, stop_ids, pad_id, rng
+) -> "unlikelihood.RepetitionSampler":
     u = config.unlikelihood
     if u.prompt_source not in ("docs", "functions", "mixed"):
-        raise ValueError("unlikelihood.prompt_source must be 'docs', 'functions' or 'mixed', "
-                         f"got {u.prompt_source!r}")
+        raise ValueError(
+            "unlikelihood.prompt_source must be 'docs', 'functions' or 'mixed', "
+            f"got {u.prompt_source!r}"
+        )
     if u.prompt_source != "docs" and tokenizer is None:
-        raise ValueError(f"unlikelihood.prompt_source={u.prompt_source!r} needs text documents "
-                         "and a tokenizer; use 'docs'")
+        raise ValueError(
+            f"unlikelihood.prompt_source={u.prompt_source!r} needs text documents "
+            "and a tokenizer; use 'docs'"
+        )
     n_fn = {"docs": 0, "functions": u.num_prompts, "mixed": u.num_prompts // 2}[u.prompt_source]
-    prompts = prompt_pool(train_docs, tokenizer, tokenize_fn, u.num_prompts, n_fn, u.prompt_len,
-                          2, 50, rng)
+    prompts = prompt_pool(
+        train_docs, tokenizer, tokenize_fn, u.num_prompts, n_fn, u.prompt_len, 2, 50, rng
+    )
     return unlikelihood.RepetitionSampler(
-        tcfg, prompts, batch_size=u.batch_size, prompt_len=u.prompt_len,
-        max_new_tokens=u.max_new_tokens, ngram=u.ngram, stop_ids=stop_ids, pad_id=pad_id)
+        tcfg,
+        prompts,
+        batch_size=u.batch_size,
+        prompt_len=u.prompt_len,
+        max_new_tokens=u.max_new_tokens,
+        ngram=u.ngram,
+        stop_ids=stop_ids,
+        pad_id=pad_id,
+    )
 
 
 def _process_group_mesh():
@@ -311,8 +416,9 @@ def _process_group_mesh():
     return sharding.make_mesh(data=-1, fsdp=1, tensor=1)
 
 
-def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng,
-                      tok_dir=None):
+def _regenerated_docs(
+    config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng, tok_dir=None
+):
     from dflash_jax.training.regenerate import read_records, regenerate, regenerate_from_file
 
     r = config.regen
@@ -321,31 +427,62 @@ def _regenerated_docs(config, workdir, tcfg, tparams, tokenizer, train_src, text
     exists = bool(distributed.broadcast(np.int32(os.path.exists(path))))
     if not exists and r.prompt_source == "file":
         regenerate_from_file(
-            Target(tcfg, tparams), tokenizer, tok_dir, r.prompt_file, path,
-            use_chat_template=r.chat_template, log=log, max_new_tokens=r.max_new_tokens,
-            batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
+            Target(tcfg, tparams),
+            tokenizer,
+            tok_dir,
+            r.prompt_file,
+            path,
+            use_chat_template=r.chat_template,
+            log=log,
+            max_new_tokens=r.max_new_tokens,
+            batch_size=r.batch_size,
+            temperature=r.temperature,
+            seed=config.seed,
             stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
-            mesh=_process_group_mesh())
+            mesh=_process_group_mesh(),
+        )
     elif not exists:
         if r.prompt_source == "random":
             prng = np.random.RandomState(config.seed + 29)
-            prompts = [prng.randint(2, tcfg.vocab_size, r.prompt_len).tolist()
-                       for _ in range(r.num_prompts)]
+            prompts = [
+                prng.randint(2, tcfg.vocab_size, r.prompt_len).tolist()
+                for _ in range(r.num_prompts)
+            ]
         elif r.prompt_source in ("stdlib", "functions", "mixed"):
             if text_tokenize is None:
                 raise ValueError(f"regen.prompt_source={r.prompt_source!r} needs a tokenizer")
-            n_fn = {"stdlib": 0, "functions": r.num_prompts,
-                    "mixed": r.num_prompts // 2}[r.prompt_source]
-            prompts = prompt_pool(train_src, tokenizer, text_tokenize, r.num_prompts, n_fn,
-                                  r.prompt_len, r.function_body_lines, r.functions_per_file, rng)
+            n_fn = {"stdlib": 0, "functions": r.num_prompts, "mixed": r.num_prompts // 2}[
+                r.prompt_source
+            ]
+            prompts = prompt_pool(
+                train_src,
+                tokenizer,
+                text_tokenize,
+                r.num_prompts,
+                n_fn,
+                r.prompt_len,
+                r.function_body_lines,
+                r.functions_per_file,
+                rng,
+            )
         else:
-            raise ValueError("regen.prompt_source must be 'stdlib', 'functions', 'mixed' or "
-                             f"'random', got {r.prompt_source!r}")
+            raise ValueError(
+                "regen.prompt_source must be 'stdlib', 'functions', 'mixed' or "
+                f"'random', got {r.prompt_source!r}"
+            )
         log(f"regenerating {len(prompts)} responses with the target -> {path}")
-        regenerate(Target(tcfg, tparams), prompts, path, max_new_tokens=r.max_new_tokens,
-                   batch_size=r.batch_size, temperature=r.temperature, seed=config.seed,
-                   stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
-                   tokenizer=tokenizer, mesh=_process_group_mesh())
+        regenerate(
+            Target(tcfg, tparams),
+            prompts,
+            path,
+            max_new_tokens=r.max_new_tokens,
+            batch_size=r.batch_size,
+            temperature=r.temperature,
+            seed=config.seed,
+            stop_token_ids=(tokenizer.eos_id,) if tokenizer is not None else (),
+            tokenizer=tokenizer,
+            mesh=_process_group_mesh(),
+        )
     records = read_records(path, vocab_size=tcfg.vocab_size)
     n_eval = max(1, int(round(r.holdout_fraction * len(records))))
     return records[:-n_eval], records[-n_eval:]

@@ -50,21 +50,34 @@ class DrafterRecipe:
     attention_impl: str = "xla"
     use_segments: bool = True
     loss_chunk_anchors: int = 0  # > 0: logits for this many anchors at a time (block_scores)
-    anchors_per_row: int = 0  # blocks per packed row (static); 0: num_anchors (masks.sample_anchors)
+    anchors_per_row: int = (
+        0  # blocks per packed row (static); 0: num_anchors (masks.sample_anchors)
+    )
 
     def __post_init__(self):
         if self.loss not in ("ce", "kl"):
             raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
         if self.mask_schedule not in ("all", "random"):
-            raise ValueError(f"mask_schedule must be 'all' or 'random', got "
-                             f"{self.mask_schedule!r}")
+            raise ValueError(f"mask_schedule must be 'all' or 'random', got {self.mask_schedule!r}")
         if self.attention_impl not in ("xla", "pallas", "pallas_interpret"):
-            raise ValueError(f"attention_impl must be xla, pallas or pallas_interpret, got "
-                             f"{self.attention_impl!r}")
+            raise ValueError(
+                f"attention_impl must be xla, pallas or pallas_interpret, got "
+                f"{self.attention_impl!r}"
+            )
 
 
-def blockwise_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, anchors_BN, valid_BN,
-                                 block_size: int, segment_ids_BS=None, chunk_anchors: int = 0):
+def blockwise_training_attention(
+    q,
+    k_blk,
+    v_blk,
+    ctx_k,
+    ctx_v,
+    anchors_BN,
+    valid_BN,
+    block_size: int,
+    segment_ids_BS=None,
+    chunk_anchors: int = 0,
+):
     """`masks.training_mask` attention without the dense [N*bs, S + N*bs] mask: each block's
     queries score the S context keys (j < anchor, same document) and only their own bs block
     keys (the other N*bs - bs keys are masked anyway), `chunk_anchors` blocks at a time in a
@@ -87,12 +100,24 @@ def blockwise_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, anchors_BN, vali
     def one(args):
         qc, kc, vc, anc, val, aseg = args  # [B,c,bs,N,D], [B,c,bs,K,D] x2, [B,c] x3
         qc = qc.reshape(b, c, bs, kh, g, d)
-        ctx_ok = ((jnp.arange(s)[None, None] < anc[:, :, None]) & (seg[:, None] == aseg[:, :, None])
-                  & val[:, :, None])  # [B,c,S]
-        lc = jnp.einsum("bcqkgd,bskd->bckgqs", qc, ctx_k,
-                        preferred_element_type=jnp.float32) * d ** -0.5
-        lb = jnp.einsum("bcqkgd,bcrkd->bckgqr", qc, kc.astype(ctx_k.dtype),
-                        preferred_element_type=jnp.float32) * d ** -0.5
+        ctx_ok = (
+            (jnp.arange(s)[None, None] < anc[:, :, None])
+            & (seg[:, None] == aseg[:, :, None])
+            & val[:, :, None]
+        )  # [B,c,S]
+        lc = (
+            jnp.einsum("bcqkgd,bskd->bckgqs", qc, ctx_k, preferred_element_type=jnp.float32)
+            * d**-0.5
+        )
+        lb = (
+            jnp.einsum(
+                "bcqkgd,bcrkd->bckgqr",
+                qc,
+                kc.astype(ctx_k.dtype),
+                preferred_element_type=jnp.float32,
+            )
+            * d**-0.5
+        )
         neg = jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max))
         lc = jnp.where(ctx_ok[:, :, None, None, None, :], lc, neg)
         mx = jnp.maximum(jnp.max(lc, -1, keepdims=True), jnp.max(lb, -1, keepdims=True))
@@ -100,15 +125,22 @@ def blockwise_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, anchors_BN, vali
         pc = jnp.where(ctx_ok[:, :, None, None, None, :], pc, 0.0)
         z = jnp.sum(pc, -1, keepdims=True) + jnp.sum(pb, -1, keepdims=True)
         pc, pb = (pc / z).astype(ctx_v.dtype), (pb / z).astype(ctx_v.dtype)
-        out = (jnp.einsum("bckgqs,bskd->bcqkgd", pc, ctx_v, preferred_element_type=jnp.float32)
-               + jnp.einsum("bckgqr,bcrkd->bcqkgd", pb, vc.astype(ctx_v.dtype),
-                            preferred_element_type=jnp.float32))
+        out = jnp.einsum(
+            "bckgqs,bskd->bcqkgd", pc, ctx_v, preferred_element_type=jnp.float32
+        ) + jnp.einsum(
+            "bckgqr,bcrkd->bcqkgd", pb, vc.astype(ctx_v.dtype), preferred_element_type=jnp.float32
+        )
         out = jnp.where(val[:, :, None, None, None, None], out, 0.0)
         return out.reshape(b, c, bs, nh, d).astype(q.dtype)
 
-    xs = (chunked(q.reshape(b, n, bs, nh, d)), chunked(k_blk.reshape(b, n, bs, kh, d)),
-          chunked(v_blk.reshape(b, n, bs, kh, d)), chunked(anchors_BN), chunked(valid_BN),
-          chunked(anchor_seg))
+    xs = (
+        chunked(q.reshape(b, n, bs, nh, d)),
+        chunked(k_blk.reshape(b, n, bs, kh, d)),
+        chunked(v_blk.reshape(b, n, bs, kh, d)),
+        chunked(anchors_BN),
+        chunked(valid_BN),
+        chunked(anchor_seg),
+    )
     if m == 1:
         out = one(tuple(x[0] for x in xs))[None]
     else:
@@ -116,33 +148,62 @@ def blockwise_training_attention(q, k_blk, v_blk, ctx_k, ctx_v, anchors_BN, vali
     return jnp.moveaxis(out, 0, 1).reshape(b, m * c * bs, nh, d)[:, :rows]
 
 
-def training_attend(anchors_BN, valid_BN, block_size: int, ctx_len: int, segment_ids_BS=None,
-                    impl: str = "xla", chunk_anchors: int = 0):
+def training_attend(
+    anchors_BN,
+    valid_BN,
+    block_size: int,
+    ctx_len: int,
+    segment_ids_BS=None,
+    impl: str = "xla",
+    chunk_anchors: int = 0,
+):
     """An `attend(q, k_blk, v_blk, ctx_k, ctx_v)` for `DFlashDrafter` implementing
     `masks.training_mask` over N blocks of `block_size` query rows ("xla": blockwise, see
     `blockwise_training_attention`, `chunk_anchors` blocks at a time)."""
     if impl == "xla":
+
         def attend(q, k, v, ctx_k, ctx_v):
-            return blockwise_training_attention(q, k, v, ctx_k, ctx_v, anchors_BN, valid_BN,
-                                                block_size, segment_ids_BS, chunk_anchors)
+            return blockwise_training_attention(
+                q,
+                k,
+                v,
+                ctx_k,
+                ctx_v,
+                anchors_BN,
+                valid_BN,
+                block_size,
+                segment_ids_BS,
+                chunk_anchors,
+            )
+
         return attend
 
     if impl == "xla_dense":
         mask = masks.training_mask(anchors_BN, valid_BN, block_size, ctx_len, segment_ids_BS)
 
         def attend(q, k, v, ctx_k, ctx_v):
-            return masked_attention(q, jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
-                                    jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1), mask)
+            return masked_attention(
+                q,
+                jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
+                jnp.concatenate([ctx_v, v.astype(ctx_v.dtype)], 1),
+                mask,
+            )
+
         return attend
 
     ctx_start = None
     if segment_ids_BS is not None:
-        ctx_start = jnp.take_along_axis(_segment_starts(segment_ids_BS[:, :ctx_len]),
-                                        jnp.clip(anchors_BN, 0, ctx_len - 1), axis=1)
+        ctx_start = jnp.take_along_axis(
+            _segment_starts(segment_ids_BS[:, :ctx_len]),
+            jnp.clip(anchors_BN, 0, ctx_len - 1),
+            axis=1,
+        )
 
     def attend(q, k, v, ctx_k, ctx_v):  # per shard on a sharded mesh (GSPMD cannot split it)
-        return attention.training_attention(q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN,
-                                            block_size, ctx_start, impl)
+        return attention.training_attention(
+            q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN, block_size, ctx_start, impl
+        )
+
     return attend
 
 
@@ -151,13 +212,24 @@ def _segment_starts(segment_ids_BS):
     max over the positions where the segment id changes)."""
     pos = jnp.arange(segment_ids_BS.shape[1], dtype=jnp.int32)[None]
     boundary = jnp.concatenate(
-        [jnp.ones_like(segment_ids_BS[:, :1], bool),
-         segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1]], axis=1)
+        [
+            jnp.ones_like(segment_ids_BS[:, :1], bool),
+            segment_ids_BS[:, 1:] != segment_ids_BS[:, :-1],
+        ],
+        axis=1,
+    )
     return jax.lax.cummax(jnp.where(boundary, pos, 0), axis=1)
 
 
-def block_scores(tmod: Transformer, tparams, hidden_BNKH, labels_BNK, t_hidden_BNKH=None,
-                 loss: str = "ce", chunk_anchors: int = 0):
+def block_scores(
+    tmod: Transformer,
+    tparams,
+    hidden_BNKH,
+    labels_BNK,
+    t_hidden_BNKH=None,
+    loss: str = "ce",
+    chunk_anchors: int = 0,
+):
     """Per block position: the loss term ([B,N,bs] f32: CE against the label, or KL(target ||
     drafter) from the target's hidden states at the teacher positions) and whether the drafter's
     argmax equals the label ([B,N,bs] bool).
@@ -172,13 +244,13 @@ def block_scores(tmod: Transformer, tparams, hidden_BNKH, labels_BNK, t_hidden_B
     def scores(h, lab, th):
         c, k = h.shape[1], h.shape[2]
         logits = tmod.apply(tvars, h.reshape(h.shape[0], c * k, -1), method=Transformer.logits)
-        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(
-            h.shape[0], c, k, -1)
+        logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(h.shape[0], c, k, -1)
         if th is None:
             per_pos = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
         else:
-            t_logits = tmod.apply(tvars, th.reshape(h.shape[0], c * k, -1),
-                                  method=Transformer.logits)
+            t_logits = tmod.apply(
+                tvars, th.reshape(h.shape[0], c * k, -1), method=Transformer.logits
+            )
             t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1).reshape(logp.shape)
             per_pos = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
         return per_pos, jnp.argmax(logp, axis=-1) == lab
@@ -197,8 +269,11 @@ def block_scores(tmod: Transformer, tparams, hidden_BNKH, labels_BNK, t_hidden_B
         x = x.reshape((b, m, chunk_anchors) + x.shape[2:])
         return jnp.moveaxis(x, 1, 0)
 
-    xs = (chunked(hidden_BNKH), chunked(labels_BNK),
-          None if t_hidden_BNKH is None else chunked(t_hidden_BNKH))
+    xs = (
+        chunked(hidden_BNKH),
+        chunked(labels_BNK),
+        None if t_hidden_BNKH is None else chunked(t_hidden_BNKH),
+    )
     per_pos, correct = jax.lax.map(jax.checkpoint(lambda a: scores(*a)), xs)
 
     def unchunked(y):  # [m, B, chunk, bs] -> [B, N, bs]
@@ -207,8 +282,9 @@ def block_scores(tmod: Transformer, tparams, hidden_BNKH, labels_BNK, t_hidden_B
     return unchunked(per_pos), unchunked(correct)
 
 
-def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, dparams,
-                 tparams, batch, key):
+def drafter_loss(
+    tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, dparams, tparams, batch, key
+):
     """The DFlash objective for one batch. Returns (loss, metrics).
 
     One frozen target forward gives the taps (and, for "kl", the teacher logits); random anchors
@@ -226,29 +302,42 @@ def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, 
 
     # "ce" needs only the taps: the target stops at the last tapped layer, with chunked causal
     # attention (no [B, N, S, S] scores). "kl" needs the final hidden states: full forward.
-    hidden_t, _, taps = tmod.apply(tvars, ids, segment_ids_BT=batch["segment_ids"],
-                                   tap_layers=recipe.tap_layers,
-                                   taps_only=recipe.loss == "ce")
+    hidden_t, _, taps = tmod.apply(
+        tvars,
+        ids,
+        segment_ids_BT=batch["segment_ids"],
+        tap_layers=recipe.tap_layers,
+        taps_only=recipe.loss == "ce",
+    )
     taps = jax.lax.stop_gradient(taps)
 
     k_anchor, k_mask = jax.random.split(key)
-    anchors, valid = masks.sample_anchors(k_anchor, loss_mask, recipe.num_anchors, bs, seg,
-                                          recipe.anchors_per_row)
+    anchors, valid = masks.sample_anchors(
+        k_anchor, loss_mask, recipe.num_anchors, bs, seg, recipe.anchors_per_row
+    )
     n = anchors.shape[1]
     masked = masks.mask_pattern(k_mask, (b, n), bs, recipe.mask_schedule)
     tokens = masks.block_inputs(ids, anchors, bs, recipe.mask_token_id, masked)
     labels = masks.block_labels(ids, anchors, bs)
-    weights = masks.loss_weights(anchors, valid, loss_mask, bs, recipe.gamma, seg,
-                                 masked if recipe.mask_schedule == "random" else None)
+    weights = masks.loss_weights(
+        anchors,
+        valid,
+        loss_mask,
+        bs,
+        recipe.gamma,
+        seg,
+        masked if recipe.mask_schedule == "random" else None,
+    )
 
     emb = jax.lax.stop_gradient(
-        tmod.apply(tvars, tokens.reshape(b, n * bs), method=Transformer.embed))
+        tmod.apply(tvars, tokens.reshape(b, n * bs), method=Transformer.embed)
+    )
     positions = masks.block_positions(anchors, bs).reshape(b, n * bs)
     ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    ctx_k, ctx_v = dmod.apply({"params": dparams}, taps, ctx_pos,
-                              method=DFlashDrafter.context_kv)
-    attend = training_attend(anchors, valid, bs, s, seg, recipe.attention_impl,
-                             chunk_anchors=recipe.loss_chunk_anchors)
+    ctx_k, ctx_v = dmod.apply({"params": dparams}, taps, ctx_pos, method=DFlashDrafter.context_kv)
+    attend = training_attend(
+        anchors, valid, bs, s, seg, recipe.attention_impl, chunk_anchors=recipe.loss_chunk_anchors
+    )
     hidden = dmod.apply({"params": dparams}, emb, positions, ctx_k, ctx_v, attend)
     t_hidden = None
     if recipe.loss == "kl":
@@ -257,9 +346,17 @@ def drafter_loss(tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, 
         # harmlessly). Gathered before the LM head, so only N*bs rows of logits exist.
         src = masks.teacher_positions(anchors, bs).reshape(b, n * bs)
         t_hidden = jax.lax.stop_gradient(
-            jnp.take_along_axis(hidden_t, src[..., None], axis=1)).reshape(b, n, bs, -1)
-    per_pos, correct = block_scores(tmod, tparams, hidden.reshape(b, n, bs, -1), labels,
-                                    t_hidden, recipe.loss, recipe.loss_chunk_anchors)
+            jnp.take_along_axis(hidden_t, src[..., None], axis=1)
+        ).reshape(b, n, bs, -1)
+    per_pos, correct = block_scores(
+        tmod,
+        tparams,
+        hidden.reshape(b, n, bs, -1),
+        labels,
+        t_hidden,
+        recipe.loss,
+        recipe.loss_chunk_anchors,
+    )
 
     weight_sum = jnp.sum(weights)
     loss = jnp.sum(weights * per_pos) / jnp.maximum(weight_sum, 1e-9)
@@ -288,7 +385,8 @@ def target_loss(tmod: Transformer, params, batch):
     logp = jax.nn.log_softmax(logits, axis=-1)
     labels = ids[:, 1:]
     w = ((loss_mask[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)).astype(
-        jnp.float32)
+        jnp.float32
+    )
     ce = -jnp.take_along_axis(logp, labels[..., None], axis=-1)[..., 0]
     weight_sum = jnp.sum(w)
     loss = jnp.sum(w * ce) / jnp.maximum(weight_sum, 1e-9)

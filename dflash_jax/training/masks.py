@@ -31,8 +31,14 @@ import jax
 import jax.numpy as jnp
 
 
-def sample_anchors(key, loss_mask_BS, num_anchors: int, block_size: int,
-                   segment_ids_BS: Optional[jnp.ndarray] = None, anchors_per_row: int = 0):
+def sample_anchors(
+    key,
+    loss_mask_BS,
+    num_anchors: int,
+    block_size: int,
+    segment_ids_BS: Optional[jnp.ndarray] = None,
+    anchors_per_row: int = 0,
+):
     """Random anchors as SpecForge samples them: (anchors [B,N] int32, block_valid [B,N] bool).
 
     Eligible: p <= S - 2 with loss_mask[p] == 1 and loss_mask[p+1] == 1 (and, with segment ids,
@@ -53,8 +59,9 @@ def sample_anchors(key, loss_mask_BS, num_anchors: int, block_size: int,
     eligible = lm & nxt
     seg = jnp.zeros((b, s), jnp.int32) if segment_ids_BS is None else segment_ids_BS
     if segment_ids_BS is not None:
-        eligible &= jnp.concatenate([seg[:, 1:] == seg[:, :-1],
-                                     jnp.zeros_like(eligible[:, :1])], axis=1)
+        eligible &= jnp.concatenate(
+            [seg[:, 1:] == seg[:, :-1], jnp.zeros_like(eligible[:, :1])], axis=1
+        )
     k_doc, k_row = jax.random.split(key)
     # Rank of each eligible position among its document's, by an i.i.d. uniform score: sort by
     # (segment, score), rank = sorted index - first sorted index of that segment.
@@ -63,9 +70,14 @@ def sample_anchors(key, loss_mask_BS, num_anchors: int, block_size: int,
     order = jnp.argsort(sort_key, axis=1)
     seg_sorted = jnp.take_along_axis(seg, order, axis=1)
     idx = jnp.arange(s, dtype=jnp.int32)[None]
-    first = jax.lax.cummax(jnp.where(
-        jnp.concatenate([jnp.ones((b, 1), bool), seg_sorted[:, 1:] != seg_sorted[:, :-1]], 1),
-        idx, 0), axis=1)
+    first = jax.lax.cummax(
+        jnp.where(
+            jnp.concatenate([jnp.ones((b, 1), bool), seg_sorted[:, 1:] != seg_sorted[:, :-1]], 1),
+            idx,
+            0,
+        ),
+        axis=1,
+    )
     rank = jnp.zeros((b, s), jnp.int32).at[jnp.arange(b)[:, None], order].set(idx - first)
     chosen = eligible & (rank < num_anchors)
     # The row's N blocks: N of the chosen, uniformly (an independent score).
@@ -122,8 +134,7 @@ def mask_pattern(key, shape_BN, block_size: int, schedule: str = "all"):
     return masked | (k == force)
 
 
-def block_inputs(input_ids_BS, anchors_BN, block_size: int, mask_token_id: int,
-                 masked_BNK=None):
+def block_inputs(input_ids_BS, anchors_BN, block_size: int, mask_token_id: int, masked_BNK=None):
     """[B,N,bs] block tokens: x_p at k = 0, MASK where masked (default: every k >= 1), else the
     real token x_{p+k}."""
     labels = block_labels(input_ids_BS, anchors_BN, block_size)
@@ -132,9 +143,14 @@ def block_inputs(input_ids_BS, anchors_BN, block_size: int, mask_token_id: int,
     return jnp.where(masked_BNK, jnp.int32(mask_token_id), labels)
 
 
-def training_mask(anchors_BN, block_valid_BN, block_size: int, ctx_len: int,
-                  segment_ids_BS: Optional[jnp.ndarray] = None,
-                  ctx_start_BN: Optional[jnp.ndarray] = None):
+def training_mask(
+    anchors_BN,
+    block_valid_BN,
+    block_size: int,
+    ctx_len: int,
+    segment_ids_BS: Optional[jnp.ndarray] = None,
+    ctx_start_BN: Optional[jnp.ndarray] = None,
+):
     """The DFlash training attention mask, [B, N*bs, ctx_len + N*bs] bool (True = may attend).
     The one reference of it: the "xla" training attention uses it, and `pallas_kernels`
     checks its fused training kernels against it.
@@ -164,8 +180,15 @@ def training_mask(anchors_BN, block_valid_BN, block_size: int, ctx_len: int,
     return jnp.concatenate([ctx, own], axis=2) & row_valid[:, :, None]
 
 
-def loss_weights(anchors_BN, block_valid_BN, loss_mask_BS, block_size: int, gamma: float,
-                 segment_ids_BS: Optional[jnp.ndarray] = None, masked_BNK=None):
+def loss_weights(
+    anchors_BN,
+    block_valid_BN,
+    loss_mask_BS,
+    block_size: int,
+    gamma: float,
+    segment_ids_BS: Optional[jnp.ndarray] = None,
+    masked_BNK=None,
+):
     """[B,N,bs] float32 weights of the same-position labels `block_labels`.
 
     w[b,n,k] = exp(-(k-1)/gamma) if k >= 1 else 0,

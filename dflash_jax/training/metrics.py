@@ -45,12 +45,12 @@ def read_event_scalars(path: str) -> Iterator[Tuple[int, str, float]]:
         data = f.read()
     i = 0
     while i < len(data):
-        header = data[i:i + 8]
+        header = data[i : i + 8]
         (n,) = struct.unpack("<Q", header)
-        if struct.unpack("<I", data[i + 8:i + 12])[0] != masked_crc32c(header):
+        if struct.unpack("<I", data[i + 8 : i + 12])[0] != masked_crc32c(header):
             raise ValueError(f"{path}: bad length crc at byte {i}")
-        body = data[i + 12:i + 12 + n]
-        if struct.unpack("<I", data[i + 12 + n:i + 16 + n])[0] != masked_crc32c(body):
+        body = data[i + 12 : i + 12 + n]
+        if struct.unpack("<I", data[i + 12 + n : i + 16 + n])[0] != masked_crc32c(body):
             raise ValueError(f"{path}: bad data crc at byte {i}")
         i += 16 + n
         event = event_pb2.Event.FromString(body)
@@ -102,7 +102,8 @@ class MetricsLogger:
         if split not in self._tb:
             self._tb[split] = _summary_writer_class()(
                 os.path.join(self.workdir, "tb", split),
-                filename_suffix=f".{os.getpid()}.{next(_WRITER_IDS)}")
+                filename_suffix=f".{os.getpid()}.{next(_WRITER_IDS)}",
+            )
         writer = self._tb[split]
         for tag, value in clean.items():
             writer.add_scalar(tag, value, global_step=int(step))

@@ -31,10 +31,22 @@ from dflash_jax import console, distributed
 from dflash_jax.decoding import generate
 
 
-def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
-               max_new_tokens: int = 256, batch_size: int = 32, temperature: float = 0.0,
-               top_p: Optional[float] = None, seed: int = 0, stop_token_ids: Sequence[int] = (),
-               tokenizer=None, drafter=None, log_every: int = 10, mesh=None) -> List[dict]:
+def regenerate(
+    target,
+    prompts: Sequence[Sequence[int]],
+    out_path: str,
+    *,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    temperature: float = 0.0,
+    top_p: Optional[float] = None,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    tokenizer=None,
+    drafter=None,
+    log_every: int = 10,
+    mesh=None,
+) -> List[dict]:
     """Generates a response for each prompt (token-id lists) and writes `out_path` (JSONL).
 
     Batches have a fixed size (the last one is padded with repeats) so one compiled program
@@ -48,11 +60,20 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
     n_batches = (len(prompts) + batch_size - 1) // batch_size
     bar = console.progress(total=len(prompts), desc="regenerate", unit="prompt")
     for bi in range(n_batches):
-        chunk = prompts[bi * batch_size:(bi + 1) * batch_size]
+        chunk = prompts[bi * batch_size : (bi + 1) * batch_size]
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-        res = generate(target, drafter, padded, max_new_tokens, temperature=temperature,
-                       top_p=top_p, seed=seed + bi, stop_token_ids=stop_token_ids, mesh=mesh)
-        for p, r in zip(chunk, res.tokens[:len(chunk)]):
+        res = generate(
+            target,
+            drafter,
+            padded,
+            max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed + bi,
+            stop_token_ids=stop_token_ids,
+            mesh=mesh,
+        )
+        for p, r in zip(chunk, res.tokens[: len(chunk)]):
             rec = {"prompt_ids": p, "response_ids": list(map(int, r))}
             if tokenizer is not None:
                 rec = {"prompt": tokenizer.decode(p), "response": tokenizer.decode(r), **rec}
@@ -60,8 +81,9 @@ def regenerate(target, prompts: Sequence[Sequence[int]], out_path: str, *,
         bar.update(len(chunk))
         if log_every and (bi + 1) % log_every == 0 and bar.disable and distributed.is_primary():
             # No bar (not a terminal, e.g. a log file): a line every `log_every` batches.
-            console.say(f"regenerate: {len(records)}/{len(prompts)} responses, "
-                        f"{time.time() - t0:.0f}s")
+            console.say(
+                f"regenerate: {len(records)}/{len(prompts)} responses, {time.time() - t0:.0f}s"
+            )
     bar.close()
     _write_records(records, out_path)
     return records
@@ -79,12 +101,24 @@ def _write_records(records: List[dict], out_path: str) -> None:
     distributed.sync("regenerate: " + os.path.basename(out_path))  # the file is complete
 
 
-def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: str, *,
-                    render: Callable, encode: Callable, decode: Optional[Callable] = None,
-                    max_new_tokens: int = 256, batch_size: int = 32, temperature: float = 0.0,
-                    top_p: Optional[float] = None, seed: int = 0,
-                    stop_token_ids: Sequence[int] = (), drafter=None, log_every: int = 10,
-                    mesh=None) -> List[dict]:
+def regenerate_chat(
+    target,
+    conversations: Sequence[Sequence[dict]],
+    out_path: str,
+    *,
+    render: Callable,
+    encode: Callable,
+    decode: Optional[Callable] = None,
+    max_new_tokens: int = 256,
+    batch_size: int = 32,
+    temperature: float = 0.0,
+    top_p: Optional[float] = None,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    drafter=None,
+    log_every: int = 10,
+    mesh=None,
+) -> List[dict]:
     """Regenerates every assistant turn of `conversations` (lists of {"role", "content"}:
     an optional system message and user turns; assistant turns given are ignored, as
     `dflash_jax.data.chat.read_conversations` returns them) and writes training rows (JSONL,
@@ -120,7 +154,7 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
         active, prompts = [], []
         for i in (i for i, u in enumerate(users) if len(u) > k and i not in ended):
             start = 0 if k == 0 else users[i][k - 1] + 1
-            turn = msgs[i] + convs[i][start:users[i][k] + 1]  # (system,) user turn k
+            turn = msgs[i] + convs[i][start : users[i][k] + 1]  # (system,) user turn k
             p = chat_ids(render, encode, turn, responses[i], True, stop)[0]
             if len(p) + max_new_tokens > context:
                 ended.add(i)
@@ -132,12 +166,20 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
         order = sorted(range(len(active)), key=lambda j: len(prompts[j]))  # less padding
         active, prompts = [active[j] for j in order], [prompts[j] for j in order]
         for b0 in range(0, len(active), batch_size):
-            chunk = prompts[b0:b0 + batch_size]
+            chunk = prompts[b0 : b0 + batch_size]
             padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-            res = generate(target, drafter, padded, max_new_tokens, temperature=temperature,
-                           top_p=top_p, seed=seed + 100003 * k + b0 // batch_size,
-                           stop_token_ids=stop, mesh=mesh)
-            for i, p, r in zip(active[b0:b0 + batch_size], chunk, res.tokens):
+            res = generate(
+                target,
+                drafter,
+                padded,
+                max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed + 100003 * k + b0 // batch_size,
+                stop_token_ids=stop,
+                mesh=mesh,
+            )
+            for i, p, r in zip(active[b0 : b0 + batch_size], chunk, res.tokens):
                 r = [int(t) for t in r]
                 responses[i].append(r)
                 turns[i].append({"prompt_ids": p, "response_ids": r})
@@ -148,21 +190,31 @@ def regenerate_chat(target, conversations: Sequence[Sequence[dict]], out_path: s
             done += len(chunk)
             n_batches += 1
             bar.update(len(chunk))
-            if log_every and n_batches % log_every == 0 and bar.disable and \
-                    distributed.is_primary():
+            if (
+                log_every
+                and n_batches % log_every == 0
+                and bar.disable
+                and distributed.is_primary()
+            ):
                 console.say(f"regenerate: {done}/{total} turns, {time.time() - t0:.0f}s")
     bar.close()
     if ended:
-        console.say(f"regenerate: {len(ended)} conversation(s) cut where prompt + "
-                    f"max_new_tokens ({max_new_tokens}) exceeds the target's context "
-                    f"({context}); {sum(not responses[i] for i in ended)} dropped entirely")
+        console.say(
+            f"regenerate: {len(ended)} conversation(s) cut where prompt + "
+            f"max_new_tokens ({max_new_tokens}) exceeds the target's context "
+            f"({context}); {sum(not responses[i] for i in ended)} dropped entirely"
+        )
     records = []
     for i in range(len(convs)):
         if not responses[i]:
             continue
         ids, mask = chat_ids(render, encode, msgs[i], responses[i], False, stop)
-        rec = {"input_ids": ids, "loss_mask": mask, "prompt_ids": turns[i][0]["prompt_ids"],
-               "turns": turns[i]}
+        rec = {
+            "input_ids": ids,
+            "loss_mask": mask,
+            "prompt_ids": turns[i][0]["prompt_ids"],
+            "turns": turns[i],
+        }
         if decode is not None:
             rec["messages"] = msgs[i]
         records.append(rec)
@@ -179,15 +231,16 @@ def record_tokens(rec: dict):
         return (np.asarray(rec["input_ids"], np.int32), np.asarray(rec["loss_mask"], np.int32))
     p, r = list(rec["prompt_ids"]), list(rec["response_ids"])
     mask = np.ones(len(p) + len(r), np.int32)
-    mask[:len(p)] = 0
+    mask[: len(p)] = 0
     return np.asarray(p + r, np.int32), mask
 
 
 _CHAT_KEYS = ("input_ids", "loss_mask", "prompt_ids")
 
 
-def read_records(path: str, required=("prompt_ids", "response_ids"),
-                 vocab_size: Optional[int] = None) -> List[dict]:
+def read_records(
+    path: str, required=("prompt_ids", "response_ids"), vocab_size: Optional[int] = None
+) -> List[dict]:
     """The JSON objects of a JSONL file, each checked to hold the `required` keys (id-list
     keys, ending in "_ids", as integer lists within `vocab_size`). With the default
     `required`, a chat row (a record with "input_ids", see `regenerate_chat`) needs
@@ -208,32 +261,48 @@ def read_records(path: str, required=("prompt_ids", "response_ids"),
             except ValueError as e:  # JSONDecodeError and UnicodeDecodeError
                 raise ValueError(f"{path}:{n}: not a valid JSON line ({e})") from None
             if not isinstance(rec, dict):
-                raise ValueError(f"{path}:{n}: expected a JSON object, got "
-                                 f"{type(rec).__name__}")
+                raise ValueError(f"{path}:{n}: expected a JSON object, got {type(rec).__name__}")
             chat = default and "input_ids" in rec
-            for key in (_CHAT_KEYS if chat else required):
+            for key in _CHAT_KEYS if chat else required:
                 if key not in rec:
-                    raise ValueError(f"{path}:{n}: missing key {key!r} (expected "
-                                     f"{', '.join(map(repr, required))})")
+                    raise ValueError(
+                        f"{path}:{n}: missing key {key!r} (expected "
+                        f"{', '.join(map(repr, required))})"
+                    )
                 if key.endswith("_ids"):
                     try:
-                        rec[key] = token_id_list(key, rec[key], vocab_size,
-                                                 allow_empty=key != "prompt_ids")
+                        rec[key] = token_id_list(
+                            key, rec[key], vocab_size, allow_empty=key != "prompt_ids"
+                        )
                     except ValueError as e:
                         raise ValueError(f"{path}:{n}: {e}") from None
             if chat:
                 mask = rec["loss_mask"]
-                if not (isinstance(mask, list) and len(mask) == len(rec["input_ids"])
-                        and all(type(x) is int and x in (0, 1) for x in mask)):
-                    raise ValueError(f"{path}:{n}: loss_mask must be a list of 0/1 as long as "
-                                     f"input_ids ({len(rec['input_ids'])})")
+                if not (
+                    isinstance(mask, list)
+                    and len(mask) == len(rec["input_ids"])
+                    and all(type(x) is int and x in (0, 1) for x in mask)
+                ):
+                    raise ValueError(
+                        f"{path}:{n}: loss_mask must be a list of 0/1 as long as "
+                        f"input_ids ({len(rec['input_ids'])})"
+                    )
             out.append(rec)
     return out
 
 
-def regenerate_from_file(target, tokenizer, model_dir: Optional[str], path: str,
-                         out_path: str, *, use_chat_template: bool = True, limit: int = 0,
-                         log=None, **kw) -> List[dict]:
+def regenerate_from_file(
+    target,
+    tokenizer,
+    model_dir: Optional[str],
+    path: str,
+    out_path: str,
+    *,
+    use_chat_template: bool = True,
+    limit: int = 0,
+    log=None,
+    **kw,
+) -> List[dict]:
     """Regenerates the conversations of the JSONL file `path` (`data.chat.read_conversations`):
     through the target's chat template when `model_dir`'s tokenizer_config.json has one and
     `use_chat_template` (`regenerate_chat`: multi-turn, chat rows), else as raw single-turn
@@ -252,8 +321,15 @@ def regenerate_from_file(target, tokenizer, model_dir: Optional[str], path: str,
         for c in convs:
             prompts.append(list(tokenizer.encode(plain_render(c, True))))
         return regenerate(target, prompts, out_path, tokenizer=tokenizer, **kw)
-    return regenerate_chat(target, convs, out_path, render=render, encode=tokenizer.encode,
-                           decode=tokenizer.decode, **kw)
+    return regenerate_chat(
+        target,
+        convs,
+        out_path,
+        render=render,
+        encode=tokenizer.encode,
+        decode=tokenizer.decode,
+        **kw,
+    )
 
 
 def main(argv):
@@ -273,10 +349,20 @@ def main(argv):
     read_conversations(F.prompts)  # a bad row is an error before the target loads
     target = load_target(target_dir)
     tok = load_tokenizer(target_dir)
-    regenerate_from_file(target, tok, target_dir, F.prompts, F.out,
-                         use_chat_template=F.chat_template, log=console.say,
-                         max_new_tokens=F.max_new_tokens, batch_size=F.batch_size,
-                         temperature=F.temperature, seed=F.seed, stop_token_ids=(tok.eos_id,))
+    regenerate_from_file(
+        target,
+        tok,
+        target_dir,
+        F.prompts,
+        F.out,
+        use_chat_template=F.chat_template,
+        log=console.say,
+        max_new_tokens=F.max_new_tokens,
+        batch_size=F.batch_size,
+        temperature=F.temperature,
+        seed=F.seed,
+        stop_token_ids=(tok.eos_id,),
+    )
 
 
 if __name__ == "__main__":
@@ -284,13 +370,21 @@ if __name__ == "__main__":
 
     from dflash_jax import cli
 
-    flags.DEFINE_string("target", None, "target model directory (HF format) or hub id",
-                        required=True)
-    flags.DEFINE_string("prompts", None, "JSONL conversations (ShareGPT 'conversations', OpenAI "
-                        "'messages') or prompts ('prompt')", required=True)
+    flags.DEFINE_string(
+        "target", None, "target model directory (HF format) or hub id", required=True
+    )
+    flags.DEFINE_string(
+        "prompts",
+        None,
+        "JSONL conversations (ShareGPT 'conversations', OpenAI 'messages') or prompts ('prompt')",
+        required=True,
+    )
     flags.DEFINE_string("out", None, "output JSONL", required=True)
-    flags.DEFINE_bool("chat_template", True, "render through the target's chat template when "
-                      "its tokenizer_config.json has one")
+    flags.DEFINE_bool(
+        "chat_template",
+        True,
+        "render through the target's chat template when its tokenizer_config.json has one",
+    )
     flags.DEFINE_integer("max_new_tokens", 256, "response length cap (per assistant turn)")
     flags.DEFINE_integer("batch_size", 32, "prompts per generate call")
     flags.DEFINE_float("temperature", 0.0, "0 = greedy")

@@ -1,5 +1,9 @@
 """One trainer for DFlash drafters (`mode="drafter"`) and small targets (`mode="target"`).
 
+(Over ~450 lines on purpose: the step and the one loop around it, whose length is resumption,
+preemption, NaN rollback and metrics read one step late; building the run is experiment.py,
+the defaults configs/default.py.)
+
     train_and_evaluate(config, workdir) -> summary dict
 
 builds the experiment (`dflash_jax.training.experiment`: tokenizer, data, models, loss),
@@ -42,6 +46,7 @@ from dflash_jax import console, distributed
 from dflash_jax.target import save_target
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.experiment import Experiment, build_experiment, log as _log
+
 # The drafter objective that `dflash_jax.dry_run` compiles with `make_train_step`.
 from dflash_jax.training.experiment import drafter_loss_fn  # noqa: F401
 from dflash_jax.training.metrics import MetricsLogger, format_eta
@@ -59,17 +64,22 @@ def make_optimizer(config, total_steps: int):
     """AdamW (weight decay from config, 0 in the recipe), warmup-cosine, global-norm clip."""
     warmup = max(1, int(round(config.warmup_ratio * total_steps)))
     schedule = optax.warmup_cosine_decay_schedule(
-        init_value=0.0, peak_value=config.learning_rate, warmup_steps=warmup,
+        init_value=0.0,
+        peak_value=config.learning_rate,
+        warmup_steps=warmup,
         decay_steps=max(total_steps, warmup + 1),
-        end_value=config.learning_rate * config.end_lr_ratio)
-    tx = optax.chain(optax.clip_by_global_norm(config.grad_clip),
-                     optax.adamw(schedule, b1=config.b1, b2=config.b2,
-                                 weight_decay=config.weight_decay))
+        end_value=config.learning_rate * config.end_lr_ratio,
+    )
+    tx = optax.chain(
+        optax.clip_by_global_norm(config.grad_clip),
+        optax.adamw(schedule, b1=config.b1, b2=config.b2, weight_decay=config.weight_decay),
+    )
     return tx, schedule
 
 
-def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None,
-                    shardings=None, donate: bool = False):
+def make_train_step(
+    loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None, shardings=None, donate: bool = False
+):
     """jit(step)(state, frozen, batch) -> (state, metrics); loss_fn(params, frozen, batch, key).
 
     With a mesh and no `shardings`: batch sharded over `data`, everything else replicated; XLA
@@ -85,10 +95,14 @@ def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None,
         key = jax.random.fold_in(state.rng, state.step)
         # The mesh as the context mesh while tracing: the compiled Pallas training kernel, which
         # GSPMD cannot partition, runs per shard of it (`attention.training_attention`).
-        with (contextlib.nullcontext() if mesh is None
-              else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)):
+        with (
+            contextlib.nullcontext()
+            if mesh is None
+            else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+        ):
             (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state.params, frozen, batch, key)
+                state.params, frozen, batch, key
+            )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
@@ -99,15 +113,24 @@ def make_train_step(loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None,
         return jax.jit(step, **donation)
     if shardings is None:
         rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-        return jax.jit(step, in_shardings=(rep, rep, data), out_shardings=(rep, rep),
-                       **donation)
+        return jax.jit(step, in_shardings=(rep, rep, data), out_shardings=(rep, rep), **donation)
     state_sh, frozen_sh, batch_sh = shardings
-    return jax.jit(step, in_shardings=(state_sh, frozen_sh, batch_sh),
-                   out_shardings=(state_sh, NamedSharding(mesh, P())), **donation)
+    return jax.jit(
+        step,
+        in_shardings=(state_sh, frozen_sh, batch_sh),
+        out_shardings=(state_sh, NamedSharding(mesh, P())),
+        **donation,
+    )
 
 
-def train_shardings(mesh: Mesh, mode: str, state, frozen, target_head_dim: int,
-                    drafter_head_dim: Optional[int] = None):
+def train_shardings(
+    mesh: Mesh,
+    mode: str,
+    state,
+    frozen,
+    target_head_dim: int,
+    drafter_head_dim: Optional[int] = None,
+):
     """(state, frozen, batch) shardings for `make_train_step` on a ("data", "fsdp", "tensor")
     mesh: the trained parameters and their optimizer moments by the drafter's (or, training a
     target, the target's) FSDP + tensor rules, the frozen target by the target's, step and rng
@@ -120,10 +143,16 @@ def train_shardings(mesh: Mesh, mode: str, state, frozen, target_head_dim: int,
         rules, head_dim = sharding.target_rules(True), target_head_dim
     rep = NamedSharding(mesh, P())
     state_sh = TrainState(
-        step=rep, rng=rep, params=sharding.param_shardings(state.params, mesh, rules, head_dim),
-        opt_state=sharding.param_shardings(state.opt_state, mesh, rules, head_dim))
-    frozen_sh = None if frozen is None else sharding.param_shardings(
-        frozen, mesh, sharding.target_rules(True), target_head_dim)
+        step=rep,
+        rng=rep,
+        params=sharding.param_shardings(state.params, mesh, rules, head_dim),
+        opt_state=sharding.param_shardings(state.opt_state, mesh, rules, head_dim),
+    )
+    frozen_sh = (
+        None
+        if frozen is None
+        else sharding.param_shardings(frozen, mesh, sharding.target_rules(True), target_head_dim)
+    )
     return state_sh, frozen_sh, sharding.batch_sharding(mesh)
 
 
@@ -153,8 +182,14 @@ def evaluate(exp: Experiment, params, eval_step, step: int, frozen=None, mesh=No
     if exp.mode == "drafter" and exp.eval_prompts:
         from dflash_jax.decoding import generate
 
-        res = generate(exp.target_for(params), exp.drafter_for(params), exp.eval_prompts,
-                       exp.config.eval_max_new_tokens, stop_token_ids=exp.stop_ids, mesh=mesh)
+        res = generate(
+            exp.target_for(params),
+            exp.drafter_for(params),
+            exp.eval_prompts,
+            exp.config.eval_max_new_tokens,
+            stop_token_ids=exp.stop_ids,
+            mesh=mesh,
+        )
         out["tau"] = float(res.stats["tau"])
     return out
 
@@ -198,22 +233,36 @@ def train_and_evaluate(config, workdir: str) -> dict:
     workdir = os.path.abspath(workdir)
     regen_only = config.regen.get("only", False)
     if regen_only and (config.mode != "drafter" or config.data.kind != "regenerated"):
-        raise ValueError("regen.only needs mode='drafter' and data.kind='regenerated', got "
-                         f"mode={config.mode!r}, data.kind={config.data.kind!r}")
+        raise ValueError(
+            "regen.only needs mode='drafter' and data.kind='regenerated', got "
+            f"mode={config.mode!r}, data.kind={config.data.kind!r}"
+        )
     os.makedirs(workdir, exist_ok=True)
     exp = build_experiment(config, workdir)
     if regen_only:  # the responses exist now (build_experiment wrote or found them)
         path = config.regen.output or os.path.join(workdir, "regenerated.jsonl")
         _log(f"regen.only: responses in {path}; no training")
-        return {"status": "regenerated", "step": 0, "losses": [], "eval": {}, "export": None,
-                "regenerated": path}
-    total = (config.num_train_steps if config.num_train_steps > 0
-             else exp.steps_per_epoch * config.data.num_epochs)
+        return {
+            "status": "regenerated",
+            "step": 0,
+            "losses": [],
+            "eval": {},
+            "export": None,
+            "regenerated": path,
+        }
+    total = (
+        config.num_train_steps
+        if config.num_train_steps > 0
+        else exp.steps_per_epoch * config.data.num_epochs
+    )
     stop_at = min(total, config.stop_at_step) if config.stop_at_step > 0 else total
     optimizer, schedule = make_optimizer(config, total)
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=exp.init_params,
-                       opt_state=optimizer.init(exp.init_params),
-                       rng=jax.random.PRNGKey(config.seed))
+    state = TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=exp.init_params,
+        opt_state=optimizer.init(exp.init_params),
+        rng=jax.random.PRNGKey(config.seed),
+    )
     # "" is data parallelism over this host's devices: the same rules on a data-only mesh,
     # where every parameter is replicated.
     from dflash_jax import sharding
@@ -221,27 +270,44 @@ def train_and_evaluate(config, workdir: str) -> dict:
     mesh_spec = config.get("mesh", "")
     sizes = sharding.parse_mesh(mesh_spec or "data=-1")
     pool = jax.devices() if mesh_spec or distributed.is_multiprocess() else jax.local_devices()
-    mesh = sharding.make_mesh(**sizes, devices=pool if -1 in sizes.values()
-                              else pool[:math.prod(sizes.values())])
+    mesh = sharding.make_mesh(
+        **sizes, devices=pool if -1 in sizes.values() else pool[: math.prod(sizes.values())]
+    )
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     state_sh, frozen_sh, data_sh = train_shardings(
-        mesh, exp.mode, state, exp.frozen, exp.target_cfg.head_dim,
-        exp.drafter_cfg.body.head_dim if exp.drafter_cfg is not None else None)
+        mesh,
+        exp.mode,
+        state,
+        exp.frozen,
+        exp.target_cfg.head_dim,
+        exp.drafter_cfg.body.head_dim if exp.drafter_cfg is not None else None,
+    )
     n_dev = mesh.devices.size
     if config.data.batch_size % n_batch:
-        raise ValueError(f"batch_size {config.data.batch_size} is not divisible by the "
-                         f"{n_batch} batch shards of the mesh ({n_dev} devices)")
+        raise ValueError(
+            f"batch_size {config.data.batch_size} is not divisible by the "
+            f"{n_batch} batch shards of the mesh ({n_dev} devices)"
+        )
     if exp.repetition_sampler is not None and config.unlikelihood.batch_size % n_batch:
-        raise ValueError(f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not "
-                         f"divisible by the {n_batch} batch shards of the mesh")
+        raise ValueError(
+            f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not "
+            f"divisible by the {n_batch} batch shards of the mesh"
+        )
     # Several processes: each reads only the data streams whose rows its devices hold.
-    exp.train_iter = distributed.shard_batches(exp.train_iter, data_sh,
-                                               config.data.get("num_shards", 0))
-    ckpt = Checkpointer(os.path.join(workdir, "checkpoints"), config.checkpoint_every,
-                        config.keep_checkpoints, config.async_checkpoint)
+    exp.train_iter = distributed.shard_batches(
+        exp.train_iter, data_sh, config.data.get("num_shards", 0)
+    )
+    ckpt = Checkpointer(
+        os.path.join(workdir, "checkpoints"),
+        config.checkpoint_every,
+        config.keep_checkpoints,
+        config.async_checkpoint,
+    )
     abstract = jax.tree_util.tree_map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-        jax.eval_shape(lambda: state), state_sh)
+        jax.eval_shape(lambda: state),
+        state_sh,
+    )
     try:
         restored = ckpt.restore(abstract)
     except BaseException:  # incompatible: leave every checkpoint as it is
@@ -250,8 +316,9 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if distributed.is_multiprocess():
         steps = distributed.allgather_json(-1 if restored is None else int(restored[2]))
         if len(set(steps)) > 1:
-            raise RuntimeError(f"processes restored different checkpoint steps {steps} from "
-                               f"{ckpt.directory}")
+            raise RuntimeError(
+                f"processes restored different checkpoint steps {steps} from {ckpt.directory}"
+            )
     if restored is not None:
         state, data_state, _ = restored
         exp.train_iter.set_state(data_state)
@@ -261,20 +328,28 @@ def train_and_evaluate(config, workdir: str) -> dict:
     # The state is donated: each step's input state is dead once the step is called (a
     # non-finite step breaks out with it, unused; exp.init_params may share its buffers: only
     # its sizes are read below).
-    train_step = make_train_step(exp.loss_fn, optimizer, mesh, (state_sh, frozen_sh, data_sh),
-                                 donate=True)
+    train_step = make_train_step(
+        exp.loss_fn, optimizer, mesh, (state_sh, frozen_sh, data_sh), donate=True
+    )
     eval_mesh = mesh if n_dev > 1 else None
-    eval_jit = jax.jit(lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1],
-                       out_shardings=NamedSharding(mesh, P()))
+    eval_jit = jax.jit(
+        lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1],
+        out_shardings=NamedSharding(mesh, P()),
+    )
     eval_step = lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh))
 
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
-    _log(f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
-         f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
-         f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
-         f"{sharding.mesh_str(mesh)}], workdir {workdir}")
-    logger = MetricsLogger(workdir, resume_step=int(state.step),  # no duplicate rows
-                           enabled=distributed.is_primary())
+    _log(
+        f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
+        f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
+        f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
+        f"{sharding.mesh_str(mesh)}], workdir {workdir}"
+    )
+    logger = MetricsLogger(
+        workdir,
+        resume_step=int(state.step),  # no duplicate rows
+        enabled=distributed.is_primary(),
+    )
     flag = _StopFlag().install()
     step = int(state.step)
     status, last_eval, history = "done", {}, []
@@ -295,39 +370,54 @@ def train_and_evaluate(config, workdir: str) -> dict:
         loss = float(metrics["loss"]) + float(metrics.get("ul_loss", 0.0))
         if not math.isfinite(loss):
             status, step = "nan", k - 1
-            _log(f"ERROR: non-finite loss ({loss}) at step {k}; stopping. The last "
-                 f"good checkpoint (step {ckpt.manager.latest_step()}) is kept; this "
-                 "state is not saved.")
+            _log(
+                f"ERROR: non-finite loss ({loss}) at step {k}; stopping. The last "
+                f"good checkpoint (step {ckpt.manager.latest_step()}) is kept; this "
+                "state is not saved."
+            )
             return False
         history.append((k, loss))
         bar.update(1)
         steps_window += 1
-        acc_window = metrics if acc_window is None else jax.tree_util.tree_map(
-            np.add, acc_window, metrics)
+        acc_window = (
+            metrics if acc_window is None else jax.tree_util.tree_map(np.add, acc_window, metrics)
+        )
         if k % config.log_every == 0 or k == stop_at:
             dt = time.time() - t_window
             rate = steps_window * tokens_per_step / max(dt, 1e-9)
             elapsed = time.time() - t_start
             eta = elapsed / max(k - step_start, 1) * (total - k)
-            rec = {"loss": acc_window["loss"] / steps_window,
-                   "grad_norm": acc_window["grad_norm"] / steps_window,
-                   "learning_rate": float(schedule(k - 1)), "tokens_per_s": rate}
+            rec = {
+                "loss": acc_window["loss"] / steps_window,
+                "grad_norm": acc_window["grad_norm"] / steps_window,
+                "learning_rate": float(schedule(k - 1)),
+                "tokens_per_s": rate,
+            }
             if exp.mode == "drafter":
                 per_k = acc_window["correct_k"] / np.maximum(acc_window["count_k"], 1)
                 rec["acc_k01"] = float(per_k[1])
-                rec["block_accept_len"] = float(acc_window["accept_sum"] /
-                                                max(acc_window["num_blocks"], 1))
+                rec["block_accept_len"] = float(
+                    acc_window["accept_sum"] / max(acc_window["num_blocks"], 1)
+                )
             ul_msg = ""
             if "rep_frac" in acc_window:
-                rec.update({key: float(acc_window[key]) / steps_window
-                            for key in ("ul_loss", "ul_p", "rep_frac")})
-                ul_msg = (f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
-                          f"repeated {100 * rec['rep_frac']:.1f}% ")
+                rec.update(
+                    {
+                        key: float(acc_window[key]) / steps_window
+                        for key in ("ul_loss", "ul_p", "rep_frac")
+                    }
+                )
+                ul_msg = (
+                    f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
+                    f"repeated {100 * rec['rep_frac']:.1f}% "
+                )
             logger.write("train", k, rec)
             bar.set_postfix_str(f"loss {rec['loss']:.4f}", refresh=False)
-            _log(f"step {k}/{total} loss {rec['loss']:.4f} {ul_msg}"
-                 f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
-                 f"{rate:,.0f} tok/s ETA {format_eta(eta)}")
+            _log(
+                f"step {k}/{total} loss {rec['loss']:.4f} {ul_msg}"
+                f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
+                f"{rate:,.0f} tok/s ETA {format_eta(eta)}"
+            )
             t_window, steps_window, acc_window = time.time(), 0, None
         return True
 
@@ -361,13 +451,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 jax.block_until_ready(metrics)
                 jax.profiler.stop_trace()
                 profiling = False
-                _log(f"profile of steps {config.profile_start_step}.."
-                     f"{step} written to {config.profile_dir}")
+                _log(
+                    f"profile of steps {config.profile_start_step}.."
+                    f"{step} written to {config.profile_dir}"
+                )
             state = new_state
             step += 1
             pending = (step, metrics, rep_frac)
-            evaluating = config.eval_every > 0 and (step % config.eval_every == 0
-                                                    or step == total)
+            evaluating = config.eval_every > 0 and (step % config.eval_every == 0 or step == total)
             if evaluating or step % ckpt.every == 0 or step == stop_at:
                 ok, pending = finish(*pending), None
                 if not ok:
@@ -375,9 +466,15 @@ def train_and_evaluate(config, workdir: str) -> dict:
             if evaluating:
                 last_eval = evaluate(exp, state.params, eval_step, step, frozen, eval_mesh)
                 logger.write("eval", step, last_eval)
-                _log(f"eval step {step}: " + " ".join(
-                    f"{k} {v:.3f}" for k, v in last_eval.items() if not k.startswith("acc_k")
-                    or k in ("acc_k01", "acc_k02", "acc_k04", "acc_k08")))
+                _log(
+                    f"eval step {step}: "
+                    + " ".join(
+                        f"{k} {v:.3f}"
+                        for k, v in last_eval.items()
+                        if not k.startswith("acc_k")
+                        or k in ("acc_k01", "acc_k02", "acc_k04", "acc_k08")
+                    )
+                )
             if ckpt.maybe_save(step, state, exp.train_iter.get_state):
                 _log(f"checkpoint step {step} -> {ckpt.directory}")
             # A signal to any one process stops all of them after the same step.
@@ -386,13 +483,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
                     break  # (a non-finite loss: stopped, nothing saved)
                 pending = None
                 status = "preempted"
-                _log(f"signal {flag.signum or 'to another process'}: saving step {step} and "
-                     "stopping")
+                _log(
+                    f"signal {flag.signum or 'to another process'}: saving step {step} and stopping"
+                )
                 break
         if pending is not None:  # the data ran out before the last step's read
             finish(*pending)
-        if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state,
-                                                force=True):
+        if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state, force=True):
             _log(f"checkpoint step {step} -> {ckpt.directory}")
         if status == "done" and step < total:
             status = "stopped"
@@ -408,8 +505,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
     if config.export and status == "done":
         export_path = export(exp, state.params, os.path.join(workdir, "export"))
         _log(f"exported to {export_path}")
-    return {"status": status, "step": step, "losses": history, "eval": last_eval,
-            "export": export_path, "total_steps": total}
+    return {
+        "status": status,
+        "step": step,
+        "losses": history,
+        "eval": last_eval,
+        "export": export_path,
+        "total_steps": total,
+    }
 
 
 def export(exp: Experiment, params, directory: str) -> str:
@@ -427,7 +530,6 @@ def export(exp: Experiment, params, directory: str) -> str:
         if not distributed.is_primary():
             return path
         save_target(exp.target_for(params), path)
-        if exp.tokenizer is not None and not os.path.exists(
-                os.path.join(path, "tokenizer.json")):
+        if exp.tokenizer is not None and not os.path.exists(os.path.join(path, "tokenizer.json")):
             exp.tokenizer.save(path)
     return path

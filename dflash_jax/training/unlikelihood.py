@@ -40,15 +40,20 @@ def repeated_ngram_mask(seq: Sequence[int], start: int, n: int) -> np.ndarray:
     mask = np.zeros(len(seq), bool)
     seen = set()
     for i in range(start, len(seq) - n + 1):
-        gram = tuple(seq[i:i + n])
+        gram = tuple(seq[i : i + n])
         if gram in seen:
-            mask[i:i + n] = True
+            mask[i : i + n] = True
         seen.add(gram)
     return mask
 
 
-def build_batch(prompts: Sequence[Sequence[int]], continuations: Sequence[Sequence[int]],
-                length: int, n: int, pad_id: int = 0) -> Tuple[Dict[str, np.ndarray], float]:
+def build_batch(
+    prompts: Sequence[Sequence[int]],
+    continuations: Sequence[Sequence[int]],
+    length: int,
+    n: int,
+    pad_id: int = 0,
+) -> Tuple[Dict[str, np.ndarray], float]:
     """Left-aligned prompt + continuation rows of `length` tokens and their negative-candidate
     mask. Returns ({"ul_ids", "ul_mask", "ul_segment_ids"} int32 [B, length], rep_frac): the
     share of continuation tokens marked."""
@@ -60,13 +65,12 @@ def build_batch(prompts: Sequence[Sequence[int]], continuations: Sequence[Sequen
     for i, (p, c) in enumerate(zip(prompts, continuations)):
         row = (list(p) + list(c))[:length]
         m = repeated_ngram_mask(row, min(len(p), len(row)), n)
-        ids[i, :len(row)] = row
-        mask[i, :len(row)] = m
-        seg[i, :len(row)] = 1
+        ids[i, : len(row)] = row
+        mask[i, : len(row)] = m
+        seg[i, : len(row)] = 1
         marked += int(m.sum())
         total += max(len(row) - len(p), 0)
-    return ({"ul_ids": ids, "ul_mask": mask, "ul_segment_ids": seg},
-            marked / max(total, 1))
+    return ({"ul_ids": ids, "ul_mask": mask, "ul_segment_ids": seg}, marked / max(total, 1))
 
 
 def unlikelihood_loss(tmod: Transformer, params, batch) -> Tuple[jnp.ndarray, Dict]:
@@ -89,13 +93,24 @@ class RepetitionSampler:
     unlikelihood batches. Step s uses pool entries s*B .. s*B+B-1 (mod the pool), so a resumed
     run sees the same prompts as an uninterrupted one."""
 
-    def __init__(self, target_cfg, prompts: List[List[int]], *, batch_size: int,
-                 prompt_len: int, max_new_tokens: int, ngram: int, stop_ids: tuple = (),
-                 pad_id: int = 0):
+    def __init__(
+        self,
+        target_cfg,
+        prompts: List[List[int]],
+        *,
+        batch_size: int,
+        prompt_len: int,
+        max_new_tokens: int,
+        ngram: int,
+        stop_ids: tuple = (),
+        pad_id: int = 0,
+    ):
         prompts = [list(p)[-prompt_len:] for p in prompts if len(p)]
         if len(prompts) < batch_size:
-            raise ValueError(f"unlikelihood needs at least batch_size={batch_size} prompts from "
-                             f"the training documents, got {len(prompts)}")
+            raise ValueError(
+                f"unlikelihood needs at least batch_size={batch_size} prompts from "
+                f"the training documents, got {len(prompts)}"
+            )
         self.target_cfg = target_cfg
         self.prompts = prompts
         self.batch_size = batch_size
@@ -108,13 +123,20 @@ class RepetitionSampler:
     def __call__(self, params, step: int, mesh=None) -> Tuple[Dict[str, np.ndarray], float]:
         n = len(self.prompts)
         chunk = [self.prompts[(step * self.batch_size + j) % n] for j in range(self.batch_size)]
-        res = generate(Target(self.target_cfg, params), None, chunk, self.max_new_tokens,
-                       stop_token_ids=self.stop_ids, mesh=mesh)
+        res = generate(
+            Target(self.target_cfg, params),
+            None,
+            chunk,
+            self.max_new_tokens,
+            stop_token_ids=self.stop_ids,
+            mesh=mesh,
+        )
         return build_batch(chunk, res.tokens, self.length, self.ngram, self.pad_id)
 
 
-def combined_loss(tmod: Transformer, params, batch, weight: float,
-                  mle_loss_fn) -> Tuple[jnp.ndarray, Dict]:
+def combined_loss(
+    tmod: Transformer, params, batch, weight: float, mle_loss_fn
+) -> Tuple[jnp.ndarray, Dict]:
     """Next-token loss (`mle_loss_fn(tmod, params, batch)`) + weight x unlikelihood when the
     batch carries unlikelihood rows; metrics keep "loss" as the next-token loss alone."""
     loss, metrics = mle_loss_fn(tmod, params, batch)
@@ -122,4 +144,3 @@ def combined_loss(tmod: Transformer, params, batch, weight: float,
         return loss, metrics
     ul, ul_metrics = unlikelihood_loss(tmod, params, batch)
     return loss + weight * ul, {**metrics, **ul_metrics}
-
