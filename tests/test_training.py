@@ -231,7 +231,7 @@ def test_teacher_positions_predict_the_labels_on_greedy_data(regen_file, trained
     lm = np.zeros_like(ids)
     lm[0, len(rec["prompt_ids"]) :] = 1
     anchors, valid = masks.sample_anchors(jax.random.PRNGKey(0), jnp.asarray(lm), 8, 8)
-    src = np.asarray(masks.teacher_positions(anchors, 8))
+    src = np.asarray(masks.teacher_positions(anchors, 8, ids.shape[1]))
     labels = np.asarray(masks.block_labels(jnp.asarray(ids), anchors, 8))
     w = np.asarray(masks.loss_weights(anchors, valid, jnp.asarray(lm), 8, 4.0))
     pred = logits[0].argmax(-1)[src[0]]

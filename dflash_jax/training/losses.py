@@ -344,7 +344,7 @@ def drafter_loss(
         # Target hidden states at p+k-1, whose next-token distribution is the soft label of
         # block position k (k >= 1; k = 0 has weight 0 and reads position p-1 clipped,
         # harmlessly). Gathered before the LM head, so only N*bs rows of logits exist.
-        src = masks.teacher_positions(anchors, bs).reshape(b, n * bs)
+        src = masks.teacher_positions(anchors, bs, s).reshape(b, n * bs)
         t_hidden = jax.lax.stop_gradient(
             jnp.take_along_axis(hidden_t, src[..., None], axis=1)
         ).reshape(b, n, bs, -1)

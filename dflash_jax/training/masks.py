@@ -95,11 +95,14 @@ def block_positions(anchors_BN, block_size: int):
     return anchors_BN[:, :, None] + jnp.arange(block_size, dtype=jnp.int32)[None, None]
 
 
-def teacher_positions(anchors_BN, block_size: int):
+def teacher_positions(anchors_BN, block_size: int, seq_len: int | None = None):
     """[B,N,bs] positions p+k-1 whose target next-token distribution is the soft label of block
     position k ("kl" loss): the target's logits at p+k-1 predict x_{p+k}. Clipped at 0 (k = 0 of
-    an anchor at 0 has weight 0 anyway)."""
-    return jnp.maximum(block_positions(anchors_BN, block_size) - 1, 0)
+    an anchor at 0 has weight 0 anyway) and, given `seq_len`, at seq_len - 1: a block may run
+    past the end of the row, and those positions have weight 0 (an out-of-range gather would
+    read NaN, and NaN * 0 is NaN)."""
+    pos = jnp.maximum(block_positions(anchors_BN, block_size) - 1, 0)
+    return pos if seq_len is None else jnp.minimum(pos, seq_len - 1)
 
 
 def _gather_rows(x_BS, idx_BNK):
