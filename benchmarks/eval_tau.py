@@ -41,9 +41,14 @@ _HUMANEVAL = (
     "tests:\n```python\n{}\n```"
 )
 
-# name: (Hugging Face (path, config, split), TFDS (name, split) or None)
+# name: (Hugging Face (path, config, split), TFDS (name, split, module) or None). The TFDS
+# builder's module is imported first: without TensorFlow, `tfds.builder` finds only the builders
+# already imported.
 SOURCES = {
-    "gsm8k": (("openai/gsm8k", "main", "test"), ("gsm8k", "test")),
+    "gsm8k": (
+        ("openai/gsm8k", "main", "test"),
+        ("gsm8k", "test", "tensorflow_datasets.text.gsm8k"),
+    ),
     "math500": (("HuggingFaceH4/MATH-500", None, "test"), None),
     "humaneval": (("openai/openai_humaneval", None, "test"), None),
     "mbpp": (("google-research-datasets/mbpp", "full", "test"), None),
@@ -97,22 +102,13 @@ def user_turns(name: str, row, where: str) -> List[str]:
 
 
 def _from_jsonl(name, path, limit):
+    from dflash_jax.prompting import iter_jsonl
+
     out = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}:{n}: not UTF-8 text") from None
-            if not line:
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            out.append(user_turns(name, row, f"{path}:{n}"))
-            if limit and len(out) >= limit:
-                break
+    for n, row in iter_jsonl(path):
+        out.append(user_turns(name, row, f"{path}:{n}"))
+        if limit and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"{path}: no rows")
     return out
@@ -138,9 +134,12 @@ def _from_hf(name, limit):
 def _from_tfds(name, limit):
     if SOURCES[name][1] is None:
         raise ValueError("not in the TFDS catalog")
+    import importlib
+
     import tensorflow_datasets as tfds
 
-    tname, split = SOURCES[name][1]
+    tname, split, module = SOURCES[name][1]
+    importlib.import_module(module)
     builder = tfds.builder(tname)
     if not builder.is_prepared():
         builder.download_and_prepare(file_format="array_record")

@@ -64,14 +64,15 @@ def check_prompt_item(obj, where: str) -> dict:
     return obj
 
 
-def iter_prompt_file(path: str) -> Iterator[Tuple[int, dict]]:
-    """(line number, checked item) for every non-blank line of a JSONL prompt file (a bare
-    JSON string is a text prompt). Every error is a ValueError naming the file and line."""
+def iter_jsonl(path: str, what: str = "JSONL file") -> Iterator[Tuple[int, object]]:
+    """(line number, parsed JSON value) for every non-blank line of a JSON Lines file. Every
+    error is a ValueError naming the file (and line): a directory, a missing file (`what` names
+    the kind of file expected), text that is not UTF-8, a line that is not JSON."""
     path = os.fspath(path)
     if os.path.isdir(path):
-        raise ValueError(f"{path}: is a directory, not a prompt file")
+        raise ValueError(f"{path}: is a directory, not a {what}")
     if not os.path.exists(path):
-        raise ValueError(f"{path}: no such prompt file")
+        raise ValueError(f"{path}: no such {what}")
     with open(path, "rb") as f:
         for n, raw in enumerate(f, 1):
             try:
@@ -81,10 +82,16 @@ def iter_prompt_file(path: str) -> Iterator[Tuple[int, dict]]:
             if not line:
                 continue
             try:
-                obj = json.loads(line)
+                yield n, json.loads(line)
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            yield n, check_prompt_item(obj, f"{path}:{n}")
+
+
+def iter_prompt_file(path: str) -> Iterator[Tuple[int, dict]]:
+    """(line number, checked item) for every non-blank line of a JSONL prompt file (a bare
+    JSON string is a text prompt). Every error is a ValueError naming the file and line."""
+    for n, obj in iter_jsonl(path, "prompt file"):
+        yield n, check_prompt_item(obj, f"{os.fspath(path)}:{n}")
 
 
 def read_prompt_file(path: str, with_labels: bool = False):

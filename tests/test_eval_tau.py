@@ -129,6 +129,60 @@ def test_eval_reports_both_taus_speedup_and_table(templated_pair, tmp_path):
     assert table in proc.stdout
 
 
+class _FakeHFDataset:
+    """The part of `datasets.Dataset` eval_tau uses: len, select, rows as mappings."""
+
+    def __init__(self, rows):
+        self.rows = rows
+
+    def __len__(self):
+        return len(self.rows)
+
+    def select(self, indices):
+        return _FakeHFDataset([self.rows[i] for i in indices])
+
+    def __iter__(self):
+        return iter(self.rows)
+
+
+def test_hugging_face_source_reads_each_schema(monkeypatch, tmp_path):
+    """No JSONL file: `datasets.load_dataset` (a stand-in module: no hub here) is asked for the
+    paper's set, and its rows (mt_bench's as the hub stores them, in "prompt") become the same
+    prompts as the JSONL fixtures; `limit` is honoured and the source is named."""
+    calls = []
+    hub_rows = dict(FIXTURES, mt_bench=[{"prompt": FIXTURES["mt_bench"][0]["turns"]}])
+
+    def load_dataset(path, *config, split):
+        calls.append((path, config, split))
+        name = next(n for n, src in eval_tau.SOURCES.items() if src[0][0] == path)
+        return _FakeHFDataset(hub_rows[name] * 3)
+
+    fake = type(sys)("datasets")
+    fake.load_dataset = load_dataset
+    monkeypatch.setitem(sys.modules, "datasets", fake)
+    _write_fixtures(tmp_path / "jsonl")
+    for name in FIXTURES:
+        want = eval_tau.load_prompts(name, str(tmp_path / "jsonl"))[0]
+        got, src = eval_tau.load_prompts(name, str(tmp_path / "empty"), limit=2)
+        assert got == want * 2, name
+        path, config, split = eval_tau.SOURCES[name][0]
+        assert src.startswith(f"Hugging Face datasets {path}") and src.endswith(split), src
+        assert calls[-1] == (path, (config,) if config else (), split)
+
+
+def test_tfds_source_when_hugging_face_is_missing(monkeypatch):
+    """Without the `datasets` package, gsm8k comes from TFDS (its builder module imported first:
+    without TensorFlow the catalog holds only imported builders); TFDS data mocked offline."""
+    tfds = pytest.importorskip("tensorflow_datasets")
+    monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
+    with tfds.testing.mock_data(num_examples=5):
+        rows, src = eval_tau.load_prompts("gsm8k", None, limit=3)
+    assert src == "TFDS gsm8k, test" and len(rows) == 3
+    assert all(len(r) == 1 and r[0].endswith("within \\boxed{}.") for r in rows)
+    with pytest.raises(ValueError, match="math500: no source .*TFDS: not in the TFDS catalog"):
+        eval_tau.load_prompts("math500", None)
+
+
 @pytest.mark.parametrize(
     "args, message",
     [

@@ -16,10 +16,11 @@ exact token ids (the ids the target produced, never re-tokenised text): the row'
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
+
+from dflash_jax.prompting import iter_jsonl
 
 _ROLES = {
     "system": "system",
@@ -95,27 +96,11 @@ def conversation_from(obj, where: str) -> List[Message]:
 def read_conversations(path: str, limit: int = 0) -> List[List[Message]]:
     """Every conversation of a JSONL file (ShareGPT, OpenAI messages or plain prompts), as
     system + user messages; `limit` > 0 reads only that many. ValueError naming file:line."""
-    path = os.fspath(path)
-    if os.path.isdir(path):
-        raise ValueError(f"{path}: is a directory, not a JSONL file")
-    if not os.path.exists(path):
-        raise ValueError(f"{path}: no such file")
     out = []
-    with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
-            try:
-                line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}:{n}: not UTF-8 text (expected JSON Lines)") from None
-            if not line:
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
-            out.append(conversation_from(obj, f"{path}:{n}"))
-            if limit and len(out) >= limit:
-                break
+    for n, obj in iter_jsonl(path):
+        out.append(conversation_from(obj, f"{os.fspath(path)}:{n}"))
+        if limit and len(out) >= limit:
+            break
     if not out:
         raise ValueError(f"{path}: no conversations")
     return out
