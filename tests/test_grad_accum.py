@@ -93,11 +93,12 @@ def test_micro_batches_score_unequal_shares_so_a_plain_mean_would_be_wrong(setup
     _, exp, trainer, batch = setup
     key = jax.random.fold_in(jax.random.PRNGKey(0), 0)
     keys = losses.row_keys(key, 8)
+    loss_fn = jax.jit(exp.loss_fn)
     parts = []
     for i in range(4):  # micro-batch i: rows i, i + 4 (make_train_step's split)
         rows = np.arange(i, 8, 4)
         micro = {k: v[rows] for k, v in batch.items()}
-        loss, m = exp.loss_fn(exp.init_params, exp.frozen, micro, keys[rows])
+        loss, m = loss_fn(exp.init_params, exp.frozen, micro, keys[rows])
         parts.append((float(loss), float(m["weight_sum"])))
     full = float(sgd_runs[1][1]["loss"])
     weighted = sum(l * w for l, w in parts) / sum(w for _, w in parts)
@@ -106,15 +107,33 @@ def test_micro_batches_score_unequal_shares_so_a_plain_mean_would_be_wrong(setup
     assert abs(np.mean([l for l, _ in parts]) - full) > 1e-3
 
 
-def test_adamw_steps_with_accumulation_equal_the_full_batch(setup):
-    """Two real optimizer steps (AdamW, clipping, schedule; step 0 is warmup at lr 0)."""
+def test_donated_adamw_steps_with_accumulation_equal_the_full_batch(setup):
+    """Two real optimizer steps (AdamW, clipping, schedule; step 0 is warmup at lr 0) of the
+    step the trainer runs (donate=True): the compiled step aliases the new state to the donated
+    one (parameters and AdamW moments reuse the input buffers) with the micro-batch scan
+    inside, and gives the full batch's parameters and metrics."""
     c, exp, trainer, batch = setup
     opt, _ = trainer.make_optimizer(c, 10)
     full = _run(trainer, exp.loss_fn, opt, exp.init_params, exp.frozen, batch, 1, steps=2)
-    acc = _run(trainer, exp.loss_fn, opt, exp.init_params, exp.frozen, batch, 2, steps=2)
-    _assert_trees_close(acc[0], full[0], rtol=1e-5, atol=2e-6)
+    fresh = jax.tree_util.tree_map(jnp.copy, exp.init_params)  # donated below, not the fixture's
+    state = _state(trainer, fresh, opt)
+    compiled = (
+        trainer.make_train_step(exp.loss_fn, opt, donate=True, grad_accum_steps=2)
+        .lower(state, exp.frozen, batch)
+        .compile()
+    )
+    nbytes = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t) if hasattr(x, "nbytes"))
+    state_bytes = nbytes(state.params) + nbytes(state.opt_state)
+    assert compiled.memory_analysis().alias_size_in_bytes >= 0.99 * state_bytes > 0
+    assert "while" in compiled.as_text()  # the micro-batch scan
+    for _ in range(2):
+        state, metrics = compiled(state, exp.frozen, batch)
+    leaf = jax.tree_util.tree_leaves(fresh)[0]
+    assert leaf.is_deleted()  # its buffer went to the new state
+    _assert_trees_close(jax.device_get(state.params), full[0], rtol=1e-5, atol=2e-6)
+    metrics = jax.device_get(metrics)
     for k in full[1]:
-        np.testing.assert_allclose(acc[1][k], full[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
+        np.testing.assert_allclose(metrics[k], full[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_target_mode_loss_accumulates_on_a_sharded_mesh(setup):
@@ -155,24 +174,11 @@ def test_bad_grad_accum_is_one_clear_line_before_any_compile(setup, tmp_path):
     assert not (tmp_path / "run").exists()  # refused before building (or compiling) anything
 
 
-def test_accumulating_step_donates_the_state(setup):
-    """donate=True: the compiled step aliases the new state to the donated one (parameters and
-    AdamW moments reuse the input buffers), with the scan over micro-batches inside."""
-    c, exp, trainer, batch = setup
-    opt, _ = trainer.make_optimizer(c, 10)
-    state = _state(trainer, exp.init_params, opt)
-    compiled = (
-        trainer.make_train_step(exp.loss_fn, opt, donate=True, grad_accum_steps=2)
-        .lower(state, exp.frozen, batch)
-        .compile()
-    )
-    nbytes = lambda t: sum(x.nbytes for x in jax.tree_util.tree_leaves(t) if hasattr(x, "nbytes"))
-    mem = compiled.memory_analysis()
-    assert mem.alias_size_in_bytes >= nbytes(state.params) + nbytes(state.opt_state) * 0.99
-    assert "while" in compiled.as_text()  # the micro-batch scan
-    undonated = (
-        trainer.make_train_step(exp.loss_fn, opt, grad_accum_steps=2)
-        .lower(state, exp.frozen, batch)
-        .compile()
-    )
-    assert undonated.memory_analysis().alias_size_in_bytes == 0
+def test_dry_run_cli_refuses_a_bad_grad_accum_in_one_line(capsys):
+    from dflash_jax.dry_run import cli
+
+    with pytest.raises(SystemExit) as e:
+        cli.main(["--mode=train", "--model=tiny", "--batch=8", "--grad_accum=3"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert err == "error: --grad_accum 3 must be >= 1 and divide --batch 8", err

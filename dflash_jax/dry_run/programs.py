@@ -13,7 +13,7 @@ from dflash_jax.dry_run.compiled import (
     tree_bytes_per_device,
 )
 from dflash_jax.dry_run.presets import abstract_params, build_configs, train_config
-from dflash_jax.dry_run.topology import platform_name, resolve_mesh
+from dflash_jax.dry_run.topology import UsageError, platform_name, resolve_mesh
 
 
 def _loop_program(tmod, dmod, plan, reps: int):
@@ -207,7 +207,10 @@ def dry_run_train(
             body=dcfg.body.replace(param_dtype=as_dtype(config.drafter.param_dtype))
         )
     m = resolve_mesh(mesh, devices)
-    trainer.check_grad_accum(batch, accum, m.shape["data"] * m.shape["fsdp"])
+    try:
+        trainer.check_grad_accum(batch, accum, m.shape["data"] * m.shape["fsdp"])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     tparams, dparams = abstract_params(tcfg, dcfg)
     tmod, dmod = Transformer(tcfg, "xla"), DFlashDrafter(dcfg)
