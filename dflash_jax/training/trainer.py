@@ -216,9 +216,7 @@ def _accumulated_grads(loss_fn, params, frozen, batch, key, steps: int, mesh, sh
     denom = jnp.maximum(m_sum["weight_sum"], 1e-9)
     grads = jax.tree_util.tree_map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
     metrics = dict(m_sum, loss=m_sum["loss"] / denom)
-    metrics = jax.tree_util.tree_map(
-        lambda v, s: v.astype(s.dtype), metrics, dict(m_shape, loss=m_shape["loss"])
-    )
+    metrics = jax.tree_util.tree_map(lambda v, s: v.astype(s.dtype), metrics, m_shape)
     return grads, metrics
 
 
