@@ -86,6 +86,12 @@ def get_config() -> ml_collections.ConfigDict:
             doc_len=64,
         )
     )  # synthetic: random-token documents
+    # Gradient accumulation: the global batch data.batch_size is cut into this many micro-batches
+    # (must divide it, and each micro-batch must split over the mesh's batch shards), run one
+    # after another inside the one compiled step, with one optimizer update per step. The same
+    # gradient, metrics and anchors as the whole batch at once; only the activation memory is a
+    # micro-batch's (the paper's batch of 16 x 3072 on a TPU v4-8: docs/training.md).
+    c.grad_accum_steps = 1
     c.regen = ml_collections.ConfigDict(
         dict(
             # "stdlib": random windows of prompt_len tokens of the training files; "functions":

@@ -33,6 +33,11 @@ def format_report(r: Dict[str, Any]) -> str:
             if r["mode"] == "infer"
             else f"batch {s['batch']}x{s['seq_len']}, {s['num_anchors']} "
             f"anchors x block {s['block_size']}"
+            + (
+                f", {s['grad_accum_steps']} micro-batches"
+                if s.get("grad_accum_steps", 1) > 1
+                else ""
+            )
         )
     )
     cap = "" if chip is None else f" (HBM {chip['hbm_bytes'] / 2**30:.0f} GiB per chip)"
@@ -185,6 +190,12 @@ def main(argv=None):
     ap.add_argument("--seq_len", type=int, default=3072, help="train: sequence length")
     ap.add_argument("--num_anchors", type=int, default=512)
     ap.add_argument("--loss_chunk_anchors", type=int, default=0)
+    ap.add_argument(
+        "--grad_accum",
+        type=int,
+        default=1,
+        help="train: micro-batches per step (the config's grad_accum_steps; divides --batch)",
+    )
     ap.add_argument("--json_out", default="", help="write the result(s) as JSON here")
     args = ap.parse_args(argv)
     try:
@@ -212,7 +223,13 @@ def main(argv=None):
                 num_anchors=args.num_anchors,
                 loss_chunk_anchors=args.loss_chunk_anchors,
                 attention_impl=impl,
+                grad_accum_steps=args.grad_accum,
             )
+            batch = kw["batch"]
+            if args.grad_accum < 1 or batch % args.grad_accum:
+                raise UsageError(
+                    f"--grad_accum {args.grad_accum} must be >= 1 and divide --batch {batch}"
+                )
         return run(
             args.topology, args.model.split(","), args.mode, meshes, args.json_out or None, **kw
         )

@@ -166,6 +166,7 @@ def train_config(
     num_anchors: int = 512,
     loss_chunk_anchors: int = 0,
     attention_impl: str = "xla",
+    grad_accum_steps: int = 1,
 ):
     """The trainer's config (the paper recipe's defaults) with these data/recipe settings."""
     from configs.default import get_config as default_config
@@ -174,4 +175,5 @@ def train_config(
     c.data.batch_size, c.data.seq_len = batch, seq_len
     c.num_anchors, c.loss_chunk_anchors = num_anchors, loss_chunk_anchors
     c.attention_impl = attention_impl
+    c.grad_accum_steps = grad_accum_steps
     return c

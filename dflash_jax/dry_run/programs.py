@@ -13,7 +13,7 @@ from dflash_jax.dry_run.compiled import (
     tree_bytes_per_device,
 )
 from dflash_jax.dry_run.presets import abstract_params, build_configs, train_config
-from dflash_jax.dry_run.topology import platform_name, resolve_mesh
+from dflash_jax.dry_run.topology import UsageError, platform_name, resolve_mesh
 
 
 def _loop_program(tmod, dmod, plan, reps: int):
@@ -176,11 +176,15 @@ def dry_run_train(
     attention_impl: str = "xla",
     config=None,
     topology: str = "",
+    grad_accum_steps: int = 1,
 ) -> Dict[str, Any]:
     """Compiles the trainer's own step (`make_train_step` with `train_shardings` and
     `drafter_loss_fn`) for `model` on `mesh`: global `batch` sequences of `seq_len`, the
-    recipe of `config` (default: configs/default.py with these settings). Drafter weights
-    and AdamW moments in float32, the frozen target in its dtype."""
+    recipe of `config` (default: configs/default.py with these settings), the batch in
+    `grad_accum_steps` micro-batches (the config's `grad_accum_steps` when a config is given).
+    Drafter weights and their AdamW moments in the config's drafter.param_dtype (float32 by
+    default; "": the target's dtype), as the trainer stores them; the frozen target in its
+    dtype."""
     import jax
     import jax.numpy as jnp
 
@@ -189,13 +193,24 @@ def dry_run_train(
     from dflash_jax.model import Transformer
     from dflash_jax.training import trainer
 
+    from dflash_jax.config import as_dtype
+
     if config is None:
-        config = train_config(batch, seq_len, num_anchors, loss_chunk_anchors, attention_impl)
+        config = train_config(
+            batch, seq_len, num_anchors, loss_chunk_anchors, attention_impl, grad_accum_steps
+        )
     batch, seq_len = config.data.batch_size, config.data.seq_len
+    accum = int(config.get("grad_accum_steps", 1))
     tcfg, dcfg = build_configs(model, dtype)
-    # Trainable drafter weights in float32 (bf16 compute), as mixed-precision training keeps.
-    dcfg = dcfg.replace(body=dcfg.body.replace(param_dtype=jnp.float32))
+    if config.drafter.get("param_dtype"):  # the trainer's storage dtype of the drafter weights
+        dcfg = dcfg.replace(
+            body=dcfg.body.replace(param_dtype=as_dtype(config.drafter.param_dtype))
+        )
     m = resolve_mesh(mesh, devices)
+    try:
+        trainer.check_grad_accum(batch, accum, m.shape["data"] * m.shape["fsdp"])
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     tparams, dparams = abstract_params(tcfg, dcfg)
     tmod, dmod = Transformer(tcfg, "xla"), DFlashDrafter(dcfg)
@@ -215,6 +230,7 @@ def dry_run_train(
         m,
         (state_sh, frozen_sh, batch_sh),
         donate=True,
+        grad_accum_steps=accum,
     )
     batch_shapes = {
         "input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
@@ -244,6 +260,8 @@ def dry_run_train(
             "block_size": dcfg.block_size,
             "loss_chunk_anchors": config.loss_chunk_anchors,
             "attention": config.attention_impl,
+            "grad_accum_steps": accum,
+            "drafter_param_dtype": jnp.dtype(dcfg.body.param_dtype).name,
         },
         "sizes": {
             "param_bytes": tree_bytes_per_device(tparams, frozen_sh)

@@ -282,13 +282,52 @@ def block_scores(
     return unchunked(per_pos), unchunked(correct)
 
 
+def row_keys(key, batch_size: int):
+    """One random key per batch row: `key` itself when it already is one per row ([B] typed
+    keys or [B, 2] raw ones), else `jax.random.split(key, batch_size)`. A loss that draws each
+    row's randomness from its row's key draws the same for a row wherever that row is in the
+    batch: `make_train_step` hands each micro-batch the slice of the full batch's row keys, so
+    gradient accumulation changes nothing but memory."""
+    typed = jnp.issubdtype(key.dtype, jax.dtypes.prng_key)
+    if key.ndim == (0 if typed else 1):
+        return jax.random.split(key, batch_size)
+    if key.shape[0] != batch_size:
+        raise ValueError(f"{key.shape[0]} row keys for a batch of {batch_size} rows")
+    return key
+
+
+def drafter_draws(recipe: DrafterRecipe, loss_mask_BS, segment_ids_BS, keys_B):
+    """The objective's random draws, row by row from the row keys `keys_B`: (anchors [B,N],
+    block_valid [B,N], masked [B,N,bs]) as `masks.sample_anchors` / `masks.mask_pattern` draw
+    them for one row."""
+    bs = recipe.block_size
+
+    def one(key, lm, seg):
+        k_anchor, k_mask = jax.random.split(key)
+        anchors, valid = masks.sample_anchors(
+            k_anchor,
+            lm[None],
+            recipe.num_anchors,
+            bs,
+            None if seg is None else seg[None],
+            recipe.anchors_per_row,
+        )
+        masked = masks.mask_pattern(k_mask, (1, anchors.shape[1]), bs, recipe.mask_schedule)
+        return anchors[0], valid[0], masked[0]
+
+    if segment_ids_BS is None:
+        return jax.vmap(lambda k, lm: one(k, lm, None))(keys_B, loss_mask_BS)
+    return jax.vmap(one)(keys_B, loss_mask_BS, segment_ids_BS)
+
+
 def drafter_loss(
     tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, dparams, tparams, batch, key
 ):
     """The DFlash objective for one batch. Returns (loss, metrics).
 
     One frozen target forward gives the taps (and, for "kl", the teacher logits); random anchors
-    open N blocks per row; the drafter predicts every block position at once under the training
+    open N blocks per row (drawn per row from `row_keys(key, B)`: `key` is one key, or one per
+    row); the drafter predicts every block position at once under the training
     mask; loss = sum(w * CE) / sum(w) with the weights of `masks.loss_weights`.
     metrics: loss, weight_sum, per-position `correct_k` / `count_k` [bs] (k = 0 unused) and
     `accept_sum` (sum over valid blocks of the acceptance length the block would get: 1 + the
@@ -311,12 +350,8 @@ def drafter_loss(
     )
     taps = jax.lax.stop_gradient(taps)
 
-    k_anchor, k_mask = jax.random.split(key)
-    anchors, valid = masks.sample_anchors(
-        k_anchor, loss_mask, recipe.num_anchors, bs, seg, recipe.anchors_per_row
-    )
+    anchors, valid, masked = drafter_draws(recipe, loss_mask, seg, row_keys(key, b))
     n = anchors.shape[1]
-    masked = masks.mask_pattern(k_mask, (b, n), bs, recipe.mask_schedule)
     tokens = masks.block_inputs(ids, anchors, bs, recipe.mask_token_id, masked)
     labels = masks.block_labels(ids, anchors, bs)
     weights = masks.loss_weights(

@@ -77,8 +77,29 @@ def make_optimizer(config, total_steps: int):
     return tx, schedule
 
 
+def check_grad_accum(batch_size: int, grad_accum_steps: int, batch_shards: int = 1):
+    """One-line ValueError unless `grad_accum_steps` >= 1 divides `batch_size` into
+    micro-batches that split evenly over `batch_shards` (the mesh's data x fsdp)."""
+    if grad_accum_steps < 1 or batch_size % grad_accum_steps:
+        raise ValueError(
+            f"grad_accum_steps {grad_accum_steps} must be >= 1 and divide the batch size "
+            f"{batch_size}"
+        )
+    micro = batch_size // grad_accum_steps
+    if micro % batch_shards:
+        raise ValueError(
+            f"micro-batch size {micro} (batch size {batch_size} / grad_accum_steps "
+            f"{grad_accum_steps}) is not divisible by the {batch_shards} batch shards of the mesh"
+        )
+
+
 def make_train_step(
-    loss_fn: Callable, optimizer, mesh: Optional[Mesh] = None, shardings=None, donate: bool = False
+    loss_fn: Callable,
+    optimizer,
+    mesh: Optional[Mesh] = None,
+    shardings=None,
+    donate: bool = False,
+    grad_accum_steps: int = 1,
 ):
     """jit(step)(state, frozen, batch) -> (state, metrics); loss_fn(params, frozen, batch, key).
 
@@ -89,6 +110,11 @@ def make_train_step(
     one. `donate`: the input state's buffers are donated to the new state (one copy of the
     parameters and moments in HBM, not two); the caller must not read the state it passed (nor
     arrays sharing its buffers, e.g. the ones it was `device_put` from) after the call.
+
+    grad_accum_steps > 1: the batch is cut into that many micro-batches along its rows (rows
+    i, i + A, i + 2A, ... form micro-batch i, so each keeps the batch's sharding), scanned in
+    the one compiled step; one optimizer update per step. See `_accumulated_grads` for what
+    the loss must return for this to be the full batch's gradient and metrics.
     """
 
     def step(state: TrainState, frozen, batch):
@@ -100,14 +126,21 @@ def make_train_step(
             if mesh is None
             else jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
         ):
-            (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-                state.params, frozen, batch, key
-            )
+            if grad_accum_steps == 1:
+                (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    state.params, frozen, batch, key
+                )
+            else:
+                grads, metrics = _accumulated_grads(
+                    loss_fn, state.params, frozen, batch, key, grad_accum_steps, mesh, shardings
+                )
         updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
         params = optax.apply_updates(state.params, updates)
         metrics = dict(metrics, grad_norm=optax.tree.norm(grads))
         return state.replace(step=state.step + 1, params=params, opt_state=opt_state), metrics
 
+    if grad_accum_steps < 1:
+        raise ValueError(f"grad_accum_steps must be >= 1, got {grad_accum_steps}")
     donation = dict(donate_argnums=(0,)) if donate else {}
     if mesh is None:
         return jax.jit(step, **donation)
@@ -121,6 +154,70 @@ def make_train_step(
         out_shardings=(state_sh, NamedSharding(mesh, P())),
         **donation,
     )
+
+
+def _accumulated_grads(loss_fn, params, frozen, batch, key, steps: int, mesh, shardings):
+    """(grads, metrics) of the whole batch from `steps` micro-batches in a `lax.scan`.
+
+    The losses normalise by the batch: loss = sum(w * l) / sum(w), with sum(w) returned as
+    metrics["weight_sum"] and every other metric a sum over the batch's rows (drafter_loss,
+    target_loss). A mean of the micro-batch losses would weight a micro-batch with few scored
+    tokens as much as a full one; instead each micro-batch contributes its loss times its
+    weight_sum (its unnormalised sum; a constant of the parameters, so its gradient is
+    weight_sum x the micro-batch's gradient), and the float32 sums are divided by the whole
+    batch's weight_sum at the end: the full batch's loss and gradient (exactly, up to rounding,
+    whenever each micro-batch's weight_sum is 0 or >= the losses' 1e-9 floor). The other
+    metrics add up. Randomness: the key is split into one key per row
+    (`losses.row_keys`) and each micro-batch gets its rows' keys, so a loss drawing per row
+    (drafter_loss) draws what the full batch would.
+    """
+    from dflash_jax.training.losses import row_keys
+
+    b = jax.tree_util.tree_leaves(batch)[0].shape[0]
+    check_grad_accum(b, steps)
+    if mesh is None:
+        micro_sh = None
+    else:
+        rows = P("data") if shardings is None else shardings[2].spec
+        micro_sh = NamedSharding(mesh, P(None, *rows))
+
+    def split(x):  # [B, ...] -> [steps, B / steps, ...]: micro-batch i = rows i, i + steps, ...
+        x = jnp.moveaxis(x.reshape((b // steps, steps) + x.shape[1:]), 1, 0)
+        if micro_sh is not None and x.ndim >= 2:
+            x = jax.lax.with_sharding_constraint(x, micro_sh)
+        return x
+
+    xs = (jax.tree_util.tree_map(split, batch), split(row_keys(key, b)))
+
+    def weighted(p, micro, keys):
+        loss, metrics = loss_fn(p, frozen, micro, keys)
+        w = jax.lax.stop_gradient(metrics["weight_sum"]).astype(jnp.float32)
+        return loss.astype(jnp.float32) * w, metrics
+
+    grad_fn = jax.grad(weighted, has_aux=True)
+    f32 = lambda t: jax.tree_util.tree_map(lambda x: x.astype(jnp.float32), t)
+    param_sh = None if shardings is None else shardings[0].params
+
+    def constrain(g):
+        return g if param_sh is None else jax.lax.with_sharding_constraint(g, param_sh)
+
+    def body(carry, x):
+        g_sum, m_sum = carry
+        g, m = grad_fn(params, *x)
+        m = dict(m, loss=m["loss"].astype(jnp.float32) * m["weight_sum"].astype(jnp.float32))
+        g_sum = constrain(jax.tree_util.tree_map(lambda a, c: a + c.astype(jnp.float32), g_sum, g))
+        return (g_sum, jax.tree_util.tree_map(jnp.add, m_sum, f32(m))), None
+
+    micro0 = jax.tree_util.tree_map(lambda x: x[0], xs)
+    m_shape = jax.eval_shape(lambda: loss_fn(params, frozen, micro0[0], micro0[1])[1])
+    zeros = lambda t: jax.tree_util.tree_map(lambda x: jnp.zeros(x.shape, jnp.float32), t)
+    g0 = constrain(zeros(params))
+    (g_sum, m_sum), _ = jax.lax.scan(body, (g0, zeros(m_shape)), xs)
+    denom = jnp.maximum(m_sum["weight_sum"], 1e-9)
+    grads = jax.tree_util.tree_map(lambda g, p: (g / denom).astype(p.dtype), g_sum, params)
+    metrics = dict(m_sum, loss=m_sum["loss"] / denom)
+    metrics = jax.tree_util.tree_map(lambda v, s: v.astype(s.dtype), metrics, m_shape)
+    return grads, metrics
 
 
 def train_shardings(
@@ -227,6 +324,13 @@ def train_and_evaluate(config, workdir: str) -> dict:
     from dflash_jax import validation
 
     validation.check_train_config(config)  # one-line ConfigError before anything runs
+    accum = int(config.get("grad_accum_steps", 1))
+    check_grad_accum(config.data.batch_size, accum)
+    if accum > 1 and config.mode == "target" and config.unlikelihood.weight > 0:
+        raise ValueError(
+            f"grad_accum_steps {accum} > 1 with unlikelihood.weight "
+            f"{config.unlikelihood.weight} > 0: the unlikelihood rows are not accumulated"
+        )
     validation.writable_dir(workdir, "workdir")
     if config.regen.output and not os.path.exists(config.regen.output):
         validation.writable_file(config.regen.output, "regen.output")
@@ -288,6 +392,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             f"batch_size {config.data.batch_size} is not divisible by the "
             f"{n_batch} batch shards of the mesh ({n_dev} devices)"
         )
+    check_grad_accum(config.data.batch_size, accum, n_batch)
     if exp.repetition_sampler is not None and config.unlikelihood.batch_size % n_batch:
         raise ValueError(
             f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not "
@@ -329,7 +434,12 @@ def train_and_evaluate(config, workdir: str) -> dict:
     # non-finite step breaks out with it, unused; exp.init_params may share its buffers: only
     # its sizes are read below).
     train_step = make_train_step(
-        exp.loss_fn, optimizer, mesh, (state_sh, frozen_sh, data_sh), donate=True
+        exp.loss_fn,
+        optimizer,
+        mesh,
+        (state_sh, frozen_sh, data_sh),
+        donate=True,
+        grad_accum_steps=accum,
     )
     eval_mesh = mesh if n_dev > 1 else None
     eval_jit = jax.jit(
@@ -342,7 +452,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
     _log(
         f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
         f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
-        f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
+        + (f"in {accum} micro-batches " if accum > 1 else "")
+        + f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
         f"{sharding.mesh_str(mesh)}], workdir {workdir}"
     )
     logger = MetricsLogger(
