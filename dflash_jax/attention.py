@@ -178,3 +178,63 @@ def training_attention(
     if interpret:
         return kernel(*args)
     return _per_shard(kernel, args, (0,) * len(args), (2, 2, 2, 2, 2) + (None,) * (len(args) - 5))
+
+
+def causal_kernel(impl: str) -> str:
+    """The kernel `causal_attention` runs for `impl` on the platform compiled for:
+    "splash" (TPU), "triton" (GPU, where jax ships the Pallas Triton backend), "splash_interpret"
+    (impl "pallas_interpret", any platform) or "xla" (chunked; impl "xla", CPU, and GPUs whose
+    jax has no Pallas Triton backend)."""
+    impl = resolve_impl(impl)
+    if impl == "xla":
+        return "xla"
+    if impl == "pallas_interpret":
+        return "splash_interpret"
+    platform = _compile_platform()
+    if impl == "pallas_tpu" or (impl == "pallas" and platform == "tpu"):
+        return "splash"
+    gpu = platform in ("gpu", "cuda", "rocm")
+    if impl == "pallas_triton" or (impl == "pallas" and gpu):
+        return "triton" if gpu and _kernels().backend.triton_available() else "xla"
+    return "xla"
+
+
+def causal_attention(
+    q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT=None, impl: str = "xla", chunk: int = 512
+):
+    """Causal, segment-masked GQA self-attention of T tokens (the frozen target pass of drafter
+    training), never with a dense [B, N, T, T] score tensor. Kernel by `causal_kernel(impl)`:
+
+      "xla"    `model.chunked_causal_attention`: `chunk` queries at a time (float32 scores
+               [B, K, G, chunk, T] per step), mask `pos[k] <= pos[q]` and same segment.
+      "splash" TPU splash attention (`pallas_kernels.causal_attention`), per shard of the
+               context mesh (batch over data/fsdp, heads over tensor) since GSPMD cannot
+               partition a Mosaic kernel; T padded to a multiple of 128 inside.
+      "triton" GPU Pallas Triton flash attention (jax's `pallas.ops.gpu.attention.mha`), per
+               shard likewise; K/V repeated to the query heads, T padded to a multiple of 128.
+               cuDNN (`jax.nn.dot_product_attention`) is not used: it has no segment ids, only
+               a dense mask.
+      "splash_interpret" the splash kernel in Pallas interpret mode, unsharded (tests on CPU).
+
+    The kernels are causal by token index within the row, which equals the position rule
+    whenever each segment is one contiguous run whose positions increase with the index: the
+    rows of `dflash_jax.data.packing` (right padding as segment 0, positions restarting per
+    document or 0..T-1) are. They read no positions.
+    q [B,T,N,D]; k, v [B,T,K,D]; positions, segment_ids [B,T] (segment_ids None: one segment).
+    """
+    kernel = causal_kernel(impl)
+    if kernel == "xla":
+        from dflash_jax.model import chunked_causal_attention
+
+        return chunked_causal_attention(q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT, chunk)
+    from pallas_kernels import causal_attention as causal
+
+    seg = (
+        jnp.zeros(q_BTND.shape[:2], jnp.int32)
+        if segment_ids_BT is None
+        else segment_ids_BT.astype(jnp.int32)
+    )
+    if kernel == "splash_interpret":
+        return causal.splash_causal_attention(q_BTND, k_BTKD, v_BTKD, seg, interpret=True)
+    fn = causal.splash_causal_attention if kernel == "splash" else causal.triton_causal_attention
+    return _per_shard(fn, (q_BTND, k_BTKD, v_BTKD, seg), (0, 0, 0, 0), (2, 2, 2, None))

@@ -116,7 +116,9 @@ class DecoderLayer(nn.Module):
         With `layer_cache=(k [B,S,K,D], v [B,S,K,D])` the new K/V are written at `positions`
         and the queries attend to cache slots `j <= position`; it returns the updated pair.
         Without a cache, attention is over the T new tokens with `mask_BTT`, or, with
-        `attn_chunk > 0`, causal (and segment-masked) `chunked_causal_attention`.
+        `attn_chunk > 0`, causal (and segment-masked) `attention.causal_attention`: a flash
+        kernel under a Pallas `attention_impl` on TPU / GPU, else `chunked_causal_attention`
+        (`attn_chunk` queries at a time).
         """
         c = self.cfg
         attn = QKVProjection(c, name="self_attn")
@@ -124,7 +126,9 @@ class DecoderLayer(nn.Module):
         q = attn.queries(h, positions_BT, inv_freq)
         k, v = attn.keys_values(h, positions_BT, inv_freq)
         if layer_cache is None and attn_chunk > 0:
-            out = chunked_causal_attention(q, k, v, positions_BT, segment_ids_BT, attn_chunk)
+            out = attn_lib.causal_attention(
+                q, k, v, positions_BT, segment_ids_BT, self.attention_impl, attn_chunk
+            )
             new_cache = None
         elif layer_cache is None:
             out = masked_attention(q, k, v, mask_BTT)
@@ -155,9 +159,9 @@ class Transformer(nn.Module):
 
     `taps_only=True` (the frozen target pass of drafter training; no cache): the forward stops
     at the last tapped layer (the layers above it, the final norm and the LM head are never
-    computed) and its causal attention runs `attn_chunk` queries at a time
-    (`chunked_causal_attention`), never a dense [B, N, T, T] score tensor. Returns
-    (None, None, taps).
+    computed) and its causal attention is `attention.causal_attention` under `attention_impl`
+    (splash attention on TPU, Pallas Triton flash attention on GPU, `attn_chunk` queries at a
+    time in XLA otherwise), never a dense [B, N, T, T] score tensor. Returns (None, None, taps).
     """
 
     cfg: ModelConfig

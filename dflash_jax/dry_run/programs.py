@@ -213,7 +213,7 @@ def dry_run_train(
         raise UsageError(str(e)) from None
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     tparams, dparams = abstract_params(tcfg, dcfg)
-    tmod, dmod = Transformer(tcfg, "xla"), DFlashDrafter(dcfg)
+    tmod, dmod = Transformer(tcfg, config.attention_impl), DFlashDrafter(dcfg)
     optimizer = trainer.make_optimizer(config, 10000)[0]
     state = trainer.TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),

@@ -230,7 +230,7 @@ def build_experiment(config, workdir: str) -> Experiment:
         if tcfg.vocab_size <= 0:
             raise ValueError("target_model.vocab_size is needed without a tokenizer")
         tparams = fresh_target_params(tcfg, config.target_model)
-    tmod = Transformer(tcfg, "xla")
+    tmod = Transformer(tcfg, config.attention_impl)  # the target pass: causal_attention
 
     # Documents.
     text_tokenize = (lambda ex: tokenize_example(ex, tokenizer)) if tokenizer else None
