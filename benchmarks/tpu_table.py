@@ -119,6 +119,16 @@ def train_rows(results) -> List[Dict[str, Any]]:
     return [r for r in results if r["mode"] == "train"]
 
 
+def _train_step(s) -> str:
+    """ "16x3072 in 4 micro-batches, xla attention": what differs from the recipe's step."""
+    out = f"{s['batch']}x{s['seq_len']}"
+    if s.get("grad_accum_steps", 1) > 1:
+        out += f" in {s['grad_accum_steps']} micro-batches"
+    if s.get("attention", "pallas") != "pallas":
+        out += f", {s['attention']} attention"
+    return out
+
+
 def train_table(results) -> List[str]:
     lines = [
         "| model | chip (mesh) | batch x seq (anchors, loss chunk) | attention | args GiB | "
@@ -133,7 +143,8 @@ def train_table(results) -> List[str]:
         cap = p.get("hbm_capacity_bytes") or r["chip"]["hbm_bytes"]
         lines.append(
             f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {s['batch']} x "
-            f"{s['seq_len']} ({s['num_anchors']}, {s['loss_chunk_anchors']}) | "
+            f"{s['seq_len']} ({s['num_anchors']}, {s['loss_chunk_anchors']})"
+            f"{', ' + str(s['grad_accum_steps']) + ' micro-batches' if s.get('grad_accum_steps', 1) > 1 else ''} | "
             f"{s['attention']} | {arg} | {tmp} | {_gib(p)} | {cap / GIB:.2f} | "
             f"{_fits([p])} |"
         )
@@ -208,8 +219,8 @@ def readme_table(results, taus) -> List[str]:
     for r in train_rows(results):
         s, p = r["settings"], r["programs"]["train_step"]
         lines.append(
-            f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | train step {s['batch']}x"
-            f"{s['seq_len']} | {_gib(p)} ({r['chip']['hbm_bytes'] / GIB:.0f}) | "
+            f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | train step {_train_step(s)} | "
+            f"{_gib(p).replace(' (does not fit)', '')} ({r['chip']['hbm_bytes'] / GIB:.0f}) | "
             f"{_fits([p])} | - |"
         )
     curves: Dict[tuple, List[Any]] = {}
@@ -240,21 +251,56 @@ def main(argv=None):
     )
     ap.add_argument("--tau", default="6.5,5.4")
     ap.add_argument("--readme", action="store_true", help="only the compact README table")
+    ap.add_argument(
+        "--write",
+        action="store_true",
+        help="rewrite the tables between the <!-- tpu_table --> and <!-- /tpu_table --> lines "
+        "of README.md (compact) and docs/tpu_dry_run.md (full)",
+    )
     args = ap.parse_args(argv)
     taus = [float(t) for t in args.tau.split(",") if t.strip()]
     results = load(args.dir)
-    if args.readme:
-        print("\n".join(readme_table(results, taus)))
+    if args.write:
+        for name, text in (
+            ("README.md", "\n".join(readme_table(results, taus))),
+            (os.path.join("docs", "tpu_dry_run.md"), full_tables(results, taus, "####")),
+        ):
+            path = os.path.join(ROOT, name)
+            with open(path, encoding="utf-8") as f:
+                doc = f.read()
+            with open(path, "w", encoding="utf-8") as f:
+                f.write(replace_block(doc, text, path))
+            print(f"wrote {path}")
         return
-    print("### Inference: compiled HBM per device, PROJECTED speedup (not measured)\n")
-    print("\n".join(infer_table(results, taus)))
+    print(
+        "\n".join(readme_table(results, taus)) if args.readme else full_tables(results, taus, "###")
+    )
+
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- tpu_table -->", "<!-- /tpu_table -->"
+
+
+def full_tables(results, taus, h: str) -> str:
+    """The inference, training and prefill tables under `h` (a Markdown heading level)."""
+    out = [f"{h} Inference: compiled HBM per device, PROJECTED speedup (not measured)\n"]
+    out.append("\n".join(infer_table(results, taus)))
     port = public_port_line(results)
     if port:
-        print("\n" + port)
-    print("\n### Training step: compiled HBM per device\n")
-    print("\n".join(train_table(results)))
-    print("\n### Prefill (chunked) against context\n")
-    print("\n".join(prefill_table(results)))
+        out.append("\n" + port)
+    out.append(f"\n{h} Training step: compiled HBM per device\n")
+    out.append("\n".join(train_table(results)))
+    out.append(f"\n{h} Prefill (chunked) against context\n")
+    out.append("\n".join(prefill_table(results)))
+    return "\n".join(out)
+
+
+def replace_block(doc: str, text: str, where: str) -> str:
+    """`doc` with the lines between its BEGIN and END markers replaced by `text`."""
+    a, b = doc.find(BEGIN), doc.find(END)
+    if a < 0 or b < a:
+        raise SystemExit(f"error: {where} has no {BEGIN} ... {END} block")
+    return doc[: a + len(BEGIN)] + "\n" + text.strip("\n") + "\n" + doc[b:]
 
 
 if __name__ == "__main__":
