@@ -24,6 +24,8 @@ GIB = 2**30
 PUBLIC_PORT = dict(model="qwen3_4b", chip="v5p", tau=5.42, speedup=3.13)
 CHIP_NAMES = {"v5e:2x4": "v5e-8", "v6e:2x4": "v6e-8", "v4:2x2x1": "v4-8", "v5p:2x2x1": "v5p-8"}
 MODEL_NAMES = {"qwen3_8b": "Qwen3-8B", "qwen3_4b": "Qwen3-4B", "llama31_8b": "Llama-3.1-8B"}
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BEGIN, END = "<!-- tpu_table -->", "<!-- /tpu_table -->"
 
 
 def load(directory: str) -> List[Dict[str, Any]]:
@@ -247,7 +249,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument(
         "--dir",
-        default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results", "tpu_dry_run"),
+        default=os.path.join(ROOT, "benchmarks", "results", "tpu_dry_run"),
     )
     ap.add_argument("--tau", default="6.5,5.4")
     ap.add_argument("--readme", action="store_true", help="only the compact README table")
@@ -275,10 +277,6 @@ def main(argv=None):
     print(
         "\n".join(readme_table(results, taus)) if args.readme else full_tables(results, taus, "###")
     )
-
-
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-BEGIN, END = "<!-- tpu_table -->", "<!-- /tpu_table -->"
 
 
 def full_tables(results, taus, h: str) -> str:
