@@ -199,13 +199,41 @@ def causal_kernel(impl: str) -> str:
     return "xla"
 
 
+def chunked_causal_attention(
+    q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT=None, chunk: int = 512
+):
+    """Causal (and segment-masked) GQA attention over T tokens, `chunk` queries at a time.
+
+    Equal to `masked_attention` with the mask `pos[k] <= pos[q]` (and same segment), but the
+    float32 scores are [B, K, G, chunk, T] per step of a `lax.map` (memory linear in T), never
+    the dense [B, N, T, T]. Used by the frozen target pass of drafter training (no gradient).
+    """
+    b, t, n, d = q_BTND.shape
+    chunk = max(1, min(int(chunk), t))
+    m = -(-t // chunk)
+    pad = m * chunk - t
+    seg = jnp.zeros((b, t), jnp.int32) if segment_ids_BT is None else segment_ids_BT
+
+    def chunked(x):  # [B, T, ...] -> [m, B, chunk, ...]
+        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+        return jnp.moveaxis(x.reshape((b, m, chunk) + x.shape[2:]), 1, 0)
+
+    def one(args):
+        q, pos, sg = args
+        mask = (positions_BT[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == sg[:, :, None])
+        return masked_attention(q, k_BTKD, v_BTKD, mask)
+
+    out = jax.lax.map(one, (chunked(q_BTND), chunked(positions_BT), chunked(seg)))
+    return jnp.moveaxis(out, 0, 1).reshape(b, m * chunk, n, d)[:, :t]
+
+
 def causal_attention(
     q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT=None, impl: str = "xla", chunk: int = 512
 ):
     """Causal, segment-masked GQA self-attention of T tokens (the frozen target pass of drafter
     training), never with a dense [B, N, T, T] score tensor. Kernel by `causal_kernel(impl)`:
 
-      "xla"    `model.chunked_causal_attention`: `chunk` queries at a time (float32 scores
+      "xla"    `chunked_causal_attention`: `chunk` queries at a time (float32 scores
                [B, K, G, chunk, T] per step), mask `pos[k] <= pos[q]` and same segment.
       "splash" TPU splash attention (`pallas_kernels.causal_attention`), per shard of the
                context mesh (batch over data/fsdp, heads over tensor) since GSPMD cannot
@@ -224,8 +252,6 @@ def causal_attention(
     """
     kernel = causal_kernel(impl)
     if kernel == "xla":
-        from dflash_jax.model import chunked_causal_attention
-
         return chunked_causal_attention(q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT, chunk)
     from pallas_kernels import causal_attention as causal
 

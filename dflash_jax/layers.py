@@ -7,7 +7,6 @@ H (hidden width), N (query heads), K (key/value heads), G = N // K, D (head dim)
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import flax.linen as nn
 import jax
@@ -15,9 +14,9 @@ import jax.numpy as jnp
 
 from dflash_jax.config import ModelConfig
 
-# Large negative instead of -inf so fully masked rows give a uniform (then zeroed) softmax,
-# never NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+# The one XLA masked GQA attention lives with the kernels it checks (the library imports the
+# kernel package, never the reverse).
+from pallas_kernels.reference import gqa_attention as masked_attention  # noqa: F401
 
 
 class RMSNorm(nn.Module):
@@ -71,40 +70,6 @@ def apply_rope(x_BTnD: jnp.ndarray, positions_BT: jnp.ndarray, inv_freq: jnp.nda
     x1, x2 = jnp.split(x, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x_BTnD.dtype)
-
-
-def masked_attention(
-    q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None, *, precision=None
-):
-    """GQA attention with an explicit boolean mask; softmax in float32. The one XLA reference:
-    the model's "xla" attention, and what `pallas_kernels` checks its kernels against
-    (`pallas_kernels.reference`, in float32 at `precision=HIGHEST`).
-
-    q [B,T,N,D], k/v [B,S,K,D] (query head h reads kv head h // (N // K)); mask: bool,
-    broadcastable to [B,T,S], True = query t may attend to key s. Returns [B,T,N,D] in q's
-    dtype. Rows whose mask is all False return zeros (and zero gradients), never NaN.
-    """
-    b, t, n, d = q_BTND.shape
-    kh = k_BSKD.shape[2]
-    if n % kh:
-        raise ValueError(f"{n} query heads must be a multiple of {kh} key/value heads")
-    g = n // kh
-    scale = d**-0.5 if sm_scale is None else sm_scale
-    q = q_BTND.reshape(b, t, kh, g, d)
-    logits = (
-        jnp.einsum(
-            "btkgd,bskd->bkgts", q, k_BSKD, precision=precision, preferred_element_type=jnp.float32
-        )
-        * scale
-    )
-    mask = jnp.broadcast_to(mask_BTS, (b, t, k_BSKD.shape[1]))[:, None, None, :, :]
-    logits = jnp.where(mask, logits, _MASK_VALUE)
-    probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype)
-    out = jnp.einsum(
-        "bkgts,bskd->btkgd", probs, v_BSKD, precision=precision, preferred_element_type=jnp.float32
-    )
-    return out.reshape(b, t, n, d).astype(q_BTND.dtype)
 
 
 class MLP(nn.Module):

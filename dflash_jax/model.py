@@ -68,34 +68,6 @@ def write_kv(cache_k_BSKD, new_BTKD, positions_BT):
     return cache_k_BSKD.at[b, positions_BT].set(new_BTKD.astype(cache_k_BSKD.dtype), mode="drop")
 
 
-def chunked_causal_attention(
-    q_BTND, k_BTKD, v_BTKD, positions_BT, segment_ids_BT=None, chunk: int = 512
-):
-    """Causal (and segment-masked) GQA attention over T tokens, `chunk` queries at a time.
-
-    Equal to `masked_attention` with the mask `pos[k] <= pos[q]` (and same segment), but the
-    float32 scores are [B, K, G, chunk, T] per step of a `lax.map` (memory linear in T), never
-    the dense [B, N, T, T]. Used by the frozen target pass of drafter training (no gradient).
-    """
-    b, t, n, d = q_BTND.shape
-    chunk = max(1, min(int(chunk), t))
-    m = -(-t // chunk)
-    pad = m * chunk - t
-    seg = jnp.zeros((b, t), jnp.int32) if segment_ids_BT is None else segment_ids_BT
-
-    def chunked(x):  # [B, T, ...] -> [m, B, chunk, ...]
-        x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-        return jnp.moveaxis(x.reshape((b, m, chunk) + x.shape[2:]), 1, 0)
-
-    def one(args):
-        q, pos, sg = args
-        mask = (positions_BT[:, None, :] <= pos[:, :, None]) & (seg[:, None, :] == sg[:, :, None])
-        return masked_attention(q, k_BTKD, v_BTKD, mask)
-
-    out = jax.lax.map(one, (chunked(q_BTND), chunked(positions_BT), chunked(seg)))
-    return jnp.moveaxis(out, 0, 1).reshape(b, m * chunk, n, d)[:, :t]
-
-
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attention_impl: str = "xla"
@@ -117,7 +89,7 @@ class DecoderLayer(nn.Module):
         and the queries attend to cache slots `j <= position`; it returns the updated pair.
         Without a cache, attention is over the T new tokens with `mask_BTT`, or, with
         `attn_chunk > 0`, causal (and segment-masked) `attention.causal_attention`: a flash
-        kernel under a Pallas `attention_impl` on TPU / GPU, else `chunked_causal_attention`
+        kernel under a Pallas `attention_impl` on TPU / GPU, else `attention.chunked_causal_attention`
         (`attn_chunk` queries at a time).
         """
         c = self.cfg

@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 
 import pallas_kernels as pk
-from dflash_jax.training import masks
+
 from pallas_kernels import backend, reference
 
 
@@ -217,7 +217,7 @@ def cases_training(g, rng, args):
             def dpa(q, kc, vc, kb, vb, a, vld, implementation=None):
                 k = jnp.concatenate([kc, kb], axis=1)
                 v = jnp.concatenate([vc, vb], axis=1)
-                mask = masks.training_mask(a, vld, bs, kc.shape[1])
+                mask = reference.training_mask(a, vld, bs, kc.shape[1])
                 return _dpa(q, k, v, mask, implementation)
 
             # The cudnn variant trains through the XLA reference: nothing of its own to time.

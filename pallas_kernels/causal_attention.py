@@ -16,7 +16,7 @@ row (documents separated by `segment_ids`). These wrappers hand it to a flash ke
 Both take q [B,T,Hq,D], k/v [B,T,Hkv,D] (Hq a multiple of Hkv), segment_ids [B,T] int32 or
 None, and return [B,T,Hq,D] in q's dtype. Causality is by token index within the row: query t
 sees keys s <= t of its own segment. That equals the position rule `pos[s] <= pos[t]` of
-`dflash_jax.model.chunked_causal_attention` whenever each segment is one contiguous run whose
+`dflash_jax.attention.chunked_causal_attention` whenever each segment is one contiguous run whose
 positions increase with the index (rows of dflash_jax.data.packing, with positions restarting
 per document or running 0..T-1 over the row, both qualify).
 

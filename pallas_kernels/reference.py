@@ -1,9 +1,10 @@
 """Plain-XLA reference implementations (the source of truth).
 
-Masked attention and the training mask are the library's own (`dflash_jax.layers.
-masked_attention`, `dflash_jax.training.masks.training_mask`): one reference each, which the
-model's "xla" path runs and the kernels are checked against. This module adds the decoding
-masks and the (q, k, v, ...) signatures the kernels share.
+The one masked GQA attention (`gqa_attention`) and the one DFlash training mask
+(`training_mask`) live here, with the kernels they check: the library imports them (its "xla"
+attention is `gqa_attention`, re-exported as `dflash_jax.layers.masked_attention`; the trainer's
+mask is this `training_mask`), and this package imports nothing from the library. The module
+adds the decoding masks and the (q, k, v, ...) signatures the kernels share.
 
 Layout everywhere: [batch, length, heads, head_dim] ("BTHD").  GQA: query
 head h uses kv head h // G with G = Hq // Hkv.  Scores and softmax are in
@@ -16,10 +17,84 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import layers
-from dflash_jax.training import masks
+from typing import Optional
 
 _HI = jax.lax.Precision.HIGHEST
+# Large negative instead of -inf so fully masked rows give a uniform (then zeroed) softmax,
+# never NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def gqa_attention(
+    q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None, *, precision=None
+):
+    """GQA attention with an explicit boolean mask; softmax in float32. The one XLA reference:
+    the model's "xla" attention (`dflash_jax.layers.masked_attention`), and what the kernels are
+    checked against (`masked_attention` below: in float32 at `precision=HIGHEST`).
+
+    q [B,T,N,D], k/v [B,S,K,D] (query head h reads kv head h // (N // K)); mask: bool,
+    broadcastable to [B,T,S], True = query t may attend to key s. Returns [B,T,N,D] in q's
+    dtype. Rows whose mask is all False return zeros (and zero gradients), never NaN.
+    """
+    b, t, n, d = q_BTND.shape
+    kh = k_BSKD.shape[2]
+    if n % kh:
+        raise ValueError(f"{n} query heads must be a multiple of {kh} key/value heads")
+    g = n // kh
+    scale = d**-0.5 if sm_scale is None else sm_scale
+    q = q_BTND.reshape(b, t, kh, g, d)
+    logits = (
+        jnp.einsum(
+            "btkgd,bskd->bkgts", q, k_BSKD, precision=precision, preferred_element_type=jnp.float32
+        )
+        * scale
+    )
+    mask = jnp.broadcast_to(mask_BTS, (b, t, k_BSKD.shape[1]))[:, None, None, :, :]
+    logits = jnp.where(mask, logits, _MASK_VALUE)
+    probs = jax.nn.softmax(logits, axis=-1)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype)
+    out = jnp.einsum(
+        "bkgts,bskd->btkgd", probs, v_BSKD, precision=precision, preferred_element_type=jnp.float32
+    )
+    return out.reshape(b, t, n, d).astype(q_BTND.dtype)
+
+
+def training_mask(
+    anchors_BN,
+    block_valid_BN,
+    block_size: int,
+    ctx_len: int,
+    segment_ids_BS: Optional[jnp.ndarray] = None,
+    ctx_start_BN: Optional[jnp.ndarray] = None,
+):
+    """The DFlash training attention mask, [B, N*bs, ctx_len + N*bs] bool (True = may attend).
+    The one reference of it: the library's "xla" training attention uses it
+    (`dflash_jax.training.masks.training_mask`), and the fused training kernels are checked
+    against it.
+
+    Query row r belongs to block n = r // bs with anchor p = anchors[b, n]. Keys are the
+    ctx_len context features followed by the N*bs block keys (same row order). Row r sees
+      context j  iff  j < p  (STRICTLY: the anchor's own feature is not context; seeing it
+                      would leak x_{p+1})  and, with segment ids, segment[j] == segment[p],
+                      and, with `ctx_start_BN` (the kernels' form of the same rule: the first
+                      position of the anchor's document), j >= ctx_start[b, n];
+      block key r' iff r' // bs == n (its own block, bidirectional);
+    and nothing at all when the block is invalid.
+    """
+    b, n = anchors_BN.shape
+    rows = n * block_size
+    blk_of_row = jnp.arange(rows, dtype=jnp.int32) // block_size
+    row_anchor = anchors_BN[:, blk_of_row]  # [B, rows]
+    row_valid = block_valid_BN[:, blk_of_row]  # [B, rows]
+    j = jnp.arange(ctx_len, dtype=jnp.int32)
+    ctx = j[None, None, :] < row_anchor[:, :, None]
+    if segment_ids_BS is not None:
+        anchor_seg = jnp.take_along_axis(segment_ids_BS, anchors_BN, axis=1)[:, blk_of_row]
+        ctx &= segment_ids_BS[:, None, :ctx_len] == anchor_seg[:, :, None]
+    if ctx_start_BN is not None:
+        ctx &= j[None, None, :] >= ctx_start_BN[:, blk_of_row][:, :, None]
+    own = jnp.broadcast_to(blk_of_row[:, None] == blk_of_row[None, :], (b, rows, rows))
+    return jnp.concatenate([ctx, own], axis=2) & row_valid[:, :, None]
 
 
 def default_scale(head_dim: int, sm_scale: float | None) -> float:
@@ -27,14 +102,14 @@ def default_scale(head_dim: int, sm_scale: float | None) -> float:
 
 
 def masked_attention(q, k, v, mask, sm_scale=None):
-    """The library's masked GQA attention (`dflash_jax.layers.masked_attention`, the one XLA
-    reference) in float32 at HIGHEST precision, cast back to q.dtype.
+    """`gqa_attention` (the one XLA reference) in float32 at HIGHEST precision, cast back to
+    q.dtype.
 
     q: [B,T,Hq,D]; k, v: [B,S,Hkv,D]; mask: bool, broadcastable to [B,T,S]
     (True = query t may attend to key s).  Returns [B,T,Hq,D] in q.dtype.
     """
     f32 = jnp.float32
-    out = layers.masked_attention(
+    out = gqa_attention(
         q.astype(f32),
         k.astype(f32),
         v.astype(f32),
@@ -91,7 +166,7 @@ def training_attention(
     v = jnp.concatenate([v_ctx, v_blk.astype(v_ctx.dtype)], axis=1)
     if ctx_start is not None:
         ctx_start = ctx_start.astype(jnp.int32)
-    mask = masks.training_mask(
+    mask = training_mask(
         anchors.astype(jnp.int32),
         block_valid.astype(bool),
         block_size,

@@ -30,6 +30,10 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+# The one training mask lives with the fused kernels it checks (the library imports the kernel
+# package, never the reverse).
+from pallas_kernels.reference import training_mask  # noqa: F401
+
 
 def sample_anchors(
     key,
@@ -144,43 +148,6 @@ def block_inputs(input_ids_BS, anchors_BN, block_size: int, mask_token_id: int, 
     if masked_BNK is None:
         masked_BNK = jnp.arange(block_size)[None, None] >= 1
     return jnp.where(masked_BNK, jnp.int32(mask_token_id), labels)
-
-
-def training_mask(
-    anchors_BN,
-    block_valid_BN,
-    block_size: int,
-    ctx_len: int,
-    segment_ids_BS: Optional[jnp.ndarray] = None,
-    ctx_start_BN: Optional[jnp.ndarray] = None,
-):
-    """The DFlash training attention mask, [B, N*bs, ctx_len + N*bs] bool (True = may attend).
-    The one reference of it: the "xla" training attention uses it, and `pallas_kernels`
-    checks its fused training kernels against it.
-
-    Query row r belongs to block n = r // bs with anchor p = anchors[b, n]. Keys are the
-    ctx_len context features followed by the N*bs block keys (same row order). Row r sees
-      context j  iff  j < p  (STRICTLY: the anchor's own feature is not context; seeing it
-                      would leak x_{p+1})  and, with segment ids, segment[j] == segment[p],
-                      and, with `ctx_start_BN` (the kernels' form of the same rule: the first
-                      position of the anchor's document), j >= ctx_start[b, n];
-      block key r' iff r' // bs == n (its own block, bidirectional);
-    and nothing at all when the block is invalid.
-    """
-    b, n = anchors_BN.shape
-    rows = n * block_size
-    blk_of_row = jnp.arange(rows, dtype=jnp.int32) // block_size
-    row_anchor = anchors_BN[:, blk_of_row]  # [B, rows]
-    row_valid = block_valid_BN[:, blk_of_row]  # [B, rows]
-    j = jnp.arange(ctx_len, dtype=jnp.int32)
-    ctx = j[None, None, :] < row_anchor[:, :, None]
-    if segment_ids_BS is not None:
-        anchor_seg = jnp.take_along_axis(segment_ids_BS, anchors_BN, axis=1)[:, blk_of_row]
-        ctx &= segment_ids_BS[:, None, :ctx_len] == anchor_seg[:, :, None]
-    if ctx_start_BN is not None:
-        ctx &= j[None, None, :] >= ctx_start_BN[:, blk_of_row][:, :, None]
-    own = jnp.broadcast_to(blk_of_row[:, None] == blk_of_row[None, :], (b, rows, rows))
-    return jnp.concatenate([ctx, own], axis=2) & row_valid[:, :, None]
 
 
 def loss_weights(

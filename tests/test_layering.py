@@ -1,0 +1,109 @@
+"""The house's layering, read from the source: `pallas_kernels` imports nothing from
+`dflash_jax` (the library imports the kernels, never the reverse), and no two modules of
+`dflash_jax` import each other, directly or through others (imports inside functions count:
+they are circles deferred, not removed)."""
+
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _modules(package):
+    out = {}
+    base = os.path.join(ROOT, package)
+    for d, _, files in os.walk(base):
+        for f in files:
+            if f.endswith(".py"):
+                rel = os.path.relpath(os.path.join(d, f), ROOT)[:-3].split(os.sep)
+                if rel[-1] == "__init__":
+                    rel = rel[:-1]
+                out[".".join(rel)] = os.path.join(d, f)
+    return out
+
+
+def _imports(name, path, is_pkg):
+    """Every module name an `import` / `from ... import` anywhere in the file refers to (a
+    `from pkg import sub` counts as pkg.sub when that is a module)."""
+    tree = ast.parse(open(path).read(), path)
+    pkg = name if is_pkg else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = pkg.split(".")
+                base = ".".join(parts[: len(parts) - node.level + 1])
+                mod = f"{base}.{node.module}" if node.module else base
+            else:
+                mod = node.module
+            found.add(mod)
+            found.update(f"{mod}.{a.name}" for a in node.names)
+    return found
+
+
+def _graph(package):
+    mods = _modules(package)
+    graph = {}
+    for name, path in mods.items():
+        refs = _imports(name, path, path.endswith("__init__.py"))
+        graph[name] = {r for r in refs if r in mods and r != name}
+    return mods, graph
+
+
+def test_kernel_package_imports_nothing_from_the_library():
+    mods = _modules("pallas_kernels")
+    bad = {
+        name: sorted(
+            r
+            for r in _imports(name, p, p.endswith("__init__.py"))
+            if r.split(".")[0] == "dflash_jax"
+        )
+        for name, p in mods.items()
+    }
+    bad = {k: v for k, v in bad.items() if v}
+    assert not bad, f"pallas_kernels imports the library: {bad}"
+
+
+def _cycle(graph):
+    """One import circle as a list of modules, or None (depth-first search, white/grey/black);
+    a package importing its own submodules (`from . import x` in __init__) is not a circle
+    unless the submodule imports the package back."""
+    color, stack = {}, []
+
+    def visit(u):
+        color[u] = 1
+        stack.append(u)
+        for v in sorted(graph[u]):
+            if color.get(v) == 1:
+                return stack[stack.index(v) :] + [v]
+            if not color.get(v):
+                found = visit(v)
+                if found:
+                    return found
+        stack.pop()
+        color[u] = 2
+        return None
+
+    for u in sorted(graph):
+        if not color.get(u):
+            found = visit(u)
+            if found:
+                return found
+    return None
+
+
+def test_no_import_circle_in_the_library_or_the_kernels():
+    for package in ("dflash_jax", "pallas_kernels"):
+        _, graph = _graph(package)
+        # A package's __init__ re-exporting its submodules is the one allowed back edge: drop
+        # edges from a submodule to its own parent package.
+        for name in graph:
+            graph[name] = {r for r in graph[name] if not name.startswith(r + ".")}
+        assert _cycle(graph) is None, f"import circle in {package}: {' -> '.join(_cycle(graph))}"
+
+
+def test_the_checker_sees_a_circle():
+    assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert _cycle({"a": {"b"}, "b": set()}) is None
