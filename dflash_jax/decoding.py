@@ -31,8 +31,10 @@ tests/test_decoding.py).
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import functools
+import os
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -231,7 +233,6 @@ def _emit_stream(sink, y, n):
     sink([y[b, : n[b]].tolist() for b in range(y.shape[0])])
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2, 3, 4))
 def _prefill(
     tmod,
     dmod,
@@ -308,7 +309,6 @@ def _prefill(
     )
 
 
-@functools.partial(jax.jit, static_argnums=(0, 1, 2), donate_argnums=(5,))
 def _decode(tmod, dmod, plan: Plan, tparams, dparams, state: DecodeState) -> DecodeState:
     n_buf = state.tokens.shape[1]
 
@@ -336,10 +336,10 @@ def generate_programs(
     batch: int,
     prompt_len: int,
 ):
-    """(prefill_jit, decode_jit, shardings): `_prefill` and `_decode` (the decode state
-    donated) in `jax.jit`s whose in/out shardings are fixed for `mesh`: parameters by the
-    partition rules, prompts and per-sequence state over the batch axes, caches B over batch
-    and K over tensor; GSPMD propagates them through the layers and the `while_loop`. With
+    """(prefill_jit, decode_jit, shardings): `_prefill` and `_decode` (plain functions: these
+    are their only `jax.jit`s; the decode state donated) with in/out shardings fixed for
+    `mesh`: parameters by the partition rules, prompts and per-sequence state over the batch
+    axes, caches B over batch and K over tensor; GSPMD propagates them through the layers and the `while_loop`. With
     `mesh=None` (one device) no shardings are fixed and `shardings` is None.
 
     shardings: dict(tparams, dparams, ids, lens, state, state_shape, arg_shapes), for lowering
@@ -395,22 +395,30 @@ def generate_programs(
 class _Compiled:
     """AOT-compiled (prefill, decode) executables keyed by their static configuration, so
     compile time is measured apart and new prompt lengths within a bucket never recompile.
+    Bounded: at most `max_entries` configurations stay compiled (least recently used goes
+    first), so a long-lived process (a server, a notebook sweeping settings) does not keep
+    every program it ever built; `DFLASH_COMPILED_PROGRAMS` sets the bound (default 16).
     Programs that stream keep only the latest callback's (a new function each call would
     otherwise keep every program alive)."""
 
-    cache: dict = {}
+    cache: "collections.OrderedDict" = collections.OrderedDict()
+    max_entries: int = int(os.environ.get("DFLASH_COMPILED_PROGRAMS", "16"))
 
     @classmethod
     def get(cls, key, build):
         """(executables, seconds spent compiling now: 0 on a hit). key[2] is the Plan."""
         if key in cls.cache:
+            cls.cache.move_to_end(key)
             return cls.cache[key], 0.0
         if key[2].stream is not None:
             for old in [k for k in cls.cache if k[2].stream not in (None, key[2].stream)]:
                 del cls.cache[old]
         t0 = time.perf_counter()
-        cls.cache[key] = build()
-        return cls.cache[key], time.perf_counter() - t0
+        built = build()
+        cls.cache[key] = built
+        while len(cls.cache) > max(1, cls.max_entries):
+            cls.cache.popitem(last=False)
+        return built, time.perf_counter() - t0
 
 
 def generate(

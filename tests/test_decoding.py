@@ -76,8 +76,28 @@ def test_stop_tokens_truncate_like_autoregressive(target, drafter, ar_out, block
 
 def _forget_compiled(monkeypatch):
     """After patching a traced function, drop both our executables and JAX's trace cache."""
-    monkeypatch.setattr(gen_lib._Compiled, "cache", {})
+    monkeypatch.setattr(gen_lib._Compiled, "cache", collections.OrderedDict())
     jax.clear_caches()
+
+
+def test_compiled_program_cache_is_bounded_least_recently_used(monkeypatch):
+    """The compiled-program cache keeps at most `max_entries` configurations and drops the
+    least recently used one first (a hit refreshes an entry)."""
+    monkeypatch.setattr(gen_lib._Compiled, "cache", collections.OrderedDict())
+    monkeypatch.setattr(gen_lib._Compiled, "max_entries", 2)
+    built = []
+
+    def get(name):
+        key = (None, None, gen_lib.Plan(block_size=4), name)
+        return gen_lib._Compiled.get(key, lambda: built.append(name) or name)
+
+    assert get("a")[0] == "a" and get("b")[0] == "b"
+    assert get("a")[1] == 0.0  # a hit: nothing built, "a" now the most recent
+    get("c")  # evicts "b", the least recently used
+    assert [k[3] for k in gen_lib._Compiled.cache] == ["a", "c"]
+    get("b")  # built again; evicts "a"
+    assert built == ["a", "b", "c", "b"]
+    assert [k[3] for k in gen_lib._Compiled.cache] == ["c", "b"]
 
 
 def _oracle_draft(full_seqs, wrong_every):
@@ -383,13 +403,22 @@ def test_chunked_prefill_equals_one_pass(target, drafter, ar_out):
         ids[i, : len(pr)] = pr
     lens = jnp.asarray([len(pr) for pr in MIXED], jnp.int32)
     tmod, dmod = Transformer(target.config), DFlashDrafter(drafter.config)
-    states = [
-        gen_lib._prefill(
+
+    def prefill(chunk):
+        plan = gen_lib.Plan(block_size=16, prefill_chunk=chunk)
+        prefill_jit, _, _ = gen_lib.generate_programs(
             tmod,
             dmod,
-            gen_lib.Plan(block_size=16, prefill_chunk=c),
+            plan,
             p_pad + n_buf + 16,
             n_buf,
+            None,
+            target.params,
+            drafter.params,
+            b,
+            p_pad,
+        )
+        return prefill_jit(
             target.params,
             drafter.params,
             jnp.asarray(ids),
@@ -397,8 +426,8 @@ def test_chunked_prefill_equals_one_pass(target, drafter, ar_out):
             jnp.asarray(40, jnp.int32),
             jax.random.PRNGKey(0),
         )
-        for c in (0, 8)
-    ]
+
+    states = [prefill(c) for c in (0, 8)]
     one, chunked = states
     assert one.tokens[:, 0].tolist() == chunked.tokens[:, 0].tolist()
     for x, y in zip(
