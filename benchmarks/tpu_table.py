@@ -1,7 +1,7 @@
 """Markdown tables from the TPU dry-run JSONs (`python -m dflash_jax.dry_run ... --json_out`).
 
     python benchmarks/tpu_table.py [--dir=benchmarks/results/tpu_dry_run] [--tau=6.5,5.4]
-                                   [--readme]
+                                   [--readme | --write]
 
 Prints: compiled HBM per device for inference (prefill, DFlash loop, AR loop) with the
 verdict and the PROJECTED roofline speedups at each tau (tau * t_AR / t_DFlash from the step
@@ -12,11 +12,12 @@ README. Every figure comes from the JSONs; nothing is measured on a TPU.
 
 from __future__ import annotations
 
-import argparse
 import glob
 import json
 import os
 from typing import Any, Dict, List, Sequence
+
+from absl import app, flags
 
 GIB = 2**30
 # The one published TPU speedup: the public JAX/TPU port of DFlash, Qwen3-4B on v5p-8, block
@@ -245,22 +246,28 @@ def readme_table(results, taus) -> List[str]:
     return lines + ([f"\n{port}"] if port else [])
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument(
-        "--dir",
-        default=os.path.join(ROOT, "benchmarks", "results", "tpu_dry_run"),
-    )
-    ap.add_argument("--tau", default="6.5,5.4")
-    ap.add_argument("--readme", action="store_true", help="only the compact README table")
-    ap.add_argument(
-        "--write",
-        action="store_true",
-        help="rewrite the tables between the <!-- tpu_table --> and <!-- /tpu_table --> lines "
+def define_flags() -> None:
+    """The command line (defined only when run as a script: no clash with other modules' flags
+    in one process)."""
+    flags.DEFINE_string("dir", os.path.join(ROOT, "benchmarks", "results", "tpu_dry_run"), None)
+    flags.DEFINE_string("tau", "6.5,5.4", None)
+    flags.DEFINE_bool("readme", False, "only the compact README table")
+    flags.DEFINE_bool(
+        "write",
+        False,
+        "rewrite the tables between the <!-- tpu_table --> and <!-- /tpu_table --> lines "
         "of README.md (compact) and docs/tpu_dry_run.md (full)",
     )
-    args = ap.parse_args(argv)
-    taus = [float(t) for t in args.tau.split(",") if t.strip()]
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments (flags only): {' '.join(argv[1:])}")
+    args = flags.FLAGS
+    try:
+        taus = [float(t) for t in args.tau.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--tau wants comma-separated numbers, got {args.tau!r}") from None
     results = load(args.dir)
     if args.write:
         for name, text in (
@@ -302,4 +309,7 @@ def replace_block(doc: str, text: str, where: str) -> str:
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_jax import cli
+
+    define_flags()
+    cli.run(main)  # bad input: one line on stderr, exit 2

@@ -27,13 +27,16 @@ in Pallas interpret mode -- only proves the script runs.
 
 from __future__ import annotations
 
-import argparse
 import json
 import statistics
+import sys
 import time
+import types
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
+from absl import app, flags, logging
 
 import pallas_kernels as pk
 
@@ -246,48 +249,113 @@ def cases_training(g, rng, args):
 
 
 # ------------------------------------------------------------------- main --
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--kernel", default="all", choices=["verify", "draft", "training", "all"])
-    p.add_argument("--quick", action="store_true")
-    p.add_argument(
-        "--interpret",
-        action="store_true",
-        help="run the Pallas kernels in interpret mode (CPU smoke test)",
+PROG = "pallas_kernels/bench.py"
+VARIANTS = ("pallas", "pallas_tpu", "pallas_triton", "cudnn")
+FLAG_NAMES = (
+    "kernel",
+    "quick",
+    "interpret",
+    "impl",
+    "peak_hbm_gbps",
+    "repeats",
+    "no_check",
+    "contexts",
+    "batches",
+    "json_out",
+)
+
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """The flags (FLAG_NAMES), on `flag_values`: on the global FLAGS only when run as a script,
+    else on `main`'s own FlagValues (no clash with other modules' flags in one process)."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_enum("kernel", "all", ["verify", "draft", "training", "all"], None, **fv)
+    flags.DEFINE_bool("quick", False, None, **fv)
+    flags.DEFINE_bool(
+        "interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test)", **fv
     )
-    p.add_argument(
-        "--impl",
-        default="all",
-        help="'all' (every variant of this backend) or a comma-separated list of "
+    flags.DEFINE_string(
+        "impl",
+        "all",
+        "'all' (every variant of this backend) or a comma-separated list of "
         "pallas, pallas_tpu, pallas_triton, cudnn",
+        **fv,
     )
-    p.add_argument("--peak_hbm_gbps", type=float, default=4800.0)
-    p.add_argument("--repeats", type=int, default=None)
-    p.add_argument(
-        "--no_check", action="store_true", help="skip the pallas-vs-reference output check"
+    flags.DEFINE_float("peak_hbm_gbps", 4800.0, None, **fv)
+    flags.DEFINE_integer("repeats", None, None, **fv)
+    flags.DEFINE_bool("no_check", False, "skip the pallas-vs-reference output check", **fv)
+    flags.DEFINE_string(
+        "contexts", None, "comma-separated context lengths overriding the default grid", **fv
     )
-    p.add_argument(
-        "--contexts",
-        default=None,
-        help="comma-separated context lengths overriding the default grid",
+    flags.DEFINE_string(
+        "batches", None, "comma-separated batch sizes overriding the default grid", **fv
     )
-    p.add_argument(
-        "--batches", default=None, help="comma-separated batch sizes overriding the default grid"
-    )
-    p.add_argument("--json_out", default=None)
-    args = p.parse_args(argv)
+    flags.DEFINE_string("json_out", None, None, **fv)
+
+
+def _fail(message: str):
+    """Bad input: one line on stderr, exit status 2 (as the dflash_jax tools)."""
+    sys.stderr.write(f"error: {' '.join(message.split())}\n")
+    sys.stderr.flush()
+    sys.exit(2)
+
+
+def _args(flag_values: flags.FlagValues, argv) -> types.SimpleNamespace:
+    """The parsed flags as a namespace, with `variants` and --contexts / --batches as lists of
+    ints; every value checked (else `_fail`)."""
+    if len(argv) > 1:
+        _fail(f"unexpected arguments (flags only): {' '.join(argv[1:])}")
+    args = types.SimpleNamespace(**{n: flag_values[n].value for n in FLAG_NAMES})
     args.variants = variants(args)
-    bad = [v for v in args.variants if v not in ("pallas", "pallas_tpu", "pallas_triton", "cudnn")]
+    bad = [v for v in args.variants if v not in VARIANTS]
     if bad:
-        p.error(f"--impl: unknown variant(s) {bad}")
+        _fail(f"--impl: unknown variant(s) {bad}")
+    for name in ("contexts", "batches"):
+        value = getattr(args, name)
+        try:
+            setattr(args, name, value and [int(x) for x in value.split(",")])
+        except ValueError:
+            _fail(f"--{name} wants comma-separated integers, got {value!r}")
+    return args
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    """The benchmark with the flags `argv` (no program name; default sys.argv[1:]), in this
+    process, on a FlagValues of its own; returns the rows. Bad input: one line, exit 2."""
+    argv = sys.argv[1:] if argv is None else list(argv)
+    fv = flags.FlagValues()
+    define_flags(fv)
+    try:
+        rest = fv([PROG, *argv])
+    except flags.Error as e:
+        _fail(str(e))
+    return run(_args(fv, rest))
+
+
+def _command_line(argv) -> None:
+    if not flags.FLAGS["verbosity"].present:  # library INFO lines (JAX's) only when asked
+        logging.set_verbosity(logging.WARNING)
+    run(_args(flags.FLAGS, argv))
+
+
+def _parse_flags(argv):
+    try:
+        return flags.FLAGS(argv)
+    except flags.Error as e:
+        _fail(str(e))
+
+
+def run(args):
+    """Times every kernel and shape `args` asks for (see `_args`); prints the table, writes
+    --json_out, returns the rows."""
     if args.interpret and jax.default_backend() != "cpu":
         print("note: --interpret on an accelerator measures the interpreter, not the kernel")
     repeats = args.repeats or (2 if args.interpret else 5 if args.quick else 20)
     g = shape_grid(args)
     if args.contexts:
-        g["contexts"] = [int(x) for x in args.contexts.split(",")]
+        g["contexts"] = args.contexts
     if args.batches:
-        g["batches"] = [int(x) for x in args.batches.split(",")]
+        g["batches"] = args.batches
     key = [jax.random.PRNGKey(0)]
 
     def rng(shape):
@@ -376,4 +444,5 @@ def main(argv=None):
 
 
 if __name__ == "__main__":
-    main()
+    define_flags()
+    app.run(_command_line, flags_parser=_parse_flags)

@@ -639,6 +639,7 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
     """bench.py runs end to end on CPU (interpret mode, one tiny shape), the variant checked
     against the reference; by default it times every variant of the backend it runs on."""
     import json
+    import types
     from pallas_kernels import bench
 
     out = tmp_path / "bench.json"
@@ -670,8 +671,8 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
     assert all("time_ms" in r and r["gbps"] > 0 for r in rows)
     [kernel_row] = [r for r in rows if r["impl"] == "pallas_triton"]
     assert kernel_row["max_abs_err_vs_ref"] < 1e-4
-    every = lambda: bench.variants(bench.argparse.Namespace(impl="all", interpret=False))
-    assert bench.variants(bench.argparse.Namespace(impl="all", interpret=True)) == [
+    every = lambda: bench.variants(types.SimpleNamespace(impl="all", interpret=False))
+    assert bench.variants(types.SimpleNamespace(impl="all", interpret=True)) == [
         "pallas_tpu",
         "pallas_triton",
     ]

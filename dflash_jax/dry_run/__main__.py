@@ -1,6 +1,18 @@
-"""`python -m dflash_jax.dry_run ...`: see the package docstring."""
+"""Compiles the real programs for a TPU topology on this machine (libtpu; no TPU needed).
 
-from dflash_jax.dry_run.cli import main
+    python -m dflash_jax.dry_run --topology=v5e:2x4 --model=qwen3_8b --mode=infer [flags]
+    python -m dflash_jax.dry_run --topology=v5p:2x2x1 --model=qwen3_8b --mode=train --mesh=fsdp=4
+
+See the package docstring (dflash_jax/dry_run/__init__.py) and docs/tpu_dry_run.md. Bad input:
+one line `error: ...` on stderr, exit status 2 (dflash_jax/cli.py).
+"""
+
+from absl import flags
+
+from dflash_jax import cli
+from dflash_jax.dry_run import cli as dry_run_cli
 
 if __name__ == "__main__":
-    main()
+    dry_run_cli.define_flags()
+    flags.adopt_module_key_flags(dry_run_cli)  # --help lists them (defined in cli.py)
+    cli.run(dry_run_cli.command_line)

@@ -5,6 +5,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
+from absl import flags
+
 from dflash_jax.dry_run.chips import DEFAULT_TAUS
 from dflash_jax.dry_run.presets import build_configs
 from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
@@ -136,107 +138,151 @@ def _programs(s: str) -> tuple:
     return names
 
 
-def main(argv=None):
-    import argparse
+PROG = "python -m dflash_jax.dry_run"
 
-    ap = argparse.ArgumentParser(
-        prog="python -m dflash_jax.dry_run",
-        description="Compiles the real programs for a TPU topology "
-        "on this machine (libtpu; no TPU needed).",
+
+def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
+    """The flags of `python -m dflash_jax.dry_run`, on `flag_values`. Defined only by the
+    command line (`__main__`) or on `main`'s own FlagValues: infer.py and train.py have global
+    flags of the same names (--topology, --mesh, --json_out, ...) and call this package."""
+    fv = dict(flag_values=flag_values)
+    flags.DEFINE_string(
+        "topology",
+        "v5e:2x4",
+        "v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x4, v5e:4x4, v5p:4x4x4, ... or cpu:8",
+        **fv,
     )
-    ap.add_argument(
-        "--topology",
-        default="v5e:2x4",
-        help="v5e:2x4, v4:2x2x1, v5p:2x2x1, v6e:2x4, v5e:4x4, v5p:4x4x4, ... or cpu:8",
+    flags.DEFINE_string(
+        "model",
+        "qwen3_8b",
+        "comma-separated: qwen3_8b, qwen3_4b, llama31_8b, small, or an HF dir",
+        **fv,
     )
-    ap.add_argument(
-        "--model",
-        default="qwen3_8b",
-        help="comma-separated: qwen3_8b, qwen3_4b, llama31_8b, small, or an HF dir",
-    )
-    ap.add_argument("--mode", default="infer", choices=("infer", "train"))
-    ap.add_argument(
-        "--mesh",
-        default="",
-        help="';'-separated meshes, e.g. 'tensor=8;data=2,"
+    flags.DEFINE_enum("mode", "infer", ["infer", "train"], None, **fv)
+    flags.DEFINE_string(
+        "mesh",
+        "",
+        "';'-separated meshes, e.g. 'tensor=8;data=2,"
         "tensor=4' (default: tensor=N for infer, fsdp=N for train)",
+        **fv,
     )
-    ap.add_argument("--batch", type=int, default=None)
-    ap.add_argument("--context", type=int, default=4096, help="infer: prompt tokens")
-    ap.add_argument("--max_new_tokens", type=int, default=256)
-    ap.add_argument("--block_size", type=int, default=None)
-    ap.add_argument(
-        "--attention",
-        default="pallas",
-        help="infer: comma-separated attention impls to compile (pallas, xla); "
+    flags.DEFINE_integer("batch", None, None, **fv)
+    flags.DEFINE_integer("context", 4096, "infer: prompt tokens", **fv)
+    flags.DEFINE_integer("max_new_tokens", 256, None, **fv)
+    flags.DEFINE_integer("block_size", None, None, **fv)
+    flags.DEFINE_string(
+        "attention",
+        "pallas",
+        "infer: comma-separated attention impls to compile (pallas, xla); "
         "train: the one the step uses (pallas: the fused kernel, per shard)",
+        **fv,
     )
-    ap.add_argument(
-        "--programs",
-        default="prefill,dflash_decode,ar_decode",
-        help="infer: which of prefill, dflash_decode, ar_decode to compile",
+    flags.DEFINE_string(
+        "programs",
+        "prefill,dflash_decode,ar_decode",
+        "infer: which of prefill, dflash_decode, ar_decode to compile",
+        **fv,
     )
-    ap.add_argument(
-        "--prefill_chunk",
-        type=int,
-        default=None,
-        help="infer: prefill chunk (default decoding.Plan's; 0: one pass)",
+    flags.DEFINE_integer(
+        "prefill_chunk",
+        None,
+        "infer: prefill chunk (default decoding.Plan's; 0: one pass)",
+        **fv,
     )
-    ap.add_argument(
-        "--tau",
-        default=",".join(map(str, DEFAULT_TAUS)),
-        help="roofline: acceptance lengths for the projected speedup",
+    flags.DEFINE_string(
+        "tau",
+        ",".join(map(str, DEFAULT_TAUS)),
+        "roofline: acceptance lengths for the projected speedup",
+        **fv,
     )
-    ap.add_argument("--seq_len", type=int, default=3072, help="train: sequence length")
-    ap.add_argument("--num_anchors", type=int, default=512)
-    ap.add_argument("--loss_chunk_anchors", type=int, default=0)
-    ap.add_argument(
-        "--grad_accum",
-        type=int,
-        default=1,
-        help="train: micro-batches per step (the config's grad_accum_steps; divides --batch)",
+    flags.DEFINE_integer("seq_len", 3072, "train: sequence length", **fv)
+    flags.DEFINE_integer("num_anchors", 512, None, **fv)
+    flags.DEFINE_integer("loss_chunk_anchors", 0, None, **fv)
+    flags.DEFINE_integer(
+        "grad_accum",
+        1,
+        "train: micro-batches per step (the config's grad_accum_steps; divides --batch)",
+        **fv,
     )
-    ap.add_argument("--json_out", default="", help="write the result(s) as JSON here")
-    args = ap.parse_args(argv)
-    try:
-        if args.topology.startswith("cpu"):
-            ensure_cpu_devices(int(args.topology.partition(":")[2] or 8))
-        meshes = [m for m in args.mesh.split(";") if m.strip()] or None
-        if args.mode == "infer":
-            kw = dict(
-                batch=args.batch or 1,
-                context=args.context,
-                max_new_tokens=args.max_new_tokens,
-                block_size=args.block_size,
-                attention=tuple(a.strip() for a in args.attention.split(",")),
-                taus=tuple(_floats(args.tau)),
-                prefill_chunk=args.prefill_chunk,
-                only=_programs(args.programs),
-            )
-        else:
-            impl = args.attention.split(",")[0].strip()
-            if impl not in ("pallas", "xla"):
-                raise UsageError(f"--attention for --mode=train: pallas or xla, got {impl!r}")
-            kw = dict(
-                batch=args.batch or 8,
-                seq_len=args.seq_len,
-                num_anchors=args.num_anchors,
-                loss_chunk_anchors=args.loss_chunk_anchors,
-                attention_impl=impl,
-                grad_accum_steps=args.grad_accum,
-            )
-            batch = kw["batch"]
-            if args.grad_accum < 1 or batch % args.grad_accum:
-                raise UsageError(
-                    f"--grad_accum {args.grad_accum} must be >= 1 and divide --batch {batch}"
-                )
-        return run(
-            args.topology, args.model.split(","), args.mode, meshes, args.json_out or None, **kw
+    flags.DEFINE_string("json_out", "", "write the result(s) as JSON here", **fv)
+
+
+def run_flags(args):
+    """The dry run the flags `args` ask for (anything with the flags as attributes: a
+    FlagValues of `define_flags`, a namespace); raises UsageError on bad input."""
+    if args.topology.startswith("cpu"):
+        ensure_cpu_devices(int(args.topology.partition(":")[2] or 8))
+    meshes = [m for m in args.mesh.split(";") if m.strip()] or None
+    if args.mode == "infer":
+        kw = dict(
+            batch=args.batch or 1,
+            context=args.context,
+            max_new_tokens=args.max_new_tokens,
+            block_size=args.block_size,
+            attention=tuple(a.strip() for a in args.attention.split(",")),
+            taus=tuple(_floats(args.tau)),
+            prefill_chunk=args.prefill_chunk,
+            only=_programs(args.programs),
         )
+    else:
+        impl = args.attention.split(",")[0].strip()
+        if impl not in ("pallas", "xla"):
+            raise UsageError(f"--attention for --mode=train: pallas or xla, got {impl!r}")
+        kw = dict(
+            batch=args.batch or 8,
+            seq_len=args.seq_len,
+            num_anchors=args.num_anchors,
+            loss_chunk_anchors=args.loss_chunk_anchors,
+            attention_impl=impl,
+            grad_accum_steps=args.grad_accum,
+        )
+        batch = kw["batch"]
+        if args.grad_accum < 1 or batch % args.grad_accum:
+            raise UsageError(
+                f"--grad_accum {args.grad_accum} must be >= 1 and divide --batch {batch}"
+            )
+    return run(args.topology, args.model.split(","), args.mode, meshes, args.json_out or None, **kw)
+
+
+def _no_positional(argv: Sequence[str]) -> None:
+    if len(argv) > 1:
+        raise UsageError(f"unexpected arguments (flags only): {' '.join(argv[1:])}")
+
+
+def command_line(argv) -> None:
+    """absl main of `python -m dflash_jax.dry_run` (flags from `define_flags` on the global
+    FLAGS; `dflash_jax.cli.run` prints the error line). Library log lines (JAX's) only with
+    --verbose or --verbosity, as before absl."""
+    from dflash_jax import console
+
+    _no_positional(argv)
+    console.configure_logging(flags.FLAGS["verbose"].value)
+    run_flags(flags.FLAGS)
+
+
+def main(argv: Optional[Sequence[str]] = None):
+    """`python -m dflash_jax.dry_run` with the flags `argv` (no program name; default
+    sys.argv[1:]), in this process, on a FlagValues of its own (so a tool with global flags of
+    the same names, infer.py, can call it). Bad input: one line `error: ...` on stderr and
+    exit status 2, before anything is compiled or written. Returns the results."""
+    from dflash_jax import cli
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    fv = flags.FlagValues()
+    define_flags(fv)
+    try:
+        rest = fv([PROG, *argv])
+    except flags.Error as e:
+        cli.fail(cli.one_line(e))
+    try:
+        _no_positional(rest)
+        return run_flags(fv)
     except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        cli.fail(cli.one_line(e))
 
 
 if __name__ == "__main__":
-    main()
+    from dflash_jax import cli
+
+    define_flags()
+    cli.run(command_line)
