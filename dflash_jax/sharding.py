@@ -25,7 +25,7 @@ Caches ([B, S, K, D] per layer, target KVCache and drafter ContextCache): B over
 K over tensor; lengths [B] over the batch axes. Batches: leading axis over the batch axes.
 
 Everything else is left to GSPMD: parameters and inputs are placed with `NamedSharding`, the
-programs (`decoding.generate_programs`, `training.trainer.make_train_step`) are `jax.jit`s with
+programs (`decoding.generate_programs`, `training.step.make_train_step`) are `jax.jit`s with
 these in/out shardings, and the partitioner inserts the collectives (all-reduce after
 o_proj/down, gathers for FSDP). This module holds only meshes, rules and specs: it imports
 neither `decoding` nor `training`.

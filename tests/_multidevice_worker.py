@@ -22,7 +22,13 @@ import numpy as np  # noqa: E402
 
 import dflash_jax as dj  # noqa: E402
 from dflash_jax import dry_run, sharding  # noqa: E402
-from dflash_jax.training import trainer  # noqa: E402
+from dflash_jax.training import experiment, trainer  # noqa: E402
+from dflash_jax.training.step import (  # noqa: E402
+    TrainState,
+    make_optimizer,
+    make_train_step,
+    train_shardings,
+)
 from dflash_jax.model import KVCache, Transformer, init_params  # noqa: E402
 from dflash_jax.drafter import ContextCache, DFlashDrafter  # noqa: E402
 
@@ -151,8 +157,8 @@ def check_train(out, workdir):
     b, s = 8, 48
     config = dry_run.train_config(batch=b, seq_len=s, num_anchors=4)
     config.learning_rate = 3e-3
-    loss_fn = trainer.drafter_loss_fn(config, Transformer(cfg), DFlashDrafter(dcfg))
-    opt = trainer.make_optimizer(config, 20)[0]
+    loss_fn = experiment.drafter_loss_fn(config, Transformer(cfg), DFlashDrafter(dcfg))
+    opt = make_optimizer(config, 20)[0]
     batches = []
     for _ in range(3):
         batches.append(
@@ -165,14 +171,14 @@ def check_train(out, workdir):
     res = {}
     for spec in ("tensor=1", "data=2,fsdp=2,tensor=2"):
         mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == "tensor=1" else None)
-        state = trainer.TrainState(
+        state = TrainState(
             step=jnp.zeros((), jnp.int32),
             params=jax.tree_util.tree_map(jnp.copy, dparams0),
             opt_state=opt.init(dparams0),
             rng=jax.random.PRNGKey(0),
         )
-        shardings = trainer.train_shardings(mesh, "drafter", state, tparams, 16, 16)
-        step = trainer.make_train_step(loss_fn, opt, mesh, shardings)
+        shardings = train_shardings(mesh, "drafter", state, tparams, 16, 16)
+        step = make_train_step(loss_fn, opt, mesh, shardings)
         state = jax.device_put(state, shardings[0])
         tp = jax.device_put(tparams, shardings[1])
         losses = []
@@ -221,9 +227,9 @@ def check_dp_step(out, workdir):
 
     cfg = _tiny_test_config()
     cfg.target_model.update(init_std=0.0, attn_out_scale=1.0)  # default init: moderate logits
-    exp = trainer.build_experiment(cfg, os.path.join(workdir, "dp_step"))
-    opt, _ = trainer.make_optimizer(cfg, 10)
-    state0 = trainer.TrainState(
+    exp = experiment.build_experiment(cfg, os.path.join(workdir, "dp_step"))
+    opt, _ = make_optimizer(cfg, 10)
+    state0 = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=exp.init_params,
         opt_state=opt.init(exp.init_params),
@@ -233,7 +239,7 @@ def check_dp_step(out, workdir):
     res = {}
     for devices in (jax.devices()[:1], jax.devices()):
         mesh = Mesh(np.asarray(devices), ("data",))
-        step = trainer.make_train_step(exp.loss_fn, opt, mesh)
+        step = make_train_step(exp.loss_fn, opt, mesh)
         state = jax.device_put(state0, NamedSharding(mesh, P()))
         losses, batch_devices = [], []
         for b in batches:
@@ -287,16 +293,16 @@ def check_fsdp_training(out, workdir):
         for name, r in (("one", one), ("fsdp", fsdp), ("resumed", resumed))
     }
     # The layout: which leaves of the drafter/AdamW state and of the frozen target split.
-    exp = trainer.build_experiment(config("data=2,fsdp=4"), w + "/fsdp")
-    opt, _ = trainer.make_optimizer(exp.config, 6)
-    state = trainer.TrainState(
+    exp = experiment.build_experiment(config("data=2,fsdp=4"), w + "/fsdp")
+    opt, _ = make_optimizer(exp.config, 6)
+    state = TrainState(
         step=0,
         params=exp.init_params,
         opt_state=opt.init(exp.init_params),
         rng=jax.random.PRNGKey(0),
     )
     mesh = sharding.make_mesh(data=2, fsdp=4, tensor=1)
-    state_sh, frozen_sh, _ = trainer.train_shardings(
+    state_sh, frozen_sh, _ = train_shardings(
         mesh, "drafter", state, exp.frozen, exp.target_cfg.head_dim, exp.drafter_cfg.body.head_dim
     )
     res["param_specs"] = [str(s.spec) for s in jax.tree_util.tree_leaves(state_sh.params)]

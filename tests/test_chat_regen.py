@@ -223,7 +223,7 @@ def _default_config():
 
 def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path):
     from dflash_jax import validation
-    from dflash_jax.training import trainer
+    from dflash_jax.training import experiment, trainer
 
     d, _, tok = chat_target
     data = tmp_path / "chats.jsonl"
@@ -252,7 +252,7 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
         assert tok.decode(r["input_ids"]).startswith("<|im_start|>")
         assert _runs(r["input_ids"], r["loss_mask"]) == [t["response_ids"] for t in r["turns"]]
     # The experiment trains on those rows: its batches carry the rows' loss masks.
-    exp = trainer.build_experiment(c, str(tmp_path / "work"))
+    exp = experiment.build_experiment(c, str(tmp_path / "work"))
     batch = next(exp.train_iter)
     assert 0 < batch["loss_mask"].sum() < batch["loss_mask"].size
     for bad, message in [

@@ -12,12 +12,19 @@ import optax
 import pytest
 
 from dflash_jax.training import losses
+from dflash_jax.training.step import (
+    TrainState,
+    check_grad_accum,
+    make_optimizer,
+    make_train_step,
+    train_shardings,
+)
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
     from configs import tiny_test
-    from dflash_jax.training import experiment, trainer
+    from dflash_jax.training import experiment
 
     c = tiny_test.get_config()
     c.data.update(kind="synthetic", num_docs=40, doc_len=40, batch_size=8)
@@ -33,11 +40,11 @@ def setup(tmp_path_factory):
     lm[5, : lm.shape[1] // 4] = 0.0
     batch["loss_mask"] = lm
     batch = {k: jnp.asarray(v) for k, v in batch.items()}
-    return c, exp, trainer, batch
+    return c, exp, batch
 
 
-def _state(trainer, params, optimizer, seed=0):
-    return trainer.TrainState(
+def _state(params, optimizer, seed=0):
+    return TrainState(
         step=jnp.zeros((), jnp.int32),
         params=params,
         opt_state=optimizer.init(params),
@@ -45,9 +52,9 @@ def _state(trainer, params, optimizer, seed=0):
     )
 
 
-def _run(trainer, loss_fn, optimizer, params, frozen, batch, accum, steps=1, mesh=None, sh=None):
-    step = trainer.make_train_step(loss_fn, optimizer, mesh, sh, grad_accum_steps=accum)
-    state = _state(trainer, params, optimizer)
+def _run(loss_fn, optimizer, params, frozen, batch, accum, steps=1, mesh=None, sh=None):
+    step = make_train_step(loss_fn, optimizer, mesh, sh, grad_accum_steps=accum)
+    state = _state(params, optimizer)
     for _ in range(steps):
         state, metrics = step(state, frozen, batch)
     return jax.device_get(state.params), jax.device_get(metrics)
@@ -64,16 +71,16 @@ def _assert_trees_close(a, b, rtol, atol):
 def sgd_runs(setup):
     """SGD with learning rate 1: the new parameters are params - grad, so they expose the
     gradient itself. accum -> (params, metrics)."""
-    _, exp, trainer, batch = setup
+    _, exp, batch = setup
     return {
-        a: _run(trainer, exp.loss_fn, optax.sgd(1.0), exp.init_params, exp.frozen, batch, a)
+        a: _run(exp.loss_fn, optax.sgd(1.0), exp.init_params, exp.frozen, batch, a)
         for a in (1, 2, 4)
     }
 
 
 @pytest.mark.parametrize("accum", (2, 4))
 def test_accumulated_gradient_and_metrics_equal_the_full_batch(setup, sgd_runs, accum):
-    _, exp, _, _ = setup
+    _, exp, _ = setup
     full_p, full_m = sgd_runs[1]
     p, m = sgd_runs[accum]
     moved = jax.tree_util.tree_map(
@@ -90,7 +97,7 @@ def test_accumulated_gradient_and_metrics_equal_the_full_batch(setup, sgd_runs, 
 def test_micro_batches_score_unequal_shares_so_a_plain_mean_would_be_wrong(setup, sgd_runs):
     """The property the weighting exists for: on this batch the mean of the micro-batch losses
     is not the full-batch loss (the accumulated one is, by the test above)."""
-    _, exp, trainer, batch = setup
+    _, exp, batch = setup
     key = jax.random.fold_in(jax.random.PRNGKey(0), 0)
     keys = losses.row_keys(key, 8)
     loss_fn = jax.jit(exp.loss_fn)
@@ -112,13 +119,13 @@ def test_donated_adamw_steps_with_accumulation_equal_the_full_batch(setup):
     step the trainer runs (donate=True): the compiled step aliases the new state to the donated
     one (parameters and AdamW moments reuse the input buffers) with the micro-batch scan
     inside, and gives the full batch's parameters and metrics."""
-    c, exp, trainer, batch = setup
-    opt, _ = trainer.make_optimizer(c, 10)
-    full = _run(trainer, exp.loss_fn, opt, exp.init_params, exp.frozen, batch, 1, steps=2)
+    c, exp, batch = setup
+    opt, _ = make_optimizer(c, 10)
+    full = _run(exp.loss_fn, opt, exp.init_params, exp.frozen, batch, 1, steps=2)
     fresh = jax.tree_util.tree_map(jnp.copy, exp.init_params)  # donated below, not the fixture's
-    state = _state(trainer, fresh, opt)
+    state = _state(fresh, opt)
     compiled = (
-        trainer.make_train_step(exp.loss_fn, opt, donate=True, grad_accum_steps=2)
+        make_train_step(exp.loss_fn, opt, donate=True, grad_accum_steps=2)
         .lower(state, exp.frozen, batch)
         .compile()
     )
@@ -141,30 +148,32 @@ def test_target_mode_loss_accumulates_on_a_sharded_mesh(setup):
     mesh (the sharding constraints of the accumulating step are traced)."""
     from dflash_jax import sharding
 
-    _, exp, trainer, batch = setup
+    _, exp, batch = setup
     loss_fn = lambda p, f, b, k: losses.target_loss(exp.tmod, p, b)
     opt = optax.sgd(1.0)
     mesh = sharding.make_mesh(data=1, fsdp=1, tensor=1, devices=jax.devices()[:1])
-    state = _state(trainer, exp.target_params, opt)
-    sh = trainer.train_shardings(mesh, "target", state, None, exp.target_cfg.head_dim)
-    full = _run(trainer, loss_fn, opt, exp.target_params, None, batch, 1, mesh=mesh, sh=sh)
-    acc = _run(trainer, loss_fn, opt, exp.target_params, None, batch, 4, mesh=mesh, sh=sh)
+    state = _state(exp.target_params, opt)
+    sh = train_shardings(mesh, "target", state, None, exp.target_cfg.head_dim)
+    full = _run(loss_fn, opt, exp.target_params, None, batch, 1, mesh=mesh, sh=sh)
+    acc = _run(loss_fn, opt, exp.target_params, None, batch, 4, mesh=mesh, sh=sh)
     _assert_trees_close(acc[0], full[0], rtol=1e-5, atol=1e-6)
     for k in full[1]:
         np.testing.assert_allclose(acc[1][k], full[1][k], rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 def test_bad_grad_accum_is_one_clear_line_before_any_compile(setup, tmp_path):
-    c, exp, trainer, _ = setup
+    from dflash_jax.training import trainer
+
+    c, exp, _ = setup
     for accum in (3, 0):
         with pytest.raises(ValueError) as e:
-            trainer.check_grad_accum(8, accum)
+            check_grad_accum(8, accum)
         msg = str(e.value)
         assert "\n" not in msg and str(accum) in msg and "8" in msg
     with pytest.raises(ValueError, match="not divisible by the 4 batch shards"):
-        trainer.check_grad_accum(8, 4, 4)
+        check_grad_accum(8, 4, 4)
     with pytest.raises(ValueError, match="grad_accum_steps must be >= 1"):
-        trainer.make_train_step(exp.loss_fn, optax.sgd(1.0), grad_accum_steps=0)
+        make_train_step(exp.loss_fn, optax.sgd(1.0), grad_accum_steps=0)
     bad = c.copy_and_resolve_references()
     bad.grad_accum_steps = 3
     with pytest.raises(

@@ -69,7 +69,7 @@ def test_new_drafter_weights_are_initialised_as_hf_qwen3():
 
 def _bf16_experiment(tmp_path, param_dtype):
     from configs import tiny_test
-    from dflash_jax.training import experiment, trainer
+    from dflash_jax.training import experiment
 
     c = tiny_test.get_config()
     c.dtype = "bfloat16"  # compute dtype; the frozen target is stored in it too
@@ -78,20 +78,22 @@ def _bf16_experiment(tmp_path, param_dtype):
     c.target_model.vocab_size = 64
     c.eval_num_prompts = 1
     exp = experiment.build_experiment(c, str(tmp_path / param_dtype))
-    return c, exp, trainer
+    return c, exp
 
 
 @pytest.mark.parametrize("param_dtype", ("float32", "bfloat16"))
 def test_float32_masters_keep_a_1e4_relative_update_that_bf16_loses(tmp_path, param_dtype):
-    c, exp, trainer = _bf16_experiment(tmp_path, param_dtype)
+    from dflash_jax.training.step import TrainState, make_optimizer, make_train_step
+
+    c, exp = _bf16_experiment(tmp_path, param_dtype)
     want = jnp.dtype(param_dtype)
     # Trained weights (and so the AdamW moments) in param_dtype, compute in bfloat16.
     assert exp.drafter_cfg.body.dtype == jnp.bfloat16
     assert {x.dtype for x in jax.tree_util.tree_leaves(exp.init_params)} == {want}
     assert exp.target_cfg.dtype == jnp.bfloat16  # (a loaded target is also stored in it)
     c.learning_rate, c.warmup_ratio, c.end_lr_ratio = 1e-4, 0.0, 1.0  # constant lr 1e-4
-    optimizer, _ = trainer.make_optimizer(c, 10)
-    state = trainer.TrainState(
+    optimizer, _ = make_optimizer(c, 10)
+    state = TrainState(
         step=jnp.zeros((), jnp.int32),
         params=exp.init_params,
         opt_state=optimizer.init(exp.init_params),
@@ -102,7 +104,7 @@ def test_float32_masters_keep_a_1e4_relative_update_that_bf16_loses(tmp_path, pa
     ]
     assert moments and {x.dtype for x in moments} == {want}
     batch = {k: jnp.asarray(v) for k, v in next(exp.train_iter).items()}
-    step = trainer.make_train_step(exp.loss_fn, optimizer)
+    step = make_train_step(exp.loss_fn, optimizer)
     new, metrics = step(state, exp.frozen, batch)  # step 0: lr 0 (warmup), moments only
     new, metrics = step(new, exp.frozen, batch)  # step 1: lr 1e-4
     assert np.isfinite(float(metrics["loss"]))

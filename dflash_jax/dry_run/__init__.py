@@ -18,7 +18,7 @@ programs (`dry_run_infer`, `dry_run_train`), cli (report lines, `main`).
   infer: the programs of `decoding.generate` through `decoding.generate_programs`: the prefill,
          the DFlash decode loop and the autoregressive decode loop, sharded by the partition
          rules, for each attention implementation asked for ("pallas": the TPU kernels).
-  train: the trainer's own step: `training.trainer.make_train_step` with the shardings of
+  train: the trainer's own step: `training.step.make_train_step` with the shardings of
          `train_shardings` and the loss of `drafter_loss_fn` (the paper recipe's settings).
 
 Per program, from the TPU compiler: HBM per device (arguments, outputs, aliased, temporaries,

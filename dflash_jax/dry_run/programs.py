@@ -191,7 +191,14 @@ def dry_run_train(
     from dflash_jax import sharding
     from dflash_jax.drafter import DFlashDrafter
     from dflash_jax.model import Transformer
-    from dflash_jax.training import trainer
+    from dflash_jax.training.experiment import drafter_loss_fn
+    from dflash_jax.training.step import (
+        TrainState,
+        check_grad_accum,
+        make_optimizer,
+        make_train_step,
+        train_shardings,
+    )
 
     from dflash_jax.config import as_dtype
 
@@ -208,24 +215,24 @@ def dry_run_train(
         )
     m = resolve_mesh(mesh, devices)
     try:
-        trainer.check_grad_accum(batch, accum, m.shape["data"] * m.shape["fsdp"])
+        check_grad_accum(batch, accum, m.shape["data"] * m.shape["fsdp"])
     except ValueError as e:
         raise UsageError(str(e)) from None
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     tparams, dparams = abstract_params(tcfg, dcfg)
     tmod, dmod = Transformer(tcfg, config.attention_impl), DFlashDrafter(dcfg)
-    optimizer = trainer.make_optimizer(config, 10000)[0]
-    state = trainer.TrainState(
+    optimizer = make_optimizer(config, 10000)[0]
+    state = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
         params=dparams,
         opt_state=jax.eval_shape(optimizer.init, dparams),
         rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)),
     )
-    state_sh, frozen_sh, batch_sh = trainer.train_shardings(
+    state_sh, frozen_sh, batch_sh = train_shardings(
         m, "drafter", state, tparams, tcfg.head_dim, dcfg.body.head_dim
     )
-    step = trainer.make_train_step(
-        trainer.drafter_loss_fn(config, tmod, dmod),
+    step = make_train_step(
+        drafter_loss_fn(config, tmod, dmod),
         optimizer,
         m,
         (state_sh, frozen_sh, batch_sh),

@@ -1,0 +1,33 @@
+"""Export of a trained model: a drafter in the z-lab format, a target in the Hugging Face
+format with its tokenizer beside it."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from dflash_jax import distributed
+from dflash_jax.target import save_target
+
+if TYPE_CHECKING:
+    from dflash_jax.training.experiment import Experiment
+
+
+def export(exp: Experiment, params, directory: str) -> str:
+    """Drafter: z-lab format (`save_drafter`). Target: HF format with the tokenizer beside it."""
+    from dflash_jax.drafter import save_drafter
+
+    params = distributed.gather(params)  # all processes take part; process 0 writes
+    if exp.mode == "drafter":
+        path = os.path.join(directory, "drafter")
+        if not distributed.is_primary():
+            return path
+        save_drafter(exp.drafter_for(params), path)
+    else:
+        path = os.path.join(directory, "target")
+        if not distributed.is_primary():
+            return path
+        save_target(exp.target_for(params), path)
+        if exp.tokenizer is not None and not os.path.exists(os.path.join(path, "tokenizer.json")):
+            exp.tokenizer.save(path)
+    return path
