@@ -1,13 +1,16 @@
 """Shared fixtures: small random Hugging Face checkpoints written once per test session; the
 one mechanism of the 8-device tests (`eight_devices`: tests/_multidevice_worker.py checks in
-8-fake-device subprocesses); a per-session compilation cache for repeated subprocess launches
-(`compile_cache`); and the longest-first file order for pytest-xdist (at the end)."""
+8-fake-device subprocesses); one persistent compilation cache for the whole session (below);
+and the longest-first file order for pytest-xdist (at the end)."""
 
+import atexit
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
+import tempfile
 import types
 
 import numpy as np
@@ -18,6 +21,23 @@ import pytest
 # Set before any test module imports JAX; subprocesses inherit it.
 if not os.environ.get("JAX_PLATFORMS"):
     os.environ["JAX_PLATFORMS"] = "cpu"
+
+# One persistent compilation cache for the session: both pytest-xdist workers and every
+# subprocess they start (infer.py, train.py, the 8-device and 2-process launches) read and write
+# it, so a program compiled once (the same tiny model's prefill/decode/train step, built by many
+# test files and CLI runs) is loaded, not compiled again: compiling is most of this suite's time
+# on a CPU. Set here, at conftest import in the controller, before any worker or JAX starts;
+# workers and subprocesses inherit it. Fresh per session (a stale cache proves nothing) and
+# removed at the end by the process that made it. A cached executable is the same binary, so
+# results are unchanged; DFLASH_TEST_NO_COMPILE_CACHE=1 turns it off.
+if not os.environ.get("DFLASH_TEST_NO_COMPILE_CACHE") and not os.environ.get(
+    "JAX_COMPILATION_CACHE_DIR"
+):
+    _cache_dir = tempfile.mkdtemp(prefix="dflash-jax-test-compile-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
+    os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
+    atexit.register(shutil.rmtree, _cache_dir, True)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -73,9 +93,17 @@ def run_multidevice_checks(workdir, *groups, timeout=1800, env=None):
 
 @pytest.fixture(scope="session")
 def compile_cache(tmp_path_factory):
-    """Environment variables giving subprocesses a persistent compilation cache, fresh each
-    session: a process or launch that repeats an earlier one's programs (a resumed training
-    run) loads them instead of compiling. The pytest processes themselves do not use it."""
+    """Environment variables giving a subprocess the session's persistent compilation cache
+    (the environment already carries it unless DFLASH_TEST_NO_COMPILE_CACHE is set; then a
+    fresh one for subprocesses only): a process or launch that repeats an earlier one's
+    programs (a resumed training run) loads them instead of compiling."""
+    if os.environ.get("JAX_COMPILATION_CACHE_DIR"):
+        keys = (
+            "JAX_COMPILATION_CACHE_DIR",
+            "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
+            "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES",
+        )
+        return {k: os.environ[k] for k in keys if k in os.environ}
     return {
         "JAX_COMPILATION_CACHE_DIR": str(tmp_path_factory.mktemp("jax_compile_cache")),
         "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0.5",
