@@ -264,7 +264,7 @@ def main(argv):
         def stream(chunks):
             before = tok.decode(committed)
             committed.extend(chunks[0])
-            sys.stdout.write("\033[1m" + tok.decode(committed)[len(before) :] + "\033[0m")
+            sys.stdout.write(console.style(tok.decode(committed)[len(before) :], sys.stdout))
             sys.stdout.flush()
 
     # Batches grouped by length; the first is run once untimed (compiles both programs).
@@ -310,7 +310,7 @@ def main(argv):
         )
         if not FLAGS.json_out:  # else the completion is in the file
             if tok is not None:
-                print(tok.decode(prompts[i]) + "\033[1m" + rec["text"] + "\033[0m")
+                print(tok.decode(prompts[i]) + console.style(rec["text"], sys.stdout))
             else:
                 print(prompts[i], "->", rec["tokens"])
         if rec.get("identical_to_ar") is False:
