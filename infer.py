@@ -20,6 +20,18 @@ DEFAULT_PROMPT = (
     '    """Return the list of lines in the file at *path*."""'
 )
 
+# Passed to `generate` as they are.
+GENERATE_FLAGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_k",
+    "top_p",
+    "seed",
+    "block_size",
+    "denoise_steps",
+    "confidence_threshold",
+)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_string(
     "target",
@@ -125,47 +137,24 @@ def main(argv):
     if FLAGS.dry_run:
         from dflash_jax import dry_run
 
-        # The TPU kernels unless --attention_impl is given ("auto" is "pallas" on a TPU).
-        attention = FLAGS.attention_impl if FLAGS["attention_impl"].present else "pallas"
-        attention = "pallas" if attention == "auto" else attention
-        argv = [
-            f"--topology={FLAGS.topology}",
-            f"--model={FLAGS.dry_run_model}",
-            "--mode=infer",
-            f"--mesh={FLAGS.mesh or ''}",
-            f"--batch={FLAGS.batch_size or 1}",
-            f"--context={FLAGS.context}",
-            f"--max_new_tokens={FLAGS.max_new_tokens}",
-            f"--attention={attention}",
-            f"--tau={FLAGS.tau}",
-            f"--json_out={FLAGS.json_out or ''}",
-        ]
-        if FLAGS.block_size:
-            argv.append(f"--block_size={FLAGS.block_size}")
-        dry_run.main(argv)  # exits 2 with one line on bad input
+        dry_run.infer_main(  # exits 2 with one line on bad input
+            topology=FLAGS.topology,
+            model=FLAGS.dry_run_model,
+            mesh=FLAGS.mesh,
+            batch=FLAGS.batch_size,
+            context=FLAGS.context,
+            max_new_tokens=FLAGS.max_new_tokens,
+            # The TPU kernels unless --attention_impl is given.
+            attention=FLAGS.attention_impl if FLAGS["attention_impl"].present else None,
+            tau=FLAGS.tau,
+            json_out=FLAGS.json_out,
+            block_size=FLAGS.block_size,
+        )
         return
+    from dflash_jax import console, hub, prompting, validation
+
     # Every flag checked before any model is loaded or anything is computed or written.
-    from dflash_jax import console, hub, prompting, serving, validation
-
-    if FLAGS.resume and not FLAGS.json_out:
-        raise ValueError("--resume needs --json_out (the file of the interrupted run)")
-    if FLAGS.batch_size is not None:
-        validation.int_param("--batch_size", FLAGS.batch_size, lo=1)
-    if FLAGS.json_out:
-        validation.writable_file(FLAGS.json_out, "--json_out")
-    if FLAGS.profile_dir:
-        validation.writable_dir(FLAGS.profile_dir, "--profile_dir")
-    validation.sampling_params(FLAGS.temperature, FLAGS.top_k, FLAGS.top_p)
-    validation.confidence_threshold(FLAGS.confidence_threshold)
-    validation.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
-    validation.int_param("--denoise_steps", FLAGS.denoise_steps, lo=1)
-    if FLAGS.block_size is not None:
-        validation.int_param("--block_size", FLAGS.block_size, lo=2, hi=64)
-    from dflash_jax.config import as_dtype
-
-    as_dtype(FLAGS.dtype)
-    if FLAGS.param_dtype:
-        as_dtype(FLAGS.param_dtype)
+    validation.check_infer_flags(FLAGS.flag_values_dict())
     labels = None
     if FLAGS.prompt_file:
         items, labels = prompting.read_prompt_file(FLAGS.prompt_file, with_labels=True)
@@ -182,159 +171,36 @@ def main(argv):
     console.configure_logging(FLAGS.verbose)
     console.set_progress(FLAGS.progress)
     console.quiet_startup()
-    import jax
-
-    import dflash_jax as dj
-    from dflash_jax import batch_infer, distributed, sharding
+    from dflash_jax import batch_infer, distributed
 
     distributed.initialize(FLAGS.distributed)  # before any other JAX call
     if not distributed.is_primary():  # every process computes; the first one reports
         sys.stdout = open(os.devnull, "w")
-    mesh = None
-    if FLAGS.mesh or distributed.is_multiprocess():
-        mesh = sharding.make_mesh(**sharding.parse_mesh(FLAGS.mesh or ""))
-    text = serving.load_text(target_dir)  # tokenizer, stop ids, vocabulary size
-    tok = text.tokenizer
-    prompts = text.encode(items, FLAGS.chat_template, labels=labels)
-    batch_size = FLAGS.batch_size or (8 if len(prompts) > 1 else 1)
-
-    kw = dict(
-        max_new_tokens=FLAGS.max_new_tokens,
-        temperature=FLAGS.temperature,
-        top_k=FLAGS.top_k,
-        top_p=FLAGS.top_p,
-        seed=FLAGS.seed,
-        stop_token_ids=text.stop_token_ids,
-        mesh=mesh,
-    )
-    spec_kw = dict(
-        kw,
-        block_size=FLAGS.block_size,
-        denoise_steps=FLAGS.denoise_steps,
-        confidence_threshold=FLAGS.confidence_threshold,
-    )
-    run_kw = dict(
-        batch_size=batch_size,
-        extra_settings={
-            "target": FLAGS.target,
-            "drafter": FLAGS.drafter or drafter_dir,
-            "dtype": FLAGS.dtype,
-            "param_dtype": FLAGS.param_dtype,
-            "chat_template": FLAGS.chat_template,
-        },
-    )
-    if FLAGS.resume:  # a file of other prompts or settings is refused before any compute
-        batch_infer.read_done(
-            FLAGS.json_out,
-            prompts,
-            batch_infer.run_settings(
-                spec_kw, batch_size, drafter_dir is not None, run_kw["extra_settings"]
-            ),
-        )
-
-    target = dj.load_target(
+    compare = FLAGS.compare_ar
+    if compare is None:  # with a drafter, unless there is a prompt file
+        compare = bool(drafter_dir) and not FLAGS.prompt_file
+    report = batch_infer.run_and_report(  # prints the per-prompt and total figures
         target_dir,
+        drafter_dir or None,
+        items,
+        labels=labels,
+        chat_template=FLAGS.chat_template,
         dtype=FLAGS.dtype,
         param_dtype=FLAGS.param_dtype,
         attention_impl=FLAGS.attention_impl,
+        mesh=FLAGS.mesh,
+        batch_size=FLAGS.batch_size,
+        out_path=FLAGS.json_out,
+        resume=FLAGS.resume,
+        compare_ar=compare,
+        profile_dir=FLAGS.profile_dir,
+        stream=FLAGS.stream,
+        target_name=FLAGS.target,
+        drafter_name=FLAGS.drafter or drafter_dir,
+        **{name: FLAGS[name].value for name in GENERATE_FLAGS},
     )
-    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
-    compare = (
-        FLAGS.compare_ar
-        if FLAGS.compare_ar is not None
-        else (drafter is not None and not FLAGS.prompt_file)
-    )
-    drafter_name = FLAGS.drafter or drafter_dir or "none (autoregressive)"
-    print(
-        f"target {FLAGS.target}: {target.config.num_layers} layers, hidden "
-        f"{target.config.hidden_size}; drafter: {drafter_name}; "
-        f"backend {jax.default_backend()}",
-        flush=True,
-    )
-
-    stream_on = FLAGS.stream if FLAGS.stream is not None else sys.stdout.isatty()
-    stream_on = stream_on and mesh is None  # the stream callback runs on one device
-    stream = None
-    if stream_on and tok is not None and len(prompts) == 1:
-        # An extra untimed run that prints blocks as they are committed (a host callback per
-        # step), before the timed ones.
-        sys.stdout.write("\n" + tok.decode(prompts[0]))
-        committed = []
-
-        def stream(chunks):
-            before = tok.decode(committed)
-            committed.extend(chunks[0])
-            sys.stdout.write("\033[1m" + tok.decode(committed)[len(before) :] + "\033[0m")
-            sys.stdout.flush()
-
-    # Batches grouped by length; the first is run once untimed (compiles both programs).
-    try:
-        report = batch_infer.run_prompts(
-            target,
-            drafter,
-            prompts,
-            out_path=FLAGS.json_out,
-            resume=FLAGS.resume,
-            tokenizer=tok,
-            compare_ar=compare,
-            profile_dir=FLAGS.profile_dir,
-            stream_callback=stream,
-            **run_kw,
-            **spec_kw,
-        )
-        if stream is not None:
-            print("\n")
-    except KeyboardInterrupt:
-        if FLAGS.json_out:
-            print(
-                f"\ninterrupted: finished batches are in {FLAGS.json_out}; rerun with "
-                "--resume to continue",
-                file=sys.stderr,
-            )
+    if report is None:  # Ctrl-C: finished batches are in --json_out (a line on stderr says)
         sys.exit(130)
-    if FLAGS.profile_dir:
-        print(
-            f"profile written to {FLAGS.profile_dir} (open with TensorBoard's profile plugin, "
-            "XProf, or ui.perfetto.dev)"
-        )
-    if report.resumed:
-        print(
-            f"resumed: {report.resumed} of {len(prompts)} prompts were already in {FLAGS.json_out}"
-        )
-
-    show = not FLAGS.json_out or len(prompts) <= 20
-    for i, rec in enumerate(report.records if show else []):
-        print(
-            f"\n=== prompt {i}: {rec['new_tokens']} tokens, tau {rec['tau']:.2f}, "
-            f"{rec['tokens_per_s']:.1f} tok/s (batch of {batch_size}) ==="
-        )
-        if not FLAGS.json_out:  # else the completion is in the file
-            if tok is not None:
-                print(tok.decode(prompts[i]) + "\033[1m" + rec["text"] + "\033[0m")
-            else:
-                print(prompts[i], "->", rec["tokens"])
-        if rec.get("identical_to_ar") is False:
-            print("!!! speculative output differs from autoregressive output")
-
-    s = report.totals
-    many = f"{s['prompts']} prompts in batches of {batch_size}, " if len(prompts) > 1 else ""
-    spread = (
-        f" (per prompt {s['tau_per_prompt']['min']:.2f}..{s['tau_per_prompt']['max']:.2f})"
-        if len(prompts) > 1
-        else ""
-    )
-    print(
-        f"\n{'DFlash' if drafter else 'autoregressive'}: {many}{s['new_tokens']} tokens, "
-        f"tau {s['tau']:.2f}{spread}, {s['decode_tokens_per_s']:.1f} tok/s decode, "
-        f"prefill {s['prefill_s'] * 1e3:.1f} ms"
-    )
-    if "speedup" in s:
-        print(
-            f"autoregressive: {s['ar_decode_tokens_per_s']:.1f} tok/s decode; "
-            f"speedup {s['speedup']:.2f}x; outputs identical: {s['identical_to_ar']}"
-        )
-    if FLAGS.json_out:
-        print(f"wrote {FLAGS.json_out} ({len(prompts)} JSON lines)")
 
 
 if __name__ == "__main__":

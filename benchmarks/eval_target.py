@@ -106,7 +106,7 @@ def main(argv):
         )
         print(
             f"\n--- {p['path']} (distinct 4-grams {ratio:.2f}) ---\n"
-            f"{tok.decode(ids)[-300:]}\033[1m{tok.decode(out)}\033[0m"
+            f"{tok.decode(ids)[-300:]}{console.style(tok.decode(out), sys.stdout)}"
         )
     if FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)

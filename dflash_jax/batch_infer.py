@@ -1,5 +1,6 @@
 """Generation over many prompts: fixed-size batches grouped by length, JSON Lines written as
-batches finish, resume, progress, per-prompt and total tau / throughput.
+batches finish, resume, progress, per-prompt and total tau / throughput; `run_and_report`:
+what infer.py runs, from model directories and prompt items to the printed report (`report`).
 
     report = run_prompts(target, drafter, prompts, batch_size=8, out_path="out.jsonl",
                          resume=True, max_new_tokens=128, stop_token_ids=[0])
@@ -26,6 +27,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import sys
 from typing import Callable, Dict, List, Optional, Sequence
 
 import numpy as np
@@ -281,3 +283,117 @@ def summarize(records: Sequence[dict]) -> dict:
         out["speedup"] = out["decode_tokens_per_s"] / max(out["ar_decode_tokens_per_s"], 1e-9)
         out["identical_to_ar"] = all(r["identical_to_ar"] for r in records)
     return out
+
+
+def run_and_report(
+    target_dir: str,
+    drafter_dir: Optional[str],
+    items: Sequence[dict],
+    *,
+    labels: Optional[Sequence[str]] = None,
+    chat_template: bool = True,
+    dtype: str = "float32",
+    param_dtype: Optional[str] = None,
+    attention_impl: str = "xla",
+    mesh: Optional[str] = None,
+    batch_size: Optional[int] = None,
+    out_path: Optional[str] = None,
+    resume: bool = False,
+    compare_ar: bool = False,
+    profile_dir: Optional[str] = None,
+    stream: Optional[bool] = None,
+    target_name: Optional[str] = None,
+    drafter_name: Optional[str] = None,
+    **gen_kw,
+) -> Optional[BatchReport]:
+    """What infer.py runs once its flags are checked: prompt items (`prompting`) encoded with
+    `target_dir`'s tokenizer, the models loaded, `run_prompts`, and `report.print_run` on stdout.
+
+    mesh: a `sharding.parse_mesh` spec; "" / None: one device, or every device with several
+    processes. batch_size: default 8 for several prompts, else 1. stream: print a single
+    prompt's completion as it is committed, an extra untimed run (None: when stdout is a
+    terminal; never on a mesh). target_name / drafter_name: what the user called the models
+    (hub ids), printed and part of the settings a resumed file must match. gen_kw: `generate`'s
+    max_new_tokens, temperature, top_k, top_p, seed, block_size, denoise_steps,
+    confidence_threshold (stop ids: the target directory's).
+
+    Returns the report, or None when stopped by Ctrl-C during generation (finished batches are
+    in `out_path`, as a line on stderr says). A `resume` file of other prompts or settings is
+    refused (ValueError) before any model is loaded.
+    """
+    import jax
+
+    import dflash_jax as dj
+    from dflash_jax import distributed, report, sharding
+
+    target_name = target_dir if target_name is None else target_name
+    drafter_name = drafter_dir if drafter_name is None else drafter_name
+    if mesh or distributed.is_multiprocess():
+        mesh = sharding.make_mesh(**sharding.parse_mesh(mesh or ""))
+    else:
+        mesh = None
+    text = serving.load_text(target_dir)  # tokenizer, stop ids, vocabulary size
+    tok = text.tokenizer
+    prompts = text.encode(items, chat_template, labels=labels)
+    batch_size = batch_size or (8 if len(prompts) > 1 else 1)
+    gen_kw = dict(gen_kw, stop_token_ids=text.stop_token_ids, mesh=mesh)
+    extra_settings = {
+        "target": target_name,
+        "drafter": drafter_name,
+        "dtype": dtype,
+        "param_dtype": param_dtype,
+        "chat_template": chat_template,
+    }
+    if resume:  # a file of other prompts or settings is refused before any compute
+        read_done(
+            out_path,
+            prompts,
+            run_settings(gen_kw, batch_size, drafter_dir is not None, extra_settings),
+        )
+
+    target = dj.load_target(
+        target_dir, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl
+    )
+    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
+    print(
+        report.model_line(target_name, target.config, drafter_name, jax.default_backend()),
+        flush=True,
+    )
+    stream = sys.stdout.isatty() if stream is None else stream
+    callback = None
+    if stream and mesh is None and tok is not None and len(prompts) == 1:
+        # The stream callback runs on one device, a host callback per step.
+        callback = report.stream_printer(tok, prompts[0])
+    # Batches grouped by length; the first is run once untimed (compiles both programs).
+    try:
+        rep = run_prompts(
+            target,
+            drafter,
+            prompts,
+            batch_size=batch_size,
+            out_path=out_path,
+            resume=resume,
+            tokenizer=tok,
+            compare_ar=compare_ar,
+            profile_dir=profile_dir,
+            extra_settings=extra_settings,
+            stream_callback=callback,
+            **gen_kw,
+        )
+        if callback is not None:
+            print("\n")
+    except KeyboardInterrupt:
+        note = report.interrupted_line(out_path)
+        if note:
+            print(note, file=sys.stderr)
+        return None
+    report.print_run(
+        rep,
+        prompts,
+        tokenizer=tok,
+        batch_size=batch_size,
+        with_drafter=drafter is not None,
+        json_out=out_path,
+        profile_dir=profile_dir,
+    )
+    return rep

@@ -1,14 +1,18 @@
-"""What the command-line tools show: a quiet start-up, log levels and log files, progress bars.
+"""What the command-line tools show: a quiet start-up, log levels and log files, progress bars,
+bold text.
 
     console.quiet_startup()                  # before the first JAX computation of a CLI
     console.configure_logging(verbose, log_file=os.path.join(workdir, "train.log"))
     console.say("step 10/150 loss 2.31")     # stdout, and the log file
     for x in console.progress(items, desc="regenerate", unit="prompt"): ...
+    sys.stdout.write(console.style(completion, sys.stdout))   # bold on a terminal only
 
 Defaults: stdout carries what the user asked for; library log lines (Orbax, JAX) appear on
 stderr only with `--verbose` or absl's `--verbosity=0/1`; a log file, when given, gets
 everything at INFO. Progress bars (tqdm) go to stderr and are on only when stderr is a
-terminal; `DFLASH_PROGRESS=0/1` or `set_progress(False/True)` overrides that.
+terminal; `DFLASH_PROGRESS=0/1` or `set_progress(False/True)` overrides that. Escape codes
+(`style`) are written only to a terminal and never when `NO_COLOR` is set (no-color.org), so
+`python infer.py > out.txt` gets plain text.
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ from typing import Iterable, Optional
 SAY_LOGGER = "dflash_jax.say"
 
 _progress_override: Optional[bool] = None
+
+BOLD = "1"  # SGR parameters for `style`
 
 
 def quiet_startup() -> None:
@@ -136,3 +142,24 @@ def progress(
         leave=False,
         **kw,
     )
+
+
+def color_enabled(stream=None) -> bool:
+    """Whether escape codes may go to `stream` (default sys.stdout): it is a terminal and the
+    environment variable NO_COLOR is unset or empty (no-color.org)."""
+    if os.environ.get("NO_COLOR"):
+        return False
+    stream = sys.stdout if stream is None else stream
+    try:
+        return bool(stream.isatty())
+    except (AttributeError, ValueError, OSError):  # no isatty, or a closed stream
+        return False
+
+
+def style(text: str, stream=None, sgr: str = BOLD) -> str:
+    """`text` wrapped in the escape codes `ESC[<sgr>m ... ESC[0m` (default bold) when
+    `color_enabled(stream)`, else `text` unchanged. The one place this project writes escape
+    codes: pass the stream the text is written to (default sys.stdout)."""
+    if not text or not color_enabled(stream):
+        return text
+    return f"\033[{sgr}m{text}\033[0m"

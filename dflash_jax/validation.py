@@ -10,6 +10,7 @@ or results lost at the end of a run.
     sampling_params(1.0, None, 0.0)          -> ValueError: top_p must be in (0, 1] ...
     check_train_config(config)               -> ConfigError: unknown config key 'drafter.num_layer'
                                                 (did you mean 'drafter.num_layers'?)
+    check_infer_flags(FLAGS.flag_values_dict())  -> ValueError: --resume needs --json_out ...
     writable_file("out/results.json")        -> ValueError: ... directory out does not exist
 """
 
@@ -375,6 +376,32 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     int_param("eval_max_new_tokens", c.eval_max_new_tokens, lo=1, error=E)
     int_param("checkpoint_every", c.checkpoint_every, lo=1, error=E)
     int_param("keep_checkpoints", c.keep_checkpoints, lo=1, error=E)
+
+
+def check_infer_flags(f: Mapping) -> None:
+    """Raises ValueError (one line, naming the flag) for the first bad value among infer.py's
+    flags (`f`: `FLAGS.flag_values_dict()`): --resume without --json_out, batch, token and
+    step counts, sampling, an output file or directory that cannot be written, dtypes.
+    Prompts and models are checked when they are read (`prompting`, `hub`)."""
+    from dflash_jax.config import as_dtype
+
+    if f["resume"] and not f["json_out"]:
+        raise ValueError("--resume needs --json_out (the file of the interrupted run)")
+    if f["batch_size"] is not None:
+        int_param("--batch_size", f["batch_size"], lo=1)
+    if f["json_out"]:
+        writable_file(f["json_out"], "--json_out")
+    if f["profile_dir"]:
+        writable_dir(f["profile_dir"], "--profile_dir")
+    sampling_params(f["temperature"], f["top_k"], f["top_p"])
+    confidence_threshold(f["confidence_threshold"])
+    int_param("--max_new_tokens", f["max_new_tokens"], lo=1)
+    int_param("--denoise_steps", f["denoise_steps"], lo=1)
+    if f["block_size"] is not None:
+        int_param("--block_size", f["block_size"], lo=2, hi=64)
+    as_dtype(f["dtype"])
+    if f["param_dtype"]:
+        as_dtype(f["param_dtype"])
 
 
 def check_generate_args(

@@ -1,15 +1,15 @@
 """infer.py end to end on a small random pair with a real tokenizer (subprocess)."""
 
+import io
 import json
 import os
-import re
 import subprocess
 import sys
 
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import serving
+from dflash_jax import batch_infer, report, serving
 from dflash_jax.data.tokenizer import train_bpe_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,8 +90,8 @@ def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
         "--stream",
     )
     assert r.returncode == 0, r.stderr[-3000:]
-    plain = re.sub("\033\\[[01]m", "", r.stdout)
-    streamed, reported = plain.split("\n=== prompt 0: ")
+    assert "\x1b" not in r.stdout  # a pipe, not a terminal: no escape codes (console.style)
+    streamed, reported = r.stdout.split("\n=== prompt 0: ")
     text = reported.split("\n", 1)[1].split("\n\nDFlash: ")[0]
     assert text.startswith("def add(a, b):") and len(text) > len("def add(a, b):")
     # Streamed pieces may split a multi-byte character (a random model emits byte tokens):
@@ -99,6 +99,65 @@ def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
     ascii_ = lambda t: "".join(ch for ch in t if ord(ch) < 128).strip("\n")
     assert ascii_(streamed.split("backend cpu\n", 1)[1]) == ascii_(text)
     assert "outputs identical: True" in r.stdout
+
+
+class _CharTok:
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+class _TTY(io.StringIO):
+    def isatty(self):
+        return True
+
+
+def test_report_prints_what_infer_prints_and_bolds_only_on_a_terminal(monkeypatch):
+    """report.print_run: the per-prompt sections, the totals and the comparison line."""
+    monkeypatch.delenv("NO_COLOR", raising=False)
+    prompts = [[ord(c) for c in "ab"], [ord(c) for c in "cd"]]
+    recs = [
+        {"new_tokens": 2, "tau": 2.0, "tokens_per_s": 10.0, "tokens": [120, 121], "text": "xy"},
+        {"new_tokens": 1, "tau": 1.0, "tokens_per_s": 5.0, "tokens": [122], "text": "z"},
+    ]
+    recs[1]["identical_to_ar"] = False
+    totals = {
+        "prompts": 2,
+        "new_tokens": 3,
+        "tau": 1.5,
+        "decode_tokens_per_s": 7.5,
+        "prefill_s": 0.002,
+        "tau_per_prompt": {"min": 1.0, "median": 1.5, "max": 2.0},
+        "ar_decode_tokens_per_s": 5.0,
+        "speedup": 1.5,
+        "identical_to_ar": False,
+    }
+    rep = batch_infer.BatchReport(records=recs, totals=totals)
+    kw = dict(tokenizer=_CharTok(), batch_size=2, with_drafter=True)
+    out = io.StringIO()
+    report.print_run(rep, prompts, out=out, **kw)
+    assert out.getvalue() == (
+        "\n=== prompt 0: 2 tokens, tau 2.00, 10.0 tok/s (batch of 2) ===\nabxy\n"
+        "\n=== prompt 1: 1 tokens, tau 1.00, 5.0 tok/s (batch of 2) ===\ncdz\n"
+        "!!! speculative output differs from autoregressive output\n"
+        "\nDFlash: 2 prompts in batches of 2, 3 tokens, tau 1.50 (per prompt 1.00..2.00), "
+        "7.5 tok/s decode, prefill 2.0 ms\n"
+        "autoregressive: 5.0 tok/s decode; speedup 1.50x; outputs identical: False\n"
+    )
+    tty = _TTY()
+    report.print_run(rep, prompts, out=tty, **kw)
+    assert "ab\x1b[1mxy\x1b[0m" in tty.getvalue()
+    monkeypatch.setenv("NO_COLOR", "1")
+    tty = _TTY()
+    report.print_run(rep, prompts, out=tty, **kw)
+    assert "\x1b" not in tty.getvalue()
+    # Written to a file: headers only, and where it went.
+    out = io.StringIO()
+    report.print_run(rep, prompts, out=out, json_out="o.jsonl", **dict(kw, tokenizer=None))
+    assert "abxy" not in out.getvalue() and out.getvalue().endswith(
+        "wrote o.jsonl (2 JSON lines)\n"
+    )
+    assert report.completion(None, [1, 2], recs[0]) == "[1, 2] -> [120, 121]"
+    assert report.interrupted_line(None) is None
 
 
 def test_stop_token_ids_join_the_tokenizer_eos_and_generation_config(tmp_path):

@@ -132,6 +132,41 @@ def test_train_config_values_are_checked(kw, message):
     assert message in str(e.value)
 
 
+INFER_FLAGS = dict(
+    resume=False,
+    json_out=None,
+    batch_size=None,
+    profile_dir=None,
+    temperature=0.0,
+    top_k=None,
+    top_p=None,
+    confidence_threshold=None,
+    max_new_tokens=128,
+    denoise_steps=1,
+    block_size=None,
+    dtype="float32",
+    param_dtype=None,
+)
+
+
+@pytest.mark.parametrize(
+    "kw,message",
+    [
+        ({"resume": True}, "--resume needs --json_out"),
+        ({"batch_size": 0}, "--batch_size must be >= 1, got 0"),
+        ({"max_new_tokens": 0}, "--max_new_tokens must be >= 1, got 0"),
+        ({"block_size": 65}, "--block_size must be in [2, 64], got 65"),
+        ({"temperature": 1.0, "top_p": 0.0}, "top_p must be in (0.0, 1.0], got 0.0"),
+        ({"param_dtype": "float8"}, "unknown dtype 'float8'"),
+    ],
+)
+def test_infer_flags_are_checked(kw, message):
+    validation.check_infer_flags(INFER_FLAGS)  # the defaults pass
+    with pytest.raises(ValueError) as e:
+        validation.check_infer_flags(dict(INFER_FLAGS, **kw))
+    assert message in str(e.value)
+
+
 def test_unknown_config_key_names_the_nearest_valid_key():
     validation.check_train_config(_cfg())  # the shipped config passes
     c = _cfg()

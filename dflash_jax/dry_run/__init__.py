@@ -13,7 +13,8 @@ Parameters are abstract (`jax.eval_shape`): an 8B model costs no memory.
 
 Modules: chips (published chip figures, the roofline), topology (devices, meshes, UsageError),
 presets (models, the trainer config), compiled (memory plan, cost analysis, collectives),
-programs (`dry_run_infer`, `dry_run_train`), cli (report lines, `main`).
+programs (`dry_run_infer`, `dry_run_train`), cli (report lines, `main`, `infer_main` for
+`infer.py --dry_run`).
 
   infer: the programs of `decoding.generate` through `decoding.generate_programs`: the prefill,
          the DFlash decode loop and the autoregressive decode loop, sharded by the partition
@@ -42,7 +43,7 @@ host overhead, perfect overlap inside each step.
 """
 
 from dflash_jax.dry_run.chips import DEFAULT_TAUS, PROJECTED, TPU_CHIPS, roofline
-from dflash_jax.dry_run.cli import format_report, main, run
+from dflash_jax.dry_run.cli import format_report, infer_main, main, run
 from dflash_jax.dry_run.compiled import collectives, compile_stats
 from dflash_jax.dry_run.presets import abstract_params, build_configs, model_presets, train_config
 from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
@@ -67,6 +68,7 @@ __all__ = [
     "dry_run_train",
     "ensure_cpu_devices",
     "format_report",
+    "infer_main",
     "libtpu_missing",
     "main",
     "model_presets",

@@ -281,6 +281,40 @@ def main(argv: Optional[Sequence[str]] = None):
         cli.fail(cli.one_line(e))
 
 
+def infer_main(
+    *,
+    topology: str,
+    model: str,
+    mesh: Optional[str] = None,
+    batch: Optional[int] = None,
+    context: int = 4096,
+    max_new_tokens: int = 256,
+    attention: Optional[str] = None,
+    tau: str = ",".join(map(str, DEFAULT_TAUS)),
+    json_out: Optional[str] = None,
+    block_size: Optional[int] = None,
+):
+    """`infer.py --dry_run`: `main` for --mode=infer with infer.py's flag values (mesh: ';'-
+    separated meshes; attention None or "auto": "pallas", the TPU kernels). Bad input: one line
+    on stderr, exit 2."""
+    attention = "pallas" if attention in (None, "auto") else attention
+    argv = [
+        f"--topology={topology}",
+        f"--model={model}",
+        "--mode=infer",
+        f"--mesh={mesh or ''}",
+        f"--batch={batch or 1}",
+        f"--context={context}",
+        f"--max_new_tokens={max_new_tokens}",
+        f"--attention={attention}",
+        f"--tau={tau}",
+        f"--json_out={json_out or ''}",
+    ]
+    if block_size:
+        argv.append(f"--block_size={block_size}")
+    return main(argv)
+
+
 if __name__ == "__main__":
     from dflash_jax import cli
 

@@ -1,0 +1,131 @@
+"""What infer.py prints about a generation run, as functions the notebook and the benchmarks can
+reuse: the model line, a completion streamed as it is committed, one section per prompt, the
+totals with the DFlash-vs-autoregressive comparison.
+
+    print(report.model_line("Qwen/Qwen3-8B", target.config, "z-lab/...", jax.default_backend()))
+    rep = batch_infer.run_prompts(target, drafter, prompts, batch_size=8, compare_ar=True, ...)
+    report.print_run(rep, prompts, tokenizer=tok, batch_size=8, with_drafter=True)
+    report.totals_lines(rep.totals, batch_size=8, with_drafter=True)   # the last lines, as text
+
+Completions are bold on a terminal only (`console.style`: not in a file or a pipe, nor with
+NO_COLOR set). `out`: the stream written to, default sys.stdout at the time of the call.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Callable, List, Optional, Sequence
+
+from dflash_jax import console
+
+NO_DRAFTER = "none (autoregressive)"
+
+
+def model_line(target_name: str, config, drafter_name: Optional[str], backend: str) -> str:
+    """'target NAME: L layers, hidden H; drafter: NAME; backend B' (`config`: a ModelConfig)."""
+    return (
+        f"target {target_name}: {config.num_layers} layers, hidden {config.hidden_size}; "
+        f"drafter: {drafter_name or NO_DRAFTER}; backend {backend}"
+    )
+
+
+def stream_printer(tokenizer, prompt: Sequence[int], out=None) -> Callable:
+    """Writes the prompt's text now and returns a `stream_callback` for `generate` /
+    `run_prompts` (one prompt) that writes each step's newly committed text, in bold on a
+    terminal. Text is decoded from all tokens so far, so multi-token characters come out
+    whole once complete."""
+    out = sys.stdout if out is None else out
+    out.write("\n" + tokenizer.decode(prompt))
+    committed: List[int] = []
+
+    def callback(chunks):
+        before = tokenizer.decode(committed)
+        committed.extend(chunks[0])
+        out.write(console.style(tokenizer.decode(committed)[len(before) :], out))
+        out.flush()
+
+    return callback
+
+
+def prompt_header(index: int, record: dict, batch_size: int) -> str:
+    """'=== prompt I: N tokens, tau T, R tok/s (batch of B) ===' for a `run_prompts` record."""
+    return (
+        f"=== prompt {index}: {record['new_tokens']} tokens, tau {record['tau']:.2f}, "
+        f"{record['tokens_per_s']:.1f} tok/s (batch of {batch_size}) ==="
+    )
+
+
+def completion(tokenizer, prompt: Sequence[int], record: dict, out=None) -> str:
+    """The prompt's text and the completion (bold on a terminal); without a tokenizer,
+    'PROMPT_IDS -> TOKEN_IDS'."""
+    if tokenizer is None:
+        return f"{list(prompt)} -> {record['tokens']}"
+    out = sys.stdout if out is None else out
+    return tokenizer.decode(prompt) + console.style(record["text"], out)
+
+
+def totals_lines(totals: dict, *, batch_size: int, with_drafter: bool) -> List[str]:
+    """The summary of `run_prompts`' totals (`batch_infer.summarize`): tokens, tau (its spread
+    over several prompts), decode tokens/s, prefill time; and, when the run was compared with
+    autoregressive decoding, its tokens/s, the speedup and whether the outputs were identical."""
+    several = totals["prompts"] > 1
+    many = f"{totals['prompts']} prompts in batches of {batch_size}, " if several else ""
+    q = totals["tau_per_prompt"]
+    spread = f" (per prompt {q['min']:.2f}..{q['max']:.2f})" if several else ""
+    lines = [
+        f"{'DFlash' if with_drafter else 'autoregressive'}: {many}{totals['new_tokens']} tokens, "
+        f"tau {totals['tau']:.2f}{spread}, {totals['decode_tokens_per_s']:.1f} tok/s decode, "
+        f"prefill {totals['prefill_s'] * 1e3:.1f} ms"
+    ]
+    if "speedup" in totals:
+        lines.append(
+            f"autoregressive: {totals['ar_decode_tokens_per_s']:.1f} tok/s decode; "
+            f"speedup {totals['speedup']:.2f}x; outputs identical: {totals['identical_to_ar']}"
+        )
+    return lines
+
+
+def print_run(
+    report,
+    prompts: Sequence[Sequence[int]],
+    *,
+    tokenizer,
+    batch_size: int,
+    with_drafter: bool,
+    json_out: Optional[str] = None,
+    profile_dir: Optional[str] = None,
+    out=None,
+) -> None:
+    """Everything infer.py prints after a `run_prompts` `report`: where the profile went, how
+    many prompts were resumed, a section per prompt (with the completion unless it went to
+    `json_out`; none for more than 20 prompts written there), the totals, the file written."""
+    out = sys.stdout if out is None else out
+
+    def say(line=""):
+        print(line, file=out)
+
+    if profile_dir:
+        say(
+            f"profile written to {profile_dir} (open with TensorBoard's profile plugin, "
+            "XProf, or ui.perfetto.dev)"
+        )
+    if report.resumed:
+        say(f"resumed: {report.resumed} of {len(prompts)} prompts were already in {json_out}")
+    show = not json_out or len(prompts) <= 20
+    for i, rec in enumerate(report.records if show else []):
+        say("\n" + prompt_header(i, rec, batch_size))
+        if not json_out:  # else the completion is in the file
+            say(completion(tokenizer, prompts[i], rec, out))
+        if rec.get("identical_to_ar") is False:
+            say("!!! speculative output differs from autoregressive output")
+    lines = totals_lines(report.totals, batch_size=batch_size, with_drafter=with_drafter)
+    say("\n" + "\n".join(lines))
+    if json_out:
+        say(f"wrote {json_out} ({len(prompts)} JSON lines)")
+
+
+def interrupted_line(json_out: Optional[str]) -> Optional[str]:
+    """What to tell a user who stopped a run with Ctrl-C (None without a `json_out`)."""
+    if not json_out:
+        return None
+    return f"\ninterrupted: finished batches are in {json_out}; rerun with --resume to continue"
