@@ -33,7 +33,7 @@ endef
 $(eval $(call venv_rules,$(VENV),$(PYTHON),-c constraints-oldest.txt))
 $(eval $(call venv_rules,$(VENV312),$(PYTHON312),))
 
-.PHONY: demo test test-newest format-check
+.PHONY: demo test test-fast test-newest format-check
 demo: $(VENV)/.runtime
 	$(PY) infer.py
 
@@ -43,6 +43,11 @@ PYTEST_ARGS ?= -q -n 2 --dist loadfile --durations=15 tests
 
 test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)
+
+# The edit loop: everything but the tests marked slow (multi-process and 8-device launches, the
+# notebook, the TPU compiles), under 5 minutes on 2 cores; `make test` runs them all.
+test-fast: $(VENV)/.test
+	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
 test-newest: $(VENV312)/.test
 	$(VENV312)/bin/python -m pytest $(PYTEST_ARGS)

@@ -1,5 +1,5 @@
-"""The one entry point of the suite's 8-device checks (tests/test_sharding.py,
-tests/test_training_multidevice.py), run by conftest's `eight_devices` fixture:
+"""The one entry point of the suite's 8-device checks (tests/test_sharding.py), run by
+conftest's `eight_devices` fixture:
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python tests/_multidevice_worker.py \
         WORKDIR CHECK [CHECK ...]
@@ -138,7 +138,9 @@ def check_rules(out, workdir):
 
 def check_train(out, workdir):
     """The trainer's own step (`make_train_step` + `train_shardings` + `drafter_loss_fn`) on
-    one device and on a data x fsdp x tensor mesh: the same losses."""
+    one device and on a data x fsdp x tensor mesh: the same losses and, after the three steps,
+    the same parameters (train_params_{1,8}.npz); the batch really is split over the mesh's
+    data and fsdp devices."""
     cfg = dj.ModelConfig(
         vocab_size=128,
         hidden_size=64,
@@ -181,12 +183,18 @@ def check_train(out, workdir):
         step = make_train_step(loss_fn, opt, mesh, shardings)
         state = jax.device_put(state, shardings[0])
         tp = jax.device_put(tparams, shardings[1])
-        losses = []
+        losses, batch_devices = [], []
         for bt in batches:
-            state, metrics = step(state, tp, jax.device_put(bt, shardings[2]))
+            bt = jax.device_put(bt, shardings[2])
+            batch_devices.append(len(bt["input_ids"].sharding.device_set))
+            state, metrics = step(state, tp, bt)
             losses.append(float(metrics["loss"]))
+        leaves = jax.tree_util.tree_leaves(jax.device_get(state.params))
+        np.savez(os.path.join(workdir, f"train_params_{mesh.size}.npz"), *leaves)
         res[spec] = {
             "losses": losses,
+            "batch_devices": batch_devices,
+            "batch_spec": str(shardings[2].spec),
             "fc_spec": str(state.params["fc"]["kernel"].sharding.spec),
             "q_spec": str(state.params["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec),
         }
@@ -218,39 +226,6 @@ def _tiny_test_config(**data):
     cfg = tiny_test.get_config()
     cfg.data.update(kind="synthetic", num_docs=64, doc_len=40, seq_len=64, batch_size=8, **data)
     return cfg
-
-
-def check_dp_step(out, workdir):
-    """Data parallelism: two trainer steps with the batch split over 8 devices equal the same
-    steps on one device (losses here; the parameters go to dp_params_{1,8}.npz)."""
-    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
-
-    cfg = _tiny_test_config()
-    cfg.target_model.update(init_std=0.0, attn_out_scale=1.0)  # default init: moderate logits
-    exp = experiment.build_experiment(cfg, os.path.join(workdir, "dp_step"))
-    opt, _ = make_optimizer(cfg, 10)
-    state0 = TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=exp.init_params,
-        opt_state=opt.init(exp.init_params),
-        rng=jax.random.PRNGKey(0),
-    )
-    batches = [next(exp.train_iter) for _ in range(2)]
-    res = {}
-    for devices in (jax.devices()[:1], jax.devices()):
-        mesh = Mesh(np.asarray(devices), ("data",))
-        step = make_train_step(exp.loss_fn, opt, mesh)
-        state = jax.device_put(state0, NamedSharding(mesh, P()))
-        losses, batch_devices = [], []
-        for b in batches:
-            b = jax.device_put(b, NamedSharding(mesh, P("data")))
-            batch_devices.append(len(b["input_ids"].sharding.device_set))
-            state, m = step(state, exp.target_params, b)
-            losses.append(float(m["loss"]))
-        leaves = jax.tree_util.tree_leaves(jax.device_get(state.params))
-        np.savez(os.path.join(workdir, f"dp_params_{len(devices)}.npz"), *leaves)
-        res[len(devices)] = {"losses": losses, "batch_devices": batch_devices}
-    out["dp_step"] = res
 
 
 def check_fsdp_training(out, workdir):

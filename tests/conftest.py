@@ -205,19 +205,23 @@ def rng():
 # end); unlisted files follow in collection order.
 LONGEST_FIRST = (
     "test_multiprocess.py",
-    "test_training_multidevice.py",
     "test_training.py",
-    "test_pallas_kernels.py",
-    "test_infer.py",
-    "test_notebook.py",
     "test_sharding.py",
     "test_decoding.py",
+    "test_pallas_kernels.py",
+    "test_infer.py",
     "test_tpu_compile.py",
+    "test_notebook.py",
+    "test_training_fidelity.py",
+    "test_grad_accum.py",
+    "test_target_flash.py",
     "test_cli_usage.py",
     "test_bf16_divergence.py",
-    "test_validation.py",
-    "test_drafter.py",
+    "test_chat_regen.py",
     "test_model.py",
+    "test_eval_tau.py",
+    "test_drafter.py",
+    "test_validation.py",
 )
 
 

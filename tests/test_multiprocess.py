@@ -20,6 +20,9 @@ import time
 import numpy as np
 import pytest
 
+# Minutes of subprocess launches: left out of `make test-fast` (the edit loop), run by `make test`.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCH = [sys.executable, "-m", "dflash_jax.launch"]
 

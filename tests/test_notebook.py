@@ -4,6 +4,9 @@ import os
 
 import nbformat
 import pytest
+
+# Minutes of subprocess launches: left out of `make test-fast` (the edit loop), run by `make test`.
+pytestmark = pytest.mark.slow
 from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,19 +1,36 @@
 """Sharding on a fake 8-device CPU mesh: exact sharded generate, partition rules (with the
-non-divisible fallback), sharded train-step losses, and dry-run memory/FLOP scaling.
+non-divisible fallback), sharded train steps (losses and parameters), train_and_evaluate on
+data=2,fsdp=4 (equal to one device, resumed from its sharded checkpoint), and dry-run
+memory/FLOP scaling.
 
-The checks run in two concurrent 8-device subprocesses (conftest's `eight_devices`: the
-tests/_multidevice_worker.py checks rules, generate, train and dry_run); the tests assert on
-their findings.
+Every check of tests/_multidevice_worker.py runs in one of two concurrent 8-device
+subprocesses (conftest's `eight_devices`), each JAX start-up paying for several checks; the
+tests assert on their findings.
 """
 
+import numpy as np
 import pytest
 
-GROUPS = (("rules", "generate"), ("train", "dry_run"))
+# Minutes of subprocess launches: left out of `make test-fast` (the edit loop), run by `make test`.
+pytestmark = pytest.mark.slow
+
+GROUPS = (("rules", "generate", "dry_run"), ("train", "fsdp_training"))
 
 
 @pytest.fixture(scope="module")
-def findings(eight_devices, tmp_path_factory):
-    return eight_devices.checks(tmp_path_factory.mktemp("sharding"), *GROUPS)
+def run(eight_devices, tmp_path_factory):
+    workdir = tmp_path_factory.mktemp("sharding")
+    return eight_devices.checks(workdir, *GROUPS), workdir
+
+
+@pytest.fixture(scope="module")
+def findings(run):
+    return run[0]
+
+
+def _leaves(path):
+    with np.load(path) as z:
+        return [z[f"arr_{i}"] for i in range(len(z.files))]
 
 
 def test_sharded_greedy_generate_equals_single_device(findings):
@@ -73,15 +90,24 @@ def test_fsdp_rules_shard_the_other_axis(findings):
     assert r["batch"] == "P('fsdp',)"  # fsdp is data-parallel for the batch
 
 
-def test_sharded_train_step_matches_single_device(findings):
+def test_sharded_train_step_matches_single_device(findings, run):
     t = findings["train"]
     single, sharded = t["tensor=1"]["losses"], t["data=2,fsdp=2,tensor=2"]["losses"]
     assert len(single) == 3
     for a, b in zip(single, sharded):
         assert abs(a - b) < 1e-5, (single, sharded)
     assert len(set(single)) == 3  # parameters really move between steps (different batches)
-    assert t["data=2,fsdp=2,tensor=2"]["fc_spec"] == "P('tensor', 'fsdp')"
-    assert t["data=2,fsdp=2,tensor=2"]["q_spec"] == "P('fsdp', 'tensor')"
+    sh = t["data=2,fsdp=2,tensor=2"]
+    assert sh["fc_spec"] == "P('tensor', 'fsdp')"
+    assert sh["q_spec"] == "P('fsdp', 'tensor')"
+    # The batch really is split: rows over data x fsdp (4 of the 8 devices hold distinct rows).
+    assert sh["batch_spec"] == "P(('data', 'fsdp'),)" and sh["batch_devices"] == [8, 8, 8]
+    # Float32 sums are ordered differently per shard: parameters equal to ~1e-6, not bitwise.
+    _, workdir = run
+    p1, p8 = _leaves(workdir / "train_params_1.npz"), _leaves(workdir / "train_params_8.npz")
+    assert len(p1) == len(p8) > 0
+    for a, b in zip(p1, p8):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
 
 
 def test_dry_run_figures_scale_with_the_mesh(findings):
@@ -108,3 +134,27 @@ def test_dry_run_figures_scale_with_the_mesh(findings):
     assert step["hbm_bytes"]["arguments"] < (fs["param_bytes_total"] + fs["opt_bytes_total"]) / 7
     assert step["flops"] > 0 and step["hbm_bytes"]["temporaries"] > 0
     assert "train_step" in d["report"]
+
+
+def test_fsdp_training_equals_one_device_and_resumes_from_sharded_checkpoints(run):
+    """train_and_evaluate on a data=2,fsdp=4 mesh (parameters, AdamW moments and frozen target
+    sharded) gives the 1-device losses and drafter, evaluates tau with the sharded `generate`,
+    and resumes exactly from its sharded checkpoint."""
+    out, workdir = run
+    r = out["fsdp_training"]
+    one, fsdp, resumed = r["one"], r["fsdp"], r["resumed"]
+    l1, l8 = [l for _, l in one["losses"]], [l for _, l in fsdp["losses"]]
+    assert one["status"] == fsdp["status"] == resumed["status"] == "done"
+    assert np.allclose(l1, l8, atol=0, rtol=1e-5), (l1, l8)
+    assert [s for s, _ in resumed["losses"]] == [4, 5, 6]
+    assert np.allclose([l for _, l in resumed["losses"]], l8[3:], atol=0, rtol=1e-6)
+    assert "tau" in fsdp["eval"] and fsdp["eval"]["tau"] >= 1.0
+    # The layout really is sharded: AdamW moments and drafter weights split over fsdp.
+    assert any("fsdp" in s for s in r["param_specs"]), r["param_specs"]
+    assert any("fsdp" in s for s in r["frozen_specs"]), r["frozen_specs"]
+    # Same trained drafter either way.
+    d1 = _leaves(workdir / "fsdp_drafter_one.npz")
+    d8 = _leaves(workdir / "fsdp_drafter_fsdp.npz")
+    assert len(d1) == len(d8) > 0
+    for a, b in zip(d1, d8):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)

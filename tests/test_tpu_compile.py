@@ -11,9 +11,12 @@ import pytest
 
 from dflash_jax import dry_run
 
-pytestmark = pytest.mark.skipif(
-    dry_run.libtpu_missing(), reason='needs libtpu: pip install "jax[tpu]" (make test does)'
-)
+pytestmark = [
+    pytest.mark.skipif(
+        dry_run.libtpu_missing(), reason='needs libtpu: pip install "jax[tpu]" (make test does)'
+    ),
+    pytest.mark.slow,  # TPU compiles: left out of `make test-fast`, run by `make test`
+]
 
 SD, BF = jax.ShapeDtypeStruct, jnp.bfloat16
 
