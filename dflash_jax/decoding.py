@@ -324,6 +324,27 @@ def _bucket(n: int, minimum: int) -> int:
     return max(minimum, 1 << max(0, int(n - 1).bit_length()))
 
 
+# Cache capacities are multiples of the decode kernels' KV tile (the TPU kernel's 512-slot tile;
+# 128 below it), so no kernel pads, i.e. copies, a cache to its tile in any step.
+KV_TILE, KV_TILE_SMALL = 512, 128
+
+
+def cache_capacity(slots: int) -> int:
+    """`slots` rounded up to a multiple of the KV tile (of 128 while under one tile)."""
+    tile = KV_TILE if slots > KV_TILE else KV_TILE_SMALL
+    return -(-int(slots) // tile) * tile
+
+
+def buffer_sizes(prompt_len: int, max_new_tokens: int, block_size: int):
+    """(p_pad, n_buf, capacity) of one program: the prompt bucket, the output buffer and the
+    cache slots. Bucketed (powers of two) so that other lengths within a bucket reuse the
+    compiled program. n_buf >= max_new_tokens is enough: a row is done once it holds
+    max_new_tokens tokens, so a block never writes past p_pad + n_buf - 2 + block_size."""
+    p_pad = _bucket(int(prompt_len), 16)
+    n_buf = _bucket(int(max_new_tokens), 32)
+    return p_pad, n_buf, cache_capacity(p_pad + n_buf + int(block_size))
+
+
 def generate_programs(
     tmod,
     dmod,
@@ -485,9 +506,7 @@ def generate(
     )
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
-    p_pad = _bucket(int(lens.max()), 16)
-    n_buf = _bucket(max_new_tokens + 1, 32)
-    capacity = p_pad + n_buf + bs
+    p_pad, n_buf, capacity = buffer_sizes(int(lens.max()), max_new_tokens, bs)
     ids = np.zeros((b, p_pad), np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p

@@ -129,6 +129,30 @@ def test_oracle_drafts_commit_many_tokens_and_stay_exact(target, drafter, ar_out
     assert len(firsts) > 1
 
 
+def test_buffers_are_tile_multiples_and_not_doubled():
+    """Cache capacity is a multiple of the decode kernels' KV tile (no per-step pad copy of a
+    cache), and max_new_tokens that is a power of two gets exactly that many output slots."""
+    for prompt, new, bs in ((32768, 1024, 16), (32768, 1024, 1), (4000, 256, 8), (5, 40, 16)):
+        p_pad, n_buf, cap = gen_lib.buffer_sizes(prompt, new, bs)
+        assert p_pad >= prompt and n_buf >= new and cap >= p_pad + n_buf + bs
+        assert cap % (512 if cap > 512 else 128) == 0, cap
+    assert gen_lib.buffer_sizes(32768, 1024, 16) == (32768, 1024, 34304)
+    assert gen_lib.buffer_sizes(5, 32, 16)[1] == 32
+
+
+def test_full_output_buffer_with_many_token_commits_is_exact(target, drafter, ar_out, monkeypatch):
+    """max_new_tokens equal to the output buffer (32 slots), blocks of 8 committing several
+    tokens up to the last slot: the tokens are the autoregressive ones."""
+    full = np.zeros((4, 128), np.int32)
+    for i, (p, c) in enumerate(zip(MIXED, ar_out)):
+        full[i, : len(p) + len(c)] = p + c
+    monkeypatch.setattr(gen_lib, "draft_block", _oracle_draft(full, wrong_every=13))
+    _forget_compiled(monkeypatch)
+    res = dj.generate(target, drafter, MIXED, max_new_tokens=32, block_size=8)
+    assert res.tokens == [c[:32] for c in ar_out]
+    assert res.tau > 3.0 and max(max(a) for a in res.acceptance_lengths) >= 5
+
+
 def test_denoise_steps_and_confidence_threshold_stay_lossless(target, drafter, ar_out):
     res = dj.generate(
         target, drafter, MIXED, max_new_tokens=40, block_size=8, denoise_steps=3, return_drafts=True

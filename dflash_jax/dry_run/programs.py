@@ -74,8 +74,6 @@ def dry_run_infer(
     m = resolve_mesh(mesh, devices)
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     bs = block_size or dcfg.block_size
-    p_pad = decoding._bucket(context, 16)
-    n_buf = decoding._bucket(max_new_tokens + 1, 32)
     tparams, dparams = abstract_params(tcfg, dcfg)
     programs: Dict[str, Any] = {}
     steps: Dict[str, Any] = {}
@@ -89,7 +87,7 @@ def dry_run_infer(
             k_bs = bs if kind == "dflash" else 1
             plan_kw = {} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)
             plan = decoding.Plan(block_size=k_bs, attention_impl=impl, **plan_kw)
-            capacity = p_pad + n_buf + k_bs
+            p_pad, n_buf, capacity = decoding.buffer_sizes(context, max_new_tokens, k_bs)
             tmod = Transformer(tcfg, impl)
             dmod = DFlashDrafter(dcfg) if kind == "dflash" else None
             dp = dparams if kind == "dflash" else None
