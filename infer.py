@@ -83,7 +83,11 @@ flags.DEFINE_string(
     "weights with --dtype=float32 give outputs identical to autoregressive "
     "decoding where bfloat16 compute can flip near-ties (README).",
 )
-flags.DEFINE_string("attention_impl", "xla", "xla | pallas | pallas_interpret | auto.")
+flags.DEFINE_string(
+    "attention_impl",
+    "auto",
+    "auto (the Pallas kernels on TPU and GPU, XLA on CPU) | xla | pallas | pallas_interpret.",
+)
 flags.DEFINE_bool(
     "stream",
     None,

@@ -28,13 +28,14 @@ class ForwardOutput:
 class Target:
     """A loaded verifier: `config` (ModelConfig), `params` (plain pytree), `path` (or None).
 
-    `attention_impl` selects the attention code ("xla", "pallas", "pallas_interpret", "auto").
+    `attention_impl` selects the attention code ("xla", "pallas", "pallas_interpret", "auto";
+    default "auto": the Pallas kernels on TPU and GPU, XLA on CPU).
     """
 
     config: ModelConfig
     params: dict
     path: Optional[str] = None
-    attention_impl: str = "xla"
+    attention_impl: str = "auto"
 
     @property
     def module(self) -> Transformer:
@@ -72,7 +73,7 @@ def load_target(
     path: str,
     dtype: str = "float32",
     param_dtype: Optional[str] = None,
-    attention_impl: str = "xla",
+    attention_impl: str = "auto",
 ) -> Target:
     """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory, or hub id
     (`Qwen/Qwen3-8B`, fetched into the Hugging Face cache by `dflash_jax.hub`).
