@@ -144,7 +144,7 @@ def _rules(fsdp: bool) -> Tuple[Rule, ...]:
         (r"down_proj/kernel$", P("tensor", f), ()),
         (r"embed_tokens/embedding$", P("tensor", f), ()),
         (r"lm_head/kernel$", P(f, "tensor"), ()),
-        (r"(^|/)fc/kernel$", P("tensor", f), ()),
+        (r"(^|/)fc/kernel$", P(f, "tensor"), ()),
         (r"(norm|layernorm)/scale$", P(), ()),
     )
 

@@ -100,6 +100,80 @@ def test_dflash_decode_compiles_sharded_with_pallas_kernels(v5e, mesh):
     assert r["mesh"] == mesh
 
 
+def _decode_hlo(v5e, mesh, tmp, only=("dflash_decode", "ar_decode")):
+    """The tiny preset's decode loops (8B head shapes, 8 KV heads) compiled for v5e at 1K
+    context, their optimized HLO written by the dry run's hlo_dir: {program: HLO text}."""
+    devices, chip = v5e
+    r = dry_run.dry_run_infer(
+        "tiny",
+        mesh,
+        batch=1,
+        context=1024,
+        max_new_tokens=64,
+        devices=devices,
+        chip=chip,
+        attention=("pallas",),
+        step_costs=False,
+        only=only,
+        hlo_dir=str(tmp),
+    )
+    return {name: open(tmp / f"{name}.hlo").read() for name in r["programs"]}
+
+
+@pytest.fixture(scope="module")
+def decode_hlo(v5e, tmp_path_factory):
+    return {
+        mesh: _decode_hlo(
+            v5e, mesh, tmp_path_factory.mktemp(mesh.replace("=", "").replace(",", "_"))
+        )
+        for mesh in ("tensor=8", "data=2,tensor=4")  # 1 and 2 KV heads per chip
+    }
+
+
+def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_path, monkeypatch):
+    """No instruction of either decode loop body pads, transposes or concatenates a cache-sized
+    buffer, at 1 and 2 KV heads per chip; with the capacity left unrounded (the control) the
+    scan finds the kernels' per-step pads. (Whole-cache VMEM round trips, copy-start /
+    copy-done of a cache, remain: counted, not yet removed.)"""
+    no_pads = ("pad", "copy", "transpose", "concatenate")
+    from dflash_jax import decoding
+    from dflash_jax.dry_run import hlo
+
+    for mesh, programs in decode_hlo.items():
+        for name, text in programs.items():
+            bs = 16 if name == "dflash_decode" else 1
+            cap = decoding.buffer_sizes(1024, 64, bs)[2]
+            assert cap % 512 == 0
+            kv_heads = 8 // int(mesh.split("tensor=")[1])
+            assert hlo.loop_body_computations(text), name
+            found = hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, no_pads)
+            assert found == [], (mesh, name, found)
+            # The scan sees the caches: their VMEM round trips are found as copy-starts.
+            assert hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, ("copy-start",))
+    monkeypatch.setattr(decoding, "cache_capacity", lambda slots: slots)
+    text = _decode_hlo(v5e, "tensor=8", tmp_path, only=("dflash_decode",))["dflash_decode"]
+    cap = 1024 + 64 + 16
+    pads = hlo.cache_sized_copies(text, cap, cap * 128, no_pads)
+    assert any("(pad)" in c for c in pads), pads
+
+
+def test_dflash_step_collectives_are_the_targets_plus_the_drafters(decode_hlo):
+    """The verify of a DFlash step runs exactly the collectives of an autoregressive step (the
+    drafter's tensor-parallel `fc` no longer carries a feature sharding into the target's
+    residual stream); the drafter adds its own all-reduces and no all-to-all or permute."""
+    from dflash_jax.dry_run import hlo
+
+    for mesh, programs in decode_hlo.items():
+        ar = hlo.loop_collectives(programs["ar_decode"])
+        dfl = hlo.loop_collectives(programs["dflash_decode"])
+        verify = [c for c in dfl if "/verify/" in c["scope"]]
+        assert sorted(c["op"] for c in verify) == sorted(c["op"] for c in ar), mesh
+        assert not {c["op"] for c in dfl} & {"all-to-all", "collective-permute"}, mesh
+        # The tiny preset has 2 target layers and 1 drafter layer, so the drafter's share is
+        # large here; on Qwen3-8B (36 vs 5 layers) it is a small fraction (docs/tpu_dry_run.md).
+        assert len(dfl) <= 2.5 * len(ar), (mesh, len(dfl), len(ar))
+
+
 def test_trainer_step_compiles_on_fsdp(v5e):
     devices, chip = v5e
     r = dry_run.dry_run_train(

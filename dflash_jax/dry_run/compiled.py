@@ -4,6 +4,7 @@ collectives parsed from the compiled HLO; out-of-memory compiles as results."""
 from __future__ import annotations
 
 import math
+import os
 import re
 import time
 from typing import Any, Dict, List, Optional
@@ -103,9 +104,12 @@ def _hbm_numbers(message: str) -> Dict[str, float]:
     return out
 
 
-def compile_stats(lower_fn, capacity: Optional[int]) -> Dict[str, Any]:
+def compile_stats(
+    lower_fn, capacity: Optional[int], hlo_path: Optional[str] = None
+) -> Dict[str, Any]:
     """Compiles `lower_fn()` and reads the memory plan, cost analysis and collectives. A
-    RESOURCE_EXHAUSTED compile gives fits=False with the compiler's numbers, not an error."""
+    RESOURCE_EXHAUSTED compile gives fits=False with the compiler's numbers, not an error.
+    hlo_path: also write the compiled program's optimized HLO text there."""
     t0 = time.perf_counter()
     try:
         compiled = lower_fn().compile()
@@ -146,6 +150,10 @@ def compile_stats(lower_fn, capacity: Optional[int]) -> Dict[str, Any]:
         + hbm["generated_code"]
     )
     text = compiled.as_text()
+    if hlo_path:
+        os.makedirs(os.path.dirname(os.path.abspath(hlo_path)), exist_ok=True)
+        with open(hlo_path, "w") as f:
+            f.write(text)
     return {
         "fits": None if capacity is None else hbm["total"] <= capacity,
         "hbm_bytes": hbm,

@@ -3,6 +3,8 @@ loop for one step's cost) and the trainer's own step."""
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Dict, Optional, Sequence, Union
 
 from dflash_jax.dry_run.chips import DEFAULT_TAUS, chip_public, roofline
@@ -54,6 +56,7 @@ def dry_run_infer(
     topology: str = "",
     taus: Sequence[float] = DEFAULT_TAUS,
     only: Optional[Sequence[str]] = None,
+    hlo_dir: Optional[str] = None,
 ) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
@@ -62,6 +65,8 @@ def dry_run_infer(
     does); the caches hold context + max_new_tokens (rounded up) + block_size positions.
     only: a subset of ("prefill", "dflash_decode", "ar_decode") to compile (default: all).
     prefill_chunk: overrides `decoding.Plan.prefill_chunk` (0: one-pass prefill).
+    hlo_dir: write each compiled program's optimized HLO text as `hlo_dir/<program>.hlo`
+    (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
@@ -101,16 +106,25 @@ def dry_run_infer(
             lens = jax.ShapeDtypeStruct(lens.shape, lens.dtype, sharding=sh["lens"])
             state = sharding.with_shardings(sh["state_shape"], sh["state"])
             suffix = "" if impl_name == attention[0] else f"@{impl_name}"
+
+            def hlo(name):
+                return None if not hlo_dir else os.path.join(hlo_dir, name + suffix + ".hlo")
+
             with sharding.compiling_for(m):
                 # The AR prefill is the DFlash one without the drafter context.
                 if kind == "dflash" and "prefill" in want:
                     programs["prefill" + suffix] = compile_stats(
                         lambda: prefill_jit.lower(tp_a, dp_a, ids, lens, max_new, key),
                         capacity_bytes,
+                        hlo("prefill"),
                     )
                 if f"{kind}_decode" not in want:
                     continue
-                loop = compile_stats(lambda: decode_jit.lower(tp_a, dp_a, state), capacity_bytes)
+                loop = compile_stats(
+                    lambda: decode_jit.lower(tp_a, dp_a, state),
+                    capacity_bytes,
+                    hlo(f"{kind}_decode"),
+                )
                 programs[f"{kind}_decode" + suffix] = loop
                 if step_costs and chip is not None and loop["flops"] is not None:
                     twice = jax.jit(
