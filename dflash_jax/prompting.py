@@ -116,12 +116,33 @@ def _tokenizer_config(model_dir: Optional[str]) -> dict:
             cfg = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return cfg if isinstance(cfg, dict) else {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def chat_template(model_dir: Optional[str]) -> Optional[str]:
+    """The chat template of tokenizer_config.json: a string, or in the list form
+    ([{"name": ..., "template": ...}]) the one named "default", as transformers picks it.
+    Any other value is a ValueError naming the file."""
     template = _tokenizer_config(model_dir).get("chat_template")
-    return template if isinstance(template, str) else None
+    if template is None or isinstance(template, str):
+        return template
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("template"), str) for t in template
+    ):
+        named = {t.get("name"): t["template"] for t in template}
+        if "default" in named:
+            return named["default"]
+        raise ValueError(
+            f"{path}: chat_template is a list without a 'default' entry "
+            f"(names: {sorted(map(str, named))})"
+        )
+    raise ValueError(
+        f"{path}: chat_template must be a string or a list of {{'name', 'template'}} "
+        f"objects, got {type(template).__name__}"
+    )
 
 
 def special_tokens(model_dir: Optional[str]) -> dict:
