@@ -35,6 +35,7 @@ from typing import Optional
 import jinja2.ext
 from jinja2 import nodes
 from jinja2.exceptions import TemplateError
+from jinja2.runtime import Macro
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from jinja2.utils import Namespace, generate_lorem_ipsum
 
@@ -205,11 +206,13 @@ class BoundedSandbox(ImmutableSandboxedEnvironment):
 
     def call(__self, __context, __obj, *args, **kwargs):  # noqa: N805 - jinja2's signature
         target = getattr(__obj, "__wrapped__", __obj)
-        name = getattr(target, "__name__", "a function")
+        macro = isinstance(target, Macro)  # the template's own code: its loops are bounded
+        name = getattr(target, "name" if macro else "__name__", None) or "a function"
         owner = getattr(target, "__self__", None)
         what = f"{name}()"
         inputs = args if owner is None else args + (owner,)
-        __self.check_args(what, inputs, kwargs, ints=not getattr(target, "checks_itself", False))
+        ints = not (macro or getattr(target, "checks_itself", False))
+        __self.check_args(what, inputs, kwargs, ints=ints)
         if isinstance(owner, str):
             if name in ("format", "format_map"):
                 __self.check_format(what, owner)
