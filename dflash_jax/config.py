@@ -9,6 +9,7 @@ tensor plumbing there.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -126,8 +127,6 @@ class ModelConfig:
         """The fields this code reads, each checked as the CLI flags are (positive integers,
         finite positive numbers, booleans, heads divisible by key/value heads): a bad value
         is one ValueError naming `source` and the field."""
-        from dflash_jax.validation import float_param, int_param
-
         if not isinstance(hf, dict):
             raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
 
@@ -136,11 +135,23 @@ class ModelConfig:
                 raise ValueError(f"{source}: missing required field {key!r}")
             return hf[key]
 
-        def pos_int(key, value):
-            return int_param(f"{source}: {key}", value, lo=1)
+        def pos_int(key, value):  # as validation.int_param(lo=1), which imports this module
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"{source}: {key} must be an integer, got {repr(value)[:60]} ({type(value).__name__})"
+                )
+            if value < 1:
+                raise ValueError(f"{source}: {key} must be >= 1, got {value}")
+            return value
 
         def pos_float(key, value):
-            return float_param(f"{source}: {key}", value, lo=0.0, lo_open=True)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(
+                    f"{source}: {key} must be a number, got {repr(value)[:60]} ({type(value).__name__})"
+                )
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{source}: {key} must be a finite number > 0, got {value}")
+            return float(value)
 
         def flag(key, default):
             value = hf.get(key, default)
