@@ -332,7 +332,11 @@ def run_and_report(
         mesh = sharding.make_mesh(**sharding.parse_mesh(mesh or ""))
     else:
         mesh = None
-    text = serving.load_text(target_dir)  # tokenizer, stop ids, vocabulary size
+    text = serving.load_text(target_dir)  # config, tokenizer, stop ids, vocabulary size
+    if drafter_dir:  # the drafter's config.json checked, and against the target, before loading
+        from dflash_jax.drafter import read_drafter_config
+
+        read_drafter_config(drafter_dir, text.config)
     tok = text.tokenizer
     prompts = text.encode(items, chat_template, labels=labels)
     batch_size = batch_size or (8 if len(prompts) > 1 else 1)

@@ -64,13 +64,30 @@ def _read_config(path: str) -> dict:
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{cfg_path}: missing (is {path} a Hugging Face model directory?)")
     try:
-        with open(cfg_path) as f:
-            return json.load(f)
-    except ValueError as e:
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from e
+        with open(cfg_path, encoding="utf-8") as f:
+            cfg = json.load(f)
+    except ValueError as e:  # UnicodeDecodeError included
+        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 read_config = _read_config  # config.json of a model directory, as a dict (CheckpointError)
+
+
+def read_target_config(path: str, dtype="float32", param_dtype=None) -> ModelConfig:
+    """The checked `ModelConfig` of a target directory's config.json (no weights read): a
+    missing file, bad JSON, an unsupported architecture or a field of the wrong type or range
+    is a `CheckpointError` naming the file."""
+    hf = _read_config(path)
+    as_dtype(dtype)  # a bad dtype name is the caller's error, not the checkpoint's
+    try:
+        return ModelConfig.from_hf(
+            hf, dtype=dtype, param_dtype=param_dtype, source=os.path.join(path, "config.json")
+        )
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
 
 
 def load_params(
@@ -158,14 +175,7 @@ def load_target_params(path: str, dtype="float32", param_dtype=None) -> Tuple[Mo
     """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` directory."""
     from dflash_jax.model import Transformer
 
-    hf = _read_config(path)
-    as_dtype(dtype)  # a bad dtype name is the caller's error, not the checkpoint's
-    try:
-        cfg = ModelConfig.from_hf(
-            hf, dtype=dtype, param_dtype=param_dtype, source=os.path.join(path, "config.json")
-        )
-    except ValueError as e:
-        raise CheckpointError(str(e)) from e
+    cfg = read_target_config(path, dtype=dtype, param_dtype=param_dtype)
     model = Transformer(cfg)
     abstract = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]

@@ -9,6 +9,7 @@ tensor plumbing there.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Any, Optional
 
 import jax.numpy as jnp
@@ -97,8 +98,13 @@ class ModelConfig:
     def from_hf(
         cls, hf: dict, *, dtype="float32", param_dtype=None, source: str = "config.json"
     ) -> "ModelConfig":
-        """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x)."""
+        """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x);
+        every field read is checked (`_from_hf_fields`): one ValueError naming `source`."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
         archs = hf.get("architectures") or []
+        if not isinstance(archs, list):
+            archs = [archs]
         arch = None
         for a in archs:
             if a in SUPPORTED_ARCHITECTURES:
@@ -118,18 +124,77 @@ class ModelConfig:
 
     @classmethod
     def _from_hf_fields(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
+        """The fields this code reads, each checked as the CLI flags are (positive integers,
+        finite positive numbers, booleans, heads divisible by key/value heads): a bad value
+        is one ValueError naming `source` and the field."""
+        if not isinstance(hf, dict):
+            raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
+
         def need(key):
             if key not in hf:
                 raise ValueError(f"{source}: missing required field {key!r}")
             return hf[key]
 
-        hidden = int(need("hidden_size"))
-        heads = int(need("num_attention_heads"))
-        head_dim = hf.get("head_dim") or hidden // heads
+        def pos_int(key, value):  # as validation.int_param(lo=1), which imports this module
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(
+                    f"{source}: {key} must be an integer, got {repr(value)[:60]} ({type(value).__name__})"
+                )
+            if value < 1:
+                raise ValueError(f"{source}: {key} must be >= 1, got {value}")
+            return value
+
+        def pos_float(key, value):
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise ValueError(
+                    f"{source}: {key} must be a number, got {repr(value)[:60]} ({type(value).__name__})"
+                )
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"{source}: {key} must be a finite number > 0, got {value}")
+            return float(value)
+
+        def flag(key, default):
+            value = hf.get(key, default)
+            if value is None:
+                return default
+            if not isinstance(value, bool):
+                raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
+            return value
+
+        def table(key):
+            value = hf.get(key)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(
+                    f"{source}: {key} must be an object or null, got {type(value).__name__}"
+                )
+            return value
+
+        hidden = pos_int("hidden_size", need("hidden_size"))
+        heads = pos_int("num_attention_heads", need("num_attention_heads"))
+        kv = hf.get("num_key_value_heads")
+        kv = heads if kv is None else pos_int("num_key_value_heads", kv)
+        if heads % kv:
+            raise ValueError(
+                f"{source}: num_attention_heads={heads} is not a multiple of "
+                f"num_key_value_heads={kv}"
+            )
+        head_dim = hf.get("head_dim")
+        if head_dim is None:
+            if hidden % heads:
+                raise ValueError(
+                    f"{source}: hidden_size={hidden} is not a multiple of "
+                    f"num_attention_heads={heads} (and there is no head_dim)"
+                )
+            head_dim = hidden // heads
+        head_dim = pos_int("head_dim", head_dim)
+        if head_dim % 2:
+            raise ValueError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
         # transformers 5.x moves rope_theta / rope_scaling into `rope_parameters`.
-        rope_params = hf.get("rope_parameters") or {}
-        rope_theta = hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        scaling = hf.get("rope_scaling")
+        rope_params = table("rope_parameters") or {}
+        rope_theta = pos_float(
+            "rope_theta", hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
+        )
+        scaling = table("rope_scaling")
         if scaling is None and rope_params:
             rtype = rope_params.get("rope_type", rope_params.get("type", "default"))
             if rtype != "default":
@@ -146,23 +211,36 @@ class ModelConfig:
                     f"{source}: unsupported rope_scaling type {rtype!r}; "
                     "supported: default, linear, llama3"
                 )
+            else:
+                pos_float("rope_scaling.factor", scaling.get("factor"))
+                for key in ("low_freq_factor", "high_freq_factor"):
+                    if rtype == "llama3" and key in scaling:
+                        pos_float(f"rope_scaling.{key}", scaling[key])
+                if rtype == "llama3" and "original_max_position_embeddings" in scaling:
+                    pos_int(
+                        "rope_scaling.original_max_position_embeddings",
+                        scaling["original_max_position_embeddings"],
+                    )
+        max_pos = hf.get("max_position_embeddings")
         dt = as_dtype(dtype)
         return cls(
             arch=arch,
-            vocab_size=int(need("vocab_size")),
+            vocab_size=pos_int("vocab_size", need("vocab_size")),
             hidden_size=hidden,
-            intermediate_size=int(need("intermediate_size")),
-            num_layers=int(need("num_hidden_layers")),
+            intermediate_size=pos_int("intermediate_size", need("intermediate_size")),
+            num_layers=pos_int("num_hidden_layers", need("num_hidden_layers")),
             num_heads=heads,
-            num_kv_heads=int(hf.get("num_key_value_heads") or heads),
-            head_dim=int(head_dim),
-            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta),
+            num_kv_heads=kv,
+            head_dim=head_dim,
+            rms_norm_eps=pos_float("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
             rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),
             qk_norm=(arch == "qwen3"),
-            attention_bias=bool(hf.get("attention_bias", False)),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", arch == "qwen3")),
-            max_position_embeddings=int(hf.get("max_position_embeddings", 40960)),
+            attention_bias=flag("attention_bias", False),
+            tie_word_embeddings=flag("tie_word_embeddings", arch == "qwen3"),
+            max_position_embeddings=40960
+            if max_pos is None
+            else pos_int("max_position_embeddings", max_pos),
             dtype=dt,
             param_dtype=as_dtype(param_dtype) if param_dtype is not None else dt,
         )

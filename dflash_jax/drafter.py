@@ -96,29 +96,58 @@ class DrafterConfig:
             )
         except ValueError as e:
             raise CheckpointError(str(e)) from e
+        from dflash_jax.validation import int_param
+
+        def check(fn, *args, **kw):
+            try:
+                return fn(*args, **kw)
+            except ValueError as e:
+                raise CheckpointError(str(e)) from None
+
         dcfg = hf.get("dflash_config") or {}
+        if not isinstance(dcfg, dict):
+            raise CheckpointError(
+                f"{source}: dflash_config must be an object, got {type(dcfg).__name__}"
+            )
         block_size = dcfg.get("block_size", hf.get("block_size"))
         if block_size is None:
             raise CheckpointError(f"{source}: missing 'block_size' (top level or dflash_config)")
+        block_size = check(int_param, f"{source}: block_size", block_size, lo=2)
         if "mask_token_id" not in dcfg:
             raise CheckpointError(f"{source}: missing 'dflash_config.mask_token_id'")
+        mask = check(int_param, f"{source}: dflash_config.mask_token_id", dcfg["mask_token_id"])
+        if mask < 0:
+            raise CheckpointError(f"{source}: dflash_config.mask_token_id must be >= 0, got {mask}")
         num_target_layers = hf.get("num_target_layers")
+        if num_target_layers is not None:
+            num_target_layers = check(
+                int_param, f"{source}: num_target_layers", num_target_layers, lo=1
+            )
         ids = dcfg.get("target_layer_ids")
         if ids is None:
             if num_target_layers is None:
                 raise CheckpointError(
                     f"{source}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'"
                 )
-            ids = default_target_layer_ids(num_target_layers, body.num_layers)
+            ids = check(default_target_layer_ids, num_target_layers, body.num_layers)
+        if not isinstance(ids, (list, tuple)) or not ids:
+            raise CheckpointError(
+                f"{source}: dflash_config.target_layer_ids must be a non-empty list of layer "
+                f"numbers, got {ids!r}"[:200]
+            )
+        ids = tuple(
+            check(int_param, f"{source}: dflash_config.target_layer_ids[{j}]", i, lo=0)
+            for j, i in enumerate(ids)
+        )
         if num_target_layers is None:
             num_target_layers = max(ids) + 1
         return cls(
             body=body,
-            block_size=int(block_size),
-            mask_token_id=int(dcfg["mask_token_id"]),
-            target_layer_ids=tuple(int(i) for i in ids),
+            block_size=block_size,
+            mask_token_id=mask,
+            target_layer_ids=ids,
             target_hidden_size=int(target_hidden_size or body.hidden_size),
-            num_target_layers=int(num_target_layers),
+            num_target_layers=num_target_layers,
         )
 
     def to_hf(self, torch_dtype="bfloat16") -> dict:
@@ -351,6 +380,29 @@ def validate_pair(drafter_cfg: DrafterConfig, target_cfg: ModelConfig) -> None:
         )
 
 
+def read_drafter_config(
+    path: str,
+    target_config: Optional[ModelConfig] = None,
+    dtype: str = "float32",
+    param_dtype: Optional[str] = None,
+) -> DrafterConfig:
+    """The drafter config of directory `path` (config.json only, no weights), checked, and
+    with `target_config` checked against the target (`validate_pair`): what `load_drafter`
+    reads, so that the CLIs can refuse a bad drafter before any model is loaded."""
+    hf = checkpoint._read_config(path)
+    as_dtype(dtype)
+    cfg = DrafterConfig.from_hf(
+        hf,
+        target_hidden_size=target_config.hidden_size if target_config is not None else None,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        source=os.path.join(path, "config.json"),
+    )
+    if target_config is not None:
+        validate_pair(cfg, target_config)
+    return cfg
+
+
 def load_drafter(
     path: str, target=None, dtype: Optional[str] = None, param_dtype: Optional[str] = None
 ) -> Drafter:
@@ -361,20 +413,11 @@ def load_drafter(
     defaults the compute dtype to the target's.
     """
     path = hub.local_path(str(path), what="drafter")
-    hf = checkpoint._read_config(path)
     if dtype is None:
         dtype = "float32" if target is None else checkpoint.dtype_name(target.config.dtype)
-    as_dtype(dtype)
-    th = target.config.hidden_size if target is not None else None
-    cfg = DrafterConfig.from_hf(
-        hf,
-        target_hidden_size=th,
-        dtype=dtype,
-        param_dtype=param_dtype,
-        source=os.path.join(path, "config.json"),
+    cfg = read_drafter_config(
+        path, target.config if target is not None else None, dtype=dtype, param_dtype=param_dtype
     )
-    if target is not None:
-        validate_pair(cfg, target.config)
     abstract = jax.eval_shape(lambda: init_drafter_params(cfg))
     params = checkpoint.load_params(path, abstract, prefix="", param_dtype=cfg.body.param_dtype)
     return Drafter(config=cfg, params=params, path=path)

@@ -116,12 +116,33 @@ def _tokenizer_config(model_dir: Optional[str]) -> dict:
             cfg = json.load(f)
     except (ValueError, UnicodeDecodeError) as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from None
-    return cfg if isinstance(cfg, dict) else {}
+    if not isinstance(cfg, dict):
+        raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
+    return cfg
 
 
 def chat_template(model_dir: Optional[str]) -> Optional[str]:
+    """The chat template of tokenizer_config.json: a string, or in the list form
+    ([{"name": ..., "template": ...}]) the one named "default", as transformers picks it.
+    Any other value is a ValueError naming the file."""
     template = _tokenizer_config(model_dir).get("chat_template")
-    return template if isinstance(template, str) else None
+    if template is None or isinstance(template, str):
+        return template
+    path = os.path.join(model_dir, "tokenizer_config.json")
+    if isinstance(template, list) and all(
+        isinstance(t, dict) and isinstance(t.get("template"), str) for t in template
+    ):
+        named = {t.get("name"): t["template"] for t in template}
+        if "default" in named:
+            return named["default"]
+        raise ValueError(
+            f"{path}: chat_template is a list without a 'default' entry "
+            f"(names: {sorted(map(str, named))})"
+        )
+    raise ValueError(
+        f"{path}: chat_template must be a string or a list of {{'name', 'template'}} "
+        f"objects, got {type(template).__name__}"
+    )
 
 
 def special_tokens(model_dir: Optional[str]) -> dict:
@@ -144,36 +165,10 @@ def special_tokens(model_dir: Optional[str]) -> dict:
     return out
 
 
-def _template_env():
-    """The environment chat templates are rendered in, as transformers renders them: jinja2's
-    immutable sandbox (no attribute starting with "_", no mutation of lists/dicts, so a
-    template cannot reach Python objects or the `os` module), loop controls, and the two
-    helpers templates expect (`raise_exception`, `strftime_now`), `tojson` without HTML
-    escaping. Nothing else is exposed."""
-    import datetime
-
-    import jinja2.ext
-    from jinja2.exceptions import TemplateError
-    from jinja2.sandbox import ImmutableSandboxedEnvironment
-
-    def raise_exception(message):
-        raise TemplateError(message)
-
-    def strftime_now(fmt):
-        return datetime.datetime.now().strftime(fmt)
-
-    def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols]
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env
+class ChatTemplateError(ValueError):
+    """A chat template that failed to render: refused by the sandbox, a syntax error, an
+    exception it raised, or a time or size bound (`template_sandbox`). One line, naming where
+    the template came from."""
 
 
 def render_chat(
@@ -181,29 +176,46 @@ def render_chat(
     messages: Sequence[dict],
     where: str = "chat template",
     add_generation_prompt: bool = True,
+    time_limit_s: Optional[float] = None,
+    max_chars: Optional[int] = None,
     **variables,
 ) -> str:
     """The chat template rendered over `messages` with a generation prompt (thinking off;
-    `add_generation_prompt=False`: a finished conversation, e.g. a training row),
-    in the sandbox of `_template_env`. `variables`: e.g. `special_tokens(model_dir)`. A
-    template that tries to reach Python internals, has a syntax error or raises is a
-    ValueError naming `where`."""
+    `add_generation_prompt=False`: a finished conversation, e.g. a training row), in the
+    bounded sandbox of `template_sandbox` (as transformers renders it, plus a time and a size
+    bound: `time_limit_s`, `max_chars`, default 10 s and 4,000,000 characters or the
+    DFLASH_TEMPLATE_TIME_LIMIT / DFLASH_TEMPLATE_MAX_CHARS environment variables).
+    `variables`: e.g. `special_tokens(model_dir)`. Every failure (an unsafe operation, a
+    syntax error, an exception the template raises or causes, a bound) is a
+    `ChatTemplateError` (a ValueError) naming `where`."""
     from jinja2.exceptions import SecurityError, TemplateError
 
-    env = _template_env()
+    from dflash_jax import template_sandbox
+
     try:
-        return env.from_string(template).render(
-            messages=list(messages),
-            add_generation_prompt=add_generation_prompt,
-            enable_thinking=False,
-            **variables,
+        return template_sandbox.render(
+            template,
+            dict(
+                messages=list(messages),
+                add_generation_prompt=add_generation_prompt,
+                enable_thinking=False,
+                **variables,
+            ),
+            time_limit_s=time_limit_s,
+            max_chars=max_chars,
         )
     except SecurityError as e:
-        raise ValueError(
+        raise ChatTemplateError(
             f"{where}: refused to render: the template tried an unsafe operation ({e})"
         ) from None
+    except template_sandbox.TemplateLimitError as e:
+        raise ChatTemplateError(f"{where}: refused to render: {e}") from None
     except TemplateError as e:
-        raise ValueError(f"{where}: {type(e).__name__}: {e}") from None
+        raise ChatTemplateError(f"{where}: {type(e).__name__}: {e}") from None
+    except (Exception, MemoryError, RecursionError) as e:  # noqa: BLE001 - untrusted code
+        raise ChatTemplateError(
+            f"{where}: the chat template failed: {type(e).__name__}: {e}"
+        ) from None
 
 
 def encode_prompts(

@@ -23,15 +23,30 @@ DRAFTER_ONLY = ("block_size", "denoise_steps", "confidence_threshold")
 
 
 def stop_token_ids(model_dir: Optional[str], tokenizer=None) -> List[int]:
-    """The tokenizer's eos and the directory's generation_config.json eos_token_id(s)."""
+    """The tokenizer's eos and the directory's generation_config.json eos_token_id(s). A
+    generation_config.json that is not a JSON object, or whose eos_token_id is not a token id
+    (a non-negative integer), a list of them or null, is a ValueError naming the file."""
     ids = set()
     if tokenizer is not None:
         ids.add(tokenizer.eos_id)
     gen_cfg = os.path.join(model_dir, "generation_config.json") if model_dir else None
     if gen_cfg and os.path.exists(gen_cfg):
-        with open(gen_cfg) as f:
-            eos = json.load(f).get("eos_token_id")
-        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+        try:
+            with open(gen_cfg, encoding="utf-8") as f:
+                cfg = json.load(f)
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(f"{gen_cfg}: not valid JSON ({e})") from None
+        if not isinstance(cfg, dict):
+            raise ValueError(f"{gen_cfg}: expected a JSON object, got {type(cfg).__name__}")
+        eos = cfg.get("eos_token_id")
+        eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
+        for i in eos:
+            if isinstance(i, bool) or not isinstance(i, int) or i < 0:
+                raise ValueError(
+                    f"{gen_cfg}: eos_token_id must be a token id (a non-negative integer) or a "
+                    f"list of them, got {json.dumps(cfg.get('eos_token_id'))[:60]}"
+                )
+        ids.update(eos)
     return sorted(i for i in ids if i is not None)
 
 
@@ -44,6 +59,7 @@ class ModelText:
     tokenizer: object
     stop_token_ids: List[int]
     vocab_size: Optional[int]
+    config: object = None  # the checked ModelConfig of config.json (float32)
 
     def encode(self, items, chat_template: bool = True, labels=None) -> List[List[int]]:
         """Prompt items ({"prompt"|"messages"|"ids": ...}, `prompting.check_prompt_item`) as
@@ -61,16 +77,19 @@ class ModelText:
 
 
 def load_text(model_dir: str) -> ModelText:
-    """Reads `model_dir`'s tokenizer.json, generation_config.json and config.json (no
-    weights), so prompts can be checked before a model is loaded."""
-    from dflash_jax.checkpoint import read_config
+    """Reads `model_dir`'s config.json (every field checked, `ModelConfig.from_hf`),
+    tokenizer.json and generation_config.json (no weights), so that a bad model directory
+    and bad prompts are refused before a model is loaded."""
+    from dflash_jax.checkpoint import read_target_config
 
+    cfg = read_target_config(model_dir)
     tok = _tokenizer(model_dir)
     return ModelText(
         path=model_dir,
         tokenizer=tok,
         stop_token_ids=stop_token_ids(model_dir, tok),
-        vocab_size=read_config(model_dir).get("vocab_size"),
+        vocab_size=cfg.vocab_size,
+        config=cfg,
     )
 
 

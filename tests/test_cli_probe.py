@@ -95,12 +95,166 @@ def check(case: Case, proc, before, after):
     return wrong
 
 
+# -------------------------------------------------------------- setups: corrupted model dirs
+
+
+def _copy_model(tmp: str, which: str = "target", edit=None, files=None) -> str:
+    """The bundled pair's `which` directory copied into tmp (the weights linked, not copied),
+    then `edit(config_dict)` applied to its config.json and `files` ({name: text}) written."""
+    import json
+    import shutil
+
+    src, dst = os.path.join(PAIR, which), os.path.join(tmp, which)
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if name.endswith(".safetensors"):
+            os.symlink(os.path.join(src, name), os.path.join(dst, name))
+        else:
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    if edit is not None:
+        path = os.path.join(dst, "config.json")
+        cfg = json.load(open(path))
+        cfg = edit(cfg) or cfg
+        json.dump(cfg, open(path, "w"))
+    for name, text in (files or {}).items():
+        with open(os.path.join(dst, name), "w") as f:
+            f.write(text)
+    return dst
+
+
+def _with_template(template: str):
+    """A setup: the bundled target with `template` as its chat template."""
+    import json
+
+    def setup(tmp):
+        cfg = json.load(open(os.path.join(PAIR, "target", "tokenizer_config.json")))
+        cfg["chat_template"] = template
+        _copy_model(tmp, files={"tokenizer_config.json": json.dumps(cfg)})
+
+    return setup
+
+
+def _set(**fields):
+    return lambda cfg: {**cfg, **fields}
+
+
+def _set_drafter(**fields):
+    return lambda cfg: {**cfg, **fields, "dflash_config": {**cfg["dflash_config"], **fields}}
+
+
+_T = ["infer.py", "--target={tmp}/target", "--max_new_tokens=2"]
+_TD = _T + ["--drafter={tmp}/drafter"]
+
+
 # --------------------------------------------------------------------------------- the table
 # Sections by area; each row is one defect that the probe found (or a rule that must hold).
 
 CASES = [
     # ---- outputs and infer.py inputs
     # ---- model directories: config.json, generation_config.json, chat templates
+    Case(
+        "target-config-json-list",
+        _T,
+        want_err=r"target/config\.json: expected a JSON object, got list",
+        setup=lambda t: _copy_model(t, files={"config.json": "[1, 2]"}),
+    ),
+    Case(
+        "target-config-zero-heads",
+        _T,
+        want_err=r"config\.json: num_attention_heads must be >= 1, got 0",
+        setup=lambda t: _copy_model(t, edit=_set(num_attention_heads=0)),
+    ),
+    Case(
+        "target-config-heads-not-multiple-of-kv-heads",
+        _T,
+        want_err=r"config\.json: num_attention_heads=4 is not a multiple of num_key_value_heads=3",
+        setup=lambda t: _copy_model(t, edit=_set(num_key_value_heads=3)),
+    ),
+    Case(
+        "target-config-string-layers",
+        _T,
+        want_err=r"config\.json: num_hidden_layers must be an integer, got '6'",
+        setup=lambda t: _copy_model(t, edit=_set(num_hidden_layers="6")),
+    ),
+    Case(
+        "target-config-negative-vocab",
+        _T,
+        want_err=r"config\.json: vocab_size must be >= 1, got -5",
+        setup=lambda t: _copy_model(t, edit=_set(vocab_size=-5)),
+    ),
+    Case(
+        "target-config-string-bool",
+        _T,
+        want_err=r"config\.json: tie_word_embeddings must be true or false, got 'false'",
+        setup=lambda t: _copy_model(t, edit=_set(tie_word_embeddings="false")),
+    ),
+    Case(
+        "generation-config-json-list",
+        _T,
+        want_err=r"generation_config\.json: expected a JSON object, got list",
+        setup=lambda t: _copy_model(t, files={"generation_config.json": "[0]"}),
+    ),
+    Case(
+        "generation-config-string-eos",
+        _T,
+        want_err=r"generation_config\.json: eos_token_id must be a token id",
+        setup=lambda t: _copy_model(t, files={"generation_config.json": '{"eos_token_id": "0"}'}),
+    ),
+    Case(
+        "generation-config-truncated",
+        _T,
+        want_err=r"target/generation_config\.json: not valid JSON",
+        setup=lambda t: _copy_model(t, files={"generation_config.json": '{"eos_token_id": '}),
+    ),
+    Case(
+        "drafter-config-zero-block-size",
+        _TD,
+        want_err=r"drafter/config\.json: block_size must be >= 2, got 0",
+        setup=lambda t: (_copy_model(t), _copy_model(t, "drafter", _set_drafter(block_size=0))),
+    ),
+    Case(
+        "drafter-config-string-layer-ids",
+        _TD,
+        want_err=r"drafter/config\.json: dflash_config\.target_layer_ids must be a non-empty",
+        setup=lambda t: (
+            _copy_model(t),
+            _copy_model(t, "drafter", _set_drafter(target_layer_ids="1,2,3")),
+        ),
+    ),
+    Case(
+        "tokenizer-config-json-list",
+        _T,
+        want_err=r"tokenizer_config\.json: expected a JSON object, got list",
+        setup=lambda t: _copy_model(t, files={"tokenizer_config.json": "[]"}),
+    ),
+    Case(
+        "chat-template-nested-loops-end-within-the-bound",
+        _T,
+        want_err=r"target/tokenizer_config\.json: refused to render: rendering took more than 2 s",
+        setup=_with_template(
+            "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+        ),
+        env={"DFLASH_TEMPLATE_TIME_LIMIT": "2"},
+        timeout=60.0,
+    ),
+    Case(
+        "chat-template-range-beyond-the-sandbox-limit",
+        _T,
+        want_err=r"tokenizer_config\.json: refused to render: range\(\) of 1000000 items",
+        setup=_with_template("{{ range(1000000) | list }}"),
+    ),
+    Case(
+        "chat-template-string-repetition",
+        _T,
+        want_err=r"tokenizer_config\.json: refused to render: str \* 1000000000000 would have",
+        setup=_with_template("{{ 'x' * 1000000000000 }}"),
+    ),
+    Case(
+        "chat-template-python-error",
+        _T,
+        want_err=r"tokenizer_config\.json: the chat template failed: ",
+        setup=_with_template("{{ ('9' * 5000) | int }}{{ 1 / 0 }}"),
+    ),
     # ---- train.py, the dry run, the launcher, eval_tau
 ]
 
