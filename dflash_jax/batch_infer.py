@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_jax import console, serving
+from dflash_jax import console, serving, validation
 from dflash_jax.decoding import generate
 
 
@@ -138,10 +138,9 @@ def read_records(
         data = f.read()
     keep = data.rfind(b"\n") + 1  # complete lines only
     lines = data[:keep].split(b"\n")[:-1]
-    for n, line in enumerate(lines, 1):
-        if line.strip():
-            rec = _check_record(path, n, line, prompts, settings)
-            done[int(rec["index"])] = rec
+    for n, line in enumerate(lines, 1):  # a blank line is not one of ours either
+        rec = _check_record(path, n, line, prompts, settings)
+        done[int(rec["index"])] = rec
     tail = data[keep:]
     if tail:
         try:
@@ -254,7 +253,7 @@ def run_prompts(
     if not prompts:
         raise ValueError("no prompts")
     settings = run_settings(gen_kw, batch_size, drafter is not None, extra_settings)
-    seed = int(gen_kw.pop("seed", 0))
+    seed = validation.seed_param("seed", gen_kw.pop("seed", 0))  # batch b: seed + b, wrapped
     gen_kw.setdefault("stop_token_ids", ())
     batches = length_batches([len(p) for p in prompts], batch_size)
     done: Dict[int, dict] = {}
@@ -501,8 +500,6 @@ def run_and_report(
 
     import dflash_jax as dj
     from dflash_jax import distributed, report, sharding
-
-    from dflash_jax import validation
 
     target_name = target_dir if target_name is None else target_name
     drafter_name = drafter_dir if drafter_name is None else drafter_name
