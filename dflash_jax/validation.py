@@ -392,21 +392,31 @@ def output_not_input(
     path: Optional[str], name: str, files: Optional[Mapping] = None, dirs: Optional[Mapping] = None
 ) -> None:
     """Raises ValueError when output `path` resolves (symbolic links, "..", relative paths) to
-    one of the inputs: `files` ({flag: path}) or an existing file inside one of `dirs`
-    ({flag: model directory}), e.g. --json_out naming the prompt file or a config.json."""
+    one of the inputs: `files` ({flag: path}) or a file the loaders read in one of `dirs`
+    ({flag: model directory}: config.json, safetensors, tokenizer and generation config,
+    `hub.ALLOW_PATTERNS`, also through a link such as a hub snapshot's), e.g. --json_out
+    naming the prompt file or a config.json. Other files in a model directory may be written."""
+    import fnmatch
+
+    from dflash_jax.hub import ALLOW_PATTERNS
+
     if not path:
         return
     real = os.path.realpath(path)
     for flag, other in (files or {}).items():
         if other and os.path.realpath(other) == real:
             raise ValueError(f"{name} {path} is the {flag} (an input); choose another file")
+
+    def model_file(p):
+        return any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in ALLOW_PATTERNS)
+
     for flag, d in (dirs or {}).items():
-        if not d:
+        if not d or not os.path.isdir(d):
             continue
         base = os.path.realpath(d)
-        inside = os.path.exists(real) and os.path.commonpath([base, real]) == base
-        linked = os.path.isdir(d) and any(
-            os.path.realpath(os.path.join(d, n)) == real for n in os.listdir(d)
+        inside = os.path.commonpath([base, real]) == base and model_file(real)
+        linked = any(
+            os.path.realpath(os.path.join(d, n)) == real for n in os.listdir(d) if model_file(n)
         )
         if inside or linked:
             raise ValueError(

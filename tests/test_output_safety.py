@@ -219,7 +219,9 @@ def test_an_output_that_resolves_to_an_input_is_refused(pair, tmp_path, monkeypa
     for bad in (str(model / "config.json"), str(root / "target" / "config.json")):
         with pytest.raises(ValueError, match="is a file of the --target"):
             validation.output_not_input(bad, "--json_out", dirs=dirs)
-    validation.output_not_input(str(model / "new.jsonl"), "--json_out", dirs=dirs)  # a new file
+    (model / "out.jsonl").write_text("an earlier run's output\n")
+    for fine in (model / "new.jsonl", model / "out.jsonl"):  # not a file the loaders read
+        validation.output_not_input(str(fine), "--json_out", dirs=dirs)
 
 
 def test_the_resume_key_is_the_models_real_path(pair, tmp_path, monkeypatch, capsys):
