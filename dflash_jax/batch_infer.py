@@ -553,6 +553,7 @@ def run_and_report(
         # The stream callback runs on one device, a host callback per step.
         callback = report.stream_printer(tok, prompts[0])
     # Batches grouped by length; the first is run once untimed (compiles both programs).
+    finished: List[int] = []
     try:
         rep = run_prompts(
             target,
@@ -566,12 +567,13 @@ def run_and_report(
             profile_dir=profile_dir,
             extra_settings=extra_settings,
             stream_callback=callback,
+            on_batch=lambda b, recs: finished.append(b),
             **gen_kw,
         )
         if callback is not None:
             print("\n")
     except KeyboardInterrupt:
-        note = report.interrupted_line(out_path)
+        note = report.interrupted_line(out_path, len(finished))
         if note:
             print(note, file=sys.stderr)
         return None

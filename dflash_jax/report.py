@@ -140,8 +140,14 @@ def print_run(
         say(f"wrote {json_out} ({len(prompts)} JSON lines)")
 
 
-def interrupted_line(json_out: Optional[str]) -> Optional[str]:
-    """What to tell a user who stopped a run with Ctrl-C (None without a `json_out`)."""
+def interrupted_line(json_out: Optional[str], batches_done: Optional[int] = None) -> Optional[str]:
+    """What to tell a user who stopped a run with Ctrl-C (None without a `json_out`);
+    batches_done=0: none had finished, so the file was not written."""
     if not json_out:
         return None
+    if batches_done == 0:
+        return (
+            f"\ninterrupted before the first batch finished: {json_out} was not written "
+            "(an earlier file is as it was)"
+        )
     return f"\ninterrupted: finished batches are in {json_out}; rerun with --resume to continue"
