@@ -15,10 +15,17 @@ at a time); sampled ones use seed + batch number, so they depend on `batch_size`
 
 Each record is one JSON line: {"index", "prompt_sha", "settings", "prompt_ids", "tokens",
 "text" (with a tokenizer), "acceptance_lengths", "tau", "new_tokens", "batch",
-"batch_decode_s", "tokens_per_s", "identical_to_ar" (with compare_ar)}. A batch's lines are
-written and flushed together, so an interrupted run keeps every finished batch; a torn last
-line is dropped on resume. Resuming checks that the file was written for the same prompts
-(`prompt_sha`) and settings (`settings`) and refuses otherwise.
+"batch_decode_s", "tokens_per_s", "identical_to_ar" (with compare_ar)}; "tau" is null for a
+prompt whose every token came from the prefill (max_new_tokens=1: no decode step ran).
+
+The output file is not touched until the first batch is done: its lines (after the lines an
+earlier run left, with --resume) go to a temporary file in the same directory that then
+replaces the file in one rename; later batches are appended, each batch's lines in one write,
+flushed. So a failed check or a crash before the first result leaves an existing file as it
+was, and an interrupted run leaves complete records (a torn last line at most, which resume
+drops). Resuming reads the file without changing it: every complete line must be a record of
+this tool written for the same prompts (`prompt_sha`) and settings (`settings`), and a last line
+without a newline must be the start of one (a torn write); anything else is refused.
 """
 
 from __future__ import annotations
@@ -28,11 +35,14 @@ import hashlib
 import json
 import os
 import sys
-from typing import Callable, Dict, List, Optional, Sequence
+import tempfile
+import types
+import warnings
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_jax import console, serving
+from dflash_jax import console, serving, validation
 from dflash_jax.decoding import generate
 
 
@@ -87,43 +97,128 @@ def run_settings(
     )
 
 
-def read_done(path: str, prompts: Sequence[Sequence[int]], settings: str) -> Dict[int, dict]:
-    """Finished records of an earlier run in `path` (JSONL), by prompt index. A torn last line
-    (the run was killed mid-write) is cut off the file. Raises ValueError (one line) when the
-    file belongs to other prompts or settings."""
+# How every record line starts (json.dumps keeps the key order of `run_prompts`' dicts): the
+# one thing a torn last line (a write cut short) must show to be taken for this tool's.
+RECORD_START = b'{"index": '
+
+
+def _check_record(path, n, line: bytes, prompts, settings) -> dict:
+    try:
+        rec = json.loads(line)
+        i = int(rec["index"])
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(
+            f"{path}:{n}: not a record of this tool; remove the file or choose another --json_out"
+        ) from None
+    if not 0 <= i < len(prompts) or rec.get("prompt_sha") != prompt_sha(prompts[i]):
+        raise ValueError(
+            f"{path}:{n}: written for a different prompt {i} (another prompt "
+            "file?); remove it or choose another --json_out to start afresh"
+        )
+    if rec.get("settings") != settings:
+        raise ValueError(
+            f"{path}:{n}: written with other generation settings (model, "
+            "max_new_tokens, temperature, seed, block size, batch size ...); "
+            "rerun with the same flags or choose another --json_out"
+        )
+    return rec
+
+
+def read_records(
+    path: str, prompts: Sequence[Sequence[int]], settings: str
+) -> Tuple[Dict[int, dict], int]:
+    """(finished records of an earlier run in `path` by prompt index, the length in bytes of
+    its complete lines). Reads only: a torn last line (the run was killed mid-write) is left
+    where it is and replaced when the first new batch is written. Raises ValueError (one line)
+    when a line is not a record of this tool, or was written for other prompts or settings."""
     done: Dict[int, dict] = {}
     if not os.path.exists(path):
-        return done
+        return done, 0
     with open(path, "rb") as f:
         data = f.read()
-    good = data[: data.rfind(b"\n") + 1]  # complete lines only
-    if len(good) != len(data):
-        with open(path, "r+b") as f:
-            f.truncate(len(good))
-    for n, line in enumerate(good.decode().splitlines(), 1):
-        if not line.strip():
-            continue
+    keep = data.rfind(b"\n") + 1  # complete lines only
+    lines = data[:keep].split(b"\n")[:-1]
+    for n, line in enumerate(lines, 1):  # a blank line is not one of ours either
+        rec = _check_record(path, n, line, prompts, settings)
+        done[int(rec["index"])] = rec
+    tail = data[keep:]
+    if tail:
         try:
-            rec = json.loads(line)
-            i = int(rec["index"])
-        except (ValueError, KeyError, TypeError):
+            json.loads(tail)
+            whole = True
+        except ValueError:
+            whole = False
+        if whole:  # a complete line that lost its newline: it must still be a record of ours
+            _check_record(path, len(lines) + 1, tail, prompts, settings)
+        elif not tail.startswith(RECORD_START):
             raise ValueError(
-                f"{path}:{n}: not a record of this tool; remove the file or choose "
-                "another --json_out"
-            ) from None
-        if not 0 <= i < len(prompts) or rec.get("prompt_sha") != prompt_sha(prompts[i]):
-            raise ValueError(
-                f"{path}:{n}: written for a different prompt {i} (another prompt "
-                "file?); remove it or choose another --json_out to start afresh"
+                f"{path}:{len(lines) + 1}: not a record of this tool; remove the file or "
+                "choose another --json_out"
             )
-        if rec.get("settings") != settings:
-            raise ValueError(
-                f"{path}:{n}: written with other generation settings (model, "
-                "max_new_tokens, temperature, seed, block size, batch size ...); "
-                "rerun with the same flags or choose another --json_out"
-            )
-        done[i] = rec
-    return done
+    return done, keep
+
+
+def read_done(path: str, prompts: Sequence[Sequence[int]], settings: str) -> Dict[int, dict]:
+    """Finished records of an earlier run in `path` (JSONL), by prompt index (`read_records`;
+    the file is not changed). Raises ValueError (one line) when the file is not this tool's
+    or belongs to other prompts or settings."""
+    return read_records(path, prompts, settings)[0]
+
+
+class RecordWriter:
+    """The output file of `run_prompts`. The first `write` puts the `keep` first bytes of the
+    existing file (an earlier run's complete lines, on resume) and its lines into a temporary
+    file in the same directory, which then replaces the file (through a symbolic link: the
+    file it names) in one rename; later writes append, one write each, flushed. Nothing
+    exists or changes on disk before the first write."""
+
+    def __init__(self, path: str, keep: int = 0):
+        self.path = os.path.realpath(path)
+        self.keep = keep
+        self._f = None
+
+    def write(self, text: str) -> None:
+        data = text.encode()
+        if self._f is not None:
+            self._f.write(data)
+            self._f.flush()
+            os.fsync(self._f.fileno())
+            return
+        folder, name = os.path.split(self.path)
+        os.makedirs(folder, exist_ok=True)
+        prefix = b""
+        if self.keep:
+            with open(self.path, "rb") as f:
+                prefix = f.read(self.keep)
+        if os.path.exists(self.path):
+            mode = os.stat(self.path).st_mode & 0o7777
+        else:
+            umask = os.umask(0)
+            os.umask(umask)
+            mode = 0o666 & ~umask
+        fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{name}.", suffix=".tmp")
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(prefix + data)
+                f.flush()
+                os.fsync(f.fileno())
+            os.chmod(tmp, mode)
+            os.replace(tmp, self.path)
+        except BaseException:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+            raise
+        self._f = open(self.path, "ab")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+def _batch_seed(seed: int, b: int) -> int:
+    """seed + b, wrapped into the 64-bit range `generate` accepts."""
+    return (seed + b + 2**63) % 2**64 - 2**63
 
 
 def run_prompts(
@@ -158,16 +253,13 @@ def run_prompts(
     if not prompts:
         raise ValueError("no prompts")
     settings = run_settings(gen_kw, batch_size, drafter is not None, extra_settings)
-    seed = int(gen_kw.pop("seed", 0))
+    seed = validation.seed_param("seed", gen_kw.pop("seed", 0))  # batch b: seed + b, wrapped
     gen_kw.setdefault("stop_token_ids", ())
     batches = length_batches([len(p) for p in prompts], batch_size)
     done: Dict[int, dict] = {}
-    if out_path:
-        os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
-        if resume:
-            done = read_done(out_path, prompts, settings)
-        elif os.path.exists(out_path) and _is_primary():
-            os.remove(out_path)
+    keep = 0
+    if out_path and resume:  # read only; the file is replaced when the first batch is done
+        done, keep = read_records(out_path, prompts, settings)
     resumed = len(done)
     todo = [(b, [i for i in idx if i not in done]) for b, idx in enumerate(batches)]
     todo = [(b, idx) for b, idx in todo if idx]
@@ -187,7 +279,7 @@ def run_prompts(
 
         jax.profiler.start_trace(profile_dir)
     # With several processes every one computes the same records; the first one writes them.
-    out = open(out_path, "a") if out_path and _is_primary() else None
+    out = RecordWriter(out_path, keep) if out_path and _is_primary() else None
     bar = console.progress(total=len(prompts) - resumed, desc="generate", unit="prompt")
     run_tokens, run_decode_s, run_acc = 0, 0.0, []
     try:
@@ -198,7 +290,7 @@ def run_prompts(
                 padded(idx),
                 compare_ar=compare_ar,
                 warmup=False,
-                seed=seed + b,
+                seed=_batch_seed(seed, b),
                 **gen_kw,
             )
             res, ar = c.spec, c.ar
@@ -213,7 +305,7 @@ def run_prompts(
                     "prompt_ids": prompts[i],
                     "tokens": toks,
                     "acceptance_lengths": acc,
-                    "tau": float(np.mean(acc)) if acc else 0.0,
+                    "tau": float(np.mean(acc)) if acc else None,  # no decode step ran
                     "new_tokens": len(toks),
                     "batch": b,
                     "batch_decode_s": res.stats["decode_s"],
@@ -234,7 +326,6 @@ def run_prompts(
                 done[i] = rec
             if out is not None:
                 out.write("".join(json.dumps(r) + "\n" for r in recs))
-                out.flush()
             run_tokens += sum(sum(r["acceptance_lengths"]) for r in recs)
             run_decode_s += res.stats["decode_s"]
             run_acc += [a for r in recs for a in r["acceptance_lengths"]]
@@ -259,30 +350,112 @@ def run_prompts(
 
 def summarize(records: Sequence[dict]) -> dict:
     """Totals over records: tau over every committed block, throughput = committed decode
-    tokens / decode time of the distinct batches, per-prompt tau quantiles."""
+    tokens / decode time of the distinct batches, per-prompt tau quantiles. Without a decode
+    step (max_new_tokens=1: every token came from the prefill) tau and its quantiles are None,
+    and so is the speedup."""
     acc = [a for r in records for a in r["acceptance_lengths"]]
     batch_s = {r["batch"]: r["batch_decode_s"] for r in records}
     decode_tokens = sum(acc)
-    taus = [r["tau"] for r in records]
+    taus = [r["tau"] for r in records if r["tau"] is not None]
     out = {
         "prompts": len(records),
         "new_tokens": sum(r["new_tokens"] for r in records),
-        "tau": float(np.mean(acc)) if acc else 0.0,
+        "decode_tokens": decode_tokens,
+        "tau": float(np.mean(acc)) if acc else None,
         "decode_s": float(sum(batch_s.values())),
         "decode_tokens_per_s": decode_tokens / max(sum(batch_s.values()), 1e-9),
         "prefill_s": float(sum({r["batch"]: r["prefill_s"] for r in records}.values())),
         "compile_s": float(sum({r["batch"]: r["compile_s"] for r in records}.values())),
         "tau_per_prompt": {
-            q: float(np.quantile(taus, p)) for q, p in (("min", 0), ("median", 0.5), ("max", 1))
+            q: float(np.quantile(taus, p)) if taus else None
+            for q, p in (("min", 0), ("median", 0.5), ("max", 1))
         },
     }
     if records and all("identical_to_ar" in r for r in records):
         ar_s = {r["batch"]: r["ar_batch_decode_s"] for r in records}
         ar_tokens = sum(r["ar_decode_tokens"] for r in records)
         out["ar_decode_tokens_per_s"] = ar_tokens / max(sum(ar_s.values()), 1e-9)
-        out["speedup"] = out["decode_tokens_per_s"] / max(out["ar_decode_tokens_per_s"], 1e-9)
+        out["speedup"] = (
+            out["decode_tokens_per_s"] / max(out["ar_decode_tokens_per_s"], 1e-9)
+            if decode_tokens and ar_tokens
+            else None  # nothing was decoded: no rate to compare
+        )
         out["identical_to_ar"] = all(r["identical_to_ar"] for r in records)
     return out
+
+
+def model_identity(name: Optional[str]) -> Optional[str]:
+    """What a resumed file must match for a model: the real path of a directory (so the same
+    model named by another relative path or a link matches, and another model at the same
+    relative path elsewhere does not); a hub id as it is."""
+    if name is None:
+        return None
+    return os.path.realpath(name) if os.path.isdir(name) else str(name)
+
+
+def check_before_loading(
+    target_dir: str,
+    drafter_dir: Optional[str],
+    prompts: Sequence[Sequence[int]],
+    gen_kw: dict,
+    *,
+    dtype: str = "float32",
+    param_dtype: Optional[str] = None,
+    attention_impl: str = "xla",
+    mesh=None,
+) -> None:
+    """What `generate` would refuse, checked from the config.json files alone (no weights are
+    read): the pair's fit, the context length (prompt + max_new_tokens against
+    max_position_embeddings), block size and denoise steps against the drafter's, stop ids in
+    the vocabulary, the seed and sampling, and the attention implementation on `mesh`'s
+    devices (the default backend's without one). Raises ValueError (one line)."""
+    from dflash_jax import attention, checkpoint
+    from dflash_jax.config import ModelConfig
+    from dflash_jax.drafter import DrafterConfig
+    from dflash_jax.generate_io import check_request
+    from dflash_jax.safetensors_io import CheckpointError
+
+    source = os.path.join(target_dir, "config.json")
+    try:
+        tcfg = ModelConfig.from_hf(
+            checkpoint.read_config(target_dir),
+            dtype=dtype,
+            param_dtype=param_dtype,
+            source=source,
+        )
+    except CheckpointError:
+        raise
+    except ValueError as e:
+        raise CheckpointError(str(e)) from e
+    dcfg = None
+    if drafter_dir:
+        dcfg = DrafterConfig.from_hf(
+            checkpoint.read_config(drafter_dir),
+            target_hidden_size=tcfg.hidden_size,
+            dtype=dtype,
+            source=os.path.join(drafter_dir, "config.json"),
+        )
+    try:
+        attention.for_devices(attention_impl, mesh)
+    except ValueError as e:
+        raise ValueError(f"attention_impl {attention_impl!r}: {e}") from None
+    g = dict(gen_kw)
+    with warnings.catch_warnings():  # generate itself warns (block_size past the drafter's)
+        warnings.simplefilter("ignore")
+        check_request(
+            types.SimpleNamespace(config=tcfg),
+            types.SimpleNamespace(config=dcfg) if dcfg is not None else None,
+            prompts,
+            g.get("max_new_tokens"),
+            g.get("block_size"),
+            g.get("temperature", 0.0),
+            g.get("top_k"),
+            g.get("top_p"),
+            g.get("seed", 0),
+            g.get("stop_token_ids", ()),
+            g.get("denoise_steps", 1),
+            g.get("confidence_threshold"),
+        )
 
 
 def run_and_report(
@@ -318,8 +491,10 @@ def run_and_report(
     confidence_threshold (stop ids: the target directory's).
 
     Returns the report, or None when stopped by Ctrl-C during generation (finished batches are
-    in `out_path`, as a line on stderr says). A `resume` file of other prompts or settings is
-    refused (ValueError) before any model is loaded.
+    in `out_path`, as a line on stderr says). Before any model is loaded (ValueError, one line):
+    an `out_path` that is a file of a model directory, what `generate` would refuse
+    (`check_before_loading`), a `resume` file of other prompts or settings or not of this tool.
+    Models are identified for resume by `model_identity`.
     """
     import jax
 
@@ -328,6 +503,9 @@ def run_and_report(
 
     target_name = target_dir if target_name is None else target_name
     drafter_name = drafter_dir if drafter_name is None else drafter_name
+    validation.output_not_input(
+        out_path, "--json_out", dirs={"--target": target_dir, "--drafter": drafter_dir}
+    )
     if mesh or distributed.is_multiprocess():
         mesh = sharding.make_mesh(**sharding.parse_mesh(mesh or ""))
     else:
@@ -341,9 +519,19 @@ def run_and_report(
     prompts = text.encode(items, chat_template, labels=labels)
     batch_size = batch_size or (8 if len(prompts) > 1 else 1)
     gen_kw = dict(gen_kw, stop_token_ids=text.stop_token_ids, mesh=mesh)
+    check_before_loading(
+        target_dir,
+        drafter_dir,
+        prompts,
+        gen_kw,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        attention_impl=attention_impl,
+        mesh=mesh,
+    )
     extra_settings = {
-        "target": target_name,
-        "drafter": drafter_name,
+        "target": model_identity(target_name),
+        "drafter": model_identity(drafter_name),
         "dtype": dtype,
         "param_dtype": param_dtype,
         "chat_template": chat_template,
@@ -369,6 +557,7 @@ def run_and_report(
         # The stream callback runs on one device, a host callback per step.
         callback = report.stream_printer(tok, prompts[0])
     # Batches grouped by length; the first is run once untimed (compiles both programs).
+    finished: List[int] = []
     try:
         rep = run_prompts(
             target,
@@ -382,12 +571,13 @@ def run_and_report(
             profile_dir=profile_dir,
             extra_settings=extra_settings,
             stream_callback=callback,
+            on_batch=lambda b, recs: finished.append(b),
             **gen_kw,
         )
         if callback is not None:
             print("\n")
     except KeyboardInterrupt:
-        note = report.interrupted_line(out_path)
+        note = report.interrupted_line(out_path, len(finished))
         if note:
             print(note, file=sys.stderr)
         return None

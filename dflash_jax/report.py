@@ -19,6 +19,13 @@ from typing import Callable, List, Optional, Sequence
 from dflash_jax import console
 
 NO_DRAFTER = "none (autoregressive)"
+# Printed for tau and the speedup when no decode step ran (max_new_tokens=1: the one token
+# comes from the prefill), so there is nothing to average or compare.
+NO_DECODE = "n/a (no decode step)"
+
+
+def _tau(value) -> str:
+    return NO_DECODE if value is None else f"{value:.2f}"
 
 
 def model_line(target_name: str, config, drafter_name: Optional[str], backend: str) -> str:
@@ -48,10 +55,12 @@ def stream_printer(tokenizer, prompt: Sequence[int], out=None) -> Callable:
 
 
 def prompt_header(index: int, record: dict, batch_size: int) -> str:
-    """'=== prompt I: N tokens, tau T, R tok/s (batch of B) ===' for a `run_prompts` record."""
+    """'=== prompt I: N tokens, tau T, R tok/s (batch of B) ===' for a `run_prompts` record
+    (tau n/a and no rate without a decode step)."""
+    rate = "" if record["tau"] is None else f", {record['tokens_per_s']:.1f} tok/s"
     return (
-        f"=== prompt {index}: {record['new_tokens']} tokens, tau {record['tau']:.2f}, "
-        f"{record['tokens_per_s']:.1f} tok/s (batch of {batch_size}) ==="
+        f"=== prompt {index}: {record['new_tokens']} tokens, tau {_tau(record['tau'])}{rate} "
+        f"(batch of {batch_size}) ==="
     )
 
 
@@ -67,21 +76,28 @@ def completion(tokenizer, prompt: Sequence[int], record: dict, out=None) -> str:
 def totals_lines(totals: dict, *, batch_size: int, with_drafter: bool) -> List[str]:
     """The summary of `run_prompts`' totals (`batch_infer.summarize`): tokens, tau (its spread
     over several prompts), decode tokens/s, prefill time; and, when the run was compared with
-    autoregressive decoding, its tokens/s, the speedup and whether the outputs were identical."""
+    autoregressive decoding, its tokens/s, the speedup and whether the outputs were identical.
+    Without a decode step (totals["tau"] None) tau, tokens/s and the speedup read n/a."""
     several = totals["prompts"] > 1
     many = f"{totals['prompts']} prompts in batches of {batch_size}, " if several else ""
     q = totals["tau_per_prompt"]
-    spread = f" (per prompt {q['min']:.2f}..{q['max']:.2f})" if several else ""
+    decoded = totals["tau"] is not None
+    spread = f" (per prompt {q['min']:.2f}..{q['max']:.2f})" if several and decoded else ""
+    rate = f"{totals['decode_tokens_per_s']:.1f} tok/s decode, " if decoded else ""
     lines = [
         f"{'DFlash' if with_drafter else 'autoregressive'}: {many}{totals['new_tokens']} tokens, "
-        f"tau {totals['tau']:.2f}{spread}, {totals['decode_tokens_per_s']:.1f} tok/s decode, "
+        f"tau {_tau(totals['tau'])}{spread}, {rate}"
         f"prefill {totals['prefill_s'] * 1e3:.1f} ms"
     ]
     if "speedup" in totals:
-        lines.append(
-            f"autoregressive: {totals['ar_decode_tokens_per_s']:.1f} tok/s decode; "
-            f"speedup {totals['speedup']:.2f}x; outputs identical: {totals['identical_to_ar']}"
-        )
+        if totals["speedup"] is None:
+            compared = f"speedup {NO_DECODE}"
+        else:
+            compared = (
+                f"{totals['ar_decode_tokens_per_s']:.1f} tok/s decode; "
+                f"speedup {totals['speedup']:.2f}x"
+            )
+        lines.append(f"autoregressive: {compared}; outputs identical: {totals['identical_to_ar']}")
     return lines
 
 
@@ -124,8 +140,14 @@ def print_run(
         say(f"wrote {json_out} ({len(prompts)} JSON lines)")
 
 
-def interrupted_line(json_out: Optional[str]) -> Optional[str]:
-    """What to tell a user who stopped a run with Ctrl-C (None without a `json_out`)."""
+def interrupted_line(json_out: Optional[str], batches_done: Optional[int] = None) -> Optional[str]:
+    """What to tell a user who stopped a run with Ctrl-C (None without a `json_out`);
+    batches_done=0: none had finished, so the file was not written."""
     if not json_out:
         return None
+    if batches_done == 0:
+        return (
+            f"\ninterrupted before the first batch finished: {json_out} was not written "
+            "(an earlier file is as it was)"
+        )
     return f"\ninterrupted: finished batches are in {json_out}; rerun with --resume to continue"

@@ -378,27 +378,91 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     int_param("keep_checkpoints", c.keep_checkpoints, lo=1, error=E)
 
 
+# The seeds `generate` accepts: what a 64-bit integer holds (jax.random.PRNGKey's range).
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+# The attention implementations a user may choose (`attention.IMPLS` has two internal ones).
+ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret", "auto")
+
+
+def seed_param(name: str, value) -> int:
+    return int_param(name, value, lo=SEED_MIN, hi=SEED_MAX)
+
+
+def output_not_input(
+    path: Optional[str], name: str, files: Optional[Mapping] = None, dirs: Optional[Mapping] = None
+) -> None:
+    """Raises ValueError when output `path` resolves (symbolic links, "..", relative paths) to
+    one of the inputs: `files` ({flag: path}) or a file the loaders read in one of `dirs`
+    ({flag: model directory}: config.json, safetensors, tokenizer and generation config,
+    `hub.ALLOW_PATTERNS`, also through a link such as a hub snapshot's), e.g. --json_out
+    naming the prompt file or a config.json. Other files in a model directory may be written."""
+    import fnmatch
+
+    from dflash_jax.hub import ALLOW_PATTERNS
+
+    if not path:
+        return
+    real = os.path.realpath(path)
+    for flag, other in (files or {}).items():
+        if other and os.path.realpath(other) == real:
+            raise ValueError(f"{name} {path} is the {flag} (an input); choose another file")
+
+    def model_file(p):
+        return any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in ALLOW_PATTERNS)
+
+    for flag, d in (dirs or {}).items():
+        if not d or not os.path.isdir(d):
+            continue
+        base = os.path.realpath(d)
+        inside = os.path.commonpath([base, real]) == base and model_file(real)
+        linked = any(
+            os.path.realpath(os.path.join(d, n)) == real for n in os.listdir(d) if model_file(n)
+        )
+        if inside or linked:
+            raise ValueError(
+                f"{name} {path} is a file of the {flag} model directory {d} (an input); "
+                "choose another file"
+            )
+
+
 def check_infer_flags(f: Mapping) -> None:
     """Raises ValueError (one line, naming the flag) for the first bad value among infer.py's
-    flags (`f`: `FLAGS.flag_values_dict()`): --resume without --json_out, batch, token and
-    step counts, sampling, an output file or directory that cannot be written, dtypes.
-    Prompts and models are checked when they are read (`prompting`, `hub`)."""
+    flags (`f`: `FLAGS.flag_values_dict()`): --resume without --json_out, --prompt with
+    --prompt_file, batch, token and step counts, the seed, sampling, the attention
+    implementation, an output file or directory that cannot be written or that is the prompt
+    file, dtypes. Prompts and models are checked when they are read (`prompting`, `hub`);
+    what depends on the models' config files (context length, block size, stop ids) by
+    `batch_infer.check_before_loading`."""
     from dflash_jax.config import as_dtype
 
     if f["resume"] and not f["json_out"]:
         raise ValueError("--resume needs --json_out (the file of the interrupted run)")
+    if f.get("prompt") is not None and f.get("prompt_file"):
+        raise ValueError(
+            "--prompt and --prompt_file were both given; pass one (a prompt file can hold "
+            'the prompt as a line {"prompt": ...})'
+        )
     if f["batch_size"] is not None:
         int_param("--batch_size", f["batch_size"], lo=1)
     if f["json_out"]:
         writable_file(f["json_out"], "--json_out")
+        output_not_input(f["json_out"], "--json_out", {"--prompt_file": f.get("prompt_file")})
     if f["profile_dir"]:
         writable_dir(f["profile_dir"], "--profile_dir")
     sampling_params(f["temperature"], f["top_k"], f["top_p"])
     confidence_threshold(f["confidence_threshold"])
     int_param("--max_new_tokens", f["max_new_tokens"], lo=1)
     int_param("--denoise_steps", f["denoise_steps"], lo=1)
+    seed_param("--seed", f.get("seed", 0))
     if f["block_size"] is not None:
         int_param("--block_size", f["block_size"], lo=2, hi=64)
+    impl = f.get("attention_impl", "xla")
+    if impl not in ATTENTION_IMPLS:
+        near = difflib.get_close_matches(str(impl), ATTENTION_IMPLS, n=1)
+        raise ValueError(
+            f"--attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
     as_dtype(f["dtype"])
     if f["param_dtype"]:
         as_dtype(f["param_dtype"])
@@ -424,7 +488,7 @@ def check_generate_args(
     out = dict(
         prompts=prompt_ids(prompts, vocab),
         max_new_tokens=int_param("max_new_tokens", max_new_tokens, lo=1),
-        seed=int_param("seed", seed),
+        seed=seed_param("seed", seed),
     )
     out["temperature"], out["top_k"], out["top_p"] = sampling_params(temperature, top_k, top_p)
     out["stop_token_ids"] = stop_token_ids(stop_ids, vocab)
@@ -434,7 +498,10 @@ def check_generate_args(
         bs = drafter_config.block_size if block_size is None else block_size
         out["block_size"] = block_size_for(bs, drafter_config.block_size)
         if out["denoise_steps"] > out["block_size"] - 1:
-            raise ValueError(f"denoise_steps must be in [1, block_size-1], got {denoise_steps}")
+            raise ValueError(
+                f"denoise_steps must be in [1, {out['block_size'] - 1}] (block_size - 1), "
+                f"got {denoise_steps}"
+            )
     else:
         out["block_size"] = 1
     return out

@@ -24,6 +24,7 @@ import concurrent.futures
 import dataclasses
 import os
 import re
+import shutil
 import subprocess
 import sys
 from typing import Callable, Dict, Optional, Sequence
@@ -134,6 +135,48 @@ def _with_template(template: str):
     return setup
 
 
+# ------------------------------------------------------------ setups for the outputs section
+
+OLD = '{"old": "results the user keeps"}\n'
+
+
+def _prompts_and_old(tmp):
+    """A prompt file and an earlier --json_out that a failed run must leave as it is."""
+    with open(os.path.join(tmp, "p.jsonl"), "w") as f:
+        f.write('{"prompt": "def f(x):"}\n{"prompt": "import os"}\n')
+    with open(os.path.join(tmp, "old.jsonl"), "w") as f:
+        f.write(OLD)
+
+
+def _target_copy(tmp, weights=True, generation_config=None):
+    """{tmp}/target: the bundled target's files as links, config.json a copy; weights=False:
+    model.safetensors is junk, so a check that runs only after loading names the weights."""
+    _prompts_and_old(tmp)
+    d = os.path.join(tmp, "target")
+    os.makedirs(d, exist_ok=True)
+    src = os.path.join(PAIR, "target")
+    for name in os.listdir(src):
+        if name == "config.json":
+            shutil.copy(os.path.join(src, name), os.path.join(d, name))
+        elif name != "model.safetensors" or weights:
+            os.symlink(os.path.join(src, name), os.path.join(d, name))
+    if not weights:
+        with open(os.path.join(d, "model.safetensors"), "wb") as f:
+            f.write(b"not weights")
+    if generation_config is not None:
+        with open(os.path.join(d, "generation_config.json"), "w") as f:
+            f.write(generation_config)
+
+
+def _file(name, text):
+    def setup(tmp):
+        _prompts_and_old(tmp)
+        with open(os.path.join(tmp, name), "w") as f:
+            f.write(text)
+
+    return setup
+
+
 def _set(**fields):
     return lambda cfg: {**cfg, **fields}
 
@@ -146,11 +189,122 @@ _T = ["infer.py", "--target={tmp}/target", "--max_new_tokens=2"]
 _TD = _T + ["--drafter={tmp}/drafter"]
 
 
+def _junk_target(**kw):
+    return lambda tmp: _target_copy(tmp, weights=False, **kw)
+
+
+_LATE = [  # a prompt file, an earlier --json_out, a target whose weights cannot be read
+    "infer.py",
+    "--target={tmp}/target",
+    "--drafter={pair}/drafter",
+    "--prompt_file={tmp}/p.jsonl",
+    "--json_out={tmp}/old.jsonl",
+    "--max_new_tokens=2",
+]
+_PAIR_RUN = [
+    "infer.py",
+    "--target={pair}/target",
+    "--prompt_file={tmp}/p.jsonl",
+    "--max_new_tokens=2",
+]
+_KEEP = ("{tmp}/old.jsonl",)
+
+
 # --------------------------------------------------------------------------------- the table
 # Sections by area; each row is one defect that the probe found (or a rule that must hold).
 
 CASES = [
     # ---- outputs and infer.py inputs
+    # Checks that ran only after loading the models (and after the old --json_out was deleted)
+    # run first: the target's weights are junk here, so a late check names them instead.
+    Case(
+        "late_denoise_steps_keeps_json_out",
+        _LATE + ["--denoise_steps=16"],
+        want_err=r"denoise_steps must be in \[1, 15\]",
+        setup=_junk_target(),
+        unchanged=_KEEP,
+    ),
+    Case(
+        "late_context_length_keeps_json_out",
+        _LATE + ["--max_new_tokens=5000"],
+        want_err=r"context length max_position_embeddings=4096",
+        setup=_junk_target(),
+        unchanged=_KEEP,
+    ),
+    Case(
+        "late_stop_id_keeps_json_out",
+        _LATE,
+        want_err=r"stop_token_ids .*99999",
+        setup=_junk_target(generation_config='{"eos_token_id": 99999}'),
+        unchanged=_KEEP,
+    ),
+    Case(
+        "late_attention_impl_keeps_json_out",
+        _LATE + ["--attention_impl=pallas"],  # no Pallas kernel on a CPU
+        want_err=r"pallas",
+        setup=_junk_target(),
+        unchanged=_KEEP,
+    ),
+    Case(
+        "late_unknown_attention_impl",
+        _LATE + ["--attention_impl=flash"],
+        want_err=r"--attention_impl must be one of",
+        setup=_junk_target(),
+        unchanged=_KEEP,
+    ),
+    Case(
+        "late_seed_beyond_int64",
+        _LATE + ["--seed=9223372036854775808"],
+        want_err=r"--seed must be in \[-9223372036854775808, 9223372036854775807\]",
+        setup=_junk_target(),
+        unchanged=_KEEP,
+    ),
+    # An output that resolves to an input is refused (the prompt file, a model file).
+    Case(
+        "json_out_is_the_prompt_file",
+        _PAIR_RUN + ["--json_out={tmp}/sub/../p.jsonl"],
+        want_err=r"--json_out .* is the --prompt_file",
+        setup=lambda tmp: (_prompts_and_old(tmp), os.makedirs(os.path.join(tmp, "sub"))),
+        unchanged=("{tmp}/p.jsonl",),
+    ),
+    Case(
+        "json_out_is_a_model_file",
+        _LATE[:1] + ["--target={tmp}/target", "--json_out={tmp}/target/config.json"],
+        want_err=r"--json_out .* is a file of the --target",
+        setup=_target_copy,
+        unchanged=("{tmp}/target/config.json",),
+    ),
+    Case(
+        "json_out_links_to_a_model_file",
+        _LATE[:1] + ["--target={tmp}/target", "--json_out={tmp}/alias.json"],
+        want_err=r"--json_out .* is a file of the --target",
+        setup=lambda tmp: (
+            _target_copy(tmp),
+            os.symlink(os.path.join(tmp, "target", "config.json"), os.path.join(tmp, "alias.json")),
+        ),
+        unchanged=("{tmp}/target/config.json",),
+    ),
+    # --resume changes nothing in a file it does not recognise as its own record file.
+    Case(
+        "resume_one_json_line_without_newline",
+        _PAIR_RUN + ["--json_out={tmp}/r.json", "--resume"],
+        want_err=r"r\.json:1: not a record of this tool",
+        setup=_file("r.json", '{"a": 1}'),
+        unchanged=("{tmp}/r.json",),
+    ),
+    Case(
+        "resume_text_file",
+        _PAIR_RUN + ["--json_out={tmp}/notes.txt", "--resume"],
+        want_err=r"notes\.txt:1: not a record of this tool",
+        setup=_file("notes.txt", "my notes\nthe last line"),
+        unchanged=("{tmp}/notes.txt",),
+    ),
+    Case(
+        "prompt_and_prompt_file",
+        _PAIR_RUN + ["--prompt=def g():"],
+        want_err=r"--prompt and --prompt_file",
+        setup=_prompts_and_old,
+    ),
     # ---- model directories: config.json, generation_config.json, chat templates
     Case(
         "target-config-json-list",

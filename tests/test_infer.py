@@ -158,6 +158,7 @@ def test_report_prints_what_infer_prints_and_bolds_only_on_a_terminal(monkeypatc
     )
     assert report.completion(None, [1, 2], recs[0]) == "[1, 2] -> [120, 121]"
     assert report.interrupted_line(None) is None
+    assert "was not written" in report.interrupted_line("o.jsonl", batches_done=0)
 
 
 def test_stop_token_ids_join_the_tokenizer_eos_and_generation_config(tmp_path):
