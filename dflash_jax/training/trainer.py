@@ -132,6 +132,9 @@ def preflight(config, workdir: str) -> int:
                 raise ConfigError(
                     f"data.paths[{i}] {path}: the data file named by config.data.paths {what}"
                 )
+    _check_taps(config)
+    if config.regen.get("only", False):
+        return accum  # no training: no mesh
     # The mesh: its spec, and that the devices hold it (before regeneration, not after).
     mesh_spec = config.get("mesh", "")
     try:
@@ -166,7 +169,14 @@ def preflight(config, workdir: str) -> int:
             f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not divisible by "
             f"the {n_batch} batch shards of the mesh"
         )
-    # The drafter's taps (an IndexError deep in the loss, after regeneration, otherwise).
+    return accum
+
+
+def _check_taps(config) -> None:
+    """The drafter's tapped layers against the target's (an IndexError deep in the loss,
+    after regeneration, otherwise)."""
+    from dflash_jax.validation import ConfigError
+
     ids = tuple(config.drafter.target_layer_ids)
     if config.mode == "drafter" and ids and not config.drafter.init_path:
         n_layers = _target_num_layers(config)
@@ -175,7 +185,6 @@ def preflight(config, workdir: str) -> int:
                 f"drafter.target_layer_ids {list(ids)} taps layer {max(ids)}, but the target "
                 f"has {n_layers} layers (valid ids 0..{n_layers - 1})"
             )
-    return accum
 
 
 def make_workdir(workdir: str) -> str:
