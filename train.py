@@ -46,6 +46,23 @@ flags.DEFINE_bool(
 flags.DEFINE_string("json_out", None, "Dry run: write the result(s) as JSON here.")
 
 
+def _profile_steps(spec):
+    """--profile_steps START:COUNT as (start, count); None when not given."""
+    if not spec:
+        return None
+    start, sep, count = spec.partition(":")
+    try:
+        start, count = int(start), int(count)
+    except ValueError:
+        start = count = None
+    if not sep or start is None or start < 0 or count < 1:
+        raise ValueError(
+            "--profile_steps must be START:COUNT, the first step to trace (>= 0) and how "
+            f"many steps (>= 1), e.g. --profile_steps=5:3; got {spec!r}"
+        )
+    return start, count
+
+
 def main(argv):
     del argv
     config = flags.FLAGS.config
@@ -53,9 +70,10 @@ def main(argv):
         from dflash_jax import dry_run
 
         f = flags.FLAGS
-        if f.topology.startswith("cpu"):
-            dry_run.ensure_cpu_devices(int(f.topology.partition(":")[2] or 8))
         try:  # the trainer's step with this config's recipe, batch and length
+            n_cpu = dry_run.topology.cpu_device_count(f.topology)
+            if n_cpu is not None:
+                dry_run.ensure_cpu_devices(n_cpu)
             dry_run.run(
                 f.topology,
                 f.dry_run_model.split(","),
@@ -68,12 +86,16 @@ def main(argv):
             print(f"error: {e}", file=sys.stderr)
             sys.exit(2)
         return
-    distributed.initialize(flags.FLAGS.distributed)  # before any other JAX call
+    # Flags and config values, the workdir, the data files, the mesh against the devices and
+    # the drafter's taps against the target: all checked before anything is built, computed
+    # or written (a bad run leaves no file behind; regeneration takes hours on an 8B target).
     if not flags.FLAGS.workdir:
         raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")
-    # Config values and the workdir checked before anything is built, computed or written.
+    profile_steps = _profile_steps(flags.FLAGS.profile_steps)
     validation.check_train_config(config)
     validation.writable_dir(flags.FLAGS.workdir, "--workdir")
+    if flags.FLAGS.profile_dir:
+        validation.writable_dir(flags.FLAGS.profile_dir, "--profile_dir")
     from dflash_jax import console, hub
 
     # Then model locations (directories or hub ids): a bad one is one line, exit 2.
@@ -87,26 +109,27 @@ def main(argv):
         config.tokenizer_dir = hub.resolve_or_exit(
             config.tokenizer_dir, what="--config.tokenizer_dir"
         )
+    distributed.initialize(flags.FLAGS.distributed)  # before any other JAX call
+    from dflash_jax.training import trainer
+
+    trainer.preflight(config, flags.FLAGS.workdir)  # the devices are known from here on
+    workdir = trainer.make_workdir(flags.FLAGS.workdir)
     console.configure_logging(
         flags.FLAGS.verbose,
-        log_file=os.path.join(flags.FLAGS.workdir, "train.log")
-        if distributed.is_primary()
-        else None,
+        log_file=os.path.join(workdir, "train.log") if distributed.is_primary() else None,
     )
     console.quiet_startup()
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir
-    if flags.FLAGS.profile_steps:
-        config.profile_start_step, config.profile_num_steps = map(
-            int, flags.FLAGS.profile_steps.split(":")
-        )
+    if profile_steps:
+        config.profile_start_step, config.profile_num_steps = profile_steps
     logging.info(
         "JAX process %d/%d, local devices %s",
         jax.process_index(),
         jax.process_count(),
         jax.local_devices(),
     )
-    summary = train_and_evaluate(config, flags.FLAGS.workdir)
+    summary = train_and_evaluate(config, workdir)
     if summary["status"] == "preempted":  # saved; a scheduler must not read this as success
         sys.exit(cli.EXIT_PREEMPTED)
     sys.exit(1 if summary["status"] == "nan" else 0)

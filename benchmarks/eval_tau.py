@@ -374,6 +374,8 @@ def main(argv):
         raise ValueError(f"--temperature must be >= 0, got {FLAGS.temperature}")
     validation.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
     validation.int_param("--num_prompts", FLAGS.num_prompts, lo=0)
+    if not FLAGS.datasets:
+        raise ValueError(f"--datasets is empty; choose from {', '.join(SOURCES)}")
     for name in FLAGS.datasets:
         if name not in SOURCES:
             raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(SOURCES)}")

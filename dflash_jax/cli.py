@@ -5,7 +5,8 @@
         cli.run(main)          # instead of absl's app.run(main)
 
 Expected errors (bad user input: `ValueError` and its subclasses `ConfigError` and
-`CheckpointError`, file errors (`OSError`), flag errors) print ONE line, `error: <message>`, to
+`CheckpointError`, file errors (`OSError`), flag errors, and JAX unable to start the platform
+that JAX_PLATFORMS names) print ONE line, `error: <message>`, to
 stderr and exit with `EXIT_USAGE` (2). Anything else is a bug and keeps its traceback; with
 `--verbose` every error does.
 
@@ -40,6 +41,23 @@ def one_line(e: BaseException) -> str:
     if isinstance(e, KeyError):
         msg = f"missing key {msg}"
     return msg
+
+
+def backend_error(e: BaseException) -> Optional[str]:
+    """The one line for JAX failing to start the platform the environment asks for (e.g.
+    JAX_PLATFORMS=tpu on a machine without a TPU); None for any other error."""
+    import os
+
+    text = str(e)
+    if not isinstance(e, RuntimeError) or "Unable to initialize backend" not in text:
+        return None
+    msg = " ".join(text.split("(set JAX_PLATFORMS=")[0].split())
+    env = os.environ.get("JAX_PLATFORMS")
+    where = f"JAX_PLATFORMS={env!r}: " if env else ""
+    return (
+        f"{where}{msg} (this machine lacks that platform: unset JAX_PLATFORMS, or set it to "
+        "one it has, e.g. cpu)"
+    )
 
 
 def fail(message: str, code: int = EXIT_USAGE):
@@ -99,5 +117,10 @@ def run(main: Callable, argv=None) -> None:
             if flags.FLAGS["verbose"].value:
                 raise
             fail(one_line(e))
+        except RuntimeError as e:  # JAX_PLATFORMS naming a platform this machine lacks
+            line = backend_error(e)
+            if line is None or flags.FLAGS["verbose"].value:
+                raise
+            fail(line)
 
     app.run(wrapped, argv=argv, flags_parser=_parse_flags)

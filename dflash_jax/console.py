@@ -63,17 +63,27 @@ def cli_startup(verbose: bool = False, log_file: Optional[str] = None) -> None:
     quiet_startup()
 
 
+_verbose = False
+
+
+def verbose() -> bool:
+    """Whether the CLI asked for library details on the console (--verbose / --verbosity)."""
+    return _verbose
+
+
 def configure_logging(verbose: bool = False, log_file: Optional[str] = None) -> None:
     """Console: warnings and errors only, unless `verbose` or absl's `--verbosity` was given
     (then INFO, or DEBUG at `--verbosity=1`). `log_file`: every INFO line, appended."""
     from absl import flags
     from absl import logging as absl_logging
 
+    global _verbose
     explicit = flags.FLAGS.is_parsed() and flags.FLAGS["verbosity"].present
     if explicit:
         console_level = logging.root.level
     else:
         console_level = logging.INFO if verbose else logging.WARNING
+    _verbose = console_level <= logging.INFO
     handler = absl_logging.get_absl_handler()
     handler.setLevel(console_level)
     if not any(isinstance(f, _SkipSay) for f in handler.filters):

@@ -14,15 +14,18 @@ or any executable.
 Output lines are prefixed with `[i]`, the process index. The launcher exits 0 when every process
 does; when one fails it names it, stops the others (SIGTERM, then SIGKILL after --grace
 seconds: a peer of a dead process may be blocked in a collective) and exits with its code; past
---timeout seconds it stops them all and exits 124. SIGTERM/SIGINT to the launcher is passed on
+--timeout seconds (> 0) it stops them all and exits 124. A command that does not exist, or a
+bad flag, is one line `... error: ...` and exit 2 before any process starts. SIGTERM/SIGINT to the launcher is passed on
 to the processes (the trainer then saves a checkpoint, coordinated across processes).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -49,6 +52,20 @@ def child_command(command: Sequence[str]) -> List[str]:
     if command[0].endswith(".py") or command[0] in ("-m", "-c"):
         return [sys.executable] + command
     return command
+
+
+def missing_command(command: Sequence[str]) -> Optional[str]:
+    """Why `command` cannot start (a script or executable that does not exist), or None."""
+    head = command[0]
+    if head in ("-m", "-c"):
+        return None if len(command) > 1 else f"{head} needs an argument"
+    if head.endswith(".py"):
+        return None if os.path.isfile(head) else f"no such script: {head}"
+    if os.sep in head:
+        if not os.path.isfile(head):
+            return f"no such file: {head}"
+        return None if os.access(head, os.X_OK) else f"not executable: {head}"
+    return None if shutil.which(head) else f"command not found: {head}"
 
 
 def child_env(
@@ -153,6 +170,11 @@ def launch(
         raise ValueError(f"num_processes must be >= 1, got {num_processes}")
     if not command:
         raise ValueError("no command to launch (put it after `--`)")
+    if timeout is not None and not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds (None: no limit), got {timeout}")
+    why = missing_command(command)
+    if why is not None:
+        raise ValueError(why)
     out = sys.stdout if out is None else out
     address = f"127.0.0.1:{port or free_port()}"
     cmd = child_command(command)
@@ -221,6 +243,14 @@ def launch(
     return code
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse with the tools' error convention: one line `error: ...`, exit 2."""
+
+    def error(self, message):
+        sys.stderr.write(f"error: {message} (see python -m dflash_jax.launch --help)\n")
+        sys.exit(2)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if "--" in argv:
@@ -228,7 +258,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         own, command = argv[:cut], argv[cut + 1 :]
     else:
         own, command = argv, []
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="python -m dflash_jax.launch",
         description=__doc__.split("\n\n")[0],
         formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -243,8 +273,8 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     p.add_argument(
         "--timeout",
         type=float,
-        default=0,
-        help="seconds for the whole group (0: none); then exit 124",
+        default=None,
+        help="seconds for the whole group (> 0; default: no limit); then exit 124",
     )
     p.add_argument(
         "--grace",
@@ -258,11 +288,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         p.error("give the command to run after `--`, e.g. -- train.py --config=...")
     if args.num_processes < 1 or args.devices_per_process < 0:
         p.error("--num_processes must be >= 1 and --devices_per_process >= 0")
+    if args.timeout is not None and not (args.timeout > 0 and math.isfinite(args.timeout)):
+        p.error(
+            f"--timeout must be a number of seconds > 0 (omit it for no limit), got {args.timeout:g}"
+        )
+    if args.grace < 0 or not math.isfinite(args.grace):
+        p.error(f"--grace must be a number of seconds >= 0, got {args.grace:g}")
+    why = missing_command(command)
+    if why is not None:  # before any process starts
+        p.error(why)
     return launch(
         command,
         args.num_processes,
         args.devices_per_process,
-        args.timeout or None,
+        args.timeout,
         args.grace,
         args.port,
     )

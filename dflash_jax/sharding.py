@@ -100,7 +100,13 @@ def parse_mesh(spec: str) -> Dict[str, int]:
         name = name.strip()
         if name not in out or not value.strip():
             raise ValueError(f"bad mesh spec {spec!r}: expected 'axis=size,...' with axes {AXES}")
-        out[name] = int(value)
+        try:
+            out[name] = int(value)
+        except ValueError:
+            raise ValueError(
+                f"bad mesh spec {spec!r}: the size of {name!r} must be an integer (or -1: the "
+                f"devices left over), got {value.strip()!r}"
+            ) from None
     return out
 
 

@@ -410,6 +410,121 @@ CASES = [
         setup=_with_template("{{ ('9' * 5000) | int }}{{ 1 / 0 }}"),
     ),
     # ---- train.py, the dry run, the launcher, eval_tau
+    # train.py: bad input found before anything runs or is written (no train.log, no
+    # regenerated.jsonl: regeneration takes hours on an 8B target).
+    *[
+        Case(
+            name,
+            ["train.py", "--config=configs/tiny_test.py", "--workdir={tmp}/w", *args],
+            want_err=err,
+            unchanged=("{tmp}/w/train.log", "{tmp}/w/regenerated.jsonl"),
+        )
+        for name, args, err in [
+            (
+                "train_mesh_does_not_fit",
+                ["--config.mesh=fsdp=3"],
+                r"config\.mesh 'fsdp=3' does not fit",
+            ),
+            (
+                "train_taps_beyond_target_layers",
+                ["--config.drafter.target_layer_ids=(0,5)"],
+                r"drafter\.target_layer_ids \[0, 5\].*has 2 layers",
+            ),
+            ("train_mesh_size_not_int", ["--config.mesh=data=x"], r"config\.mesh.*'data'.*'x'"),
+            (
+                "train_profile_steps_one_number",
+                ["--profile_steps=5"],
+                r"--profile_steps must be START:COUNT",
+            ),
+            (
+                "train_missing_data_file",
+                ["--config.data.kind=files", "--config.data.paths=('{tmp}/nope.txt',)"],
+                r"nope\.txt: the data file named by config\.data\.paths does not exist",
+            ),
+        ]
+    ],
+    Case(
+        "train_workdir_under_proc",
+        ["train.py", "--config=configs/tiny_test.py", "--workdir=/proc/dflash-probe/w"],
+        want_err=r"cannot create the workdir /proc/dflash-probe/w",
+    ),
+    Case(
+        "train_jax_platforms_tpu_without_one",
+        ["train.py", "--config=configs/tiny_test.py", "--workdir={tmp}/w"],
+        want_err=r"JAX_PLATFORMS='tpu'.*Unable to initialize backend",
+        env={"JAX_PLATFORMS": "tpu"},
+        unchanged=("{tmp}/w/train.log",),
+    ),
+    Case(
+        "infer_jax_platforms_tpu_without_one",
+        ["infer.py", "--max_new_tokens=2"],
+        want_err=r"JAX_PLATFORMS='tpu'.*Unable to initialize backend",
+        env={"JAX_PLATFORMS": "tpu"},
+    ),
+    # The dry run: topologies and sizes refused in one line before any compile.
+    *[
+        Case(name, ["-m", "dflash_jax.dry_run", *args], want_err=err)
+        for name, args, err in [
+            ("dry_run_topology_cpu_abc", ["--topology=cpu:abc"], r"cpu:N wants a number"),
+            ("dry_run_topology_cpu_0", ["--topology=cpu:0"], r"cpu:N wants a number"),
+            (
+                "dry_run_context_0",
+                ["--topology=cpu:2", "--model=small", "--context=0"],
+                r"--context must be >= 1",
+            ),
+            (
+                "dry_run_batch_0",
+                ["--topology=cpu:2", "--model=small", "--batch=0"],
+                r"--batch must be >= 1",
+            ),
+            (
+                "dry_run_tau_nan",
+                ["--topology=cpu:2", "--model=small", "--tau=nan"],
+                r"--tau .*'nan'",
+            ),
+            (
+                "dry_run_tau_negative",
+                ["--topology=cpu:2", "--model=small", "--tau=-3"],
+                r"--tau .*'-3'",
+            ),
+        ]
+    ],
+    *[
+        Case(
+            name,
+            ["infer.py", "--dry_run", "--topology=cpu:2", "--dry_run_model=small", arg],
+            want_err=err,
+        )
+        for name, arg, err in [
+            (
+                "infer_dry_run_block_size_0",
+                "--block_size=0",
+                r"--block_size must be in \[2, 64\], got 0",
+            ),
+            ("infer_dry_run_batch_size_0", "--batch_size=0", r"--batch_size must be >= 1, got 0"),
+        ]
+    ],
+    # The launcher: refused before any process starts.
+    Case(
+        "launch_command_not_found",
+        ["-m", "dflash_jax.launch", "--num_processes=1", "--", "dflash-no-such-command"],
+        want_err=r"command not found: dflash-no-such-command",
+    ),
+    Case(
+        "launch_negative_timeout",
+        ["-m", "dflash_jax.launch", "--num_processes=1", "--timeout=-5", "--", "-c", "pass"],
+        want_err=r"--timeout must be .*> 0",
+    ),
+    Case(
+        "eval_tau_empty_datasets",
+        [
+            "benchmarks/eval_tau.py",
+            "--target={pair}/target",
+            "--drafter={pair}/drafter",
+            "--datasets=",
+        ],
+        want_err=r"--datasets is empty",
+    ),
 ]
 
 

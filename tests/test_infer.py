@@ -214,6 +214,21 @@ def test_dry_run_clis_report_memory_and_flops():
     assert "train_step" in r.stdout and "batch 8x64" in r.stdout  # the config's batch
 
 
+def test_dry_run_on_a_cpu_topology_works_with_the_default_attention():
+    """`python -m dflash_jax.dry_run --topology=cpu:N` as documented, without --attention: XLA's
+    attention on CPU devices (the Pallas kernels have no compiled CPU version)."""
+    r = subprocess.run(
+        [sys.executable, "-m", "dflash_jax.dry_run", "--topology=cpu:2", "--model=small"]
+        + ["--context=64", "--max_new_tokens=16", "--programs=dflash_decode"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "dflash_decode" in r.stdout and "TOTAL GiB/dev" in r.stdout
+
+
 def test_dry_run_cli_bad_input_is_one_line_exit_2():
     for args, says in (
         (["--topology=v9x:2x4"], "unknown topology"),

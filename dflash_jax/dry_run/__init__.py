@@ -39,7 +39,8 @@ collective bytes moved / ICI bandwidth, from published chip figures (`TPU_CHIPS`
 speedup tau * t_AR / t_DFlash. PROJECTIONS, not measurements: no collective latency, no
 host overhead, perfect overlap inside each step.
 
-`--topology=cpu:8` compiles for 8 fake CPU devices instead (XLA:CPU; no libtpu needed).
+`--topology=cpu:8` compiles for 8 fake CPU devices instead (XLA:CPU; no libtpu needed; XLA's
+attention unless --attention says otherwise).
 """
 
 from dflash_jax.dry_run.chips import DEFAULT_TAUS, PROJECTED, TPU_CHIPS, roofline

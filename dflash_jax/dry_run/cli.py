@@ -2,17 +2,21 @@
 
 from __future__ import annotations
 
+import math
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
 from absl import flags
 
+from dflash_jax import validation
 from dflash_jax.dry_run.chips import DEFAULT_TAUS
 from dflash_jax.dry_run.presets import build_configs
 from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
 from dflash_jax.dry_run.topology import (
     UsageError,
+    cpu_device_count,
     ensure_cpu_devices,
+    is_cpu,
     resolve_mesh,
     topology_devices,
 )
@@ -103,6 +107,8 @@ def run(
     """Dry-runs every (model, mesh) pair on `topology`, printing a report for each; returns
     the results (and writes them to `json_out`: one dict, or a list for several)."""
     devices, chip = topology_devices(topology)
+    if mode == "infer" and "attention" not in kw:
+        kw["attention"] = (default_attention(topology),)
     for model in models:  # bad names fail before any compile
         build_configs(model)
     meshes = meshes or ([f"tensor={len(devices)}"] if mode == "infer" else [f"fsdp={len(devices)}"])
@@ -124,10 +130,43 @@ def run(
 
 
 def _floats(s: str) -> List[float]:
+    """--tau: comma-separated acceptance lengths (tokens per target pass: finite, >= 1)."""
     try:
-        return [float(x) for x in s.split(",") if x.strip()]
+        taus = [float(x) for x in s.split(",") if x.strip()]
     except ValueError:
         raise UsageError(f"--tau wants comma-separated numbers, got {s!r}") from None
+    bad = [t for t in taus if not math.isfinite(t) or t < 1]
+    if bad or not taus:
+        raise UsageError(
+            "--tau wants acceptance lengths (tokens per target pass: finite numbers >= 1), "
+            f"got {s!r}"
+        )
+    return taus
+
+
+def default_attention(topology: str) -> str:
+    """The attention a dry run compiles unless --attention says: the Pallas kernels on a TPU
+    topology, XLA's attention on cpu:N (the kernels have no compiled CPU version)."""
+    return "xla" if is_cpu(topology) else "pallas"
+
+
+def _check_sizes(args) -> None:
+    """The sizes of the flags `args` (UsageError naming the flag): nothing is replaced by a
+    default or accepted out of range."""
+    E = UsageError
+    if args.batch is not None:
+        validation.int_param("--batch", args.batch, lo=1, error=E)
+    if args.mode == "infer":
+        validation.int_param("--context", args.context, lo=1, error=E)
+        validation.int_param("--max_new_tokens", args.max_new_tokens, lo=1, error=E)
+        if args.block_size is not None:
+            validation.int_param("--block_size", args.block_size, lo=2, hi=64, error=E)
+        if args.prefill_chunk is not None:
+            validation.int_param("--prefill_chunk", args.prefill_chunk, lo=0, error=E)
+    else:
+        validation.int_param("--seq_len", args.seq_len, lo=2, error=E)
+        validation.int_param("--num_anchors", args.num_anchors, lo=1, error=E)
+        validation.int_param("--loss_chunk_anchors", args.loss_chunk_anchors, lo=0, error=E)
 
 
 def _programs(s: str) -> tuple:
@@ -172,9 +211,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("block_size", None, None, **fv)
     flags.DEFINE_string(
         "attention",
-        "pallas",
+        "",
         "infer: comma-separated attention impls to compile (pallas, xla); "
-        "train: the one the step uses (pallas: the fused kernel, per shard)",
+        "train: the one the step uses (pallas: the fused kernel, per shard). Default: "
+        "pallas on a TPU topology, xla on cpu:N",
         **fv,
     )
     flags.DEFINE_string(
@@ -210,22 +250,25 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
 def run_flags(args):
     """The dry run the flags `args` ask for (anything with the flags as attributes: a
     FlagValues of `define_flags`, a namespace); raises UsageError on bad input."""
-    if args.topology.startswith("cpu"):
-        ensure_cpu_devices(int(args.topology.partition(":")[2] or 8))
+    n_cpu = cpu_device_count(args.topology)
+    _check_sizes(args)
+    if n_cpu is not None:
+        ensure_cpu_devices(n_cpu)
     meshes = [m for m in args.mesh.split(";") if m.strip()] or None
+    attention = args.attention.strip() or default_attention(args.topology)
     if args.mode == "infer":
         kw = dict(
             batch=args.batch or 1,
             context=args.context,
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,
-            attention=tuple(a.strip() for a in args.attention.split(",")),
+            attention=tuple(a.strip() for a in attention.split(",")),
             taus=tuple(_floats(args.tau)),
             prefill_chunk=args.prefill_chunk,
             only=_programs(args.programs),
         )
     else:
-        impl = args.attention.split(",")[0].strip()
+        impl = attention.split(",")[0].strip()
         if impl not in ("pallas", "xla"):
             raise UsageError(f"--attention for --mode=train: pallas or xla, got {impl!r}")
         kw = dict(
@@ -295,9 +338,19 @@ def infer_main(
     block_size: Optional[int] = None,
 ):
     """`infer.py --dry_run`: `main` for --mode=infer with infer.py's flag values (mesh: ';'-
-    separated meshes; attention None or "auto": "pallas", the TPU kernels). Bad input: one line
-    on stderr, exit 2."""
-    attention = "pallas" if attention in (None, "auto") else attention
+    separated meshes; attention None or "auto": the dry run's default, the TPU kernels on a TPU
+    topology). Bad input (a --batch_size or --block_size out of range included: never replaced
+    by a default): one line on stderr, exit 2."""
+    from dflash_jax import cli
+
+    try:
+        if batch is not None:
+            validation.int_param("--batch_size", batch, lo=1)
+        if block_size is not None:
+            validation.int_param("--block_size", block_size, lo=2, hi=64)
+    except ValueError as e:
+        cli.fail(cli.one_line(e))
+    attention = "" if attention in (None, "auto") else attention
     argv = [
         f"--topology={topology}",
         f"--model={model}",
@@ -310,7 +363,7 @@ def infer_main(
         f"--tau={tau}",
         f"--json_out={json_out or ''}",
     ]
-    if block_size:
+    if block_size is not None:
         argv.append(f"--block_size={block_size}")
     return main(argv)
 

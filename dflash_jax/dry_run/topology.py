@@ -27,6 +27,25 @@ def ensure_cpu_devices(n: int = 8) -> None:
         pass
 
 
+def cpu_device_count(topology: str):
+    """N of a "cpu:N" topology ("cpu": 8); None for any other (a TPU) topology. A bad N is
+    a UsageError."""
+    chip, sep, shape = topology.partition(":")
+    if chip != "cpu":
+        return None
+    if not sep and not shape:
+        return 8
+    if not re.fullmatch(r"\d+", shape.strip()) or int(shape) < 1:
+        raise UsageError(
+            f"topology {topology!r}: cpu:N wants a number of CPU devices N >= 1, e.g. cpu:8"
+        )
+    return int(shape)
+
+
+def is_cpu(topology: str) -> bool:
+    return topology.partition(":")[0] == "cpu"
+
+
 def libtpu_missing() -> bool:
     return importlib.util.find_spec("libtpu") is None
 
@@ -38,7 +57,7 @@ def topology_devices(topology: str):
 
     chip, _, shape = topology.partition(":")
     if chip == "cpu":
-        n = int(shape or 8)
+        n = cpu_device_count(topology)
         devices = jax.devices("cpu")
         if len(devices) < n:
             raise UsageError(

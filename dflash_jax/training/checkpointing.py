@@ -9,13 +9,68 @@ from __future__ import annotations
 
 import logging
 import os
-import warnings
 from typing import Any, Dict, List, Optional, Set, Tuple
 
 import jax
 import orbax.checkpoint as ocp
 
 from dflash_jax.safetensors_io import CheckpointError
+
+
+def _is_read_noise(exc) -> bool:
+    """An exception of an Orbax / TensorStore read of an unreadable checkpoint (raised in the
+    async tasks of a failed restore)."""
+    if exc is None:
+        return False
+    if isinstance(exc, RuntimeError) and str(exc) == "Event loop is closed":
+        return True  # a read task finalized after Orbax closed its event loop
+    if "TensorStore" in str(exc) or "reading array index" in str(exc):
+        return True
+    tb = getattr(exc, "__traceback__", None)
+    while tb is not None:
+        name = tb.tb_frame.f_code.co_filename
+        if f"{os.sep}orbax{os.sep}" in name or f"{os.sep}tensorstore{os.sep}" in name:
+            return True
+        tb = tb.tb_next
+    return False
+
+
+class _AsyncioReadNoise(logging.Filter):
+    """Drops asyncio's 'exception was never retrieved' records of a failed restore's read
+    tasks (dozens of tracebacks); kept with --verbose."""
+
+    def filter(self, record):
+        from dflash_jax import console
+
+        exc = record.exc_info[1] if record.exc_info else None
+        return console.verbose() or not _is_read_noise(exc)
+
+
+_quiet = {"installed": False}
+
+
+def _quiet_read_noise() -> None:
+    """After a restore failed: the read tasks it left behind are reported by asyncio (a log
+    record each) and by the garbage collector (`sys.unraisablehook`, 'Exception ignored in
+    ...') with a traceback each, whenever they are collected. The skipped checkpoint already
+    has its one warning line; these go only with --verbose. Installed once per process."""
+    import sys
+
+    if not _quiet["installed"]:
+        _quiet["installed"] = True
+        logging.getLogger("asyncio").addFilter(_AsyncioReadNoise())
+        previous = sys.unraisablehook
+
+        def hook(unraisable):
+            from dflash_jax import console
+
+            if console.verbose() or not _is_read_noise(unraisable.exc_value):
+                previous(unraisable)
+
+        sys.unraisablehook = hook
+    import gc
+
+    gc.collect()  # the failed restore's tasks and coroutines, now, under the filters
 
 
 class IncompatibleCheckpointError(CheckpointError):
@@ -113,9 +168,7 @@ class Checkpointer:
         if step in self.manager.all_steps():
             if step not in self.corrupt:
                 return False
-            logging.warning(
-                "replacing the unreadable checkpoint step %d in %s", step, self.directory
-            )
+            logging.info("replacing the unreadable checkpoint step %d in %s", step, self.directory)
             self.manager.delete(step)
             self.corrupt.discard(step)
         if callable(data_state):
@@ -172,17 +225,29 @@ class Checkpointer:
                     )
                     return out["state"], dict(out["data"]), int(step)
                 except Exception as e:  # noqa: BLE001 - any failure means "unreadable"
-                    err = f"{type(e).__name__}: {str(e)[:200]}"
+                    err = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
+                    from dflash_jax import console
+
+                    logging.log(  # the traceback on the console with --verbose only
+                        logging.INFO if console.verbose() else logging.DEBUG,
+                        "restoring checkpoint step %d failed",
+                        step,
+                        exc_info=True,
+                    )
+                    del e
+                    _quiet_read_noise()
             else:
                 err = "metadata unreadable"
             self.corrupt.add(int(step))
-            msg = (
-                f"checkpoint step {step} in {self.directory} is unreadable ({err}); "
-                "falling back to the previous one (it is replaced when training reaches "
-                f"step {step} again)"
+            # One line per skipped checkpoint (details with --verbose).
+            logging.warning(
+                "checkpoint step %d in %s is unreadable (%s); falling back to the previous "
+                "one (it is replaced when training reaches step %d again)",
+                step,
+                self.directory,
+                err,
+                step,
             )
-            logging.warning(msg)
-            warnings.warn(msg, RuntimeWarning)
         return None
 
     def wait(self) -> None:

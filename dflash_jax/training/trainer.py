@@ -75,13 +75,37 @@ class _StopFlag:
             signal.signal(sig, h)
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
-    """Runs (or resumes) training in `workdir`. Returns a summary:
-    {"status": "done" | "stopped" | "preempted" | "nan" | "data_exhausted" | "regenerated"
-     (regen.only), "step",
-     "losses": [(step, loss), ...] of this process, "eval": last eval metrics,
-     "export": path or None}."""
-    from dflash_jax import validation
+def _mesh_devices(mesh_spec: str):
+    """The devices `config.mesh` is built over: all of them for an explicit mesh or several
+    processes, this host's otherwise."""
+    return jax.devices() if mesh_spec or distributed.is_multiprocess() else jax.local_devices()
+
+
+def _target_num_layers(config):
+    """The number of layers of the run's target: config.json of a local target_path, or the
+    fresh target's config.target_model; None when it cannot be known without loading."""
+    if not config.target_path:
+        return int(config.target_model.num_layers)
+    if not os.path.isdir(config.target_path):
+        return None  # a hub id: resolved (and checked) when it is loaded
+    from dflash_jax import checkpoint
+
+    try:
+        hf = checkpoint.read_config(config.target_path)
+    except Exception:  # noqa: BLE001 - reported with the file's name when the target loads
+        return None
+    n = hf.get("num_hidden_layers") if isinstance(hf, dict) else None
+    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def preflight(config, workdir: str) -> int:
+    """Every check of a training run that needs no model and writes nothing: the config's
+    values (`validation.check_train_config`), the workdir and regen.output, the data files,
+    the mesh against the devices (and the batch against its shards), the drafter's tapped
+    layers against the target's. A bad value is one line (a ValueError) before anything runs
+    or is written (regeneration takes hours on an 8B target). Returns grad_accum_steps."""
+    from dflash_jax import sharding, validation
+    from dflash_jax.validation import ConfigError
 
     validation.check_train_config(config)  # one-line ConfigError before anything runs
     accum = int(config.get("grad_accum_steps", 1))
@@ -94,14 +118,97 @@ def train_and_evaluate(config, workdir: str) -> dict:
     validation.writable_dir(workdir, "workdir")
     if config.regen.output and not os.path.exists(config.regen.output):
         validation.writable_file(config.regen.output, "regen.output")
-    workdir = os.path.abspath(workdir)
-    regen_only = config.regen.get("only", False)
-    if regen_only and (config.mode != "drafter" or config.data.kind != "regenerated"):
+    if config.regen.get("only", False) and (
+        config.mode != "drafter" or config.data.kind != "regenerated"
+    ):
         raise ValueError(
             "regen.only needs mode='drafter' and data.kind='regenerated', got "
             f"mode={config.mode!r}, data.kind={config.data.kind!r}"
         )
-    os.makedirs(workdir, exist_ok=True)
+    if config.data.kind == "files":
+        for i, path in enumerate(config.data.paths):
+            if not os.path.isfile(path):
+                what = "is not a file" if os.path.exists(path) else "does not exist"
+                raise ConfigError(
+                    f"data.paths[{i}] {path}: the data file named by config.data.paths {what}"
+                )
+    _check_taps(config)
+    if config.regen.get("only", False):
+        return accum  # no training: no mesh
+    # The mesh: its spec, and that the devices hold it (before regeneration, not after).
+    mesh_spec = config.get("mesh", "")
+    try:
+        sizes = sharding.parse_mesh(mesh_spec or "data=-1")
+    except ValueError as e:
+        raise ConfigError(f"config.mesh: {e}") from None
+    pool = _mesh_devices(mesh_spec)
+    known = math.prod(v for v in sizes.values() if v != -1)
+    if (
+        any(v == 0 or v < -1 for v in sizes.values())
+        or sum(v == -1 for v in sizes.values()) > 1
+        or (len(pool) % known if -1 in sizes.values() else known > len(pool))
+    ):
+        raise ConfigError(
+            f"config.mesh {mesh_spec!r} does not fit the {len(pool)} device(s) "
+            f"[{pool[0].platform}] (e.g. --config.mesh=fsdp={len(pool)})"
+        )
+    full = {k: len(pool) // known if v == -1 else v for k, v in sizes.items()}
+    n_batch = full["data"] * full["fsdp"]
+    if config.data.batch_size % n_batch:
+        raise ConfigError(
+            f"data.batch_size {config.data.batch_size} is not divisible by the {n_batch} "
+            f"batch shards of config.mesh {mesh_spec or 'data=-1'!r}"
+        )
+    check_grad_accum(config.data.batch_size, accum, n_batch)
+    if (
+        config.mode == "target"
+        and config.unlikelihood.weight > 0
+        and config.unlikelihood.batch_size % n_batch
+    ):
+        raise ConfigError(
+            f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not divisible by "
+            f"the {n_batch} batch shards of the mesh"
+        )
+    return accum
+
+
+def _check_taps(config) -> None:
+    """The drafter's tapped layers against the target's (an IndexError deep in the loss,
+    after regeneration, otherwise)."""
+    from dflash_jax.validation import ConfigError
+
+    ids = tuple(config.drafter.target_layer_ids)
+    if config.mode == "drafter" and ids and not config.drafter.init_path:
+        n_layers = _target_num_layers(config)
+        if n_layers is not None and max(ids) >= n_layers:
+            raise ConfigError(
+                f"drafter.target_layer_ids {list(ids)} taps layer {max(ids)}, but the target "
+                f"has {n_layers} layers (valid ids 0..{n_layers - 1})"
+            )
+
+
+def make_workdir(workdir: str) -> str:
+    """Creates `workdir` (absolute path returned); a failure is one line naming it."""
+    workdir = os.path.abspath(workdir)
+    try:
+        os.makedirs(workdir, exist_ok=True)
+    except OSError as e:
+        raise ValueError(
+            f"cannot create the workdir {workdir}: {e.strerror or e}"
+            + (f" ({e.filename})" if e.filename and e.filename != workdir else "")
+        ) from None
+    return workdir
+
+
+def train_and_evaluate(config, workdir: str) -> dict:
+    """Runs (or resumes) training in `workdir`. Returns a summary:
+    {"status": "done" | "stopped" | "preempted" | "nan" | "data_exhausted" | "regenerated"
+     (regen.only), "step",
+     "losses": [(step, loss), ...] of this process, "eval": last eval metrics,
+     "export": path or None}."""
+    accum = preflight(config, workdir)
+    workdir = make_workdir(workdir)
+    regen_only = config.regen.get("only", False)
     exp = build_experiment(config, workdir)
     if regen_only:  # the responses exist now (build_experiment wrote or found them)
         path = config.regen.output or os.path.join(workdir, "regenerated.jsonl")
@@ -133,7 +240,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     mesh_spec = config.get("mesh", "")
     sizes = sharding.parse_mesh(mesh_spec or "data=-1")
-    pool = jax.devices() if mesh_spec or distributed.is_multiprocess() else jax.local_devices()
+    pool = _mesh_devices(mesh_spec)
     mesh = sharding.make_mesh(
         **sizes, devices=pool if -1 in sizes.values() else pool[: math.prod(sizes.values())]
     )
