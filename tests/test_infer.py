@@ -214,12 +214,16 @@ def test_dry_run_clis_report_memory_and_flops():
     assert "train_step" in r.stdout and "batch 8x64" in r.stdout  # the config's batch
 
 
-def test_dry_run_on_a_cpu_topology_works_with_the_default_attention():
+def test_dry_run_on_a_cpu_topology_works_with_the_default_attention(tmp_path):
     """`python -m dflash_jax.dry_run --topology=cpu:N` as documented, without --attention: XLA's
-    attention on CPU devices (the Pallas kernels have no compiled CPU version)."""
+    attention on CPU devices (the Pallas kernels have no compiled CPU version); --hlo_dir
+    writes the compiled program's optimized HLO, whose loop body the HLO reader finds."""
+    from dflash_jax.dry_run import hlo
+
     r = subprocess.run(
         [sys.executable, "-m", "dflash_jax.dry_run", "--topology=cpu:2", "--model=small"]
-        + ["--context=64", "--max_new_tokens=16", "--programs=dflash_decode"],
+        + ["--context=64", "--max_new_tokens=16", "--programs=dflash_decode"]
+        + [f"--hlo_dir={tmp_path}/hlo"],
         capture_output=True,
         text=True,
         timeout=300,
@@ -227,6 +231,9 @@ def test_dry_run_on_a_cpu_topology_works_with_the_default_attention():
     )
     assert r.returncode == 0, r.stderr[-3000:]
     assert "dflash_decode" in r.stdout and "TOTAL GiB/dev" in r.stdout
+    assert sorted(os.listdir(tmp_path / "hlo")) == ["dflash_decode.hlo"]
+    text = (tmp_path / "hlo" / "dflash_decode.hlo").read_text()
+    assert "HloModule" in text and hlo.loop_body_computations(text)
 
 
 def test_dry_run_cli_bad_input_is_one_line_exit_2():

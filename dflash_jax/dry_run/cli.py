@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -114,9 +115,14 @@ def run(
     meshes = meshes or ([f"tensor={len(devices)}"] if mode == "infer" else [f"fsdp={len(devices)}"])
     meshes_ok = [resolve_mesh(mesh, devices) for mesh in meshes]
     fn = dry_run_infer if mode == "infer" else dry_run_train
+    hlo_dir = kw.pop("hlo_dir", None)
     results = []
     for model in models:
-        for mesh in meshes_ok:
+        for mesh, spec in zip(meshes_ok, meshes):
+            if hlo_dir and mode == "infer":
+                several = len(models) * len(meshes_ok) > 1
+                sub = f"{model}_{spec}".replace("=", "").replace(",", "_")
+                kw["hlo_dir"] = os.path.join(hlo_dir, sub) if several else hlo_dir
             r = fn(model=model, mesh=mesh, devices=devices, chip=chip, topology=topology, **kw)
             print(format_report(r), flush=True)
             results.append(r)
@@ -245,6 +251,14 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_string("json_out", "", "write the result(s) as JSON here", **fv)
+    flags.DEFINE_string(
+        "hlo_dir",
+        "",
+        "infer: write each compiled program's optimized HLO text here as <program>.hlo "
+        "(prefill.hlo, dflash_decode.hlo, ar_decode.hlo; one subdirectory per model and mesh "
+        "when there are several)",
+        **fv,
+    )
 
 
 def run_flags(args):
@@ -266,8 +280,11 @@ def run_flags(args):
             taus=tuple(_floats(args.tau)),
             prefill_chunk=args.prefill_chunk,
             only=_programs(args.programs),
+            hlo_dir=args.hlo_dir or None,
         )
     else:
+        if args.hlo_dir:
+            raise UsageError("--hlo_dir is for --mode=infer (the decode and prefill programs)")
         impl = attention.split(",")[0].strip()
         if impl not in ("pallas", "xla"):
             raise UsageError(f"--attention for --mode=train: pallas or xla, got {impl!r}")
