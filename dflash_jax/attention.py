@@ -5,9 +5,10 @@
   "pallas" - the kernels of `pallas_kernels/` for the current backend (TPU or Triton GPU),
   "pallas_interpret" - the same kernels in interpret mode (for tests on CPU),
   "auto"   - "pallas" on TPU/GPU, "xla" elsewhere.
-  "pallas_tpu" / "pallas_triton" - one kernel family, whatever the default backend is: what
-           `for_devices` turns "pallas"/"auto" into for the devices a program is compiled for,
-           so the choice is part of the static configuration (and of the jit caches' keys).
+  "pallas_tpu" / "pallas_triton" / "pallas_cudnn" - one kernel family, whatever the default
+           backend is: what `for_devices` turns "pallas"/"auto" into for the devices a program
+           is compiled for, so the choice is part of the static configuration (and of the jit
+           caches' keys).
 
 The platform is that of the devices being compiled for (`pallas_kernels.backend.compiling_for`),
 not the default backend: TPU kernels compile for abstract TPU devices on a CPU-only machine.
@@ -24,7 +25,7 @@ import jax.numpy as jnp
 
 from dflash_jax.layers import masked_attention
 
-IMPLS = ("xla", "pallas", "pallas_interpret", "auto", "pallas_tpu", "pallas_triton")
+IMPLS = ("xla", "pallas", "pallas_interpret", "auto", "pallas_tpu", "pallas_triton", "pallas_cudnn")
 
 
 def _compile_platform() -> str:
@@ -63,7 +64,11 @@ def _kernels():
 
 
 def _kernel_impl(impl: str) -> str:
-    """The `pallas_kernels` impl for one of ours ("pallas_interpret" runs "pallas")."""
+    """The `pallas_kernels` impl for one of ours ("pallas_interpret" runs "pallas";
+    "pallas_cudnn", what `for_devices` makes of "pallas" under DFLASH_PALLAS_GPU_BACKEND=cudnn
+    or on jax >= 0.11 on Hopper, runs the kernels' "cudnn")."""
+    if impl == "pallas_cudnn":
+        return "cudnn"
     return "pallas" if impl in ("pallas", "pallas_interpret") else impl
 
 

@@ -380,7 +380,7 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
 
 # The seeds `generate` accepts: what a 64-bit integer holds (jax.random.PRNGKey's range).
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
-# The attention implementations a user may choose (`attention.IMPLS` has two internal ones).
+# The attention implementations a user may choose (`attention.IMPLS` has three internal ones).
 ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret", "auto")
 
 

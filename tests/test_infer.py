@@ -432,3 +432,52 @@ def test_plot_training_chains_stages_and_rejects_empty_files(tmp_path):
         cwd=ROOT,
     )
     assert bad.returncode != 0 and "no train or eval rows" in bad.stderr
+
+
+def test_gpu_steps_tiny_configuration_times_ar_and_dflash_steps(tmp_path):
+    """benchmarks/gpu_steps.py --preset=tiny on CPU (XLA attention only there): every row has
+    AR and DFlash step times > 0 and their ratio; the JSON names the command, jax, the device
+    kind and the commit."""
+    out = tmp_path / "gpu_steps.json"
+    r = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "gpu_steps.py"),
+            "--preset=tiny",
+            "--contexts=64",
+            "--batches=1,2",
+            "--loop_tokens=8",
+            "--repeats=1",
+            "--compile_threads=2",
+            f"--json_out={out}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=ROOT,
+        env={**os.environ, "JAX_PLATFORMS": "cpu"},
+    )
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    res = json.load(open(out))
+    assert res["command"].startswith("python benchmarks/gpu_steps.py --preset=tiny")
+    assert res["jax_version"] and res["device_kind"] and res["commit"]
+    assert res["settings"]["impls"] == ["xla"] and not res["skipped"]
+    assert [(row["batch"], row["context"]) for row in res["rows"]] == [(1, 64), (2, 64)]
+    for row in res["rows"]:
+        assert "error" not in row, row
+        assert row["ar_step_ms"] > 0 and row["dflash_step_ms"] > 0
+        assert row["ratio"] == pytest.approx(row["dflash_step_ms"] / row["ar_step_ms"])
+        assert row["projected_speedup"] == pytest.approx(6.5 / row["ratio"])
+        assert row["ar_steps"] == 7 and 1 <= row["dflash_steps"] <= 7
+    assert "| xla | 2 | 64 |" in r.stdout
+
+
+def test_gpu_steps_cudnn_variant_is_an_attention_impl(monkeypatch):
+    """What `for_devices` makes of "pallas" for a GPU under DFLASH_PALLAS_GPU_BACKEND=cudnn
+    (gpu_steps' cuDNN rows) is an attention_impl the models accept, run by the cuDNN kernels."""
+    from dflash_jax import attention
+
+    monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "cudnn")
+    impl = attention.for_devices("pallas", "cuda")
+    assert impl == "pallas_cudnn" and attention.resolve_impl(impl) == impl
+    assert attention._kernel_impl(impl) == "cudnn" and attention.causal_kernel(impl) == "xla"
