@@ -105,6 +105,34 @@ def _per_shard(fn, args, batch_dims, head_dims):
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
+def uses_kv_kernel(impl: str) -> bool:
+    """Whether `write_block` writes through the Pallas TPU kernel (`pallas_kernels.kv_update`)
+    under `impl`: a TPU Pallas impl on the platform compiled for, or "pallas_interpret"."""
+    impl = resolve_impl(impl)
+    if impl in ("pallas_interpret", "pallas_tpu"):
+        return True
+    return impl == "pallas" and _compile_platform() == "tpu"
+
+
+def write_block(cache_BSKD, new_BTKD, starts_B, impl: str = "xla"):
+    """cache [B,S,K,D] with rows starts[b] .. starts[b]+T-1 of row b set to new [B,T,K,D]
+    (slots outside [0, S) dropped, as `model.write_kv` does). Under a TPU Pallas impl the
+    Pallas kernel DMAs the T rows into the cache where it lies in HBM (XLA's scatter or
+    dynamic-update-slice round-trips the whole cache through VMEM on TPU), per shard of
+    the context mesh (batch over data/fsdp, KV heads over tensor); else the XLA scatter."""
+    if not uses_kv_kernel(impl):
+        t = new_BTKD.shape[1]
+        positions = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+        b = jnp.arange(new_BTKD.shape[0])[:, None]
+        return cache_BSKD.at[b, positions].set(new_BTKD.astype(cache_BSKD.dtype), mode="drop")
+    interpret = resolve_impl(impl) == "pallas_interpret"
+    kernel = lambda c, n, s: _kernels().kv_update(c, n, s, interpret=interpret)
+    args = (cache_BSKD, new_BTKD.astype(cache_BSKD.dtype), starts_B.astype(jnp.int32))
+    if interpret:
+        return kernel(*args)
+    return _per_shard(kernel, args, (0, 0, 0), (2, 2, None))
+
+
 def verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl: str = "xla"):
     """Block queries against a cache that already holds them; query at p sees slots j <= p."""
     impl = resolve_impl(impl)

@@ -95,11 +95,19 @@ def _lm_logits(tmod, tparams, hidden):
     return tmod.apply({"params": tparams}, hidden, method=Transformer.logits)
 
 
-def _write_context(dmod, dparams, ctx: ContextCache, taps, positions, lengths) -> ContextCache:
-    """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`."""
+def _write_context(
+    dmod, dparams, ctx: ContextCache, taps, positions, lengths, starts=None, impl: str = "xla"
+) -> ContextCache:
+    """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`; with
+    `starts` [B] (positions = starts[b] + arange(T)) through `attention.write_block` (the
+    Pallas DMA kernel under a TPU Pallas `impl`)."""
     ck, cv = dmod.apply({"params": dparams}, taps, positions, method=DFlashDrafter.context_kv)
-    k = tuple(write_kv(old, new, positions) for old, new in zip(ctx.k, ck))
-    v = tuple(write_kv(old, new, positions) for old, new in zip(ctx.v, cv))
+    if starts is None:
+        write = lambda old, new: write_kv(old, new, positions)
+    else:
+        write = lambda old, new: attn_lib.write_block(old, new, starts, impl)
+    k = tuple(write(old, new) for old, new in zip(ctx.k, ck))
+    v = tuple(write(old, new) for old, new in zip(ctx.v, cv))
     return ContextCache(k=k, v=v, lengths=lengths)
 
 
@@ -204,7 +212,9 @@ def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> D
         ctx = state.ctx
         if dmod is not None:
             positions = start[:, None] + idx
-            ctx = _write_context(dmod, dparams, ctx, taps, positions, new_len)
+            ctx = _write_context(
+                dmod, dparams, ctx, taps, positions, new_len, start, plan.attention_impl
+            )
         num_out = state.num_out + n
         done = state.done | has_stop | (num_out >= state.max_new)
         accepted = state.accepted.at[:, state.step].set(n)
@@ -266,7 +276,16 @@ def _prefill(
         )
         if dmod is not None:
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-            ctx = _write_context(dmod, dparams, ctx, taps, positions, prompt_lens)
+            ctx = _write_context(
+                dmod,
+                dparams,
+                ctx,
+                taps,
+                positions,
+                prompt_lens,
+                jnp.full((b,), start, jnp.int32),
+                plan.attention_impl,
+            )
         at = prompt_lens - 1 - start
         here = (at >= 0) & (at < chunk)
         last = jnp.where(here[:, None], hidden[bidx, jnp.clip(at, 0, chunk - 1)], last)

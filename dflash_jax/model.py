@@ -82,11 +82,14 @@ class DecoderLayer(nn.Module):
         mask_BTT=None,
         attn_chunk: int = 0,
         segment_ids_BT=None,
+        cache_starts_B=None,
     ):
         """One pre-norm decoder layer.
 
         With `layer_cache=(k [B,S,K,D], v [B,S,K,D])` the new K/V are written at `positions`
         and the queries attend to cache slots `j <= position`; it returns the updated pair.
+        `cache_starts_B` [B] (optional) says the positions are `starts[b] + arange(T)`: the
+        write is then `attention.write_block` (a Pallas DMA kernel under a TPU Pallas impl).
         Without a cache, attention is over the T new tokens with `mask_BTT`, or, with
         `attn_chunk > 0`, causal (and segment-masked) `attention.causal_attention`: a flash
         kernel under a Pallas `attention_impl` on TPU / GPU, else `attention.chunked_causal_attention`
@@ -107,8 +110,12 @@ class DecoderLayer(nn.Module):
             new_cache = None
         else:
             ck, cv = layer_cache
-            ck = write_kv(ck, k, positions_BT)
-            cv = write_kv(cv, v, positions_BT)
+            if cache_starts_B is None:
+                ck = write_kv(ck, k, positions_BT)
+                cv = write_kv(cv, v, positions_BT)
+            else:
+                ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl)
+                cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl)
             out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
             new_cache = (ck, cv)
         x_BTH = x_BTH + attn.output(out)
@@ -201,9 +208,11 @@ class Transformer(nn.Module):
                 ),
             )
         b, t = input_ids_BT.shape
+        starts = None  # with a cache and default positions: each row writes a contiguous block
         if positions_BT is None:
             base = 0 if cache is None else cache.lengths[:, None]
             positions_BT = base + jnp.arange(t, dtype=jnp.int32)[None, :]
+            starts = None if cache is None else cache.lengths
         inv_freq = rope_inv_freq(c)
         x = self.embed(input_ids_BT)
         mask = None
@@ -215,7 +224,9 @@ class Transformer(nn.Module):
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
-            x, layer_cache = layer(x, positions_BT, inv_freq, layer_cache, mask)
+            x, layer_cache = layer(
+                x, positions_BT, inv_freq, layer_cache, mask, cache_starts_B=starts
+            )
             if cache is not None:
                 new_k.append(layer_cache[0])
                 new_v.append(layer_cache[1])

@@ -18,6 +18,10 @@ see pallas_kernels/backend.py, the single place where the choice is made.
 interpret=True runs the chosen Pallas variant in interpret mode (TPU kernels
 via pltpu.InterpretParams(), Triton kernels via the HLO interpreter).
 
+  kv_update(cache, new, starts, *, interpret=False)   (TPU only: kv_update.py)
+    cache [B,S,K,D] with rows starts[b]..starts[b]+T-1 set to new [B,T,K,D]
+    (out-of-range slots dropped), DMA'd into the cache where it lies in HBM.
+
 verify/draft are inference kernels (forward only); training_attention has a
 custom_vjp whose gradients match jax.grad of the reference.
 """
@@ -32,7 +36,16 @@ import jax.numpy as jnp
 from . import backend
 from . import reference
 
-__all__ = ["verify_attention", "draft_attention", "training_attention", "reference", "backend"]
+from .kv_update import kv_update
+
+__all__ = [
+    "verify_attention",
+    "draft_attention",
+    "training_attention",
+    "kv_update",
+    "reference",
+    "backend",
+]
 
 
 def _decode_module(variant):

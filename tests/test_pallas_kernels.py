@@ -682,3 +682,30 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
     assert every() == ["cudnn"]
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
     assert every() == ["pallas_tpu"]
+
+
+# ------------------------------------------------------------------ kv_update --
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kv_update_kernel_equals_the_xla_write(dtype):
+    """The Pallas TPU cache write (interpret mode) equals `model.write_kv`'s scatter: batch
+    rows with different starts (tile-aligned: one DMA; unaligned: the window path), a block
+    reaching past the cache (its in-range rows kept) and one wholly out of range (dropped);
+    T = 16 (a tile of rows) and T = 5 / 1 (padded rows); S = 40 (not a tile multiple: XLA)."""
+    from dflash_jax.model import write_kv
+
+    b, k, d = 4, 2, 128
+    for s, t, starts in (
+        (64, 16, [0, 16, 3, 70]),
+        (64, 16, [48, 40, 63, 1]),
+        (64, 5, [0, 7, 60, 64]),
+        (64, 1, [63, 8, 0, 100]),
+        (40, 5, [0, 37, 3, 40]),
+    ):
+        kc, kn = jax.random.split(jax.random.PRNGKey(s + t))
+        cache = jax.random.normal(kc, (b, s, k, d), jnp.float32).astype(dtype)
+        new = jax.random.normal(kn, (b, t, k, d), jnp.float32)
+        st = jnp.asarray(starts, jnp.int32)
+        want = write_kv(cache, new, st[:, None] + jnp.arange(t)[None])
+        got = pk.kv_update(cache, new, st, interpret=True)
+        assert got.dtype == cache.dtype
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
