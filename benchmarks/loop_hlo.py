@@ -4,7 +4,7 @@ machine, abstract TPU devices: no TPU needed): the collectives of each loop body
 (pads and relayouts; whole-cache VMEM round trips as copy-starts).
 
     python benchmarks/loop_hlo.py --model=qwen3_8b --topology=v5e:2x4 --mesh=tensor=8 \\
-        --context=4096 --max_new_tokens=256 --json_out=benchmarks/results/tpu_dry_run/X.json
+        --context=4096 --max_new_tokens=256 --json_out=benchmarks/results/loop_hlo/X.json
 
 The JSON records the command and the commit it was made with.
 """

@@ -20,6 +20,8 @@ Two shapes of attention occur at decode time:
 
 from __future__ import annotations
 
+import os
+
 import jax
 import jax.numpy as jnp
 
@@ -105,9 +107,20 @@ def _per_shard(fn, args, batch_dims, head_dims):
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
+# Cache writes through the Pallas DMA kernel (`pallas_kernels.kv_update`) are opt-in, set once
+# per process: DFLASH_KV_UPDATE=pallas. Compiled for v5e-8 (tensor=8) they remove every
+# whole-cache VMEM round trip of the decode loops (Qwen3-8B at 32K: 8 / 4 per DFlash / AR step
+# -> 0 / 0), but on v5p-8 (tensor=4, 2 KV heads per chip) XLA then prefetches the caches for
+# the attention kernel instead, more often (81 / 36 -> 153 / 143): docs/tpu_dry_run.md.
+KV_UPDATE = os.environ.get("DFLASH_KV_UPDATE", "xla")
+
+
 def uses_kv_kernel(impl: str) -> bool:
     """Whether `write_block` writes through the Pallas TPU kernel (`pallas_kernels.kv_update`)
-    under `impl`: a TPU Pallas impl on the platform compiled for, or "pallas_interpret"."""
+    under `impl`: with KV_UPDATE == "pallas" (DFLASH_KV_UPDATE=pallas), a TPU Pallas impl on the
+    platform compiled for, or "pallas_interpret"."""
+    if KV_UPDATE != "pallas":
+        return False
     impl = resolve_impl(impl)
     if impl in ("pallas_interpret", "pallas_tpu"):
         return True

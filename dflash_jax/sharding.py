@@ -18,7 +18,10 @@ Parameter layouts (Flax Dense kernels are [in, out]):
   q/k/v_proj [H, N*D]: out over tensor      o_proj [N*D, H]: in over tensor
   gate/up    [H, I]:   out over tensor      down   [I, H]:   in over tensor
   embedding  [V, H]:   V over tensor        lm_head [H, V]:  V over tensor
-  fc (drafter) [n*H, H]: in over tensor     norms: replicated
+  fc (drafter) [n*H, H]: out over tensor    norms: replicated
+(fc's input is the concatenation of the target's tapped hidden states: split over tensor, that
+sharding would reach back into the target's replicated residual stream, costing all-to-alls,
+all-gathers and per-norm all-reduces in every verify layer.)
 With `fsdp=True` the other axis of each of those matrices is split over `fsdp`.
 
 Caches ([B, S, K, D] per layer, target KVCache and drafter ContextCache): B over the batch axes,

@@ -375,6 +375,30 @@ def test_pallas_attention_path_gives_the_same_tokens(target, drafter, ar_out):
     assert res.tokens == [seq[:6] for seq in ar_out[:2]]
 
 
+def test_pallas_cache_write_kernel_path_is_exact(target, drafter, ar_out, monkeypatch):
+    """With the Pallas DMA cache-write kernel in the decode path (DFLASH_KV_UPDATE=pallas,
+    interpret mode on CPU) and drafts that are accepted (the oracle, wrong every 7th position),
+    the tokens are the autoregressive ones and several tokens are committed per step."""
+    from dflash_jax import attention
+
+    full = np.zeros((4, 128), np.int32)
+    for i, (p, c) in enumerate(zip(MIXED, ar_out)):
+        full[i, : len(p) + len(c)] = p + c
+    monkeypatch.setattr(attention, "KV_UPDATE", "pallas")
+    monkeypatch.setattr(gen_lib, "draft_block", _oracle_draft(full[:2], wrong_every=7))
+    _forget_compiled(monkeypatch)
+    res = dj.generate(
+        target,
+        drafter,
+        MIXED[:2],
+        max_new_tokens=12,
+        block_size=4,
+        attention_impl="pallas_interpret",
+    )
+    assert res.tokens == [seq[:12] for seq in ar_out[:2]]
+    assert res.tau > 2.0, res.acceptance_lengths
+
+
 def test_streaming_callback_delivers_the_same_tokens(target, drafter, ar_out):
     got = [[] for _ in MIXED]
 

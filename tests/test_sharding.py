@@ -56,7 +56,7 @@ def test_partition_rules_tensor_parallel(findings):
     assert r["down_proj"] == "P('tensor',)"
     assert r["embedding"] == "P('tensor',)"  # [V, H]: vocab-parallel
     assert r["lm_head"] == "P(None, 'tensor')"  # [H, V]
-    assert r["fc"] == "P('tensor',)"  # drafter fc [n*H, H]
+    assert r["fc"] == "P(None, 'tensor')"  # drafter fc [n*H, H]: output over tensor
     assert r["drafter_q_proj"] == "P(None, 'tensor')"
     assert r["q_norm"] == r["input_layernorm"] == "P()"
     assert r["cache_lengths"] == r["ctx_lengths"] == r["batch"] == "P('data',)"
@@ -85,7 +85,7 @@ def test_fsdp_rules_shard_the_other_axis(findings):
     assert r["o_proj"] == "P('tensor', 'fsdp')"
     assert r["embedding"] == "P('tensor', 'fsdp')"
     assert r["lm_head"] == "P('fsdp', 'tensor')"
-    assert r["fc"] == "P('tensor', 'fsdp')"
+    assert r["fc"] == "P('fsdp', 'tensor')"
     assert r["k_proj"] == "P('fsdp',)"  # tensor part replicated (2 KV heads)
     assert r["batch"] == "P('fsdp',)"  # fsdp is data-parallel for the batch
 
@@ -98,7 +98,7 @@ def test_sharded_train_step_matches_single_device(findings, run):
         assert abs(a - b) < 1e-5, (single, sharded)
     assert len(set(single)) == 3  # parameters really move between steps (different batches)
     sh = t["data=2,fsdp=2,tensor=2"]
-    assert sh["fc_spec"] == "P('tensor', 'fsdp')"
+    assert sh["fc_spec"] == "P('fsdp', 'tensor')"
     assert sh["q_spec"] == "P('fsdp', 'tensor')"
     # The batch really is split: rows over data x fsdp (4 of the 8 devices hold distinct rows).
     assert sh["batch_spec"] == "P(('data', 'fsdp'),)" and sh["batch_devices"] == [8, 8, 8]

@@ -133,11 +133,11 @@ def decode_hlo(v5e, tmp_path_factory):
 def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_path, monkeypatch):
     """No instruction of either decode loop body pads, transposes or concatenates a cache-sized
     buffer, at 1 and 2 KV heads per chip; with the capacity left unrounded (the control) the
-    scan finds the kernels' per-step pads. The caches are written by the Pallas DMA kernel
-    (pallas_kernels.kv_update, HBM in and out), not by XLA's scatter: at 1 KV head per chip
-    no whole-cache VMEM round trip (copy-start of a cache) is left. (At 2 KV heads per chip
-    on this tiny preset, XLA still prefetches the small caches into VMEM for the attention
-    kernel: counted by benchmarks/loop_hlo.py, not asserted here.)"""
+    scan finds the kernels' per-step pads. With XLA's cache writes (the default) the scan sees
+    the whole-cache VMEM round trips (copy-starts); with the Pallas DMA write kernel
+    (DFLASH_KV_UPDATE=pallas: pallas_kernels.kv_update, HBM in and out) none is left at 1 KV
+    head per chip. (At 2 KV heads per chip XLA then prefetches the caches for the attention
+    kernel instead: counted by benchmarks/loop_hlo.py, not asserted here.)"""
     no_pads = ("pad", "copy", "transpose", "concatenate")
     from dflash_jax import decoding
     from dflash_jax.dry_run import hlo
@@ -151,10 +151,17 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
             assert hlo.loop_body_computations(text), name
             found = hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, no_pads)
             assert found == [], (mesh, name, found)
-            trips = hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, ("copy-start",))
-            if mesh == "tensor=8":
-                assert trips == [], (mesh, name, trips)
-            assert "kv_update" in text, name  # the kernel writes the caches
+            # The scan sees the caches: their VMEM round trips are found as copy-starts.
+            assert hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, ("copy-start",))
+            assert "kv_update" not in text, name
+    from dflash_jax import attention
+
+    monkeypatch.setattr(attention, "KV_UPDATE", "pallas")
+    for name, text in _decode_hlo(v5e, "tensor=8", tmp_path / "kv").items():
+        cap = decoding.buffer_sizes(1024, 64, 16 if name == "dflash_decode" else 1)[2]
+        assert "kv_update" in text, name  # the kernel writes the caches
+        assert hlo.cache_sized_copies(text, cap, cap * 128, ("copy-start",)) == [], name
+    monkeypatch.setattr(attention, "KV_UPDATE", "xla")
     monkeypatch.setattr(decoding, "cache_capacity", lambda slots: slots)
     text = _decode_hlo(v5e, "tensor=8", tmp_path, only=("dflash_decode",))["dflash_decode"]
     cap = 1024 + 64 + 16
