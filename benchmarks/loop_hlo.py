@@ -1,7 +1,8 @@
 """What one decode step runs, read from the compiled loops' optimized HLO (libtpu on this CPU
 machine, abstract TPU devices: no TPU needed): the collectives of each loop body by scope
 (draft / verify / accept) and the instructions that copy a cache-sized buffer per step
-(pads and relayouts; whole-cache VMEM round trips as copy-starts).
+(pads and relayouts; whole-cache VMEM round trips as copy-starts). DFLASH_KV_UPDATE=pallas
+compiles the cache writes as the Pallas DMA kernel (dflash_jax/attention.py).
 
     python benchmarks/loop_hlo.py --model=qwen3_8b --topology=v5e:2x4 --mesh=tensor=8 \\
         --context=4096 --max_new_tokens=256 --json_out=benchmarks/results/loop_hlo/X.json
@@ -86,6 +87,10 @@ def main(argv):
             f"cache pads/relayouts per step: {len(pads)}; whole-cache VMEM round trips "
             f"(copy-start): {len(trips)}"
         )
+    from dflash_jax import attention
+
+    kv_env = "" if attention.KV_UPDATE == "xla" else f"DFLASH_KV_UPDATE={attention.KV_UPDATE} "
+    print(f"cache writes: {attention.KV_UPDATE} (DFLASH_KV_UPDATE)")
     ratio = found["dflash_decode"]["collectives"] / max(1, found["ar_decode"]["collectives"])
     print(f"DFlash / AR collectives per step: {ratio:.2f}x")
     if FLAGS.json_out:
@@ -98,7 +103,7 @@ def main(argv):
         with open(FLAGS.json_out, "w") as f:
             json.dump(
                 {
-                    "command": "python benchmarks/loop_hlo.py " + " ".join(sys.argv[1:]),
+                    "command": kv_env + "python benchmarks/loop_hlo.py " + " ".join(sys.argv[1:]),
                     "commit": commit,
                     "model": FLAGS.model,
                     "topology": FLAGS.topology,
