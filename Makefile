@@ -45,7 +45,8 @@ test: $(VENV)/.test
 	$(PY) -m pytest $(PYTEST_ARGS)
 
 # The edit loop: everything but the tests marked slow (multi-process and 8-device launches, the
-# notebook, the TPU compiles), under 5 minutes on 2 cores; `make test` runs them all.
+# notebook, the TPU compiles, the CLI probe, benchmark scripts end to end), under 5 minutes on
+# 2 cores; `make test` runs them all.
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 

@@ -31,6 +31,9 @@ from typing import Callable, Dict, Optional, Sequence
 
 import pytest
 
+# Dozens of CLI subprocesses: `make test`, not `make test-fast`.
+pytestmark = pytest.mark.slow
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = os.path.join(ROOT, "assets", "tiny-code")
 

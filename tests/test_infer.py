@@ -182,6 +182,7 @@ def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
     assert r.returncode != 0 and "not found" in r.stderr
 
 
+@pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
 def test_dry_run_clis_report_memory_and_flops():
     r = _run(
         "--dry_run",
@@ -248,6 +249,7 @@ def test_dry_run_cli_bad_input_is_one_line_exit_2():
         assert last.startswith("error: ") and says in last, last
 
 
+@pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
 def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
     """benchmarks/bench_dflash.py on the bundled pair (two prompts, one setting per temperature,
     16 tokens): JSON, Markdown and plots written; greedy DFlash matched AR (else it exits 1)."""
@@ -341,6 +343,7 @@ def test_repetition_script_compares_greedy_completions_with_the_real_continuatio
     assert res["greedy_prompt4"]["median_prompt_tokens"] <= 4
 
 
+@pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
 def test_scale_costs_script_times_both_loops_per_target_size(tmp_path):
     out = tmp_path / "scale.json"
     r = subprocess.run(
@@ -434,6 +437,7 @@ def test_plot_training_chains_stages_and_rejects_empty_files(tmp_path):
     assert bad.returncode != 0 and "no train or eval rows" in bad.stderr
 
 
+@pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
 def test_gpu_steps_tiny_configuration_times_ar_and_dflash_steps(tmp_path):
     """benchmarks/gpu_steps.py --preset=tiny on CPU (XLA attention only there): every row has
     AR and DFlash step times > 0 and their ratio; the JSON names the command, jax, the device

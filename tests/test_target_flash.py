@@ -105,6 +105,7 @@ def test_taps_only_forward_is_the_same_with_splash_as_with_chunked_xla():
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # a TPU compile: `make test`, not `make test-fast`
 @pytest.mark.skipif(
     __import__("dflash_jax.dry_run", fromlist=["x"]).libtpu_missing(),
     reason='needs libtpu: pip install "jax[tpu]" (make test does)',
