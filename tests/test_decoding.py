@@ -376,7 +376,7 @@ def test_pallas_attention_path_gives_the_same_tokens(target, drafter, ar_out):
 
 
 def test_pallas_cache_write_kernel_path_is_exact(target, drafter, ar_out, monkeypatch):
-    """With the Pallas DMA cache-write kernel in the decode path (DFLASH_KV_UPDATE=pallas,
+    """With the Pallas DMA cache-write kernel in the decode path (the TPU default,
     interpret mode on CPU) and drafts that are accepted (the oracle, wrong every 7th position),
     the tokens are the autoregressive ones and several tokens are committed per step."""
     from dflash_jax import attention
