@@ -13,6 +13,7 @@ import sys
 import tempfile
 import types
 
+import _pair
 import numpy as np
 import pytest
 
@@ -190,6 +191,19 @@ def hf_models64(hf_checkpoints):
     import copy
 
     return {k: copy.deepcopy(m).double() for k, (_, m) in hf_checkpoints.items()}
+
+
+@pytest.fixture(scope="session")
+def bundled_pair():
+    """(target, drafter, prompts): the bundled trained pair in float32 and the code prompts
+    tokenized (tests/_pair.py: the drafter that losslessness tests use)."""
+    import dflash_jax as dj
+    from dflash_jax.data.tokenizer import load_tokenizer
+
+    target = dj.load_target(os.path.join(_pair.PAIR, "target"), dtype="float32")
+    drafter = dj.load_drafter(os.path.join(_pair.PAIR, "drafter"), target=target)
+    tok = load_tokenizer(os.path.join(_pair.PAIR, "target"))
+    return target, drafter, [tok.encode(c) for c in _pair.CODE]
 
 
 @pytest.fixture(scope="session")

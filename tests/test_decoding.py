@@ -12,6 +12,8 @@ import dflash_jax as dj
 from dflash_jax import decoding as gen_lib
 from dflash_jax import sampling
 
+from _pair import assert_accepted
+
 MIXED = [[5, 9, 2, 77, 3], list(range(20, 43)), [100], [7, 7, 7, 1, 2, 3, 4, 5, 6, 60, 61]]
 
 
@@ -22,6 +24,8 @@ def target(hf_checkpoints):
 
 @pytest.fixture(scope="module")
 def drafter(target):
+    """A random drafter, never accepted: only for the oracle tests (which replace its drafts)
+    and the bad-input checks, never as the evidence of losslessness."""
     cfg = dj.make_drafter_config(
         target.config, num_layers=2, num_taps=3, block_size=16, mask_token_id=127
     )
@@ -30,8 +34,34 @@ def drafter(target):
 
 @pytest.fixture(scope="module")
 def ar_out(target):
-    """Autoregressive greedy continuations of MIXED (the losslessness reference)."""
+    """Autoregressive greedy continuations of MIXED on the random target (the oracle tests')."""
     return dj.generate(target, None, MIXED, max_new_tokens=40).tokens
+
+
+# Losslessness with a drafter that is accepted: the bundled trained pair (conftest.py) on code
+# prompts. Every such test asserts acceptance (`assert_accepted`), so that the multi-token
+# commits, their cache writes and the roll-backs are what is compared with autoregressive
+# decoding; with a never-accepted drafter each step commits only the target's own token.
+NEW = 40
+
+
+@pytest.fixture(scope="module")
+def pair(bundled_pair):
+    return bundled_pair
+
+
+@pytest.fixture(scope="module")
+def pair_ar(pair):
+    """Autoregressive greedy continuations of the code prompts (the losslessness reference)."""
+    target, _, prompts = pair
+    return dj.generate(target, None, prompts, max_new_tokens=NEW).tokens
+
+
+@pytest.fixture(scope="module")
+def pair_drafts(pair):
+    """DFlash at block 8 over the whole batch with its drafts recorded (shared by tests)."""
+    target, drafter, prompts = pair
+    return dj.generate(target, drafter, prompts, NEW, block_size=8, return_drafts=True)
 
 
 def test_ar_baseline_equals_transformers_generate(hf_models64, ar_out):
@@ -51,27 +81,50 @@ def test_ar_baseline_equals_transformers_generate(hf_models64, ar_out):
 
 @pytest.mark.parametrize("block_size", (2, 8, 16))
 @pytest.mark.parametrize("batch", (1, 4))
-def test_greedy_dflash_equals_autoregressive(target, drafter, ar_out, block_size, batch):
-    res = dj.generate(target, drafter, MIXED[:batch], max_new_tokens=40, block_size=block_size)
-    assert res.tokens == ar_out[:batch]
+def test_greedy_dflash_equals_autoregressive(pair, pair_ar, block_size, batch):
+    """Blocks 2 / 8 / 16, one prompt and a ragged batch: the tokens are the autoregressive
+    ones, and several drafts per step were accepted (at block 2 a step commits at most 2)."""
+    target, drafter, prompts = pair
+    res = dj.generate(target, drafter, prompts[:batch], NEW, block_size=block_size)
+    assert res.tokens == pair_ar[:batch]
+    assert_accepted(res, block_size, min_tau=1.3 if block_size == 2 else 1.5)
     for acc in res.acceptance_lengths:
-        assert sum(acc) == 39  # the first token comes from prefill
+        assert sum(acc) == NEW - 1  # the first token comes from prefill
         assert all(1 <= a <= block_size for a in acc)
 
 
-@pytest.mark.parametrize("block_size", (2, 16))
-def test_stop_tokens_truncate_like_autoregressive(target, drafter, ar_out, block_size):
-    # Stop on a token that appears mid-way in some continuations but not others.
-    stop = ar_out[1][17]
-    want = []
-    for seq in ar_out:
-        want.append(seq[: seq.index(stop) + 1] if stop in seq else seq)
-    res = dj.generate(
-        target, drafter, MIXED, max_new_tokens=40, block_size=block_size, stop_token_ids=[stop]
-    )
-    ar = dj.generate(target, None, MIXED, max_new_tokens=40, stop_token_ids=[stop])
+def _stop_inside_accepted_run(tokens, acceptance):
+    """(sequence, stop token, step, tokens that step commits up to the stop): a token that a
+    step commits in the middle of a run of >= 3 accepted tokens, at its first occurrence in
+    its sequence, or None."""
+    for b, (seq, acc) in enumerate(zip(tokens, acceptance)):
+        pos = 1  # the first token comes from prefill
+        for step, a in enumerate(acc):
+            for j in range(pos + 1, pos + a - 1):  # not the run's first or last token
+                if seq.index(seq[j]) == j:
+                    return b, seq[j], step, j - pos + 1
+            pos += a
+    return None
+
+
+@pytest.mark.parametrize("block_size", (8, 16))
+def test_stop_token_inside_an_accepted_run_truncates_like_autoregressive(pair, pair_ar, block_size):
+    """A stop token committed in the middle of a multi-token accepted run ends its sequence
+    there (the drafts after it are dropped) while the other sequences decode on: the tokens
+    are autoregressive decoding's with the same stop token."""
+    target, drafter, prompts = pair
+    free = dj.generate(target, drafter, prompts, NEW, block_size=block_size)
+    found = _stop_inside_accepted_run(free.tokens, free.acceptance_lengths)
+    assert found is not None, free.acceptance_lengths
+    b, stop, step, upto = found
+    want = [seq[: seq.index(stop) + 1] if stop in seq else seq for seq in pair_ar]
+    res = dj.generate(target, drafter, prompts, NEW, block_size=block_size, stop_token_ids=[stop])
+    ar = dj.generate(target, None, prompts, NEW, stop_token_ids=[stop])
     assert res.tokens == want and ar.tokens == want
-    assert any(len(w) < 40 for w in want)
+    # Sequence b ended at the step that accepted the run, cut at the stop token mid-run.
+    assert len(res.acceptance_lengths[b]) == step + 1
+    assert res.acceptance_lengths[b][-1] == upto < free.acceptance_lengths[b][step]
+    assert any(len(w) == NEW for w in want)  # others ran to the end
 
 
 def _forget_compiled(monkeypatch):
@@ -153,31 +206,62 @@ def test_full_output_buffer_with_many_token_commits_is_exact(target, drafter, ar
     assert res.tau > 3.0 and max(max(a) for a in res.acceptance_lengths) >= 5
 
 
-def test_denoise_steps_and_confidence_threshold_stay_lossless(target, drafter, ar_out):
+def _matching_prefix(draft, seq, pos):
+    """How many of a step's drafts equal the tokens committed after position pos."""
+    n = 0
+    while n < len(draft) and pos + n < len(seq) and draft[n] == seq[pos + n]:
+        n += 1
+    return n
+
+
+def test_denoise_steps_change_drafts_and_stay_lossless(pair, pair_ar, pair_drafts):
+    """Three denoising passes: the tokens are the autoregressive ones, the drafter is accepted,
+    and the drafts differ from one pass's (same first-step context): the passes do something."""
+    target, drafter, prompts = pair
     res = dj.generate(
-        target, drafter, MIXED, max_new_tokens=40, block_size=8, denoise_steps=3, return_drafts=True
+        target, drafter, prompts, NEW, block_size=8, denoise_steps=3, return_drafts=True
     )
-    assert res.tokens == ar_out
+    assert res.tokens == pair_ar
+    assert_accepted(res, 8)
     assert all(
         len(d) == len(a) and all(len(b) == 7 for b in d)
         for d, a in zip(res.drafts, res.acceptance_lengths)
     )
-    res = dj.generate(
-        target, drafter, MIXED, max_new_tokens=40, block_size=8, confidence_threshold=0.5
-    )
-    assert res.tokens == ar_out
+    assert any(d3[0] != d1[0] for d3, d1 in zip(res.drafts, pair_drafts.drafts))
 
 
-def test_recorded_drafts_explain_acceptance(target, drafter, ar_out):
+def test_confidence_threshold_trims_acceptance_and_stays_lossless(pair, pair_ar, pair_drafts):
+    """confidence_threshold=0.5: the tokens are the autoregressive ones; no step accepts more
+    drafts than matched, and some step accepts fewer than matched (a right but low-confidence
+    draft is not accepted), so tau falls below the untrimmed run's."""
+    target, drafter, prompts = pair
     res = dj.generate(
-        target, drafter, MIXED[:2], max_new_tokens=40, block_size=8, return_drafts=True
+        target, drafter, prompts, NEW, block_size=8, confidence_threshold=0.5, return_drafts=True
     )
-    for seq, acc, drafts, prompt in zip(res.tokens, res.acceptance_lengths, res.drafts, MIXED):
+    assert res.tokens == pair_ar
+    trimmed = 0
+    for seq, acc, drafts in zip(res.tokens, res.acceptance_lengths, res.drafts):
+        pos = 1
+        for a, d in zip(acc, drafts):
+            matched = _matching_prefix(d, seq, pos)
+            assert a - 1 <= matched
+            trimmed += a - 1 < matched and pos + a < NEW
+            pos += a
+    assert trimmed > 0
+    assert 1.0 < res.tau < pair_drafts.tau
+
+
+def test_recorded_drafts_explain_acceptance(pair_ar, pair_drafts):
+    """Each step's a-1 accepted drafts are the tokens it committed, the next draft was wrong,
+    and some steps accepted several drafts (the check is not of empty prefixes)."""
+    res = pair_drafts
+    assert_accepted(res, 8)
+    assert res.tokens == pair_ar
+    for seq, acc, drafts in zip(res.tokens, res.acceptance_lengths, res.drafts):
         pos = 1  # tokens committed before this step (first one from prefill)
         for a, d in zip(acc, drafts):
-            # The a-1 accepted drafts equal the committed tokens; the next draft was wrong.
             assert d[: a - 1] == seq[pos : pos + a - 1]
-            if pos + a - 1 < len(seq) and a - 1 < len(d) and pos + a < 40:
+            if pos + a - 1 < len(seq) and a - 1 < len(d) and pos + a < NEW:
                 assert d[a - 1] != seq[pos + a - 1]
             pos += a
 
@@ -362,17 +446,15 @@ def test_inverse_transform_sampler_draws_the_distribution():
     assert z_bad > 10.0, z_bad
 
 
-def test_pallas_attention_path_gives_the_same_tokens(target, drafter, ar_out):
-    """The models with the Pallas kernels (interpret mode on CPU) decode the same tokens."""
+def test_pallas_attention_path_gives_the_same_tokens(pair, pair_ar):
+    """The models with the Pallas kernels (interpret mode on CPU) decode the same tokens, with
+    the trained drafter accepted."""
+    target, drafter, prompts = pair
     res = dj.generate(
-        target,
-        drafter,
-        MIXED[:2],
-        max_new_tokens=6,
-        block_size=4,
-        attention_impl="pallas_interpret",
+        target, drafter, prompts[:2], 12, block_size=4, attention_impl="pallas_interpret"
     )
-    assert res.tokens == [seq[:6] for seq in ar_out[:2]]
+    assert res.tokens == [seq[:12] for seq in pair_ar[:2]]
+    assert_accepted(res, 4, min_tau=1.3)
 
 
 def test_pallas_cache_write_kernel_path_is_exact(target, drafter, ar_out, monkeypatch):
@@ -399,24 +481,32 @@ def test_pallas_cache_write_kernel_path_is_exact(target, drafter, ar_out, monkey
     assert res.tau > 2.0, res.acceptance_lengths
 
 
-def test_streaming_callback_delivers_the_same_tokens(target, drafter, ar_out):
-    got = [[] for _ in MIXED]
+def test_streaming_callback_delivers_the_same_tokens(pair, pair_ar):
+    """The callback receives each step's commits (several tokens in accepted steps): in
+    order, they are the result's tokens, the autoregressive ones."""
+    target, drafter, prompts = pair
+    got = [[] for _ in prompts]
+    widest = [0]
 
     def sink(chunks):
         for b, c in enumerate(chunks):
             got[b].extend(c)
+            widest[0] = max(widest[0], len(c))
 
-    res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8, stream_callback=sink)
-    assert got == res.tokens == ar_out
+    res = dj.generate(target, drafter, prompts, NEW, block_size=8, stream_callback=sink)
+    assert got == res.tokens == pair_ar
+    assert_accepted(res, 8)
+    assert widest[0] >= 3
 
 
-def test_compare_streams_warms_up_and_matches_autoregressive(target, drafter, ar_out):
+def test_compare_streams_warms_up_and_matches_autoregressive(pair, pair_ar):
     """`serving.compare` (infer.py's, the notebook's): an extra streamed run, an untimed
     warm-up, then DFlash and autoregressive timed on the same prompts. The streamed tokens are
     the result's, and only the latest callback's streaming programs stay compiled."""
     from dflash_jax import serving
 
-    got = [[] for _ in MIXED]
+    target, drafter, prompts = pair
+    got = [[] for _ in prompts]
 
     def sink(chunks):
         for b, c in enumerate(chunks):
@@ -425,31 +515,33 @@ def test_compare_streams_warms_up_and_matches_autoregressive(target, drafter, ar
     c = serving.compare(
         target,
         drafter,
-        MIXED,
-        max_new_tokens=40,
+        prompts,
+        max_new_tokens=NEW,
         block_size=8,
         stop_token_ids=(),
         stream_callback=sink,
     )
-    assert got == c.spec.tokens == c.ar.tokens == ar_out and c.identical is True
+    assert got == c.spec.tokens == c.ar.tokens == pair_ar and c.identical is True
+    assert_accepted(c.spec, 8)
     assert c.spec.stats["compile_s"] == c.ar.stats["compile_s"] == 0  # warmed up
     assert c.speedup > 0 and c.spec.stats["block_size"] == 8 and c.ar.stats["block_size"] == 1
     streaming = {k[2].stream for k in gen_lib._Compiled.cache if k[2].stream is not None}
     assert streaming == {sink}
 
 
-def test_chunked_prefill_equals_one_pass(target, drafter, ar_out):
+def test_chunked_prefill_equals_one_pass(pair, pair_ar):
     """Prefill in chunks of 8 tokens (a scan appending to the caches: linear attention
     temporaries) fills the same target and drafter caches as one pass, and decodes the same
     tokens as autoregressive greedy decoding, for DFlash and for the autoregressive loop."""
     from dflash_jax.drafter import DFlashDrafter
     from dflash_jax.model import Transformer
 
-    b, p_pad, n_buf = len(MIXED), 32, 64
+    target, drafter, prompts = pair
+    b, p_pad, n_buf = len(prompts), 32, 64
     ids = np.zeros((b, p_pad), np.int32)
-    for i, pr in enumerate(MIXED):
+    for i, pr in enumerate(prompts):
         ids[i, : len(pr)] = pr
-    lens = jnp.asarray([len(pr) for pr in MIXED], jnp.int32)
+    lens = jnp.asarray([len(pr) for pr in prompts], jnp.int32)
     tmod, dmod = Transformer(target.config), DFlashDrafter(drafter.config)
 
     def prefill(chunk):
@@ -484,5 +576,7 @@ def test_chunked_prefill_equals_one_pass(target, drafter, ar_out):
     ):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-5, rtol=1e-5)
     assert float(jnp.abs(one.cache.k[0]).max()) > 0  # the comparison is not of empty caches
-    assert dj.generate(target, drafter, MIXED, max_new_tokens=40, prefill_chunk=8).tokens == ar_out
-    assert dj.generate(target, None, MIXED, max_new_tokens=40, prefill_chunk=8).tokens == ar_out
+    res = dj.generate(target, drafter, prompts, NEW, prefill_chunk=8)
+    assert res.tokens == pair_ar
+    assert_accepted(res, 16)
+    assert dj.generate(target, None, prompts, NEW, prefill_chunk=8).tokens == pair_ar
