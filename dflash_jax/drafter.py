@@ -141,6 +141,31 @@ class DrafterConfig:
         )
         if num_target_layers is None:
             num_target_layers = max(ids) + 1
+        # Every layer here is full (non-causal) attention over context and block. Newer z-lab
+        # drafters declare sliding-window layers; loading one as full attention would draft
+        # from the wrong context without any error, so anything else is refused.
+        layer_types = hf.get("layer_types")
+        if layer_types is not None:
+            if not isinstance(layer_types, list):
+                raise CheckpointError(
+                    f"{source}: layer_types must be a list, got {type(layer_types).__name__}"
+                )
+            if len(layer_types) != body.num_layers:
+                raise CheckpointError(
+                    f"{source}: layer_types has {len(layer_types)} entries for "
+                    f"num_hidden_layers={body.num_layers}"
+                )
+            for j, kind in enumerate(layer_types):
+                if kind != "full_attention":
+                    raise CheckpointError(
+                        f"{source}: layer_types[{j}] is {repr(kind)[:60]}; only "
+                        "'full_attention' drafter layers are supported"
+                    )
+        elif hf.get("use_sliding_window") is True:
+            raise CheckpointError(
+                f"{source}: use_sliding_window is true; only full-attention drafter layers "
+                "are supported"
+            )
         return cls(
             body=body,
             block_size=block_size,
@@ -156,6 +181,10 @@ class DrafterConfig:
             {
                 "architectures": ["DFlashDraftModel"],
                 "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+                # The published files' spelling (transformers >= 4.56); torch_dtype stays
+                # for older readers.
+                "dtype": torch_dtype,
+                "initializer_range": INITIALIZER_RANGE,
                 "block_size": self.block_size,
                 "num_target_layers": self.num_target_layers,
                 "layer_types": ["full_attention"] * self.body.num_layers,
