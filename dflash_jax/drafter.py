@@ -110,6 +110,11 @@ class DrafterConfig:
                 f"{source}: dflash_config must be an object, got {type(dcfg).__name__}"
             )
         block_size = dcfg.get("block_size", hf.get("block_size"))
+        if "block_size" in dcfg and "block_size" in hf and dcfg["block_size"] != hf["block_size"]:
+            raise CheckpointError(
+                f"{source}: block_size {hf['block_size']!r} at the top level and "
+                f"{dcfg['block_size']!r} in dflash_config disagree"
+            )
         if block_size is None:
             raise CheckpointError(f"{source}: missing 'block_size' (top level or dflash_config)")
         block_size = check(int_param, f"{source}: block_size", block_size, lo=2)

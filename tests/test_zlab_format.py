@@ -249,8 +249,13 @@ def test_loader_reads_the_published_config_fields(loaded, published, target, tmp
         return read_drafter_config(str(tmp_path), target.config)
 
     # Each field is read from the file: a changed value comes back changed.
-    def top_block(hf):
+    def top_block(hf):  # older files: block_size at the top level only
         hf["block_size"] = 10
+        hf["dflash_config"].pop("block_size", None)
+
+    def both_disagree(hf):
+        hf["block_size"] = 10
+        hf["dflash_config"]["block_size"] = 16
 
     def inner_block(hf):  # newer files: block_size inside dflash_config only
         del hf["block_size"]
@@ -268,6 +273,8 @@ def test_loader_reads_the_published_config_fields(loaded, published, target, tmp
 
     assert variant(top_block).block_size == 10
     assert variant(inner_block).block_size == 8
+    with pytest.raises(dj.CheckpointError, match="block_size 10 at the top level and 16"):
+        variant(both_disagree)  # never one of them silently
     assert variant(mask).mask_token_id == 151670
     assert variant(taps).target_layer_ids == (2, 10, 18, 26, 34)
     assert variant(rope_parameters).body.rope_theta == 5e6
