@@ -86,6 +86,21 @@ def format_report(r: Dict[str, Any]) -> str:
             sp = ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in t["speedup_at_tau"].items())
             bd = ", ".join(f"{v:.2f}x" for v in t["bound_speedup_at_tau"].values())
             lines.append(f"    {impl:6s} projected speedup {sp} (weights+KV bound: {bd})")
+            if "hbm_speedup_at_tau" in t:
+                for kind in ("ar", "dflash"):
+                    k = t[kind]
+                    lines.append(
+                        f"    {impl:6s} {kind:6s} HBM model {k['time_s'] * 1e3:7.3f} ms = max("
+                        f"compute {k['compute_s'] * 1e3:.3f}, HBM {k['hbm_s'] * 1e3:.3f}) + ICI "
+                        f"{k['collective_s'] * 1e3:.3f} + latency {k['latency_s'] * 1e3:.3f};"
+                        f" floor {k['floor_s'] * 1e3:.3f} ms"
+                    )
+                sp = ", ".join(f"tau {a}: {v:.2f}x" for a, v in t["hbm_speedup_at_tau"].items())
+                bd = ", ".join(f"{v:.2f}x" for v in t["floor_speedup_at_tau"].values())
+                lines.append(
+                    f"    {impl:6s} HBM model: DFlash/AR step {t['hbm_step_ratio']:.2f}x, "
+                    f"projected speedup {sp} (floor: {bd})"
+                )
         lines.append(
             "  (cost analysis of a decode loop counts its body once plus the "
             "once-per-call work outside it; the step figures are two-step-loop minus "

@@ -105,11 +105,12 @@ def _hbm_numbers(message: str) -> Dict[str, float]:
 
 
 def compile_stats(
-    lower_fn, capacity: Optional[int], hlo_path: Optional[str] = None
+    lower_fn, capacity: Optional[int], hlo_path: Optional[str] = None, keep_text: bool = False
 ) -> Dict[str, Any]:
     """Compiles `lower_fn()` and reads the memory plan, cost analysis and collectives. A
     RESOURCE_EXHAUSTED compile gives fits=False with the compiler's numbers, not an error.
-    hlo_path: also write the compiled program's optimized HLO text there."""
+    hlo_path: also write the compiled program's optimized HLO text there; keep_text: return it
+    as "hlo_text" (for the caller to read and drop)."""
     t0 = time.perf_counter()
     try:
         compiled = lower_fn().compile()
@@ -154,7 +155,7 @@ def compile_stats(
         os.makedirs(os.path.dirname(os.path.abspath(hlo_path)), exist_ok=True)
         with open(hlo_path, "w") as f:
             f.write(text)
-    return {
+    out = {
         "fits": None if capacity is None else hbm["total"] <= capacity,
         "hbm_bytes": hbm,
         "hbm_capacity_bytes": capacity,
@@ -165,6 +166,9 @@ def compile_stats(
         # Compiled Pallas kernels (Mosaic custom calls) in the program.
         "mosaic_kernels": text.count('custom_call_target="tpu_custom_call"'),
     }
+    if keep_text:
+        out["hlo_text"] = text
+    return out
 
 
 def tree_bytes_per_device(tree, shardings) -> int:

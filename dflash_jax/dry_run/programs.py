@@ -7,6 +7,7 @@ import os
 
 from typing import Any, Dict, Optional, Sequence, Union
 
+from dflash_jax.dry_run import hbm
 from dflash_jax.dry_run.chips import DEFAULT_TAUS, chip_public, roofline
 from dflash_jax.dry_run.compiled import (
     compile_stats,
@@ -38,6 +39,43 @@ def _loop_program(tmod, dmod, plan, reps: int):
         return jax.lax.while_loop(lambda s: (~jnp.all(s.done)) & (s.step < n_buf), body, state)
 
     return run
+
+
+def _floor(tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, context, rows, passes):
+    """The analytic per-chip floor of one decode step (`hbm.floor_bytes`) from the per-chip
+    sizes of the weights and caches as sharded."""
+    import jax
+
+    from dflash_jax import sharding
+
+    flat = jax.tree_util.tree_flatten_with_path(tparams)[0]
+    shards = jax.tree_util.tree_leaves(tshard)
+    embed = head = 0
+    for (path, x), s in zip(flat, shards):
+        keys = "/".join(str(getattr(k, "key", k)) for k in path)
+        nbytes = tree_bytes_per_device(x, s)
+        if "embed_tokens" in keys:
+            embed += nbytes
+        elif "lm_head" in keys:
+            head += nbytes
+    total = tree_bytes_per_device(tparams, tshard)
+    if tcfg.tie_word_embeddings:
+        head = embed  # the LM head is the embedding table, read whole at each LM-head pass
+    body = total - embed - (0 if tcfg.tie_word_embeddings else head)
+    ctx = 0
+    if state.ctx is not None:
+        ctx = tree_bytes_per_device(state.ctx, sharding.cache_sharding(state.ctx, mesh))
+    return hbm.floor_bytes(
+        body_weight_bytes=body,
+        lm_head_bytes=head,
+        drafter_weight_bytes=0 if dparams is None else tree_bytes_per_device(dparams, dshard),
+        cache_bytes=tree_bytes_per_device(state.cache, sharding.cache_sharding(state.cache, mesh)),
+        ctx_bytes=ctx,
+        capacity=capacity,
+        context=context,
+        rows=rows,
+        passes=passes,
+    )
 
 
 def dry_run_infer(
@@ -124,7 +162,9 @@ def dry_run_infer(
                     lambda: decode_jit.lower(tp_a, dp_a, state),
                     capacity_bytes,
                     hlo(f"{kind}_decode"),
+                    keep_text=True,
                 )
+                text = loop.pop("hlo_text", None)
                 programs[f"{kind}_decode" + suffix] = loop
                 if step_costs and chip is not None and loop["flops"] is not None:
                     twice = jax.jit(
@@ -142,6 +182,17 @@ def dry_run_infer(
                         - sum(c["count"] for c in loop["collectives"]),
                         "loop_flops": loop["flops"],
                     }
+                    # The HBM model (dry_run.hbm): one iteration of the real loop's body is
+                    # one step; no differencing.
+                    traffic = hbm.hbm_traffic(text)
+                    count, latency = hbm.loop_collective_latency(text)
+                    steps[f"{kind}_step" + suffix].update(
+                        hbm_bytes=traffic["hbm_bytes"],
+                        hbm_by_op=traffic["by_op"],
+                        top_ops=traffic["top_ops"],
+                        loop_collectives=count,
+                        collective_latency_s=latency,
+                    )
             if impl_name == attention[0]:
                 st = sh["state_shape"]
                 caches = [st.cache] + ([st.ctx] if st.ctx is not None else [])
@@ -151,6 +202,10 @@ def dry_run_infer(
                 sizes[f"{kind}_param_bytes"] = tree_bytes_per_device(tparams, sh["tparams"]) + (
                     0 if dp is None else tree_bytes_per_device(dp, sh["dparams"])
                 )
+                sizes[f"{kind}_floor_bytes"] = _floor(
+                    tcfg, tparams, sh["tparams"], dp, sh["dparams"], st, m, capacity,
+                    context, k_bs, plan.denoise_steps if dmod is not None else 0,
+                )  # fmt: skip
     result = {
         "topology": topology or platform_name(m),
         "model": model,

@@ -1,0 +1,304 @@
+"""The HBM model of a decode step: what one step must read and write (the floor, analytic) and
+what the compiled step reads and writes in HBM (counted in the optimized HLO of its loop body).
+
+Why not the cost analysis: XLA's `bytes accessed` counts VMEM prefetch copies and reads from VMEM
+as traffic, so a 16-row matmul is counted at several times its weights while a 1-row one is
+counted once (issue 26), which inflates DFlash's 16-row draft and verify against AR's 1-row step.
+
+**The compiled count** (`hbm_traffic`). The instructions run per iteration of the decode
+`while` loop (its body and the control flow it calls, not the inside of fusions, which runs
+out of registers and VMEM) are walked once: one iteration is one decode step. Each instruction
+is charged the bytes of its operands and results that live in HBM (memory space 0: a TPU
+layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
+- no traffic: parameter, get-tuple-element, tuple, bitcast, constant, the `-done` halves of
+  async pairs, and the control-flow ops themselves (their computations are walked instead);
+- a fusion's operand that the fused computation only slices (`slice`, `dynamic-slice`,
+  `gather`) is charged the slices' sizes, not the whole array;
+- an in-place update (a fusion rooted in `dynamic-update-slice` or `scatter` whose updated
+  array is a fusion parameter, the loop-carried cache) is charged the update written (and its
+  operands read), not the array;
+- a Pallas kernel (`custom-call`) is charged every HBM operand and result at full size, except
+  an output aliased to an input (`output_to_operand_aliasing`: the DMA cache-write kernel writes
+  its new rows into the aliased cache): that pair is charged nothing and the kernel's other
+  operands (the rows) are charged once. So a decode-attention kernel's cache operand is charged
+  at the cache's capacity, an upper bound on what it reads (the filled prefix);
+- `copy-start` (an asynchronous copy: HBM <-> VMEM) is charged its source and destination
+  where they are in HBM: a prefetch of a whole cache into VMEM shows here at the cache's size.
+What the count is not: the compiler's own schedule (prefetched weights are charged once, as
+they are read once), HBM traffic inside a Pallas kernel that the HLO cannot see beyond its
+operands, or any cache effect. It is a count of the program's HBM operands, for comparing
+programs with each other and with the floor; tested on single-op programs whose traffic is
+known (tests/test_tpu_compile.py).
+
+**The floor** (`floor_bytes`), per chip per step: the target's weights once (the embedding
+table, read by row, excluded; the LM head counted separately), the LM head once for the verify
+plus once per drafter pass, the drafter's weights once per pass, the KV cache read over the
+filled prefix (context tokens, not the capacity) and the new rows written, and the drafter's
+context K/V likewise (read per pass, block rows written).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from typing import Any, Dict, List, Optional, Tuple
+
+from dflash_jax.dry_run.compiled import _DTYPE_BYTES
+from dflash_jax.dry_run.hlo import _INSTR, computations
+
+# One array type with its layout: bf16[1,34304,128]{2,1,0:T(8,128)(2,1)S(1)}
+_TYPED = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
+_NO_TRAFFIC = {
+    "parameter",
+    "get-tuple-element",
+    "tuple",
+    "bitcast",
+    "constant",
+    "after-all",
+    "partition-id",
+    "replica-id",
+    "opt-barrier",
+    "copy-done",
+    "all-gather-done",
+    "all-reduce-done",
+    "collective-permute-done",
+    "send-done",
+    "recv-done",
+    "async-done",
+    "while",
+    "conditional",
+    "call",
+}
+_SLICING = ("slice", "dynamic-slice", "gather")
+_IN_PLACE = ("dynamic-update-slice", "scatter")
+
+
+def _array_bytes(type_text: str, hbm_only: bool = True) -> List[int]:
+    """Sizes of the array types in `type_text` (a tuple gives several), HBM-resident only."""
+    out = []
+    for dt, dims, layout in _TYPED.findall(type_text):
+        if hbm_only and layout and re.search(r"S\(([1-9]\d*)\)", layout):
+            continue
+        out.append(math.prod(int(d) for d in dims.split(",") if d) * _DTYPE_BYTES[dt])
+    return out
+
+
+def _operands(rest: str) -> List[str]:
+    """Operand names of an instruction (the text after its opcode's parenthesis)."""
+    depth, i = 1, 0
+    while i < len(rest) and depth:
+        depth += {"(": 1, ")": -1}.get(rest[i], 0)
+        i += 1
+    return re.findall(r"%([\w.\-]+)", rest[: i - 1])
+
+
+def _types(lines: List[str]) -> Dict[str, str]:
+    """{instruction name: its result type text} of a computation (parameters included)."""
+    out = {}
+    for line in lines:
+        m = _INSTR.match(line)
+        if m:
+            out[m.group(2)] = m.group(3)
+    return out
+
+
+class _Fused:
+    """What a fused computation does with each parameter: the bytes it slices out of it (None:
+    used whole) and, for an in-place update of parameter p, (p, update bytes)."""
+
+    def __init__(self, lines: List[str]):
+        types = _types(lines)
+        params: Dict[int, str] = {}
+        uses: Dict[str, List[Tuple[str, str, List[str]]]] = {}
+        root = None
+        for line in lines:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, rtype, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
+            if op == "parameter":
+                params[int(re.match(r"(\d+)", rest).group(1))] = name
+            ops = _operands(rest)
+            for o in ops:
+                uses.setdefault(o, []).append((op, rtype, ops))
+            if m.group(1):
+                root = (name, op, ops)
+        self.sliced: Dict[int, Optional[int]] = {}
+        for i, p in params.items():
+            u = uses.get(p, [])
+            if u and all(op in _SLICING and ops[0] == p for op, _, ops in u):
+                self.sliced[i] = sum(sum(_array_bytes(rt, False)) for _, rt, _ in u)
+            else:
+                self.sliced[i] = None
+        self.in_place: Optional[Tuple[int, int]] = None
+        if root and root[1] in _IN_PLACE and root[2]:
+            target = root[2][0]
+            idx = [i for i, p in params.items() if p == target]
+            upd = root[2][1] if root[1] == "dynamic-update-slice" else root[2][-1]
+            if idx and upd in types:
+                self.in_place = (idx[0], sum(_array_bytes(types[upd], False)))
+
+
+def _walk_computations(comps: Dict[str, List[str]]) -> List[str]:
+    """The control-flow computations run per iteration of the module's `while` loops (bodies,
+    conditions, conditional branches, called computations; never fusion bodies)."""
+    todo: List[str] = []
+    for lines in comps.values():
+        for line in lines:
+            if re.search(r"\swhile\(", line):
+                todo += re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)
+    seen: List[str] = []
+    while todo:
+        c = todo.pop()
+        if c in seen or c not in comps:
+            continue
+        seen.append(c)
+        for line in comps[c]:
+            m = _INSTR.match(line)
+            if not m or m.group(4) not in ("while", "conditional", "call"):
+                continue
+            todo += re.findall(
+                r"(?:body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)",
+                line,
+            )
+            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
+                todo += [x.strip().lstrip("%") for x in group.split(",") if x.strip()]
+    return seen
+
+
+def _scope(rest: str) -> str:
+    m = re.search(r'op_name="([^"]*)"', rest)
+    return m.group(1) if m else ""
+
+
+def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
+    """HBM bytes one iteration of the program's decode loop reads and writes (module doc).
+    Returns {"hbm_bytes", "by_op": {opcode: bytes}, "top_ops": [{"name", "op", "bytes",
+    "type", "scope"}] (the `top` largest instructions)}."""
+    comps = computations(hlo_text)
+    fused: Dict[str, _Fused] = {}
+    rows = []
+    for c in _walk_computations(comps):
+        types = _types(comps[c])
+        for line in comps[c]:
+            m = _INSTR.match(line)
+            if not m:
+                continue
+            name, rtype, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
+            if op in _NO_TRAFFIC:
+                continue
+            ops = _operands(rest)
+            reads = [sum(_array_bytes(types.get(o, ""))) for o in ops]
+            writes = sum(_array_bytes(rtype))
+            kind = op
+            if op == "fusion":
+                fm = re.search(r"calls=%?([\w.\-]+)", rest)
+                f = fused.get(fm.group(1)) if fm else None
+                if f is None and fm and fm.group(1) in comps:
+                    f = fused[fm.group(1)] = _Fused(comps[fm.group(1)])
+                if f is not None:
+                    for i, sliced in f.sliced.items():
+                        if sliced is not None and i < len(reads) and reads[i]:
+                            reads[i] = min(reads[i], sliced)
+                    if f.in_place is not None and f.in_place[0] < len(reads):
+                        p, upd = f.in_place
+                        if reads[p]:  # the updated array is in HBM: the update written
+                            reads[p], writes, kind = 0, min(writes, upd), "in-place update"
+            elif op == "custom-call":
+                kind = "kernel"
+                at = rest.find("output_to_operand_aliasing={")
+                # {{}: (1, {})} or {{0}: (3, {}), {1}: (4, {})}: the aliased operand numbers.
+                spec = rest[at : at + 400].split("frontend_attributes")[0] if at >= 0 else ""
+                for pair in re.findall(r"\}:\s*\((\d+),", spec):
+                    i = int(pair)
+                    if i < len(reads) and reads[i]:
+                        writes = max(0, writes - reads[i])
+                        reads[i] = 0
+            elif op == "copy-start":
+                # Result (destination, source, context): the destination's write if in HBM.
+                parts = re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", rtype)
+                writes = sum(_array_bytes(parts[0])) if parts else 0
+            elif op.endswith("-start"):
+                writes = 0  # async collectives: the operands read; results land with -done
+            total = sum(reads) + writes
+            if total:
+                rows.append(
+                    {
+                        "name": name,
+                        "op": kind,
+                        "bytes": total,
+                        "type": rtype.split("{")[0][:80],
+                        "scope": _scope(rest),
+                    }
+                )
+    by_op: Dict[str, int] = {}
+    for r in rows:
+        by_op[r["op"]] = by_op.get(r["op"], 0) + r["bytes"]
+    rows.sort(key=lambda r: -r["bytes"])
+    return {
+        "hbm_bytes": sum(r["bytes"] for r in rows),
+        "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
+        "top_ops": rows[:top],
+    }
+
+
+# Latency of one ICI hop: "How to Scale Your Model" (https://jax-ml.github.io/scaling-book,
+# "A note on ICI latency", as summarised at
+# https://vorushin.github.io/blog/tpu-gpu-collective-primitives: moving one byte between two
+# TPU v5p chips takes as long as moving ~45 KB, i.e. ~1 us at 4.5e10 B/s per direction).
+ICI_HOP_LATENCY_S = 1e-6
+
+
+def _hops(op: str, n: Optional[int]) -> int:
+    """ICI hops a small collective waits for on a bidirectional ring of n chips: a gather,
+    scatter or all-to-all ceil((n-1)/2); an all-reduce twice that (reduce-scatter then
+    all-gather); a permute one."""
+    base = op.replace("-start", "")
+    if base == "collective-permute":
+        return 1
+    half = math.ceil(((n or 2) - 1) / 2)
+    return 2 * half if base == "all-reduce" else half
+
+
+def loop_collective_latency(hlo_text: str, hop_s: float = ICI_HOP_LATENCY_S) -> Tuple[int, float]:
+    """(collectives per loop iteration, their summed latency in seconds: hops x hop_s each,
+    no overlap with each other or with compute)."""
+    from dflash_jax.dry_run.compiled import _group_size
+    from dflash_jax.dry_run.hlo import COLLECTIVE_OPS
+
+    comps = computations(hlo_text)
+    count, latency = 0, 0.0
+    for c in _walk_computations(comps):
+        for line in comps[c]:
+            m = _INSTR.match(line)
+            if m and m.group(4) in COLLECTIVE_OPS:
+                count += 1
+                latency += _hops(m.group(4), _group_size(line)) * hop_s
+    return count, latency
+
+
+def floor_bytes(
+    *,
+    body_weight_bytes: int,
+    lm_head_bytes: int,
+    drafter_weight_bytes: int,
+    cache_bytes: int,
+    ctx_bytes: int,
+    capacity: int,
+    context: int,
+    rows: int,
+    passes: int,
+) -> int:
+    """The analytic floor of one decode step per chip (module doc). *_bytes are per chip:
+    the target's weights without embedding and LM head, its LM head, the drafter's weights, the
+    target's KV cache and the drafter's context cache at `capacity` positions. rows: positions
+    a step writes (AR 1, DFlash the block); passes: drafter passes per step (0 for AR)."""
+    per_pos = cache_bytes / capacity
+    per_ctx = ctx_bytes / capacity
+    return int(
+        body_weight_bytes
+        + lm_head_bytes * (1 + passes)
+        + drafter_weight_bytes * passes
+        + per_pos * (context + rows)
+        + (per_ctx * (context * passes + rows) if passes else 0)
+    )

@@ -1,0 +1,99 @@
+"""The HBM model of a decode step (`dflash_jax.dry_run.hbm`) on single-op loops whose HBM
+traffic is known, compiled for one TPU v5e chip by libtpu (compile only, no TPU): a matmul of 1
+and of 16 rows reads its weights once (the cost analysis counts the 16-row one's VMEM reuse as
+extra traffic on some shapes; the model must not), a donated cache update costs its update, not
+its cache, and a pad of a cache costs a read and a write of it. Plus the analytic floor by hand
+and the collective latency's hop counts."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
+
+from dflash_jax import dry_run
+from dflash_jax.dry_run import hbm
+
+CAP = 34304  # a Qwen3-8B cache's capacity at 32K context (positions), one KV head per chip
+
+
+@pytest.fixture(scope="module")
+def chip():
+    devices, _ = dry_run.topology_devices("v5e:1x1")
+    return NamedSharding(Mesh(np.array(devices[:1]), ("x",)), P())
+
+
+def _traffic(chip, fn, *shapes, donate=()):
+    args = [jax.ShapeDtypeStruct(s, d, sharding=chip) for s, d in shapes]
+    n = jax.ShapeDtypeStruct((), jnp.int32, sharding=chip)
+    compiled = jax.jit(fn, donate_argnums=donate).lower(*args, n).compile()
+    return hbm.hbm_traffic(compiled.as_text())
+
+
+def _matmul_loop(w, x, n):
+    return jax.lax.fori_loop(0, n, lambda i, c: (c @ w).astype(c.dtype), x)
+
+
+@pytest.mark.slow  # a libtpu compile
+@pytest.mark.parametrize("rows", (1, 16))
+def test_a_matmul_reads_its_weights_once_per_step(chip, rows):
+    w = 4096 * 4096 * 2
+    t = _traffic(chip, _matmul_loop, ((4096, 4096), jnp.bfloat16), ((rows, 4096), jnp.bfloat16))
+    assert w <= t["hbm_bytes"] <= 1.01 * w, t
+
+
+@pytest.mark.slow  # a libtpu compile
+def test_a_donated_cache_update_costs_its_update_not_its_cache(chip):
+    def update(cache, rows, n):
+        step = lambda i, c: jax.lax.dynamic_update_slice(c, rows, (0, i * 16, 0))
+        return jax.lax.fori_loop(0, n, step, cache)
+
+    rows = 16 * 128 * 2
+    t = _traffic(
+        chip,
+        update,
+        ((1, CAP, 128), jnp.bfloat16),
+        ((1, 16, 128), jnp.bfloat16),
+        donate=(0,),
+    )
+    assert rows <= t["hbm_bytes"] <= 4 * rows, t  # the rows read and written, a few scalars
+    assert t["by_op"].get("in-place update", 0) >= rows
+
+
+@pytest.mark.slow  # a libtpu compile
+def test_a_pad_of_a_cache_costs_a_read_and_a_write_of_it(chip):
+    def pad(cache, rows, n):
+        def step(i, c):
+            padded = jnp.pad(c, ((0, 0), (0, 511), (0, 0)))  # to a 512 multiple: a new array
+            return jax.lax.dynamic_slice(padded, (0, i, 0), c.shape) + rows[:, :1]
+
+        return jax.lax.fori_loop(0, n, step, cache)
+
+    cache = (CAP + 513) * 128 * 2
+    t = _traffic(
+        chip, pad, ((1, CAP + 513, 128), jnp.bfloat16), ((1, 16, 128), jnp.bfloat16), donate=(0,)
+    )
+    assert 2 * cache <= t["hbm_bytes"] <= 2.2 * cache, t
+    assert t["top_ops"][0]["bytes"] >= cache  # the largest instruction is a cache-sized one
+
+
+def test_the_floor_by_hand():
+    """Per chip: body weights once, the LM head per verify and per drafter pass, the drafter's
+    weights per pass, the KV cache over the filled prefix plus the new rows, the drafter's
+    context per pass plus the block's rows."""
+    kw = dict(body_weight_bytes=1000, lm_head_bytes=100, drafter_weight_bytes=50)
+    caches = dict(cache_bytes=4000, ctx_bytes=400, capacity=400, context=300)
+    ar = hbm.floor_bytes(**kw, **caches, rows=1, passes=0)
+    assert ar == 1000 + 100 + 10 * 301
+    dflash = hbm.floor_bytes(**kw, **caches, rows=16, passes=1)
+    assert dflash == 1000 + 200 + 50 + 10 * 316 + 1 * (300 + 16)
+    two = hbm.floor_bytes(**kw, **caches, rows=16, passes=2)
+    assert two - dflash == 100 + 50 + 300  # one more pass: LM head, drafter, context read
+
+
+def test_collective_hops_on_a_ring():
+    assert hbm._hops("all-reduce", 8) == 8  # reduce-scatter then all-gather, 4 hops each way
+    assert hbm._hops("all-gather-start", 8) == 4
+    assert hbm._hops("all-to-all", 4) == 2
+    assert hbm._hops("collective-permute", 8) == 1
