@@ -17,14 +17,13 @@ corpus (`dflash_jax.data.prompts.benchmark_prompts`), never from training files;
 import itertools
 import json
 import os
-import sys
-import time
 
 import numpy as np
 from absl import app, flags
 
 
 from benchmarks import text_quality  # noqa: E402
+from dflash_jax import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory or hub id.")
@@ -190,8 +189,7 @@ def main(argv):
         "num_prompts": len(prompts),
         "max_new_tokens": FLAGS.max_new_tokens,
         "repeats": FLAGS.repeats,
-        "command": " ".join(sys.argv),
-        "date": time.strftime("%Y-%m-%d %H:%M"),
+        **provenance.record(),  # command, commit, dirty, date, machine, env
         "backend": __import__("jax").default_backend(),
         "greedy_text": text_stats,
         "greedy_identical_to_ar": 0.0 in temps,
@@ -205,7 +203,8 @@ def main(argv):
 
 def write_markdown(rows, meta, path):
     lines = [
-        f"Command: `{meta['command']}` ({meta['date']}, backend {meta['backend']}, "
+        f"Command: `{meta['command']}` ({meta['date']}, commit {meta['commit']}"
+        f"{' + uncommitted changes' if meta['dirty'] else ''}, backend {meta['backend']}, "
         f"{meta['num_prompts']} prompts, {meta['max_new_tokens']} new tokens, median of "
         f"{meta['repeats']})",
         "",

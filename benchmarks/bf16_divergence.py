@@ -250,7 +250,9 @@ def main(argv):
         )
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            json.dump(out, f, indent=1)
+            from dflash_jax import provenance
+
+            json.dump({**out, **provenance.record()}, f, indent=1)
         print(f"wrote {FLAGS.out}")
 
 

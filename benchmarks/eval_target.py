@@ -20,6 +20,7 @@ from absl import app, flags
 
 
 from benchmarks import text_quality  # noqa: E402
+from dflash_jax import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
@@ -120,7 +121,7 @@ def main(argv):
                     "bits_per_byte": bpb,
                     "mean_top1_probability": mean_top_p,
                     "samples": samples,
-                    "command": " ".join(sys.argv),
+                    **provenance.record(),
                 },
                 f,
                 indent=1,

@@ -27,7 +27,6 @@ used is printed per dataset. No source: one error line, exit status 2, before an
 
 import json
 import os
-import sys
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -389,7 +388,7 @@ def main(argv):
         data[name] = (rows, source)
         print(f"{name}: {len(rows)} rows from {source}", flush=True)
 
-    from dflash_jax import console
+    from dflash_jax import console, provenance
     from dflash_jax.data import load_tokenizer
     from dflash_jax.data.chat import plain_render, template_renderer
     from dflash_jax.drafter import load_drafter
@@ -449,7 +448,7 @@ def main(argv):
                     "dtype": FLAGS.dtype,
                     "prompts": how,
                     "datasets": results,
-                    "command": " ".join(sys.argv),
+                    **provenance.record(),
                 },
                 f,
                 indent=1,

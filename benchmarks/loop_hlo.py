@@ -15,8 +15,6 @@ from __future__ import annotations
 import collections
 import json
 import os
-import subprocess
-import sys
 
 from absl import flags
 
@@ -94,17 +92,14 @@ def main(argv):
     ratio = found["dflash_decode"]["collectives"] / max(1, found["ar_decode"]["collectives"])
     print(f"DFlash / AR collectives per step: {ratio:.2f}x")
     if FLAGS.json_out:
-        commit = subprocess.run(
-            ["git", "rev-parse", "HEAD"],
-            capture_output=True,
-            text=True,
-            cwd=os.path.dirname(__file__),
-        ).stdout.strip()
+        from dflash_jax import provenance
+
+        prov = provenance.record()
         with open(FLAGS.json_out, "w") as f:
             json.dump(
                 {
-                    "command": kv_env + "python benchmarks/loop_hlo.py " + " ".join(sys.argv[1:]),
-                    "commit": commit,
+                    **prov,
+                    "command": kv_env + prov["command"],
                     "model": FLAGS.model,
                     "topology": FLAGS.topology,
                     "mesh": FLAGS.mesh,

@@ -2,6 +2,7 @@
 (teacher-forced) drafts of the same drafter.
 
   python benchmarks/op_costs.py [--target=... --drafter=... --regenerated=FILE.jsonl]
+                                [--json_out=benchmarks/results/tiny-code/op_costs.json]
 
 1. Microseconds per call, inside a compiled 1000-iteration loop (no dispatch), over a
    [1, 16, V] block of logits: `jnp.argmax` vs `sampling.greedy_argmax`, and
@@ -11,6 +12,9 @@
    made at each step against the drafter run teacher-forced on the final sequence at the same
    anchor (context = the target's taps before it); their agreement should be 1.0. Also tau
    there and the acceptance the teacher-forced drafts would get.
+
+The last line printed is the result as JSON; --json_out also writes it, with the command,
+commit, date and machine (`dflash_jax.provenance`).
 """
 
 import json
@@ -26,6 +30,7 @@ flags.DEFINE_string("drafter", "assets/tiny-code/drafter", "Drafter directory.")
 flags.DEFINE_string("regenerated", None, "Regenerated records for the draft-consistency check.")
 flags.DEFINE_integer("num_records", 8, "Records checked.")
 flags.DEFINE_integer("max_new_tokens", 96, "Tokens generated per record.")
+flags.DEFINE_string("json_out", None, "Also write the result (with its provenance) here.")
 
 
 def per_call_us(fn, x, keyed=False, iters=1000):
@@ -63,6 +68,15 @@ def choosers(vocab):
     for name, us in rows.items():
         print(f"  {name:28s} {us:8.1f} us per [1,16,{vocab}] block")
     return rows
+
+
+def ratios(rows):
+    """How many times cheaper the library's choosers are than jax's (time ratios)."""
+    return {
+        "categorical_over_sample_categorical": rows["jax.random.categorical"]
+        / rows["sampling.sample_categorical"],
+        "argmax_over_greedy_argmax": rows["jnp.argmax"] / rows["sampling.greedy_argmax"],
+    }
 
 
 def draft_consistency(target, drafter):
@@ -131,11 +145,22 @@ def main(argv):
     target = dj.load_target(hub.resolve_or_exit(FLAGS.target, what="--target"))
     print(f"backend {jax.default_backend()}: token choosers inside a compiled loop")
     result = {"choosers_us": choosers(target.config.vocab_size)}
+    result["ratios"] = ratios(result["choosers_us"])
+    print(
+        "  jax.random.categorical / sampling.sample_categorical: "
+        f"{result['ratios']['categorical_over_sample_categorical']:.2f}x"
+    )
     if FLAGS.regenerated:
         drafter = dj.load_drafter(
             hub.resolve_or_exit(FLAGS.drafter, what="--drafter"), target=target
         )
         result["consistency"] = draft_consistency(target, drafter)
+    if FLAGS.json_out:
+        from dflash_jax import provenance
+
+        with open(FLAGS.json_out, "w") as f:
+            json.dump({**provenance.record(), "target": FLAGS.target, **result}, f, indent=1)
+        print(f"wrote {FLAGS.json_out}")
     print(json.dumps(result))
 
 

@@ -12,13 +12,13 @@ target's training length) are what make it loop.
 
 import json
 import os
-import sys
 
 import numpy as np
 from absl import app, flags
 
 
 from benchmarks import text_quality  # noqa: E402
+from dflash_jax import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
@@ -120,7 +120,7 @@ def main(argv):
     if FLAGS.out:
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
         with open(FLAGS.out, "w") as f:
-            json.dump(dict(report, command=" ".join(sys.argv)), f, indent=1)
+            json.dump(dict(report, **provenance.record()), f, indent=1)
 
 
 if __name__ == "__main__":

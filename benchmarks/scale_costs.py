@@ -18,13 +18,13 @@ values, so random weights time the same as trained ones.
 
 import json
 import os
-import sys
 
 import numpy as np
 from absl import app, flags
 
 
 from benchmarks.timing import loop_step_ms  # noqa: E402
+from dflash_jax import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -175,7 +175,7 @@ def main(argv):
                     "context": FLAGS.context,
                     "tokens": FLAGS.tokens,
                     "rows": rows,
-                    "command": " ".join(sys.argv),
+                    **provenance.record(),
                 },
                 f,
                 indent=1,

@@ -23,6 +23,7 @@ from absl import app, flags
 
 
 from benchmarks.timing import loop_step_ms, median_time  # noqa: E402
+from dflash_jax import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
@@ -144,6 +145,7 @@ def main(argv):
                     "backend": jax.default_backend(),
                     "loop_ar_step_ms": ar_loop,
                     "rows": {str(k): v for k, v in rows.items()},
+                    **provenance.record(),
                 },
                 f,
                 indent=1,

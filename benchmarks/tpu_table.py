@@ -7,7 +7,9 @@ Prints: compiled HBM per device for inference (prefill, DFlash loop, AR loop) wi
 verdict and the PROJECTED roofline speedups at each tau (tau * t_AR / t_DFlash from the step
 times in the JSON, so any tau works), the training step's memory plan, and the prefill curve
 (temporaries against context). `--readme`: one compact table (inference + training) for the
-README. Every figure comes from the JSONs; nothing is measured on a TPU.
+README. Every figure comes from the JSONs; nothing is measured on a TPU. Each row names the
+commit its JSON was compiled at, and under the tables the code changes each JSON predates
+(its `predates`): rows under different changes are not like for like.
 """
 
 from __future__ import annotations
@@ -91,6 +93,32 @@ def speedups(r, taus: Sequence[float], bound: bool = False) -> Dict[float, float
     return {tau: tau * t["ar"][key] / t["dflash"][key] for tau in taus}
 
 
+def _commit(r) -> str:
+    """The JSON's commit, short (a run's own, or the one that last wrote the file)."""
+    return (r.get("commit") or "?")[:7]
+
+
+def predates(r) -> List[str]:
+    """The code changes this JSON predates, as "label (commit)"."""
+    return [f"{p['change'].split(':')[0]} ({p['commit'][:7]})" for p in r.get("predates") or []]
+
+
+def predates_lines(results) -> List[str]:
+    """One line per set of code changes the JSONs predate, naming the JSONs."""
+    groups: Dict[tuple, List[str]] = {}
+    for r in results:
+        groups.setdefault(tuple(predates(r)), []).append(os.path.splitext(r["_file"])[0])
+    lines = [
+        "Compiled before later code changes (each JSON's `predates`; rows under different "
+        "changes are not like for like):",
+        "",
+    ]
+    for changes, files in sorted(groups.items(), key=lambda g: (-len(g[0]), g[0])):
+        what = ", ".join(changes) if changes else "none of those changes"
+        lines.append(f"- {what}: {', '.join(files)}")
+    return lines
+
+
 def _x(d: Dict[float, float]) -> str:
     return " / ".join(f"{v:.2f}x" for v in d.values()) if d else "-"
 
@@ -103,8 +131,8 @@ def infer_table(results, taus) -> List[str]:
     head = " / ".join(str(t) for t in taus)
     lines = [
         f"| model | chip (mesh) | context + new | prefill GiB | DFlash loop GiB | "
-        f"AR loop GiB | HBM GiB | fits | speedup at tau {head} | weights+KV bound |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        f"AR loop GiB | HBM GiB | fits | speedup at tau {head} | weights+KV bound | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in infer_rows(results):
         p, s = r["programs"], r["settings"]
@@ -113,7 +141,7 @@ def infer_table(results, taus) -> List[str]:
             f"| {_gib(p.get('prefill'))} | {_gib(p.get('dflash_decode'))} | "
             f"{_gib(p.get('ar_decode'))} | {r['chip']['hbm_bytes'] / GIB:.0f} | "
             f"{_fits(p.values())} | {_x(speedups(r, taus))} | "
-            f"{_x(speedups(r, taus, bound=True))} |"
+            f"{_x(speedups(r, taus, bound=True))} | {_commit(r)} |"
         )
     return lines
 
@@ -135,8 +163,8 @@ def _train_step(s) -> str:
 def train_table(results) -> List[str]:
     lines = [
         "| model | chip (mesh) | batch x seq (anchors, loss chunk) | attention | args GiB | "
-        "temps GiB | total GiB/chip | HBM GiB | fits |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "temps GiB | total GiB/chip | HBM GiB | fits | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in train_rows(results):
         s, p = r["settings"], r["programs"]["train_step"]
@@ -149,7 +177,7 @@ def train_table(results) -> List[str]:
             f"{s['seq_len']} ({s['num_anchors']}, {s['loss_chunk_anchors']})"
             f"{', ' + str(s['grad_accum_steps']) + ' micro-batches' if s.get('grad_accum_steps', 1) > 1 else ''} | "
             f"{s['attention']} | {arg} | {tmp} | {_gib(p)} | {cap / GIB:.2f} | "
-            f"{_fits([p])} |"
+            f"{_fits([p])} | {_commit(r)} |"
         )
     return lines
 
@@ -166,8 +194,8 @@ def prefill_table(results) -> List[str]:
     ]
     lines = [
         "| model | chip (mesh) | context | args GiB | outputs (caches) GiB | temps GiB | "
-        "total GiB/chip | context / shortest | temps / shortest's |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "total GiB/chip | context / shortest | temps / shortest's | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     first: Dict[tuple, Any] = {}
     for r in pts:
@@ -178,7 +206,7 @@ def prefill_table(results) -> List[str]:
             f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {ctx} | "
             f"{h['arguments'] / GIB:.2f} | {h['outputs'] / GIB:.2f} | "
             f"{h['temporaries'] / GIB:.2f} | {h['total'] / GIB:.2f} | "
-            f"{ctx / c0:.0f}x | {h['temporaries'] / t0:.2f}x |"
+            f"{ctx / c0:.0f}x | {h['temporaries'] / t0:.2f}x | {_commit(r)} |"
         )
     return lines
 
@@ -201,8 +229,8 @@ def readme_table(results, taus) -> List[str]:
     head = " / ".join(str(t) for t in taus)
     lines = [
         f"| model, chip (mesh) | program | HBM GiB/chip (of) | fits | PROJECTED speedup at "
-        f"tau {head} (weights+KV bound) |",
-        "|---|---|---|---|---|",
+        f"tau {head} (weights+KV bound) | commit |",
+        "|---|---|---|---|---|---|",
     ]
     for r in infer_rows(results):
         if r["model"] == PUBLIC_PORT["model"]:
@@ -217,33 +245,35 @@ def readme_table(results, taus) -> List[str]:
             f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | infer {r['settings']['context']}"
             f"+{r['settings']['max_new_tokens']} ({which}): peak | {_gib(peak)} "
             f"({r['chip']['hbm_bytes'] / GIB:.0f}) | {_fits(p.values())} | "
-            f"{_x(speedups(r, taus))} ({_x(speedups(r, taus, bound=True))}) |"
+            f"{_x(speedups(r, taus))} ({_x(speedups(r, taus, bound=True))}) | {_commit(r)} |"
         )
     for r in train_rows(results):
         s, p = r["settings"], r["programs"]["train_step"]
         lines.append(
             f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | train step {_train_step(s)} | "
             f"{_gib(p).replace(' (does not fit)', '')} ({r['chip']['hbm_bytes'] / GIB:.0f}) | "
-            f"{_fits([p])} | - |"
+            f"{_fits([p])} | - | {_commit(r)} |"
         )
     curves: Dict[tuple, List[Any]] = {}
     for r in results:
         p = r["programs"].get("prefill") if r["mode"] == "infer" else None
         if p is not None and p["fits"]:
             curves.setdefault((_model(r), _chip(r), r["mesh"]), []).append(
-                (r["settings"]["context"], p["hbm_bytes"])
+                (r["settings"]["context"], p["hbm_bytes"], _commit(r))
             )
     for (model, chip, mesh), pts in curves.items():
         if len(pts) > 1:
             pts.sort(key=lambda x: x[0])
-            ctx = "/".join(f"{c // 1024}K" for c, _ in pts)
-            tot = " / ".join(f"{h['total'] / GIB:.2f}" for _, h in pts)
-            tmp = " / ".join(f"{h['temporaries'] / GIB:.2f}" for _, h in pts)
+            ctx = "/".join(f"{c // 1024}K" for c, _, _ in pts)
+            tot = " / ".join(f"{h['total'] / GIB:.2f}" for _, h, _ in pts)
+            tmp = " / ".join(f"{h['temporaries'] / GIB:.2f}" for _, h, _ in pts)
+            made = " / ".join(c for _, _, c in pts)
             lines.append(
-                f"| {model}, {chip} ({mesh}) | prefill {ctx} (temps {tmp}) | {tot} | yes | - |"
+                f"| {model}, {chip} ({mesh}) | prefill {ctx} (temps {tmp}) | {tot} | yes | - "
+                f"| {made} |"
             )
     port = public_port_line(results)
-    return lines + ([f"\n{port}"] if port else [])
+    return lines + ([f"\n{port}"] if port else []) + [""] + predates_lines(results)
 
 
 def define_flags() -> None:
@@ -297,6 +327,7 @@ def full_tables(results, taus, h: str) -> str:
     out.append("\n".join(train_table(results)))
     out.append(f"\n{h} Prefill (chunked) against context\n")
     out.append("\n".join(prefill_table(results)))
+    out.append("\n" + "\n".join(predates_lines(results)))
     return "\n".join(out)
 
 

@@ -144,6 +144,11 @@ def run(
     if json_out:
         import json
 
+        from dflash_jax import provenance
+
+        # Each result names the command, commit, date and machine that made it.
+        prov = provenance.record()
+        results = [{**prov, **r} for r in results]
         with open(json_out, "w") as f:
             json.dump(results[0] if len(results) == 1 else results, f, indent=1)
         print(f"wrote {json_out}")
