@@ -23,7 +23,8 @@ layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
   operands (the rows) are charged once. So a decode-attention kernel's cache operand is charged
   at the cache's capacity, an upper bound on what it reads (the filled prefix);
 - `copy-start` (an asynchronous copy: HBM <-> VMEM) is charged its source and destination
-  where they are in HBM: a prefetch of a whole cache into VMEM shows here at the cache's size.
+  where they are in HBM: a prefetch of a whole cache into VMEM shows here at the cache's size;
+  `slice-start` (an asynchronous slice: weights streamed into VMEM piece by piece) its slice.
 What the count is not: the compiler's own schedule (prefetched weights are charged once, as
 they are read once), HBM traffic inside a Pallas kernel that the HLO cannot see beyond its
 operands, or any cache effect. It is a count of the program's HBM operands, for comparing
@@ -59,6 +60,7 @@ _NO_TRAFFIC = {
     "replica-id",
     "opt-barrier",
     "copy-done",
+    "slice-done",
     "all-gather-done",
     "all-reduce-done",
     "collective-permute-done",
@@ -218,6 +220,13 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
                 # Result (destination, source, context): the destination's write if in HBM.
                 parts = re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", rtype)
                 writes = sum(_array_bytes(parts[0])) if parts else 0
+            elif op == "slice-start":
+                # ((operand), destination, context): an asynchronous slice (weights streamed
+                # into VMEM piece by piece): the slice read, and written if it lands in HBM.
+                parts = re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", rtype)
+                dest = parts[-2] if len(parts) >= 2 else ""
+                reads = [sum(_array_bytes(dest, hbm_only=False))]
+                writes = sum(_array_bytes(dest))
             elif op.endswith("-start"):
                 writes = 0  # async collectives: the operands read; results land with -done
             total = sum(reads) + writes
@@ -264,11 +273,12 @@ def loop_collective_latency(hlo_text: str, hop_s: float = ICI_HOP_LATENCY_S) -> 
     """(collectives per loop iteration, their summed latency in seconds: hops x hop_s each,
     no overlap with each other or with compute)."""
     from dflash_jax.dry_run.compiled import _group_size
-    from dflash_jax.dry_run.hlo import COLLECTIVE_OPS
+    from dflash_jax.dry_run.hlo import COLLECTIVE_OPS, loop_body_computations
 
     comps = computations(hlo_text)
     count, latency = 0, 0.0
-    for c in _walk_computations(comps):
+    # Every computation a step runs, fusions included (the compiler fuses some collectives).
+    for c in sorted(loop_body_computations(hlo_text)):
         for line in comps[c]:
             m = _INSTR.match(line)
             if m and m.group(4) in COLLECTIVE_OPS:

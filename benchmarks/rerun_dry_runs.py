@@ -1,0 +1,77 @@
+"""Recompile the TPU dry runs whose JSONs are in a directory, each with the command it records
+(`"command"`, written by `dflash_jax.provenance`), so that the tables are regenerated with
+today's code: `python benchmarks/rerun_dry_runs.py [--dir=benchmarks/results/tpu_dry_run]
+[--only=decode] [--match=SUBSTRING]`, then `python benchmarks/tpu_table.py --write`.
+
+Runs one compile at a time (each Qwen3-8B decode dry run takes minutes on a CPU), prints each
+command and its time, stops at the first failure, and leaves a JSON untouched unless its run
+succeeds (the dry run writes its --json_out only at the end). The `.txt` beside a JSON gets the
+run's report.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import shlex
+import subprocess
+import sys
+import time
+
+from absl import app, flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+FLAGS = flags.FLAGS
+flags.DEFINE_string("dir", os.path.join(ROOT, "benchmarks", "results", "tpu_dry_run"), "JSONs")
+flags.DEFINE_enum("only", "decode", ["decode", "all"], "decode: inference JSONs with decode loops")
+flags.DEFINE_string("match", "", "only JSON file names containing this")
+flags.DEFINE_bool("dry", False, "print the commands, run nothing")
+
+
+def commands(directory: str, only: str, match: str):
+    """(json path, argv) for each JSON to recompile, in file-name order."""
+    out = []
+    for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
+        if match and match not in os.path.basename(path):
+            continue
+        with open(path) as f:
+            r = json.load(f)
+        if only == "decode" and not (
+            r.get("mode") == "infer" and "dflash_decode" in r.get("programs", {})
+        ):
+            continue
+        cmd = r.get("command")
+        if not cmd:
+            raise app.UsageError(f"{path} records no command")
+        argv = shlex.split(cmd)
+        if argv[:2] != ["python", "-m"] or argv[2] != "dflash_jax.dry_run":
+            raise app.UsageError(f"{path}: not a dry-run command: {cmd}")
+        out.append((path, [sys.executable] + argv[1:]))
+    return out
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+    todo = commands(FLAGS.dir, FLAGS.only, FLAGS.match)
+    if not todo:
+        raise app.UsageError(f"no dry-run JSON to recompile in {FLAGS.dir}")
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    for i, (path, cmd) in enumerate(todo, 1):
+        print(f"[{i}/{len(todo)}] {shlex.join(cmd[1:])}", flush=True)
+        if FLAGS.dry:
+            continue
+        t0 = time.time()
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        if r.returncode != 0:
+            sys.stderr.write(r.stdout[-3000:] + r.stderr[-3000:])
+            raise SystemExit(f"failed ({r.returncode}) after {time.time() - t0:.0f} s: {path}")
+        report = [ln for ln in r.stdout.splitlines() if not ln.startswith("wrote ")]
+        with open(os.path.splitext(path)[0] + ".txt", "w") as f:
+            f.write("\n".join(report) + "\n")
+        print(f"    done in {time.time() - t0:.0f} s", flush=True)
+
+
+if __name__ == "__main__":
+    app.run(main)
