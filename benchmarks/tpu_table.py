@@ -79,18 +79,47 @@ def _fits(programs) -> str:
     return "yes" if verdicts and all(verdicts) else "-"
 
 
-def speedups(r, taus: Sequence[float], bound: bool = False) -> Dict[float, float]:
-    """tau -> PROJECTED speedup tau * t_AR / t_DFlash (the first attention impl's roofline)."""
+def _projection(r) -> Dict[str, Any]:
     proj = (r.get("roofline") or {}).get("projection") or {}
     if not proj:
         return {}
-    t = (
-        proj[r["settings"]["attention"][0]]
-        if r["settings"]["attention"][0] in proj
-        else next(iter(proj.values()))
-    )
-    key = "weights_kv_bound_s" if bound else "step_s"
+    first = r["settings"]["attention"][0]
+    return proj[first] if first in proj else next(iter(proj.values()))
+
+
+def step_model(r) -> str:
+    """Which per-step model a JSON's projection uses: "HBM" (the HBM bytes counted in the
+    compiled loop body, `dflash_jax.dry_run.hbm`) or "cost" (the cost analysis's bytes, which
+    count VMEM traffic: JSONs compiled before the HBM model)."""
+    t = _projection(r)
+    return "HBM" if t and "time_s" in t.get("ar", {}) else "cost"
+
+
+def speedups(r, taus: Sequence[float], bound: bool = False) -> Dict[float, float]:
+    """tau -> PROJECTED speedup tau * t_AR / t_DFlash (the first attention impl's roofline):
+    the HBM model's step times (bound: its analytic floor) where the JSON has them, else the
+    cost analysis's (bound: weights + whole cache once)."""
+    t = _projection(r)
+    if not t:
+        return {}
+    if step_model(r) == "HBM":
+        key = "floor_time_s" if bound else "time_s"
+    else:
+        key = "weights_kv_bound_s" if bound else "step_s"
     return {tau: tau * t["ar"][key] / t["dflash"][key] for tau in taus}
+
+
+def step_figures(r) -> str:
+    """ "AR 1.01x / DFlash 1.02x of floor, 75 / 94 coll., step 1.21x": the HBM model's per-step
+    figures (compiled HBM bytes over the floor, collectives per step, DFlash/AR step time)."""
+    steps = (r.get("roofline") or {}).get("steps") or {}
+    ar, df = steps.get("ar"), steps.get("dflash")
+    if not ar or not df:
+        return "-"
+    return (
+        f"{ar['hbm_over_floor']:.2f} / {df['hbm_over_floor']:.2f} | "
+        f"{ar['collectives']} / {df['collectives']} | {df['time_s'] / ar['time_s']:.2f}x"
+    )
 
 
 def _commit(r) -> str:
@@ -131,17 +160,21 @@ def infer_table(results, taus) -> List[str]:
     head = " / ".join(str(t) for t in taus)
     lines = [
         f"| model | chip (mesh) | context + new | prefill GiB | DFlash loop GiB | "
-        f"AR loop GiB | HBM GiB | fits | speedup at tau {head} | weights+KV bound | commit |",
-        "|---|---|---|---|---|---|---|---|---|---|---|",
+        f"AR loop GiB | HBM GiB | fits | HBM bytes / floor, AR / DFlash | collectives "
+        f"per step, AR / DFlash | DFlash / AR step | speedup at tau {head} | bound | "
+        f"step model | commit |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in infer_rows(results):
         p, s = r["programs"], r["settings"]
+        figs = step_figures(r)
         lines.append(
             f"| {_model(r)} | {_chip(r)} ({r['mesh']}) | {s['context']} + {s['max_new_tokens']} "
             f"| {_gib(p.get('prefill'))} | {_gib(p.get('dflash_decode'))} | "
             f"{_gib(p.get('ar_decode'))} | {r['chip']['hbm_bytes'] / GIB:.0f} | "
-            f"{_fits(p.values())} | {_x(speedups(r, taus))} | "
-            f"{_x(speedups(r, taus, bound=True))} | {_commit(r)} |"
+            f"{_fits(p.values())} | {figs if figs != '-' else '- | - | -'} | "
+            f"{_x(speedups(r, taus))} | {_x(speedups(r, taus, bound=True))} | "
+            f"{step_model(r)} | {_commit(r)} |"
         )
     return lines
 
@@ -217,8 +250,9 @@ def public_port_line(results) -> str:
             tau = PUBLIC_PORT["tau"]
             return (
                 f"{_model(r)} on {_chip(r)}, block {r['settings']['block_size']}, tau {tau}: "
-                f"projected {speedups(r, [tau])[tau]:.2f}x (weights+KV bound "
-                f"{speedups(r, [tau], bound=True)[tau]:.2f}x); the public JAX port measured "
+                f"projected {speedups(r, [tau])[tau]:.2f}x (bound "
+                f"{speedups(r, [tau], bound=True)[tau]:.2f}x, {step_model(r)} step model); the "
+                "public JAX port measured "
                 f"{PUBLIC_PORT['speedup']:.2f}x."
             )
     return ""
@@ -229,8 +263,8 @@ def readme_table(results, taus) -> List[str]:
     head = " / ".join(str(t) for t in taus)
     lines = [
         f"| model, chip (mesh) | program | HBM GiB/chip (of) | fits | PROJECTED speedup at "
-        f"tau {head} (weights+KV bound) | commit |",
-        "|---|---|---|---|---|---|",
+        f"tau {head} (bound) | step model | commit |",
+        "|---|---|---|---|---|---|---|",
     ]
     for r in infer_rows(results):
         if r["model"] == PUBLIC_PORT["model"]:
@@ -245,14 +279,15 @@ def readme_table(results, taus) -> List[str]:
             f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | infer {r['settings']['context']}"
             f"+{r['settings']['max_new_tokens']} ({which}): peak | {_gib(peak)} "
             f"({r['chip']['hbm_bytes'] / GIB:.0f}) | {_fits(p.values())} | "
-            f"{_x(speedups(r, taus))} ({_x(speedups(r, taus, bound=True))}) | {_commit(r)} |"
+            f"{_x(speedups(r, taus))} ({_x(speedups(r, taus, bound=True))}) | {step_model(r)} "
+            f"| {_commit(r)} |"
         )
     for r in train_rows(results):
         s, p = r["settings"], r["programs"]["train_step"]
         lines.append(
             f"| {_model(r)}, {_chip(r)} ({r['mesh']}) | train step {_train_step(s)} | "
             f"{_gib(p).replace(' (does not fit)', '')} ({r['chip']['hbm_bytes'] / GIB:.0f}) | "
-            f"{_fits([p])} | - | {_commit(r)} |"
+            f"{_fits([p])} | - | - | {_commit(r)} |"
         )
     curves: Dict[tuple, List[Any]] = {}
     for r in results:
@@ -270,7 +305,7 @@ def readme_table(results, taus) -> List[str]:
             made = " / ".join(c for _, _, c in pts)
             lines.append(
                 f"| {model}, {chip} ({mesh}) | prefill {ctx} (temps {tmp}) | {tot} | yes | - "
-                f"| {made} |"
+                f"| - | {made} |"
             )
     port = public_port_line(results)
     return lines + ([f"\n{port}"] if port else []) + [""] + predates_lines(results)
