@@ -25,8 +25,8 @@ are successive samples from the target conditionals. This is speculative (reject
 with a one-hot draft distribution q = delta(d): accept d with probability min(1, p(d)/q(d)) =
 p(d), i.e. exactly when an independent target sample equals d, and on rejection the residual
 norm(max(p - q, 0)) is p with d removed: the distribution of y_{i} given y_{i} != d_{i+1}. So
-every emitted token is distributed as the target's sample (tested statistically in
-tests/test_decoding.py).
+every emitted token is distributed as the target's sample (tested statistically against an
+independent reference in tests/test_sampled_lossless.py).
 """
 
 from __future__ import annotations

@@ -17,27 +17,9 @@ import pytest
 
 from dflash_jax import sampling
 
+from _sampling_reference import reference
+
 N = 20_000
-
-
-def reference(logits, temperature, top_k=None, top_p=None, widen=0):
-    """NumPy: the probabilities of each token under temperature / top-k / top-p. `widen`
-    keeps that many extra tokens in the nucleus (a wrong rule, for the control)."""
-    x = np.asarray(logits, np.float64) / temperature
-    v = len(x)
-    order = np.lexsort((np.arange(v), -x))  # descending, ties to the lower id
-    keep = np.zeros(v, bool)
-    keep[order[: (top_k if top_k else v)]] = True
-    if top_p is not None:
-        xs = x[order][keep[order]]
-        p = np.exp(xs - xs.max())
-        p /= p.sum()
-        before = np.cumsum(p) - p
-        n = int(np.sum(before < top_p)) + widen
-        keep = np.zeros(v, bool)
-        keep[order[:n]] = True
-    w = np.where(keep, np.exp(x - x[keep].max()), 0.0)
-    return w / w.sum()
 
 
 def draw(logits, temperature, top_k=None, top_p=None, rows=1):

@@ -1,0 +1,277 @@
+"""Sampled speculative decoding is lossless: the joint distribution of the first tokens that
+`generate` samples, with drafts that are really accepted, equals the exact one, computed by
+enumeration with the independent NumPy reference of the sampling rules
+(`_sampling_reference.reference`: no dflash_jax sampling code), for temperature, top-k, top-p
+and top-k with top-p.
+
+- a 6-token target; its logits for every continuation come from `Target.forward` (the model,
+  not the sampler); the greedy oracle drafter is accepted (tau > 1.3 asserted);
+- no sample lies outside the reference's support, and the total variation (TV) between the
+  empirical and the exact joint is below a bound derived from the sample size (`tv_bound`);
+- controls: the same bound rejects a wrong rule in the implementation (every draft accepted;
+  the temperature ignored; top-k one wider; the nucleus one token wider), each one a
+  monkeypatch of the sampling or acceptance code that `generate` compiles: the test can fail;
+- and the bound separates each case's exact joint from its neighbours' (another temperature,
+  k one wider, top-k or top-p left out, the nucleus one wider): a sampler that followed a
+  neighbouring rule would fail.
+"""
+
+import collections
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import dflash_jax as dj
+from dflash_jax import decoding as gen_lib
+from dflash_jax import sampling
+
+from _sampling_reference import reference
+
+V = 6  # vocabulary
+PROMPT = [1, 4, 2]
+N_TOKENS = 3  # tokens generated per sample: V ** 3 = 216 sequences enumerated
+BLOCK = 2  # one draft: with the first token from prefill, a step commits at most the other 2
+N = 8_000  # samples per case: one batch of generate (one compile per rule setting)
+DELTA = 1e-6  # the probability that an exact sampler exceeds the bound
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 6-token target with a sharp-ish distribution, and a drafter (replaced by the oracle)."""
+    cfg = dj.ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    # Initialized under jit: one compile, not a dispatch per op (seconds less).
+    params = jax.jit(
+        lambda: jax.tree_util.tree_map(
+            lambda x: x * 6.0 if x.ndim == 2 else x, dj.model.init_params(cfg, seed=3)
+        )
+    )()
+    t = dj.Target(cfg, params)
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=BLOCK, mask_token_id=0)
+    return t, dj.Drafter(dcfg, jax.jit(lambda: dj.init_drafter_params(dcfg, 0))())
+
+
+@pytest.fixture(scope="module")
+def enumerated(tiny):
+    """Every continuation of N_TOKENS tokens [M, N_TOKENS] (M = V ** N_TOKENS, in the order of
+    np.ravel_multi_index) and the target's logits before each of its tokens [M, N_TOKENS, V]."""
+    t, _ = tiny
+    seqs = np.indices((V,) * N_TOKENS).reshape(N_TOKENS, -1).T
+    ids = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
+    logits = np.asarray(t.forward(ids).logits, np.float64)[:, len(PROMPT) - 1 : -1]
+    return seqs, logits
+
+
+def exact_joint(enumerated, temperature, top_k=None, top_p=None, widen=0):
+    """[M] probability of each continuation: the product of the reference's probabilities of
+    its tokens given the prompt and the tokens before."""
+    seqs, logits = enumerated
+    probs = np.ones(len(seqs))
+    for m, seq in enumerate(seqs):
+        for i, tok in enumerate(seq):
+            probs[m] *= reference(logits[m, i], temperature, top_k, top_p, widen)[tok]
+    return probs
+
+
+def expected_tv(probs, n):
+    """E TV(empirical of n exact samples, probs), exactly: TV = 1/2 sum_i |X_i / n - p_i| with
+    each count X_i ~ Binomial(n, p_i) alone, so E TV = 1/(2n) sum_i E|X_i - n p_i|, and de
+    Moivre's mean absolute deviation E|X - n p| = 2 (j + 1) C(n, j + 1) p^(j + 1) (1 - p)^(n - j),
+    j = floor(n p) (in logs: lgamma)."""
+    total = 0.0
+    for p in probs:
+        if 0.0 < p < 1.0:
+            j = math.floor(n * p)
+            log_term = (
+                math.lgamma(n + 1)
+                - math.lgamma(j + 2)
+                - math.lgamma(n - j)
+                + (j + 1) * math.log(p)
+                + (n - j) * math.log1p(-p)
+            )
+            total += 2 * (j + 1) * math.exp(log_term)
+    return total / (2 * n)
+
+
+def tv_bound(probs, n):
+    """E TV + sqrt(ln(1 / DELTA) / (2 n)). Moving one of n samples to another cell changes the
+    TV by at most 1 / n, so by McDiarmid's inequality P(TV >= E TV + eps) <= exp(-2 n eps^2):
+    an exact sampler exceeds this bound with probability at most DELTA (whatever the cells)."""
+    return expected_tv(probs, n) + math.sqrt(math.log(1 / DELTA) / (2 * n))
+
+
+def _forget_compiled(monkeypatch):
+    """After patching a traced function, drop both our executables and JAX's trace cache."""
+    monkeypatch.setattr(gen_lib._Compiled, "cache", collections.OrderedDict())
+    jax.clear_caches()
+
+
+def _greedy_oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
+    """Drafts the target's greedy continuation of x_last alone (right often, not always)."""
+    toks = [x_last]
+    for _ in range(plan.block_size - 1):
+        h, _, _ = tmod.apply({"params": tparams}, jnp.stack(toks, 1))
+        lg = tmod.apply({"params": tparams}, h[:, -1:], method=dj.Transformer.logits)
+        toks.append(jnp.argmax(lg[:, 0], -1).astype(jnp.int32))
+    d = jnp.stack(toks[1:], 1)
+    return d, jnp.ones(d.shape, jnp.float32)
+
+
+def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None):
+    """N speculative samples of N_TOKENS tokens after PROMPT with the oracle drafter: (counts
+    [M] of each continuation, tau)."""
+    t, drafter = tiny
+    monkeypatch.setattr(gen_lib, "draft_block", _greedy_oracle)
+    _forget_compiled(monkeypatch)
+    res = dj.generate(
+        t,
+        drafter,
+        [PROMPT] * N,
+        max_new_tokens=N_TOKENS,
+        block_size=BLOCK,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=7,
+    )
+    tokens = np.asarray(res.tokens)
+    assert tokens.shape == (N, N_TOKENS)
+    cells = np.ravel_multi_index(tokens.T, (V,) * N_TOKENS)
+    return np.bincount(cells, minlength=V**N_TOKENS), res.tau
+
+
+def tv(counts, probs):
+    return 0.5 * float(np.abs(counts / counts.sum() - probs).sum())
+
+
+# (temperature, top_k, top_p). Every rule binds: each case's exact joint is far (in TV) from its
+# neighbours' (NEIGHBOURS: top-k 3 with top-p 0.9 at temperature 1.2 differs both from its
+# top-k alone and from its top-p alone), and no filter decision is near a tie
+# (test_no_filter_decision_is_a_near_tie).
+CASES = {
+    "temperature_1": (1.0, None, None),
+    "temperature_0.7_top_k_2": (0.7, 2, None),
+    "top_p_0.85": (1.0, None, 0.85),
+    "temperature_1.2_top_k_3_top_p_0.9": (1.2, 3, 0.9),
+}
+
+# Each case's neighbouring rules, (temperature, top_k, top_p, widen) for `reference`.
+NEIGHBOURS = {
+    "temperature_1": [(1.3, None, None, 0)],
+    "temperature_0.7_top_k_2": [(1.0, 2, None, 0), (0.7, 3, None, 0)],
+    "top_p_0.85": [(1.0, None, 0.85, 1)],
+    "temperature_1.2_top_k_3_top_p_0.9": [(1.2, 3, None, 0), (1.2, None, 0.9, 0), (1.2, 3, 0.9, 1)],
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_speculative_samples_follow_the_exact_joint(case, tiny, enumerated, monkeypatch):
+    temperature, top_k, top_p = CASES[case]
+    counts, tau = sample(tiny, monkeypatch, temperature, top_k, top_p)
+    assert tau > 1.3, tau  # the oracle's drafts are really being accepted
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    outside = np.flatnonzero((counts > 0) & (exact == 0))
+    assert outside.size == 0, enumerated[0][outside]
+    bound = tv_bound(exact, N)
+    assert tv(counts, exact) < bound, (tv(counts, exact), bound)
+    for rule in NEIGHBOURS[case]:
+        wrong = exact_joint(enumerated, *rule)
+        assert tv(counts, wrong) > tv_bound(wrong, N), (rule, tv(counts, wrong))
+
+
+def test_the_bound_holds_for_simulated_exact_samplers(enumerated):
+    """The derivation checked: 2000 simulated exact samplers (multinomial draws of N from the
+    unfiltered exact joint, NumPy) have a mean TV within 4 standard errors of `expected_tv`,
+    and none exceeds `tv_bound`."""
+    exact = exact_joint(enumerated, 1.0)
+    draws = np.random.default_rng(0).multinomial(N, exact, size=2000)
+    tvs = 0.5 * np.abs(draws / N - exact).sum(axis=1)
+    se = tvs.std() / np.sqrt(len(tvs))
+    assert abs(tvs.mean() - expected_tv(exact, N)) < 4 * se, (tvs.mean(), expected_tv(exact, N))
+    assert tvs.max() < tv_bound(exact, N)
+
+
+def test_no_filter_decision_is_a_near_tie(enumerated):
+    """In every row of `enumerated` (reached or not) the k-th and (k+1)-th largest logits / T
+    differ by more than 1e-3, and the mass before each token (renormalized over the top-k) is
+    more than 1e-3 away from top_p: far above float32 rounding, so the generate path's logits
+    (not bitwise those of `Target.forward`) filter the same tokens as the reference's."""
+    rows = enumerated[1].reshape(-1, V)
+    for temperature, top_k, top_p in CASES.values():
+        x = -np.sort(-rows / temperature, axis=-1)
+        if top_k is not None:
+            assert np.min(x[:, top_k - 1] - x[:, top_k]) > 1e-3, (temperature, top_k)
+        if top_p is not None:
+            x = x[:, :top_k] if top_k is not None else x
+            p = np.exp(x - x[:, :1])
+            p /= p.sum(-1, keepdims=True)
+            before = np.cumsum(p, axis=-1) - p
+            assert np.min(np.abs(before - top_p)) > 1e-3, (temperature, top_k, top_p)
+
+
+def _accept_every_draft(monkeypatch):
+    monkeypatch.setattr(
+        gen_lib, "accepted_prefix", lambda d, y, trusted=None: jnp.full(d.shape[:1], d.shape[1])
+    )
+
+
+def _pick_tokens_with(monkeypatch, change):
+    """generate's sampler called with changed (temperature, top_k, top_p)."""
+
+    def wrong(logits, key, temperature, top_k=None, top_p=None):
+        return sampling.pick_tokens(logits, key, *change(temperature, top_k, top_p))
+
+    monkeypatch.setattr(gen_lib, "pick_tokens", wrong)
+
+
+def _ignore_temperature(monkeypatch):
+    _pick_tokens_with(monkeypatch, lambda t, k, p: (1.0, k, p))
+
+
+def _top_k_one_wider(monkeypatch):
+    _pick_tokens_with(monkeypatch, lambda t, k, p: (t, k + 1, p))
+
+
+def _nucleus_one_wider(monkeypatch):
+    def wider(vals, lse, top_p):
+        # Keeps a token iff the mass before the token before it is below top_p.
+        probs = jnp.exp(vals - lse)
+        before = jnp.cumsum(probs, axis=-1) - probs
+        before = jnp.concatenate([jnp.zeros_like(before[..., :1]), before[..., :-1]], axis=-1)
+        return jnp.where(before < top_p, vals, -jnp.inf)
+
+    monkeypatch.setattr(sampling, "_nucleus", wider)
+
+
+# (the broken rule, the case it runs, whether it also samples outside the support)
+CONTROLS = {
+    "every_draft_accepted": (_accept_every_draft, "temperature_1", False),
+    "temperature_ignored": (_ignore_temperature, "temperature_0.7_top_k_2", False),
+    "top_k_one_wider": (_top_k_one_wider, "temperature_0.7_top_k_2", True),
+    "nucleus_one_wider": (_nucleus_one_wider, "top_p_0.85", True),
+}
+
+
+@pytest.mark.parametrize("control", list(CONTROLS))
+def test_a_wrong_rule_in_the_implementation_is_rejected(control, tiny, enumerated, monkeypatch):
+    """The same check, with the implementation broken: TV above the same bound (and, for a
+    filter one token wider, samples outside the reference's support)."""
+    patch, case, leaves_support = CONTROLS[control]
+    temperature, top_k, top_p = CASES[case]
+    patch(monkeypatch)
+    counts, _ = sample(tiny, monkeypatch, temperature, top_k, top_p)
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    bound = tv_bound(exact, N)
+    assert tv(counts, exact) > bound, (tv(counts, exact), bound)
+    assert bool(np.any((counts > 0) & (exact == 0))) == leaves_support
