@@ -222,6 +222,7 @@ LONGEST_FIRST = (
     "test_training.py",
     "test_sharding.py",
     "test_decoding.py",
+    "test_sampled_lossless.py",
     "test_pallas_kernels.py",
     "test_infer.py",
     "test_tpu_compile.py",
