@@ -3,9 +3,10 @@
     python -m dflash_jax.launch --num_processes=2 --devices_per_process=4 -- \
         tests/_multiprocess_worker.py generate OUT_DIR
 Joins the group, decodes a batch of mixed-length code prompts with the bundled pair on a mesh
-over every process's devices (DFlash, with drafts, and autoregressive) and, with DFlash, on
-this process's default device alone (the single-process reference), prints one `RESULT {json}` line, then runs
-infer.py's `main` on the same prompts and mesh with --json_out=OUT_DIR/infer.json.
+over every process's devices (DFlash, with drafts, and autoregressive), prints one
+`RESULT {json}` line, then runs infer.py's `main` on the same prompts and mesh with
+--json_out=OUT_DIR/infer.json. The single-process reference is computed outside the group, by
+the test itself (`reference`, the same pair, prompts and settings).
 
     ... -- tests/_multiprocess_worker.py die
 Process 1 raises after joining; process 0 waits for it in a barrier, deaf to SIGTERM (as a
@@ -42,31 +43,49 @@ def _load_script(name):
     return module
 
 
+def setup():
+    """(target, drafter, prompts, generate keywords): the bundled pair in float32, the code
+    prompts and infer.py's stop ids (so that its generate calls reuse the programs compiled
+    here). Shared by the 2-process run and its single-process reference."""
+    import dflash_jax as dj
+    from dflash_jax import serving
+    from dflash_jax.data.tokenizer import load_tokenizer
+
+    target = dj.load_target(os.path.join(ASSETS, "target"), dtype="float32")
+    drafter = dj.load_drafter(os.path.join(ASSETS, "drafter"), target=target)
+    tok = load_tokenizer(os.path.join(ASSETS, "target"))
+    prompts = [tok.encode(c) for c in CODE]
+    kw = dict(stop_token_ids=serving.stop_token_ids(os.path.join(ASSETS, "target"), tok))
+    return target, drafter, prompts, kw
+
+
+def reference():
+    """The single-process result, on this process's default device: [tokens, acceptance
+    lengths, drafts] (JSON-like lists)."""
+    import dflash_jax as dj
+
+    target, drafter, prompts, kw = setup()
+    ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
+    return [ref.tokens, ref.acceptance_lengths, ref.drafts]
+
+
 def generate(out_dir):
     import jax
     from absl import app
 
     import dflash_jax as dj
-    from dflash_jax import serving, sharding
-    from dflash_jax.data.tokenizer import load_tokenizer
+    from dflash_jax import sharding
 
     infer = _load_script("infer")
 
     assert jax.process_count() == 2 and jax.device_count() == 8, jax.devices()
-    target = dj.load_target(os.path.join(ASSETS, "target"), dtype="float32")
-    drafter = dj.load_drafter(os.path.join(ASSETS, "drafter"), target=target)
-    tok = load_tokenizer(os.path.join(ASSETS, "target"))
-    prompts = [tok.encode(c) for c in CODE]
-    # infer.py's stop ids, so that its generate calls reuse the programs compiled here.
-    kw = dict(stop_token_ids=serving.stop_token_ids(os.path.join(ASSETS, "target"), tok))
+    target, drafter, prompts, kw = setup()
     mesh = sharding.make_mesh(**sharding.parse_mesh(MESH))
-    ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
     got = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, mesh=mesh, **kw)
     got_ar = dj.generate(target, None, prompts, MAX_NEW, mesh=mesh, **kw)
     out = {
         "process": jax.process_index(),
         "prompt_lens": [len(p) for p in prompts],
-        "ref": [ref.tokens, ref.acceptance_lengths, ref.drafts],
         "got": [got.tokens, got.acceptance_lengths, got.drafts],
         "got_ar": got_ar.tokens,
         "stats": got.stats,

@@ -163,11 +163,35 @@ def test_load_drafter_rejects_mismatched_pairs(pair, tmp_path, hf_checkpoints):
         dj.load_drafter(out)
 
 
-def test_saved_drafter_generates_losslessly(pair, tmp_path):
-    target, drafter = pair
+def _bundled_setup():
+    """tests/_multiprocess_worker.py's `setup`: the bundled trained pair (float32), its code
+    prompts (mixed lengths) and stop ids; the same generate calls as test_multiprocess.py's
+    single-process reference, so the session's compile cache holds their programs once."""
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_multiprocess_worker.py")
+    spec = importlib.util.spec_from_file_location("_multiprocess_worker", path)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return (*worker.setup(), worker.MAX_NEW)
+
+
+def test_saved_drafter_generates_losslessly(tmp_path):
+    """The bundled (trained, accepted) drafter saved by save_drafter in bfloat16 and loaded
+    back drafts exactly what the original drafts (every token of every block, accepted or
+    not), and decoding with it equals autoregressive decoding."""
+    target, drafter, prompts, kw, max_new = _bundled_setup()
     dj.save_drafter(drafter, tmp_path / "g", dtype="bfloat16")
     d2 = dj.load_drafter(tmp_path / "g", target=target)
-    prompts = [[3, 4, 5], [9] * 7]
-    a = dj.generate(target, d2, prompts, max_new_tokens=24)
-    b = dj.generate(target, None, prompts, max_new_tokens=24)
-    assert a.tokens == b.tokens
+    assert d2.config == drafter.config
+    orig = dj.generate(target, drafter, prompts, max_new, return_drafts=True, **kw)
+    back = dj.generate(target, d2, prompts, max_new, return_drafts=True, **kw)
+    ar = dj.generate(target, None, prompts, max_new, **kw)
+    assert back.tokens == ar.tokens == orig.tokens
+    assert back.acceptance_lengths == orig.acceptance_lengths
+    assert back.drafts == orig.drafts
+    # Accepted: over 1.5 tokens per target pass, some step commits 3 or more.
+    acc = [a for seq in back.acceptance_lengths for a in seq]
+    assert back.stats["tau"] > 1.5 and sum(acc) / len(acc) > 1.5, back.stats["tau"]
+    assert max(acc) >= 3, back.acceptance_lengths

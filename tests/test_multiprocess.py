@@ -2,8 +2,10 @@
 `python -m dflash_jax.launch --num_processes=2 --devices_per_process=4 -- ...` gives 2 CPU
 processes of 4 fake devices each, one process group of 8 devices (gloo collectives).
 
-- generate on a mesh over both processes equals the single-process result (tokens, acceptance,
-  drafts) on every process, DFlash and autoregressive; infer.py reports from process 0 only;
+- generate on a mesh over both processes equals the single-process result computed in the test
+  process itself (tokens, acceptance lengths and every drafted token) on every process, DFlash
+  with the bundled trained pair (accepted) and autoregressive; infer.py reports from process 0
+  only;
 - train.py on data=2,fsdp=4 over 2 processes gives the losses of 1 process with 8 devices, and
   survives SIGKILL of both processes and SIGTERM of one (coordinated save) with the same losses;
 - the launcher names a process that dies, stops the rest and exits non-zero in time.
@@ -52,22 +54,46 @@ def _lines(out, process):
 # ------------------------------------------------------------------------------- generate
 
 
+def _worker_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "_multiprocess_worker", os.path.join(ROOT, "tests", "_multiprocess_worker.py")
+    )
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)
+    return worker
+
+
 @pytest.fixture(scope="module")
 def generation(tmp_path_factory):
+    """(results by process, launch output, out_dir, reference). The reference is this (pytest)
+    process alone, one device, no process group: the same pair, prompts and settings
+    (tests/_multiprocess_worker.py's `reference`), computed while the group runs."""
     out_dir = tmp_path_factory.mktemp("mp_generate")
-    rc, out, _ = _launch(
-        [
-            "--num_processes=2",
-            "--devices_per_process=4",
-            "--timeout=500",
-            "--",
-            "tests/_multiprocess_worker.py",
-            "generate",
-            str(out_dir),
-        ],
-        560,
-    )
-    assert rc == 0, out[-6000:]
+    args = [
+        "--num_processes=2",
+        "--devices_per_process=4",
+        "--timeout=500",
+        "--",
+        "tests/_multiprocess_worker.py",
+        "generate",
+        str(out_dir),
+    ]
+    log = out_dir / "launch.log"
+    with open(log, "w") as f:  # a file, not a pipe: nothing blocks while the reference runs
+        proc = subprocess.Popen(
+            LAUNCH + args, cwd=ROOT, env=_env(), stdout=f, stderr=subprocess.STDOUT
+        )
+    try:
+        reference = _worker_module().reference()
+        proc.wait(timeout=560)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log.read_text()
+    assert proc.returncode == 0, out[-6000:]
     results = {}
     for p in (0, 1):
         found = [
@@ -77,43 +103,45 @@ def generation(tmp_path_factory):
         ]
         assert len(found) == 1, out[-6000:]
         results[p] = found[0]
-    return results, out, out_dir
+    return results, out, out_dir, reference
 
 
 def test_generate_across_processes_equals_single_process(generation):
-    results, _, _ = generation
+    results, _, _, (ref_tokens, ref_acc, ref_drafts) = generation
     r0, r1 = results[0], results[1]
     assert len(set(r0["prompt_lens"])) == 4  # mixed lengths
+    # The drafter is accepted (a drafter never accepted would make DFlash == AR anyway):
+    # over 1.5 tokens per target pass, and some step commits 3 or more.
+    flat = [a for seq in ref_acc for a in seq]
+    assert sum(flat) / len(flat) > 1.5 and max(flat) >= 3, ref_acc
+    # Every step's draft is recorded whole: the block's 15 drafted ids, rejected ones too.
+    assert [len(seq) for seq in ref_drafts] == [len(seq) for seq in ref_acc]
+    assert all(len(d) == 15 for seq in ref_drafts for d in seq)
     for r in (r0, r1):
-        ref_tokens, ref_acc, ref_drafts = r["ref"]
         tokens, acc, drafts = r["got"]
         assert tokens == ref_tokens and acc == ref_acc
-        # The drafted tokens that were accepted are the reference's. (The rejected tail of a
-        # draft is the weak drafter's argmax over near-equal logits, which a different float
-        # reduction order, e.g. gloo's all-reduce on newer jax, may flip without any effect.)
-        assert len(drafts) == len(ref_drafts)
-        for d_seq, ref_seq, a_seq in zip(drafts, ref_drafts, acc):
-            assert len(d_seq) == len(ref_seq) == len(a_seq)
-            for draft, ref_draft, a in zip(d_seq, ref_seq, a_seq):
-                assert draft[: a - 1] == ref_draft[: a - 1]
+        # Whole drafts, rejected tails included: the sharded drafter drafts every token of
+        # every block as the single process does. Not guaranteed by construction: the floats
+        # differ in the last bits, so a drafted argmax at a near-tie could flip (an earlier
+        # tree did flip one rejected id here, docs/scaling.md); should this alone fail, see
+        # whether the differing id is a rejected one at a near-tie before suspecting a bug.
+        assert drafts == ref_drafts
         assert r["got_ar"] == ref_tokens  # sharded AR: lossless DFlash = greedy AR
         assert r["stats"]["mesh"] == "data=2,tensor=4"
-        # Several drafted tokens accepted in one target pass, under sharding.
-        assert max(max(a) for a in acc) >= 3, acc
-        assert r["stats"]["tau"] > 1.0
+        assert r["stats"]["tau"] > 1.5 and max(max(a) for a in acc) >= 3, acc
     # Every process returns the same result, stats included (timings are process 0's).
-    assert r0["ref"] == r1["ref"] and r0["got"] == r1["got"]  # drafts too: one program
+    assert r0["got"] == r1["got"]
     assert r0["stats"] == r1["stats"] and r0["stats_ar"] == r1["stats_ar"]
 
 
 def test_infer_reports_from_process_zero_only(generation):
-    results, out, out_dir = generation
+    _, out, out_dir, reference = generation
     assert sum(line.startswith("=== prompt") for line in _lines(out, 0)) == 4
     assert not any("=== prompt" in line or line.startswith("DFlash:") for line in _lines(out, 1)), (
         out[-4000:]
     )
     written = [json.loads(x) for x in open(os.path.join(out_dir, "infer.json"))]  # JSON Lines
-    assert [r["tokens"] for r in sorted(written, key=lambda r: r["index"])] == results[0]["ref"][0]
+    assert [r["tokens"] for r in sorted(written, key=lambda r: r["index"])] == reference[0]
 
 
 # ------------------------------------------------------------------------------- training
