@@ -34,10 +34,17 @@ copies the compiler hoists out of the loop (each weight read and written once). 
 not one step's. The roofline therefore takes one step's FLOPs, bytes and collectives as the
 difference between the loop program with two `spec_step`s per iteration and the real one.
 
-The roofline (`roofline`): time per step = max(FLOPs / peak, bytes / HBM bandwidth) +
-collective bytes moved / ICI bandwidth, from published chip figures (`TPU_CHIPS`), and the
-speedup tau * t_AR / t_DFlash. PROJECTIONS, not measurements: no collective latency, no
-host overhead, perfect overlap inside each step.
+The roofline (`roofline`), two step models side by side. The cost analysis's: time per step =
+max(FLOPs / peak, bytes accessed / HBM bandwidth) + collective bytes moved / ICI bandwidth
+(`step_s`, `speedup_at_tau`); its bytes count VMEM traffic as HBM traffic, inflating 16-row
+steps. The HBM model's (`hbm`: the HBM operands of the real loop's body counted once, which is
+one step, no differencing; the analytic floor per chip; the loop's collectives at a cited ICI hop
+latency): time = max(FLOPs / peak, HBM bytes / bandwidth) + bytes moved / ICI bandwidth +
+collective latency (`time_s`, `hbm_speedup_at_tau`, the floor's `floor_speedup_at_tau`), and
+`roofline.steps.{ar,dflash}`: floor_bytes, hbm_bytes, collectives, collective_latency_s,
+time_s, top_ops. FLOPs still come from the two-step difference (a clean count: the loop's
+FLOPs are one body's). PROJECTIONS, not measurements: no host overhead, perfect overlap inside
+each step, published chip figures (`TPU_CHIPS`).
 
 `--topology=cpu:8` compiles for 8 fake CPU devices instead (XLA:CPU; no libtpu needed; XLA's
 attention unless --attention says otherwise).
