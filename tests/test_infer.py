@@ -57,7 +57,8 @@ def _run(*args):
 def test_infer_cli_compares_with_ar_and_writes_json_and_profile(tmp_path):
     """On the bundled pair (a drafter that is accepted: some step commits several tokens), the
     tokens --json_out holds are those of an autoregressive run made here, not just what the
-    program's own `identical_to_ar` says; the prompt-file forms and the profile trace."""
+    program's own `identical_to_ar` says; the prompt-file forms; the profile trace and its
+    named scopes."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
         json.dumps({"prompt": "class Stack:\n    def __init__(self):\n        self.items = []"})
@@ -91,8 +92,14 @@ def test_infer_cli_compares_with_ar_and_writes_json_and_profile(tmp_path):
     ids = [rec["prompt_ids"] for rec in recs]
     ar = dj.generate(target, None, ids + [ids[-1]] * 6, max_new_tokens=12, stop_token_ids=stop)
     assert [rec["tokens"] for rec in recs] == ar.tokens[:2]
-    traces = [f for _, _, fs in os.walk(tmp_path / "trace") for f in fs]
-    assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
+    # The trace, with the named scopes of the decode step (docs/usage.md): the XPlane holds
+    # the programs' op names, jit(...)/.../draft/... and so on.
+    traces = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "trace") for f in fs]
+    xplanes = [f for f in traces if f.endswith(".xplane.pb")]
+    assert xplanes, traces
+    blob = b"".join(open(f, "rb").read() for f in xplanes)
+    for scope in (b"/prefill/", b"/draft/", b"/verify/", b"/accept/"):
+        assert scope in blob, scope
 
 
 def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
