@@ -6,6 +6,7 @@ One small random target + drafter (with a real BPE tokenizer) is written once pe
 hub-cache snapshot that the CLI reads with HF_HUB_OFFLINE=1.
 """
 
+import glob
 import json
 import logging
 import os
@@ -325,6 +326,8 @@ def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_pa
             "--config.log_every=2",
             "--config.eval_every=0",
             "--config.checkpoint_every=2",
+            f"--profile_dir={tmp_path / 'trace'}",
+            "--profile_steps=1:2",
         ],
         capture_output=True,
         text=True,
@@ -337,6 +340,7 @@ def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_pa
         "drafter training",
         "step 2/4",
         "checkpoint step 2",
+        f"profile of steps 1..2 written to {tmp_path / 'trace'}",
         "step 4/4",
         "checkpoint step 4",
         "exported to",
@@ -347,6 +351,11 @@ def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_pa
     log = (work / "train.log").read_text()
     assert "step 2/4" in log and "exported to" in log
     assert "orbax" in log.lower()  # the library lines went to the file
+    # --profile_steps=1:2 (docs/training.md): one jax.profiler trace, in --profile_dir, of the
+    # jitted training step.
+    (run,) = os.listdir(tmp_path / "trace" / "plugins" / "profile")
+    xplanes = glob.glob(str(tmp_path / "trace" / "plugins" / "profile" / run / "*.xplane.pb"))
+    assert len(xplanes) == 1 and b"jit(step)" in open(xplanes[0], "rb").read(), xplanes
 
 
 def test_console_logging_levels_and_progress_switch(tmp_path, capsys, monkeypatch):
