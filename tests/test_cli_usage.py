@@ -259,6 +259,30 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
         )
 
 
+def test_sampled_batches_use_seed_plus_batch_number(models):
+    """docs/usage.md: sampled prompt-file batches use `seed + batch number` (wrapped into the
+    64-bit range): the same prompt in three batches of one gives three samples, each the one
+    `generate` draws alone with that batch's seed."""
+    prompt = models.prompts[0]
+    kw = dict(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=[0])
+    rep = batch_infer.run_prompts(
+        models.target,
+        models.drafter,
+        [prompt] * 3,
+        batch_size=1,
+        warmup=False,
+        seed=2**63 - 2,
+        **kw,
+    )
+    recs = sorted(rep.records, key=lambda r: r["batch"])
+    assert [r["batch"] for r in recs] == [0, 1, 2]
+    for r, seed in zip(recs, (2**63 - 2, 2**63 - 1, -(2**63))):
+        alone = dj.generate(models.target, models.drafter, [prompt], seed=seed, **kw)
+        assert r["tokens"] == alone.tokens[0], seed
+    samples = {tuple(r["tokens"]) for r in recs}
+    assert len(samples) == 3, samples  # a random model at temperature 1: three different draws
+
+
 def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
     models, one_at_a_time, tmp_path
 ):
