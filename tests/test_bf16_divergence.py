@@ -6,7 +6,7 @@ at a time (an autoregressive step) and 16 tokens at a time (a DFlash verify pass
 are all right) differ in bfloat16, by less than the bfloat16 rounding scale `tol` of the top-2
 gap (benchmarks/bf16_divergence.py's definition) at every position, so the two can choose
 differently only where the top two tokens are a near-tie. With bfloat16 weights and float32
-compute the two passes agree on every token, and DFlash equals autoregressive decoding."""
+compute DFlash equals autoregressive decoding."""
 
 import os
 
@@ -127,15 +127,11 @@ def test_bf16_verify_and_step_logits_differ_within_rounding_so_only_near_ties_fl
         assert d["ranks"] == [0, 1] and d["near_tie"] is want, (t, d)
 
 
-def test_float32_compute_passes_agree_and_dflash_equals_ar(prompts):
-    """bf16 weights, float32 compute: the passes differ by float32 rounding only (far below
-    the bf16 scale) and choose the same token everywhere; DFlash (an accepted drafter) gives
-    the autoregressive tokens (benchmarks/bf16_divergence.compare, as the measurement). Prompt
-    lengths 26, 25 and 17 share one bucket (32, docs/generation.md): one compiled program."""
-    target, rows = _compare_passes("bf16 weights, float32 compute", prompts)
-    for row in rows:
-        assert row["max_diff"] < 1e-3, row["max_diff"]
-        np.testing.assert_array_equal(*row["argmax"])
+def test_float32_compute_dflash_equals_ar_and_one_bucket_compiles_once(prompts):
+    """bf16 weights, float32 compute: DFlash (an accepted drafter) gives the autoregressive
+    tokens (benchmarks/bf16_divergence.compare, as the measurement). Prompt lengths 26, 25 and
+    17 share one bucket (32, docs/generation.md): one compiled program."""
+    target = _load("bf16 weights, float32 compute")
     drafter = dj.load_drafter(os.path.join(PAIR, "drafter"), target=target)
     assert sorted(len(p) for p in prompts[1:3]) == [25, 26]
     res = bd.compare(target, drafter, prompts[1:3], NEW)
