@@ -192,16 +192,19 @@ class SafetensorsDir:
     def file_of(self, name) -> str:
         return self._where.get(name, self.directory)
 
-    def info(self, name):
-        return self._open(self._where[name]).info(name)
-
-    def get(self, name, dtype=None) -> np.ndarray:
+    def _file_with(self, name) -> "SafetensorsFile":
         if name not in self._where:
             raise CheckpointError(f"{self.directory}: missing tensor {name!r}")
         f = self._open(self._where[name])
         if name not in f:
             raise CheckpointError(f"{f.path}: missing tensor {name!r} (listed in the index)")
-        return f.get(name, dtype)
+        return f
+
+    def info(self, name):
+        return self._file_with(name).info(name)
+
+    def get(self, name, dtype=None) -> np.ndarray:
+        return self._file_with(name).get(name, dtype)
 
     def close(self):
         for f in self._files.values():

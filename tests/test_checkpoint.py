@@ -1,7 +1,9 @@
 """Hugging Face checkpoint I/O: round trips, transformers interop, config variants, bad input."""
 
+import gc
 import json
 import os
+import re
 import shutil
 
 import jax
@@ -12,7 +14,12 @@ import torch
 import transformers
 
 import dflash_jax as dj
-from dflash_jax.safetensors_io import SafetensorsFile, save_sharded, write_safetensors
+from dflash_jax.safetensors_io import (
+    SafetensorsDir,
+    SafetensorsFile,
+    save_sharded,
+    write_safetensors,
+)
 
 
 def _copy(src, dst):
@@ -170,3 +177,59 @@ def test_bad_checkpoints_give_clear_errors(hf_checkpoints, tmp_path):
 
     with pytest.raises(ValueError, match="unknown dtype"):
         dj.load_target(src, dtype="int4")
+
+
+def _mapped(directory) -> int:
+    """How many of this process's memory mappings are files of `directory`."""
+    with open("/proc/self/maps") as f:
+        return sum(str(directory) in line for line in f)
+
+
+def _load_fails(d, match):
+    """load_target(d) raises CheckpointError(match); the live JAX arrays and the files mapped
+    from d are as before (nothing is kept of what was read before the error)."""
+    gc.collect()
+    before = len(jax.live_arrays())
+    try:
+        dj.load_target(d)
+    except dj.CheckpointError as e:  # the traceback (and the frames' locals) go with `e`
+        assert re.search(match, str(e)), e
+    else:
+        raise AssertionError("loaded")
+    gc.collect()
+    assert len(jax.live_arrays()) == before and _mapped(d) == 0
+
+
+def test_a_failing_load_keeps_nothing_half_loaded(hf_checkpoints, tmp_path):
+    """docs/usage.md: "nothing is half-loaded". The tensor read last (model.norm) is wrong, so
+    every other one was read and placed first: the error names the file and the tensor, and
+    afterwards no array of the load is alive and no shard stays memory-mapped; likewise when
+    the last of 30 shards lacks a tensor its index lists (that was a raw SafetensorError)."""
+    src, _ = hf_checkpoints["qwen3_untied"]
+    gc.collect()
+    before = len(jax.live_arrays())
+    target = dj.load_target(src)  # the control: a load that succeeds keeps its arrays alive
+    assert len(jax.live_arrays()) - before == len(jax.tree_util.tree_leaves(target.params))
+    del target
+    store = SafetensorsDir(src)  # and an open store is seen mapped
+    store.get("model.norm.weight")
+    assert _mapped(src) >= 1
+    store.close()
+    assert _mapped(src) == 0
+
+    d = _copy(src, tmp_path / "late")
+    _rewrite_tensor(d, None, lambda t: t.update({"model.norm.weight": np.ones(3, np.float32)}))
+    _load_fails(d, r"late/model.safetensors: tensor 'model.norm.weight' has shape \(3,\)")
+
+    d = _copy(src, tmp_path / "shards")
+    with SafetensorsFile(os.path.join(d, "model.safetensors")) as f:
+        tensors = {k: np.array(f.get(k)) for k in f.keys()}
+    os.remove(os.path.join(d, "model.safetensors"))
+    save_sharded(d, tensors, max_shard_bytes=40_000)
+    with open(os.path.join(d, "model.safetensors.index.json")) as f:
+        shard = json.load(f)["weight_map"]["model.norm.weight"]
+    assert shard.startswith("model-00030-of-00030")  # the last shard read
+    with SafetensorsFile(os.path.join(d, shard)) as f:
+        kept = {k: np.array(f.get(k)) for k in f.keys() if k != "model.norm.weight"}
+    write_safetensors(os.path.join(d, shard), kept)
+    _load_fails(d, rf"{shard}: missing tensor 'model.norm.weight' \(listed in the index\)")

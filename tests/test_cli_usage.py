@@ -6,6 +6,7 @@ One small random target + drafter (with a real BPE tokenizer) is written once pe
 hub-cache snapshot that the CLI reads with HF_HUB_OFFLINE=1.
 """
 
+import glob
 import json
 import logging
 import os
@@ -258,6 +259,30 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
         )
 
 
+def test_sampled_batches_use_seed_plus_batch_number(models):
+    """docs/usage.md: sampled prompt-file batches use `seed + batch number` (wrapped into the
+    64-bit range): the same prompt in three batches of one gives three samples, each the one
+    `generate` draws alone with that batch's seed."""
+    prompt = models.prompts[0]
+    kw = dict(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=[0])
+    rep = batch_infer.run_prompts(  # autoregressive (a cheap compile): the same _batch_seed
+        models.target,
+        None,
+        [prompt] * 3,
+        batch_size=1,
+        warmup=False,
+        seed=2**63 - 2,
+        **kw,
+    )
+    recs = sorted(rep.records, key=lambda r: r["batch"])
+    assert [r["batch"] for r in recs] == [0, 1, 2]
+    for r, seed in zip(recs, (2**63 - 2, 2**63 - 1, -(2**63))):
+        alone = dj.generate(models.target, None, [prompt], seed=seed, **kw)
+        assert r["tokens"] == alone.tokens[0], seed
+    samples = {tuple(r["tokens"]) for r in recs}
+    assert len(samples) == 3, samples  # a random model at temperature 1: three different draws
+
+
 def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
     models, one_at_a_time, tmp_path
 ):
@@ -325,6 +350,8 @@ def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_pa
             "--config.log_every=2",
             "--config.eval_every=0",
             "--config.checkpoint_every=2",
+            f"--profile_dir={tmp_path / 'trace'}",
+            "--profile_steps=1:2",
         ],
         capture_output=True,
         text=True,
@@ -337,6 +364,7 @@ def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_pa
         "drafter training",
         "step 2/4",
         "checkpoint step 2",
+        f"profile of steps 1..2 written to {tmp_path / 'trace'}",
         "step 4/4",
         "checkpoint step 4",
         "exported to",
@@ -347,6 +375,11 @@ def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_pa
     log = (work / "train.log").read_text()
     assert "step 2/4" in log and "exported to" in log
     assert "orbax" in log.lower()  # the library lines went to the file
+    # --profile_steps=1:2 (docs/training.md): one jax.profiler trace, in --profile_dir, of the
+    # jitted training step.
+    (run,) = os.listdir(tmp_path / "trace" / "plugins" / "profile")
+    xplanes = glob.glob(str(tmp_path / "trace" / "plugins" / "profile" / run / "*.xplane.pb"))
+    assert len(xplanes) == 1 and b"jit(step)" in open(xplanes[0], "rb").read(), xplanes
 
 
 def test_console_logging_levels_and_progress_switch(tmp_path, capsys, monkeypatch):

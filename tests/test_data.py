@@ -9,16 +9,15 @@ import sys
 import textwrap
 from pathlib import Path
 
+import array_record  # noqa: F401 - a runtime dependency (requirements.txt): imported, not skipped
 import numpy as np
 import pytest
+import tensorflow_datasets as tfds
+import tokenizers
 
-tfds = pytest.importorskip("tensorflow_datasets")
-pytest.importorskip("array_record")
-tokenizers = pytest.importorskip("tokenizers")
-
-from dflash_jax import data as D  # noqa: E402
-from dflash_jax.data import builders as B  # noqa: E402
-from dflash_jax.data import prompts as P  # noqa: E402
+from dflash_jax import data as D
+from dflash_jax.data import builders as B
+from dflash_jax.data import prompts as P
 
 tfds.disable_progress_bar()
 

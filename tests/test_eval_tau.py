@@ -173,7 +173,8 @@ def test_hugging_face_source_reads_each_schema(monkeypatch, tmp_path):
 def test_tfds_source_when_hugging_face_is_missing(monkeypatch):
     """Without the `datasets` package, gsm8k comes from TFDS (its builder module imported first:
     without TensorFlow the catalog holds only imported builders); TFDS data mocked offline."""
-    tfds = pytest.importorskip("tensorflow_datasets")
+    import tensorflow_datasets as tfds  # a runtime dependency (requirements.txt)
+
     monkeypatch.setitem(sys.modules, "datasets", None)  # import datasets -> ImportError
     with tfds.testing.mock_data(num_examples=5):
         rows, src = eval_tau.load_prompts("gsm8k", None, limit=3)

@@ -10,9 +10,10 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax import batch_infer, report, serving
-from dflash_jax.data.tokenizer import train_bpe_tokenizer
+from dflash_jax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAIR = os.path.join(ROOT, "assets", "tiny-code")  # the bundled trained pair
 CODE = [
     "def add(a, b):\n    return a + b\n",
     "for i in range(10):\n    print(i)\n",
@@ -53,15 +54,22 @@ def _run(*args):
     )
 
 
-def test_infer_cli_compares_with_ar_and_writes_json_and_profile(pair_dirs, tmp_path):
+def test_infer_cli_compares_with_ar_and_writes_json_and_profile(tmp_path):
+    """On the bundled pair (a drafter that is accepted: some step commits several tokens), the
+    tokens --json_out holds are those of an autoregressive run made here, not just what the
+    program's own `identical_to_ar` says; the prompt-file forms; the profile trace and its
+    named scopes."""
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(
-        json.dumps({"prompt": "def add(a, b):"}) + "\n" + json.dumps({"ids": [5, 6, 7]}) + "\n"
+        json.dumps({"prompt": "class Stack:\n    def __init__(self):\n        self.items = []"})
+        + "\n"
+        + json.dumps({"ids": [5, 6, 7]})
+        + "\n"
     )
     out = tmp_path / "out.jsonl"
     r = _run(
-        f"--target={pair_dirs / 'target'}",
-        f"--drafter={pair_dirs / 'drafter'}",
+        f"--target={PAIR}/target",
+        f"--drafter={PAIR}/drafter",
         f"--prompt_file={prompts}",
         "--max_new_tokens=12",
         f"--json_out={out}",
@@ -72,11 +80,26 @@ def test_infer_cli_compares_with_ar_and_writes_json_and_profile(pair_dirs, tmp_p
     assert "speedup" in r.stdout and "tau" in r.stdout
     recs = sorted((json.loads(line) for line in open(out)), key=lambda rec: rec["index"])
     assert [rec["index"] for rec in recs] == [0, 1]
-    assert all(rec["identical_to_ar"] is True for rec in recs)
-    assert all(len(rec["tokens"]) <= 12 for rec in recs)
     assert recs[1]["prompt_ids"] == [5, 6, 7]
-    traces = [f for _, _, fs in os.walk(tmp_path / "trace") for f in fs]
-    assert any(f.endswith((".xplane.pb", ".trace.json.gz")) for f in traces), traces
+    assert all(rec["identical_to_ar"] is True for rec in recs)
+    assert all(len(rec["tokens"]) == 12 for rec in recs)  # the bundled pair has no stop here
+    # The drafter was accepted: some step committed more than one token.
+    assert max(max(rec["acceptance_lengths"]) for rec in recs) > 1, recs
+    # Greedy autoregressive decoding of the same prompt ids, in this process (the batch padded
+    # as infer.py pads it, so the session's compile cache has the program).
+    target = dj.load_target(f"{PAIR}/target", dtype="float32")
+    stop = serving.stop_token_ids(f"{PAIR}/target", load_tokenizer(f"{PAIR}/target"))
+    ids = [rec["prompt_ids"] for rec in recs]
+    ar = dj.generate(target, None, ids + [ids[-1]] * 6, max_new_tokens=12, stop_token_ids=stop)
+    assert [rec["tokens"] for rec in recs] == ar.tokens[:2]
+    # The trace, with the named scopes of the decode step (docs/usage.md): the XPlane holds
+    # the programs' op names, jit(...)/.../draft/... and so on.
+    traces = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path / "trace") for f in fs]
+    xplanes = [f for f in traces if f.endswith(".xplane.pb")]
+    assert xplanes, traces
+    blob = b"".join(open(f, "rb").read() for f in xplanes)
+    for scope in (b"/prefill/", b"/draft/", b"/verify/", b"/accept/"):
+        assert scope in blob, scope
 
 
 def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
@@ -174,12 +197,23 @@ def test_stop_token_ids_join_the_tokenizer_eos_and_generation_config(tmp_path):
 
 
 def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
-    r = _run(f"--target={pair_dirs / 'target'}", "--prompt=", "--max_new_tokens=4")
-    assert r.returncode != 0 and "prompt 0 is empty" in r.stderr
-    r = _run(f"--target={pair_dirs / 'target'}", "--prompt=x", "--max_new_tokens=100000")
-    assert r.returncode != 0 and "max_position_embeddings" in r.stderr
-    r = _run("--target=/nonexistent/dir")
-    assert r.returncode != 0 and "not found" in r.stderr
+    """Bad input: exit status 2 and one `error:` line on stderr (README, dflash_jax/cli.py)."""
+    for args, says in (
+        (
+            [f"--target={pair_dirs / 'target'}", "--prompt=", "--max_new_tokens=4"],
+            "prompt 0 is empty",
+        ),
+        (
+            [f"--target={pair_dirs / 'target'}", "--prompt=x", "--max_new_tokens=100000"],
+            "max_position_embeddings",
+        ),
+        (["--target=/nonexistent/dir"], "not found"),
+    ):
+        r = _run(*args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr[-2000:])
+        lines = r.stderr.strip().splitlines()
+        assert lines[-1].startswith("error: ") and says in lines[-1], (args, lines)
+        assert "Traceback" not in r.stderr, args
 
 
 @pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`

@@ -8,6 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_roofline import assert_projection_matches_inputs
 
 from dflash_jax import dry_run
 
@@ -273,7 +274,10 @@ def test_dry_run_json_schema_and_roofline(cli_json):
     t = roof["projection"]["pallas"]
     assert t["dflash"]["step_s"] > t["ar"]["step_s"] > 0  # a DFlash step does more work
     assert set(t["speedup_at_tau"]) == {"6.5", "5.4"}
-    assert t["speedup_at_tau"]["6.5"] > t["speedup_at_tau"]["5.4"] > 0
+    # The projection is the roofline formula of this JSON's own inputs (recomputed apart from
+    # dflash_jax.dry_run.chips), the v5e chip figures among them.
+    assert r["chip"]["hbm_bw"] == 819e9 and r["chip"]["bf16_flops"] == 197e12
+    assert_projection_matches_inputs(r)
 
 
 def test_reported_hbm_grows_with_batch_and_context(v5e, cli_json):
