@@ -69,7 +69,7 @@ def main(argv):
         by = collections.Counter(f"{c['op']} {_scope(c['scope'])}" for c in coll)
         min_elems = cap * 128  # one KV head of head_dim >= 128 per chip at least
         pads = hlo.cache_sized_copies(
-            text, cap, min_elems, ("pad", "copy", "transpose", "concatenate")
+            text, cap, min_elems, ("pad", "copy", "transpose", "concatenate", "reshape")
         )
         trips = hlo.cache_sized_copies(text, cap, min_elems, ("copy-start",))
         found[name] = {

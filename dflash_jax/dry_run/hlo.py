@@ -7,7 +7,8 @@ computation run once per call. `loop_body_computations` follows `body=` / `calls
 `to_apply=` / branch references from every `while` of the module.
 
 A "copy of a cache-sized buffer" is an instruction whose opcode materialises a new array (pad,
-copy, copy-start, transpose, concatenate, or a fusion rooted in one of them) whose result has
+copy, copy-start, transpose, concatenate, reshape (a relayout; free reshapes are bitcasts), or a
+fusion rooted in one of them) whose result has
 a sequence-like dimension of the cache's capacity (up to one 512-slot tile more: a padded
 cache) and at least the cache's elements per chip; in-place updates (dynamic-update-slice,
 scatter fusions of a donated cache) are not copies, nor are weight prefetches into VMEM.
@@ -25,7 +26,7 @@ _REFS = re.compile(
 _BRANCHES = re.compile(r"branch_computations=\{([^}]*)\}")
 _INSTR = re.compile(r"^\s*(ROOT\s+)?%([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b([a-z]+\d*)\[([\d,]*)\]")
-COPY_OPS = ("pad", "copy", "copy-start", "transpose", "concatenate")
+COPY_OPS = ("pad", "copy", "copy-start", "transpose", "concatenate", "reshape")
 COLLECTIVE_OPS = (
     "all-reduce",
     "all-reduce-start",
