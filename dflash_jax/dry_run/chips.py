@@ -64,6 +64,26 @@ def chip_public(chip):
     return {k: chip[k] for k in ("chip", "hbm_bytes", "bf16_flops", "hbm_bw", "ici_bw")}
 
 
+def hbm_step_times(step: Dict[str, Any], floor_bytes: int, chip: dict) -> Dict[str, float]:
+    """The HBM model's times of one step (`roofline`'s docstring): compute_s, hbm_s, floor_s,
+    collective_s, latency_s, time_s = max(compute, hbm) + collective bytes / ICI bandwidth +
+    latency, floor_time_s = max(compute, floor), and compute_bound (compute above HBM)."""
+    compute = step["flops"] / chip["bf16_flops"]
+    hbm_s = step["hbm_bytes"] / chip["hbm_bw"]
+    comm = step["collective_moved_bytes"] / chip["ici_bw"]
+    latency = step["collective_latency_s"]
+    return {
+        "compute_s": compute,
+        "hbm_s": hbm_s,
+        "floor_s": floor_bytes / chip["hbm_bw"],
+        "collective_s": comm,
+        "latency_s": latency,
+        "time_s": max(compute, hbm_s) + comm + latency,
+        "floor_time_s": max(compute, floor_bytes / chip["hbm_bw"]),
+        "compute_bound": compute > hbm_s,
+    }
+
+
 def roofline(
     steps: Dict[str, Any],
     chip: Optional[dict],
@@ -107,16 +127,8 @@ def roofline(
                 "weights_kv_bound_s": floor,
             }
             if "hbm_bytes" in s:
-                hbm_s = s["hbm_bytes"] / chip["hbm_bw"]
-                floor_s = sizes[f"{kind}_floor_bytes"] / chip["hbm_bw"]
-                latency = s["collective_latency_s"]
-                t[kind].update(
-                    hbm_s=hbm_s,
-                    floor_s=floor_s,
-                    latency_s=latency,
-                    time_s=max(compute, hbm_s) + comm + latency,
-                    floor_time_s=max(compute, floor_s),
-                )
+                t[kind].update(hbm_step_times(s, sizes[f"{kind}_floor_bytes"], chip))
+                latency = t[kind]["latency_s"]
                 if impl_name == attention[0]:
                     out["steps"][kind] = {
                         "floor_bytes": sizes[f"{kind}_floor_bytes"],
