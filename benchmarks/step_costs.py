@@ -36,8 +36,22 @@ flags.DEFINE_integer("loop_tokens", 64, "Tokens generated per in-loop timing (th
 flags.DEFINE_integer("loop_repeats", 5, "In-loop timings per setting (median).")
 
 
+def _widths(values):
+    """--block_sizes as sorted distinct ints >= 1, always with 1: the autoregressive step every
+    wider one is compared with."""
+    try:
+        widths = {int(x) for x in values}
+    except ValueError:
+        raise app.UsageError(f"--block_sizes wants integers, got {values}") from None
+    if not widths or min(widths) < 1:
+        raise app.UsageError(f"--block_sizes wants integers >= 1, got {values}")
+    return sorted(widths | {1})
+
+
 def main(argv):
-    del argv
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    widths = _widths(FLAGS.block_sizes)
     import functools
 
     import jax
@@ -56,7 +70,6 @@ def main(argv):
     drafter = dj.load_drafter(drafter_dir, target=target)
     tmod, dmod = target.module, drafter.module
     ctx_len = FLAGS.context
-    widths = [int(x) for x in FLAGS.block_sizes]
     capacity = ctx_len + 64
     rng = np.random.RandomState(0)
     prompt = jnp.asarray(rng.randint(0, target.config.vocab_size, (1, ctx_len)), jnp.int32)
@@ -153,4 +166,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax import cli
+
+    cli.run(main)

@@ -528,6 +528,11 @@ CASES = [
         ],
         want_err=r"--datasets is empty",
     ),
+    Case(
+        "step_costs_bad_block_sizes",
+        ["benchmarks/step_costs.py", "--block_sizes=2,x"],
+        want_err=r"--block_sizes wants integers",
+    ),
 ]
 
 
