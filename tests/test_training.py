@@ -518,45 +518,20 @@ def test_repeated_ngram_mask_and_batch():
     assert batch["ul_segment_ids"][1].tolist() == [1, 1, 1] + [0] * 17
 
 
-def _ul_target_config(weight):
-    c = tiny_test.get_config()
-    c.mode = "target"
-    c.data.update(kind="synthetic", seq_len=64, batch_size=8, num_docs=256, doc_len=64)
-    c.unlikelihood.update(
-        weight=weight,
-        batch_size=8,
-        prompt_len=16,
-        max_new_tokens=32,
-        prompt_source="docs",
-        num_prompts=256,
-    )
-    c.update(
-        num_train_steps=100, eval_every=0, log_every=50, learning_rate=3e-3, checkpoint_every=100000
-    )
-    return c
-
-
 def test_unlikelihood_training_lowers_greedy_repetition(tmp_path):
     """A target trained on random-token documents with the unlikelihood term repeats 4-grams in
     its greedy continuations less than the same run without it (same data, seed and steps)."""
-    from dflash_jax.training import unlikelihood as ul
+    # The setting and the measure of benchmarks/unlikelihood_toy.py (the figure in the docs).
+    from benchmarks import unlikelihood_toy as toy
 
-    rates = {}
-    for weight in (0.0, 1.0):
-        out = trainer.train_and_evaluate(_ul_target_config(weight), str(tmp_path / str(weight)))
-        assert out["status"] == "done"
-        target = dj.load_target(out["export"])
-        # Fresh prompts from the documents' distribution (uniform random tokens).
-        prompts = np.random.RandomState(5).randint(2, 64, (32, 16)).tolist()
-        res = dj.generate(target, None, prompts, 32)
-        rates[weight] = ul.build_batch(prompts, res.tokens, 48, 4)[1]
+    rates = {w: toy.repeated_share(w, str(tmp_path / str(w))) for w in (0.0, 1.0)}
     assert rates[1.0] < 0.6 * rates[0.0], rates
     recs = [json.loads(line) for line in open(tmp_path / "1.0" / "metrics.jsonl")]
     logged = [r for r in recs if r["split"] == "train"]
     assert all(0 <= r["rep_frac"] <= 1 and np.isfinite(r["ul_loss"]) for r in logged)
     assert "rep_frac" not in json.loads(open(tmp_path / "0.0" / "metrics.jsonl").readline())
     with pytest.raises(ValueError, match="prompt_source"):
-        c = _ul_target_config(1.0)
+        c = toy.toy_config(1.0)
         c.unlikelihood.prompt_source = "functions"  # synthetic documents have no text
         experiment.build_experiment(c, str(tmp_path / "bad"))
 

@@ -45,7 +45,7 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from dflash_jax.dry_run.compiled import _DTYPE_BYTES
-from dflash_jax.dry_run.hlo import _INSTR, computations
+from dflash_jax.dry_run.hlo import _INSTR, computations, loop_body_computations
 
 # One array type with its layout: bf16[1,34304,128]{2,1,0:T(8,128)(2,1)S(1)}
 _TYPED = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
@@ -141,33 +141,6 @@ class _Fused:
                 self.in_place = (idx[0], sum(_array_bytes(types[upd], False)))
 
 
-def _walk_computations(comps: Dict[str, List[str]]) -> List[str]:
-    """The control-flow computations run per iteration of the module's `while` loops (bodies,
-    conditions, conditional branches, called computations; never fusion bodies)."""
-    todo: List[str] = []
-    for lines in comps.values():
-        for line in lines:
-            if re.search(r"\swhile\(", line):
-                todo += re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)
-    seen: List[str] = []
-    while todo:
-        c = todo.pop()
-        if c in seen or c not in comps:
-            continue
-        seen.append(c)
-        for line in comps[c]:
-            m = _INSTR.match(line)
-            if not m or m.group(4) not in ("while", "conditional", "call"):
-                continue
-            todo += re.findall(
-                r"(?:body|condition|to_apply|true_computation|false_computation)=%?([\w.\-]+)",
-                line,
-            )
-            for group in re.findall(r"branch_computations=\{([^}]*)\}", line):
-                todo += [x.strip().lstrip("%") for x in group.split(",") if x.strip()]
-    return seen
-
-
 def _scope(rest: str) -> str:
     m = re.search(r'op_name="([^"]*)"', rest)
     return m.group(1) if m else ""
@@ -180,7 +153,7 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
     comps = computations(hlo_text)
     fused: Dict[str, _Fused] = {}
     rows = []
-    for c in _walk_computations(comps):
+    for c in sorted(loop_body_computations(hlo_text, into_fusions=False)):
         types = _types(comps[c])
         for line in comps[c]:
             m = _INSTR.match(line)
@@ -273,7 +246,7 @@ def loop_collective_latency(hlo_text: str, hop_s: float = ICI_HOP_LATENCY_S) -> 
     """(collectives per loop iteration, their summed latency in seconds: hops x hop_s each,
     no overlap with each other or with compute)."""
     from dflash_jax.dry_run.compiled import _group_size
-    from dflash_jax.dry_run.hlo import COLLECTIVE_OPS, loop_body_computations
+    from dflash_jax.dry_run.hlo import COLLECTIVE_OPS
 
     comps = computations(hlo_text)
     count, latency = 0, 0.0

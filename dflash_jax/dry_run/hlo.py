@@ -67,9 +67,13 @@ def _called(line: str) -> List[str]:
     return out
 
 
-def loop_body_computations(hlo_text: str) -> Set[str]:
+_CONTROL_FLOW = ("while", "conditional", "call")
+
+
+def loop_body_computations(hlo_text: str, into_fusions: bool = True) -> Set[str]:
     """Names of the computations run per iteration of any `while` loop (bodies, conditions
-    and everything they call, transitively)."""
+    and everything they call, transitively). into_fusions=False: only the control flow (loop
+    bodies, conditional branches, called computations), not what fusions and other ops call."""
     comps = computations(hlo_text)
     todo = []
     for lines in comps.values():
@@ -83,6 +87,10 @@ def loop_body_computations(hlo_text: str) -> Set[str]:
             continue
         seen.add(c)
         for line in comps[c]:
+            if not into_fusions:
+                m = _INSTR.match(line)
+                if not m or m.group(4) not in _CONTROL_FLOW:
+                    continue
             todo += _called(line)
     return seen
 
