@@ -127,28 +127,41 @@ def uses_kv_kernel(impl: str) -> bool:
     return impl == "pallas" and _compile_platform() == "tpu"
 
 
-def write_block(cache_BSKD, new_BTKD, starts_B, impl: str = "xla"):
-    """cache [B,S,K,D] with rows starts[b] .. starts[b]+T-1 of row b set to new [B,T,K,D]
-    (slots outside [0, S) dropped, as `model.write_kv` does). Under a TPU Pallas impl the
-    Pallas kernel DMAs the T rows into the cache where it lies in HBM (XLA's scatter or
-    dynamic-update-slice round-trips the whole cache through VMEM on TPU), per shard of
-    the context mesh (batch over data/fsdp, KV heads over tensor); else the XLA scatter."""
+def _heads(x, head_dim: int):
+    """A cache array as [B, S, K, D]: the caches' [B, S, K*D] storage viewed per head (a
+    reshape XLA folds into the kernels' own [B, S, K*D] view), a 4-D array as it is."""
+    return x if x.ndim == 4 else x.reshape(*x.shape[:2], -1, head_dim)
+
+
+def write_block(cache_BSF, new_BTF, starts_B, impl: str = "xla", head_dim: int = 0):
+    """cache [B,S,K*D] (or [B,S,K,D]) with rows starts[b] .. starts[b]+T-1 of row b set to new
+    rows of the same trailing shape (slots outside [0, S) dropped, as `model.write_kv` does).
+    Under a TPU Pallas impl the Pallas kernel DMAs the T rows into the cache where it lies in
+    HBM (XLA's scatter or dynamic-update-slice round-trips the whole cache through VMEM on
+    TPU), per shard of the context mesh (batch over data/fsdp, whole KV heads over tensor:
+    `head_dim` says where a [B,S,K*D] head ends); else the XLA scatter."""
     if not uses_kv_kernel(impl):
-        t = new_BTKD.shape[1]
+        t = new_BTF.shape[1]
         positions = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
-        b = jnp.arange(new_BTKD.shape[0])[:, None]
-        return cache_BSKD.at[b, positions].set(new_BTKD.astype(cache_BSKD.dtype), mode="drop")
+        b = jnp.arange(new_BTF.shape[0])[:, None]
+        return cache_BSF.at[b, positions].set(new_BTF.astype(cache_BSF.dtype), mode="drop")
+    if cache_BSF.ndim == 3 and not head_dim:
+        raise ValueError("write_block of a [B, S, K*D] cache through the kernel needs head_dim")
     interpret = resolve_impl(impl) == "pallas_interpret"
     kernel = lambda c, n, s: _kernels().kv_update(c, n, s, interpret=interpret)
-    args = (cache_BSKD, new_BTKD.astype(cache_BSKD.dtype), starts_B.astype(jnp.int32))
-    if interpret:
-        return kernel(*args)
-    return _per_shard(kernel, args, (0, 0, 0), (2, 2, None))
+    cache = _heads(cache_BSF, head_dim)
+    new = _heads(new_BTF.astype(cache_BSF.dtype), cache.shape[-1])
+    args = (cache, new, starts_B.astype(jnp.int32))
+    out = kernel(*args) if interpret else _per_shard(kernel, args, (0, 0, 0), (2, 2, None))
+    return out.reshape(cache_BSF.shape)
 
 
-def verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl: str = "xla"):
-    """Block queries against a cache that already holds them; query at p sees slots j <= p."""
+def verify_attention(q_BTND, k_BSF, v_BSF, positions_BT, impl: str = "xla"):
+    """Block queries against a cache that already holds them; query at p sees slots j <= p.
+    The cache: [B,S,K*D] (the caches' storage) or [B,S,K,D]; D is the queries'."""
     impl = resolve_impl(impl)
+    d = q_BTND.shape[-1]
+    k_BSKD, v_BSKD = _heads(k_BSF, d), _heads(v_BSF, d)
     if impl == "xla":
         s = k_BSKD.shape[1]
         mask = jnp.arange(s)[None, None, :] <= positions_BT[:, :, None]
@@ -162,8 +175,12 @@ def verify_attention(q_BTND, k_BSKD, v_BSKD, positions_BT, impl: str = "xla"):
 
 
 def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla"):
-    """Drafter block queries against [context (j < ctx_len) ; block (all)], non-causal."""
+    """Drafter block queries against [context (j < ctx_len) ; block (all)], non-causal.
+    ctx_k / ctx_v: [B,C,K*D] (the context cache's storage) or [B,C,K,D]; blk_k / blk_v
+    [B,T,K,D]."""
     impl = resolve_impl(impl)
+    d = q_BTND.shape[-1]
+    ctx_k, ctx_v = _heads(ctx_k, d), _heads(ctx_v, d)
     if impl == "xla":
         b, t = q_BTND.shape[:2]
         c = ctx_k.shape[1]

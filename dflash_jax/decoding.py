@@ -45,9 +45,9 @@ import numpy as np
 
 from dflash_jax import attention as attn_lib
 from dflash_jax import sharding
-from dflash_jax.drafter import ContextCache, DFlashDrafter, Drafter, decode_attend
+from dflash_jax.drafter import DFlashDrafter, Drafter, decode_attend
 from dflash_jax.generate_io import GenerationResult, check_request, collect, gather_multiprocess
-from dflash_jax.model import KVCache, Transformer, write_kv
+from dflash_jax.model import KVCache, Transformer, flat_heads, write_kv
 from dflash_jax.sampling import greedy_argmax, pick_tokens
 
 
@@ -76,7 +76,7 @@ class Plan:
 @flax.struct.dataclass
 class DecodeState:
     cache: KVCache
-    ctx: Optional[ContextCache]
+    ctx: Optional[KVCache]
     tokens: jnp.ndarray  # [B, N] generated tokens (prompt excluded)
     num_out: jnp.ndarray  # [B] tokens generated so far
     done: jnp.ndarray  # [B] bool
@@ -96,22 +96,24 @@ def _lm_logits(tmod, tparams, hidden):
 
 
 def _write_context(
-    dmod, dparams, ctx: ContextCache, taps, positions, lengths, starts=None, impl: str = "xla"
-) -> ContextCache:
+    dmod, dparams, ctx: KVCache, taps, positions, lengths, starts=None, impl: str = "xla"
+) -> KVCache:
     """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`; with
     `starts` [B] (positions = starts[b] + arange(T)) through `attention.write_block` (the
     Pallas DMA kernel under a TPU Pallas `impl`)."""
     ck, cv = dmod.apply({"params": dparams}, taps, positions, method=DFlashDrafter.context_kv)
     if starts is None:
-        write = lambda old, new: write_kv(old, new, positions)
+        write = lambda old, new: write_kv(old, flat_heads(new), positions)
     else:
-        write = lambda old, new: attn_lib.write_block(old, new, starts, impl)
+        write = lambda old, new: attn_lib.write_block(
+            old, flat_heads(new), starts, impl, ctx.head_dim
+        )
     k = tuple(write(old, new) for old, new in zip(ctx.k, ck))
     v = tuple(write(old, new) for old, new in zip(ctx.v, cv))
-    return ContextCache(k=k, v=v, lengths=lengths)
+    return ctx.replace(k=k, v=v, lengths=lengths)
 
 
-def draft_block(tmod, tparams, dmod, dparams, ctx: ContextCache, x_last, start, plan: Plan):
+def draft_block(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan):
     """Drafts bs-1 tokens after x_last. Returns (drafts [B, bs-1], confidence [B, bs-1]).
 
     denoise_steps = 1: DFlash's single pass. K > 1: K masked-diffusion passes; after pass j the
@@ -259,7 +261,7 @@ def _prefill(
     b, p = prompts.shape
     tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
     cache = KVCache.create(tmod.cfg, b, capacity)
-    ctx = None if dmod is None else ContextCache.create(dmod.cfg, b, capacity)
+    ctx = None if dmod is None else KVCache.create(dmod.cfg, b, capacity)
     chunk = plan.prefill_chunk
     if not chunk or p <= chunk or p % chunk:
         chunk = p  # one pass

@@ -22,7 +22,6 @@ import os
 from typing import Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
-import flax.struct
 import jax
 import jax.numpy as jnp
 
@@ -30,6 +29,7 @@ from dflash_jax import attention as attn_lib
 from dflash_jax import checkpoint, hub
 from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.layers import MLP, QKVProjection, RMSNorm, rope_inv_freq
+from dflash_jax.model import KVCache
 from dflash_jax.safetensors_io import CheckpointError
 
 
@@ -203,30 +203,12 @@ class DrafterConfig:
         return out
 
 
-@flax.struct.dataclass
-class ContextCache:
-    """Per drafter layer, K/V of the projected context features. k, v: L-tuples [B,S,K,D];
-    lengths [B]: committed context positions (slot = absolute position)."""
-
-    k: tuple
-    v: tuple
-    lengths: jnp.ndarray
-
-    @classmethod
-    def create(cls, cfg: DrafterConfig, batch: int, capacity: int) -> "ContextCache":
-        b = cfg.body
-        shape = (batch, capacity, b.num_kv_heads, b.head_dim)
-        return cls(
-            k=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
-            v=tuple(jnp.zeros(shape, b.dtype) for _ in range(b.num_layers)),
-            lengths=jnp.zeros((batch,), jnp.int32),
-        )
-
-    def rollback(self, lengths) -> "ContextCache":
-        return self.replace(lengths=lengths.astype(jnp.int32))
+# The drafter's per-layer context K/V: the target's cache type (`model.KVCache`, k / v L-tuples
+# of [B, S, K*D], slot = absolute position, valid below `lengths`), created from a DrafterConfig.
+ContextCache = KVCache
 
 
-# attend(q [B,T,N,D], k_blk [B,T,K,D], v_blk [B,T,K,D], ctx_k [B,C,K,D], ctx_v) -> [B,T,N,D]
+# attend(q [B,T,N,D], k_blk [B,T,K,D], v_blk [B,T,K,D], ctx_k [B,C,K*D], ctx_v) -> [B,T,N,D]
 AttendFn = Callable[..., jnp.ndarray]
 
 

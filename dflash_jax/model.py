@@ -6,8 +6,13 @@ DFlash conditions on). Logits are a separate, cheap call (`lm_logits`) so caller
 the positions they need.
 
 KV cache design (static shapes, as in the gemma sampler):
-  k, v:    L-tuples of [B, S, K, D], preallocated to a fixed capacity S (one buffer per
-           layer, so each layer's scatter updates its buffer in place under jit).
+  k, v:    L-tuples of [B, S, K*D], preallocated to a fixed capacity S (one buffer per
+           layer, so each layer's write updates its buffer in place under jit). The heads of a
+           slot lie side by side on the last axis: the [B, S, K*D] view the TPU kernels read,
+           stored as such. XLA lays a [B, S, K, D] array out with the head axis outside the
+           sequence axis, so with more than one KV head per chip the kernels' view of it was a
+           relayout copy of every cache every step (issue 26, item 3); attention takes the
+           [B, S, K, D] view (`KVCache.heads`) where it needs one.
   lengths: [B] int32         committed tokens per sequence.
 New tokens of sequence b are written at slots `lengths[b] + t` (their absolute positions), and a
 query at position p attends to slots `j <= p`. That single rule is causal inside a block and hides
@@ -31,41 +36,61 @@ from dflash_jax.layers import MLP, QKVProjection, RMSNorm, masked_attention, rop
 
 @flax.struct.dataclass
 class KVCache:
-    """Per-layer keys/values of committed (and possibly stale) positions.
+    """Per-layer keys/values of committed (and possibly stale) positions: the target's cache
+    and the drafter's context cache alike.
 
-    k, v: tuples of L arrays [B, S, K, D]; lengths: [B] int32, committed tokens per sequence.
+    k, v: tuples of L arrays [B, S, K*D] (heads side by side on the last axis);
+    lengths: [B] int32, committed tokens per sequence; head_dim (static): D.
     """
 
     k: tuple
     v: tuple
     lengths: jnp.ndarray
+    head_dim: int = flax.struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> "KVCache":
-        shape = (batch, capacity, cfg.num_kv_heads, cfg.head_dim)
+    def create(cls, cfg, batch: int, capacity: int, dtype=None) -> "KVCache":
+        """Zeros for `cfg`: a ModelConfig (a target) or a DrafterConfig (its body's layers)."""
+        cfg = getattr(cfg, "body", cfg)
+        shape = (batch, capacity, cfg.num_kv_heads * cfg.head_dim)
         dtype = cfg.dtype if dtype is None else dtype
         return cls(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
             v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
             lengths=jnp.zeros((batch,), jnp.int32),
+            head_dim=cfg.head_dim,
         )
 
     @property
     def capacity(self) -> int:
         return self.k[0].shape[1]
 
+    @property
+    def num_kv_heads(self) -> int:
+        return self.k[0].shape[-1] // self.head_dim
+
+    def heads(self, x_BSF):
+        """A cache array [B, S, K*D] viewed as [B, S, K, D]."""
+        return x_BSF.reshape(*x_BSF.shape[:2], -1, self.head_dim)
+
     def rollback(self, lengths: jnp.ndarray) -> "KVCache":
         """Forgets everything past `lengths` [B]: O(1) bookkeeping, the slots stay in place."""
         return self.replace(lengths=lengths.astype(jnp.int32))
 
 
-def write_kv(cache_k_BSKD, new_BTKD, positions_BT):
-    """Scatters new keys (or values) [B,T,K,D] into a cache [B,S,K,D] at slots `positions`.
+def flat_heads(x_BTKD):
+    """[B, T, K, D] -> [B, T, K*D]: new keys or values in the caches' layout."""
+    return x_BTKD.reshape(*x_BTKD.shape[:2], -1)
+
+
+def write_kv(cache_BSF, new_BTF, positions_BT):
+    """Scatters new keys (or values) [B,T,...] into a cache [B,S,...] at slots `positions`
+    (the trailing dims alike: [K*D] in the caches, [K, D] also works).
 
     Out-of-range slots are dropped (never clamped onto valid data).
     """
-    b = jnp.arange(new_BTKD.shape[0])[:, None]
-    return cache_k_BSKD.at[b, positions_BT].set(new_BTKD.astype(cache_k_BSKD.dtype), mode="drop")
+    b = jnp.arange(new_BTF.shape[0])[:, None]
+    return cache_BSF.at[b, positions_BT].set(new_BTF.astype(cache_BSF.dtype), mode="drop")
 
 
 class DecoderLayer(nn.Module):
@@ -86,7 +111,7 @@ class DecoderLayer(nn.Module):
     ):
         """One pre-norm decoder layer.
 
-        With `layer_cache=(k [B,S,K,D], v [B,S,K,D])` the new K/V are written at `positions`
+        With `layer_cache=(k [B,S,K*D], v [B,S,K*D])` the new K/V are written at `positions`
         and the queries attend to cache slots `j <= position`; it returns the updated pair.
         `cache_starts_B` [B] (optional) says the positions are `starts[b] + arange(T)`: the
         write is then `attention.write_block` (a Pallas DMA kernel under a TPU Pallas impl).
@@ -110,12 +135,13 @@ class DecoderLayer(nn.Module):
             new_cache = None
         else:
             ck, cv = layer_cache
+            k, v = flat_heads(k), flat_heads(v)
             if cache_starts_B is None:
                 ck = write_kv(ck, k, positions_BT)
                 cv = write_kv(cv, v, positions_BT)
             else:
-                ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl)
-                cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl)
+                ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl, c.head_dim)
+                cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl, c.head_dim)
             out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
             new_cache = (ck, cv)
         x_BTH = x_BTH + attn.output(out)

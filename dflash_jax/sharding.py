@@ -24,7 +24,7 @@ sharding would reach back into the target's replicated residual stream, costing 
 all-gathers and per-norm all-reduces in every verify layer.)
 With `fsdp=True` the other axis of each of those matrices is split over `fsdp`.
 
-Caches ([B, S, K, D] per layer, target KVCache and drafter ContextCache): B over the batch axes,
+Caches ([B, S, K*D] per layer, the target's and the drafter's KVCache): B over the batch axes,
 K over tensor; lengths [B] over the batch axes. Batches: leading axis over the batch axes.
 
 Everything else is left to GSPMD: parameters and inputs are placed with `NamedSharding`, the
@@ -273,9 +273,12 @@ def batch_sharding(mesh, shape: Optional[Sequence[int]] = None, axis: int = 0):
 
 
 def cache_specs(cache, mesh):
-    """Specs for a KVCache or ContextCache (arrays or shapes): k/v [B,S,K,D] -> B over the
-    batch axes, K over tensor (each replicated when not divisible); lengths [B] over batch."""
-    kv = lambda x: fit_spec(np.shape(x), P(BATCH, None, "tensor", None), mesh)
+    """Specs for a KVCache (the target's or the drafter's context cache; arrays or shapes):
+    k/v [B,S,K*D] -> B over the batch axes, the K heads over tensor (each replicated when not
+    divisible, in whole heads); lengths [B] over batch."""
+    kv = lambda x: fit_spec(
+        np.shape(x), P(BATCH, None, "tensor"), mesh, head_dims=(2,), head_dim=cache.head_dim
+    )
     return cache.replace(
         k=tuple(kv(x) for x in cache.k),
         v=tuple(kv(x) for x in cache.v),

@@ -131,17 +131,49 @@ def decode_hlo(v5e, tmp_path_factory):
     }
 
 
+def _kernel_loop_hlo(v5e, cache_shape, heads=2, s=2048, d=128, t=16):
+    """Optimized HLO of a 4-step loop over caches of `cache_shape` ([1, s, heads*d] or
+    [1, s, heads, d]), each step writing t rows (pallas_kernels.kv_update) and running the verify
+    kernel over the [1, s, heads, d] view: the kernels as the decode loops call them."""
+    import pallas_kernels as pk
+    from pallas_kernels import backend
+
+    devices, _ = v5e
+    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+    one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+
+    def body(carry):
+        i, ck, cv, q, new = carry
+        k4, v4 = ck.reshape(1, s, heads, d), cv.reshape(1, s, heads, d)
+        starts = jnp.full((1,), i * t, jnp.int32)
+        k4, v4 = pk.kv_update(k4, new, starts), pk.kv_update(v4, new, starts)
+        pos = i * t + jnp.arange(t, dtype=jnp.int32)[None]
+        o = pk.verify_attention(q, k4, v4, pos, impl="pallas").astype(q.dtype)
+        ck, cv = k4.reshape(cache_shape), v4.reshape(cache_shape)
+        return i + 1, ck, cv, o, new + o[:, :, :heads]
+
+    def loop(ck, cv, q, new):
+        return jax.lax.while_loop(lambda c: c[0] < 4, body, (jnp.int32(0), ck, cv, q, new))
+
+    args = [SD(cache_shape, BF, sharding=one)] * 2 + [
+        SD((1, t, heads * 4, d), BF, sharding=one),
+        SD((1, t, heads, d), BF, sharding=one),
+    ]
+    with backend.compiling_for(mesh):
+        return jax.jit(loop, donate_argnums=(0, 1)).lower(*args).compile().as_text()
+
+
 def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_path, monkeypatch):
-    """No instruction of either decode loop body pads, transposes or concatenates a cache-sized
-    buffer, at 1 and 2 KV heads per chip; with the capacity left unrounded (the control) the
-    scan finds the kernels' per-step pads. The caches are written by the Pallas DMA kernel
-    (pallas_kernels.kv_update, HBM in and out): at 1 KV head per chip no whole-cache VMEM round
-    trip (copy-start of a cache) is left; with XLA's writes (DFLASH_KV_UPDATE=xla, the control)
-    the scan finds them. At 1 KV head per chip no reshape copies a cache either. At 2 KV heads
-    per chip the [B, S, K, D] cache is still copied each step: reshaped to [B, S, K * D] for the
-    kernels (a relayout: issue 26, item 3, not yet removed) and prefetched into VMEM for the
-    attention kernel; the HBM model counts both (docs/tpu_dry_run.md), and this test asserts
-    the reshape is there, so that the day it goes the test says so."""
+    """No instruction of either decode loop body pads, transposes, concatenates, reshapes or
+    copies a cache-sized buffer, at 1 and 2 KV heads per chip; with the capacity left
+    unrounded (the control) the scan finds the kernels' per-step pads. The caches are written
+    by the Pallas DMA kernel (pallas_kernels.kv_update, HBM in and out) and stored as
+    [B, S, K*D], the view the kernels read: no whole-cache VMEM round trip (copy-start of a
+    cache) and no relayout is left at either head count. Controls: with XLA's writes
+    (DFLASH_KV_UPDATE=xla) the scan finds the round trips; a loop of the same kernels over
+    caches stored [B, S, K, D] (the old layout, `_kernel_loop_hlo`) shows, at 2 KV heads per
+    chip, the relayout into the kernels' view and the VMEM prefetch it brings (issue 26, item 3),
+    and none of it over [B, S, K*D]."""
     no_pads = ("pad", "copy", "transpose", "concatenate")
     from dflash_jax import attention, decoding
     from dflash_jax.dry_run import hlo
@@ -158,13 +190,9 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
             found = hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, no_pads)
             assert found == [], (mesh, name, found)
             assert "kv_update" in text, name  # the kernel writes the caches
-            reshapes = hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, ("reshape",))
-            if mesh == "tensor=8":
-                trips = hlo.cache_sized_copies(text, cap, cap * 128, ("copy-start",))
-                assert trips == [], (mesh, name, trips)
-                assert reshapes == [], (mesh, name, reshapes)
-            else:  # the relayout of item 3, still there (see the docstring)
-                assert reshapes, (mesh, name)
+            for ops in (("reshape",), ("copy-start",)):
+                found = hlo.cache_sized_copies(text, cap, cap * kv_heads * 128, ops)
+                assert found == [], (mesh, name, found)
     monkeypatch.setattr(attention, "KV_UPDATE", "xla")
     for name, text in _decode_hlo(v5e, "tensor=8", tmp_path / "xla").items():
         assert "kv_update" not in text, name
@@ -176,6 +204,12 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
     cap = 1024 + 64 + 16
     pads = hlo.cache_sized_copies(text, cap, cap * 128, no_pads)
     assert any("(pad)" in c for c in pads), pads
+    # The layout control: 2 KV heads of 128 over 2048 slots.
+    old = _kernel_loop_hlo(v5e, (1, 2048, 2, 128))
+    new = _kernel_loop_hlo(v5e, (1, 2048, 256))
+    for ops in (("reshape",), ("copy-start",)):
+        assert hlo.cache_sized_copies(old, 2048, 2048 * 256, ops), ops
+        assert hlo.cache_sized_copies(new, 2048, 2048 * 256, ops) == [], ops
 
 
 def test_dflash_step_collectives_are_the_targets_plus_the_drafters(decode_hlo):
