@@ -46,9 +46,16 @@ import numpy as np
 from dflash_jax import attention as attn_lib
 from dflash_jax import sharding
 from dflash_jax.drafter import DFlashDrafter, Drafter, decode_attend
-from dflash_jax.generate_io import GenerationResult, check_request, collect, gather_multiprocess
+from dflash_jax.generate_io import (
+    GenerationResult,
+    check_request,
+    check_tree_request,
+    collect,
+    gather_multiprocess,
+)
 from dflash_jax.model import KVCache, Transformer, flat_heads, write_kv
 from dflash_jax.sampling import greedy_argmax, pick_tokens
+from dflash_jax.tree import Tree, accept_path, build_tree
 
 
 @dataclasses.dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Plan:
     denoise_steps: int = 1
     confidence_threshold: Optional[float] = None
     record_drafts: bool = False
+    # Verify a draft tree of this many nodes (`dflash_jax.tree`) instead of the chain.
+    tree_budget: Optional[int] = None
     # Host function called with each step's commits (`generate`'s stream_callback), or None.
     # Part of the jit key: a program is compiled per function (reuse one to reuse the program).
     stream: Optional[Callable[[List[List[int]]], None]] = None
@@ -163,81 +172,164 @@ def accepted_prefix(drafts, y, trusted=None):
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
 
 
-def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> DecodeState:
-    """One draft -> verify -> accept -> roll back iteration for the whole batch."""
+@flax.struct.dataclass
+class Proposal:
+    """What one step gives the target to verify: T tokens at positions start + depths (the
+    last committed token x_last first, at depth 0), and how they were drafted."""
+
+    tokens: jnp.ndarray  # [B, T]
+    depths: jnp.ndarray  # [B, T]
+    drafts: Optional[jnp.ndarray] = None  # [B, bs-1] a chain's drafts (None: AR or a tree)
+    conf: Optional[jnp.ndarray] = None  # [B, bs-1] their confidence
+    tree: Optional[Tree] = None  # a draft tree (its mask is the verify's), None: a chain
+
+
+def draft_logprobs(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan):
+    """The drafter's log-probabilities [B, bs-1, V] at the block positions after x_last (one
+    pass over [x_last, MASK * (bs-1)]): what a draft tree is built from."""
+    bs = plan.block_size
+    b = x_last.shape[0]
+    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
+    block = jnp.concatenate(
+        [x_last[:, None], jnp.full((b, bs - 1), dmod.cfg.mask_token_id, jnp.int32)], axis=1
+    )
+    attend = decode_attend(ctx.lengths, plan.attention_impl)
+    hidden = dmod.apply(
+        {"params": dparams}, _embed(tmod, tparams, block), positions, ctx.k, ctx.v, attend
+    )
+    return jax.nn.log_softmax(_lm_logits(tmod, tparams, hidden[:, 1:]), axis=-1)
+
+
+def propose(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState, x_last, start):
+    """Draft: nothing (autoregressive: a drafter that drafts nothing), a chain of bs-1 tokens,
+    or a tree of `plan.tree_budget` nodes from the same drafter pass."""
+    b = x_last.shape[0]
+    if dmod is None:
+        return Proposal(tokens=x_last[:, None], depths=jnp.zeros((b, 1), jnp.int32))
+    if plan.tree_budget:
+        logp = draft_logprobs(tmod, tparams, dmod, dparams, state.ctx, x_last, start, plan)
+        tree = build_tree(x_last, logp, plan.tree_budget)
+        return Proposal(tokens=tree.tokens, depths=tree.depths, tree=tree)
+    drafts, conf = draft_block(tmod, tparams, dmod, dparams, state.ctx, x_last, start, plan)
+    bs = plan.block_size
+    depths = jnp.broadcast_to(jnp.arange(bs, dtype=jnp.int32)[None], (b, bs))
+    tokens = jnp.concatenate([x_last[:, None], drafts], axis=1)
+    return Proposal(tokens=tokens, depths=depths, drafts=drafts, conf=conf)
+
+
+def verify(tmod, tparams, dmod, plan: Plan, state: DecodeState, prop: Proposal, start, key):
+    """One target pass over the proposal, its K/V appended to the cache at slots start ..
+    start+T-1 (a chain: causal; a tree: each node sees the committed prefix and its own
+    ancestors). Returns (y [B, T]: the target's token after each proposed token, the cache,
+    the taps [B, T, F] for the drafter)."""
+    tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
+    extra = {}
+    if prop.tree is not None:
+        extra = dict(positions_BT=start[:, None] + prop.depths, tree_mask_BTT=prop.tree.mask)
+    hidden, cache, taps = tmod.apply(
+        {"params": tparams}, prop.tokens, cache=state.cache, tap_layers=tap_layers, **extra
+    )
+    logits = _lm_logits(tmod, tparams, hidden)  # [B, T, V]
+    y = pick_tokens(logits, key, plan.temperature, plan.top_k, plan.top_p)
+    return y, cache, taps
+
+
+def accept(plan: Plan, prop: Proposal, y):
+    """(path [B, L]: the proposal indices of the accepted drafts by depth, padded; a [B]: how
+    many were accepted). The step commits y at [0, path[:a]]: a + 1 target tokens."""
+    b = y.shape[0]
+    if prop.tree is not None:
+        return accept_path(prop.tree, y, plan.block_size - 1)
+    if prop.drafts is None:  # autoregressive
+        return jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+    trusted = None
+    if plan.confidence_threshold is not None:
+        # Trim the block at the first low-confidence draft: those drafts are never accepted
+        # (still lossless; the bonus token comes from the target).
+        trusted = prop.conf >= plan.confidence_threshold
+    path = jnp.broadcast_to(
+        jnp.arange(1, plan.block_size, dtype=jnp.int32)[None], prop.drafts.shape
+    )
+    return path, accepted_prefix(prop.drafts, y, trusted)
+
+
+def _compact(cache: KVCache, path, start) -> KVCache:
+    """Moves the K/V of the accepted tree nodes (slots start + path[k]) to their positions'
+    slots start + 1 + k, in every layer: the cache then holds what autoregressive decoding of
+    the committed tokens would have written."""
+    depth = path.shape[1]
+    src = (start[:, None] + path)[..., None]
+    dst = start[:, None] + 1 + jnp.arange(depth, dtype=jnp.int32)[None]
+    move = lambda x: write_kv(x, jnp.take_along_axis(x, src, axis=1), dst)
+    return cache.replace(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
+
+
+def commit(dmod, dparams, plan: Plan, state: DecodeState, prop, y, path, a, cache, taps, start):
+    """Commits y at the root and the accepted path (cut at max_new_tokens and at a stop token),
+    rolls both caches back to the committed length (a tree's accepted K/V compacted into
+    place first) and appends the accepted positions' taps to the drafter's context."""
     b, n_buf = state.tokens.shape
     bidx = jnp.arange(b)
-    start = state.cache.lengths  # position of x_last, the last committed token
-    x_last = state.tokens[bidx, state.num_out - 1]
-    bs = plan.block_size
-    tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
-
+    nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # [B, L+1]
+    if prop.tree is not None:
+        y = jnp.take_along_axis(y, nodes, axis=1)
+        taps = jnp.take_along_axis(taps, nodes[..., None], axis=1)
+        cache = _compact(cache, path, start)
+    width = nodes.shape[1]
+    n = jnp.minimum(a + 1, state.max_new - state.num_out)
+    idx = jnp.arange(width, dtype=jnp.int32)[None]
+    is_stop = (
+        jnp.isin(y, jnp.asarray(plan.stop_ids, jnp.int32)) & (idx < n[:, None])
+        if plan.stop_ids
+        else jnp.zeros_like(y, bool)
+    )
+    has_stop = jnp.any(is_stop, axis=1)
+    n = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n)
+    n = jnp.where(state.done, 0, n).astype(jnp.int32)
+    write_at = jnp.where(idx < n[:, None], state.num_out[:, None] + idx, n_buf)
+    tokens = state.tokens.at[bidx[:, None], write_at].set(y, mode="drop")
+    new_len = start + n
+    cache = cache.rollback(new_len)
+    ctx = state.ctx
     if dmod is not None:
-        with jax.named_scope("draft"):
-            drafts, conf = draft_block(tmod, tparams, dmod, dparams, state.ctx, x_last, start, plan)
-        block = jnp.concatenate([x_last[:, None], drafts], axis=1)
-    else:
-        block = x_last[:, None]
-
-    with jax.named_scope("verify"):
-        hidden, cache, taps = tmod.apply(
-            {"params": tparams}, block, cache=state.cache, tap_layers=tap_layers
+        positions = start[:, None] + idx
+        ctx = _write_context(
+            dmod, dparams, ctx, taps, positions, new_len, start, plan.attention_impl
         )
-        logits = _lm_logits(tmod, tparams, hidden)  # [B, bs, V]
-        key, sub = jax.random.split(state.key)
-        y = pick_tokens(logits, sub, plan.temperature, plan.top_k, plan.top_p)  # [B, bs]
-
-    with jax.named_scope("accept"):
-        if dmod is not None:
-            trusted = None
-            if plan.confidence_threshold is not None:
-                # Trim the block at the first low-confidence draft: those drafts are never
-                # accepted (still lossless; the bonus token comes from the target).
-                trusted = conf >= plan.confidence_threshold
-            a = accepted_prefix(drafts, y, trusted)
-        else:
-            a = jnp.zeros((b,), jnp.int32)
-        n = jnp.minimum(a + 1, state.max_new - state.num_out)
-        idx = jnp.arange(bs, dtype=jnp.int32)[None]
-        is_stop = (
-            jnp.isin(y, jnp.asarray(plan.stop_ids, jnp.int32)) & (idx < n[:, None])
-            if plan.stop_ids
-            else jnp.zeros_like(y, bool)
-        )
-        has_stop = jnp.any(is_stop, axis=1)
-        n = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n)
-        n = jnp.where(state.done, 0, n).astype(jnp.int32)
-        write_at = jnp.where(idx < n[:, None], state.num_out[:, None] + idx, n_buf)
-        tokens = state.tokens.at[bidx[:, None], write_at].set(y, mode="drop")
-        new_len = start + n
-        cache = cache.rollback(new_len)
-        ctx = state.ctx
-        if dmod is not None:
-            positions = start[:, None] + idx
-            ctx = _write_context(
-                dmod, dparams, ctx, taps, positions, new_len, start, plan.attention_impl
-            )
-        num_out = state.num_out + n
-        done = state.done | has_stop | (num_out >= state.max_new)
-        accepted = state.accepted.at[:, state.step].set(n)
-        if plan.stream is not None:
-            # Optional host callback (only when streaming was asked for): committed tokens
-            # y[b, :n[b]] of this step; ordered so the terminal sees them in sequence.
-            jax.debug.callback(functools.partial(_emit_stream, plan.stream), y, n, ordered=True)
-        drafts_rec = state.drafts
-        if plan.record_drafts and dmod is not None:
-            drafts_rec = drafts_rec.at[state.step].set(drafts)
+    num_out = state.num_out + n
+    if plan.stream is not None:
+        # Optional host callback (only when streaming was asked for): committed tokens
+        # y[b, :n[b]] of this step; ordered so the terminal sees them in sequence.
+        jax.debug.callback(functools.partial(_emit_stream, plan.stream), y, n, ordered=True)
+    drafts_rec = state.drafts
+    if plan.record_drafts and prop.drafts is not None:
+        drafts_rec = drafts_rec.at[state.step].set(prop.drafts)
     return state.replace(
         cache=cache,
         ctx=ctx,
         tokens=tokens,
         num_out=num_out,
-        done=done,
+        done=state.done | has_stop | (num_out >= state.max_new),
         step=state.step + 1,
-        accepted=accepted,
+        accepted=state.accepted.at[:, state.step].set(n),
         drafts=drafts_rec,
-        key=key,
     )
+
+
+def spec_step(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState) -> DecodeState:
+    """One draft -> verify -> accept -> commit iteration for the whole batch: autoregressive,
+    chain and tree decoding are the same four functions over a `Proposal`."""
+    start = state.cache.lengths  # position of x_last, the last committed token
+    x_last = state.tokens[jnp.arange(state.tokens.shape[0]), state.num_out - 1]
+    key, sub = jax.random.split(state.key)
+    with jax.named_scope("draft"):
+        prop = propose(tmod, tparams, dmod, dparams, plan, state, x_last, start)
+    with jax.named_scope("verify"):
+        y, cache, taps = verify(tmod, tparams, dmod, plan, state, prop, start, sub)
+    with jax.named_scope("accept"):
+        path, a = accept(plan, prop, y)
+        state = commit(dmod, dparams, plan, state, prop, y, path, a, cache, taps, start)
+    return state.replace(key=key)
 
 
 def _emit_stream(sink, y, n):
@@ -481,6 +573,7 @@ def generate(
     stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
     mesh=None,
     prefill_chunk: Optional[int] = None,
+    tree_budget: Optional[int] = None,
 ) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash, or
     autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
@@ -493,6 +586,9 @@ def generate(
     `tensor`); stats then also name the mesh and the cache sharding.
     prefill_chunk: prompts longer than this are prefilled this many tokens at a time (default
     `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
+    tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.tree`: the most
+    probable prefixes of depth <= block_size - 1 under the drafter's one pass) instead of the
+    chain of block_size - 1 drafts; None: the chain. Same tokens either way (lossless).
     """
     # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
     v = check_request(
@@ -511,6 +607,7 @@ def generate(
     )
     prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
     temperature = v["temperature"]
+    tree_budget = check_tree_request(target, drafter, bs, tree_budget, v, return_drafts)
     plan = Plan(
         block_size=bs,
         temperature=float(temperature),
@@ -520,6 +617,7 @@ def generate(
         denoise_steps=v["denoise_steps"] if drafter is not None else 1,
         confidence_threshold=v["confidence_threshold"] if drafter is not None else None,
         record_drafts=bool(return_drafts and drafter is not None),
+        tree_budget=tree_budget,
         stream=stream_callback,
         # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
         attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl, mesh),
@@ -527,7 +625,8 @@ def generate(
     )
     b = len(prompts)
     lens = np.array([len(p) for p in prompts], np.int32)
-    p_pad, n_buf, capacity = buffer_sizes(int(lens.max()), max_new_tokens, bs)
+    width = bs if tree_budget is None else tree_budget + 1  # cache slots one step writes
+    p_pad, n_buf, capacity = buffer_sizes(int(lens.max()), max_new_tokens, width)
     ids = np.zeros((b, p_pad), np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p

@@ -69,6 +69,46 @@ def check_request(
     return v
 
 
+# Tree budgets above this are refused: the builder is O(budget^2) per row and step, and the
+# published speed peaks at 256-512 nodes on an H200 (DDTree).
+MAX_TREE_BUDGET = 1024
+
+
+def check_tree_request(target, drafter, block_size, tree_budget, v, return_drafts=False):
+    """`generate`'s tree_budget checked against the rest of the request (one ValueError, before
+    any compute): None (the chain) or an int in [1, MAX_TREE_BUDGET] that the block's depth can
+    hold, with a drafter, one denoising pass, no confidence threshold and no draft recording."""
+    if tree_budget is None:
+        return None
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, (int, np.integer)):
+        raise ValueError(f"tree_budget must be an int or None, got {tree_budget!r}")
+    tree_budget = int(tree_budget)
+    if drafter is None:
+        raise ValueError("tree_budget needs a drafter (autoregressive decoding drafts nothing)")
+    if not 1 <= tree_budget <= MAX_TREE_BUDGET:
+        raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
+    from dflash_jax.tree import max_nodes
+
+    most = max_nodes(block_size - 1, min(tree_budget, target.config.vocab_size))
+    if tree_budget > most:
+        raise ValueError(
+            f"tree_budget {tree_budget} exceeds the {most} draft prefixes a block of "
+            f"{block_size} can hold"
+        )
+    for name, bad, why in (
+        ("denoise_steps", v["denoise_steps"] != 1, "a tree is built from one drafter pass"),
+        (
+            "confidence_threshold",
+            v["confidence_threshold"] is not None,
+            "a tree spends its budget where the drafter is unsure by construction",
+        ),
+        ("return_drafts", bool(return_drafts), "drafts are recorded for chains only"),
+    ):
+        if bad:
+            raise ValueError(f"tree_budget does not combine with {name}: {why}")
+    return tree_budget
+
+
 def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoise_steps):
     """Raises ValueError for bad input before any compute."""
     cfg = target.config

@@ -93,6 +93,16 @@ def write_kv(cache_BSF, new_BTF, positions_BT):
     return cache_BSF.at[b, positions_BT].set(new_BTF.astype(cache_BSF.dtype), mode="drop")
 
 
+def tree_verify_mask(tree_mask_BTT, starts_B, capacity: int):
+    """[B, T, S] visibility of cache slots to the T tree nodes written at slots starts[b] + t:
+    every committed slot (j < start) and, inside the tree, the node's ancestors and itself."""
+    t = tree_mask_BTT.shape[1]
+    rel = jnp.arange(capacity, dtype=jnp.int32)[None, None, :] - starts_B[:, None, None]
+    inside = (rel >= 0) & (rel < t)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (tree_mask_BTT.shape[0], t, capacity))
+    return (rel < 0) | (inside & jnp.take_along_axis(tree_mask_BTT, idx, axis=2))
+
+
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attention_impl: str = "xla"
@@ -111,6 +121,9 @@ class DecoderLayer(nn.Module):
     ):
         """One pre-norm decoder layer.
 
+        With `layer_cache` and `mask_BTS` (a draft tree's verify: `tree_verify_mask`), the new
+        K/V are written at slots `cache_starts_B[b] + t` and the queries see the slots of
+        `mask_BTS` (XLA attention on every backend: no Pallas kernel takes a tree mask yet).
         With `layer_cache=(k [B,S,K*D], v [B,S,K*D])` the new K/V are written at `positions`
         and the queries attend to cache slots `j <= position`; it returns the updated pair.
         `cache_starts_B` [B] (optional) says the positions are `starts[b] + arange(T)`: the
@@ -142,7 +155,12 @@ class DecoderLayer(nn.Module):
             else:
                 ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl, c.head_dim)
                 cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl, c.head_dim)
-            out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
+            if mask_BTT is not None:
+                out = masked_attention(
+                    q, *(x.reshape(*x.shape[:2], -1, c.head_dim) for x in (ck, cv)), mask_BTT
+                )
+            else:
+                out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
             new_cache = (ck, cv)
         x_BTH = x_BTH + attn.output(out)
         h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm")(x_BTH)
@@ -221,6 +239,7 @@ class Transformer(nn.Module):
         segment_ids_BT=None,
         taps_only: bool = False,
         attn_chunk: int = 512,
+        tree_mask_BTT=None,
     ):
         c = self.cfg
         if taps_only:
@@ -242,7 +261,12 @@ class Transformer(nn.Module):
         inv_freq = rope_inv_freq(c)
         x = self.embed(input_ids_BT)
         mask = None
-        if cache is None:
+        if tree_mask_BTT is not None:
+            if cache is None or starts is not None:
+                raise ValueError("tree_mask_BTT needs a cache and the tree's positions_BT")
+            starts = cache.lengths
+            mask = tree_verify_mask(tree_mask_BTT, starts, cache.capacity)
+        elif cache is None:
             mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
             if segment_ids_BT is not None:
                 mask &= segment_ids_BT[:, None, :] == segment_ids_BT[:, :, None]
