@@ -103,3 +103,149 @@ def test_walk_accepts_the_longest_agreeing_path():
     y[0, 0] = 3
     _, a = tree_lib.accept_path(t, jnp.asarray(y), 3)
     assert int(a[0]) == 0
+
+
+# ------------------------------------------------------------------ tree decoding == AR
+
+
+def _prompts(pair_prompts, n=64):
+    """n ragged prompts of 3..16 tokens (one prompt bucket: one program per batch size):
+    prefixes of the bundled code prompts and their token windows."""
+    toks = [t for p in pair_prompts for t in p]
+    out = []
+    for i in range(n):
+        length = 3 + (i * 5) % 14
+        s = (i * 7) % (len(toks) - length)
+        out.append(toks[s : s + length])
+    return out
+
+
+@pytest.fixture(scope="module")
+def greedy_runs(bundled_pair):
+    """{(budget or "ar", batch): GenerationResult list} over 64 prompts: 60 in batches of 5 and
+    4 alone, 16 new tokens, with a stop token that the outputs contain."""
+    import dflash_jax as dj
+
+    target, drafter, prompts = bundled_pair
+    prompts = _prompts(prompts)
+    ar = dj.generate(target, None, prompts, 16)
+    counts = {}
+    for row in ar.tokens:
+        for t in row[2:-2]:
+            counts[t] = counts.get(t, 0) + 1
+    stop = [max(counts, key=counts.get)]  # the commonest mid-output token: some rows stop early
+    runs = {}
+    for budget in ("ar", 4, 16, 64):
+        for batch, rows in ((5, range(0, 60)), (1, range(60, 64))):
+            chunks = [list(rows)[i : i + batch] for i in range(0, len(rows), batch)]
+            runs[budget, batch] = [
+                (
+                    c,
+                    dj.generate(
+                        target,
+                        None if budget == "ar" else drafter,
+                        [prompts[i] for i in c],
+                        16,
+                        block_size=16,
+                        stop_token_ids=stop,
+                        tree_budget=None if budget == "ar" else budget,
+                    ),
+                )
+                for c in chunks
+            ]
+    return runs, stop
+
+
+def test_greedy_tree_decoding_equals_autoregressive(greedy_runs):
+    """64 ragged prompts x budgets 4 / 16 / 64 x batch 5 and 1, with a stop token: every token
+    equals autoregressive decoding's, and the trees are accepted (multi-token steps; tau grows
+    with the budget)."""
+    runs, stop = greedy_runs
+    ar = {i: toks for c, r in runs["ar", 5] + runs["ar", 1] for i, toks in zip(c, r.tokens)}
+    assert sum(stop[0] in t for t in ar.values()) >= 5  # the stop token really cuts rows
+    taus = {}
+    for budget in (4, 16, 64):
+        got = {}
+        steps = []
+        for batch in (5, 1):
+            for c, r in runs[budget, batch]:
+                got.update(zip(c, r.tokens))
+                steps += [n for row in r.acceptance_lengths for n in row]
+        assert got == ar, budget
+        taus[budget] = sum(steps) / len(steps)
+        assert max(steps) >= 4, budget
+    assert taus[4] < taus[16] < taus[64], taus
+    assert taus[4] > 1.5, taus
+
+
+def test_tree_caches_equal_autoregressive_caches(bundled_pair):
+    """After tree decoding (accepted nodes compacted into place) the target's cache holds, at
+    every committed slot, the K/V of autoregressive decoding, and the drafter's context cache
+    the K/V of chain decoding, for the same committed tokens."""
+    import dflash_jax as dj
+    from dflash_jax import decoding
+
+    target, drafter, prompts = bundled_pair
+    prompts = prompts[:2]
+    states = {}
+    for name, dr, budget in (("ar", None, None), ("chain", drafter, None), ("tree", drafter, 16)):
+        tmod = dj.Transformer(target.config)
+        dmod = None if dr is None else dj.DFlashDrafter(dr.config)
+        plan = decoding.Plan(block_size=1 if dr is None else 16, tree_budget=budget)
+        width = 1 if dr is None else (16 if budget is None else budget + 1)
+        lens = np.array([len(p) for p in prompts], np.int32)
+        p_pad, n_buf, cap = decoding.buffer_sizes(int(lens.max()), 24, width)
+        ids = np.zeros((2, p_pad), np.int32)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = p
+        prefill, decode, _ = decoding.generate_programs(
+            tmod,
+            dmod,
+            plan,
+            cap,
+            n_buf,
+            None,
+            target.params,
+            None if dr is None else dr.params,
+            2,
+            p_pad,
+        )
+        dp = None if dr is None else dr.params
+        s = prefill(
+            target.params,
+            dp,
+            jnp.asarray(ids),
+            jnp.asarray(lens),
+            jnp.int32(24),
+            jax.random.PRNGKey(0),
+        )
+        states[name] = decode(target.params, dp, s)
+    ar, chain, tree = states["ar"], states["chain"], states["tree"]
+    np.testing.assert_array_equal(tree.tokens[:, :24], ar.tokens[:, :24])
+    assert int(jnp.max(tree.accepted)) >= 4  # multi-token tree steps were compacted
+    lens = np.asarray(tree.cache.lengths)
+    np.testing.assert_array_equal(lens, np.asarray(ar.cache.lengths))
+    for b in range(2):
+        n = int(lens[b])
+        for mine, ref in ((tree.cache, ar.cache), (tree.ctx, chain.ctx)):
+            for x, y in zip(mine.k + mine.v, ref.k + ref.v):
+                np.testing.assert_allclose(x[b, :n], y[b, :n], atol=2e-5, rtol=1e-5)
+
+
+def test_bad_tree_requests_are_one_line_errors(bundled_pair):
+    import dflash_jax as dj
+
+    target, drafter, prompts = bundled_pair
+    cases = [
+        (dict(tree_budget=0), "tree_budget must be in"),
+        (dict(tree_budget=2000), "tree_budget must be in"),
+        (dict(tree_budget=8, denoise_steps=2), "does not combine with denoise_steps"),
+        (dict(tree_budget=8, confidence_threshold=0.5), "does not combine with confidence"),
+        (dict(tree_budget=8, return_drafts=True), "does not combine with return_drafts"),
+        (dict(tree_budget=1.5), "must be an int"),
+    ]
+    for kwargs, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            dj.generate(target, drafter, prompts[:1], 8, **kwargs)
+    with pytest.raises(ValueError, match="needs a drafter"):
+        dj.generate(target, None, prompts[:1], 8, tree_budget=4)
