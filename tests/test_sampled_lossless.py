@@ -2,13 +2,14 @@
 `generate` samples, with drafts that are really accepted, equals the exact one, computed by
 enumeration with the independent NumPy reference of the sampling rules
 (`_sampling_reference.reference`: no dflash_jax sampling code), for temperature, top-k, top-p
-and top-k with top-p.
+and top-k with top-p; for chain and for tree decoding (a 3-node tree of the oracle's top tokens).
 
 - a 6-token target; its logits for every continuation come from `Target.forward` (the model,
   not the sampler); the greedy oracle drafter is accepted (tau > 1.3 asserted);
 - no sample lies outside the reference's support, and the total variation (TV) between the
   empirical and the exact joint is below a bound derived from the sample size (`tv_bound`);
-- controls: the same bound rejects a wrong rule in the implementation (every draft accepted;
+- controls: the same bound rejects a wrong rule in the implementation (every draft accepted; a
+  tree walk that ignores the target's sample;
   the temperature ignored; top-k one wider; the nucleus one token wider), each one a
   monkeypatch of the sampling or acceptance code that `generate` compiles: the test can fail;
 - and the bound separates each case's exact joint from its neighbours' (another temperature,
@@ -128,11 +129,21 @@ def _greedy_oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
     return d, jnp.ones(d.shape, jnp.float32)
 
 
-def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None):
-    """N speculative samples of N_TOKENS tokens after PROMPT with the oracle drafter: (counts
-    [M] of each continuation, tau)."""
+def _tree_oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
+    """A draft tree's log-probabilities: the target's distribution after x_last alone, at
+    every block position (its top tokens are right often, not always)."""
+    h, _, _ = tmod.apply({"params": tparams}, x_last[:, None])
+    lg = tmod.apply({"params": tparams}, h, method=dj.Transformer.logits)
+    shape = (x_last.shape[0], plan.block_size - 1, lg.shape[-1])
+    return jnp.broadcast_to(jax.nn.log_softmax(lg, axis=-1), shape)
+
+
+def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None, tree_budget=None):
+    """N speculative samples of N_TOKENS tokens after PROMPT with the oracle drafter (chain) or
+    the oracle's tree of `tree_budget` nodes: (counts [M] of each continuation, tau)."""
     t, drafter = tiny
     monkeypatch.setattr(gen_lib, "draft_block", _greedy_oracle)
+    monkeypatch.setattr(gen_lib, "draft_logprobs", _tree_oracle)
     _forget_compiled(monkeypatch)
     res = dj.generate(
         t,
@@ -144,6 +155,7 @@ def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None):
         top_k=top_k,
         top_p=top_p,
         seed=7,
+        tree_budget=tree_budget,
     )
     tokens = np.asarray(res.tokens)
     assert tokens.shape == (N, N_TOKENS)
@@ -185,6 +197,21 @@ def test_speculative_samples_follow_the_exact_joint(case, tiny, enumerated, monk
     assert outside.size == 0, enumerated[0][outside]
     bound = tv_bound(exact, N)
     assert tv(counts, exact) < bound, (tv(counts, exact), bound)
+    for rule in NEIGHBOURS[case]:
+        wrong = exact_joint(enumerated, *rule)
+        assert tv(counts, wrong) > tv_bound(wrong, N), (rule, tv(counts, wrong))
+
+
+@pytest.mark.parametrize("case", ["temperature_1", "temperature_1.2_top_k_3_top_p_0.9"])
+def test_tree_samples_follow_the_exact_joint(case, tiny, enumerated, monkeypatch):
+    """The same for tree decoding (3 children of the root: the walk follows whichever child
+    the target's fresh sample names, so steps commit a child and its bonus token)."""
+    temperature, top_k, top_p = CASES[case]
+    counts, tau = sample(tiny, monkeypatch, temperature, top_k, top_p, tree_budget=3)
+    assert tau > 1.3, tau
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
+    assert tv(counts, exact) < tv_bound(exact, N), (tv(counts, exact), tv_bound(exact, N))
     for rule in NEIGHBOURS[case]:
         wrong = exact_joint(enumerated, *rule)
         assert tv(counts, wrong) > tv_bound(wrong, N), (rule, tv(counts, wrong))
@@ -255,8 +282,19 @@ def _nucleus_one_wider(monkeypatch):
 
 
 # (the broken rule, the case it runs, whether it also samples outside the support)
+def _walk_to_best_child(monkeypatch):
+    """The tree walk takes the drafter's most probable child whatever the target sampled."""
+
+    def walk(tree, y, max_depth):
+        b = y.shape[0]
+        return jnp.ones((b, max_depth), jnp.int32), jnp.ones((b,), jnp.int32)
+
+    monkeypatch.setattr(gen_lib, "accept_path", walk)
+
+
 CONTROLS = {
     "every_draft_accepted": (_accept_every_draft, "temperature_1", False),
+    "tree_walk_ignores_the_sample": (_walk_to_best_child, "temperature_1", False),
     "temperature_ignored": (_ignore_temperature, "temperature_0.7_top_k_2", False),
     "top_k_one_wider": (_top_k_one_wider, "temperature_0.7_top_k_2", True),
     "nucleus_one_wider": (_nucleus_one_wider, "top_p_0.85", True),
@@ -270,7 +308,8 @@ def test_a_wrong_rule_in_the_implementation_is_rejected(control, tiny, enumerate
     patch, case, leaves_support = CONTROLS[control]
     temperature, top_k, top_p = CASES[case]
     patch(monkeypatch)
-    counts, _ = sample(tiny, monkeypatch, temperature, top_k, top_p)
+    tree = 3 if control.startswith("tree") else None
+    counts, _ = sample(tiny, monkeypatch, temperature, top_k, top_p, tree_budget=tree)
     exact = exact_joint(enumerated, temperature, top_k, top_p)
     bound = tv_bound(exact, N)
     assert tv(counts, exact) > bound, (tv(counts, exact), bound)
