@@ -30,6 +30,7 @@ GENERATE_FLAGS = (
     "block_size",
     "denoise_steps",
     "confidence_threshold",
+    "tree_budget",
 )
 
 FLAGS = flags.FLAGS
@@ -56,6 +57,12 @@ flags.DEFINE_float("top_p", None, "Nucleus filter of the target distribution whe
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("denoise_steps", 1, "Drafter denoising passes per block.")
 flags.DEFINE_float("confidence_threshold", None, "Trim drafts after the first one below this.")
+flags.DEFINE_integer(
+    "tree_budget",
+    None,
+    "Verify a draft tree of this many nodes per step (the most probable prefixes under the "
+    "drafter's pass) instead of the chain; default: the chain.",
+)
 flags.DEFINE_bool(
     "compare_ar",
     None,

@@ -412,7 +412,7 @@ def check_before_loading(
     from dflash_jax import attention, checkpoint
     from dflash_jax.config import ModelConfig
     from dflash_jax.drafter import DrafterConfig
-    from dflash_jax.generate_io import check_request
+    from dflash_jax.generate_io import check_request, check_tree_request
     from dflash_jax.safetensors_io import CheckpointError
 
     source = os.path.join(target_dir, "config.json")
@@ -442,7 +442,7 @@ def check_before_loading(
     g = dict(gen_kw)
     with warnings.catch_warnings():  # generate itself warns (block_size past the drafter's)
         warnings.simplefilter("ignore")
-        check_request(
+        v = check_request(
             types.SimpleNamespace(config=tcfg),
             types.SimpleNamespace(config=dcfg) if dcfg is not None else None,
             prompts,
@@ -455,6 +455,13 @@ def check_before_loading(
             g.get("stop_token_ids", ()),
             g.get("denoise_steps", 1),
             g.get("confidence_threshold"),
+        )
+        check_tree_request(
+            types.SimpleNamespace(config=tcfg),
+            types.SimpleNamespace(config=dcfg) if dcfg is not None else None,
+            v["block_size"],
+            g.get("tree_budget"),
+            v,
         )
 
 

@@ -456,6 +456,8 @@ def check_infer_flags(f: Mapping) -> None:
     seed_param("--seed", f.get("seed", 0))
     if f["block_size"] is not None:
         int_param("--block_size", f["block_size"], lo=2, hi=64)
+    if f.get("tree_budget") is not None:
+        int_param("--tree_budget", f["tree_budget"], lo=1, hi=1024)
     impl = f.get("attention_impl", "xla")
     if impl not in ATTENTION_IMPLS:
         near = difflib.get_close_matches(str(impl), ATTENTION_IMPLS, n=1)

@@ -3,6 +3,7 @@
 import io
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -102,14 +103,16 @@ def test_infer_cli_compares_with_ar_and_writes_json_and_profile(tmp_path):
         assert scope in blob, scope
 
 
-def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
-    """--stream: an extra run prints the prompt and the completion as steps commit it; the
-    timed runs after it report the same text, identical to autoregressive decoding."""
+def test_infer_cli_streams_the_completion_it_reports():
+    """--stream with --tree_budget on the bundled pair (trees that are accepted): an extra run
+    prints the prompt and the completion as steps commit it; the timed runs after it report
+    the same text, identical to autoregressive decoding, with several tokens per step."""
     r = _run(
-        f"--target={pair_dirs / 'target'}",
-        f"--drafter={pair_dirs / 'drafter'}",
+        f"--target={PAIR}/target",
+        f"--drafter={PAIR}/drafter",
         "--prompt=def add(a, b):",
-        "--max_new_tokens=12",
+        "--max_new_tokens=24",
+        "--tree_budget=8",
         "--stream",
     )
     assert r.returncode == 0, r.stderr[-3000:]
@@ -117,11 +120,13 @@ def test_infer_cli_streams_the_completion_it_reports(pair_dirs):
     streamed, reported = r.stdout.split("\n=== prompt 0: ")
     text = reported.split("\n", 1)[1].split("\n\nDFlash: ")[0]
     assert text.startswith("def add(a, b):") and len(text) > len("def add(a, b):")
-    # Streamed pieces may split a multi-byte character (a random model emits byte tokens):
-    # compared on the ASCII characters, which decode alike either way.
+    # Streamed pieces may split a multi-byte character: compared on the ASCII characters,
+    # which decode alike either way.
     ascii_ = lambda t: "".join(ch for ch in t if ord(ch) < 128).strip("\n")
     assert ascii_(streamed.split("backend cpu\n", 1)[1]) == ascii_(text)
     assert "outputs identical: True" in r.stdout
+    tau = float(re.search(r"tau ([0-9.]+)", r.stdout).group(1))
+    assert tau > 1.5, r.stdout
 
 
 class _CharTok:

@@ -156,6 +156,7 @@ INFER_FLAGS = dict(
         ({"batch_size": 0}, "--batch_size must be >= 1, got 0"),
         ({"max_new_tokens": 0}, "--max_new_tokens must be >= 1, got 0"),
         ({"block_size": 65}, "--block_size must be in [2, 64], got 65"),
+        ({"tree_budget": 0}, "--tree_budget must be in [1, 1024], got 0"),
         ({"temperature": 1.0, "top_p": 0.0}, "top_p must be in (0.0, 1.0], got 0.0"),
         ({"param_dtype": "float8"}, "unknown dtype 'float8'"),
     ],
