@@ -30,7 +30,7 @@ from dflash_jax.training.step import (  # noqa: E402
     train_shardings,
 )
 from dflash_jax.model import KVCache, Transformer, init_params  # noqa: E402
-from dflash_jax.drafter import ContextCache, DFlashDrafter  # noqa: E402
+from dflash_jax.drafter import DFlashDrafter  # noqa: E402
 
 
 def _scaled(params, factor=4.0):
@@ -95,6 +95,7 @@ def check_generate(out, workdir):
     res = {"prompt_lens": [len(p) for p in prompts]}
     res["ref"] = _run(dj.generate(target, drafter, prompts, n, return_drafts=True))
     res["ref_ar"] = _run(dj.generate(target, None, prompts, n), drafts=False)
+    mesh4x2 = dry_run.resolve_mesh("data=4,tensor=2")
     for spec in ("data=2,tensor=4", "data=4,tensor=2"):
         mesh = dry_run.resolve_mesh(spec)
         res[spec] = _run(dj.generate(target, drafter, prompts, n, return_drafts=True, mesh=mesh))
@@ -114,6 +115,10 @@ def check_generate(out, workdir):
     )
     tp = sharding.param_specs(untied.params, mesh, sharding.target_rules(), 64)
     res["untied_data=2,tensor=4"]["lm_head"] = str(tp["lm_head"]["kernel"])
+    # Tree decoding (16 nodes), one device and KV heads split.
+    tree = lambda **kw: dj.generate(target, drafter, prompts, n, tree_budget=16, **kw)
+    for name, r in (("tree", tree()), ("tree_data=4,tensor=2", tree(mesh=mesh4x2))):
+        res[name] = dict(_run(r, drafts=False), acceptance=r.acceptance_lengths, tau=r.stats["tau"])
     out["generate"] = res
 
 
@@ -128,7 +133,7 @@ def check_rules(out, workdir):
             drafter.params, mesh, sharding.target_rules(fsdp), 16
         )  # one rule set
         cache = KVCache.create(target.config, 4, 32)
-        ctx = ContextCache.create(drafter.config, 4, 32)
+        ctx = KVCache.create(drafter.config, 4, 32)
         cs = sharding.cache_specs(cache, mesh)
         xs = sharding.cache_specs(ctx, mesh)
         lay = tp["layers_0"]

@@ -69,6 +69,12 @@ def test_sharded_greedy_generate_equals_single_device(findings):
     assert g["data=2,tensor=4"]["k_proj"] == "P()"
     assert g["untied_data=2,tensor=4"]["lm_head"] == "P(None, 'tensor')"  # vocab-parallel head
     assert g["ar_tensor=8"]["q_proj"] == "P()"  # 4 query heads do not divide 8: replicated
+    # Tree decoding (16 nodes) on data=4,tensor=2: the single-device tokens and acceptance,
+    # equal to AR's, with more tokens per step than the chain.
+    tree, sharded = g["tree"], g["tree_data=4,tensor=2"]
+    assert tree["tokens"] == sharded["tokens"] == ref_ar["tokens"]
+    assert tree["acceptance"] == sharded["acceptance"]
+    assert tree["tau"] > ref["tau"], (tree["tau"], ref["tau"])
 
 
 def test_partition_rules_tensor_parallel(findings):
