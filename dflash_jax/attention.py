@@ -174,6 +174,39 @@ def verify_attention(q_BTND, k_BSF, v_BSF, positions_BT, impl: str = "xla"):
     return _per_shard(kernel, (q_BTND, k_BSKD, v_BSKD, positions_BT), (0, 0, 0, 0), (2, 2, 2, None))
 
 
+def tree_verify_mask(tree_mask_BTT, starts_B, capacity: int):
+    """[B, T, S] visibility of cache slots to the T tree nodes written at slots starts[b] + t:
+    every committed slot (j < start) and, inside the tree, the node's ancestors and itself."""
+    t = tree_mask_BTT.shape[1]
+    rel = jnp.arange(capacity, dtype=jnp.int32)[None, None, :] - starts_B[:, None, None]
+    inside = (rel >= 0) & (rel < t)
+    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (tree_mask_BTT.shape[0], t, capacity))
+    return (rel < 0) | (inside & jnp.take_along_axis(tree_mask_BTT, idx, axis=2))
+
+
+def tree_verify_attention(
+    q_BTND, k_BSF, v_BSF, starts_B, blk_k, blk_v, tree_mask_BTT, impl: str = "xla"
+):
+    """A draft tree's verify: the T nodes' queries against the committed cache slots
+    (j < starts[b]) and the nodes' own K/V blk_k / blk_v [B,T,K,D] under the ancestor mask
+    [B,T,T] (the cache already holds the nodes at slots starts[b] + t: the XLA path reads them
+    there with one [B, T, S] mask; the kernels take them as a masked block,
+    `pallas_kernels.tree_attention`: the TPU kernel, XLA on GPU so far)."""
+    impl = resolve_impl(impl)
+    d = q_BTND.shape[-1]
+    k_BSKD, v_BSKD = _heads(k_BSF, d), _heads(v_BSF, d)
+    if impl == "xla":
+        mask = tree_verify_mask(tree_mask_BTT, starts_B, k_BSKD.shape[1])
+        return masked_attention(q_BTND, k_BSKD, v_BSKD, mask)
+    kernel = lambda q, k, v, n, bk, bv, m: _kernels().tree_attention(
+        q, k, v, n, bk, bv, m, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret"
+    )
+    args = (q_BTND, k_BSKD, v_BSKD, starts_B, blk_k, blk_v, tree_mask_BTT)
+    if impl == "pallas_interpret":
+        return kernel(*args)
+    return _per_shard(kernel, args, (0,) * 7, (2, 2, 2, None, 2, 2, None))
+
+
 def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla"):
     """Drafter block queries against [context (j < ctx_len) ; block (all)], non-causal.
     ctx_k / ctx_v: [B,C,K*D] (the context cache's storage) or [B,C,K,D]; blk_k / blk_v

@@ -93,16 +93,6 @@ def write_kv(cache_BSF, new_BTF, positions_BT):
     return cache_BSF.at[b, positions_BT].set(new_BTF.astype(cache_BSF.dtype), mode="drop")
 
 
-def tree_verify_mask(tree_mask_BTT, starts_B, capacity: int):
-    """[B, T, S] visibility of cache slots to the T tree nodes written at slots starts[b] + t:
-    every committed slot (j < start) and, inside the tree, the node's ancestors and itself."""
-    t = tree_mask_BTT.shape[1]
-    rel = jnp.arange(capacity, dtype=jnp.int32)[None, None, :] - starts_B[:, None, None]
-    inside = (rel >= 0) & (rel < t)
-    idx = jnp.broadcast_to(jnp.clip(rel, 0, t - 1), (tree_mask_BTT.shape[0], t, capacity))
-    return (rel < 0) | (inside & jnp.take_along_axis(tree_mask_BTT, idx, axis=2))
-
-
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attention_impl: str = "xla"
@@ -118,12 +108,13 @@ class DecoderLayer(nn.Module):
         attn_chunk: int = 0,
         segment_ids_BT=None,
         cache_starts_B=None,
+        tree_mask_BTT=None,
     ):
         """One pre-norm decoder layer.
 
-        With `layer_cache` and `mask_BTS` (a draft tree's verify: `tree_verify_mask`), the new
-        K/V are written at slots `cache_starts_B[b] + t` and the queries see the slots of
-        `mask_BTS` (XLA attention on every backend: no Pallas kernel takes a tree mask yet).
+        With `layer_cache` and `tree_mask_BTT` (a draft tree's verify), the new K/V are written
+        at slots `cache_starts_B[b] + t`, and node t sees the committed slots (j < start) and
+        node u iff tree_mask[b, t, u] (`attention.tree_verify_attention`).
         With `layer_cache=(k [B,S,K*D], v [B,S,K*D])` the new K/V are written at `positions`
         and the queries attend to cache slots `j <= position`; it returns the updated pair.
         `cache_starts_B` [B] (optional) says the positions are `starts[b] + arange(T)`: the
@@ -148,6 +139,7 @@ class DecoderLayer(nn.Module):
             new_cache = None
         else:
             ck, cv = layer_cache
+            k4, v4 = k, v
             k, v = flat_heads(k), flat_heads(v)
             if cache_starts_B is None:
                 ck = write_kv(ck, k, positions_BT)
@@ -155,9 +147,9 @@ class DecoderLayer(nn.Module):
             else:
                 ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl, c.head_dim)
                 cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl, c.head_dim)
-            if mask_BTT is not None:
-                out = masked_attention(
-                    q, *(x.reshape(*x.shape[:2], -1, c.head_dim) for x in (ck, cv)), mask_BTT
+            if tree_mask_BTT is not None:
+                out = attn_lib.tree_verify_attention(
+                    q, ck, cv, cache_starts_B, k4, v4, tree_mask_BTT, self.attention_impl
                 )
             else:
                 out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
@@ -265,7 +257,6 @@ class Transformer(nn.Module):
             if cache is None or starts is not None:
                 raise ValueError("tree_mask_BTT needs a cache and the tree's positions_BT")
             starts = cache.lengths
-            mask = tree_verify_mask(tree_mask_BTT, starts, cache.capacity)
         elif cache is None:
             mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
             if segment_ids_BT is not None:
@@ -275,7 +266,13 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else (cache.k[i], cache.v[i])
             x, layer_cache = layer(
-                x, positions_BT, inv_freq, layer_cache, mask, cache_starts_B=starts
+                x,
+                positions_BT,
+                inv_freq,
+                layer_cache,
+                mask,
+                cache_starts_B=starts,
+                tree_mask_BTT=tree_mask_BTT,
             )
             if cache is not None:
                 new_k.append(layer_cache[0])

@@ -7,6 +7,8 @@ Hq = G * Hkv; softmax in float32; output in q.dtype):
                    impl="auto", interpret=False, block_k=None, num_splits=None)
   draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None,
                   impl="auto", interpret=False, block_k=None, num_splits=None)
+  tree_attention(q, k_cache, v_cache, prefix_len, blk_k, blk_v, blk_mask, *, sm_scale=None,
+                 impl="auto", interpret=False, block_k=None, num_splits=None)
   training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
                      block_size, ctx_start=None, sm_scale=None, impl="auto",
                      interpret=False, block_q_rows=None, block_k=None)
@@ -41,6 +43,7 @@ from .kv_update import kv_update
 __all__ = [
     "verify_attention",
     "draft_attention",
+    "tree_attention",
     "training_attention",
     "kv_update",
     "reference",
@@ -175,6 +178,86 @@ def draft_attention(
         ctx_len,
         blk_k,
         blk_v,
+        sm_scale=sm_scale,
+        variant=variant,
+        interpret=bool(interpret),
+        block_k=block_k,
+        num_splits=num_splits,
+    )
+
+
+@functools.partial(
+    jax.jit, static_argnames=("sm_scale", "variant", "interpret", "block_k", "num_splits")
+)
+def _tree(
+    q,
+    k,
+    v,
+    prefix_len,
+    blk_k,
+    blk_v,
+    blk_mask,
+    *,
+    sm_scale,
+    variant,
+    interpret,
+    block_k,
+    num_splits,
+):
+    if variant != backend.TPU:  # no Triton / cuDNN kernel takes a tree mask yet: XLA
+        return reference.tree_attention(
+            q, k, v, prefix_len, blk_k, blk_v, blk_mask, sm_scale=sm_scale
+        )
+    b, t = q.shape[:2]
+    prefix_len = jnp.clip(prefix_len.astype(jnp.int32), 0, k.shape[1])
+    lim = jnp.broadcast_to((prefix_len - 1)[:, None], (b, t))
+    return _decode_module(variant).decode_attention(
+        q,
+        k,
+        v,
+        lim,
+        blk_k=blk_k,
+        blk_v=blk_v,
+        blk_mask=blk_mask,
+        sm_scale=sm_scale,
+        **_decode_kwargs(variant, interpret, block_k, num_splits),
+    )
+
+
+def tree_attention(
+    q,
+    k_cache,
+    v_cache,
+    prefix_len,
+    blk_k,
+    blk_v,
+    blk_mask,
+    *,
+    sm_scale=None,
+    impl: str = "auto",
+    interpret: bool = False,
+    block_k: int | None = None,
+    num_splits: int | None = None,
+):
+    """A draft tree's verify attention: the committed prefix of a KV cache and the tree's own
+    keys under its ancestor mask.
+
+    q: [B,T,Hq,D] (the T tree nodes); k_cache, v_cache: [B,S,Hkv,D]; prefix_len: [B] int32;
+    blk_k, blk_v: [B,T,Hkv,D] (the nodes' K/V); blk_mask: [B,T,T] bool. Query t sees cache
+    slot j iff j < prefix_len[b] and node u iff blk_mask[b, t, u]. The TPU kernel is the
+    decode kernel with the mask laid out per query row, keys on the lane axis; the GPU
+    variants (Triton, cuDNN) have no tree kernel yet and run the XLA reference.
+    Returns [B,T,Hq,D].
+    """
+    variant = backend.resolve(impl, interpret)
+    return _tree(
+        q,
+        k_cache,
+        v_cache,
+        prefix_len,
+        blk_k,
+        blk_v,
+        blk_mask,
         sm_scale=sm_scale,
         variant=variant,
         interpret=bool(interpret),

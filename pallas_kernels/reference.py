@@ -146,6 +146,24 @@ def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None):
     return masked_attention(q, k, v, mask, sm_scale)
 
 
+def tree_mask(prefix_len, capacity, blk_mask):
+    """[B,T,C+Tb]: cache slot j visible iff j < prefix_len[b]; block key u to query t iff
+    blk_mask[b, t, u] (a draft tree's ancestor-or-self mask)."""
+    j = jnp.arange(capacity, dtype=jnp.int32)
+    t = blk_mask.shape[1]
+    ctx = jnp.broadcast_to(
+        j[None, None, :] < prefix_len[:, None, None], (prefix_len.shape[0], t, capacity)
+    )
+    return jnp.concatenate([ctx, blk_mask.astype(bool)], axis=2)
+
+
+def tree_attention(q, k_cache, v_cache, prefix_len, blk_k, blk_v, blk_mask, *, sm_scale=None):
+    k = jnp.concatenate([k_cache, blk_k.astype(k_cache.dtype)], axis=1)
+    v = jnp.concatenate([v_cache, blk_v.astype(v_cache.dtype)], axis=1)
+    mask = tree_mask(prefix_len.astype(jnp.int32), k_cache.shape[1], blk_mask)
+    return masked_attention(q, k, v, mask, sm_scale)
+
+
 def training_attention(
     q,
     k_ctx,

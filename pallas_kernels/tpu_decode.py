@@ -111,9 +111,24 @@ def _online_update(q, k, v, m_ref, l_ref, acc_ref, *, scale, prec, mask=None, v_
 
 
 def _decode_kernel(
-    kvlen_ref, minlim_ref, q_ref, lim_ref, k_ref, v_ref, *rest, tk, ns, scale, prec, blk_len
+    kvlen_ref,
+    minlim_ref,
+    q_ref,
+    lim_ref,
+    k_ref,
+    v_ref,
+    *rest,
+    tk,
+    ns,
+    scale,
+    prec,
+    blk_len,
+    blk_masked=False,
 ):
-    if blk_len:
+    bm_ref = None
+    if blk_len and blk_masked:
+        bk_ref, bv_ref, bm_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
+    elif blk_len:
         bk_ref, bv_ref, o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
     else:
         o_ref, lse_ref, m_ref, l_ref, acc_ref = rest
@@ -139,6 +154,8 @@ def _decode_kernel(
         def _block_keys():
             tb = bk_ref.shape[0]
             mask = jax.lax.broadcasted_iota(jnp.int32, (rows, tb), 1) < blk_len
+            if bm_ref is not None:  # a draft tree's ancestor mask, keys on the lane axis
+                mask = mask & (bm_ref[...] != 0)
             vrow = jax.lax.broadcasted_iota(jnp.int32, (tb, w), 0) < blk_len
             upd(q_ref[...], bk_ref[...], bv_ref[...], mask=mask, v_rows_valid=vrow)
 
@@ -199,6 +216,7 @@ def decode_attention(
     *,
     blk_k=None,
     blk_v=None,
+    blk_mask=None,
     sm_scale=None,
     block_k: int = 512,
     num_splits: int | None = None,
@@ -207,7 +225,9 @@ def decode_attention(
     """Shared entry for verify/draft.
 
     q: [B,T,Hq,D]; k, v: [B,S,Hkv,D]; lim: [B,T] int32, row (b,t) sees slot j
-    iff j <= lim[b,t].  Optional blk_k/blk_v [B,Tb,Hkv,D]: always-visible keys.
+    iff j <= lim[b,t].  Optional blk_k/blk_v [B,Tb,Hkv,D]: always-visible keys, or, with
+    blk_mask [B,T,Tb] bool, visible to query t where blk_mask[b, t] is True (a draft tree's
+    ancestor mask: laid out per row with the keys on the lane axis).
     """
     b, t, hq, d, hkv, g = C.check_gqa(q, k)
     s_len = k.shape[1]
@@ -255,6 +275,13 @@ def decode_attention(
         spec = pl.BlockSpec((None, tb, w), lambda bi, hi, si, ii, *_: (bi, 0, hi))
         in_specs += [spec, spec]
         args += [bk2, bv2]
+        if blk_mask is not None:
+            bm = C.per_row(blk_mask.astype(jnp.int32), g, rows, 0)  # [B, rows, Tb]
+            bm = jnp.tile(C.pad_axis(bm, 2, tb, 0), (1, hb, 1))  # row block i = head i
+            in_specs.append(pl.BlockSpec((None, hr, tb), lambda bi, hi, si, ii, *_: (bi, 0, 0)))
+            args.append(bm)
+    elif blk_mask is not None:
+        raise ValueError("blk_mask needs blk_k / blk_v")
 
     out_map = lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)
     out_specs = [
@@ -277,7 +304,13 @@ def decode_attention(
         ],
     )
     kernel = functools.partial(
-        _decode_kernel, tk=tk, ns=ns, scale=scale, prec=C.dot_precision(q.dtype), blk_len=blk_len
+        _decode_kernel,
+        tk=tk,
+        ns=ns,
+        scale=scale,
+        prec=C.dot_precision(q.dtype),
+        blk_len=blk_len,
+        blk_masked=blk_mask is not None,
     )
     cost = C.decode_cost(q, k, s_len, blk_len)
     o_part, lse_part = pl.pallas_call(

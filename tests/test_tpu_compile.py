@@ -28,7 +28,8 @@ def v5e():
 
 
 def _kernel_programs(b, t, s, n_blocks, bs, hkv=8, g=4, d=128):
-    """(fn, abstract args) for the verify, draft and training (forward + backward) kernels."""
+    """(fn, abstract args) for the verify, draft, tree-verify and training (forward + backward)
+    kernels."""
     import pallas_kernels as pk
 
     q, kv = SD((b, t, hkv * g, d), BF), SD((b, s, hkv, d), BF)
@@ -48,6 +49,18 @@ def _kernel_programs(b, t, s, n_blocks, bs, hkv=8, g=4, d=128):
         "draft": (
             lambda *a: pk.draft_attention(*a, impl="pallas"),
             (q, kv, kv, i32(b), SD((b, t, hkv, d), BF), SD((b, t, hkv, d), BF)),
+        ),
+        "tree": (
+            lambda *a: pk.tree_attention(*a, impl="pallas"),
+            (
+                q,
+                kv,
+                kv,
+                i32(b),
+                SD((b, t, hkv, d), BF),
+                SD((b, t, hkv, d), BF),
+                SD((b, t, t), bool),
+            ),
         ),
         "train": (train_grads, (qt, kv, kv, kb, kb, i32(b, n_blocks), SD((b, n_blocks), bool))),
     }
