@@ -239,8 +239,10 @@ def test_backend_this_jax_version():
 
 
 def test_cudnn_variant_masks_and_layout(monkeypatch):
-    """cudnn_attention's masks, GQA layout and scale, through jax.nn.dot_product_attention's
-    XLA implementation (the cuDNN kernel itself needs a GPU; its lowering is tested below)."""
+    """cudnn_attention's pieces (the prefix through jax.nn.dot_product_attention's XLA
+    implementation of the same seq-length call, the block in XLA), their log-sum-exp merge,
+    GQA layout and scale (the cuDNN kernel itself needs a GPU; its lowering is tested below
+    and in test_gpu_compile.py)."""
     from pallas_kernels import cudnn_attention
 
     monkeypatch.setattr(cudnn_attention, "_IMPLEMENTATION", "xla")
@@ -252,6 +254,12 @@ def test_cudnn_variant_masks_and_layout(monkeypatch):
         cudnn_attention.verify_attention(q, k, v, pos, sm_scale=0.3),
         _np_verify(q * (0.3 * 4), k, v, pos),
         atol=ATOL,
+    )
+    # The prefix (cuDNN, seq lengths) and block (XLA, T rows sliced out of the cache) pieces
+    # merged by log-sum-exp: a block at slot 0 (empty prefix) and one running past the end.
+    pos2 = jnp.asarray(np.array([0, 34, 7])[:, None] + np.arange(5)[None], jnp.int32)
+    np.testing.assert_allclose(
+        cudnn_attention.verify_attention(q, k, v, pos2), _np_verify(q, k, v, pos2), atol=ATOL
     )
     bk, bv = _rand(rng, 3, 5, 2, 16), _rand(rng, 3, 5, 2, 16)
     clen = jnp.array([0, 13, 37], jnp.int32)
@@ -593,7 +601,8 @@ def abstract_h200(monkeypatch):
 def test_gpu_kernels_lower_for_cuda(abstract_h200):
     """Every GPU variant at Qwen3-8B heads (32 q / 8 kv heads, head_dim 128, bf16) lowers for
     CUDA on this CPU: Triton verify, draft, training fwd + both backward kernels; cuDNN verify
-    and draft (the final PTX / cuDNN compile still needs the GPU)."""
+    and draft, each one cuDNN call over the cache with sequence lengths, no capacity-wide bias
+    and no copy of the cache (the final PTX / cuDNN compile still needs the GPU)."""
     import re
 
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -632,7 +641,13 @@ def test_gpu_kernels_lower_for_cuda(abstract_h200):
         (pk.draft_attention, (q, kv, kv, i32(b), blk, blk)),
     ]:
         text = lower(lambda *a, fn=fn: fn(*a, impl="cudnn"), *args)
-        assert calls(text).count("__cudnn$fmhaScaleBiasSoftmax") == 1, calls(text)
+        # One cuDNN call over the cache as it lies, with seq lengths and no bias (no
+        # "ScaleBias" variant, no [B,1,T,S] mask), and no concatenation of the cache with the
+        # block (nothing of S + T = 4112 rows).
+        assert calls(text) == ["__cudnn$fmhaSoftmax"], calls(text)
+        assert f"x{t}x{s}x" not in text, "a [B,1,T,S] mask or bias"
+        assert f"{b}x{s + t}x" not in text, "the cache concatenated with the block"
+        assert not re.search(rf"concatenate[^\n]*{b}x{s}x{hkv}x{d}", text)
 
 
 def test_bench_script_smoke(tmp_path, monkeypatch):
