@@ -231,6 +231,40 @@ def test_backend_gpu_default_by_jax_version_and_device_kind(
     assert backend._default_gpu_variant() != want  # the override wins
 
 
+def test_gpu_variant_follows_the_devices_compiled_for(monkeypatch):
+    """On jax >= 0.11 the GPU variant is chosen by the device kind of the devices compiled for
+    (an abstract H200's: cuDNN, what a real H200 runs), not the local GPU's, in `resolve` and
+    in `attention.for_devices`; outside a block naming devices the local GPU decides, and
+    DFLASH_PALLAS_GPU_BACKEND overrides both."""
+    import types
+
+    from dflash_jax import attention
+
+    gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
+    h200, a100 = gpu("NVIDIA H200"), gpu("NVIDIA A100-SXM4-80GB")
+    monkeypatch.delenv("DFLASH_PALLAS_GPU_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "jax_version", lambda: (0, 12, 0))
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    for local in (None, "NVIDIA A100-SXM4-80GB", "NVIDIA H200"):  # no GPU here, or another
+        monkeypatch.setattr(backend, "_gpu_device_kind", lambda local=local: local)
+        with backend.compiling_for([h200]):
+            assert backend.resolve("auto") == backend.resolve("pallas") == "cudnn", local
+        with backend.compiling_for(a100):
+            assert backend.resolve("auto") == "triton", local
+        assert attention.for_devices("pallas", [h200]) == "pallas_cudnn"
+        assert attention.for_devices("auto", [a100]) == "pallas_triton"
+        # A platform name names no device: the local GPU's kind decides.
+        want = "cudnn" if local == "NVIDIA H200" else "triton"
+        assert backend.resolve("auto", platform="gpu") == want
+        with backend.compiling_for("cuda"):
+            assert backend.resolve("auto") == want
+    assert backend.device_kind_of([h200]) == "NVIDIA H200" and backend.device_kind_of("gpu") is None
+    monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "triton")
+    with backend.compiling_for([h200]):
+        assert backend.resolve("auto") == "triton"
+    assert attention.for_devices("pallas", [h200]) == "pallas_triton"
+
+
 def test_backend_this_jax_version():
     """The version gate reads the installed jax; Triton ships in every version we test on."""
     major, minor = backend.jax_version()[:2]

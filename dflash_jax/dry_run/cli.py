@@ -75,7 +75,7 @@ def format_report(r: Dict[str, Any]) -> str:
     if roof.get("projection"):
         lines.append("  roofline per step (" + roof["note"] + "):")
         for impl, t in roof["projection"].items():
-            for kind in ("ar", "dflash"):
+            for kind in ("ar", "dflash") if "speedup_at_tau" in t else ():
                 k = t[kind]
                 lines.append(
                     f"    {impl:6s} {kind:6s} step {k['step_s'] * 1e3:7.3f} ms = max("
@@ -83,9 +83,10 @@ def format_report(r: Dict[str, Any]) -> str:
                     f"{k['memory_s'] * 1e3:.3f}) + ICI {k['collective_s'] * 1e3:.3f};"
                     f" weights+KV bound {k['weights_kv_bound_s'] * 1e3:.3f} ms"
                 )
-            sp = ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in t["speedup_at_tau"].items())
-            bd = ", ".join(f"{v:.2f}x" for v in t["bound_speedup_at_tau"].values())
-            lines.append(f"    {impl:6s} projected speedup {sp} (weights+KV bound: {bd})")
+            if "speedup_at_tau" in t:  # absent on a GPU: no cost analysis there
+                sp = ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in t["speedup_at_tau"].items())
+                bd = ", ".join(f"{v:.2f}x" for v in t["bound_speedup_at_tau"].values())
+                lines.append(f"    {impl:6s} projected speedup {sp} (weights+KV bound: {bd})")
             if "hbm_speedup_at_tau" in t:
                 for kind in ("ar", "dflash"):
                     k = t[kind]
@@ -101,11 +102,17 @@ def format_report(r: Dict[str, Any]) -> str:
                     f"    {impl:6s} HBM model: DFlash/AR step {t['hbm_step_ratio']:.2f}x, "
                     f"projected speedup {sp} (floor: {bd})"
                 )
-        lines.append(
-            "  (cost analysis of a decode loop counts its body once plus the "
-            "once-per-call work outside it; the step figures are two-step-loop minus "
-            "one-step-loop differences)"
-        )
+        if any("speedup_at_tau" in t for t in roof["projection"].values()):
+            lines.append(
+                "  (cost analysis of a decode loop counts its body once plus the "
+                "once-per-call work outside it; the step figures are two-step-loop minus "
+                "one-step-loop differences)"
+            )
+        else:
+            lines.append(
+                "  (GPU: the compiler's cost analysis gives no FLOPs or bytes; FLOPs are the "
+                "loop body's matmuls, bytes the HBM model's count of the loop body)"
+            )
     return "\n".join(lines)
 
 
