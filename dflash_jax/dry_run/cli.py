@@ -48,6 +48,9 @@ def format_report(r: Dict[str, Any]) -> str:
         )
     )
     cap = "" if chip is None else f" (HBM {chip['hbm_bytes'] / 2**30:.0f} GiB per chip)"
+    compiled = s.get("compiled_attention") or {}
+    if any(a != b for a, b in compiled.items()):
+        cap += ", attention " + ", ".join(f"{a} -> {b}" for a, b in compiled.items())
     lines = [
         head + cap,
         "  program            args  out-alias  temps  code   TOTAL GiB/dev  fits   "

@@ -234,6 +234,8 @@ def dry_run_infer(
             "max_new_tokens": max_new_tokens,
             "block_size": bs,
             "attention": list(attention),
+            # What each became for these devices (e.g. "pallas_cudnn" on an H200).
+            "compiled_attention": {a: attn_lib.for_devices(a, m) for a in attention},
         },
         "sizes": sizes,
         "programs": programs,
