@@ -74,6 +74,15 @@ def format_report(r: Dict[str, Any]) -> str:
             f"{_gb(h['total'])}       {fits:4s} {p['flops'] / 1e9:10.1f}  "
             f"{p['bytes_accessed'] / 1e9:11.2f}  {coll:9.2f} ({ncoll})"
         )
+    scans = {
+        n: p["cache_sized_copies"] for n, p in r["programs"].items() if "cache_sized_copies" in p
+    }
+    if scans:
+        lines.append(
+            "  cache-sized copies in the loop bodies: "
+            + ", ".join(f"{n} {len(c)}" for n, c in scans.items())
+            + "".join(f"\n    {c}" for cs in scans.values() for c in cs[:4])
+        )
     roof = r.get("roofline") or {}
     if roof.get("projection"):
         lines.append("  roofline per step (" + roof["note"] + "):")

@@ -8,6 +8,7 @@ import os
 from typing import Any, Dict, Optional, Sequence, Union
 
 from dflash_jax.dry_run import hbm
+from dflash_jax.dry_run import hlo as hlo_scan
 from dflash_jax.dry_run.chips import DEFAULT_TAUS, GPU_CHIPS, chip_public, roofline
 from dflash_jax.dry_run.compiled import (
     compile_stats,
@@ -167,6 +168,14 @@ def dry_run_infer(
                 )
                 text = loop.pop("hlo_text", None)
                 lowered_text = loop.pop("lowered_hlo_text", None)
+                if text is not None:
+                    # Instructions of the loop body that copy a cache-sized buffer (pad, copy,
+                    # transpose, concatenate, relayout: `hlo.cache_sized_copies`), at the
+                    # smallest per-chip cache (KV heads per chip x head_dim x capacity).
+                    heads = max(1, tcfg.num_kv_heads // m.shape["tensor"])
+                    loop["cache_sized_copies"] = hlo_scan.cache_sized_copies(
+                        text, capacity, capacity * heads * tcfg.head_dim
+                    )
                 programs[f"{kind}_decode" + suffix] = loop
                 if step_costs and gpu and loop["flops"] is not None:
                     # XLA:GPU's compiled cost analysis gives no FLOPs or bytes: the step's
