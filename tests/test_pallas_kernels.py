@@ -310,6 +310,29 @@ def test_cudnn_variant_masks_and_layout(monkeypatch):
     )
 
 
+def test_triton_verify_of_a_long_block_runs_in_query_chunks(monkeypatch):
+    """A verify block of more than TRITON_MAX_ROWS query rows (a prefill chunk's) runs the Triton
+    kernel (interpret mode) on chunks of TRITON_MAX_ROWS // G positions, the last one padded,
+    and equals the reference; without chunks the kernel's tile would hold all T x G rows (more
+    shared memory than a Hopper block has at 512 positions: test_gpu_compile.py)."""
+    import pallas_kernels
+
+    pallas_kernels._verify.clear_cache()  # traced again under the patched limit
+    monkeypatch.setattr(pallas_kernels, "TRITON_MAX_ROWS", 16)  # 4 positions a chunk at G = 4
+    calls = []
+    real = pallas_kernels._by_query_chunks
+    monkeypatch.setattr(
+        pallas_kernels, "_by_query_chunks", lambda *a: calls.append(a[3]) or real(*a)
+    )
+    rng = np.random.default_rng(5)
+    q, k, v = _rand(rng, 2, 10, 8, 16), _rand(rng, 2, 37, 2, 16), _rand(rng, 2, 37, 2, 16)
+    pos = jnp.asarray(np.array([3, 27])[:, None] + np.arange(10)[None], jnp.int32)
+    out = pk.verify_attention(q, k, v, pos, impl="pallas_triton", interpret=True)
+    pallas_kernels._verify.clear_cache()
+    assert calls == [4]  # 10 positions: chunks of 4, 4 and 2 (+ 2 padded)
+    np.testing.assert_allclose(out, _np_verify(q, k, v, pos), atol=ATOL)
+
+
 def test_backend_mosaic_gpu_env_placeholder(monkeypatch):
     monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "mosaic_gpu")
     with pytest.raises(NotImplementedError, match="Mosaic GPU"):
