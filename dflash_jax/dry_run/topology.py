@@ -54,8 +54,7 @@ def libtpu_missing() -> bool:
 def cuda_plugin_missing() -> bool:
     """Whether the CUDA build of jax (its PJRT plugin: `pip install "jax[cuda12]"`) is absent."""
     return not any(
-        importlib.util.find_spec(m) is not None
-        for m in ("jax_cuda12_plugin", "jax_cuda13_plugin", "jax_plugins.xla_cuda12")
+        importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")
     )
 
 
