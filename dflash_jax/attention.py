@@ -55,7 +55,7 @@ def for_devices(impl: str, devices=None) -> str:
         return impl
     backend = _kernels().backend
     platform = backend.platform_of(devices) if devices is not None else backend._platform()
-    variant = backend.resolve(impl, platform=platform)
+    variant = backend.resolve(impl, platform=platform, device_kind=backend.device_kind_of(devices))
     return "xla" if variant == backend.XLA else "pallas_" + variant
 
 

@@ -76,14 +76,39 @@ def _verify(q, k_cache, v_cache, q_positions, *, sm_scale, variant, interpret, b
         from . import cudnn_attention
 
         return cudnn_attention.verify_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale)
-    return _decode_module(variant).decode_attention(
-        q,
+    decode = lambda q_, pos_: _decode_module(variant).decode_attention(
+        q_,
         k_cache,
         v_cache,
-        q_positions.astype(jnp.int32),
+        pos_,
         sm_scale=sm_scale,
         **_decode_kwargs(variant, interpret, block_k, num_splits),
     )
+    pos = q_positions.astype(jnp.int32)
+    per_chunk = max(1, TRITON_MAX_ROWS // (q.shape[2] // k_cache.shape[2]))
+    if variant == backend.TRITON and q.shape[1] > per_chunk:
+        return _by_query_chunks(decode, q, pos, per_chunk)
+    return decode(q, pos)
+
+
+# The Triton decode kernel holds all T x G query rows of a KV head in one program; past 128 rows
+# (a 512-token prefill chunk's verify: 1024 rows at G = 2, 2048 at Qwen3-8B's G = 4) its tiles
+# ask for more shared memory than a Hopper block has (320 KB / 576 KB against 227 KB: compiled
+# for an abstract H200, RESOURCE_EXHAUSTED). So longer query blocks run in chunks of
+# TRITON_MAX_ROWS // G positions, one after another.
+TRITON_MAX_ROWS = 128
+
+
+def _by_query_chunks(fn, q, pos, c):
+    """fn(q, pos) over the query axis in chunks of c positions (padded with position -1: rows
+    that see nothing), concatenated: the same result as fn on the whole block."""
+    b, t = q.shape[:2]
+    n = -(-t // c)
+    pad = n * c - t
+    qs = jnp.pad(q, [(0, 0), (0, pad), (0, 0), (0, 0)]).reshape(b, n, c, *q.shape[2:])
+    ps = jnp.pad(pos, [(0, 0), (0, pad)], constant_values=-1).reshape(b, n, c)
+    out = jax.lax.map(lambda a: fn(*a), (jnp.swapaxes(qs, 0, 1), jnp.swapaxes(ps, 0, 1)))
+    return jnp.swapaxes(out, 0, 1).reshape(b, n * c, *q.shape[2:])[:, :t]
 
 
 def verify_attention(

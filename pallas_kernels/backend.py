@@ -7,7 +7,9 @@ a program traced inside ``with compiling_for(mesh):`` (a Mesh, a sharding, a
 device list such as an abstract TPU topology's, or a platform name) picks that
 platform's kernels, so TPU kernels compile for TPU devices from a CPU-only
 process (ahead-of-time, with libtpu installed; see dflash_jax/dry_run/).
-Outside such a block it is `jax.default_backend()`.  `interpret_arg(variant,
+Outside such a block it is `jax.default_backend()`.  On a GPU the device kind of
+the devices compiled for picks the variant too (an abstract H200's gets what a
+real H200 gets); outside a block naming devices, the local GPU's.  `interpret_arg(variant,
 interpret)` turns the public ``interpret: bool`` into what ``pl.pallas_call``
 expects for that variant.
 
@@ -72,9 +74,11 @@ _MOSAIC_GPU_MSG = (
 )
 
 
-# The platform of the devices the program being traced will be compiled for
-# (None: the default backend). A context variable, so threads do not share it.
+# The platform and device kind of the devices the program being traced will be
+# compiled for (None: the default backend's, the local GPU's). Context variables, so
+# threads do not share them.
 _COMPILE_PLATFORM = contextvars.ContextVar("dflash_compile_platform", default=None)
+_COMPILE_DEVICE_KIND = contextvars.ContextVar("dflash_compile_device_kind", default=None)
 
 
 def platform_of(target) -> str:
@@ -82,26 +86,42 @@ def platform_of(target) -> str:
     Sharding, a device, a sequence of devices, or a platform name itself."""
     if isinstance(target, str):
         return target
+    return _first_device(target).platform
+
+
+def _first_device(target):
     if isinstance(target, jax.sharding.Mesh):
-        return target.devices.flat[0].platform
+        return target.devices.flat[0]
     if isinstance(target, jax.sharding.Sharding):
-        return next(iter(target.device_set)).platform
+        return next(iter(target.device_set))
     if hasattr(target, "platform"):
-        return target.platform
-    return next(iter(target)).platform
+        return target
+    return next(iter(target))
+
+
+def device_kind_of(target) -> str | None:
+    """device_kind ("NVIDIA H200", "TPU v5 lite", ...) of the devices of a Mesh, a Sharding,
+    a device or a sequence of devices (an abstract topology's included); None for a platform
+    name or a device without one."""
+    if target is None or isinstance(target, str):
+        return None
+    return getattr(_first_device(target), "device_kind", None)
 
 
 @contextlib.contextmanager
 def compiling_for(target):
-    """Within this block, kernels are chosen for `target`'s platform (see
-    `platform_of`); None leaves the current choice unchanged."""
+    """Within this block, kernels are chosen for `target`'s platform and device kind (see
+    `platform_of`, `device_kind_of`: a GPU's kind picks the GPU variant); None leaves the
+    current choice unchanged."""
     if target is None:
         yield
         return
     token = _COMPILE_PLATFORM.set(platform_of(target))
+    kind_token = _COMPILE_DEVICE_KIND.set(device_kind_of(target))
     try:
         yield
     finally:
+        _COMPILE_DEVICE_KIND.reset(kind_token)
         _COMPILE_PLATFORM.reset(token)
 
 
@@ -149,8 +169,15 @@ def _gpu_device_kind() -> str | None:
         return None
 
 
+def _compile_device_kind() -> str | None:
+    """device_kind of the GPU the program is compiled for: that of the devices of the
+    enclosing `compiling_for` block if it names devices, else the first local GPU's."""
+    return _COMPILE_DEVICE_KIND.get() or _gpu_device_kind()
+
+
 def _default_gpu_variant(device_kind: str | None = None) -> str:
-    """GPU variant for impl="auto"/"pallas" (policy: module docstring)."""
+    """GPU variant for impl="auto"/"pallas" (policy: module docstring) on a GPU of
+    `device_kind` (None: the one compiled for, `_compile_device_kind`)."""
     choice = os.environ.get("DFLASH_PALLAS_GPU_BACKEND", "").strip().lower()
     if choice:
         if choice not in (TRITON, MOSAIC_GPU, CUDNN):
@@ -161,13 +188,19 @@ def _default_gpu_variant(device_kind: str | None = None) -> str:
         return choice
     if not triton_available():
         return CUDNN
-    if triton_deprecated() and is_sm90_or_later(device_kind or _gpu_device_kind()):
+    if triton_deprecated() and is_sm90_or_later(device_kind or _compile_device_kind()):
         return CUDNN
     return TRITON
 
 
-def resolve(impl: str = "auto", interpret: bool = False, platform: str | None = None) -> str:
-    """Returns the variant ("xla" | "tpu" | "triton" | "mosaic_gpu") to run."""
+def resolve(
+    impl: str = "auto",
+    interpret: bool = False,
+    platform: str | None = None,
+    device_kind: str | None = None,
+) -> str:
+    """Returns the variant ("xla" | "tpu" | "triton" | "cudnn") to run on `platform` (None:
+    the one compiled for) and, on a GPU, on `device_kind` (None: the one compiled for)."""
     platform = platform or _platform()
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
@@ -177,13 +210,13 @@ def resolve(impl: str = "auto", interpret: bool = False, platform: str | None = 
         if platform == "tpu":
             return TPU
         if _is_gpu(platform):
-            return _check(_default_gpu_variant())
+            return _check(_default_gpu_variant(device_kind))
         return XLA
     if impl == "pallas":
         if platform == "tpu":
             return TPU
         if _is_gpu(platform):
-            return _check(_default_gpu_variant())
+            return _check(_default_gpu_variant(device_kind))
         if interpret:
             return TPU
         raise ValueError(

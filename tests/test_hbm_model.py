@@ -97,3 +97,30 @@ def test_collective_hops_on_a_ring():
     assert hbm._hops("all-gather-start", 8) == 4
     assert hbm._hops("all-to-all", 4) == 2
     assert hbm._hops("collective-permute", 8) == 1
+
+
+def test_loop_dot_flops_counts_each_matmul_of_one_iteration():
+    """The GPU dry run's step FLOPs (`hbm.loop_dot_flops`, XLA:GPU's cost analysis giving none):
+    the matmuls of one iteration of the loop as lowered, 2 x rows x K x N each, a 1-row one
+    included (XLA:GPU rewrites those into reductions after optimization), a matmul inside a
+    nested jit counted at its call and the one outside the loop not at all."""
+    inner = jax.jit(lambda x, w: x @ w.T)
+
+    def fn(x, w1, w2, n):
+        x = x @ w1  # outside the loop: not a step's
+        body = lambda i, x: jnp.tanh(inner(x @ w1, w2))
+        return jax.lax.fori_loop(0, n, body, x)
+
+    f32 = jnp.float32
+    for rows in (1, 16):
+        text = (
+            jax.jit(fn)
+            .lower(
+                jax.ShapeDtypeStruct((rows, 256), f32),
+                jax.ShapeDtypeStruct((256, 256), f32),
+                jax.ShapeDtypeStruct((256, 256), f32),
+                jax.ShapeDtypeStruct((), jnp.int32),
+            )
+            .as_text(dialect="hlo")
+        )
+        assert hbm.loop_dot_flops(text) == 2 * (2 * rows * 256 * 256), rows

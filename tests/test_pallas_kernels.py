@@ -231,6 +231,40 @@ def test_backend_gpu_default_by_jax_version_and_device_kind(
     assert backend._default_gpu_variant() != want  # the override wins
 
 
+def test_gpu_variant_follows_the_devices_compiled_for(monkeypatch):
+    """On jax >= 0.11 the GPU variant is chosen by the device kind of the devices compiled for
+    (an abstract H200's: cuDNN, what a real H200 runs), not the local GPU's, in `resolve` and
+    in `attention.for_devices`; outside a block naming devices the local GPU decides, and
+    DFLASH_PALLAS_GPU_BACKEND overrides both."""
+    import types
+
+    from dflash_jax import attention
+
+    gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
+    h200, a100 = gpu("NVIDIA H200"), gpu("NVIDIA A100-SXM4-80GB")
+    monkeypatch.delenv("DFLASH_PALLAS_GPU_BACKEND", raising=False)
+    monkeypatch.setattr(backend, "jax_version", lambda: (0, 12, 0))
+    monkeypatch.setattr(backend, "triton_available", lambda: True)
+    for local in (None, "NVIDIA A100-SXM4-80GB", "NVIDIA H200"):  # no GPU here, or another
+        monkeypatch.setattr(backend, "_gpu_device_kind", lambda local=local: local)
+        with backend.compiling_for([h200]):
+            assert backend.resolve("auto") == backend.resolve("pallas") == "cudnn", local
+        with backend.compiling_for(a100):
+            assert backend.resolve("auto") == "triton", local
+        assert attention.for_devices("pallas", [h200]) == "pallas_cudnn"
+        assert attention.for_devices("auto", [a100]) == "pallas_triton"
+        # A platform name names no device: the local GPU's kind decides.
+        want = "cudnn" if local == "NVIDIA H200" else "triton"
+        assert backend.resolve("auto", platform="gpu") == want
+        with backend.compiling_for("cuda"):
+            assert backend.resolve("auto") == want
+    assert backend.device_kind_of([h200]) == "NVIDIA H200" and backend.device_kind_of("gpu") is None
+    monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "triton")
+    with backend.compiling_for([h200]):
+        assert backend.resolve("auto") == "triton"
+    assert attention.for_devices("pallas", [h200]) == "pallas_triton"
+
+
 def test_backend_this_jax_version():
     """The version gate reads the installed jax; Triton ships in every version we test on."""
     major, minor = backend.jax_version()[:2]
@@ -239,8 +273,10 @@ def test_backend_this_jax_version():
 
 
 def test_cudnn_variant_masks_and_layout(monkeypatch):
-    """cudnn_attention's masks, GQA layout and scale, through jax.nn.dot_product_attention's
-    XLA implementation (the cuDNN kernel itself needs a GPU; its lowering is tested below)."""
+    """cudnn_attention's pieces (the prefix through jax.nn.dot_product_attention's XLA
+    implementation of the same seq-length call, the block in XLA), their log-sum-exp merge,
+    GQA layout and scale (the cuDNN kernel itself needs a GPU; its lowering is tested below
+    and in test_gpu_compile.py)."""
     from pallas_kernels import cudnn_attention
 
     monkeypatch.setattr(cudnn_attention, "_IMPLEMENTATION", "xla")
@@ -252,6 +288,12 @@ def test_cudnn_variant_masks_and_layout(monkeypatch):
         cudnn_attention.verify_attention(q, k, v, pos, sm_scale=0.3),
         _np_verify(q * (0.3 * 4), k, v, pos),
         atol=ATOL,
+    )
+    # The prefix (cuDNN, seq lengths) and block (XLA, T rows sliced out of the cache) pieces
+    # merged by log-sum-exp: a block at slot 0 (empty prefix) and one running past the end.
+    pos2 = jnp.asarray(np.array([0, 34, 7])[:, None] + np.arange(5)[None], jnp.int32)
+    np.testing.assert_allclose(
+        cudnn_attention.verify_attention(q, k, v, pos2), _np_verify(q, k, v, pos2), atol=ATOL
     )
     bk, bv = _rand(rng, 3, 5, 2, 16), _rand(rng, 3, 5, 2, 16)
     clen = jnp.array([0, 13, 37], jnp.int32)
@@ -266,6 +308,29 @@ def test_cudnn_variant_masks_and_layout(monkeypatch):
     np.testing.assert_array_equal(
         cudnn_attention.verify_attention(q, k, v, pos), reference.verify_attention(q, k, v, pos)
     )
+
+
+def test_triton_verify_of_a_long_block_runs_in_query_chunks(monkeypatch):
+    """A verify block of more than TRITON_MAX_ROWS query rows (a prefill chunk's) runs the Triton
+    kernel (interpret mode) on chunks of TRITON_MAX_ROWS // G positions, the last one padded,
+    and equals the reference; without chunks the kernel's tile would hold all T x G rows (more
+    shared memory than a Hopper block has at 512 positions: test_gpu_compile.py)."""
+    import pallas_kernels
+
+    pallas_kernels._verify.clear_cache()  # traced again under the patched limit
+    monkeypatch.setattr(pallas_kernels, "TRITON_MAX_ROWS", 16)  # 4 positions a chunk at G = 4
+    calls = []
+    real = pallas_kernels._by_query_chunks
+    monkeypatch.setattr(
+        pallas_kernels, "_by_query_chunks", lambda *a: calls.append(a[3]) or real(*a)
+    )
+    rng = np.random.default_rng(5)
+    q, k, v = _rand(rng, 2, 10, 8, 16), _rand(rng, 2, 37, 2, 16), _rand(rng, 2, 37, 2, 16)
+    pos = jnp.asarray(np.array([3, 27])[:, None] + np.arange(10)[None], jnp.int32)
+    out = pk.verify_attention(q, k, v, pos, impl="pallas_triton", interpret=True)
+    pallas_kernels._verify.clear_cache()
+    assert calls == [4]  # 10 positions: chunks of 4, 4 and 2 (+ 2 padded)
+    np.testing.assert_allclose(out, _np_verify(q, k, v, pos), atol=ATOL)
 
 
 def test_backend_mosaic_gpu_env_placeholder(monkeypatch):
@@ -593,7 +658,8 @@ def abstract_h200(monkeypatch):
 def test_gpu_kernels_lower_for_cuda(abstract_h200):
     """Every GPU variant at Qwen3-8B heads (32 q / 8 kv heads, head_dim 128, bf16) lowers for
     CUDA on this CPU: Triton verify, draft, training fwd + both backward kernels; cuDNN verify
-    and draft (the final PTX / cuDNN compile still needs the GPU)."""
+    and draft, each one cuDNN call over the cache with sequence lengths, no capacity-wide bias
+    and no copy of the cache (the final PTX / cuDNN compile still needs the GPU)."""
     import re
 
     sd, bf = jax.ShapeDtypeStruct, jnp.bfloat16
@@ -632,7 +698,13 @@ def test_gpu_kernels_lower_for_cuda(abstract_h200):
         (pk.draft_attention, (q, kv, kv, i32(b), blk, blk)),
     ]:
         text = lower(lambda *a, fn=fn: fn(*a, impl="cudnn"), *args)
-        assert calls(text).count("__cudnn$fmhaScaleBiasSoftmax") == 1, calls(text)
+        # One cuDNN call over the cache as it lies, with seq lengths and no bias (no
+        # "ScaleBias" variant, no [B,1,T,S] mask), and no concatenation of the cache with the
+        # block (nothing of S + T = 4112 rows).
+        assert calls(text) == ["__cudnn$fmhaSoftmax"], calls(text)
+        assert f"x{t}x{s}x" not in text, "a [B,1,T,S] mask or bias"
+        assert f"{b}x{s + t}x" not in text, "the cache concatenated with the block"
+        assert not re.search(rf"concatenate[^\n]*{b}x{s}x{hkv}x{d}", text)
 
 
 def test_bench_script_smoke(tmp_path, monkeypatch):

@@ -46,18 +46,27 @@ time_s, top_ops. FLOPs still come from the two-step difference (a clean count: t
 FLOPs are one body's). PROJECTIONS, not measurements: no host overhead, perfect overlap inside
 each step, published chip figures (`TPU_CHIPS`).
 
+`--topology=h200` / `--topology=h100` compiles for one abstract NVIDIA GPU instead (the CUDA build
+of jax, `pip install "jax[cuda12]==<your jax version>"`, no GPU needed; run with
+CUDA_VISIBLE_DEVICES=-1 JAX_PLATFORMS=cpu): the target config is ours, from published figures
+(`chips.GPU_CHIPS`, `chips.gpu_target_config`), and the kernels are those a real chip of that
+kind runs (`pallas_kernels.backend`: cuDNN on Hopper with jax >= 0.11, else Triton;
+DFLASH_PALLAS_GPU_BACKEND overrides). docs/gpu_dry_run.md.
+
 `--topology=cpu:8` compiles for 8 fake CPU devices instead (XLA:CPU; no libtpu needed; XLA's
 attention unless --attention says otherwise).
 """
 
-from dflash_jax.dry_run.chips import DEFAULT_TAUS, PROJECTED, TPU_CHIPS, roofline
+from dflash_jax.dry_run.chips import DEFAULT_TAUS, GPU_CHIPS, PROJECTED, TPU_CHIPS, roofline
 from dflash_jax.dry_run.cli import format_report, infer_main, main, run
 from dflash_jax.dry_run.compiled import collectives, compile_stats
 from dflash_jax.dry_run.presets import abstract_params, build_configs, model_presets, train_config
 from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
 from dflash_jax.dry_run.topology import (
     UsageError,
+    cuda_plugin_missing,
     ensure_cpu_devices,
+    gpu_devices,
     libtpu_missing,
     resolve_mesh,
     topology_devices,
@@ -65,6 +74,7 @@ from dflash_jax.dry_run.topology import (
 
 __all__ = [
     "DEFAULT_TAUS",
+    "GPU_CHIPS",
     "PROJECTED",
     "TPU_CHIPS",
     "UsageError",
@@ -72,10 +82,12 @@ __all__ = [
     "build_configs",
     "collectives",
     "compile_stats",
+    "cuda_plugin_missing",
     "dry_run_infer",
     "dry_run_train",
     "ensure_cpu_devices",
     "format_report",
+    "gpu_devices",
     "infer_main",
     "libtpu_missing",
     "main",

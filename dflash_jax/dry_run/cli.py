@@ -48,6 +48,9 @@ def format_report(r: Dict[str, Any]) -> str:
         )
     )
     cap = "" if chip is None else f" (HBM {chip['hbm_bytes'] / 2**30:.0f} GiB per chip)"
+    compiled = s.get("compiled_attention") or {}
+    if any(a != b for a, b in compiled.items()):
+        cap += ", attention " + ", ".join(f"{a} -> {b}" for a, b in compiled.items())
     lines = [
         head + cap,
         "  program            args  out-alias  temps  code   TOTAL GiB/dev  fits   "
@@ -71,11 +74,20 @@ def format_report(r: Dict[str, Any]) -> str:
             f"{_gb(h['total'])}       {fits:4s} {p['flops'] / 1e9:10.1f}  "
             f"{p['bytes_accessed'] / 1e9:11.2f}  {coll:9.2f} ({ncoll})"
         )
+    scans = {
+        n: p["cache_sized_copies"] for n, p in r["programs"].items() if "cache_sized_copies" in p
+    }
+    if scans:
+        lines.append(
+            "  cache-sized copies in the loop bodies: "
+            + ", ".join(f"{n} {len(c)}" for n, c in scans.items())
+            + "".join(f"\n    {c}" for cs in scans.values() for c in cs[:4])
+        )
     roof = r.get("roofline") or {}
     if roof.get("projection"):
         lines.append("  roofline per step (" + roof["note"] + "):")
         for impl, t in roof["projection"].items():
-            for kind in ("ar", "dflash"):
+            for kind in ("ar", "dflash") if "speedup_at_tau" in t else ():
                 k = t[kind]
                 lines.append(
                     f"    {impl:6s} {kind:6s} step {k['step_s'] * 1e3:7.3f} ms = max("
@@ -83,9 +95,10 @@ def format_report(r: Dict[str, Any]) -> str:
                     f"{k['memory_s'] * 1e3:.3f}) + ICI {k['collective_s'] * 1e3:.3f};"
                     f" weights+KV bound {k['weights_kv_bound_s'] * 1e3:.3f} ms"
                 )
-            sp = ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in t["speedup_at_tau"].items())
-            bd = ", ".join(f"{v:.2f}x" for v in t["bound_speedup_at_tau"].values())
-            lines.append(f"    {impl:6s} projected speedup {sp} (weights+KV bound: {bd})")
+            if "speedup_at_tau" in t:  # absent on a GPU: no cost analysis there
+                sp = ", ".join(f"tau {tau}: {v:.2f}x" for tau, v in t["speedup_at_tau"].items())
+                bd = ", ".join(f"{v:.2f}x" for v in t["bound_speedup_at_tau"].values())
+                lines.append(f"    {impl:6s} projected speedup {sp} (weights+KV bound: {bd})")
             if "hbm_speedup_at_tau" in t:
                 for kind in ("ar", "dflash"):
                     k = t[kind]
@@ -101,11 +114,17 @@ def format_report(r: Dict[str, Any]) -> str:
                     f"    {impl:6s} HBM model: DFlash/AR step {t['hbm_step_ratio']:.2f}x, "
                     f"projected speedup {sp} (floor: {bd})"
                 )
-        lines.append(
-            "  (cost analysis of a decode loop counts its body once plus the "
-            "once-per-call work outside it; the step figures are two-step-loop minus "
-            "one-step-loop differences)"
-        )
+        if any("speedup_at_tau" in t for t in roof["projection"].values()):
+            lines.append(
+                "  (cost analysis of a decode loop counts its body once plus the "
+                "once-per-call work outside it; the step figures are two-step-loop minus "
+                "one-step-loop differences)"
+            )
+        else:
+            lines.append(
+                "  (GPU: the compiler's cost analysis gives no FLOPs or bytes; FLOPs are the "
+                "loop body's matmuls, bytes the HBM model's count of the loop body)"
+            )
     return "\n".join(lines)
 
 

@@ -110,10 +110,12 @@ def compile_stats(
     """Compiles `lower_fn()` and reads the memory plan, cost analysis and collectives. A
     RESOURCE_EXHAUSTED compile gives fits=False with the compiler's numbers, not an error.
     hlo_path: also write the compiled program's optimized HLO text there; keep_text: return it
-    as "hlo_text" (for the caller to read and drop)."""
+    as "hlo_text", and the program as lowered (before optimization) as "lowered_hlo_text" (for
+    the caller to read and drop)."""
     t0 = time.perf_counter()
     try:
-        compiled = lower_fn().compile()
+        lowered = lower_fn()
+        compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - only out-of-memory is a result; others re-raise
         msg = str(e)
         if "RESOURCE_EXHAUSTED" not in msg and "Ran out of memory" not in msg:
@@ -168,6 +170,7 @@ def compile_stats(
     }
     if keep_text:
         out["hlo_text"] = text
+        out["lowered_hlo_text"] = lowered.as_text(dialect="hlo")
     return out
 
 

@@ -285,3 +285,57 @@ def floor_bytes(
         + per_pos * (context + rows)
         + (per_ctx * (context * passes + rows) if passes else 0)
     )
+
+
+# An instruction line with or without the `%` of names (jax's unoptimized HLO text has none).
+_ANY_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
+
+
+def loop_dot_flops(hlo_text: str) -> int:
+    """FLOPs of the matmuls one iteration of the program's decode loop runs: 2 x result
+    elements x contracted size of every `dot` in the entry's `while` bodies and everything they
+    call (fusions and calls included, each call site counted; a nested loop's body once). Read
+    from the program as lowered (before optimization: XLA:GPU turns 1-row matmuls into
+    reductions) for backends whose compiled cost analysis gives no FLOPs (XLA:GPU here). The
+    attention kernels' (custom calls') FLOPs are not counted."""
+    comps = computations(hlo_text)
+    memo: Dict[str, int] = {}
+
+    def flops(c: str, stack=()) -> int:
+        if c in memo:
+            return memo[c]
+        if c in stack or c not in comps:
+            return 0
+        types = {}
+        total = 0
+        for line in comps[c]:
+            m = _ANY_INSTR.match(line)
+            if not m:
+                continue
+            name, rtype, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
+            types[name] = rtype
+            if op == "dot":
+                first = rest.split(",")[0].split(")")[0].split()
+                lhs_name = first[-1].lstrip("%") if first else ""
+                dims = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", rest)
+                lhs = _TYPED.search(types.get(lhs_name, "") or " ".join(first))
+                out = _TYPED.search(rtype)
+                if dims and lhs and out:
+                    shape = [int(d) for d in lhs.group(2).split(",") if d]
+                    k = math.prod(shape[int(i)] for i in dims.group(1).split(",") if i)
+                    n = math.prod(int(d) for d in out.group(2).split(",") if d)
+                    total += 2 * n * k
+            for callee in re.findall(
+                r"(?:calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)", rest
+            ):
+                total += flops(callee, stack + (c,))
+        memo[c] = total
+        return total
+
+    bodies = [
+        b
+        for line in comps.get("__entry__", [])
+        if re.search(r"\swhile\(", line)
+        for b in re.findall(r"body=%?([\w.\-]+)", line)
+    ]
+    return sum(flops(b) for b in bodies)

@@ -8,7 +8,8 @@ import os
 from typing import Any, Dict, Optional, Sequence, Union
 
 from dflash_jax.dry_run import hbm
-from dflash_jax.dry_run.chips import DEFAULT_TAUS, chip_public, roofline
+from dflash_jax.dry_run import hlo as hlo_scan
+from dflash_jax.dry_run.chips import DEFAULT_TAUS, GPU_CHIPS, chip_public, roofline
 from dflash_jax.dry_run.compiled import (
     compile_stats,
     moved_bytes,
@@ -116,6 +117,7 @@ def dry_run_infer(
     tcfg, dcfg = build_configs(model, dtype)
     m = resolve_mesh(mesh, devices)
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
+    gpu = chip is not None and chip.get("chip") in GPU_CHIPS
     bs = block_size or dcfg.block_size
     tparams, dparams = abstract_params(tcfg, dcfg)
     programs: Dict[str, Any] = {}
@@ -165,8 +167,28 @@ def dry_run_infer(
                     keep_text=True,
                 )
                 text = loop.pop("hlo_text", None)
+                lowered_text = loop.pop("lowered_hlo_text", None)
+                if text is not None:
+                    # Instructions of the loop body that copy a cache-sized buffer (pad, copy,
+                    # transpose, concatenate, relayout: `hlo.cache_sized_copies`), at the
+                    # smallest per-chip cache (KV heads per chip x head_dim x capacity).
+                    heads = max(1, tcfg.num_kv_heads // m.shape["tensor"])
+                    loop["cache_sized_copies"] = hlo_scan.cache_sized_copies(
+                        text, capacity, capacity * heads * tcfg.head_dim
+                    )
                 programs[f"{kind}_decode" + suffix] = loop
-                if step_costs and chip is not None and loop["flops"] is not None:
+                if step_costs and gpu and loop["flops"] is not None:
+                    # XLA:GPU's compiled cost analysis gives no FLOPs or bytes: the step's
+                    # FLOPs are the matmuls of the loop body as lowered, its bytes the HBM
+                    # model's; one GPU, no collectives. No cost-analysis model (no two-step
+                    # loop to compile).
+                    steps[f"{kind}_step" + suffix] = {
+                        "flops": hbm.loop_dot_flops(lowered_text),
+                        "flops_source": "matmuls of the lowered loop body (hbm.loop_dot_flops)",
+                        "bytes_accessed": None,
+                        "collective_moved_bytes": moved_bytes(loop),
+                    }
+                elif step_costs and chip is not None and loop["flops"] is not None:
                     twice = jax.jit(
                         _loop_program(tmod, dmod, plan, 2),
                         in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
@@ -182,6 +204,7 @@ def dry_run_infer(
                         - sum(c["count"] for c in loop["collectives"]),
                         "loop_flops": loop["flops"],
                     }
+                if f"{kind}_step" + suffix in steps:
                     # The HBM model (dry_run.hbm): one iteration of the real loop's body is
                     # one step; no differencing.
                     traffic = hbm.hbm_traffic(text)
@@ -220,6 +243,8 @@ def dry_run_infer(
             "max_new_tokens": max_new_tokens,
             "block_size": bs,
             "attention": list(attention),
+            # What each became for these devices (e.g. "pallas_cudnn" on an H200).
+            "compiled_attention": {a: attn_lib.for_devices(a, m) for a in attention},
         },
         "sizes": sizes,
         "programs": programs,

@@ -1,5 +1,6 @@
-"""Devices to compile for: abstract TPU devices of a topology name (libtpu, compile-only) or
-fake CPU devices, meshes over them, and the one error type of bad user input."""
+"""Devices to compile for: abstract TPU devices of a topology name (libtpu, compile-only),
+an abstract NVIDIA GPU (the CUDA build of jax, compile-only, no GPU needed) or fake CPU
+devices, meshes over them, and the one error type of bad user input."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import os
 import re
 from typing import Any, Union
 
-from dflash_jax.dry_run.chips import TPU_CHIPS
+from dflash_jax.dry_run.chips import GPU_CHIPS, TPU_CHIPS, gpu_target_config
 
 
 class UsageError(ValueError):
@@ -50,12 +51,64 @@ def libtpu_missing() -> bool:
     return importlib.util.find_spec("libtpu") is None
 
 
+def cuda_plugin_missing() -> bool:
+    """Whether the CUDA build of jax (its PJRT plugin: `pip install "jax[cuda12]"`) is absent."""
+    return not any(
+        importlib.util.find_spec(m) is not None for m in ("jax_cuda12_plugin", "jax_cuda13_plugin")
+    )
+
+
+def _cudnn_version():
+    """(major, minor, patch) of the cuDNN the CUDA plugin loads (what a GPU machine with this
+    install runs); 9.8.0 when it cannot say."""
+    try:
+        from jax._src.lib import cuda_versions
+
+        v = int(cuda_versions.cudnn_get_version())
+        return v // 10000, (v // 100) % 100, v % 100
+    except Exception:
+        return 9, 8, 0
+
+
+def gpu_devices(chip: str):
+    """The abstract device of one NVIDIA GPU of `GPU_CHIPS` (compile-only: the CUDA plugin's
+    topology from our target config, `chips.gpu_target_config`; no GPU needed). Needs the CUDA
+    build of jax; on a machine without a GPU run with CUDA_VISIBLE_DEVICES=-1
+    JAX_PLATFORMS=cpu so the default backend stays the CPU."""
+    import jax
+
+    if cuda_plugin_missing():
+        raise UsageError(
+            f"compiling for {chip} needs the CUDA build of jax: pip install "
+            f'"jax[cuda12]=={jax.__version__}" (compile-only; no GPU needed; run with '
+            "CUDA_VISIBLE_DEVICES=-1 JAX_PLATFORMS=cpu on a machine without one)"
+        )
+    from jax.experimental import topologies
+
+    config = gpu_target_config(GPU_CHIPS[chip], _cudnn_version())
+    try:
+        topo = topologies.get_topology_desc(platform="cuda", target_config=config, topology="1x1x1")
+    except Exception as e:
+        raise UsageError(
+            f"topology {chip!r} rejected by the CUDA plugin: {str(e).splitlines()[0][:200]}"
+        ) from None
+    return list(topo.devices)
+
+
 def topology_devices(topology: str):
     """(devices, chip figures or None) of a topology name: "v5e:2x4", "v4:2x2x1", "v5p:4x4x4",
-    "v6e:2x4", ... (abstract TPU devices, compile-only), or "cpu:N" (N fake CPU devices)."""
+    "v6e:2x4", ... (abstract TPU devices, compile-only), "h200" / "h100" (one abstract NVIDIA
+    GPU, compile-only: `gpu_devices`), or "cpu:N" (N fake CPU devices)."""
     import jax
 
     chip, _, shape = topology.partition(":")
+    if chip in GPU_CHIPS:
+        if shape not in ("", "1", "1x1x1"):
+            raise UsageError(
+                f"topology {topology!r}: one GPU only ({chip} or {chip}:1x1x1; multi-GPU "
+                "NVLink topologies are not modelled)"
+            )
+        return gpu_devices(chip), dict(GPU_CHIPS[chip], chip=chip)
     if chip == "cpu":
         n = cpu_device_count(topology)
         devices = jax.devices("cpu")
@@ -70,7 +123,7 @@ def topology_devices(topology: str):
         raise UsageError(
             f"unknown topology {topology!r}: use <chip>:<shape> with chip one of "
             f"{sorted(TPU_CHIPS)} (e.g. v5e:2x4, v6e:2x4, v4:2x2x1, v5p:2x2x1, "
-            "v5p:4x4x4), or cpu:8"
+            f"v5p:4x4x4), a GPU ({', '.join(sorted(GPU_CHIPS))}), or cpu:8"
         )
     if libtpu_missing():
         import jax as _jax
