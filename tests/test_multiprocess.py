@@ -150,10 +150,10 @@ def test_infer_reports_from_process_zero_only(generation):
 COMMON = [
     "--config=configs/tiny_test.py",
     "--config.mesh=data=2,fsdp=4",
-    "--config.num_train_steps=20",
+    "--config.num_train_steps=12",
     "--config.log_every=1",
-    "--config.eval_every=20",
-    "--config.checkpoint_every=5",
+    "--config.eval_every=12",
+    "--config.checkpoint_every=3",
     "--config.regen.num_prompts=64",
     "--config.eval_num_prompts=4",
     "--config.eval_max_new_tokens=16",
@@ -228,13 +228,13 @@ def training(tmp_path_factory, eight_devices, compile_cache):
             os.kill(pid, signal.SIGKILL)
 
     # The three launches run the same programs: the 2nd and 3rd load them from the cache.
-    # 1. Both processes killed right after the step-10 checkpoint is complete.
-    runs["killed"] = _launch_until(mp, mp_dir, "10", kill_both, 1200, **compile_cache)
-    # 2. Resumed; SIGTERM to process 1 alone once step 15 is saved: both save and stop.
+    # 1. Both processes killed right after the step-6 checkpoint is complete.
+    runs["killed"] = _launch_until(mp, mp_dir, "6", kill_both, 1200, **compile_cache)
+    # 2. Resumed; SIGTERM to process 1 alone once step 9 is saved: both save and stop.
     runs["terminated"] = _launch_until(
-        mp, mp_dir, "15", lambda pids: os.kill(pids[1], signal.SIGTERM), 1200, **compile_cache
+        mp, mp_dir, "9", lambda pids: os.kill(pids[1], signal.SIGTERM), 1200, **compile_cache
     )
-    # 3. Resumed to the end (in-loop tau on step 20 with the 2-process generate; export).
+    # 3. Resumed to the end (in-loop tau on step 12 with the 2-process generate; export).
     runs["finished"] = _launch(mp, 1200, **compile_cache)[:2]
     return ref_dir, mp_dir, runs
 
@@ -245,9 +245,9 @@ def test_two_process_training_equals_one_process_and_resumes(training):
     assert rc != 0 and "was killed by SIGKILL" in out, out[-3000:]
     rc, out = runs["terminated"]
     assert rc == 3, out[-6000:]  # preempted: saved and stopped (cli.EXIT_PREEMPTED), not success
-    assert re.search(r"\[0\] resumed from step (10|15)", out), out[-3000:]
+    assert re.search(r"\[0\] resumed from step (6|9)", out), out[-3000:]
     m = re.search(r"\[0\] signal (\d+|to another process): saving step (\d+)", out)
-    assert m and 15 <= int(m.group(2)) < 20, out[-3000:]
+    assert m and 9 <= int(m.group(2)) < 12, out[-3000:]
     stopped = int(m.group(2))
     rc, out = runs["finished"]
     assert rc == 0, out[-6000:]
@@ -255,15 +255,15 @@ def test_two_process_training_equals_one_process_and_resumes(training):
     assert "exported to" in out
 
     ref, got = _records(ref_dir, "train"), _records(mp_dir, "train")
-    assert sorted(ref) == sorted(got) == list(range(1, 21))
-    l1 = [ref[s]["loss"] for s in range(1, 21)]
-    l2 = [got[s]["loss"] for s in range(1, 21)]
+    assert sorted(ref) == sorted(got) == list(range(1, 13))
+    l1 = [ref[s]["loss"] for s in range(1, 13)]
+    l2 = [got[s]["loss"] for s in range(1, 13)]
     # The same partitioned program on the same global batches; only the order in which
     # float32 partial sums are reduced differs (in-process vs gloo all-reduce): ~1e-7 relative
-    # per step, 1e-5 leaves room for 20 AdamW steps. A wrong batch or resume point is O(1).
+    # per step, 1e-5 leaves room for 12 AdamW steps. A wrong batch or resume point is O(1).
     assert np.allclose(l1, l2, atol=0, rtol=1e-5), (l1, l2)
     assert l2[-1] < l2[0] - 1.0  # it trained
-    tau1, tau2 = _records(ref_dir, "eval")[20]["tau"], _records(mp_dir, "eval")[20]["tau"]
+    tau1, tau2 = _records(ref_dir, "eval")[12]["tau"], _records(mp_dir, "eval")[12]["tau"]
     assert tau1 == pytest.approx(tau2, abs=1e-6)
     # Written once: a second writer would add lines / event files.
     lines = [json.loads(x) for x in open(os.path.join(mp_dir, "metrics.jsonl"))]

@@ -208,6 +208,8 @@ def _check_sizes(args) -> None:
             validation.int_param("--block_size", args.block_size, lo=2, hi=64, error=E)
         if args.prefill_chunk is not None:
             validation.int_param("--prefill_chunk", args.prefill_chunk, lo=0, error=E)
+        if getattr(args, "tree_budget", None) is not None:
+            validation.int_param("--tree_budget", args.tree_budget, lo=1, hi=1024, error=E)
     else:
         validation.int_param("--seq_len", args.seq_len, lo=2, error=E)
         validation.int_param("--num_anchors", args.num_anchors, lo=1, error=E)
@@ -254,6 +256,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_integer("context", 4096, "infer: prompt tokens", **fv)
     flags.DEFINE_integer("max_new_tokens", 256, None, **fv)
     flags.DEFINE_integer("block_size", None, None, **fv)
+    flags.DEFINE_integer(
+        "tree_budget",
+        None,
+        "infer: the DFlash loop verifies a draft tree of this many nodes (default: the chain)",
+        **fv,
+    )
     flags.DEFINE_string(
         "attention",
         "",
@@ -315,6 +323,7 @@ def run_flags(args):
             context=args.context,
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,
+            tree_budget=getattr(args, "tree_budget", None),
             attention=tuple(a.strip() for a in attention.split(",")),
             taus=tuple(_floats(args.tau)),
             prefill_chunk=args.prefill_chunk,

@@ -96,6 +96,7 @@ def dry_run_infer(
     taus: Sequence[float] = DEFAULT_TAUS,
     only: Optional[Sequence[str]] = None,
     hlo_dir: Optional[str] = None,
+    tree_budget: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
@@ -106,6 +107,8 @@ def dry_run_infer(
     prefill_chunk: overrides `decoding.Plan.prefill_chunk` (0: one-pass prefill).
     hlo_dir: write each compiled program's optimized HLO text as `hlo_dir/<program>.hlo`
     (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
+    tree_budget: the DFlash loop verifies a draft tree of this many nodes (B + 1 tokens per
+    verify, `dflash_jax.tree`) instead of the chain.
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
@@ -131,8 +134,10 @@ def dry_run_infer(
                 continue
             k_bs = bs if kind == "dflash" else 1
             plan_kw = {} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)
-            plan = decoding.Plan(block_size=k_bs, attention_impl=impl, **plan_kw)
-            p_pad, n_buf, capacity = decoding.buffer_sizes(context, max_new_tokens, k_bs)
+            tree = tree_budget if kind == "dflash" else None
+            plan = decoding.Plan(block_size=k_bs, attention_impl=impl, tree_budget=tree, **plan_kw)
+            width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
+            p_pad, n_buf, capacity = decoding.buffer_sizes(context, max_new_tokens, width)
             tmod = Transformer(tcfg, impl)
             dmod = DFlashDrafter(dcfg) if kind == "dflash" else None
             dp = dparams if kind == "dflash" else None
@@ -227,7 +232,7 @@ def dry_run_infer(
                 )
                 sizes[f"{kind}_floor_bytes"] = _floor(
                     tcfg, tparams, sh["tparams"], dp, sh["dparams"], st, m, capacity,
-                    context, k_bs, plan.denoise_steps if dmod is not None else 0,
+                    context, width, plan.denoise_steps if dmod is not None else 0,
                 )  # fmt: skip
     result = {
         "topology": topology or platform_name(m),
@@ -242,6 +247,7 @@ def dry_run_infer(
             "prompt_pad": p_pad,
             "max_new_tokens": max_new_tokens,
             "block_size": bs,
+            "tree_budget": tree_budget,
             "attention": list(attention),
             # What each became for these devices (e.g. "pallas_cudnn" on an H200).
             "compiled_attention": {a: attn_lib.for_devices(a, m) for a in attention},
