@@ -34,6 +34,30 @@ class Tree:
     scores: jnp.ndarray  # [B, N+1] log-probability of each node's prefix (root: 0)
 
 
+def _vocab_chunks(v: int, k: int) -> int:
+    """Chunks for a vocabulary-sharded top-k: the context mesh's `tensor` size when it divides
+    the vocabulary in chunks of at least k tokens (the LM head's logits are split so), else 1."""
+    mesh = jax.sharding.get_abstract_mesh()
+    n = 1 if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
+    return n if n > 1 and v % n == 0 and v // n >= k else 1
+
+
+def top_k_by_chunks(x, k: int, chunks: int = 1):
+    """`jax.lax.top_k(x, k)` over the last axis, computed as a top-k within each of `chunks`
+    contiguous chunks and a top-k of their k * chunks candidates: the same values and indices
+    (ties to the lower index, as top_k), but over vocabulary-sharded logits each shard reduces
+    its own chunk and only the candidates cross devices, not the logits."""
+    if chunks == 1:
+        return jax.lax.top_k(x, k)
+    *lead, v = x.shape
+    size = v // chunks
+    vals, idx = jax.lax.top_k(x.reshape(*lead, chunks, size), k)  # [..., chunks, k]
+    idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * size)[:, None]
+    vals, idx = vals.reshape(*lead, chunks * k), idx.reshape(*lead, chunks * k)
+    best, pos = jax.lax.top_k(vals, k)
+    return best, jnp.take_along_axis(idx, pos, axis=-1)
+
+
 def max_nodes(depth: int, width: int) -> int:
     """How many distinct prefixes of length 1..depth exist with `width` tokens per position."""
     return sum(width**d for d in range(1, depth + 1))
@@ -55,7 +79,7 @@ def build_tree(root_B, logp_BLV, budget: int, top_k: int | None = None) -> Tree:
             f"tree budget {budget} exceeds the {max_nodes(depth, k)} prefixes of depth <= {depth}"
             f" with {k} tokens per position"
         )
-    vals, toks = jax.lax.top_k(logp_BLV.astype(jnp.float32), k)  # [B, L, K], descending
+    vals, toks = top_k_by_chunks(logp_BLV.astype(jnp.float32), k, _vocab_chunks(v, k))
     # Without the barrier XLA:CPU fuses top_k with the slices below into a full sort of the
     # vocabulary (100x slower at V = 4096).
     vals, toks = jax.lax.optimization_barrier((vals, toks))
