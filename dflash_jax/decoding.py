@@ -253,14 +253,15 @@ def accept(plan: Plan, prop: Proposal, y):
     return path, accepted_prefix(prop.drafts, y, trusted)
 
 
-def _compact(cache: KVCache, path, start) -> KVCache:
+def _compact(cache: KVCache, path, start, impl: str = "xla") -> KVCache:
     """Moves the K/V of the accepted tree nodes (slots start + path[k]) to their positions'
     slots start + 1 + k, in every layer: the cache then holds what autoregressive decoding of
-    the committed tokens would have written."""
-    depth = path.shape[1]
+    the committed tokens would have written. The rows are written back as one block
+    (`attention.write_block`: the Pallas DMA kernel under a TPU Pallas impl)."""
     src = (start[:, None] + path)[..., None]
-    dst = start[:, None] + 1 + jnp.arange(depth, dtype=jnp.int32)[None]
-    move = lambda x: write_kv(x, jnp.take_along_axis(x, src, axis=1), dst)
+    move = lambda x: attn_lib.write_block(
+        x, jnp.take_along_axis(x, src, axis=1), start + 1, impl, cache.head_dim
+    )
     return cache.replace(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
 
 
@@ -274,7 +275,7 @@ def commit(dmod, dparams, plan: Plan, state: DecodeState, prop, y, path, a, cach
     if prop.tree is not None:
         y = jnp.take_along_axis(y, nodes, axis=1)
         taps = jnp.take_along_axis(taps, nodes[..., None], axis=1)
-        cache = _compact(cache, path, start)
+        cache = _compact(cache, path, start, plan.attention_impl)
     width = nodes.shape[1]
     n = jnp.minimum(a + 1, state.max_new - state.num_out)
     idx = jnp.arange(width, dtype=jnp.int32)[None]

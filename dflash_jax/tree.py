@@ -34,28 +34,41 @@ class Tree:
     scores: jnp.ndarray  # [B, N+1] log-probability of each node's prefix (root: 0)
 
 
-def _vocab_chunks(v: int, k: int) -> int:
-    """Chunks for a vocabulary-sharded top-k: the context mesh's `tensor` size when it divides
-    the vocabulary in chunks of at least k tokens (the LM head's logits are split so), else 1."""
+def sharded_top_k(x, k: int):
+    """`jax.lax.top_k(x, k)` over the last (vocabulary) axis of [B, ..., V] logits split over
+    the context mesh's `tensor` axis (as the LM head leaves them): each device takes the top k
+    of its own slice (`shard_map`, batch over the data axes), then the top k of the
+    tensor * k candidates; the logits never cross devices (GSPMD's top-k gathers them).
+    Plain `lax.top_k` without such a mesh or when the axis does not split in slices of >= k."""
     mesh = jax.sharding.get_abstract_mesh()
-    n = 1 if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)).get("tensor", 1)
-    return n if n > 1 and v % n == 0 and v // n >= k else 1
-
-
-def top_k_by_chunks(x, k: int, chunks: int = 1):
-    """`jax.lax.top_k(x, k)` over the last axis, computed as a top-k within each of `chunks`
-    contiguous chunks and a top-k of their k * chunks candidates: the same values and indices
-    (ties to the lower index, as top_k), but over vocabulary-sharded logits each shard reduces
-    its own chunk and only the candidates cross devices, not the logits."""
-    if chunks == 1:
+    shape = {} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes))
+    n, v = shape.get("tensor", 1), x.shape[-1]
+    if n == 1 or v % n or v // n < k:
         return jax.lax.top_k(x, k)
-    *lead, v = x.shape
-    size = v // chunks
-    vals, idx = jax.lax.top_k(x.reshape(*lead, chunks, size), k)  # [..., chunks, k]
-    idx = idx + (jnp.arange(chunks, dtype=idx.dtype) * size)[:, None]
-    vals, idx = vals.reshape(*lead, chunks * k), idx.reshape(*lead, chunks * k)
-    best, pos = jax.lax.top_k(vals, k)
-    return best, jnp.take_along_axis(idx, pos, axis=-1)
+    from jax.sharding import PartitionSpec as P
+
+    data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
+    n_data = 1
+    for a in data:
+        n_data *= shape[a]
+    bax = data if data and x.shape[0] % n_data == 0 else None
+    spec = P(bax, *([None] * (x.ndim - 2)), "tensor")
+    out = P(bax)
+    size = v // n
+
+    def local(xs):
+        vals, idx = jax.lax.top_k(xs, k)
+        idx = idx + jax.lax.axis_index("tensor") * size
+        # The tensor * k candidates on every device, in vocabulary order (ties as top_k).
+        vals, idx = (
+            jax.lax.all_gather(a, "tensor", axis=a.ndim - 1, tiled=True) for a in (vals, idx)
+        )
+        best, pos = jax.lax.top_k(vals, k)
+        return best, jnp.take_along_axis(idx, pos, axis=-1)
+
+    return jax.shard_map(local, mesh=mesh, in_specs=(spec,), out_specs=(out, out), check_vma=False)(
+        x
+    )
 
 
 def max_nodes(depth: int, width: int) -> int:
@@ -79,7 +92,7 @@ def build_tree(root_B, logp_BLV, budget: int, top_k: int | None = None) -> Tree:
             f"tree budget {budget} exceeds the {max_nodes(depth, k)} prefixes of depth <= {depth}"
             f" with {k} tokens per position"
         )
-    vals, toks = top_k_by_chunks(logp_BLV.astype(jnp.float32), k, _vocab_chunks(v, k))
+    vals, toks = sharded_top_k(logp_BLV.astype(jnp.float32), k)
     # Without the barrier XLA:CPU fuses top_k with the slices below into a full sort of the
     # vocabulary (100x slower at V = 4096).
     vals, toks = jax.lax.optimization_barrier((vals, toks))

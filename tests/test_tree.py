@@ -290,13 +290,3 @@ def test_tree_decoding_through_the_kernels_equals_autoregressive(bundled_pair):
     r = dj.generate(target, drafter, prompts, 12, tree_budget=8, attention_impl="pallas_interpret")
     assert r.tokens == ar.tokens
     assert max(max(a) for a in r.acceptance_lengths) >= 3, r.acceptance_lengths
-
-
-def test_top_k_by_chunks_equals_top_k_ties_included():
-    rng = np.random.default_rng(0)
-    x = jnp.asarray(rng.integers(0, 6, size=(3, 5, 48)).astype(np.float32))  # many ties
-    ref_v, ref_i = jax.lax.top_k(x, 7)
-    for chunks in (1, 2, 4, 6):
-        v, i = tree_lib.top_k_by_chunks(x, 7, chunks)
-        np.testing.assert_array_equal(np.asarray(v), np.asarray(ref_v))
-        np.testing.assert_array_equal(np.asarray(i), np.asarray(ref_i))
