@@ -225,6 +225,35 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
         assert hlo.cache_sized_copies(new, 2048, 2048 * 256, ops) == [], ops
 
 
+def test_tree_decode_loop_compiles_without_cache_copies_or_extra_collectives(
+    v5e, decode_hlo, tmp_path
+):
+    """The DFlash loop verifying a 16-node draft tree (the tiny preset, 8 KV heads on
+    tensor=8, v5e): the tree kernel runs in every target layer, no instruction of the loop body
+    pads, transposes, concatenates or reshapes a cache, and the step's collectives are the
+    chain's plus at most the tree build's one all-gather per candidate array (the top-k of
+    the vocabulary-sharded logits is per device)."""
+    from dflash_jax import decoding
+    from dflash_jax.dry_run import hlo
+
+    devices, chip = v5e
+    kw = dict(batch=1, context=1024, max_new_tokens=64, devices=devices, chip=chip)
+    kw.update(attention=("pallas",), step_costs=False, only=("dflash_decode",))
+    r = dry_run.dry_run_infer("tiny", "tensor=8", tree_budget=16, hlo_dir=str(tmp_path), **kw)
+    assert r["programs"]["dflash_decode"]["fits"] is True
+    assert r["settings"]["tree_budget"] == 16
+    text = open(tmp_path / "dflash_decode.hlo").read()
+    cap = decoding.buffer_sizes(1024, 64, 17)[2]
+    ops = ("pad", "copy", "transpose", "concatenate", "reshape")
+    assert hlo.cache_sized_copies(text, cap, cap * 128, ops) == []
+    n_layers = dry_run.build_configs("tiny")[0].num_layers
+    assert text.count('custom_call_target="tpu_custom_call"') >= n_layers
+    tree = hlo.loop_collectives(text)
+    chain = hlo.loop_collectives(decode_hlo["tensor=8"]["dflash_decode"])  # the same settings
+    extra = len(tree) - len(chain)
+    assert 0 <= extra <= 2, (len(tree), len(chain))
+
+
 def test_dflash_step_collectives_are_the_targets_plus_the_drafters(decode_hlo):
     """The verify of a DFlash step runs exactly the collectives of an autoregressive step (the
     drafter's tensor-parallel `fc` no longer carries a feature sharding into the target's
