@@ -30,6 +30,12 @@ def define_flags():
     flags.DEFINE_integer("max_new_tokens", 64, "New tokens per prompt.", lower_bound=1)
     flags.DEFINE_integer("block_size", 16, "Block size (the tree's depth is block_size - 1).")
     flags.DEFINE_integer("repeats", 3, "Timed runs per setting (the fastest is kept).")
+    flags.DEFINE_list(
+        "confidence_thresholds",
+        [],
+        "Also the chain under these confidence thresholds (each step verifies only the drafts "
+        "some row trusts: 4, 8 or 16 tokens at block 16).",
+    )
     flags.DEFINE_string("json_out", None, "Write the rows (and provenance) here.")
     flags.DEFINE_string("plot", None, "PNG path (default: beside --json_out).")
 
@@ -53,7 +59,7 @@ def _timed(fn, repeats: int):
     return res, best
 
 
-def rows_for(budgets, batches, max_new_tokens, block_size, repeats):
+def rows_for(budgets, batches, max_new_tokens, block_size, repeats, thresholds=()):
     import dflash_jax as dj
     from dflash_jax.data.tokenizer import load_tokenizer
 
@@ -68,19 +74,28 @@ def rows_for(budgets, batches, max_new_tokens, block_size, repeats):
     rows = []
     for batch in batches:
         prompts = [base[i % len(base)] for i in range(batch)]
-        gen = lambda d, tree=None: dj.generate(
-            target, d, prompts, max_new_tokens, block_size=block_size, tree_budget=tree
+        gen = lambda d, tree=None, thr=None: dj.generate(
+            target,
+            d,
+            prompts,
+            max_new_tokens,
+            block_size=block_size,
+            tree_budget=tree,
+            confidence_threshold=thr,
         )
         ar, ar_s = _timed(lambda: gen(None), repeats)
         tokens = sum(len(t) for t in ar.tokens) - batch  # the first token comes from prefill
-        for budget in [0] + list(budgets):
-            r, s = _timed(lambda: gen(drafter, budget or None), repeats)
+        settings = [(b, None) for b in [0] + list(budgets)] + [(0, t) for t in thresholds]
+        for budget, thr in settings:
+            r, s = _timed(lambda: gen(drafter, budget or None, thr), repeats)
             if r.tokens != ar.tokens:
                 raise SystemExit(f"budget {budget} batch {batch}: output differs from AR")
+            name = f"tree {budget}" if budget else "chain" + (f" conf>={thr}" if thr else "")
             rows.append(
                 {
                     "batch": batch,
                     "budget": budget,  # 0: the chain
+                    "confidence_threshold": thr,
                     "verify_tokens": block_size if budget == 0 else budget + 1,
                     "tau": round(r.tau, 3),
                     "decode_tokens_per_s": round(tokens / s, 1),
@@ -90,7 +105,7 @@ def rows_for(budgets, batches, max_new_tokens, block_size, repeats):
                 }
             )
             print(
-                f"batch {batch:3d}  {'chain' if budget == 0 else f'tree {budget}':>9}  "
+                f"batch {batch:3d}  {name:>15}  "
                 f"tau {r.tau:5.2f}  {tokens / s:8.1f} tok/s  ({ar_s / s:4.2f}x AR)",
                 flush=True,
             )
@@ -105,7 +120,7 @@ def plot(rows, path: str, title: str):
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
     for batch in sorted({r["batch"] for r in rows}):
-        rs = [r for r in rows if r["batch"] == batch]
+        rs = [r for r in rows if r["batch"] == batch and r["confidence_threshold"] is None]
         xs = [max(r["budget"], 1) for r in rs]
         ax1.plot(xs, [r["tau"] for r in rs], "o-", label=f"batch {batch}")
         ax2.plot(xs, [r["speedup_vs_ar"] for r in rs], "o-", label=f"batch {batch}")
@@ -126,7 +141,15 @@ def main(argv):
     budgets, batches = _ints("budgets", FLAGS.budgets), _ints("batches", FLAGS.batches)
     if not 2 <= FLAGS.block_size <= 64:
         raise app.UsageError(f"--block_size must be in [2, 64], got {FLAGS.block_size}")
-    rows = rows_for(budgets, batches, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.repeats)
+    try:
+        thresholds = [float(t) for t in FLAGS.confidence_thresholds]
+    except ValueError:
+        raise app.UsageError(f"--confidence_thresholds: numbers, got {FLAGS.confidence_thresholds}")
+    if any(not 0 < t <= 1 for t in thresholds):
+        raise app.UsageError(f"--confidence_thresholds must be in (0, 1], got {thresholds}")
+    rows = rows_for(
+        budgets, batches, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.repeats, thresholds
+    )
     if FLAGS.json_out:
         from dflash_jax import provenance
 

@@ -4,7 +4,9 @@ beside the chain's (benchmarks/results/tpu_dry_run/), under the HBM model, and w
 add to tau to beat the chain: a tree of step ratio r_B beats the chain (r_chain) when
 tau_tree / tau_chain > r_B / r_chain.
 
-    python benchmarks/tree_table.py [--write]   # --write: the table into the results README
+    python benchmarks/tree_table.py [--write]   # --write: the tables into the results README
+
+It also renders the CPU measurement (`benchmarks/tree_budget.py`'s cpu.json) as a table.
 
 DDTree's published acceptance (z-lab drafters, Qwen3-8B, 8x H200, HF transformers), chain ->
 tree: MATH-500 7.79 -> 10.73, HumanEval 6.61 -> 9.67, MT-Bench 4.28 -> 6.58 (tau ratios 1.38,
@@ -27,6 +29,34 @@ CHAIN = os.path.join(ROOT, "benchmarks", "results", "tpu_dry_run", "qwen3_8b_v5e
 # (dataset, chain tau, tree tau): DDTree (arXiv 2604.12989), Qwen3-8B, temperature 0.
 PUBLISHED = (("MATH-500", 7.79, 10.73), ("HumanEval", 6.61, 9.67), ("MT-Bench", 4.28, 6.58))
 MARK = "<!-- tree_table -->", "<!-- /tree_table -->"
+CPU_MARK = "<!-- cpu_table -->", "<!-- /cpu_table -->"
+
+
+def cpu_table(path: str = os.path.join(TREES, "cpu.json")) -> str:
+    r = json.load(open(path))
+    lines = [
+        "| batch | verify | tokens verified / step | tau | decode tok/s | AR tok/s | vs AR |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for row in r["rows"]:
+        name = f"tree, {row['budget']} nodes" if row["budget"] else "chain"
+        if row.get("confidence_threshold") is not None:
+            name += f", confidence >= {row['confidence_threshold']}"
+            verified = "4 / 8 / 16"
+        else:
+            verified = str(row["verify_tokens"])
+        lines.append(
+            f"| {row['batch']} | {name} | {verified} | {row['tau']:.2f} | "
+            f"{row['decode_tokens_per_s']:.0f} | {row['ar_decode_tokens_per_s']:.0f} | "
+            f"{row['speedup_vs_ar']:.2f}x |"
+        )
+    lines.append(f"\n(commit {(r.get('commit') or '')[:7]}{', dirty' if r.get('dirty') else ''})")
+    return "\n".join(lines)
+
+
+def _write(doc: str, mark, text: str) -> str:
+    a, b = doc.index(mark[0]) + len(mark[0]), doc.index(mark[1])
+    return doc[:a] + "\n" + text + "\n" + doc[b:]
 
 
 def _step(path: str):
@@ -86,11 +116,12 @@ def table(rs) -> str:
 def main(argv):
     text = table(rows())
     print(text)
+    cpu = cpu_table()
+    print(cpu)
     if "--write" in argv:
         path = os.path.join(TREES, "README.md")
-        doc = open(path).read()
-        a, b = doc.index(MARK[0]) + len(MARK[0]), doc.index(MARK[1])
-        open(path, "w").write(doc[:a] + "\n" + text + "\n" + doc[b:])
+        doc = _write(_write(open(path).read(), MARK, text), CPU_MARK, cpu)
+        open(path, "w").write(doc)
         print(f"wrote {path}")
 
 

@@ -217,11 +217,24 @@ def propose(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState, x_last
     return Proposal(tokens=tokens, depths=depths, drafts=drafts, conf=conf)
 
 
-def verify(tmod, tparams, dmod, plan: Plan, state: DecodeState, prop: Proposal, start, key):
-    """One target pass over the proposal, its K/V appended to the cache at slots start ..
-    start+T-1 (a chain: causal; a tree: each node sees the committed prefix and its own
-    ancestors). Returns (y [B, T]: the target's token after each proposed token, the cache,
-    the taps [B, T, F] for the drafter)."""
+def verify_widths(block_size: int):
+    """The static verify widths a chain step chooses from under a confidence threshold: a
+    quarter, half and the whole block (at least 2 tokens: x_last and one draft)."""
+    return tuple(sorted({max(2, block_size // 4), max(2, block_size // 2), block_size}))
+
+
+def verify_width_index(conf, threshold: float, block_size: int):
+    """Which of `verify_widths` a step verifies: the narrowest that holds x_last and the
+    longest run of drafts (from the first) at or above `threshold` in any row of the batch
+    (drafts after a row's first low-confidence one are never accepted, so they need no
+    verify). conf: [B, bs-1]."""
+    run = jnp.sum(jnp.cumprod((conf >= threshold).astype(jnp.int32), axis=1), axis=1)
+    need = jnp.max(run) + 1
+    widths = jnp.asarray(verify_widths(block_size), jnp.int32)
+    return jnp.argmax(widths >= need).astype(jnp.int32)
+
+
+def _verify_tokens(tmod, tparams, dmod, plan: Plan, state: DecodeState, prop, start, key):
     tap_layers = dmod.cfg.target_layer_ids if dmod is not None else ()
     extra = {}
     if prop.tree is not None:
@@ -232,6 +245,34 @@ def verify(tmod, tparams, dmod, plan: Plan, state: DecodeState, prop: Proposal, 
     logits = _lm_logits(tmod, tparams, hidden)  # [B, T, V]
     y = pick_tokens(logits, key, plan.temperature, plan.top_k, plan.top_p)
     return y, cache, taps
+
+
+def verify(tmod, tparams, dmod, plan: Plan, state: DecodeState, prop: Proposal, start, key):
+    """One target pass over the proposal, its K/V appended to the cache at slots start ..
+    start+T-1 (a chain: causal; a tree: each node sees the committed prefix and its own
+    ancestors). Returns (y [B, T]: the target's token after each proposed token, the cache,
+    the taps [B, T, F] for the drafter).
+
+    A chain under `confidence_threshold` verifies only the first w of its T tokens, w the
+    narrowest of `verify_widths` that holds every row's trusted drafts (`lax.switch` over the
+    widths): the confidence saves target compute, not only acceptance. y past w is -1 (never
+    a draft) and the taps there 0 (never committed)."""
+    if plan.confidence_threshold is None or prop.drafts is None:
+        return _verify_tokens(tmod, tparams, dmod, plan, state, prop, start, key)
+    bs = prop.tokens.shape[1]
+
+    def narrow(w):
+        def run():
+            cut = prop.replace(tokens=prop.tokens[:, :w], depths=prop.depths[:, :w])
+            y, cache, taps = _verify_tokens(tmod, tparams, dmod, plan, state, cut, start, key)
+            pad = ((0, 0), (0, bs - w))
+            y = jnp.pad(y, pad, constant_values=-1)
+            return y, cache, jnp.pad(taps, pad + ((0, 0),))
+
+        return run
+
+    idx = verify_width_index(prop.conf, plan.confidence_threshold, bs)
+    return jax.lax.switch(idx, [narrow(w) for w in verify_widths(bs)])
 
 
 def accept(plan: Plan, prop: Proposal, y):

@@ -251,6 +251,47 @@ def test_confidence_threshold_trims_acceptance_and_stays_lossless(pair, pair_ar,
     assert 1.0 < res.tau < pair_drafts.tau
 
 
+def test_confidence_picks_a_narrower_verify_that_gives_the_same_tokens(pair):
+    """Under a confidence threshold a chain step verifies the narrowest of `verify_widths`
+    (4 / 8 / 16 at block 16) holding every row's trusted drafts: the drafter's confidence
+    saves target compute. Each width's y equals the full verify's on its first w tokens (and
+    is -1 after them, never a draft); the width follows the confidence of the most trusted
+    row."""
+    target, drafter, prompts = pair
+    tmod, dmod = dj.Transformer(target.config), dj.DFlashDrafter(drafter.config)
+    assert gen_lib.verify_widths(16) == (4, 8, 16)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    p_pad, n_buf, cap = gen_lib.buffer_sizes(int(lens.max()), 8, 16)
+    ids = np.zeros((len(prompts), p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    plan = gen_lib.Plan(block_size=16, confidence_threshold=0.5)
+    prefill, _, _ = gen_lib.generate_programs(
+        tmod, dmod, plan, cap, n_buf, None, target.params, drafter.params, len(prompts), p_pad
+    )
+    state = prefill(
+        target.params, drafter.params, jnp.asarray(ids), jnp.asarray(lens), jnp.int32(8),
+        jax.random.PRNGKey(0),
+    )  # fmt: skip
+    start = state.cache.lengths
+    x_last = state.tokens[:, 0]
+    prop = gen_lib.propose(tmod, target.params, dmod, drafter.params, plan, state, x_last, start)
+    key = jax.random.PRNGKey(1)
+    full = gen_lib.verify(tmod, target.params, dmod, plan.__class__(16), state, prop, start, key)
+    b = len(prompts)
+    for trusted, width in ((0, 4), (3, 4), (4, 8), (7, 8), (9, 16), (15, 16)):
+        conf = np.zeros((b, 15), np.float32)
+        conf[1, :trusted] = 0.9  # row 1 the most trusted
+        conf[0, : max(trusted - 2, 0)] = 0.9
+        p = prop.replace(conf=jnp.asarray(conf))
+        idx = int(gen_lib.verify_width_index(p.conf, 0.5, 16))
+        assert gen_lib.verify_widths(16)[idx] == width, (trusted, idx)
+        y, _, taps = gen_lib.verify(tmod, target.params, dmod, plan, state, p, start, key)
+        np.testing.assert_array_equal(np.asarray(y[:, :width]), np.asarray(full[0][:, :width]))
+        assert bool(jnp.all(y[:, width:] == -1))
+        np.testing.assert_allclose(taps[:, :width], full[2][:, :width], rtol=1e-5, atol=1e-4)
+
+
 def test_recorded_drafts_explain_acceptance(pair_ar, pair_drafts):
     """Each step's a-1 accepted drafts are the tokens it committed, the next draft was wrong,
     and some steps accepted several drafts (the check is not of empty prefixes)."""

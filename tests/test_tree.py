@@ -290,3 +290,15 @@ def test_tree_decoding_through_the_kernels_equals_autoregressive(bundled_pair):
     r = dj.generate(target, drafter, prompts, 12, tree_budget=8, attention_impl="pallas_interpret")
     assert r.tokens == ar.tokens
     assert max(max(a) for a in r.acceptance_lengths) >= 3, r.acceptance_lengths
+
+
+def test_tree_results_readme_holds_the_scripts_tables():
+    """benchmarks/results/tree_budget/README.md's tables are what benchmarks/tree_table.py
+    makes of the committed JSONs (rerun `python benchmarks/tree_table.py --write`)."""
+    import os
+
+    from benchmarks import tree_table
+
+    doc = open(os.path.join(tree_table.TREES, "README.md")).read()
+    assert tree_table.table(tree_table.rows()) in doc
+    assert tree_table.cpu_table() in doc
