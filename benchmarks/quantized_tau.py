@@ -93,7 +93,7 @@ def main(argv):
         f"position-wise agreement {np.mean(same):.3f}"
     )
     result = {
-        "provenance": provenance.record(),
+        **provenance.record(),  # command, commit, dirty, date, machine (test_figure_sources)
         "settings": {
             "pair": "assets/tiny-code",
             "prompts": len(prompts),
