@@ -104,7 +104,18 @@ def small(tmp_path_factory):
         tie_word_embeddings=False,
         rope_theta=10000.0,
     )
-    target = dj.Target(cfg, init_params(cfg, seed=3))
+    # Random weights in NumPy on the model's abstract tree (init_params runs Flax's init op by
+    # op: ~4 s here); norms 1 +- 0.1, matrices std 0.05.
+    rng = np.random.RandomState(3)
+    abstract = jax.eval_shape(lambda: init_params(cfg))
+    params = jax.tree_util.tree_map_with_path(
+        lambda path, x: jnp.asarray(
+            (1.0 if path[-1].key == "scale" else 0.0)
+            + rng.normal(0, 0.1 if path[-1].key == "scale" else 0.05, x.shape).astype(np.float32)
+        ),
+        abstract,
+    )
+    target = dj.Target(cfg, params)
     d = tmp_path_factory.mktemp("fp8_small")
     ref = write_fp8(target, d, (128, 128))
     return target, str(d), ref
@@ -209,14 +220,16 @@ def test_int8_logits_close_to_float_and_round_trip(small, tmp_path):
 
 
 def _check_lossless(target, drafter, prompts):
+    """DFlash == AR over `target`, batch (block 8) and single (block 16), the drafter accepted.
+    The calls are test_decoding.py's (same shapes and settings), so a target of the float
+    config (the FP8 one, dequantized at load) reuses those compiled programs."""
     ar = dj.generate(target, None, prompts, max_new_tokens=NEW)
     batch = dj.generate(target, drafter, prompts, NEW, block_size=8)
     assert_accepted(batch, 8)
-    for a, b in zip(ar.tokens, batch.tokens):
-        np.testing.assert_array_equal(a, b)
-    one = dj.generate(target, drafter, prompts[1:2], NEW, block_size=16)
+    assert batch.tokens == ar.tokens
+    one = dj.generate(target, drafter, prompts[:1], NEW, block_size=16)
     assert_accepted(one, 16)
-    np.testing.assert_array_equal(one.tokens[0], ar.tokens[1])
+    assert one.tokens == ar.tokens[:1]
 
 
 def test_dflash_equals_ar_over_the_int8_target(pair_int8, bundled_pair):
