@@ -354,3 +354,30 @@ def test_unsupported_quantize_request_is_one_line_before_any_weight(tmp_path):
         with pytest.raises(ValueError) as e:
             dj.load_target(str(tmp_path), **kw)
         assert message in str(e.value) and "\n" not in str(e.value), kw
+
+
+def test_dry_run_quantize_builds_the_int8_8b_and_refuses_bad_requests(capsys):
+    """`python -m dflash_jax.dry_run --quantize=int8` compiles Qwen3-8B with its 36 x 7
+    decoder linears int8 (the drafter and the embedding / LM head unchanged): the abstract
+    parameters it lowers, and bad requests refused with one line before any compile."""
+    from dflash_jax import dry_run
+
+    tcfg, dcfg = dry_run.build_configs("qwen3_8b", quantize="int8")
+    tparams, dparams = dry_run.abstract_params(tcfg, dcfg)
+    leaves = jax.tree_util.tree_leaves(tparams)
+    assert sum(x.dtype == jnp.int8 for x in leaves) == 36 * 7
+    assert all(x.dtype != jnp.int8 for x in jax.tree_util.tree_leaves(dparams))
+    bf16_cfg, _ = dry_run.build_configs("qwen3_8b")
+    nbytes = lambda t: sum(x.size * x.dtype.itemsize for x in jax.tree_util.tree_leaves(t))
+    linears = 36 * 4096 * (4096 + 1024 + 1024 + 4096 + 3 * 12288)  # q, k, v, o, MLP
+    full = nbytes(dry_run.abstract_params(bf16_cfg, dcfg)[0])
+    assert nbytes(tparams) == full - linears + 4 * 36 * (4096 * 3 + 1024 * 2 + 12288 * 2)
+    for argv, message in (
+        (["--quantize=int4"], "--quantize must be int8, got 'int4'"),
+        (["--quantize_lm_head"], "--quantize_lm_head needs --quantize=int8"),
+        (["--model=qwen3_4b", "--quantize=int8", "--quantize_lm_head"], "untied LM head"),
+    ):
+        with pytest.raises(SystemExit) as e:
+            dry_run.main(["--topology=cpu:1", *argv])
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and message in err and err.count("\n") == 1, err
