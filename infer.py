@@ -91,6 +91,15 @@ flags.DEFINE_string(
     "decoding where bfloat16 compute can flip near-ties (README).",
 )
 flags.DEFINE_string(
+    "quantize",
+    None,
+    "int8: the target's decoder linears quantized to int8 per output channel at load "
+    "(weight-only; outputs identical to autoregressive decoding of the same int8 model).",
+)
+flags.DEFINE_bool(
+    "quantize_lm_head", False, "With --quantize=int8: the (untied) LM head is int8 too."
+)
+flags.DEFINE_string(
     "attention_impl",
     "auto",
     "auto (the Pallas kernels on TPU and GPU, XLA on CPU) | xla | pallas | pallas_interpret.",
@@ -198,6 +207,8 @@ def main(argv):
         chat_template=FLAGS.chat_template,
         dtype=FLAGS.dtype,
         param_dtype=FLAGS.param_dtype,
+        quantize=FLAGS.quantize,
+        quantize_lm_head=FLAGS.quantize_lm_head,
         attention_impl=FLAGS.attention_impl,
         mesh=FLAGS.mesh,
         batch_size=FLAGS.batch_size,

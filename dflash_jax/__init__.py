@@ -3,6 +3,7 @@
 Public API:
   load_target(path, dtype="float32") -> Target      a Hugging Face Qwen3 / Llama-3 verifier
   save_target(target, path)
+  quantize_target(target, "int8") -> Target          int8 weight-only (load_target(quantize=))
   load_drafter(path, target=...) -> Drafter          a z-lab DFlash drafter
   save_drafter(drafter, path)
   generate(target, drafter_or_None, prompts, max_new_tokens, ...) -> GenerationResult
@@ -21,7 +22,7 @@ from dflash_jax.drafter import (
 from dflash_jax.decoding import GenerationResult, generate
 from dflash_jax.model import KVCache, Transformer
 from dflash_jax.safetensors_io import CheckpointError
-from dflash_jax.target import ForwardOutput, Target, load_target, save_target
+from dflash_jax.target import ForwardOutput, Target, load_target, quantize_target, save_target
 
 __all__ = [
     "CheckpointError",
@@ -40,5 +41,6 @@ __all__ = [
     "Target",
     "Transformer",
     "load_target",
+    "quantize_target",
     "save_target",
 ]

@@ -403,12 +403,15 @@ def check_before_loading(
     param_dtype: Optional[str] = None,
     attention_impl: str = "xla",
     mesh=None,
+    quantize: Optional[str] = None,
+    quantize_lm_head: bool = False,
 ) -> None:
     """What `generate` would refuse, checked from the config.json files alone (no weights are
     read): the pair's fit, the context length (prompt + max_new_tokens against
     max_position_embeddings), block size and denoise steps against the drafter's, stop ids in
     the vocabulary, the seed and sampling, and the attention implementation on `mesh`'s
-    devices (the default backend's without one). Raises ValueError (one line)."""
+    devices (the default backend's without one), the target's quantization_config and the
+    `quantize` request (an LM head that is tied cannot be int8). Raises ValueError (one line)."""
     from dflash_jax import attention, checkpoint
     from dflash_jax.config import ModelConfig
     from dflash_jax.drafter import DrafterConfig
@@ -427,6 +430,17 @@ def check_before_loading(
         raise
     except ValueError as e:
         raise CheckpointError(str(e)) from e
+    from dflash_jax.quantization import check_quantize
+
+    if check_quantize(quantize) is not None or quantize_lm_head:
+        if tcfg.quantization is None and quantize is None:
+            raise ValueError("quantize_lm_head needs quantize='int8'")
+        try:
+            tcfg = tcfg.replace(
+                quantization="int8", quantize_lm_head=quantize_lm_head or tcfg.quantize_lm_head
+            )
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
     dcfg = None
     if drafter_dir:
         dcfg = DrafterConfig.from_hf(
@@ -474,6 +488,8 @@ def run_and_report(
     chat_template: bool = True,
     dtype: str = "float32",
     param_dtype: Optional[str] = None,
+    quantize: Optional[str] = None,
+    quantize_lm_head: bool = False,
     attention_impl: str = "xla",
     mesh: Optional[str] = None,
     batch_size: Optional[int] = None,
@@ -490,7 +506,7 @@ def run_and_report(
     `target_dir`'s tokenizer, the models loaded, `run_prompts`, and `report.print_run` on stdout.
 
     mesh: a `sharding.parse_mesh` spec; "" / None: one device, or every device with several
-    processes. batch_size: default 8 for several prompts, else 1. stream: print a single
+    processes. quantize / quantize_lm_head: `load_target`'s (int8 weight-only). batch_size: default 8 for several prompts, else 1. stream: print a single
     prompt's completion as it is committed, an extra untimed run (None: when stdout is a
     terminal; never on a mesh). target_name / drafter_name: what the user called the models
     (hub ids), printed and part of the settings a resumed file must match. gen_kw: `generate`'s
@@ -535,6 +551,8 @@ def run_and_report(
         param_dtype=param_dtype,
         attention_impl=attention_impl,
         mesh=mesh,
+        quantize=quantize,
+        quantize_lm_head=quantize_lm_head,
     )
     extra_settings = {
         "target": model_identity(target_name),
@@ -543,6 +561,8 @@ def run_and_report(
         "param_dtype": param_dtype,
         "chat_template": chat_template,
     }
+    if quantize or quantize_lm_head:  # absent otherwise: files of earlier runs still resume
+        extra_settings.update(quantize=quantize, quantize_lm_head=quantize_lm_head)
     if resume:  # a file of other prompts or settings is refused before any compute
         read_done(
             out_path,
@@ -551,7 +571,12 @@ def run_and_report(
         )
 
     target = dj.load_target(
-        target_dir, dtype=dtype, param_dtype=param_dtype, attention_impl=attention_impl
+        target_dir,
+        dtype=dtype,
+        param_dtype=param_dtype,
+        attention_impl=attention_impl,
+        quantize=quantize,
+        quantize_lm_head=quantize_lm_head,
     )
     drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
     print(

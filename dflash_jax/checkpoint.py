@@ -13,6 +13,12 @@ The layout change is written once, as a rule on parameter paths:
 (PyTorch linear weights are stored [out, in]; Flax kernels are [in, out].) Drafters use the same
 rule without the `model.` prefix (`layers.i...`, `norm`, `fc`, `hidden_norm`).
 
+Quantized targets (`dflash_jax/quantization.py`): a block-FP8 linear (`weight` float8_e4m3fn +
+`weight_scale_inv`) is dequantized as it is read; an int8 target's linears are
+`.../kernel` int8 [in, out] + `.../kernel_scale` float32 [out] in Flax and `weight` int8
+[out, in] + `weight_scale` [out] in the file; `quantize="int8"` quantizes each float (or
+dequantized FP8) linear as it is read, one tensor at a time.
+
 Loading builds the whole parameter tree before returning: a missing, mis-shaped or
 unknown-dtype tensor raises `CheckpointError` naming the file and the tensor, never a
 half-loaded model.
@@ -31,13 +37,20 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
-from dflash_jax import console
+from dflash_jax import console, quantization
 from dflash_jax.config import ModelConfig, as_dtype
 from dflash_jax.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
 
 log = logging.getLogger(__name__)
 
-_LEAF_NAMES = {"kernel": "weight", "scale": "weight", "embedding": "weight", "bias": "bias"}
+_LEAF_NAMES = {
+    "kernel": "weight",
+    "scale": "weight",
+    "embedding": "weight",
+    "bias": "bias",
+    "kernel_scale": "weight_scale",  # an int8 kernel's per-output-channel scale
+}
+_FP8_SCALE = "_scale_inv"  # `<linear>.weight_scale_inv` of a block-FP8 checkpoint
 # Tensors that Hugging Face checkpoints may carry but the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -90,6 +103,34 @@ def read_target_config(path: str, dtype="float32", param_dtype=None) -> ModelCon
         raise CheckpointError(str(e)) from None
 
 
+def _is_fp8(dtype) -> bool:
+    return np.dtype(dtype).kind == "V" and np.dtype(dtype).itemsize == 1
+
+
+def _read_weight(store: SafetensorsDir, name: str, code: str, fp8_block) -> np.ndarray:
+    """Tensor `name` as stored ([out, in] for a linear), a block-FP8 one dequantized to
+    float32 with its `weight_scale_inv`; an FP8 tensor without one is refused."""
+    where = store.file_of(name)
+    inv = name + _FP8_SCALE
+    arr = store.get(name)
+    if inv in store:
+        if fp8_block is None:
+            raise CheckpointError(
+                f"{where}: tensor {inv!r}, but config.json has no fp8 quantization_config"
+            )
+        if not _is_fp8(arr.dtype):
+            raise CheckpointError(f"{where}: tensor {name!r} has dtype {code}, expected F8_E4M3")
+        try:
+            return quantization.dequantize_fp8_blocks(arr, store.get(inv), fp8_block)
+        except ValueError as e:
+            raise CheckpointError(f"{store.file_of(inv)}: tensor {inv!r}: {e}") from None
+    if _is_fp8(arr.dtype):
+        raise CheckpointError(f"{where}: tensor {name!r} is {code} without {inv!r}")
+    if arr.dtype.kind not in "fV":
+        raise CheckpointError(f"{where}: tensor {name!r} has non-float dtype {code}")
+    return arr
+
+
 def load_params(
     path: str,
     abstract_params,
@@ -97,11 +138,15 @@ def load_params(
     prefix: str,
     param_dtype,
     optional: Callable[[str], bool] = lambda name: False,
+    fp8_block=None,
 ) -> dict:
     """Reads every parameter of `abstract_params` (a pytree of ShapeDtypeStructs) from `path`.
 
     Tensors are cast one at a time straight from the memory-mapped file to `param_dtype` and
     moved to the device, so peak host memory is one tensor, not a second copy of the model.
+    `fp8_block` [b0, b1]: the checkpoint is block-FP8 (`weight_scale_inv` tensors). An int8
+    kernel of `abstract_params` (with its `kernel_scale`) is read as stored (an int8 file) or
+    quantized per output channel from the float (or dequantized FP8) tensor.
     """
     store = SafetensorsDir(path)
     try:
@@ -110,6 +155,8 @@ def load_params(
         for key, spec in console.progress(
             flat.items(), total=len(flat), desc=f"load {path}", unit="tensor"
         ):
+            if key[-1] == "kernel_scale":
+                continue  # read with its kernel
             name = flax_path_to_hf(key, prefix)
             if name not in store:
                 if optional(name):
@@ -123,14 +170,15 @@ def load_params(
                     f"{store.file_of(name)}: tensor {name!r} has shape {tuple(shape)}, "
                     f"expected {want}"
                 )
-            arr = store.get(name)
-            if arr.dtype.kind not in "fV" and arr.dtype != ml_dtypes.bfloat16:
-                raise CheckpointError(
-                    f"{store.file_of(name)}: tensor {name!r} has non-float dtype {code}"
-                )
+            if transpose and spec.dtype == jnp.int8:
+                skey = key[:-1] + ("kernel_scale",)
+                out[key], out[skey] = _read_int8(store, name, code, want, fp8_block, prefix, skey)
+                continue
+            arr = _read_weight(store, name, code, fp8_block)
             arr = arr.T if transpose else arr
             out[key] = jnp.asarray(np.asarray(arr, dtype=param_dtype))
         known = {flax_path_to_hf(k, prefix) for k in flat}
+        known |= {n + _FP8_SCALE for n in known}
         extra = [
             n
             for n in store.names()
@@ -141,6 +189,25 @@ def load_params(
         return traverse_util.unflatten_dict(out)
     finally:
         store.close()
+
+
+def _read_int8(store, name, code, shape, fp8_block, prefix, scale_key):
+    """(int8 kernel [in, out], float32 scale [out]) of linear `name` ([out, in] in the file)."""
+    if code == "I8":
+        sname = flax_path_to_hf(scale_key, prefix)
+        if sname not in store:
+            raise CheckpointError(f"{store.file_of(name)}: int8 tensor {name!r} without {sname!r}")
+        scale = store.get(sname)
+        if tuple(scale.shape) != (shape[0],) or scale.dtype.kind not in "fV":
+            raise CheckpointError(
+                f"{store.file_of(sname)}: tensor {sname!r} has shape {tuple(scale.shape)} "
+                f"and dtype {scale.dtype}, expected float ({shape[0]},)"
+            )
+        q, s = store.get(name).T, np.asarray(scale, np.float32)
+    else:
+        w = _read_weight(store, name, code, fp8_block)
+        q, s = quantization.quantize_int8(np.asarray(w, np.float32).T)
+    return jnp.asarray(np.ascontiguousarray(q)), jnp.asarray(s)
 
 
 def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
@@ -156,6 +223,9 @@ def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
         arr = np.asarray(jax.device_get(value))
         if key[-1] == "kernel":
             arr = arr.T
+        if arr.dtype == np.int8 or key[-1] == "kernel_scale":  # int8 kernels and their scales
+            tensors[flax_path_to_hf(key, prefix)] = np.ascontiguousarray(arr)
+            continue
         tensors[flax_path_to_hf(key, prefix)] = np.ascontiguousarray(arr.astype(np_dtype))
     return tensors
 
@@ -171,11 +241,33 @@ def dtype_name(dtype) -> str:
 # ---------------------------------------------------------------------------- targets
 
 
-def load_target_params(path: str, dtype="float32", param_dtype=None) -> Tuple[ModelConfig, dict]:
-    """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` directory."""
+def load_target_params(
+    path: str,
+    dtype="float32",
+    param_dtype=None,
+    quantize: Optional[str] = None,
+    quantize_lm_head: bool = False,
+) -> Tuple[ModelConfig, dict]:
+    """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` directory.
+
+    A block-FP8 checkpoint is dequantized into `param_dtype`; an int8 one (`save_target` of an
+    int8 target) stays int8. quantize="int8": the decoder linears (and the LM head with
+    `quantize_lm_head`) quantized per output channel as they are read. Every setting and the
+    config's quantization_config are checked before any weight is read.
+    """
     from dflash_jax.model import Transformer
 
+    quantize = quantization.check_quantize(quantize)
     cfg = read_target_config(path, dtype=dtype, param_dtype=param_dtype)
+    spec = quantization.parse_quantization_config(
+        _read_config(path), os.path.join(path, "config.json")
+    )
+    if quantize is not None or quantize_lm_head:
+        if quantize is None and cfg.quantization is None:
+            raise ValueError("quantize_lm_head needs quantize='int8' (or an int8 checkpoint)")
+        cfg = cfg.replace(
+            quantization="int8", quantize_lm_head=bool(quantize_lm_head or cfg.quantize_lm_head)
+        )
     model = Transformer(cfg)
     abstract = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
@@ -186,6 +278,7 @@ def load_target_params(path: str, dtype="float32", param_dtype=None) -> Tuple[Mo
         prefix="model.",
         param_dtype=cfg.param_dtype,
         optional=lambda n: cfg.tie_word_embeddings and n == "lm_head.weight",
+        fp8_block=spec.block_size if spec is not None and spec.method == "fp8" else None,
     )
     return cfg, params
 

@@ -14,6 +14,8 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
+from dflash_jax.quantization import INT8_METHOD, parse_quantization_config, quantization_config
+
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
@@ -57,6 +59,9 @@ class ModelConfig:
       max_position_embeddings: the model's context length.
       dtype: compute dtype (float32 on CPU; bfloat16 on accelerators).
       param_dtype: storage dtype of the parameters.
+      quantization: None, or "int8": the decoder linears (q/k/v/o, gate/up/down) hold int8
+        kernels with a float32 scale per output channel (`layers.Int8Dense`, weight-only).
+      quantize_lm_head: the (untied) LM head is int8 too.
     """
 
     vocab_size: int
@@ -76,8 +81,17 @@ class ModelConfig:
     max_position_embeddings: int = 40960
     dtype: Any = jnp.float32
     param_dtype: Any = jnp.float32
+    quantization: Optional[str] = None
+    quantize_lm_head: bool = False
 
     def __post_init__(self):
+        if self.quantization not in (None, "int8"):
+            raise ValueError(f"unsupported quantization {self.quantization!r}; supported: int8")
+        if self.quantize_lm_head and (self.quantization is None or self.tie_word_embeddings):
+            raise ValueError(
+                "quantize_lm_head needs quantization='int8' and an untied LM head (a tied head "
+                "is the embedding table, kept in the parameter dtype)"
+            )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(
                 f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}"
@@ -223,6 +237,9 @@ class ModelConfig:
                     )
         max_pos = hf.get("max_position_embeddings")
         dt = as_dtype(dtype)
+        # FP8 checkpoints are dequantized at load (a plain model); int8 ones stay int8.
+        quant = parse_quantization_config(hf, source)
+        int8 = quant is not None and quant.method == INT8_METHOD
         return cls(
             arch=arch,
             vocab_size=pos_int("vocab_size", need("vocab_size")),
@@ -243,6 +260,8 @@ class ModelConfig:
             else pos_int("max_position_embeddings", max_pos),
             dtype=dt,
             param_dtype=as_dtype(param_dtype) if param_dtype is not None else dt,
+            quantization="int8" if int8 else None,
+            quantize_lm_head=bool(int8 and quant.lm_head),
         )
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict:
@@ -276,4 +295,6 @@ class ModelConfig:
             out["use_sliding_window"] = False
             out["sliding_window"] = None
             out["max_window_layers"] = self.num_layers
+        if self.quantization is not None:
+            out["quantization_config"] = quantization_config(self.quantize_lm_head)
         return out

@@ -349,6 +349,8 @@ def make_drafter_config(
         tie_word_embeddings=False,
         attention_bias=False,
         rope_scaling=None,
+        quantization=None,  # the drafter's own layers stay in the parameter dtype
+        quantize_lm_head=False,
         **body_overrides,
     )
     ids = (

@@ -72,6 +72,50 @@ def apply_rope(x_BTnD: jnp.ndarray, positions_BT: jnp.ndarray, inv_freq: jnp.nda
     return out.astype(x_BTnD.dtype)
 
 
+class Int8Dense(nn.Module):
+    """A Dense layer with an int8 kernel [in, out] and a float32 scale per output channel
+    (`kernel_scale` [out]): y = (x @ kernel.astype(dtype)) * scale (+ bias), weight-only.
+
+    The convert of the int8 kernel sits next to the dot, so XLA fuses it into the matmul and
+    the int8 bytes are what is read from memory (tests/test_quantized.py checks the compiled
+    HLO); the scale multiplies the dot's output in float32, rounded once to the compute dtype.
+    Why a module of our own and not qwix: `dflash_jax/quantization.py`.
+    """
+
+    features: int
+    use_bias: bool = False
+    dtype: jnp.dtype = jnp.float32
+    param_dtype: jnp.dtype = jnp.float32  # of the bias; the kernel is int8, the scale float32
+
+    @nn.compact
+    def __call__(self, x):
+        kernel = self.param(
+            "kernel", nn.initializers.zeros_init(), (x.shape[-1], self.features), jnp.int8
+        )
+        scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
+        # The dot's output in the compute dtype, as nn.Dense's: under tensor parallelism its
+        # partial sums are what is all-reduced (a float32 output doubled those bytes on TPU).
+        y = jax.lax.dot_general(
+            x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ()))
+        )
+        y = y.astype(jnp.float32) * scale
+        if self.use_bias:
+            bias = self.param(
+                "bias", nn.initializers.zeros_init(), (self.features,), self.param_dtype
+            )
+            y = y + bias.astype(jnp.float32)
+        return y.astype(self.dtype)
+
+
+def linear(cfg: ModelConfig, features: int, name: str, use_bias: bool = False):
+    """A decoder linear of `cfg`: `Int8Dense` when cfg.quantization == "int8", else nn.Dense."""
+    if cfg.quantization == "int8":
+        return Int8Dense(features, use_bias, cfg.dtype, cfg.param_dtype, name=name)
+    return nn.Dense(
+        features, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name
+    )
+
+
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
@@ -80,9 +124,7 @@ class MLP(nn.Module):
     @nn.compact
     def __call__(self, x):
         c = self.cfg
-        dense = lambda f, name: nn.Dense(
-            f, use_bias=False, dtype=c.dtype, param_dtype=c.param_dtype, name=name
-        )
+        dense = lambda f, name: linear(c, f, name)
         h = nn.silu(dense(c.intermediate_size, "gate_proj")(x)) * dense(
             c.intermediate_size, "up_proj"
         )(x)
@@ -100,19 +142,11 @@ class QKVProjection(nn.Module):
 
     def setup(self):
         c = self.cfg
-        dense = lambda f, name: nn.Dense(
-            f, use_bias=c.attention_bias, dtype=c.dtype, param_dtype=c.param_dtype, name=name
-        )
+        dense = lambda f, name: linear(c, f, name, c.attention_bias)
         self.q_proj = dense(c.num_heads * c.head_dim, "q_proj")
         self.k_proj = dense(c.num_kv_heads * c.head_dim, "k_proj")
         self.v_proj = dense(c.num_kv_heads * c.head_dim, "v_proj")
-        self.o_proj = nn.Dense(
-            c.hidden_size,
-            use_bias=c.attention_bias,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="o_proj",
-        )
+        self.o_proj = dense(c.hidden_size, "o_proj")
         if c.qk_norm:
             self.q_norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="q_norm")
             self.k_norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="k_norm")

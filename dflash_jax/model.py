@@ -31,7 +31,14 @@ import jax.numpy as jnp
 
 from dflash_jax import attention as attn_lib
 from dflash_jax.config import ModelConfig
-from dflash_jax.layers import MLP, QKVProjection, RMSNorm, masked_attention, rope_inv_freq
+from dflash_jax.layers import (
+    MLP,
+    Int8Dense,
+    QKVProjection,
+    RMSNorm,
+    masked_attention,
+    rope_inv_freq,
+)
 
 
 @flax.struct.dataclass
@@ -195,7 +202,9 @@ class Transformer(nn.Module):
             DecoderLayer(c, self.attention_impl, name=f"layers_{i}") for i in range(c.num_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
-        if not c.tie_word_embeddings:
+        if c.quantize_lm_head:
+            self.lm_head = Int8Dense(c.vocab_size, False, c.dtype, c.param_dtype, name="lm_head")
+        elif not c.tie_word_embeddings:
             self.lm_head = nn.Dense(
                 c.vocab_size,
                 use_bias=False,
@@ -217,10 +226,14 @@ class Transformer(nn.Module):
                 w,
                 preferred_element_type=jnp.float32,
             )
-        w = self.lm_head.variables["params"]["kernel"].astype(self.cfg.dtype)
-        return jnp.einsum(
+        head = self.lm_head.variables["params"]
+        w = head["kernel"].astype(self.cfg.dtype)  # an int8 head: converted inside the dot
+        out = jnp.einsum(
             "bth,hv->btv", hidden_BTH.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32
         )
+        if "kernel_scale" in head:  # an int8 head: its float32 dot times the per-column scale
+            out = out * head["kernel_scale"]
+        return out
 
     def __call__(
         self,

@@ -29,9 +29,16 @@ def _tau(value) -> str:
 
 
 def model_line(target_name: str, config, drafter_name: Optional[str], backend: str) -> str:
-    """'target NAME: L layers, hidden H; drafter: NAME; backend B' (`config`: a ModelConfig)."""
+    """'target NAME: L layers, hidden H[, int8 weights]; drafter: NAME; backend B' (`config`: a
+    ModelConfig)."""
+    quant = getattr(config, "quantization", None)
+    quant = (
+        f", {quant} weights" + (" (LM head too)" if config.quantize_lm_head else "")
+        if quant
+        else ""
+    )
     return (
-        f"target {target_name}: {config.num_layers} layers, hidden {config.hidden_size}; "
+        f"target {target_name}: {config.num_layers} layers, hidden {config.hidden_size}{quant}; "
         f"drafter: {drafter_name or NO_DRAFTER}; backend {backend}"
     )
 

@@ -13,6 +13,7 @@ import os
 import struct
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
+import ml_dtypes
 import numpy as np
 import safetensors
 import safetensors.numpy
@@ -65,6 +66,10 @@ _KNOWN_CODES = {
 }
 
 
+# Codes that safetensors' numpy reader maps to dtypes numpy does not have: read as ml_dtypes.
+_RAW_CODES = {"F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+
+
 class SafetensorsFile:
     """Random access to the tensors of one `.safetensors` file (`safetensors.safe_open`)."""
 
@@ -80,6 +85,7 @@ class SafetensorsFile:
             raise CheckpointError(_diagnose(self.path, e)) from e
         self.metadata = self._f.metadata() or {}
         self._keys = list(self._f.keys())
+        self._header = None  # (data start, header dict): read on the first raw tensor
 
     def keys(self):
         return list(self._keys)
@@ -97,12 +103,38 @@ class SafetensorsFile:
         if name not in self._keys:
             raise CheckpointError(f"{self.path}: tensor {name!r} not found")
         try:
-            arr = self._f.get_tensor(name)
+            code = self._f.get_slice(name).get_dtype()
+            if code in _RAW_CODES:  # dtypes numpy lacks: read from the file's bytes
+                arr = self._get_raw(name, _RAW_CODES[code])
+            else:
+                arr = self._f.get_tensor(name)
+        except CheckpointError:
+            raise
         except Exception as e:  # noqa: BLE001 - a dtype numpy cannot hold (F4, F8_E8M0, ...)
             raise CheckpointError(f"{self.path}: tensor {name!r} cannot be read ({e})") from e
         if dtype is not None and np.dtype(dtype) != arr.dtype:
             arr = arr.astype(dtype)
         return arr
+
+    def _get_raw(self, name: str, dtype) -> np.ndarray:
+        """Tensor `name` as `dtype` (an ml_dtypes type) straight from the file (memory-mapped):
+        the header's data_offsets, after the 8-byte header length and the header."""
+        if self._header is None:
+            with open(self.path, "rb") as f:
+                (n,) = struct.unpack("<Q", f.read(8))
+                self._header = (8 + n, json.loads(f.read(n)))
+        base, header = self._header
+        entry = header[name]
+        begin, end = entry["data_offsets"]
+        shape = tuple(entry["shape"])
+        if end - begin != int(np.prod(shape, dtype=np.int64)) * np.dtype(dtype).itemsize:
+            raise CheckpointError(
+                f"{self.path}: tensor {name!r} has a size that is not its shape's"
+            )
+        raw = np.memmap(
+            self.path, dtype=np.uint8, mode="r", offset=base + begin, shape=(end - begin,)
+        )
+        return np.asarray(raw).view(dtype).reshape(shape)
 
     def close(self):
         self._f.__exit__(None, None, None)

@@ -155,6 +155,10 @@ def _rules(fsdp: bool) -> Tuple[Rule, ...]:
         (r"lm_head/kernel$", P(f, "tensor"), ()),
         (r"(^|/)fc/kernel$", P(f, "tensor"), ()),
         (r"(norm|layernorm)/scale$", P(), ()),
+        # An int8 kernel's per-output-channel scale [out] follows its kernel's output axis.
+        (r"(q_proj|k_proj|v_proj)/kernel_scale$", P("tensor"), (0,)),
+        (r"(o_proj|down_proj)/kernel_scale$", P(f), ()),
+        (r"(gate_proj|up_proj|lm_head)/kernel_scale$", P("tensor"), ()),
     )
 
 

@@ -74,22 +74,62 @@ def load_target(
     dtype: str = "float32",
     param_dtype: Optional[str] = None,
     attention_impl: str = "auto",
+    quantize: Optional[str] = None,
+    quantize_lm_head: bool = False,
 ) -> Target:
     """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory, or hub id
     (`Qwen/Qwen3-8B`, fetched into the Hugging Face cache by `dflash_jax.hub`).
 
     dtype: compute dtype ("float32" on CPU, "bfloat16" on accelerators); param_dtype defaults
-    to dtype.
+    to dtype. Block-FP8 checkpoints (`quant_method` "fp8", e.g. Qwen/Qwen3-8B-FP8) are
+    dequantized at load; int8 ones written by `save_target` stay int8. quantize="int8": the
+    decoder linears quantized to int8 per output channel at load (weight-only; the LM head too
+    with `quantize_lm_head`, for an untied head). See `dflash_jax/quantization.py`.
     """
+    from dflash_jax import quantization
+
+    quantization.check_quantize(quantize)  # a bad request is refused before any download
     path = hub.local_path(path, what="target")
-    cfg, params = checkpoint.load_target_params(str(path), dtype=dtype, param_dtype=param_dtype)
+    cfg, params = checkpoint.load_target_params(
+        str(path),
+        dtype=dtype,
+        param_dtype=param_dtype,
+        quantize=quantize,
+        quantize_lm_head=quantize_lm_head,
+    )
     return Target(config=cfg, params=params, path=str(path), attention_impl=attention_impl)
+
+
+def quantize_target(target: Target, quantize: str = "int8", lm_head: bool = False) -> Target:
+    """An in-memory target's decoder linears (and its untied LM head with `lm_head`)
+    quantized to int8 per output channel, as `load_target(path, quantize="int8")` does at
+    load: a new Target (the original is left as it is)."""
+    from flax import traverse_util
+
+    from dflash_jax import quantization
+
+    quantization.check_quantize(quantize)
+    if target.config.quantization is not None:
+        raise ValueError("the target is already quantized")
+    cfg = target.config.replace(quantization="int8", quantize_lm_head=bool(lm_head))
+    names = set(quantization.LINEAR_NAMES) | ({"lm_head"} if lm_head else set())
+    out = {}
+    for key, value in traverse_util.flatten_dict(target.params).items():
+        if key[-1] == "kernel" and key[-2] in names:
+            q, s = quantization.quantize_int8(np.asarray(jax.device_get(value), np.float32))
+            out[key], out[key[:-1] + ("kernel_scale",)] = jnp.asarray(q), jnp.asarray(s)
+        else:
+            out[key] = value
+    return Target(cfg, traverse_util.unflatten_dict(out), target.path, target.attention_impl)
 
 
 def save_target(target: Target, path: str, dtype: Optional[str] = None) -> None:
     """Writes the target as a Hugging Face directory (config.json + safetensors).
 
-    Tokenizer files of the source directory are copied along, so the result is self-contained.
+    An int8 target is written in the `dflash_int8` format (`dflash_jax/quantization.py`: int8
+    `weight` [out, in] + float32 `weight_scale` [out] per quantized linear, the config's
+    `quantization_config` saying so) that `load_target` reads back as int8; `dtype` casts the
+    other tensors only. Tokenizer files of the source directory are copied along, so the result is self-contained.
     """
     extra = {}
     if target.path:

@@ -430,7 +430,7 @@ def check_infer_flags(f: Mapping) -> None:
     flags (`f`: `FLAGS.flag_values_dict()`): --resume without --json_out, --prompt with
     --prompt_file, batch, token and step counts, the seed, sampling, the attention
     implementation, an output file or directory that cannot be written or that is the prompt
-    file, dtypes. Prompts and models are checked when they are read (`prompting`, `hub`);
+    file, dtypes, --quantize. Prompts and models are checked when they are read (`prompting`, `hub`);
     what depends on the models' config files (context length, block size, stop ids) by
     `batch_infer.check_before_loading`."""
     from dflash_jax.config import as_dtype
@@ -468,6 +468,16 @@ def check_infer_flags(f: Mapping) -> None:
     as_dtype(f["dtype"])
     if f["param_dtype"]:
         as_dtype(f["param_dtype"])
+    from dflash_jax.quantization import check_quantize
+
+    try:
+        quantize = check_quantize(f.get("quantize"))
+    except ValueError:
+        raise ValueError(
+            f"--quantize must be int8 (weight-only, per output channel), got {f.get('quantize')!r}"
+        ) from None
+    if f.get("quantize_lm_head") and quantize is None:
+        raise ValueError("--quantize_lm_head needs --quantize=int8")
 
 
 def check_generate_args(

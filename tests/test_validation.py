@@ -159,6 +159,11 @@ INFER_FLAGS = dict(
         ({"tree_budget": 0}, "--tree_budget must be in [1, 1024], got 0"),
         ({"temperature": 1.0, "top_p": 0.0}, "top_p must be in (0.0, 1.0], got 0.0"),
         ({"param_dtype": "float8"}, "unknown dtype 'float8'"),
+        (
+            {"quantize": "int4"},
+            "--quantize must be int8 (weight-only, per output channel), got 'int4'",
+        ),
+        ({"quantize_lm_head": True}, "--quantize_lm_head needs --quantize=int8"),
     ],
 )
 def test_infer_flags_are_checked(kw, message):

@@ -263,6 +263,16 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_string(
+        "quantize",
+        "",
+        "infer: int8 (the target's decoder linears int8 per output channel, weight-only, as "
+        "load_target(quantize='int8')); default: the model's dtype",
+        **fv,
+    )
+    flags.DEFINE_bool(
+        "quantize_lm_head", False, "infer: with --quantize=int8, the LM head int8 too", **fv
+    )
+    flags.DEFINE_string(
         "attention",
         "",
         "infer: comma-separated attention impls to compile (pallas, xla); "
@@ -330,7 +340,20 @@ def run_flags(args):
             only=_programs(args.programs),
             hlo_dir=args.hlo_dir or None,
         )
+        quantize = getattr(args, "quantize", "") or None
+        if quantize is not None or getattr(args, "quantize_lm_head", False):
+            from dflash_jax.quantization import check_quantize
+
+            try:
+                check_quantize(quantize)
+            except ValueError:
+                raise UsageError(f"--quantize must be int8, got {quantize!r}") from None
+            if quantize is None:
+                raise UsageError("--quantize_lm_head needs --quantize=int8")
+            kw.update(quantize=quantize, quantize_lm_head=bool(args.quantize_lm_head))
     else:
+        if getattr(args, "quantize", ""):
+            raise UsageError("--quantize is for --mode=infer")
         if args.hlo_dir:
             raise UsageError("--hlo_dir is for --mode=infer (the decode and prefill programs)")
         impl = attention.split(",")[0].strip()

@@ -121,9 +121,26 @@ def model_presets():
     }
 
 
-def build_configs(model: str, dtype: Optional[str] = None):
+def build_configs(
+    model: str,
+    dtype: Optional[str] = None,
+    quantize: Optional[str] = None,
+    quantize_lm_head: bool = False,
+):
     """(target ModelConfig, DrafterConfig) of a preset, or of a Hugging Face model directory
-    (its config.json; drafter: 5 layers, 5 taps, block 16); `dtype` overrides bfloat16."""
+    (its config.json; drafter: 5 layers, 5 taps, block 16); `dtype` overrides bfloat16;
+    quantize="int8": the target's decoder linears int8 (and its LM head with
+    `quantize_lm_head`), the drafter unquantized."""
+    tcfg, dcfg = _build_configs(model, dtype)
+    if quantize is not None:  # the drafter's config does not change (its layers stay float)
+        try:
+            tcfg = tcfg.replace(quantization=quantize, quantize_lm_head=bool(quantize_lm_head))
+        except ValueError as e:  # an LM head tied to the embedding
+            raise UsageError(f"{model}: {e}") from None
+    return tcfg, dcfg
+
+
+def _build_configs(model: str, dtype: Optional[str] = None):
     from dflash_jax.config import as_dtype
     from dflash_jax.drafter import make_drafter_config
 

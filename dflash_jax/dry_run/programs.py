@@ -97,6 +97,8 @@ def dry_run_infer(
     only: Optional[Sequence[str]] = None,
     hlo_dir: Optional[str] = None,
     tree_budget: Optional[int] = None,
+    quantize: Optional[str] = None,
+    quantize_lm_head: bool = False,
 ) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
@@ -109,6 +111,8 @@ def dry_run_infer(
     (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
     tree_budget: the DFlash loop verifies a draft tree of this many nodes (B + 1 tokens per
     verify, `dflash_jax.tree`) instead of the chain.
+    quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
+    its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
@@ -117,7 +121,7 @@ def dry_run_infer(
     from dflash_jax.drafter import DFlashDrafter
     from dflash_jax.model import Transformer
 
-    tcfg, dcfg = build_configs(model, dtype)
+    tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
     m = resolve_mesh(mesh, devices)
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     gpu = chip is not None and chip.get("chip") in GPU_CHIPS
@@ -248,6 +252,8 @@ def dry_run_infer(
             "max_new_tokens": max_new_tokens,
             "block_size": bs,
             "tree_budget": tree_budget,
+            "quantize": quantize,
+            "quantize_lm_head": bool(quantize_lm_head),
             "attention": list(attention),
             # What each became for these devices (e.g. "pallas_cudnn" on an H200).
             "compiled_attention": {a: attn_lib.for_devices(a, m) for a in attention},
