@@ -122,6 +122,18 @@ def _write_context(
     return ctx.replace(k=k, v=v, lengths=lengths)
 
 
+def _draft_logits(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, tokens, start, plan: Plan):
+    """One drafter pass over [x_last, tokens] (tokens [B, bs-1]: MASK where not yet drafted) at
+    positions start + arange(bs): the logits [B, bs-1, V] of the block positions after x_last."""
+    positions = start[:, None] + jnp.arange(plan.block_size, dtype=jnp.int32)[None]
+    attend = decode_attend(ctx.lengths, plan.attention_impl)
+    block = jnp.concatenate([x_last[:, None], tokens], axis=1)
+    hidden = dmod.apply(
+        {"params": dparams}, _embed(tmod, tparams, block), positions, ctx.k, ctx.v, attend
+    )
+    return _lm_logits(tmod, tparams, hidden[:, 1:])
+
+
 def draft_block(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan):
     """Drafts bs-1 tokens after x_last. Returns (drafts [B, bs-1], confidence [B, bs-1]).
 
@@ -132,19 +144,12 @@ def draft_block(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan:
     """
     bs = plan.block_size
     b = x_last.shape[0]
-    mask_id = dmod.cfg.mask_token_id
-    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-    attend = decode_attend(ctx.lengths, plan.attention_impl)
-    tokens = jnp.full((b, bs - 1), mask_id, jnp.int32)
+    tokens = jnp.full((b, bs - 1), dmod.cfg.mask_token_id, jnp.int32)
     fixed = jnp.zeros((b, bs - 1), bool)
     conf = jnp.zeros((b, bs - 1), jnp.float32)
     steps = plan.denoise_steps
     for j in range(1, steps + 1):
-        block = jnp.concatenate([x_last[:, None], tokens], axis=1)
-        hidden = dmod.apply(
-            {"params": dparams}, _embed(tmod, tparams, block), positions, ctx.k, ctx.v, attend
-        )
-        logits = _lm_logits(tmod, tparams, hidden[:, 1:])
+        logits = _draft_logits(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, plan)
         pred = greedy_argmax(logits)
         if steps == 1 and plan.confidence_threshold is None:
             p_max = jnp.ones(pred.shape, jnp.float32)  # confidence unused: skip the softmax
@@ -187,17 +192,9 @@ class Proposal:
 def draft_logprobs(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan):
     """The drafter's log-probabilities [B, bs-1, V] at the block positions after x_last (one
     pass over [x_last, MASK * (bs-1)]): what a draft tree is built from."""
-    bs = plan.block_size
-    b = x_last.shape[0]
-    positions = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-    block = jnp.concatenate(
-        [x_last[:, None], jnp.full((b, bs - 1), dmod.cfg.mask_token_id, jnp.int32)], axis=1
-    )
-    attend = decode_attend(ctx.lengths, plan.attention_impl)
-    hidden = dmod.apply(
-        {"params": dparams}, _embed(tmod, tparams, block), positions, ctx.k, ctx.v, attend
-    )
-    return jax.nn.log_softmax(_lm_logits(tmod, tparams, hidden[:, 1:]), axis=-1)
+    masks = jnp.full((x_last.shape[0], plan.block_size - 1), dmod.cfg.mask_token_id, jnp.int32)
+    logits = _draft_logits(tmod, tparams, dmod, dparams, ctx, x_last, masks, start, plan)
+    return jax.nn.log_softmax(logits, axis=-1)
 
 
 def propose(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState, x_last, start):
