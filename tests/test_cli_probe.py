@@ -481,6 +481,11 @@ CASES = [
                 r"--batch must be >= 1",
             ),
             (
+                "dry_run_denoise_steps_over_block",
+                ["--topology=cpu:2", "--model=small", "--denoise_steps=16"],
+                r"--denoise_steps must be in \[1, 15\]",
+            ),
+            (
                 "dry_run_tau_nan",
                 ["--topology=cpu:2", "--model=small", "--tau=nan"],
                 r"--tau .*'nan'",

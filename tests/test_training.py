@@ -280,7 +280,8 @@ def test_loss_options_give_finite_gradients(trained, loss, schedule):
 
 def test_block_scores_brute_force_and_chunked_loss_equals_one_shot(trained):
     """block_scores against numpy (CE and KL); the drafter loss with the logits chunked over
-    anchors (4 of 6: a ragged last chunk) equals the one-shot loss, metrics and gradients."""
+    anchors (4 of 6: a ragged last chunk) equals the one-shot loss and metrics (CE, KL) and
+    gradients (KL)."""
     cfg = trained[0]
     target = _tiny_target(cfg)
     tmod = target.module
@@ -330,13 +331,20 @@ def test_block_scores_brute_force_and_chunked_loss_equals_one_shot(trained):
             fn = lambda p: losses.drafter_loss(
                 tmod, dj.DFlashDrafter(dcfg), recipe, p, target.params, batch, jax.random.PRNGKey(0)
             )
-            out.append(jax.value_and_grad(fn, has_aux=True)(dparams))
+            # The gradients through the chunked scan for KL (the loss with the most code
+            # between the chunks and the logits); CE's loss and metrics (each jitted program is
+            # ~4 s of compile: this test's whole cost).
+            if loss == "kl":
+                out.append(jax.jit(jax.value_and_grad(fn, has_aux=True))(dparams))
+            else:
+                out.append((jax.jit(fn)(dparams), None))
         ((l0, m0), g0), ((l1, m1), g1) = out
         np.testing.assert_allclose(float(l1), float(l0), rtol=1e-6)
         for k in m0:
             np.testing.assert_allclose(m1[k], m0[k], rtol=1e-6, err_msg=k)
-        for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
-            np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
+        if loss == "kl":
+            for a, b in zip(jax.tree_util.tree_leaves(g0), jax.tree_util.tree_leaves(g1)):
+                np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-7)
 
 
 def test_resume_reproduces_losses_and_corrupt_checkpoint_falls_back(

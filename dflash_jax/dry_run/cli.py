@@ -210,6 +210,14 @@ def _check_sizes(args) -> None:
             validation.int_param("--prefill_chunk", args.prefill_chunk, lo=0, error=E)
         if getattr(args, "tree_budget", None) is not None:
             validation.int_param("--tree_budget", args.tree_budget, lo=1, hi=1024, error=E)
+        denoise = getattr(args, "denoise_steps", 1)
+        validation.int_param("--denoise_steps", denoise, lo=1, error=E)
+        if denoise != 1:
+            from dflash_jax.dry_run.presets import build_configs
+
+            bs = args.block_size or build_configs(args.model)[1].block_size
+        if denoise != 1 and denoise > bs - 1:
+            raise E(f"--denoise_steps must be in [1, {bs - 1}] (block_size - 1), got {denoise}")
     else:
         validation.int_param("--seq_len", args.seq_len, lo=2, error=E)
         validation.int_param("--num_anchors", args.num_anchors, lo=1, error=E)
@@ -260,6 +268,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "tree_budget",
         None,
         "infer: the DFlash loop verifies a draft tree of this many nodes (default: the chain)",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "denoise_steps",
+        1,
+        "infer: drafter passes per DFlash step (masked-diffusion denoising; 1: DFlash's one pass)",
         **fv,
     )
     flags.DEFINE_string(
@@ -334,6 +348,7 @@ def run_flags(args):
             max_new_tokens=args.max_new_tokens,
             block_size=args.block_size,
             tree_budget=getattr(args, "tree_budget", None),
+            denoise_steps=getattr(args, "denoise_steps", 1),
             attention=tuple(a.strip() for a in attention.split(",")),
             taus=tuple(_floats(args.tau)),
             prefill_chunk=args.prefill_chunk,

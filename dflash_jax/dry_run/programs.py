@@ -97,6 +97,7 @@ def dry_run_infer(
     only: Optional[Sequence[str]] = None,
     hlo_dir: Optional[str] = None,
     tree_budget: Optional[int] = None,
+    denoise_steps: int = 1,
     quantize: Optional[str] = None,
     quantize_lm_head: bool = False,
 ) -> Dict[str, Any]:
@@ -111,6 +112,7 @@ def dry_run_infer(
     (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
     tree_budget: the DFlash loop verifies a draft tree of this many nodes (B + 1 tokens per
     verify, `dflash_jax.tree`) instead of the chain.
+    denoise_steps: drafter passes per DFlash step (`decoding.Plan.denoise_steps`).
     quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
     its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
@@ -139,6 +141,8 @@ def dry_run_infer(
             k_bs = bs if kind == "dflash" else 1
             plan_kw = {} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)
             tree = tree_budget if kind == "dflash" else None
+            if kind == "dflash" and denoise_steps != 1:
+                plan_kw["denoise_steps"] = denoise_steps
             plan = decoding.Plan(block_size=k_bs, attention_impl=impl, tree_budget=tree, **plan_kw)
             width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
             p_pad, n_buf, capacity = decoding.buffer_sizes(context, max_new_tokens, width)
@@ -252,6 +256,7 @@ def dry_run_infer(
             "max_new_tokens": max_new_tokens,
             "block_size": bs,
             "tree_budget": tree_budget,
+            "denoise_steps": denoise_steps,
             "quantize": quantize,
             "quantize_lm_head": bool(quantize_lm_head),
             "attention": list(attention),
