@@ -7,7 +7,8 @@ processes of 4 fake devices each, one process group of 8 devices (gloo collectiv
   with the bundled trained pair (accepted) and autoregressive; infer.py reports from process 0
   only;
 - train.py on data=2,fsdp=4 over 2 processes gives the losses of 1 process with 8 devices, and
-  survives SIGKILL of both processes and SIGTERM of one (coordinated save) with the same losses;
+  survives SIGTERM of one process (both save, coordinated; the resumed run has the same
+  losses). (A crash's checkpoints: `test_training.py`'s resume and corrupt-checkpoint checks.)
 - the launcher names a process that dies, stops the rest and exits non-zero in time.
 """
 
@@ -223,31 +224,22 @@ def training(tmp_path_factory, eight_devices, compile_cache):
     ]
     runs = {}
 
-    def kill_both(pids):
-        for pid in pids:
-            os.kill(pid, signal.SIGKILL)
-
-    # The three launches run the same programs: the 2nd and 3rd load them from the cache.
-    # 1. Both processes killed right after the step-6 checkpoint is complete.
-    runs["killed"] = _launch_until(mp, mp_dir, "6", kill_both, 1200, **compile_cache)
-    # 2. Resumed; SIGTERM to process 1 alone once step 9 is saved: both save and stop.
+    # Two launches of the same programs (the 2nd loads them from the cache):
+    # 1. SIGTERM to process 1 alone once step 6 is saved: both save and stop (coordinated).
     runs["terminated"] = _launch_until(
-        mp, mp_dir, "9", lambda pids: os.kill(pids[1], signal.SIGTERM), 1200, **compile_cache
+        mp, mp_dir, "6", lambda pids: os.kill(pids[1], signal.SIGTERM), 1200, **compile_cache
     )
-    # 3. Resumed to the end (in-loop tau on step 12 with the 2-process generate; export).
+    # 2. Resumed to the end (in-loop tau on step 12 with the 2-process generate; export).
     runs["finished"] = _launch(mp, 1200, **compile_cache)[:2]
     return ref_dir, mp_dir, runs
 
 
 def test_two_process_training_equals_one_process_and_resumes(training):
     ref_dir, mp_dir, runs = training
-    rc, out = runs["killed"]
-    assert rc != 0 and "was killed by SIGKILL" in out, out[-3000:]
     rc, out = runs["terminated"]
     assert rc == 3, out[-6000:]  # preempted: saved and stopped (cli.EXIT_PREEMPTED), not success
-    assert re.search(r"\[0\] resumed from step (6|9)", out), out[-3000:]
     m = re.search(r"\[0\] signal (\d+|to another process): saving step (\d+)", out)
-    assert m and 9 <= int(m.group(2)) < 12, out[-3000:]
+    assert m and 6 <= int(m.group(2)) < 12, out[-3000:]
     stopped = int(m.group(2))
     rc, out = runs["finished"]
     assert rc == 0, out[-6000:]
@@ -269,7 +261,7 @@ def test_two_process_training_equals_one_process_and_resumes(training):
     lines = [json.loads(x) for x in open(os.path.join(mp_dir, "metrics.jsonl"))]
     assert sum(r["split"] == "eval" for r in lines) == 1
     assert len(os.listdir(os.path.join(mp_dir, "tb", "eval"))) == 1
-    assert len(os.listdir(os.path.join(mp_dir, "tb", "train"))) == 3  # one per run
+    assert len(os.listdir(os.path.join(mp_dir, "tb", "train"))) == 2  # one per run
     from safetensors.numpy import load_file
 
     def weights(d):
