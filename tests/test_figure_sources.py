@@ -126,3 +126,15 @@ def test_record_names_the_command_line_and_the_checkout():
         assert rec["commit"] is None and rec["dirty"] is None
     assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ", rec["date"])
     assert rec["machine"]["cpu_count"] == os.cpu_count()
+
+
+def test_ddpm_tpu_page_is_the_scripts():
+    """benchmarks/results/ddpm/tpu/README.md is what benchmarks/ddpm_tpu.py makes of the
+    committed dry runs (and the CPU taus): rerun `python benchmarks/ddpm_tpu.py --write`."""
+    from benchmarks import ddpm_tpu
+
+    assert _read(os.path.relpath(ddpm_tpu.OUT, ROOT)) == ddpm_tpu.page()
+    st = ddpm_tpu.steps()
+    assert sorted(st) == [1, 2, 4]
+    # More passes cost more: each extra drafter pass reads the drafter and the LM head again.
+    assert st[1][0] < st[2][0] < st[4][0] and len({a for _, a, _, _ in st.values()}) == 1
