@@ -264,3 +264,20 @@ def test_unsupported_moe_configs_are_one_line(moe_models, tmp_path):
     # A drafter body made from a MoE target is dense.
     body = dj.make_drafter_config(target.config, num_layers=1, num_taps=2).body
     assert not body.is_moe and body.arch == "qwen3"
+
+
+def test_presets_are_the_public_30b_a3b_shape():
+    """The dry-run presets hold Qwen3-30B-A3B's 30.5B parameters (its model card: "30.5B in
+    total"), every layer MoE, and a dense drafter tapping 5 of the 48 layers."""
+    import math
+
+    from dflash_jax import dry_run
+    from dflash_jax.dry_run.presets import abstract_params
+
+    for name in ("qwen3_30b_a3b", "qwen3_coder_30b_a3b"):
+        tcfg, dcfg = dry_run.build_configs(name)
+        assert all(tcfg.layer_is_moe(i) for i in range(48))
+        tparams, _ = abstract_params(tcfg, dcfg)
+        total = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tparams))
+        assert round(total / 1e9, 1) == 30.5, total
+        assert not dcfg.body.is_moe and len(dcfg.target_layer_ids) == 5
