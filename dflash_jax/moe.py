@@ -11,15 +11,17 @@ tokens of the batch (and of the draft block), and speculative decoding would no 
 lossless. The N*k pairs are sorted by expert and each expert matmul is one
 `jax.lax.ragged_dot` over the sorted rows (a group per expert).
 
-Expert parallelism (a context mesh with an `expert` axis > 1, `jax.sharding.set_mesh`): the
-stacked expert weights [E, ...] are split over `expert` (and their SwiGLU width over
-`tensor`); under `shard_map` every device routes its data shard's tokens (the router is
-replicated), computes the pairs routed to its own experts (the others are sorted past its last
-group, rows `ragged_dot` leaves zero) over its slice of the width, and one `psum` over
-(`expert`, `tensor`) adds the partial outputs: the block's only collective, an all-reduce of
-the [tokens, H] output, as tensor parallelism's after `down_proj`. Tokens never move
-(no all-to-all): simple and dropless, at the price of every device scanning all its shard's
-pairs.
+Under a context mesh of several devices (`jax.sharding.set_mesh`, as `decoding.generate`
+sets for a mesh) the block runs per shard (`shard_map`): tokens over the data axes, the stacked
+expert weights [E, ...] over `expert` (expert parallelism) and their SwiGLU width over
+`tensor`. Every device routes its data shard's tokens (the router is replicated), computes the
+pairs routed to its own experts (the others are sorted past its last group: rows `ragged_dot`
+leaves zero) over its slice of the width, and one `psum` over (`expert`, `tensor`) adds the
+partial outputs: the block's only collective, an all-reduce of the [tokens, H] output, as
+tensor parallelism's after `down_proj`. Tokens never move (no all-to-all): simple and
+dropless, at the price of every device sorting all of its data shard's pairs. Without a
+context mesh (e.g. GSPMD-partitioned training steps) the block is plain `expert_ffn` and the
+partitioner places it.
 """
 
 from __future__ import annotations
@@ -71,14 +73,15 @@ def _mesh_shape():
 
 
 def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH):
-    """`expert_ffn` over [B, T, H] tokens: on one device, or expert parallel under a context
-    mesh whose `expert` axis is > 1 (module docstring)."""
+    """`expert_ffn` over [B, T, H] tokens: on one device, or per shard of the context mesh
+    (`jax.sharding.set_mesh`) when it has several devices: tokens over the data axes (where
+    the batch divides), experts over `expert` and their width over `tensor` (where those
+    divide), one psum over the axes that split the experts (module docstring)."""
     b, t, h = x_BTH.shape
     k = experts_BTk.shape[-1]
     mesh, shape = _mesh_shape()
-    n_exp = shape.get("expert", 1)
     e, _, i = gate_EHI.shape
-    if n_exp == 1 or e % n_exp:
+    if mesh.empty or mesh.size == 1:
         out = expert_ffn(
             x_BTH.reshape(-1, h),
             weights_BTk.reshape(-1, k),
@@ -95,25 +98,28 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH):
     for a in data:
         n_data *= shape[a]
     bax = data if data and b % n_data == 0 else None
+    n_exp = shape.get("expert", 1)
+    expert = "expert" if n_exp > 1 and e % n_exp == 0 else None
     tensor = "tensor" if shape.get("tensor", 1) > 1 and i % shape["tensor"] == 0 else None
-    reduce_axes = ("expert",) + ((tensor,) if tensor else ())
-    per_shard = e // n_exp
+    reduce_axes = tuple(a for a in (expert, tensor) if a)
+    per_shard = e // n_exp if expert else e
 
     def local(x, w, ids, g, u, d):
-        first = jax.lax.axis_index("expert") * per_shard
+        first = jax.lax.axis_index("expert") * per_shard if expert else 0
         out = expert_ffn(
             x.reshape(-1, h), w.reshape(-1, k), ids.reshape(-1, k), g, u, d, first=first
         )
-        return jax.lax.psum(out.reshape(x.shape), reduce_axes)
+        out = out.reshape(x.shape)
+        return jax.lax.psum(out, reduce_axes) if reduce_axes else out
 
     tok = P(bax)
     specs = (
         tok,
         tok,
         tok,
-        P("expert", None, tensor),
-        P("expert", None, tensor),
-        P("expert", tensor, None),
+        P(expert, None, tensor),
+        P(expert, None, tensor),
+        P(expert, tensor, None),
     )
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tok, check_vma=False)(
         x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH

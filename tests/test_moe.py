@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _pair import assert_accepted
+from _pair import assert_accepted, moe_from_dense
 
 import dflash_jax as dj
 from dflash_jax import moe
@@ -173,44 +173,11 @@ def test_dropless_rows_do_not_depend_on_the_batch(moe_models):
 
 @pytest.fixture(scope="module")
 def moe_pair(bundled_pair):
-    """(MoE target, drafter, prompts, AR tokens): the bundled dense target with each MoE layer's
-    4 experts perturbed copies (x (1 + 0.2 N(0, 1)) per weight) of its MLP, a random router,
-    top-2 normalised, layer 2 dense (`mlp_only_layers`)."""
+    """(MoE target, drafter, prompts, AR tokens): the bundled dense target turned MoE
+    (`_pair.moe_from_dense`: 4 experts, perturbed copies of each layer's MLP, top-2
+    normalised, layer 2 dense through mlp_only_layers) and the bundled drafter."""
     dense, drafter, prompts = bundled_pair
-    num = 4
-    cfg = dense.config.replace(
-        arch="qwen3_moe",
-        num_experts=num,
-        num_experts_per_tok=2,
-        moe_intermediate_size=dense.config.intermediate_size,
-        norm_topk_prob=True,
-        mlp_only_layers=(2,),
-    )
-    rs = np.random.RandomState(0)
-    params = dict(dense.params)
-    for i in range(cfg.num_layers):
-        if not cfg.layer_is_moe(i):
-            continue
-        mlp = dense.params[f"layers_{i}"]["mlp"]
-
-        def stack(w):
-            w = np.asarray(w)
-            return jnp.asarray(
-                np.stack(
-                    [w * (1 + 0.2 * rs.randn(*w.shape)).astype(np.float32) for _ in range(num)]
-                )
-            )
-
-        layer = dict(params[f"layers_{i}"])
-        layer["mlp"] = {
-            "gate": {"kernel": jnp.asarray(rs.randn(cfg.hidden_size, num).astype(np.float32))},
-            "experts": {
-                k: {"kernel": stack(mlp[k]["kernel"])}
-                for k in ("gate_proj", "up_proj", "down_proj")
-            },
-        }
-        params[f"layers_{i}"] = layer
-    target = dj.Target(cfg, params)
+    target = moe_from_dense(dense)
     ar = dj.generate(target, None, prompts, max_new_tokens=40)
     return target, drafter, prompts, ar.tokens
 
