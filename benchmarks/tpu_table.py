@@ -26,7 +26,13 @@ GIB = 2**30
 # 16, greedy: 3.13x at tau 5.42 (its README). Printed beside our projection for that setting.
 PUBLIC_PORT = dict(model="qwen3_4b", chip="v5p", tau=5.42, speedup=3.13)
 CHIP_NAMES = {"v5e:2x4": "v5e-8", "v6e:2x4": "v6e-8", "v4:2x2x1": "v4-8", "v5p:2x2x1": "v5p-8"}
-MODEL_NAMES = {"qwen3_8b": "Qwen3-8B", "qwen3_4b": "Qwen3-4B", "llama31_8b": "Llama-3.1-8B"}
+MODEL_NAMES = {
+    "qwen3_8b": "Qwen3-8B",
+    "qwen3_4b": "Qwen3-4B",
+    "llama31_8b": "Llama-3.1-8B",
+    "qwen3_30b_a3b": "Qwen3-30B-A3B",
+    "qwen3_coder_30b_a3b": "Qwen3-Coder-30B-A3B",
+}
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- tpu_table -->", "<!-- /tpu_table -->"
 

@@ -10,6 +10,10 @@ The layout change is written once, as a rule on parameter paths:
   norm/scale                                  model.norm.weight                  none
   lm_head/kernel                   [H, V]     lm_head.weight             [V, H]  T
 
+  layers_i/mlp/gate/kernel        [H, E]      model.layers.i.mlp.gate.weight [E, H]  T (router)
+  layers_i/mlp/experts/P/kernel [E, in, out]  model.layers.i.mlp.experts.e.P.weight [out, in]
+                                              for e < E, P in gate/up/down_proj   T, stacked
+
 (PyTorch linear weights are stored [out, in]; Flax kernels are [in, out].) Drafters use the same
 rule without the `model.` prefix (`layers.i...`, `norm`, `fc`, `hidden_norm`).
 
@@ -68,6 +72,18 @@ def flax_path_to_hf(path: Tuple[str, ...], prefix: str = "") -> str:
     if path[0] == "lm_head":
         return name  # lm_head lives outside the `model.` prefix
     return prefix + name
+
+
+def _is_experts(key) -> bool:
+    """A stacked expert kernel [E, in, out] (`moe.SparseMoE`): one HF tensor per expert."""
+    return len(key) >= 3 and key[-3] == "experts" and key[-1] == "kernel"
+
+
+def expert_names(key, prefix: str, num_experts: int):
+    """HF names of the per-expert tensors of stacked kernel `key`, expert 0 first."""
+    base = flax_path_to_hf(key, prefix)  # ...mlp.experts.gate_proj.weight
+    head, proj = base[: -len(".weight")].rsplit(".", 1)
+    return [f"{head}.{e}.{proj}.weight" for e in range(num_experts)]
 
 
 def _read_config(path: str) -> dict:
@@ -157,6 +173,9 @@ def load_params(
         ):
             if key[-1] == "kernel_scale":
                 continue  # read with its kernel
+            if _is_experts(key):
+                out[key] = _read_experts(store, path, key, spec, prefix, param_dtype, fp8_block)
+                continue
             name = flax_path_to_hf(key, prefix)
             if name not in store:
                 if optional(name):
@@ -177,7 +196,12 @@ def load_params(
             arr = _read_weight(store, name, code, fp8_block)
             arr = arr.T if transpose else arr
             out[key] = jnp.asarray(np.asarray(arr, dtype=param_dtype))
-        known = {flax_path_to_hf(k, prefix) for k in flat}
+        known = set()
+        for k, spec in flat.items():
+            if _is_experts(k):
+                known.update(expert_names(k, prefix, spec.shape[0]))
+            else:
+                known.add(flax_path_to_hf(k, prefix))
         known |= {n + _FP8_SCALE for n in known}
         extra = [
             n
@@ -189,6 +213,22 @@ def load_params(
         return traverse_util.unflatten_dict(out)
     finally:
         store.close()
+
+
+def _read_experts(store, path, key, spec, prefix, param_dtype, fp8_block):
+    """A stacked expert kernel [E, in, out] from its E tensors [out, in], one at a time."""
+    want = (spec.shape[2], spec.shape[1])
+    out = np.empty(spec.shape, dtype=param_dtype)
+    for e, name in enumerate(expert_names(key, prefix, spec.shape[0])):
+        if name not in store:
+            raise CheckpointError(f"{path}: missing tensor {name!r}")
+        code, shape = store.info(name)
+        if tuple(shape) != want:
+            raise CheckpointError(
+                f"{store.file_of(name)}: tensor {name!r} has shape {tuple(shape)}, expected {want}"
+            )
+        out[e] = np.asarray(_read_weight(store, name, code, fp8_block), dtype=param_dtype).T
+    return jnp.asarray(out)
 
 
 def _read_int8(store, name, code, shape, fp8_block, prefix, scale_key):
@@ -221,6 +261,10 @@ def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
     flat = traverse_util.flatten_dict(params)
     for key, value in console.progress(flat.items(), total=len(flat), desc="export", unit="tensor"):
         arr = np.asarray(jax.device_get(value))
+        if _is_experts(key):  # stacked [E, in, out] -> one [out, in] tensor per expert
+            for name, one in zip(expert_names(key, prefix, arr.shape[0]), arr):
+                tensors[name] = np.ascontiguousarray(one.T.astype(np_dtype))
+            continue
         if key[-1] == "kernel":
             arr = arr.T
         if arr.dtype == np.int8 or key[-1] == "kernel_scale":  # int8 kernels and their scales
@@ -248,7 +292,8 @@ def load_target_params(
     quantize: Optional[str] = None,
     quantize_lm_head: bool = False,
 ) -> Tuple[ModelConfig, dict]:
-    """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` directory.
+    """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` / `Qwen3MoeForCausalLM`
+    directory (a MoE layer's per-expert tensors stacked to [E, ...]).
 
     A block-FP8 checkpoint is dequantized into `param_dtype`; an int8 one (`save_target` of an
     int8 target) stays int8. quantize="int8": the decoder linears (and the LM head with

@@ -19,7 +19,16 @@ from dflash_jax.quantization import INT8_METHOD, parse_quantization_config, quan
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
+# Mixture-of-experts fields of other families that this code does not implement: a config
+# that sets one (to a value that matters) is refused, one line naming the field.
+_UNSUPPORTED_MOE_FIELDS = (
+    ("shared_expert_intermediate_size", "a shared expert (Qwen2-MoE style)"),
+    ("n_shared_experts", "shared experts"),
+    ("num_shared_experts", "shared experts"),
+    ("moe_shared_expert_intermediate_size", "a shared expert"),
+)
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -62,6 +71,12 @@ class ModelConfig:
       quantization: None, or "int8": the decoder linears (q/k/v/o, gate/up/down) hold int8
         kernels with a float32 scale per output channel (`layers.Int8Dense`, weight-only).
       quantize_lm_head: the (untied) LM head is int8 too.
+      num_experts: 0 for a dense model; else the experts of each MoE layer (Qwen3-MoE).
+      num_experts_per_tok: experts each token is routed to (top-k).
+      moe_intermediate_size: SwiGLU width of one expert.
+      decoder_sparse_step, mlp_only_layers: layer i is MoE iff i is not in mlp_only_layers
+        and (i + 1) % decoder_sparse_step == 0 (the others are dense, `intermediate_size`).
+      norm_topk_prob: the top-k router weights are divided by their sum.
     """
 
     vocab_size: int
@@ -83,8 +98,27 @@ class ModelConfig:
     param_dtype: Any = jnp.float32
     quantization: Optional[str] = None
     quantize_lm_head: bool = False
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple = ()
+    norm_topk_prob: bool = False
 
     def __post_init__(self):
+        if self.num_experts:
+            if not 1 <= self.num_experts_per_tok <= self.num_experts:
+                raise ValueError(
+                    f"num_experts_per_tok={self.num_experts_per_tok} must be in "
+                    f"[1, num_experts={self.num_experts}]"
+                )
+            if self.moe_intermediate_size < 1 or self.decoder_sparse_step < 1:
+                raise ValueError("moe_intermediate_size and decoder_sparse_step must be >= 1")
+            if self.quantization is not None:
+                raise ValueError(
+                    "int8 quantization of mixture-of-experts targets is not supported "
+                    "(load it unquantized)"
+                )
         if self.quantization not in (None, "int8"):
             raise ValueError(f"unsupported quantization {self.quantization!r}; supported: int8")
         if self.quantize_lm_head and (self.quantization is None or self.tie_word_embeddings):
@@ -98,6 +132,30 @@ class ModelConfig:
             )
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    def layer_is_moe(self, i: int) -> bool:
+        """Layer i's feed-forward is a mixture of experts (transformers' Qwen3-MoE rule)."""
+        return (
+            self.num_experts > 0
+            and i not in self.mlp_only_layers
+            and (i + 1) % self.decoder_sparse_step == 0
+        )
+
+    def dense(self) -> "ModelConfig":
+        """This config without its experts (every layer dense): a drafter body's base."""
+        return dataclasses.replace(
+            self,
+            num_experts=0,
+            num_experts_per_tok=0,
+            moe_intermediate_size=0,
+            decoder_sparse_step=1,
+            mlp_only_layers=(),
+            norm_topk_prob=False,
+        )
 
     @property
     def rope_scaling_dict(self) -> Optional[dict]:
@@ -125,7 +183,7 @@ class ModelConfig:
                 arch = SUPPORTED_ARCHITECTURES[a]
         if arch is None:
             model_type = hf.get("model_type")
-            if model_type in ("qwen3", "llama") and not archs:
+            if model_type in ("qwen3", "llama", "qwen3_moe") and not archs:
                 arch = model_type
             else:
                 raise ValueError(
@@ -236,6 +294,9 @@ class ModelConfig:
                         scaling["original_max_position_embeddings"],
                     )
         max_pos = hf.get("max_position_embeddings")
+        moe = {}
+        if arch == "qwen3_moe":
+            moe = cls._moe_fields(hf, source, pos_int, flag)
         dt = as_dtype(dtype)
         # FP8 checkpoints are dequantized at load (a plain model); int8 ones stay int8.
         quant = parse_quantization_config(hf, source)
@@ -252,7 +313,7 @@ class ModelConfig:
             rms_norm_eps=pos_float("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),
-            qk_norm=(arch == "qwen3"),
+            qk_norm=(arch in ("qwen3", "qwen3_moe")),
             attention_bias=flag("attention_bias", False),
             tie_word_embeddings=flag("tie_word_embeddings", arch == "qwen3"),
             max_position_embeddings=40960
@@ -262,11 +323,48 @@ class ModelConfig:
             param_dtype=as_dtype(param_dtype) if param_dtype is not None else dt,
             quantization="int8" if int8 else None,
             quantize_lm_head=bool(int8 and quant.lm_head),
+            **moe,
+        )
+
+    @staticmethod
+    def _moe_fields(hf: dict, source: str, pos_int, flag) -> dict:
+        """The Qwen3-MoE fields of a config.json (each checked; transformers 5 writes
+        `num_local_experts` for `num_experts`), and one line for a feature not implemented."""
+        for key, what in _UNSUPPORTED_MOE_FIELDS:
+            if hf.get(key):
+                raise ValueError(
+                    f"{source}: {key}={hf[key]!r}: {what} is not supported (Qwen3-MoE has none)"
+                )
+        key = "num_experts" if "num_experts" in hf else "num_local_experts"
+        if key not in hf:
+            raise ValueError(f"{source}: missing required field 'num_experts'")
+        experts = pos_int(key, hf[key])
+        top_k = pos_int("num_experts_per_tok", hf.get("num_experts_per_tok"))
+        if top_k > experts:
+            raise ValueError(f"{source}: num_experts_per_tok={top_k} > {key}={experts}")
+        only = hf.get("mlp_only_layers") or []
+        if not isinstance(only, list) or any(
+            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in only
+        ):
+            raise ValueError(
+                f"{source}: mlp_only_layers must be a list of layer numbers, got {only!r}"[:200]
+            )
+        return dict(
+            num_experts=experts,
+            num_experts_per_tok=top_k,
+            moe_intermediate_size=pos_int("moe_intermediate_size", hf.get("moe_intermediate_size")),
+            decoder_sparse_step=pos_int("decoder_sparse_step", hf.get("decoder_sparse_step", 1)),
+            mlp_only_layers=tuple(sorted(set(only))),
+            norm_topk_prob=flag("norm_topk_prob", False),
         )
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict:
         """The Hugging Face `config.json` dict for this model (transformers 4.x/5.x readable)."""
-        arch_name = {"qwen3": "Qwen3ForCausalLM", "llama": "LlamaForCausalLM"}[self.arch]
+        arch_name = {
+            "qwen3": "Qwen3ForCausalLM",
+            "llama": "LlamaForCausalLM",
+            "qwen3_moe": "Qwen3MoeForCausalLM",
+        }[self.arch]
         out = {
             "architectures": [arch_name],
             "model_type": self.arch,
@@ -295,6 +393,16 @@ class ModelConfig:
             out["use_sliding_window"] = False
             out["sliding_window"] = None
             out["max_window_layers"] = self.num_layers
+        if self.arch == "qwen3_moe":
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                decoder_sparse_step=self.decoder_sparse_step,
+                mlp_only_layers=list(self.mlp_only_layers),
+                norm_topk_prob=self.norm_topk_prob,
+                output_router_logits=False,
+            )
         if self.quantization is not None:
             out["quantization_config"] = quantization_config(self.quantize_lm_head)
         return out

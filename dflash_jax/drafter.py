@@ -342,7 +342,7 @@ def make_drafter_config(
     **body_overrides,
 ) -> DrafterConfig:
     """A drafter config matched to a target: same width, heads and vocabulary by default."""
-    body = target_config.replace(
+    body = target_config.dense().replace(  # a MoE target's drafter is dense
         num_layers=num_layers,
         arch="qwen3",
         qk_norm=True,

@@ -31,6 +31,7 @@ import jax.numpy as jnp
 
 from dflash_jax import attention as attn_lib
 from dflash_jax.config import ModelConfig
+from dflash_jax.moe import SparseMoE
 from dflash_jax.layers import (
     MLP,
     Int8Dense,
@@ -103,6 +104,7 @@ def write_kv(cache_BSF, new_BTF, positions_BT):
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attention_impl: str = "xla"
+    moe: bool = False  # the feed-forward is a mixture of experts (`moe.SparseMoE`)
 
     @nn.compact
     def __call__(
@@ -163,12 +165,16 @@ class DecoderLayer(nn.Module):
             new_cache = (ck, cv)
         x_BTH = x_BTH + attn.output(out)
         h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm")(x_BTH)
-        x_BTH = x_BTH + MLP(c, name="mlp")(h)
+        if self.moe:
+            x_BTH = x_BTH + SparseMoE(c, name="mlp")(h)
+        else:
+            x_BTH = x_BTH + MLP(c, name="mlp")(h)
         return x_BTH, new_cache
 
 
 class Transformer(nn.Module):
-    """Qwen3 / Llama-3 decoder. Parameter names follow the Hugging Face layout.
+    """Qwen3 / Llama-3 / Qwen3-MoE decoder. Parameter names follow the Hugging Face layout
+    (a Qwen3-MoE layer's experts stacked, `moe.SparseMoE`).
 
     __call__(input_ids [B,T], positions [B,T], cache=None, tap_layers=(), segment_ids=None)
       -> (hidden [B,T,H] after the final norm, cache or None, taps [B,T,n*H] or None)
@@ -199,7 +205,8 @@ class Transformer(nn.Module):
             name="embed_tokens",
         )
         self.layers = [
-            DecoderLayer(c, self.attention_impl, name=f"layers_{i}") for i in range(c.num_layers)
+            DecoderLayer(c, self.attention_impl, c.layer_is_moe(i), name=f"layers_{i}")
+            for i in range(c.num_layers)
         ]
         self.norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
         if c.quantize_lm_head:

@@ -1,11 +1,16 @@
 """Scale-out on JAX's own machinery: a named mesh, partition rules and the specs they give.
 
-Mesh axes (always all three, size 1 when unused):
+Mesh axes (the first three always, size 1 when unused):
   data    - data parallelism: batches and caches split by sequence.
   fsdp    - fully sharded data parallelism for training: batches split like `data`, and large
             matrices additionally split along their non-tensor axis (gathered per layer by
             GSPMD).
   tensor  - tensor (Megatron) parallelism: attention heads, MLP width and the vocabulary.
+  expert  - expert parallelism of a mixture-of-experts target (only in a mesh made with
+            expert > 1, so dense meshes and their programs are unchanged): the stacked experts
+            [E, ...] split over it, dispatched under `shard_map` (`dflash_jax/moe.py`: every
+            device routes its tokens, computes its own experts' pairs and one psum over
+            expert and tensor adds them). Everything else is replicated over `expert`.
 
 Partition rules are `(regex, PartitionSpec, head_dims)` triples matched with `re.search` on the
 '/'-joined parameter path (first match wins; no match = replicated). `head_dims` lists the
@@ -19,6 +24,8 @@ Parameter layouts (Flax Dense kernels are [in, out]):
   gate/up    [H, I]:   out over tensor      down   [I, H]:   in over tensor
   embedding  [V, H]:   V over tensor        lm_head [H, V]:  V over tensor
   fc (drafter) [n*H, H]: out over tensor    norms: replicated
+  MoE experts gate/up [E, H, I]: E over expert, I over tensor; down [E, I, H]: E over expert,
+  I over tensor (H over fsdp with `fsdp=True`); the router gate [H, E]: replicated
 (fc's input is the concatenation of the target's tapped hidden states: split over tensor, that
 sharding would reach back into the target's replicated residual stream, costing all-to-alls,
 all-gathers and per-norm all-reduces in every verify layer.)
@@ -49,6 +56,7 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
+EXPERT = "expert"  # the fourth axis, present only in a mesh made with expert > 1
 # Batch-like leading dimensions are split over both data-parallel axes (fsdp is data
 # parallelism with sharded weights). With fsdp=1, as in inference meshes, this is just `data`.
 BATCH = ("data", "fsdp")
@@ -60,28 +68,31 @@ Rule = Tuple[str, P, Tuple[int, ...]]
 
 
 def make_mesh(
-    data: int = 1, fsdp: int = 1, tensor: int = -1, devices: Optional[Sequence[Any]] = None
+    data: int = 1,
+    fsdp: int = 1,
+    tensor: int = -1,
+    devices: Optional[Sequence[Any]] = None,
+    expert: int = 1,
 ) -> Mesh:
-    """A ("data", "fsdp", "tensor") mesh. One size may be -1: the devices left over.
+    """A ("data", "fsdp", "tensor") mesh, with a fourth axis "expert" when expert > 1 (or -1).
+    One size may be -1: the devices left over.
 
     Devices default to `jax.devices()` (all hosts). On TPU/GPU the device order comes from
     `mesh_utils.create_device_mesh`, which keeps the tensor axis on the fastest links.
     """
     devices = list(jax.devices() if devices is None else devices)
-    sizes = [data, fsdp, tensor]
+    names = AXES + ((EXPERT,) if expert != 1 else ())
+    sizes = [data, fsdp, tensor] + ([expert] if expert != 1 else [])
+    given = " ".join(f"{a}={s}" for a, s in zip(names, sizes))
     if sum(s == -1 for s in sizes) > 1:
-        raise ValueError(
-            f"at most one mesh axis may be -1, got data={data} fsdp={fsdp} tensor={tensor}"
-        )
+        raise ValueError(f"at most one mesh axis may be -1, got {given}")
     known = math.prod(s for s in sizes if s != -1)
     if any(s == 0 or s < -1 for s in sizes) or len(devices) % known:
-        raise ValueError(
-            f"mesh data={data} fsdp={fsdp} tensor={tensor} does not fit {len(devices)} devices"
-        )
+        raise ValueError(f"mesh {given} does not fit {len(devices)} devices")
     sizes = [len(devices) // known if s == -1 else s for s in sizes]
     if math.prod(sizes) != len(devices):
         raise ValueError(
-            f"mesh {dict(zip(AXES, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}"
+            f"mesh {dict(zip(names, sizes))} needs {math.prod(sizes)} devices, have {len(devices)}"
         )
     try:
         from jax.experimental import mesh_utils
@@ -89,20 +100,23 @@ def make_mesh(
         grid = mesh_utils.create_device_mesh(sizes, devices)
     except Exception:  # CPU / unusual topologies: plain row-major order.
         grid = np.asarray(devices, dtype=object).reshape(sizes)
-    return Mesh(grid, AXES, axis_types=(AxisType.Auto,) * len(AXES))
+    return Mesh(grid, names, axis_types=(AxisType.Auto,) * len(names))
 
 
 def parse_mesh(spec: str) -> Dict[str, int]:
     """'data=2,tensor=4' -> {'data': 2, 'fsdp': 1, 'tensor': 4} (missing axes are 1; an
-    empty spec means tensor=-1, all devices tensor-parallel)."""
+    empty spec means tensor=-1, all devices tensor-parallel). 'expert=4,data=2' adds
+    'expert': 4 (the key only when given)."""
     out = {"data": 1, "fsdp": 1, "tensor": 1}
     if not spec.strip():
         return {"data": 1, "fsdp": 1, "tensor": -1}
     for part in spec.split(","):
         name, _, value = part.partition("=")
         name = name.strip()
-        if name not in out or not value.strip():
-            raise ValueError(f"bad mesh spec {spec!r}: expected 'axis=size,...' with axes {AXES}")
+        if (name not in out and name != EXPERT) or not value.strip():
+            raise ValueError(
+                f"bad mesh spec {spec!r}: expected 'axis=size,...' with axes {AXES + (EXPERT,)}"
+            )
         try:
             out[name] = int(value)
         except ValueError:
@@ -114,7 +128,8 @@ def parse_mesh(spec: str) -> Dict[str, int]:
 
 
 def mesh_str(mesh) -> str:
-    return ",".join(f"{a}={mesh.shape[a]}" for a in AXES if mesh.shape[a] > 1) or "single"
+    axes = AXES + (EXPERT,)
+    return ",".join(f"{a}={mesh.shape[a]}" for a in axes if mesh.shape.get(a, 1) > 1) or "single"
 
 
 def compiling_for(mesh):
@@ -146,6 +161,9 @@ def _compiling_for(mesh):
 def _rules(fsdp: bool) -> Tuple[Rule, ...]:
     f = "fsdp" if fsdp else None
     return (
+        # Stacked MoE experts [E, in, out] (before the dense gate/up/down rules they match).
+        (r"experts/(gate_proj|up_proj)/kernel$", P(EXPERT, f, "tensor"), ()),
+        (r"experts/down_proj/kernel$", P(EXPERT, "tensor", f), ()),
         (r"(q_proj|k_proj|v_proj)/kernel$", P(f, "tensor"), (1,)),
         (r"(q_proj|k_proj|v_proj)/bias$", P("tensor"), (0,)),
         (r"o_proj/kernel$", P("tensor", f), (0,)),
@@ -210,7 +228,7 @@ def fit_spec(
     for d, (size, axes) in enumerate(zip(shape, entries)):
         # Drop size-1 mesh axes: they shard nothing, and specs stay readable.
         axes = () if axes is None else ((axes,) if isinstance(axes, str) else tuple(axes))
-        axes = tuple(a for a in axes if mesh.shape[a] > 1)
+        axes = tuple(a for a in axes if mesh.shape.get(a, 1) > 1)  # "expert": absent or 1
         n = _axis_size(mesh, axes)
         units = size
         if d in head_dims and head_dim:

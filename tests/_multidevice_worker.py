@@ -122,6 +122,34 @@ def check_generate(out, workdir):
     out["generate"] = res
 
 
+def check_moe(out, workdir):
+    """A Qwen3-MoE target (the bundled target turned MoE, `_pair.moe_from_dense`: 4 experts,
+    top-2, layer 2 dense; the bundled drafter, accepted) decoded with DFlash on one device and
+    expert parallel: expert=4,data=2 (one expert per device of a data shard) and
+    expert=2,tensor=2,data=2 (two experts per device, each expert's width split in two; the
+    attention heads tensor parallel too); autoregressive decoding on one device."""
+    from _pair import moe_from_dense
+
+    dense, drafter, prompts = bundled_pair()
+    target = moe_from_dense(dense)
+    n = 40
+    res = {"ref": _run(dj.generate(target, drafter, prompts, n, return_drafts=True))}
+    res["ref_ar"] = _run(dj.generate(target, None, prompts, n), drafts=False)
+    for spec in ("expert=4,data=2", "expert=2,tensor=2,data=2"):
+        mesh = dry_run.resolve_mesh(spec)
+        res[spec] = _run(dj.generate(target, drafter, prompts, n, return_drafts=True, mesh=mesh))
+        tp = sharding.param_specs(target.params, mesh, sharding.target_rules(), 64)
+        mlp = tp["layers_0"]["mlp"]
+        res[spec]["specs"] = {
+            "down_proj": str(mlp["experts"]["down_proj"]["kernel"]),
+            "gate_proj": str(mlp["experts"]["gate_proj"]["kernel"]),
+            "router": str(mlp["gate"]["kernel"]),
+            "dense_mlp": str(tp["layers_2"]["mlp"]["down_proj"]["kernel"]),
+        }
+        res[spec]["mesh"] = dict(mesh.shape)
+    out["moe"] = res
+
+
 def check_rules(out, workdir):
     target, drafter = small_pair()  # 4 query heads, 2 KV heads, head_dim 16, vocab 128
     res = {}

@@ -3,7 +3,8 @@
     python -m dflash_jax.launch --num_processes=2 --devices_per_process=4 -- \
         tests/_multiprocess_worker.py generate OUT_DIR
 Joins the group, decodes a batch of mixed-length code prompts with the bundled pair on a mesh
-over every process's devices (DFlash, with drafts, and autoregressive), prints one
+over every process's devices (DFlash, with drafts, and autoregressive; DFlash over the bundled
+target turned Qwen3-MoE, expert parallel over both processes' devices), prints one
 `RESULT {json}` line, then runs infer.py's `main` on the same prompts and mesh with
 --json_out=OUT_DIR/infer.json. The single-process reference is computed outside the group, by
 the test itself (`reference`, the same pair, prompts and settings).
@@ -31,6 +32,15 @@ CODE = [
 ]
 MAX_NEW = 16
 MESH = "data=2,tensor=4"
+MOE_MESH = "expert=4,data=2"  # a Qwen3-MoE target, expert parallel across the processes
+
+
+def moe_target(target):
+    """The bundled target turned Qwen3-MoE (tests/_pair.py's `moe_from_dense`)."""
+    sys.path.insert(0, os.path.join(ROOT, "tests"))
+    from _pair import moe_from_dense
+
+    return moe_from_dense(target)
 
 
 def _load_script(name):
@@ -66,7 +76,8 @@ def reference():
 
     target, drafter, prompts, kw = setup()
     ref = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, **kw)
-    return [ref.tokens, ref.acceptance_lengths, ref.drafts]
+    moe = dj.generate(moe_target(target), drafter, prompts, MAX_NEW, **kw)
+    return [ref.tokens, ref.acceptance_lengths, ref.drafts, [moe.tokens, moe.acceptance_lengths]]
 
 
 def generate(out_dir):
@@ -83,11 +94,14 @@ def generate(out_dir):
     mesh = sharding.make_mesh(**sharding.parse_mesh(MESH))
     got = dj.generate(target, drafter, prompts, MAX_NEW, return_drafts=True, mesh=mesh, **kw)
     got_ar = dj.generate(target, None, prompts, MAX_NEW, mesh=mesh, **kw)
+    moe_mesh = sharding.make_mesh(**sharding.parse_mesh(MOE_MESH))
+    moe = dj.generate(moe_target(target), drafter, prompts, MAX_NEW, mesh=moe_mesh, **kw)
     out = {
         "process": jax.process_index(),
         "prompt_lens": [len(p) for p in prompts],
         "got": [got.tokens, got.acceptance_lengths, got.drafts],
         "got_ar": got_ar.tokens,
+        "moe": [moe.tokens, moe.acceptance_lengths, moe.stats["mesh"]],
         "stats": got.stats,
         "stats_ar": got_ar.stats,
         "ids_file": os.path.join(out_dir, "prompts.jsonl"),

@@ -25,3 +25,46 @@ def assert_accepted(result, block_size, min_tau=1.5):
     assert result.tau > min_tau, result.tau
     longest = max(max(a) for a in result.acceptance_lengths if a)
     assert longest >= min(3, block_size), result.acceptance_lengths
+
+
+def moe_from_dense(target, num_experts=4, top_k=2, noise=0.2, mlp_only_layers=(2,), seed=0):
+    """A Qwen3-MoE Target made from a dense one (the bundled target): each MoE layer's experts
+    are copies of its MLP with every weight scaled by (1 + noise * N(0, 1)), its router random,
+    the top-k weights normalised (so the block is close to, not equal to, the dense MLP), the
+    layers in `mlp_only_layers` left dense. Another model, which the bundled drafter still
+    predicts well: DFlash over it is accepted."""
+    import dflash_jax as dj
+    import jax.numpy as jnp
+    import numpy as np
+
+    cfg = target.config.replace(
+        arch="qwen3_moe",
+        num_experts=num_experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=target.config.intermediate_size,
+        norm_topk_prob=True,
+        mlp_only_layers=tuple(mlp_only_layers),
+    )
+    rs = np.random.RandomState(seed)
+    params = dict(target.params)
+
+    def stack(w):
+        w = np.asarray(w)
+        copies = [
+            w * (1 + noise * rs.randn(*w.shape)).astype(np.float32) for _ in range(num_experts)
+        ]
+        return jnp.asarray(np.stack(copies))
+
+    for i in range(cfg.num_layers):
+        if cfg.layer_is_moe(i):
+            mlp = target.params[f"layers_{i}"]["mlp"]
+            router = rs.randn(cfg.hidden_size, num_experts).astype(np.float32)
+            experts = {
+                k: {"kernel": stack(mlp[k]["kernel"])}
+                for k in ("gate_proj", "up_proj", "down_proj")
+            }
+            params[f"layers_{i}"] = {
+                **params[f"layers_{i}"],
+                "mlp": {"gate": {"kernel": jnp.asarray(router)}, "experts": experts},
+            }
+    return dj.Target(cfg, params)

@@ -108,7 +108,7 @@ def generation(tmp_path_factory):
 
 
 def test_generate_across_processes_equals_single_process(generation):
-    results, _, _, (ref_tokens, ref_acc, ref_drafts) = generation
+    results, _, _, (ref_tokens, ref_acc, ref_drafts, ref_moe) = generation
     r0, r1 = results[0], results[1]
     assert len(set(r0["prompt_lens"])) == 4  # mixed lengths
     # The drafter is accepted (a drafter never accepted would make DFlash == AR anyway):
@@ -130,6 +130,12 @@ def test_generate_across_processes_equals_single_process(generation):
         assert r["got_ar"] == ref_tokens  # sharded AR: lossless DFlash = greedy AR
         assert r["stats"]["mesh"] == "data=2,tensor=4"
         assert r["stats"]["tau"] > 1.5 and max(max(a) for a in acc) >= 3, acc
+    # A Qwen3-MoE target expert parallel over both processes (expert=4,data=2): the
+    # single-process tokens and acceptance, the drafter accepted.
+    moe_tokens, moe_acc = ref_moe
+    assert max(max(a) for a in moe_acc) >= 3, moe_acc
+    for r in (r0, r1):
+        assert r["moe"] == [moe_tokens, moe_acc, "data=2,expert=4"]
     # Every process returns the same result, stats included (timings are process 0's).
     assert r0["got"] == r1["got"]
     assert r0["stats"] == r1["stats"] and r0["stats_ar"] == r1["stats_ar"]

@@ -15,7 +15,7 @@ import pytest
 # Minutes of subprocess launches: left out of `make test-fast` (the edit loop), run by `make test`.
 pytestmark = pytest.mark.slow
 
-GROUPS = (("rules", "generate", "dry_run"), ("train", "fsdp_training"))
+GROUPS = (("rules", "generate", "dry_run", "moe"), ("train", "fsdp_training"))
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +75,29 @@ def test_sharded_greedy_generate_equals_single_device(findings):
     assert tree["tokens"] == sharded["tokens"] == ref_ar["tokens"]
     assert tree["acceptance"] == sharded["acceptance"]
     assert tree["tau"] > ref["tau"], (tree["tau"], ref["tau"])
+
+
+def test_expert_parallel_generate_equals_single_device(findings):
+    """A Qwen3-MoE target (the bundled target turned MoE, its drafter accepted) decoded expert
+    parallel (experts split over an `expert` axis, with data and tensor) gives the one-device
+    tokens, acceptance lengths and drafts, and those equal autoregressive decoding."""
+    m = findings["moe"]
+    ref = m["ref"]
+    assert ref["tokens"] == m["ref_ar"]["tokens"]
+    _assert_accepted(ref)
+    for spec, experts in (("expert=4,data=2", "'expert'"), ("expert=2,tensor=2,data=2", None)):
+        got = m[spec]
+        assert got["tokens"] == ref["tokens"], spec
+        assert got["acceptance"] == ref["acceptance"] and got["drafts"] == ref["drafts"], spec
+        assert got["mesh"]["expert"] == int(spec.split(",")[0].split("=")[1])
+        specs = got["specs"]
+        assert specs["router"] == "P()"  # replicated
+        if experts:  # 4 experts, one per device of the expert axis
+            assert specs["down_proj"] == "P('expert',)", specs
+        else:  # experts over expert, each expert's width over tensor
+            assert specs["down_proj"] == "P('expert', 'tensor')", specs
+            assert specs["gate_proj"] == "P('expert', None, 'tensor')", specs
+            assert specs["dense_mlp"] == "P('tensor',)", specs
 
 
 def test_partition_rules_tensor_parallel(findings):

@@ -249,7 +249,8 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_string(
         "model",
         "qwen3_8b",
-        "comma-separated: qwen3_8b, qwen3_4b, llama31_8b, small, or an HF dir",
+        "comma-separated: qwen3_8b, qwen3_4b, llama31_8b, qwen3_30b_a3b, qwen3_coder_30b_a3b, "
+        "small, tiny, tiny_moe, or an HF dir",
         **fv,
     )
     flags.DEFINE_enum("mode", "infer", ["infer", "train"], None, **fv)

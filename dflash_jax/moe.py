@@ -1,0 +1,189 @@
+"""Mixture-of-experts feed-forward blocks (Qwen3-MoE): the router, dropless expert dispatch and
+its expert-parallel form.
+
+Routing (transformers' `Qwen3MoeTopKRouter`): logits `x @ W_gate` (no bias) in the compute
+dtype, softmax in float32, the top-k experts, their weights divided by the top-k sum when
+`norm_topk_prob`, cast back. Output: `sum_k w_k * down_k(silu(gate_k(x)) * up_k(x))`.
+
+Dropless: every (token, expert) pair is computed. A capacity factor would drop pairs of an
+expert that more tokens chose than its capacity, so a token's output would depend on the other
+tokens of the batch (and of the draft block), and speculative decoding would no longer be
+lossless. The N*k pairs are sorted by expert and each expert matmul is one
+`jax.lax.ragged_dot` over the sorted rows (a group per expert).
+
+Under a context mesh of several devices (`jax.sharding.set_mesh`, as `decoding.generate`
+sets for a mesh) the block runs per shard (`shard_map`): tokens over the data axes, the stacked
+expert weights [E, ...] over `expert` (expert parallelism) and their SwiGLU width over
+`tensor`. Every device routes its data shard's tokens (the router is replicated), computes the
+pairs routed to its own experts (the others are sorted past its last group: rows `ragged_dot`
+leaves zero) over its slice of the width, and one `psum` over (`expert`, `tensor`) adds the
+partial outputs: the block's only collective, an all-reduce of the [tokens, H] output, as
+tensor parallelism's after `down_proj`. Tokens never move (no all-to-all): simple and
+dropless, at the price of every device sorting all of its data shard's pairs. Without a
+context mesh (e.g. GSPMD-partitioned training steps) the block is plain `expert_ffn` and the
+partitioner places it.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from dflash_jax.config import ModelConfig
+
+
+def route(x_NH, router_HE, top_k: int, norm_topk_prob: bool):
+    """Qwen3-MoE routing of tokens x [N, H]. Returns (weights [N, k] in x's dtype, experts
+    [N, k] int32)."""
+    logits = jnp.dot(x_NH, router_HE.astype(x_NH.dtype))
+    probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+    weights, experts = jax.lax.top_k(probs, top_k)
+    if norm_topk_prob:
+        weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+    return weights.astype(logits.dtype), experts.astype(jnp.int32)
+
+
+def expert_ffn(x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0):
+    """Dropless mixture of SwiGLU experts over tokens x [N, H] (module docstring).
+
+    `first`: the global id of expert 0 of the stacked weights (an expert-parallel shard holds
+    experts first .. first + E - 1); pairs routed to other experts contribute nothing here.
+    """
+    k = experts_Nk.shape[1]
+    num_local = gate_EHI.shape[0]
+    local = experts_Nk.reshape(-1) - first  # [N*k]
+    mine = (local >= 0) & (local < num_local)
+    group = jnp.where(mine, local, num_local)  # other experts' pairs: after the last group
+    order = jnp.argsort(group, stable=True)
+    sizes = jnp.bincount(group, length=num_local + 1)[:num_local].astype(jnp.int32)
+    token = order // k
+    rows = x_NH[token]
+    dt = x_NH.dtype
+    gate = jax.lax.ragged_dot(rows, gate_EHI.astype(dt), sizes)
+    up = jax.lax.ragged_dot(rows, up_EHI.astype(dt), sizes)
+    y = jax.lax.ragged_dot(nn.silu(gate) * up, down_EIH.astype(dt), sizes)
+    w = jnp.where(mine[order], weights_Nk.reshape(-1)[order], 0).astype(dt)
+    return jnp.zeros_like(x_NH).at[token].add(y * w[:, None])
+
+
+def _mesh_shape():
+    mesh = jax.sharding.get_abstract_mesh()
+    return mesh, ({} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)))
+
+
+def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH):
+    """`expert_ffn` over [B, T, H] tokens: on one device, or per shard of the context mesh
+    (`jax.sharding.set_mesh`) when it has several devices: tokens over the data axes (where
+    the batch divides), experts over `expert` and their width over `tensor` (where those
+    divide), one psum over the axes that split the experts (module docstring)."""
+    b, t, h = x_BTH.shape
+    k = experts_BTk.shape[-1]
+    mesh, shape = _mesh_shape()
+    e, _, i = gate_EHI.shape
+    if mesh.empty or mesh.size == 1:
+        out = expert_ffn(
+            x_BTH.reshape(-1, h),
+            weights_BTk.reshape(-1, k),
+            experts_BTk.reshape(-1, k),
+            gate_EHI,
+            up_EHI,
+            down_EIH,
+        )
+        return out.reshape(b, t, h)
+    from jax.sharding import PartitionSpec as P
+
+    data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
+    n_data = 1
+    for a in data:
+        n_data *= shape[a]
+    bax = data if data and b % n_data == 0 else None
+    n_exp = shape.get("expert", 1)
+    expert = "expert" if n_exp > 1 and e % n_exp == 0 else None
+    tensor = "tensor" if shape.get("tensor", 1) > 1 and i % shape["tensor"] == 0 else None
+    reduce_axes = tuple(a for a in (expert, tensor) if a)
+    per_shard = e // n_exp if expert else e
+
+    def local(x, w, ids, g, u, d):
+        first = jax.lax.axis_index("expert") * per_shard if expert else 0
+        out = expert_ffn(
+            x.reshape(-1, h), w.reshape(-1, k), ids.reshape(-1, k), g, u, d, first=first
+        )
+        out = out.reshape(x.shape)
+        return jax.lax.psum(out, reduce_axes) if reduce_axes else out
+
+    tok = P(bax)
+    specs = (
+        tok,
+        tok,
+        tok,
+        P(expert, None, tensor),
+        P(expert, None, tensor),
+        P(expert, tensor, None),
+    )
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tok, check_vma=False)(
+        x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH
+    )
+
+
+class SparseMoE(nn.Module):
+    """A Qwen3-MoE sparse feed-forward block. Parameters: the router `gate/kernel` [H, E]
+    (Hugging Face `mlp.gate.weight` [E, H]) and the experts stacked on a leading axis,
+    `experts/{gate_proj,up_proj}/kernel` [E, H, I] and `experts/down_proj/kernel` [E, I, H]
+    (Hugging Face stores one expert at a time, `mlp.experts.e.{gate,up,down}_proj.weight`;
+    `checkpoint.py` stacks them at load and splits them at save)."""
+
+    cfg: ModelConfig
+
+    @nn.compact
+    def __call__(self, x_BTH):
+        c = self.cfg
+        e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
+        x = x_BTH.astype(c.dtype)
+        init = nn.initializers.lecun_normal()
+        router = _Kernel((h, e), c.param_dtype, init, name="gate")()
+        weights, ids = route(x.reshape(-1, h), router, c.num_experts_per_tok, c.norm_topk_prob)
+        init = nn.initializers.lecun_normal(batch_axis=(0,))
+        experts = Experts(e, h, i, c.param_dtype, init, name="experts")()
+        k = c.num_experts_per_tok
+        out = moe_ffn(
+            x,
+            weights.reshape(*x.shape[:2], k),
+            ids.reshape(*x.shape[:2], k),
+            experts["gate_proj"],
+            experts["up_proj"],
+            experts["down_proj"],
+        )
+        return out.astype(c.dtype)
+
+
+class Experts(nn.Module):
+    """The stacked expert weights: `{gate_proj,up_proj,down_proj}/kernel`."""
+
+    num_experts: int
+    hidden: int
+    width: int
+    param_dtype: jnp.dtype
+    init: object
+
+    @nn.compact
+    def __call__(self):
+        e, h, i = self.num_experts, self.hidden, self.width
+        out = {}
+        for name, shape in (
+            ("gate_proj", (e, h, i)),
+            ("up_proj", (e, h, i)),
+            ("down_proj", (e, i, h)),
+        ):
+            out[name] = _Kernel(shape, self.param_dtype, self.init, name=name)()
+        return out
+
+
+class _Kernel(nn.Module):
+    shape: tuple
+    param_dtype: jnp.dtype
+    init: object
+
+    @nn.compact
+    def __call__(self):
+        return self.param("kernel", self.init, self.shape, self.param_dtype)
