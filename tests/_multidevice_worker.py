@@ -127,7 +127,9 @@ def check_moe(out, workdir):
     top-2, layer 2 dense; the bundled drafter, accepted) decoded with DFlash on one device and
     expert parallel: expert=4,data=2 (one expert per device of a data shard) and
     expert=2,tensor=2,data=2 (two experts per device, each expert's width split in two; the
-    attention heads tensor parallel too); autoregressive decoding on one device."""
+    attention heads tensor parallel too); autoregressive decoding on one device. Then three
+    trainer steps of a drafter against a frozen random MoE target, one device and
+    data=2,expert=2,tensor=2."""
     from _pair import moe_from_dense
 
     dense, drafter, prompts = bundled_pair()
@@ -147,6 +149,26 @@ def check_moe(out, workdir):
             "dense_mlp": str(tp["layers_2"]["mlp"]["down_proj"]["kernel"]),
         }
         res[spec]["mesh"] = dict(mesh.shape)
+    # The trainer's step against a frozen random MoE target (4 experts, top 2), one device
+    # and data=2,expert=2,tensor=2 (the step partitioned by GSPMD).
+    cfg = dj.ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        norm_topk_prob=True,
+        mlp_only_layers=(1,),
+    )
+    res["train"] = _train_steps(cfg, ("tensor=1", "data=2,expert=2,tensor=2"), workdir, "moe_train")
     out["moe"] = res
 
 
@@ -215,6 +237,13 @@ def check_train(out, workdir):
         tie_word_embeddings=False,
         max_position_embeddings=512,
     )
+    out["train"] = _train_steps(cfg, ("tensor=1", "data=2,fsdp=2,tensor=2"), workdir, "train")
+
+
+def _train_steps(cfg, specs, workdir, name):
+    """Three steps of the trainer's own step for a drafter of the random target `cfg` on each
+    mesh of `specs` (the first: one device): losses, batch placement and specs per mesh; the
+    final drafter parameters in {name}_params_{devices}.npz."""
     tparams = _scaled(init_params(cfg, 0), 2.0)
     dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8, mask_token_id=127)
     dparams0 = dj.init_drafter_params(dcfg, 1)
@@ -234,8 +263,8 @@ def check_train(out, workdir):
             }
         )
     res = {}
-    for spec in ("tensor=1", "data=2,fsdp=2,tensor=2"):
-        mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == "tensor=1" else None)
+    for spec in specs:
+        mesh = dry_run.resolve_mesh(spec, devices=jax.devices()[:1] if spec == specs[0] else None)
         state = TrainState(
             step=jnp.zeros((), jnp.int32),
             params=jax.tree_util.tree_map(jnp.copy, dparams0),
@@ -253,7 +282,7 @@ def check_train(out, workdir):
             state, metrics = step(state, tp, bt)
             losses.append(float(metrics["loss"]))
         leaves = jax.tree_util.tree_leaves(jax.device_get(state.params))
-        np.savez(os.path.join(workdir, f"train_params_{mesh.size}.npz"), *leaves)
+        np.savez(os.path.join(workdir, f"{name}_params_{mesh.size}.npz"), *leaves)
         res[spec] = {
             "losses": losses,
             "batch_devices": batch_devices,
@@ -261,7 +290,10 @@ def check_train(out, workdir):
             "fc_spec": str(state.params["fc"]["kernel"].sharding.spec),
             "q_spec": str(state.params["layers_0"]["self_attn"]["q_proj"]["kernel"].sharding.spec),
         }
-    out["train"] = res
+        mlp = shardings[1]["layers_0"]["mlp"]
+        if "experts" in mlp:  # a MoE target: where its frozen experts live
+            res[spec]["expert_spec"] = str(mlp["experts"]["down_proj"]["kernel"].spec)
+    return res
 
 
 def check_dry_run(out, workdir):

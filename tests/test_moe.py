@@ -235,16 +235,25 @@ def test_unsupported_moe_configs_are_one_line(moe_models, tmp_path):
 
 def test_presets_are_the_public_30b_a3b_shape():
     """The dry-run presets hold Qwen3-30B-A3B's 30.5B parameters (its model card: "30.5B in
-    total"), every layer MoE, and a dense drafter tapping 5 of the 48 layers."""
+    total"), every layer MoE, and a dense drafter tapping 5 of the 48 layers; the Coder preset
+    is the same architecture with its 262144-token context."""
     import math
 
     from dflash_jax import dry_run
     from dflash_jax.dry_run.presets import abstract_params
 
-    for name in ("qwen3_30b_a3b", "qwen3_coder_30b_a3b"):
-        tcfg, dcfg = dry_run.build_configs(name)
-        assert all(tcfg.layer_is_moe(i) for i in range(48))
-        tparams, _ = abstract_params(tcfg, dcfg)
-        total = sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tparams))
-        assert round(total / 1e9, 1) == 30.5, total
-        assert not dcfg.body.is_moe and len(dcfg.target_layer_ids) == 5
+    tcfg, dcfg = dry_run.build_configs("qwen3_30b_a3b")
+    assert tcfg.num_layers == 48 and all(tcfg.layer_is_moe(i) for i in range(48))
+
+    def count(layers):  # the model's own parameter shapes (1 and 2 layers: cheap to trace)
+        tparams, _ = abstract_params(tcfg.replace(num_layers=layers), dcfg)
+        return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tparams))
+
+    one, two = count(1), count(2)
+    total = one + 47 * (two - one)
+    assert round(total / 1e9, 1) == 30.5, total
+    assert not dcfg.body.is_moe and len(dcfg.target_layer_ids) == 5
+    coder, coder_d = dry_run.build_configs("qwen3_coder_30b_a3b")
+    assert coder == tcfg.replace(
+        max_position_embeddings=262144
+    ) and coder_d.body == dcfg.body.replace(max_position_embeddings=262144)

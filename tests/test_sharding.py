@@ -100,6 +100,26 @@ def test_expert_parallel_generate_equals_single_device(findings):
             assert specs["dense_mlp"] == "P('tensor',)", specs
 
 
+def test_expert_parallel_train_step_matches_single_device(findings, run):
+    """The trainer's step for a drafter against a frozen random MoE target: data=2,expert=2,
+    tensor=2 (the frozen experts split over expert and tensor) gives the one-device losses and
+    parameters."""
+    t = findings["moe"]["train"]
+    single, sharded = t["tensor=1"], t["data=2,expert=2,tensor=2"]
+    assert len(set(single["losses"])) == 3
+    for a, b in zip(single["losses"], sharded["losses"]):
+        assert abs(a - b) < 1e-5, (single, sharded)
+    assert sharded["expert_spec"] == "P('expert', 'tensor')" and sharded["batch_devices"] == [8] * 3
+    _, workdir = run
+    p1, p8 = (
+        _leaves(workdir / "moe_train_params_1.npz"),
+        _leaves(workdir / "moe_train_params_8.npz"),
+    )
+    assert len(p1) == len(p8) > 0
+    for a, b in zip(p1, p8):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_partition_rules_tensor_parallel(findings):
     r = findings["rules"]["data=2,tensor=4"]
     assert r["q_proj"] == "P(None, 'tensor')"  # [H, N*D]: output (heads) axis
