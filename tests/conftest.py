@@ -224,6 +224,7 @@ LONGEST_FIRST = (
     "test_decoding.py",
     "test_tree.py",
     "test_sampled_lossless.py",
+    "test_moe.py",
     "test_pallas_kernels.py",
     "test_infer.py",
     "test_tpu_compile.py",
