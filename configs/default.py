@@ -19,7 +19,8 @@ def get_config() -> ml_collections.ConfigDict:
     c.mode = "drafter"  # "drafter" | "target"
     c.seed = 0
     # Device mesh: "" = data parallel over all local devices (parameters replicated), or a
-    # dflash_jax.sharding spec ("fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"; -1 = the rest).
+    # dflash_jax.sharding spec ("fsdp=8", "data=2,fsdp=4", "fsdp=4,tensor=2"; -1 = the rest;
+    # a mixture-of-experts target also "expert=N", N dividing its experts: "data=2,expert=2,fsdp=2").
     c.mesh = ""
     c.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
     # Target: a HF directory, or (empty path) a random/fresh model described by target_model.

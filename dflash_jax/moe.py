@@ -19,9 +19,10 @@ pairs routed to its own experts (the others are sorted past its last group: rows
 leaves zero) over its slice of the width, and one `psum` over (`expert`, `tensor`) adds the
 partial outputs: the block's only collective, an all-reduce of the [tokens, H] output, as
 tensor parallelism's after `down_proj`. Tokens never move (no all-to-all): simple and
-dropless, at the price of every device sorting all of its data shard's pairs. Without a
-context mesh (e.g. GSPMD-partitioned training steps) the block is plain `expert_ffn` and the
-partitioner places it.
+dropless, at the price of every device sorting all of its data shard's pairs. The trainer's
+step and held-out loss are traced under their mesh too (`training.step.make_train_step`,
+`training.trainer`), so training runs this path; a program traced without a context mesh gets
+plain `expert_ffn`, which the GSPMD partitioner places.
 """
 
 from __future__ import annotations

@@ -127,6 +127,26 @@ def parse_mesh(spec: str) -> Dict[str, int]:
     return out
 
 
+def check_expert_axis(expert: int, num_experts: int) -> None:
+    """One-line ValueError unless an `expert` axis of size `expert` fits a target with
+    `num_experts` experts (0: dense): the axis splits the stacked experts and nothing else, so
+    over a dense target every device along it would repeat the others' work, and experts it
+    does not divide would be replicated over it (both silently, at the cost of its devices).
+    An axis of size 1 (no axis) fits every target."""
+    if expert <= 1:
+        return
+    if num_experts <= 0:
+        raise ValueError(
+            f"the mesh axis expert={expert} splits a mixture-of-experts target's experts, but "
+            "the target is dense (num_experts 0): give its devices to data, fsdp or tensor"
+        )
+    if num_experts % expert:
+        raise ValueError(
+            f"the mesh axis expert={expert} does not divide the target's {num_experts} experts "
+            f"(use a divisor of {num_experts})"
+        )
+
+
 def mesh_str(mesh) -> str:
     axes = AXES + (EXPERT,)
     return ",".join(f"{a}={mesh.shape[a]}" for a in axes if mesh.shape.get(a, 1) > 1) or "single"

@@ -211,6 +211,38 @@ def test_drafter_training_step_against_a_frozen_moe_target(moe_models, tmp_path)
     assert drafter.config.target_layer_ids == (1, 3) and not drafter.config.body.is_moe
 
 
+def test_expert_axis_needs_a_moe_target_whose_experts_it_divides(moe_models, tmp_path, monkeypatch):
+    """train.py's preflight (no model loaded, nothing written): an `expert` mesh axis over a
+    dense target (it would only repeat the work) or one that does not divide the experts (they
+    would be replicated over it) is one line; a divisor passes. The devices are the one CPU
+    device counted 8 times: preflight only counts them."""
+    from configs import tiny_test
+    from dflash_jax.training import trainer
+    from dflash_jax.validation import ConfigError
+
+    monkeypatch.setattr(trainer, "_mesh_devices", lambda spec: jax.devices()[:1] * 8)
+    d = moe_models["plain_step2"][0]  # 8 experts
+
+    def preflight(mesh, target_path=""):
+        c = tiny_test.get_config()
+        c.mesh, c.target_path = mesh, target_path
+        c.drafter.update(target_layer_ids=(1, 3) if target_path else (0, 1))
+        return trainer.preflight(c, str(tmp_path / "w"))
+
+    for mesh, path, message in (
+        ("data=2,expert=2,fsdp=2", "", r"'data=2,expert=2,fsdp=2': the mesh axis expert=2 .*dense"),
+        ("data=2,expert=-1", "", r"'data=2,expert=-1': the mesh axis expert=4 .*dense"),
+        ("expert=3,data=2", d, r"'expert=3,data=2': .*expert=3 does not divide the target's 8"),
+    ):
+        with pytest.raises(ConfigError, match=message) as e:
+            preflight(mesh, path)
+        assert "\n" not in str(e.value)
+    for mesh in ("data=2,expert=4", "expert=8", "data=2,expert=2,fsdp=2", "data=2,expert=-1"):
+        assert preflight(mesh, d) == 1
+    assert preflight("data=2,fsdp=4") == 1  # no expert axis: a dense target as before
+    assert not os.path.exists(tmp_path / "w")
+
+
 def test_unsupported_moe_configs_are_one_line(moe_models, tmp_path):
     d, _, target = moe_models["norm_only1"]
     base = json.load(open(os.path.join(d, "config.json")))

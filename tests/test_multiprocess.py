@@ -6,9 +6,12 @@ processes of 4 fake devices each, one process group of 8 devices (gloo collectiv
   process itself (tokens, acceptance lengths and every drafted token) on every process, DFlash
   with the bundled trained pair (accepted) and autoregressive; infer.py reports from process 0
   only;
-- train.py on data=2,fsdp=4 over 2 processes gives the losses of 1 process with 8 devices, and
-  survives SIGTERM of one process (both save, coordinated; the resumed run has the same
-  losses). (A crash's checkpoints: `test_training.py`'s resume and corrupt-checkpoint checks.)
+- train.py, a drafter against a frozen Qwen3-MoE target on data=2,expert=2,fsdp=2 over 2
+  processes (the experts split over `expert`, run expert parallel), gives the losses, tau and
+  exported drafter of 1 process with 8 devices, and survives SIGTERM of one process (both save,
+  coordinated; the resumed run has the same losses). (A crash's checkpoints:
+  `test_training.py`'s resume and corrupt-checkpoint checks. Dense sharded training, data=2,fsdp=4
+  with resume and export, is the 8-device `fsdp_training` check of `test_sharding.py`.)
 - the launcher names a process that dies, stops the rest and exits non-zero in time.
 """
 
@@ -156,7 +159,7 @@ def test_infer_reports_from_process_zero_only(generation):
 
 COMMON = [
     "--config=configs/tiny_test.py",
-    "--config.mesh=data=2,fsdp=4",
+    "--config.mesh=data=2,expert=2,fsdp=2",
     "--config.num_train_steps=12",
     "--config.log_every=1",
     "--config.eval_every=12",
@@ -202,13 +205,37 @@ def _launch_until(args, workdir, trigger_dir, action, timeout, **env):
     return proc.returncode, open(log).read()
 
 
+def _moe_target(path):
+    """configs/tiny_test.py's fresh random peaky target (2 layers, hidden 64, vocab 64) turned
+    Qwen3-MoE (`_pair.moe_from_dense`: 4 experts, each a perturbed copy of its layer's MLP,
+    top 2, random routers, both layers MoE), written as a Hugging Face checkpoint."""
+    from _pair import moe_from_dense
+    from configs import tiny_test
+
+    import dflash_jax as dj
+    from dflash_jax.training.experiment import fresh_target_params, model_config_from
+
+    c = tiny_test.get_config()
+    cfg = model_config_from(c, 0)
+    dense = dj.Target(cfg, fresh_target_params(cfg, c.target_model))
+    target = moe_from_dense(dense, mlp_only_layers=())
+    assert target.config.num_experts == 4 and all(target.config.layer_is_moe(i) for i in (0, 1))
+    dj.save_target(target, path)
+    return path
+
+
 @pytest.fixture(scope="module")
 def training(tmp_path_factory, eight_devices, compile_cache):
+    """A drafter against a frozen MoE target on data=2,expert=2,fsdp=2: (reference workdir, the
+    2-process workdir, {run: (exit code, output)}). The mesh puts each process on one `data`
+    index: the expert and fsdp groups lie within a process, the gradients' data all-reduce
+    spans both (gloo)."""
     base = tmp_path_factory.mktemp("mp_train")
     ref_dir, mp_dir = str(base / "one_process"), str(base / "two_processes")
+    common = [*COMMON, f"--config.target_path={_moe_target(str(base / 'moe_target'))}"]
     # Reference: 1 process, 8 devices, the same global batches (2 data streams).
     proc = subprocess.run(
-        [sys.executable, "train.py", *COMMON, f"--workdir={ref_dir}", "--config.data.num_shards=2"],
+        [sys.executable, "train.py", *common, f"--workdir={ref_dir}", "--config.data.num_shards=2"],
         cwd=ROOT,
         env=eight_devices.env(),
         capture_output=True,
@@ -216,6 +243,7 @@ def training(tmp_path_factory, eight_devices, compile_cache):
         timeout=1200,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = {"reference": (proc.returncode, proc.stdout + proc.stderr)}
     regen = os.path.join(ref_dir, "regenerated.jsonl")
     mp = [
         "--num_processes=2",
@@ -224,11 +252,10 @@ def training(tmp_path_factory, eight_devices, compile_cache):
         "--grace=20",
         "--",
         "train.py",
-        *COMMON,
+        *common,
         f"--workdir={mp_dir}",
         f"--config.regen.output={regen}",
     ]
-    runs = {}
 
     # Two launches of the same programs (the 2nd loads them from the cache):
     # 1. SIGTERM to process 1 alone once step 6 is saved: both save and stop (coordinated).
@@ -242,6 +269,15 @@ def training(tmp_path_factory, eight_devices, compile_cache):
 
 def test_two_process_training_equals_one_process_and_resumes(training):
     ref_dir, mp_dir, runs = training
+    # Both layouts: the MoE target's 4 experts 2 per device, E over `expert` (H over `fsdp`).
+    moe = (
+        "MoE target: 4 experts (top 2) in 2 layers, 2 per device; "
+        "gate_proj [E over expert, H over fsdp, I replicated]"
+    )
+    assert "mesh data=2,fsdp=2,expert=2]" in runs["reference"][1]
+    assert moe in runs["reference"][1], runs["reference"][1][-3000:]
+    for run in ("terminated", "finished"):
+        assert f"[0] {moe}" in runs[run][1], runs[run][1][-3000:]
     rc, out = runs["terminated"]
     assert rc == 3, out[-6000:]  # preempted: saved and stopped (cli.EXIT_PREEMPTED), not success
     m = re.search(r"\[0\] signal (\d+|to another process): saving step (\d+)", out)

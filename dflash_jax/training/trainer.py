@@ -8,7 +8,10 @@ restores the newest readable checkpoint, trains with AdamW + warmup-cosine + glo
 clipping in one jitted step (`step.make_train_step`) on a device mesh (`config.mesh`:
 empty for data parallelism over all local devices, or a `sharding` spec such as "fsdp=8" or
 "data=2,fsdp=4": the trained parameters, their AdamW moments and the frozen target are then
-sharded by the partition rules of `dflash_jax.sharding`; with several processes, e.g. a pod or
+sharded by the partition rules of `dflash_jax.sharding`; an `expert` axis, e.g.
+"data=2,expert=2,fsdp=2", only with a mixture-of-experts target whose experts it divides: they
+split over it, and the target pass, traced under the mesh, runs them expert parallel
+(`shard_map`, `dflash_jax.moe`); with several processes, e.g. a pod or
 `dflash_jax.launch`, the mesh spans all of them and each reads only its data streams, see
 `dflash_jax.distributed`), logs progress / TensorBoard / JSONL,
 evaluates (`evaluation.evaluate`: per-position draft accuracy, tau with the real `generate`),
@@ -81,29 +84,53 @@ def _mesh_devices(mesh_spec: str):
     return jax.devices() if mesh_spec or distributed.is_multiprocess() else jax.local_devices()
 
 
-def _target_num_layers(config):
-    """The number of layers of the run's target: config.json of a local target_path, or the
-    fresh target's config.target_model; None when it cannot be known without loading."""
-    if not config.target_path:
-        return int(config.target_model.num_layers)
-    if not os.path.isdir(config.target_path):
-        return None  # a hub id: resolved (and checked) when it is loaded
+def _target_hf_config(config):
+    """config.json of a local target_path as a dict; None without one, or when it cannot be
+    read without loading (a hub id, an unreadable file: reported when the target loads)."""
+    if not config.target_path or not os.path.isdir(config.target_path):
+        return None  # a fresh target, or a hub id: resolved (and checked) when it is loaded
     from dflash_jax import checkpoint
 
     try:
         hf = checkpoint.read_config(config.target_path)
     except Exception:  # noqa: BLE001 - reported with the file's name when the target loads
         return None
-    n = hf.get("num_hidden_layers") if isinstance(hf, dict) else None
+    return hf if isinstance(hf, dict) else None
+
+
+def _target_num_layers(config):
+    """The number of layers of the run's target: config.json of a local target_path, or the
+    fresh target's config.target_model; None when it cannot be known without loading."""
+    if not config.target_path:
+        return int(config.target_model.num_layers)
+    n = (_target_hf_config(config) or {}).get("num_hidden_layers")
     return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
+
+
+def _target_num_experts(config):
+    """The experts of the run's target's MoE layers (0: dense; a fresh target is dense), from
+    a local target_path's config.json; None when it cannot be known without loading."""
+    if not config.target_path:
+        return 0
+    hf = _target_hf_config(config)
+    if hf is None:
+        return None
+    from dflash_jax.config import ModelConfig
+
+    try:
+        return ModelConfig.from_hf(hf).num_experts
+    except Exception:  # noqa: BLE001 - a bad field is reported when the target loads
+        return None
 
 
 def preflight(config, workdir: str) -> int:
     """Every check of a training run that needs no model and writes nothing: the config's
     values (`validation.check_train_config`), the workdir and regen.output, the data files,
-    the mesh against the devices (and the batch against its shards), the drafter's tapped
-    layers against the target's. A bad value is one line (a ValueError) before anything runs
-    or is written (regeneration takes hours on an 8B target). Returns grad_accum_steps."""
+    the mesh against the devices (and the batch against its shards; an `expert` axis against
+    the target's experts, `sharding.check_expert_axis`, when its config.json is local), the
+    drafter's tapped layers against the target's. A bad value is one line (a ValueError)
+    before anything runs or is written (regeneration takes hours on an 8B target). Returns
+    grad_accum_steps."""
     from dflash_jax import sharding, validation
     from dflash_jax.validation import ConfigError
 
@@ -153,6 +180,12 @@ def preflight(config, workdir: str) -> int:
             f"[{pool[0].platform}] (e.g. --config.mesh=fsdp={len(pool)})"
         )
     full = {k: len(pool) // known if v == -1 else v for k, v in sizes.items()}
+    num_experts = _target_num_experts(config)
+    if num_experts is not None:
+        try:
+            sharding.check_expert_axis(full.get("expert", 1), num_experts)
+        except ValueError as e:
+            raise ConfigError(f"config.mesh {mesh_spec!r}: {e}") from None
     n_batch = full["data"] * full["fsdp"]
     if config.data.batch_size % n_batch:
         raise ConfigError(
@@ -244,6 +277,10 @@ def train_and_evaluate(config, workdir: str) -> dict:
     mesh = sharding.make_mesh(
         **sizes, devices=pool if -1 in sizes.values() else pool[: math.prod(sizes.values())]
     )
+    try:  # (preflight could not read a target given by hub id; its regeneration ran)
+        sharding.check_expert_axis(mesh.shape.get("expert", 1), exp.target_cfg.num_experts)
+    except ValueError as e:
+        raise ValueError(f"config.mesh {mesh_spec!r}: {e}") from None
     n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
     state_sh, frozen_sh, data_sh = train_shardings(
         mesh,
@@ -309,10 +346,14 @@ def train_and_evaluate(config, workdir: str) -> dict:
         grad_accum_steps=accum,
     )
     eval_mesh = mesh if n_dev > 1 else None
-    eval_jit = jax.jit(
-        lambda p, f, b: exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1],
-        out_shardings=NamedSharding(mesh, P()),
-    )
+
+    def eval_loss(p, f, b):
+        # Traced under the mesh, as the train step is: a MoE target's experts run expert
+        # parallel (shard_map, `dflash_jax/moe.py`), Pallas kernels per shard.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1]
+
+    eval_jit = jax.jit(eval_loss, out_shardings=NamedSharding(mesh, P()))
     eval_step = lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh))
 
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
@@ -323,6 +364,27 @@ def train_and_evaluate(config, workdir: str) -> dict:
         + f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
         f"{sharding.mesh_str(mesh)}], workdir {workdir}"
     )
+    experts = [  # where a MoE target's stacked experts live
+        x
+        for path, x in jax.tree_util.tree_flatten_with_path(
+            frozen if exp.mode == "drafter" else state.params
+        )[0]
+        if exp.target_cfg.is_moe and sharding.path_str(path).endswith("experts/gate_proj/kernel")
+    ]
+    if experts:
+        spec = tuple(experts[0].sharding.spec) + (None,) * 3
+        split = ", ".join(
+            f"{dim} over {'x'.join((ax,) if isinstance(ax, str) else ax)}"
+            if ax
+            else f"{dim} replicated"
+            for dim, ax in zip("EHI", spec)
+        )
+        _log(
+            f"MoE target: {exp.target_cfg.num_experts} experts (top "
+            f"{exp.target_cfg.num_experts_per_tok}) in {len(experts)} layers, "
+            f"{exp.target_cfg.num_experts // mesh.shape.get('expert', 1)} per device; "
+            f"gate_proj [{split}]"
+        )
     logger = MetricsLogger(
         workdir,
         resume_step=int(state.step),  # no duplicate rows
