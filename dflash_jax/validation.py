@@ -282,7 +282,10 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     c = config
     choice("mode", c.mode, ("drafter", "target"))
     choice("loss", c.loss, ("ce", "kl"))
-    choice("mask_schedule", c.mask_schedule, ("all", "random"))
+    choice("mask_schedule", c.mask_schedule, ("all", "random", "mdlm"))
+    mff = c.get("mask_full_fraction", 0.5)
+    if isinstance(mff, bool) or not isinstance(mff, (int, float)) or not 0.0 <= mff <= 1.0:
+        raise E(f"mask_full_fraction must be a number in [0, 1], got {mff!r}")
     choice("attention_impl", c.attention_impl, ("xla", "pallas", "pallas_interpret", "auto"))
     choice("dtype", c.dtype, ("float32", "bfloat16", "float16"))
     choice("data.kind", c.data.kind, ("stdlib", "files", "regenerated", "synthetic"))
