@@ -456,6 +456,15 @@ def check_infer_flags(f: Mapping) -> None:
     confidence_threshold(f["confidence_threshold"])
     int_param("--max_new_tokens", f["max_new_tokens"], lo=1)
     int_param("--denoise_steps", f["denoise_steps"], lo=1)
+    if f.get("remask") or f.get("denoise_schedule", "confidence") != "confidence":
+        from dflash_jax.generate_io import check_denoise
+
+        try:
+            check_denoise(
+                f.get("denoise_schedule", "confidence"), f.get("remask"), f["denoise_steps"]
+            )
+        except ValueError as e:
+            raise ValueError("--" + str(e)) from None
     seed_param("--seed", f.get("seed", 0))
     if f["block_size"] is not None:
         int_param("--block_size", f["block_size"], lo=2, hi=64)
