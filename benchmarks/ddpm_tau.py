@@ -51,6 +51,12 @@ def define_flags():
     flags.DEFINE_float("draft_cost_ratio", 0.26 / 2.05, "Drafter pass / verify cost (projection).")
     flags.DEFINE_string("data_dir", "/tmp/dflash_tfds", "TFDS data dir of the stdlib corpus.")
     flags.DEFINE_string("json_out", None, "Write the rows (and provenance) here.")
+    flags.DEFINE_bool(
+        "append",
+        False,
+        "Keep the rows of an existing --json_out for other drafters (each row has its own AR "
+        "timing of the same run), and plot them all.",
+    )
 
 
 def _timed(fn, repeats: int):
@@ -131,6 +137,22 @@ def rows_for(drafters: Dict[str, str], steps: List[int], variants: List[str]):
     return rows, len(prompts)
 
 
+def table(rows) -> str:
+    """The README's Markdown table of the rows."""
+    out = [
+        "| drafter | K | schedule | tau | ms / step (batch 1) | vs AR (CPU) | memory-bound projection |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        sched = r["denoise_schedule"] + (" + remask" if r["remask"] else "")
+        out.append(
+            f"| {r['drafter']} | {r['denoise_steps']} | {sched} | {r['tau']:.3f} | "
+            f"{r['step_ms']:.2f} (AR {r['ar_step_ms']:.2f}) | {r['speedup_vs_ar']:.2f}x | "
+            f"{r['memory_bound_speedup']:.2f}x |"
+        )
+    return "\n".join(out)
+
+
 def plot(rows, path: str, title: str):
     import matplotlib
 
@@ -171,12 +193,19 @@ def main(argv):
         from dflash_jax import provenance
 
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
+        runs = []
+        if FLAGS.append and os.path.exists(FLAGS.json_out):
+            with open(FLAGS.json_out) as f:
+                old = json.load(f)
+            runs = [r for r in old["runs"] if not set(r["drafters"]) & set(drafters)]
+            keep = {d for r in runs for d in r["drafters"]}
+            rows = [r for r in old["rows"] if r["drafter"] in keep] + rows
+        runs.append({**provenance.record(), "drafters": drafters})
         with open(FLAGS.json_out, "w") as f:
             json.dump(
                 {
-                    **provenance.record(),
+                    "runs": runs,  # the commands (provenance) and the drafters each measured
                     "target": "assets/tiny-code/target (float32)",
-                    "drafters": drafters,
                     "num_prompts": n,
                     "timing_prompts": FLAGS.timing_prompts,
                     "block_size": FLAGS.block_size,
@@ -192,6 +221,7 @@ def main(argv):
         path = os.path.splitext(FLAGS.json_out)[0] + ".png"
         plot(rows, path, f"tau against drafter passes, bundled target, block {FLAGS.block_size}")
         print(f"wrote {path}")
+        print(table(rows))
 
 
 if __name__ == "__main__":
