@@ -204,6 +204,7 @@ def main(argv):
         with open(FLAGS.json_out, "w") as f:
             json.dump(
                 {
+                    **runs[-1],  # the run that wrote the file (command, commit)
                     "runs": runs,  # the commands (provenance) and the drafters each measured
                     "target": "assets/tiny-code/target (float32)",
                     "num_prompts": n,
