@@ -343,9 +343,9 @@ def test_loss_options_give_finite_gradients(trained, loss, schedule):
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(g))
     if schedule == "mdlm":
         # The mixture's draws: fully masked and partial blocks both scored, 1/t weights > 1.
-        _, _, masked, scale = losses.drafter_draws(
-            recipe, batch["loss_mask"], batch["segment_ids"], losses.row_keys(key0, 2)
-        )
+        _, _, masked, scale = jax.jit(
+            lambda lm, seg: losses.drafter_draws(recipe, lm, seg, losses.row_keys(key0, 2))
+        )(batch["loss_mask"], batch["segment_ids"])
         full = np.asarray(masked)[..., 1:].all(-1)
         assert full.any() and (~full).any() and float(np.max(scale)) > 1.0
         # A training step with the mixture: a gradient step lowers its loss on the same draws.
