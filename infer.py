@@ -31,6 +31,8 @@ GENERATE_FLAGS = (
     "denoise_steps",
     "confidence_threshold",
     "tree_budget",
+    "denoise_schedule",
+    "remask",
 )
 
 FLAGS = flags.FLAGS
@@ -56,6 +58,17 @@ flags.DEFINE_integer("top_k", None, "Top-k filter of the target distribution whe
 flags.DEFINE_float("top_p", None, "Nucleus filter of the target distribution when sampling.")
 flags.DEFINE_integer("seed", 0, "Sampling seed.")
 flags.DEFINE_integer("denoise_steps", 1, "Drafter denoising passes per block.")
+flags.DEFINE_enum(
+    "denoise_schedule",
+    "confidence",
+    ["confidence", "fixed"],
+    "Which positions each denoising pass fixes: the most confident, or left to right.",
+)
+flags.DEFINE_bool(
+    "remask",
+    False,
+    "Denoising passes may mask a fixed low-confidence token again (--denoise_steps >= 3).",
+)
 flags.DEFINE_float("confidence_threshold", None, "Trim drafts after the first one below this.")
 flags.DEFINE_integer(
     "tree_budget",

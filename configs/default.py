@@ -64,7 +64,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.anchors_per_row = 0  # static blocks per packed row, shared by its documents; 0: num_anchors
     c.gamma = 7.0
     c.loss = "ce"  # "ce" | "kl"
-    c.mask_schedule = "all"  # "all" | "random"
+    # "all" | "random" | "mdlm" (dflash_jax.training.masks.mask_draw): "mdlm" mixes fully masked
+    # blocks (a mask_full_fraction of them) with masked-diffusion blocks (ratio t ~ U(0,1], loss on
+    # the masked positions weighted 1/t): a drafter for multi-pass denoising (denoise_steps > 1).
+    c.mask_schedule = "all"
+    c.mask_full_fraction = 0.5  # "mdlm" only
     c.loss_chunk_anchors = 0  # > 0: drafter logits for this many anchors at a time (memory)
     c.attention_impl = "xla"  # "xla" | "pallas" | "pallas_interpret"
     c.use_segments = True

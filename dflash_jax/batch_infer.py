@@ -415,7 +415,7 @@ def check_before_loading(
     from dflash_jax import attention, checkpoint
     from dflash_jax.config import ModelConfig
     from dflash_jax.drafter import DrafterConfig
-    from dflash_jax.generate_io import check_request, check_tree_request
+    from dflash_jax.generate_io import check_denoise, check_request, check_tree_request
     from dflash_jax.safetensors_io import CheckpointError
 
     source = os.path.join(target_dir, "config.json")
@@ -476,6 +476,9 @@ def check_before_loading(
             v["block_size"],
             g.get("tree_budget"),
             v,
+        )
+        check_denoise(
+            g.get("denoise_schedule", "confidence"), g.get("remask", False), v["denoise_steps"]
         )
 
 

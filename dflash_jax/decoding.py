@@ -48,6 +48,7 @@ from dflash_jax import sharding
 from dflash_jax.drafter import DFlashDrafter, Drafter, decode_attend
 from dflash_jax.generate_io import (
     GenerationResult,
+    check_denoise,
     check_request,
     check_tree_request,
     collect,
@@ -68,6 +69,11 @@ class Plan:
     top_p: Optional[float] = None
     stop_ids: tuple = ()
     denoise_steps: int = 1
+    # Which positions the K passes fix: "confidence" (the most confident still-masked ones) or
+    # "fixed" (left to right); remask: a fixed low-confidence token may be masked again
+    # (`_denoise`).
+    denoise_schedule: str = "confidence"
+    remask: bool = False
     confidence_threshold: Optional[float] = None
     record_drafts: bool = False
     # Verify a draft tree of this many nodes (`dflash_jax.tree`) instead of the chain.
@@ -134,37 +140,75 @@ def _draft_logits(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, tokens, st
     return _lm_logits(tmod, tparams, hidden[:, 1:])
 
 
-def draft_block(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan):
-    """Drafts bs-1 tokens after x_last. Returns (drafts [B, bs-1], confidence [B, bs-1]).
+def _denoise(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan, logp=False):
+    """The K = `plan.denoise_steps` drafter passes over one block: (drafts [B, bs-1],
+    confidence [B, bs-1], log-probs [B, bs-1, V] or None).
 
-    denoise_steps = 1: DFlash's single pass. K > 1: K masked-diffusion passes; after pass j the
-    most confident still-masked positions are fixed (their MASK embedding replaced by the
-    drafted token's) so that round((bs-1) * j / K) positions are fixed, and the rest are
-    re-predicted with that extra context.
+    After pass j < K, n_j = round((bs-1) j / K) positions hold a drafted token (its MASK
+    embedding replaced by the token's) and the rest stay MASK for the next pass; the last pass
+    fills every position still masked. Which positions are fixed (`plan.denoise_schedule`):
+      "confidence": the n_j - n_{j-1} most confident (max probability) still-masked ones;
+      "fixed": the first n_j, left to right (a fixed count per pass, whatever the confidence).
+    `plan.remask` ("confidence" only): after pass j < K the n_j kept are the most confident of
+    all positions, the fixed tokens scored by the confidence they were drafted with and the
+    masked ones by this pass's, so a fixed token that later predictions outrank is masked again
+    and predicted again in a later pass (it never changes a committed token: only drafts).
+    Each position's confidence and log-probs are those of the pass that drafted its final
+    token (the last pass for the positions it fills): what a draft tree is built from.
     """
     bs = plan.block_size
     b = x_last.shape[0]
-    tokens = jnp.full((b, bs - 1), dmod.cfg.mask_token_id, jnp.int32)
+    mask_id = jnp.int32(dmod.cfg.mask_token_id)
+    tokens = jnp.full((b, bs - 1), mask_id, jnp.int32)
     fixed = jnp.zeros((b, bs - 1), bool)
     conf = jnp.zeros((b, bs - 1), jnp.float32)
+    out_lp = None
     steps = plan.denoise_steps
+    need_conf = steps > 1 or plan.confidence_threshold is not None
     for j in range(1, steps + 1):
         logits = _draft_logits(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, plan)
         pred = greedy_argmax(logits)
-        if steps == 1 and plan.confidence_threshold is None:
-            p_max = jnp.ones(pred.shape, jnp.float32)  # confidence unused: skip the softmax
-        else:
+        lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) if logp else None
+        if lp is not None and need_conf:
+            p_max = jnp.exp(jnp.max(lp, axis=-1))
+        elif need_conf:
             p_max = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+        else:
+            p_max = jnp.ones(pred.shape, jnp.float32)  # confidence unused: skip the softmax
+        n_j = int(round((bs - 1) * j / steps))
+        keep = None
         if j == steps:
             newly = ~fixed
+        elif plan.denoise_schedule == "fixed":
+            newly = (jnp.arange(bs - 1)[None] < n_j) & ~fixed
+        elif plan.remask:
+            score = jnp.where(fixed, conf, p_max)
+            top = jax.lax.top_k(score, max(n_j, 1))[1]
+            keep = jnp.zeros_like(fixed).at[jnp.arange(b)[:, None], top].set(n_j > 0)
+            newly = keep & ~fixed
         else:
-            m = int(round((bs - 1) * j / steps)) - int(round((bs - 1) * (j - 1) / steps))
+            m = n_j - int(round((bs - 1) * (j - 1) / steps))
             score = jnp.where(fixed, -jnp.inf, p_max)
             top = jax.lax.top_k(score, max(m, 1))[1]
             newly = jnp.zeros_like(fixed).at[jnp.arange(b)[:, None], top].set(m > 0)
         tokens = jnp.where(newly, pred, tokens)
         conf = jnp.where(newly, p_max, conf)
+        if lp is not None:
+            out_lp = lp if out_lp is None else jnp.where(newly[..., None], lp, out_lp)
         fixed = fixed | newly
+        if keep is not None:  # remasked: back to MASK, predicted again by a later pass
+            tokens = jnp.where(keep, tokens, mask_id)
+            fixed = keep
+    return tokens, conf, out_lp
+
+
+def draft_block(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan):
+    """Drafts bs-1 tokens after x_last. Returns (drafts [B, bs-1], confidence [B, bs-1]).
+
+    denoise_steps = 1: DFlash's single pass. K > 1: K masked-diffusion passes (`_denoise`: the
+    positions fixed after each pass by confidence or left to right, optionally remasked).
+    """
+    tokens, conf, _ = _denoise(tmod, tparams, dmod, dparams, ctx, x_last, start, plan)
     return tokens, conf
 
 
@@ -190,16 +234,20 @@ class Proposal:
 
 
 def draft_logprobs(tmod, tparams, dmod, dparams, ctx: KVCache, x_last, start, plan: Plan):
-    """The drafter's log-probabilities [B, bs-1, V] at the block positions after x_last (one
-    pass over [x_last, MASK * (bs-1)]): what a draft tree is built from."""
-    masks = jnp.full((x_last.shape[0], plan.block_size - 1), dmod.cfg.mask_token_id, jnp.int32)
-    logits = _draft_logits(tmod, tparams, dmod, dparams, ctx, x_last, masks, start, plan)
-    return jax.nn.log_softmax(logits, axis=-1)
+    """The drafter's log-probabilities [B, bs-1, V] at the block positions after x_last: what a
+    draft tree is built from. One pass over [x_last, MASK * (bs-1)], or with denoise_steps K > 1
+    the K passes of `_denoise`, each position's log-probs from the pass that drafted it (the
+    last pass for the positions still masked before it)."""
+    if plan.denoise_steps == 1:
+        masks = jnp.full((x_last.shape[0], plan.block_size - 1), dmod.cfg.mask_token_id, jnp.int32)
+        logits = _draft_logits(tmod, tparams, dmod, dparams, ctx, x_last, masks, start, plan)
+        return jax.nn.log_softmax(logits, axis=-1)
+    return _denoise(tmod, tparams, dmod, dparams, ctx, x_last, start, plan, logp=True)[2]
 
 
 def propose(tmod, tparams, dmod, dparams, plan: Plan, state: DecodeState, x_last, start):
     """Draft: nothing (autoregressive: a drafter that drafts nothing), a chain of bs-1 tokens,
-    or a tree of `plan.tree_budget` nodes from the same drafter pass."""
+    or a tree of `plan.tree_budget` nodes from the same drafter pass(es)."""
     b = x_last.shape[0]
     if dmod is None:
         return Proposal(tokens=x_last[:, None], depths=jnp.zeros((b, 1), jnp.int32))
@@ -613,6 +661,8 @@ def generate(
     mesh=None,
     prefill_chunk: Optional[int] = None,
     tree_budget: Optional[int] = None,
+    denoise_schedule: str = "confidence",
+    remask: bool = False,
 ) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash, or
     autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
@@ -627,7 +677,12 @@ def generate(
     `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
     tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.tree`: the most
     probable prefixes of depth <= block_size - 1 under the drafter's one pass) instead of the
-    chain of block_size - 1 drafts; None: the chain. Same tokens either way (lossless).
+    chain of block_size - 1 drafts; None: the chain. Same tokens either way (lossless). With
+    denoise_steps > 1 the tree is built from the K passes' distributions (`draft_logprobs`).
+    denoise_schedule: which positions each of the denoise_steps passes fixes, "confidence"
+    (the most confident) or "fixed" (left to right); remask: a fixed low-confidence token may
+    be masked and predicted again (denoise_steps >= 3, "confidence"). They change the drafts,
+    never the output.
     """
     # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
     v = check_request(
@@ -647,6 +702,7 @@ def generate(
     prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
     temperature = v["temperature"]
     tree_budget = check_tree_request(target, drafter, bs, tree_budget, v, return_drafts)
+    denoise_schedule, remask = check_denoise(denoise_schedule, remask, v["denoise_steps"])
     plan = Plan(
         block_size=bs,
         temperature=float(temperature),
@@ -654,6 +710,8 @@ def generate(
         top_p=None if temperature == 0 else v["top_p"],
         stop_ids=v["stop_token_ids"],
         denoise_steps=v["denoise_steps"] if drafter is not None else 1,
+        denoise_schedule=denoise_schedule if drafter is not None else "confidence",
+        remask=remask and drafter is not None,
         confidence_threshold=v["confidence_threshold"] if drafter is not None else None,
         record_drafts=bool(return_drafts and drafter is not None),
         tree_budget=tree_budget,

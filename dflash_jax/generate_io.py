@@ -77,7 +77,7 @@ MAX_TREE_BUDGET = 1024
 def check_tree_request(target, drafter, block_size, tree_budget, v, return_drafts=False):
     """`generate`'s tree_budget checked against the rest of the request (one ValueError, before
     any compute): None (the chain) or an int in [1, MAX_TREE_BUDGET] that the block's depth can
-    hold, with a drafter, one denoising pass, no confidence threshold and no draft recording."""
+    hold, with a drafter, no confidence threshold and no draft recording."""
     if tree_budget is None:
         return None
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, (int, np.integer)):
@@ -96,7 +96,6 @@ def check_tree_request(target, drafter, block_size, tree_budget, v, return_draft
             f"{block_size} can hold"
         )
     for name, bad, why in (
-        ("denoise_steps", v["denoise_steps"] != 1, "a tree is built from one drafter pass"),
         (
             "confidence_threshold",
             v["confidence_threshold"] is not None,
@@ -107,6 +106,28 @@ def check_tree_request(target, drafter, block_size, tree_budget, v, return_draft
         if bad:
             raise ValueError(f"tree_budget does not combine with {name}: {why}")
     return tree_budget
+
+
+DENOISE_SCHEDULES = ("confidence", "fixed")
+
+
+def check_denoise(denoise_schedule, remask, denoise_steps):
+    """`generate`'s denoise_schedule and remask checked (one ValueError): (schedule, remask)."""
+    if denoise_schedule not in DENOISE_SCHEDULES:
+        raise ValueError(
+            f"denoise_schedule must be one of {', '.join(map(repr, DENOISE_SCHEDULES))}, "
+            f"got {denoise_schedule!r}"
+        )
+    if not isinstance(remask, (bool, np.bool_)):
+        raise ValueError(f"remask must be a bool, got {remask!r}")
+    if remask and denoise_schedule != "confidence":
+        raise ValueError("remask needs denoise_schedule='confidence' (it re-ranks by confidence)")
+    if remask and denoise_steps < 3:
+        raise ValueError(
+            f"remask needs denoise_steps >= 3 (a remasked token is predicted again by a later "
+            f"pass before the last), got {denoise_steps}"
+        )
+    return denoise_schedule, bool(remask)
 
 
 def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoise_steps):

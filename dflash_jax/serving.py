@@ -19,7 +19,14 @@ from dflash_jax.decoding import generate
 from dflash_jax.generate_io import GenerationResult
 
 # `generate` arguments that only a drafter uses: left out of the autoregressive runs.
-DRAFTER_ONLY = ("block_size", "denoise_steps", "confidence_threshold", "tree_budget")
+DRAFTER_ONLY = (
+    "block_size",
+    "denoise_steps",
+    "confidence_threshold",
+    "tree_budget",
+    "denoise_schedule",
+    "remask",
+)
 
 
 def stop_token_ids(model_dir: Optional[str], tokenizer=None) -> List[int]:

@@ -282,7 +282,10 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     c = config
     choice("mode", c.mode, ("drafter", "target"))
     choice("loss", c.loss, ("ce", "kl"))
-    choice("mask_schedule", c.mask_schedule, ("all", "random"))
+    choice("mask_schedule", c.mask_schedule, ("all", "random", "mdlm"))
+    mff = c.get("mask_full_fraction", 0.5)
+    if isinstance(mff, bool) or not isinstance(mff, (int, float)) or not 0.0 <= mff <= 1.0:
+        raise E(f"mask_full_fraction must be a number in [0, 1], got {mff!r}")
     choice("attention_impl", c.attention_impl, ("xla", "pallas", "pallas_interpret", "auto"))
     choice("dtype", c.dtype, ("float32", "bfloat16", "float16"))
     choice("data.kind", c.data.kind, ("stdlib", "files", "regenerated", "synthetic"))
@@ -453,6 +456,15 @@ def check_infer_flags(f: Mapping) -> None:
     confidence_threshold(f["confidence_threshold"])
     int_param("--max_new_tokens", f["max_new_tokens"], lo=1)
     int_param("--denoise_steps", f["denoise_steps"], lo=1)
+    if f.get("remask") or f.get("denoise_schedule", "confidence") != "confidence":
+        from dflash_jax.generate_io import check_denoise
+
+        try:
+            check_denoise(
+                f.get("denoise_schedule", "confidence"), f.get("remask"), f["denoise_steps"]
+            )
+        except ValueError as e:
+            raise ValueError("--" + str(e)) from None
     seed_param("--seed", f.get("seed", 0))
     if f["block_size"] is not None:
         int_param("--block_size", f["block_size"], lo=2, hi=64)

@@ -7,7 +7,8 @@
 #   targets:  target (stage 1) -> target_stage2 -> target_unlikelihood (the bundled target)
 #   drafters: drafter (on the stage-1 target) -> drafter_stage2 (stage-2 target)
 #             -> drafter_stage3 (twice the responses) -> drafter_stage4 (the bundled drafter,
-#             on 32,768 responses of the bundled target)
+#             on 32,768 responses of the bundled target) -> drafter_ddpm / drafter_ddpm_control
+#             (issue 31: multi-pass denoising, and its control)
 #   export:   both in bfloat16 to $OUT (default RUNS/pair), then benchmarks/bench_dflash.py
 #             into RUNS/bench (the command that made benchmarks/results/tiny-code/results.md).
 # RUNS (default runs/tiny_code) holds every stage's workdir. About 5.5 hours on an otherwise
@@ -104,6 +105,19 @@ step "$RUNS/drafter4/export/drafter" "$PY" train.py --config=$C/drafter_stage4.p
   --workdir="$RUNS/drafter4" --config.target_path="$OUT/target" --config.drafter.init_path="$RUNS/drafter3/export/drafter" \
   --config.regen.output="$RUNS/regen_ul_32k.jsonl"
 to_bf16 drafter "$RUNS/drafter4/export/drafter" "$OUT/drafter" "$OUT/target"
+# The multi-pass denoising drafter (issue 31): 8192 responses of the bundled target (seed 2,
+# ~12 min), then the mixture objective and its fully masked control, 1500 steps each from the
+# bundled drafter (~30 min each), one after the other.
+step "$RUNS/regen_s2.jsonl" "$PY" train.py --config=$C/drafter_stage4.py \
+  --workdir="$RUNS/regen_s2" --config.target_path="$OUT/target" --config.seed=2 \
+  --config.drafter.init_path="$OUT/drafter" --config.regen.output="$RUNS/regen_s2.jsonl" \
+  --config.regen.only=True --config.regen.num_prompts=8192
+for run in ddpm ddpm_control; do
+  step "$RUNS/$run/export/drafter" "$PY" train.py --config=$C/drafter_$run.py \
+    --workdir="$RUNS/$run" --config.target_path="$OUT/target" --config.drafter.init_path="$OUT/drafter" \
+    --config.regen.output="$RUNS/regen_s2.jsonl"
+done
+to_bf16 drafter "$RUNS/ddpm/export/drafter" "$OUT/drafter_ddpm" "$OUT/target"
 
 # The benchmark of assets/tiny-code/README.md (~15 min).
 step "$RUNS/bench/results.md" "$PY" benchmarks/bench_dflash.py --target="$OUT/target" \

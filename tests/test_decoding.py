@@ -214,20 +214,66 @@ def _matching_prefix(draft, seq, pos):
     return n
 
 
-def test_denoise_steps_change_drafts_and_stay_lossless(pair, pair_ar, pair_drafts):
-    """Three denoising passes: the tokens are the autoregressive ones, the drafter is accepted,
-    and the drafts differ from one pass's (same first-step context): the passes do something."""
+@pytest.fixture(scope="module")
+def pair_k4_drafts(pair):
+    """Four denoising passes by confidence over the whole batch, drafts recorded."""
+    target, drafter, prompts = pair
+    return dj.generate(
+        target, drafter, prompts, NEW, block_size=8, denoise_steps=4, return_drafts=True
+    )
+
+
+@pytest.mark.parametrize(
+    "steps,schedule,batch",
+    [(2, "confidence", 1), (4, "confidence", 4), (4, "fixed", 1), (2, "fixed", 4)],
+)
+def test_denoise_schedules_equal_autoregressive(
+    pair, pair_ar, pair_drafts, pair_k4_drafts, steps, schedule, batch
+):
+    """K = 2 and 4 passes (K = 1: test_greedy_dflash_equals_autoregressive), by confidence or
+    left to right, one prompt and the ragged batch: the autoregressive tokens, with the drafter
+    accepted; at K = 4 the drafts differ from one pass's at the same first-step context (the
+    passes do something)."""
+    target, drafter, prompts = pair
+    if (steps, schedule, batch) == (4, "confidence", 4):
+        res = pair_k4_drafts
+    else:
+        res = dj.generate(
+            target, drafter, prompts[:batch], NEW, block_size=8, denoise_steps=steps,
+            denoise_schedule=schedule,
+        )  # fmt: skip
+    assert res.tokens == pair_ar[:batch]
+    assert_accepted(res, 8)
+    for acc in res.acceptance_lengths:
+        assert sum(acc) == NEW - 1
+    if res is pair_k4_drafts:
+        assert all(
+            len(d) == len(a) and all(len(b) == 7 for b in d)
+            for d, a in zip(res.drafts, res.acceptance_lengths)
+        )
+        assert any(d4[0] != d1[0] for d4, d1 in zip(res.drafts, pair_drafts.drafts))
+
+
+def test_remasking_changes_drafts_never_the_output(pair, pair_ar, pair_k4_drafts):
+    """Remasking (K = 4): the same committed tokens as without it and as autoregressive
+    decoding, the drafter accepted, and the drafts differ from the non-remasking run's at some
+    step with the same context (the first step of each row), so the remasking did act."""
     target, drafter, prompts = pair
     res = dj.generate(
-        target, drafter, prompts, NEW, block_size=8, denoise_steps=3, return_drafts=True
-    )
-    assert res.tokens == pair_ar
+        target, drafter, prompts, NEW, block_size=8, denoise_steps=4, remask=True,
+        return_drafts=True,
+    )  # fmt: skip
+    assert res.tokens == pair_ar == pair_k4_drafts.tokens
     assert_accepted(res, 8)
-    assert all(
-        len(d) == len(a) and all(len(b) == 7 for b in d)
-        for d, a in zip(res.drafts, res.acceptance_lengths)
-    )
-    assert any(d3[0] != d1[0] for d3, d1 in zip(res.drafts, pair_drafts.drafts))
+    assert any(r[0] != k[0] for r, k in zip(res.drafts, pair_k4_drafts.drafts))
+    with pytest.raises(ValueError, match="remask needs denoise_steps >= 3"):
+        dj.generate(target, drafter, prompts, NEW, block_size=8, denoise_steps=2, remask=True)
+    with pytest.raises(ValueError, match="remask needs denoise_schedule='confidence'"):
+        dj.generate(
+            target, drafter, prompts, NEW, denoise_steps=4, remask=True, denoise_schedule="fixed"
+        )
+    with pytest.raises(ValueError, match="denoise_schedule must be one of"):
+        dj.generate(target, drafter, prompts, NEW, denoise_steps=2, denoise_schedule="random")
 
 
 def test_confidence_threshold_trims_acceptance_and_stays_lossless(pair, pair_ar, pair_drafts):

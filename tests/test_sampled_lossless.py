@@ -138,19 +138,40 @@ def _tree_oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
     return jnp.broadcast_to(jax.nn.log_softmax(lg, axis=-1), shape)
 
 
-def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None, tree_budget=None):
+def _denoising_oracle(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, plan):
+    """One drafter pass (`_draft_logits`) that denoising passes improve: position i's logits
+    are the target's after x_last and the block's tokens before i, where each still-masked one
+    is guessed as the target's second choice (wrong): a fixed token makes the later ones right."""
+    seq, out = [x_last], []
+    for i in range(plan.block_size - 1):
+        h, _, _ = tmod.apply({"params": tparams}, jnp.stack(seq, 1))
+        lg = tmod.apply({"params": tparams}, h[:, -1:], method=dj.Transformer.logits)[:, 0]
+        out.append(lg)
+        second = jnp.argsort(lg, axis=-1)[:, -2].astype(jnp.int32)
+        seq.append(jnp.where(tokens[:, i] == dmod.cfg.mask_token_id, second, tokens[:, i]))
+    return jnp.stack(out, 1)
+
+
+def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None, tree_budget=None, **denoise):
     """N speculative samples of N_TOKENS tokens after PROMPT with the oracle drafter (chain) or
-    the oracle's tree of `tree_budget` nodes: (counts [M] of each continuation, tau)."""
+    the oracle's tree of `tree_budget` nodes: (counts [M] of each continuation, tau). With
+    `denoise` (generate's block_size, denoise_steps, denoise_schedule, remask) the chain is
+    drafted by the real K-pass `_denoise` over `_denoising_oracle` passes."""
     t, drafter = tiny
-    monkeypatch.setattr(gen_lib, "draft_block", _greedy_oracle)
-    monkeypatch.setattr(gen_lib, "draft_logprobs", _tree_oracle)
+    if denoise:
+        monkeypatch.setattr(gen_lib, "_draft_logits", _denoising_oracle)
+        cfg = drafter.config.replace(block_size=denoise["block_size"])
+        drafter = dj.Drafter(cfg, drafter.params)
+    else:
+        monkeypatch.setattr(gen_lib, "draft_block", _greedy_oracle)
+        monkeypatch.setattr(gen_lib, "draft_logprobs", _tree_oracle)
     _forget_compiled(monkeypatch)
     res = dj.generate(
         t,
         drafter,
         [PROMPT] * N,
         max_new_tokens=N_TOKENS,
-        block_size=BLOCK,
+        **({"block_size": BLOCK} | denoise),
         temperature=temperature,
         top_k=top_k,
         top_p=top_p,
@@ -208,6 +229,45 @@ def test_tree_samples_follow_the_exact_joint(case, tiny, enumerated, monkeypatch
     the target's fresh sample names, so steps commit a child and its bonus token)."""
     temperature, top_k, top_p = CASES[case]
     counts, tau = sample(tiny, monkeypatch, temperature, top_k, top_p, tree_budget=3)
+    assert tau > 1.3, tau
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
+    assert tv(counts, exact) < tv_bound(exact, N), (tv(counts, exact), tv_bound(exact, N))
+    for rule in NEIGHBOURS[case]:
+        wrong = exact_joint(enumerated, *rule)
+        assert tv(counts, wrong) > tv_bound(wrong, N), (rule, tv(counts, wrong))
+
+
+def test_denoised_drafts_samples_follow_the_exact_joint(tiny, enumerated, monkeypatch):
+    """The same with drafts from three denoising passes with remasking (block 4: 3 drafts, one
+    position fixed per pass): the passes change the drafts (checked on the drafter alone, every
+    x_last), the drafts are accepted, and the samples follow the exact joint."""
+    case = "temperature_1.2_top_k_3_top_p_0.9"
+    t, drafter = tiny
+    monkeypatch.setattr(gen_lib, "_draft_logits", _denoising_oracle)
+    dmod = dj.DFlashDrafter(drafter.config.replace(block_size=4))
+    x_last = jnp.arange(V, dtype=jnp.int32)
+    tmod, start = dj.Transformer(t.config), jnp.zeros((V,), jnp.int32)
+    drafts = {
+        k: np.asarray(
+            gen_lib.draft_block(
+                tmod,
+                t.params,
+                dmod,
+                None,
+                None,
+                x_last,
+                start,
+                gen_lib.Plan(block_size=4, denoise_steps=k, remask=k == 3),
+            )[0]
+        )  # fmt: skip
+        for k in (1, 3)
+    }
+    assert (drafts[1] != drafts[3]).any()
+    temperature, top_k, top_p = CASES[case]
+    counts, tau = sample(
+        tiny, monkeypatch, temperature, top_k, top_p, block_size=4, denoise_steps=3, remask=True
+    )
     assert tau > 1.3, tau
     exact = exact_joint(enumerated, temperature, top_k, top_p)
     assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0

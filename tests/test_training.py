@@ -132,6 +132,65 @@ def test_random_mask_schedule_reveals_some_and_masks_at_least_one():
     assert np.asarray(masks.mask_pattern(None, (2, 3), 8, "all"))[..., 1:].all()
 
 
+def brute_mdlm(u_ratio, u_pos, force, u_full, bs, full_fraction):
+    """The "mdlm" schedule block by block from its uniform draws: (masked, scale)."""
+    b, n = u_full.shape
+    masked, scale = np.zeros((b, n, bs), bool), np.ones((b, n))
+    for bi in range(b):
+        for ni in range(n):
+            if u_full[bi, ni] < full_fraction:
+                masked[bi, ni, 1:] = True
+                continue
+            t = 1.0 - u_ratio[bi, ni]
+            for k in range(1, bs):
+                masked[bi, ni, k] = u_pos[bi, ni, k] < t or k == force[bi, ni]
+            scale[bi, ni] = 1.0 / max(t, 1.0 / (bs - 1))
+    return masked, scale
+
+
+@pytest.mark.parametrize("full_fraction", (0.0, 0.5, 1.0))
+def test_mdlm_mask_schedule_equals_brute_force(packed_rows, full_fraction):
+    """The masked-diffusion mixture: masks, ratios and 1/t weights against a block-by-block
+    reference from the same uniform draws; its statistics (the fully masked fraction, the masked
+    fraction tracking t, each partial block's expected weight equal to a fully masked one's)."""
+    key, (b, n), bs = jax.random.PRNGKey(3), (8, 256), 8
+    m, sc = masks.mask_draw(key, (b, n), bs, "mdlm", full_fraction)
+    m, sc = np.asarray(m), np.asarray(sc)[..., 0]
+    k_ratio, k_pos, k_force, k_full = jax.random.split(key, 4)
+    u_ratio = np.asarray(jax.random.uniform(k_ratio, (b, n, 1)))[..., 0]
+    u_pos = np.asarray(jax.random.uniform(k_pos, (b, n, bs)))
+    force = 1 + np.asarray(jax.random.randint(k_force, (b, n, 1), 0, bs - 1))[..., 0]
+    u_full = np.asarray(jax.random.uniform(k_full, (b, n, 1)))[..., 0]
+    bm, bsc = brute_mdlm(u_ratio, u_pos, force, u_full, bs, full_fraction)
+    np.testing.assert_array_equal(m, bm)
+    np.testing.assert_allclose(sc, bsc, rtol=1e-6)
+    assert not m[..., 0].any() and m[..., 1:].any(-1).all()
+    full = m[..., 1:].all(-1) & (sc == 1.0)
+    if full_fraction == 1.0:
+        assert full.all()
+        np.testing.assert_array_equal(m, masks.mask_pattern(None, (b, n), bs, "all"))
+        return
+    part = u_full >= full_fraction
+    assert abs(part.mean() - (1 - full_fraction)) < 0.03
+    t = 1.0 - u_ratio[part]
+    frac = m[..., 1:][part].mean(-1)
+    assert np.corrcoef(t, frac)[0, 1] > 0.8  # the masked fraction follows the drawn ratio
+    assert (sc[part] > 1.0).mean() > 0.8 and sc[part].max() <= bs - 1 + 1e-5
+    # ELBO balance: a partial block's masked positions (1 forced + each other w.p. t), weighted
+    # 1/max(t, 1/(bs-1)), weigh E = int_0^1 (1 + (bs-2) t) / max(t, 1/(bs-1)) dt (1.22 (bs-1) at
+    # bs 8, 1.15 at 16: the forced position's share), comparable to a full block's bs - 1.
+    mass = (m[..., 1:] * sc[..., None]).sum(-1)
+    tt = (np.arange(200000) + 0.5) / 200000
+    expect = np.mean((1 + (bs - 2) * tt) / np.maximum(tt, 1 / (bs - 1)))
+    assert abs(mass[part].mean() / expect - 1.0) < 0.05 and 1.0 < expect / (bs - 1) < 1.3
+    # The weights: today's (decay, in-bounds, loss mask) x masked x 1/t.
+    a, v = jnp.zeros((b, n), jnp.int32), jnp.ones((b, n), bool)
+    lm = jnp.ones((b, 32), jnp.int32)
+    w = masks.loss_weights(a, v, lm, bs, 4.0, masked_BNK=jnp.asarray(m), scale_BN1=sc[..., None])
+    ref = brute_weights(np.asarray(a), np.asarray(v), np.asarray(lm), bs, 4.0) * bm * bsc[..., None]
+    np.testing.assert_allclose(np.asarray(w), ref, rtol=1e-6)
+
+
 # ------------------------------------------------------------------ end-to-end on a tiny target
 
 import gc
@@ -143,6 +202,8 @@ import signal
 import subprocess
 import sys
 import time
+
+import optax
 
 import dflash_jax as dj
 from configs import tiny_test
@@ -241,7 +302,7 @@ def test_teacher_positions_predict_the_labels_on_greedy_data(regen_file, trained
     assert np.all(pred[w[0] > 0] == labels[0][w[0] > 0])
 
 
-@pytest.mark.parametrize("loss,schedule", [("kl", "all"), ("ce", "random")])
+@pytest.mark.parametrize("loss,schedule", [("kl", "all"), ("ce", "random"), ("ce", "mdlm")])
 def test_loss_options_give_finite_gradients(trained, loss, schedule):
     cfg = trained[0]
     target = _tiny_target(cfg)
@@ -256,6 +317,7 @@ def test_loss_options_give_finite_gradients(trained, loss, schedule):
         gamma=4.0,
         loss=loss,
         mask_schedule=schedule,
+        mask_full_fraction=0.5,
     )
     rng = np.random.RandomState(0)
     batch = {
@@ -263,6 +325,7 @@ def test_loss_options_give_finite_gradients(trained, loss, schedule):
         "loss_mask": jnp.ones((2, 32), jnp.int32),
         "segment_ids": jnp.ones((2, 32), jnp.int32),
     }
+    key0 = jax.random.PRNGKey(0)
     fn = lambda p: losses.drafter_loss(
         target.module,
         dj.DFlashDrafter(dcfg),
@@ -270,12 +333,25 @@ def test_loss_options_give_finite_gradients(trained, loss, schedule):
         p,
         target.params,
         batch,
-        jax.random.PRNGKey(0),
+        key0,
     )
     # One compiled program: op by op, the loss and its gradient dispatch thousands of ops.
-    (l, m), g = jax.jit(jax.value_and_grad(fn, has_aux=True))(dj.init_drafter_params(dcfg))
+    step = jax.jit(jax.value_and_grad(fn, has_aux=True))
+    params = dj.init_drafter_params(dcfg)
+    (l, m), g = step(params)
     assert np.isfinite(float(l)) and float(l) > 0
     assert all(np.all(np.isfinite(x)) for x in jax.tree_util.tree_leaves(g))
+    if schedule == "mdlm":
+        # The mixture's draws: fully masked and partial blocks both scored, 1/t weights > 1.
+        _, _, masked, scale = jax.jit(
+            lambda lm, seg: losses.drafter_draws(recipe, lm, seg, losses.row_keys(key0, 2))
+        )(batch["loss_mask"], batch["segment_ids"])
+        full = np.asarray(masked)[..., 1:].all(-1)
+        assert full.any() and (~full).any() and float(np.max(scale)) > 1.0
+        # A training step with the mixture: a gradient step lowers its loss on the same draws.
+        lr = 0.05 / max(float(optax.tree.norm(g)), 1e-6)
+        (l2, _), _ = step(jax.tree_util.tree_map(lambda p, d: p - lr * d, params, g))
+        assert float(l2) < float(l)
 
 
 def test_block_scores_brute_force_and_chunked_loss_equals_one_shot(trained):

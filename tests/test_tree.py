@@ -232,6 +232,46 @@ def test_tree_caches_equal_autoregressive_caches(bundled_pair):
                 np.testing.assert_allclose(x[b, :n], y[b, :n], atol=2e-5, rtol=1e-5)
 
 
+def test_tree_from_denoising_passes_equals_autoregressive(bundled_pair):
+    """tree_budget with denoise_steps = 2: the tree is built from the two passes' distributions
+    (each position's from the pass that drafted it: the 8 of 15 fixed after the first pass keep
+    its log-probs, the other 7 get the second pass's, which differ), and decoding with it gives
+    the autoregressive tokens with the tree accepted."""
+    import dflash_jax as dj
+    from dflash_jax import decoding
+
+    target, drafter, prompts = bundled_pair
+    tmod, dmod = dj.Transformer(target.config), dj.DFlashDrafter(drafter.config)
+    plan1 = decoding.Plan(block_size=16, tree_budget=16)
+    plan2 = decoding.Plan(block_size=16, tree_budget=16, denoise_steps=2)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    p_pad, n_buf, cap = decoding.buffer_sizes(int(lens.max()), 8, 17)
+    ids = np.zeros((len(prompts), p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+    prefill, _, _ = decoding.generate_programs(
+        tmod, dmod, plan1, cap, n_buf, None, target.params, drafter.params, len(prompts), p_pad
+    )
+    st = prefill(
+        target.params, drafter.params, jnp.asarray(ids), jnp.asarray(lens), jnp.int32(8),
+        jax.random.PRNGKey(0),
+    )  # fmt: skip
+    x_last, start = st.tokens[:, 0], st.cache.lengths
+    args = (tmod, target.params, dmod, drafter.params, st.ctx, x_last, start)
+    lp1 = np.asarray(decoding.draft_logprobs(*args, plan1))
+    lp2 = np.asarray(decoding.draft_logprobs(*args, plan2))
+    n1 = int(round(15 / 2))  # 8 (Python rounds half to even)
+    first = np.argsort(-lp1.max(-1), axis=1, kind="stable")[:, :n1]  # fixed after pass 1
+    kept = np.zeros(lp1.shape[:2], bool)
+    np.put_along_axis(kept, first, True, axis=1)
+    np.testing.assert_allclose(lp2[kept], lp1[kept], atol=1e-5)
+    assert np.abs(lp2 - lp1).max(-1)[~kept].min() > 1e-4  # every later one re-predicted
+    ar = dj.generate(target, None, prompts, 40).tokens
+    res = dj.generate(target, drafter, prompts, 40, tree_budget=16, denoise_steps=2)
+    assert res.tokens == ar
+    assert res.tau > 1.5 and max(max(a) for a in res.acceptance_lengths) >= 4
+
+
 def test_bad_tree_requests_are_one_line_errors(bundled_pair):
     import dflash_jax as dj
 
@@ -239,7 +279,6 @@ def test_bad_tree_requests_are_one_line_errors(bundled_pair):
     cases = [
         (dict(tree_budget=0), "tree_budget must be in"),
         (dict(tree_budget=2000), "tree_budget must be in"),
-        (dict(tree_budget=8, denoise_steps=2), "does not combine with denoise_steps"),
         (dict(tree_budget=8, confidence_threshold=0.5), "does not combine with confidence"),
         (dict(tree_budget=8, return_drafts=True), "does not combine with return_drafts"),
         (dict(tree_budget=1.5), "must be an int"),

@@ -122,6 +122,8 @@ CONFIG_CASES = [
     ({"regen.holdout_fraction": 1.5}, "regen.holdout_fraction must be in [0.0, 1.0]"),
     ({"keep_checkpoints": 0}, "keep_checkpoints must be >= 1"),
     ({"num_train_steps": 0}, "num_train_steps must be >= 1"),
+    ({"mask_schedule": "mdml"}, "did you mean 'mdlm'?"),
+    ({"mask_full_fraction": 1.5}, "mask_full_fraction must be a number in [0, 1], got 1.5"),
 ]
 
 
@@ -157,6 +159,11 @@ INFER_FLAGS = dict(
         ({"max_new_tokens": 0}, "--max_new_tokens must be >= 1, got 0"),
         ({"block_size": 65}, "--block_size must be in [2, 64], got 65"),
         ({"tree_budget": 0}, "--tree_budget must be in [1, 1024], got 0"),
+        ({"denoise_steps": 2, "remask": True}, "--remask needs denoise_steps >= 3"),
+        (
+            {"denoise_steps": 4, "remask": True, "denoise_schedule": "fixed"},
+            "--remask needs denoise_schedule='confidence'",
+        ),
         ({"temperature": 1.0, "top_p": 0.0}, "top_p must be in (0.0, 1.0], got 0.0"),
         ({"param_dtype": "float8"}, "unknown dtype 'float8'"),
         (

@@ -160,6 +160,7 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
         gamma=config.gamma,
         loss=config.loss,
         mask_schedule=config.mask_schedule,
+        mask_full_fraction=float(config.get("mask_full_fraction", 0.5)),
         attention_impl=config.attention_impl,
         use_segments=config.use_segments,
         loss_chunk_anchors=config.loss_chunk_anchors,

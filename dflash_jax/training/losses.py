@@ -35,7 +35,9 @@ class DrafterRecipe:
 
     loss: "ce" (hard same-position labels) or "kl" (distill the target: block position k gets
       the target's next-token distribution at position p+k-1, the one that predicts x_{p+k}).
-    mask_schedule: "all" (paper) or "random" (partially revealed blocks, loss on masked only).
+    mask_schedule: "all" (paper), "random" (partially revealed blocks, loss on masked only) or
+      "mdlm" (fully masked blocks with probability mask_full_fraction, else masked-diffusion
+      blocks at ratio t weighted 1/t: `masks.mask_draw`).
     loss_chunk_anchors: > 0 bounds the live logits to that many anchors' blocks (see
       `block_scores`); 0 computes all N*bs rows at once.
     """
@@ -47,6 +49,7 @@ class DrafterRecipe:
     gamma: float = 7.0
     loss: str = "ce"
     mask_schedule: str = "all"
+    mask_full_fraction: float = 0.5  # "mdlm": the fraction of fully masked blocks
     attention_impl: str = "xla"
     use_segments: bool = True
     loss_chunk_anchors: int = 0  # > 0: logits for this many anchors at a time (block_scores)
@@ -57,8 +60,12 @@ class DrafterRecipe:
     def __post_init__(self):
         if self.loss not in ("ce", "kl"):
             raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
-        if self.mask_schedule not in ("all", "random"):
-            raise ValueError(f"mask_schedule must be 'all' or 'random', got {self.mask_schedule!r}")
+        if self.mask_schedule not in masks.MASK_SCHEDULES:
+            raise ValueError(
+                f"mask_schedule must be one of {masks.MASK_SCHEDULES}, got {self.mask_schedule!r}"
+            )
+        if not 0.0 <= self.mask_full_fraction <= 1.0:
+            raise ValueError(f"mask_full_fraction must be in [0, 1], got {self.mask_full_fraction}")
         if self.attention_impl not in ("xla", "pallas", "pallas_interpret"):
             raise ValueError(
                 f"attention_impl must be xla, pallas or pallas_interpret, got "
@@ -298,8 +305,8 @@ def row_keys(key, batch_size: int):
 
 def drafter_draws(recipe: DrafterRecipe, loss_mask_BS, segment_ids_BS, keys_B):
     """The objective's random draws, row by row from the row keys `keys_B`: (anchors [B,N],
-    block_valid [B,N], masked [B,N,bs]) as `masks.sample_anchors` / `masks.mask_pattern` draw
-    them for one row."""
+    block_valid [B,N], masked [B,N,bs], scale [B,N,1]) as `masks.sample_anchors` /
+    `masks.mask_draw` draw them for one row."""
     bs = recipe.block_size
 
     def one(key, lm, seg):
@@ -312,8 +319,10 @@ def drafter_draws(recipe: DrafterRecipe, loss_mask_BS, segment_ids_BS, keys_B):
             None if seg is None else seg[None],
             recipe.anchors_per_row,
         )
-        masked = masks.mask_pattern(k_mask, (1, anchors.shape[1]), bs, recipe.mask_schedule)
-        return anchors[0], valid[0], masked[0]
+        masked, scale = masks.mask_draw(
+            k_mask, (1, anchors.shape[1]), bs, recipe.mask_schedule, recipe.mask_full_fraction
+        )
+        return anchors[0], valid[0], masked[0], scale[0]
 
     if segment_ids_BS is None:
         return jax.vmap(lambda k, lm: one(k, lm, None))(keys_B, loss_mask_BS)
@@ -350,7 +359,7 @@ def drafter_loss(
     )
     taps = jax.lax.stop_gradient(taps)
 
-    anchors, valid, masked = drafter_draws(recipe, loss_mask, seg, row_keys(key, b))
+    anchors, valid, masked, scale = drafter_draws(recipe, loss_mask, seg, row_keys(key, b))
     n = anchors.shape[1]
     tokens = masks.block_inputs(ids, anchors, bs, recipe.mask_token_id, masked)
     labels = masks.block_labels(ids, anchors, bs)
@@ -361,7 +370,8 @@ def drafter_loss(
         bs,
         recipe.gamma,
         seg,
-        masked if recipe.mask_schedule == "random" else None,
+        None if recipe.mask_schedule == "all" else masked,
+        scale if recipe.mask_schedule == "mdlm" else None,
     )
 
     emb = jax.lax.stop_gradient(

@@ -7,7 +7,8 @@ Per sequence of length S, with N = num_anchors blocks of bs = block_size positio
                without replacement; blocks beyond the chosen count are invalid. Blocks may run
                past the end: labels beyond S (or the document) get weight 0.
   block input  position k of block n holds x_{p_n} at k = 0 and MASK at k >= 1 (the
-               "random" schedule keeps some real tokens x_{p_n+k} at k >= 1 instead);
+               "random" and "mdlm" schedules keep some real tokens x_{p_n+k} at k >= 1
+               instead: `mask_draw`);
                block positions are p_n .. p_n + bs - 1.
   mask         `training_mask`: block n sees context positions j < p_n (STRICTLY less, and in
                the anchor's document when rows are packed) and all bs keys of its own block;
@@ -15,7 +16,8 @@ Per sequence of length S, with N = num_anchors blocks of bs = block_size positio
   labels       `block_labels`: block position k predicts x_{p_n + k} (same position, no shift).
   weights      `loss_weights`: w_k = exp(-(k - 1) / gamma) for k >= 1, 0 at k = 0, times
                loss_mask[p+k], in-bounds (p + k < S, same document), block valid, and (random
-               schedule) the position being masked.
+               and mdlm schedules) the position being masked; "mdlm" also multiplies a
+               partially masked block's weights by 1 / max(t, 1/(bs-1)) (`mask_draw`).
 
 Packed rows (segment_ids): the target forward is segment-masked, so every tap belongs to one
 document; `training_mask` additionally hides context of other documents from a block, and
@@ -121,24 +123,48 @@ def block_labels(input_ids_BS, anchors_BN, block_size: int):
     return _gather_rows(input_ids_BS, block_positions(anchors_BN, block_size))
 
 
-def mask_pattern(key, shape_BN, block_size: int, schedule: str = "all"):
-    """[B,N,bs] bool, True where the block input is MASK (k = 0 is never masked).
+MASK_SCHEDULES = ("all", "random", "mdlm")
 
-    "all": every k >= 1 (DFlash, the paper's default). "random": per block a ratio r ~ U(0,1]
-    and each k >= 1 masked with probability r, at least one masked position (multi-step
-    denoising: the drafter also learns to fill a partially revealed block).
+
+def mask_draw(key, shape_BN, block_size: int, schedule: str = "all", full_fraction: float = 0.5):
+    """(masked [B,N,bs] bool, True where the block input is MASK; scale [B,N,1] float32, the
+    block's loss-weight factor). k = 0 is never masked.
+
+    "all": every k >= 1 (DFlash, the paper's default), scale 1.
+    "random": per block a ratio r ~ U(0,1] and each k >= 1 masked with probability r, at least
+      one masked position (one k ~ U{1..bs-1} forced); scale 1.
+    "mdlm": the masked-diffusion language-model objective mixed with today's blocks. A block is
+      fully masked with probability `full_fraction` (scale 1, exactly the "all" block); otherwise
+      its ratio t ~ U(0,1], each k >= 1 masked with probability t, one k ~ U{1..bs-1} forced,
+      and scale 1 / max(t, 1/(bs-1)): the 1/t weight of the MDLM / LLaDA ELBO, clamped at the
+      smallest ratio a block can have (one masked position of bs - 1), since E[1/t] diverges.
+      A block masked at ratio t has 1 + (bs-2) t masked positions in expectation, so its weight
+      mass is about (bs-1) t / t = bs - 1, a fully masked block's, plus the forced position's
+      share (in all 1.15 (bs - 1) at block 16): the mixture's two halves weigh about alike.
     """
     b, n = shape_BN
     k = jnp.arange(block_size)[None, None]
+    full = jnp.broadcast_to(k >= 1, (b, n, block_size))
+    one = jnp.ones((b, n, 1), jnp.float32)
     if schedule == "all":
-        return jnp.broadcast_to(k >= 1, (b, n, block_size))
-    if schedule != "random":
-        raise ValueError(f"mask_schedule must be 'all' or 'random', got {schedule!r}")
-    k_ratio, k_pos, k_force = jax.random.split(key, 3)
+        return full, one
+    if schedule not in MASK_SCHEDULES:
+        raise ValueError(f"mask_schedule must be one of {MASK_SCHEDULES}, got {schedule!r}")
+    k_ratio, k_pos, k_force, k_full = jax.random.split(key, 4)
     ratio = 1.0 - jax.random.uniform(k_ratio, (b, n, 1))  # (0, 1]
     masked = (jax.random.uniform(k_pos, (b, n, block_size)) < ratio) & (k >= 1)
     force = 1 + jax.random.randint(k_force, (b, n, 1), 0, block_size - 1)
-    return masked | (k == force)
+    masked = masked | (k == force)
+    if schedule == "random":
+        return masked, one
+    is_full = jax.random.uniform(k_full, (b, n, 1)) < full_fraction
+    scale = 1.0 / jnp.maximum(ratio, 1.0 / (block_size - 1))
+    return jnp.where(is_full, full, masked), jnp.where(is_full, 1.0, scale).astype(jnp.float32)
+
+
+def mask_pattern(key, shape_BN, block_size: int, schedule: str = "all", full_fraction: float = 0.5):
+    """[B,N,bs] bool, True where the block input is MASK: the `masked` of `mask_draw`."""
+    return mask_draw(key, shape_BN, block_size, schedule, full_fraction)[0]
 
 
 def block_inputs(input_ids_BS, anchors_BN, block_size: int, mask_token_id: int, masked_BNK=None):
@@ -158,13 +184,15 @@ def loss_weights(
     gamma: float,
     segment_ids_BS: Optional[jnp.ndarray] = None,
     masked_BNK=None,
+    scale_BN1=None,
 ):
     """[B,N,bs] float32 weights of the same-position labels `block_labels`.
 
     w[b,n,k] = exp(-(k-1)/gamma) if k >= 1 else 0,
                times loss_mask[p+k], times (p+k < S), times block_valid[b,n],
                times (segment[p+k] == segment[p]) with segment ids,
-               times masked[b,n,k] when a mask pattern is given (no loss on revealed tokens).
+               times masked[b,n,k] when a mask pattern is given (no loss on revealed tokens),
+               times scale[b,n] when given (the "mdlm" schedule's 1/t, `mask_draw`).
     """
     s = loss_mask_BS.shape[1]
     k = jnp.arange(block_size, dtype=jnp.float32)
@@ -176,4 +204,5 @@ def loss_weights(
         ok &= _gather_rows(segment_ids_BS, pos) == anchor_seg[:, :, None]
     if masked_BNK is not None:
         ok &= masked_BNK
-    return decay * ok.astype(jnp.float32)
+    w = decay * ok.astype(jnp.float32)
+    return w if scale_BN1 is None else w * scale_BN1
