@@ -111,7 +111,7 @@ def page() -> str:
                 if k not in g:
                     cells.append("-")
                     continue
-                pays = "pays" if g[k] > d / one else "does not pay"
+                pays = "one pass" if k == 1 else "pays" if g[k] > d / one else "does not pay"
                 cells.append(f"{g[k]:.3f}: {TAU_1 * g[k] * a / d:.2f}x ({pays})")
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
