@@ -10,6 +10,7 @@ import jax
 import numpy as np
 
 from dflash_jax import validation
+from dflash_jax.validation import DENOISE_SCHEDULES, check_denoise  # noqa: F401 (re-exported)
 from dflash_jax.drafter import validate_pair
 
 
@@ -106,28 +107,6 @@ def check_tree_request(target, drafter, block_size, tree_budget, v, return_draft
         if bad:
             raise ValueError(f"tree_budget does not combine with {name}: {why}")
     return tree_budget
-
-
-DENOISE_SCHEDULES = ("confidence", "fixed")
-
-
-def check_denoise(denoise_schedule, remask, denoise_steps):
-    """`generate`'s denoise_schedule and remask checked (one ValueError): (schedule, remask)."""
-    if denoise_schedule not in DENOISE_SCHEDULES:
-        raise ValueError(
-            f"denoise_schedule must be one of {', '.join(map(repr, DENOISE_SCHEDULES))}, "
-            f"got {denoise_schedule!r}"
-        )
-    if not isinstance(remask, (bool, np.bool_)):
-        raise ValueError(f"remask must be a bool, got {remask!r}")
-    if remask and denoise_schedule != "confidence":
-        raise ValueError("remask needs denoise_schedule='confidence' (it re-ranks by confidence)")
-    if remask and denoise_steps < 3:
-        raise ValueError(
-            f"remask needs denoise_steps >= 3 (a remasked token is predicted again by a later "
-            f"pass before the last), got {denoise_steps}"
-        )
-    return denoise_schedule, bool(remask)
 
 
 def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoise_steps):

@@ -457,8 +457,6 @@ def check_infer_flags(f: Mapping) -> None:
     int_param("--max_new_tokens", f["max_new_tokens"], lo=1)
     int_param("--denoise_steps", f["denoise_steps"], lo=1)
     if f.get("remask") or f.get("denoise_schedule", "confidence") != "confidence":
-        from dflash_jax.generate_io import check_denoise
-
         try:
             check_denoise(
                 f.get("denoise_schedule", "confidence"), f.get("remask"), f["denoise_steps"]
@@ -529,3 +527,25 @@ def check_generate_args(
     else:
         out["block_size"] = 1
     return out
+
+
+DENOISE_SCHEDULES = ("confidence", "fixed")
+
+
+def check_denoise(denoise_schedule, remask, denoise_steps):
+    """`generate`'s denoise_schedule and remask checked (one ValueError): (schedule, remask)."""
+    if denoise_schedule not in DENOISE_SCHEDULES:
+        raise ValueError(
+            f"denoise_schedule must be one of {', '.join(map(repr, DENOISE_SCHEDULES))}, "
+            f"got {denoise_schedule!r}"
+        )
+    if not isinstance(remask, (bool, np.bool_)):
+        raise ValueError(f"remask must be a bool, got {remask!r}")
+    if remask and denoise_schedule != "confidence":
+        raise ValueError("remask needs denoise_schedule='confidence' (it re-ranks by confidence)")
+    if remask and denoise_steps < 3:
+        raise ValueError(
+            f"remask needs denoise_steps >= 3 (a remasked token is predicted again by a later "
+            f"pass before the last), got {denoise_steps}"
+        )
+    return denoise_schedule, bool(remask)
