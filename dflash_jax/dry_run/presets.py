@@ -28,6 +28,25 @@ def model_presets():
             }.items()
         )
     )
+    qwen3_30b_a3b = ModelConfig(
+        arch="qwen3_moe",
+        vocab_size=151936,
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        rope_theta=1_000_000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=40960,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        **bf16,
+    )
+    moe_drafter = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669)
     return {
         "qwen3_8b": (
             ModelConfig(
@@ -84,51 +103,14 @@ def model_presets():
         # (decoder_sparse_step 1, mlp_only_layers []; intermediate_size 6144 is the dense
         # width no layer uses). Source: the issue's facts and the public Megatron arguments of
         # zyzshishui/slime scripts/models/qwen3-30B-A3B.sh (rotary base 1e6, ffn 6144).
-        "qwen3_30b_a3b": (
-            ModelConfig(
-                arch="qwen3_moe",
-                vocab_size=151936,
-                hidden_size=2048,
-                intermediate_size=6144,
-                num_layers=48,
-                num_heads=32,
-                num_kv_heads=4,
-                head_dim=128,
-                rope_theta=1_000_000.0,
-                tie_word_embeddings=False,
-                max_position_embeddings=40960,
-                num_experts=128,
-                num_experts_per_tok=8,
-                moe_intermediate_size=768,
-                norm_topk_prob=True,
-                **bf16,
-            ),
-            dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669),
-        ),
+        "qwen3_30b_a3b": (qwen3_30b_a3b, moe_drafter),
         # Qwen3-Coder-30B-A3B: the same architecture (the issue) with a 262144-token native
         # context (its public model cards). Its rope_theta was not found in a source here, so
         # the preset keeps Qwen3-30B-A3B's: compiled shapes and bytes do not depend on it, and
         # a real run reads the checkpoint's config.json.
         "qwen3_coder_30b_a3b": (
-            ModelConfig(
-                arch="qwen3_moe",
-                vocab_size=151936,
-                hidden_size=2048,
-                intermediate_size=6144,
-                num_layers=48,
-                num_heads=32,
-                num_kv_heads=4,
-                head_dim=128,
-                rope_theta=1_000_000.0,
-                tie_word_embeddings=False,
-                max_position_embeddings=262144,
-                num_experts=128,
-                num_experts_per_tok=8,
-                moe_intermediate_size=768,
-                norm_topk_prob=True,
-                **bf16,
-            ),
-            dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669),
+            qwen3_30b_a3b.replace(max_position_embeddings=262144),
+            moe_drafter,
         ),
         # A Qwen3-MoE shape scaled down (2 layers, 8 experts of 64, top 2) for compile tests.
         "tiny_moe": (
