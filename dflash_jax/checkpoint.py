@@ -164,7 +164,7 @@ def load_params(
     kernel of `abstract_params` (with its `kernel_scale`) is read as stored (an int8 file) or
     quantized per output channel from the float (or dequantized FP8) tensor.
     """
-    store = SafetensorsDir(path)
+    store = _open_store(path)
     try:
         flat = traverse_util.flatten_dict(abstract_params)
         out = {}
@@ -213,6 +213,18 @@ def load_params(
         return traverse_util.unflatten_dict(out)
     finally:
         store.close()
+
+
+def _open_store(path: str):
+    """The tensors of a model directory: its safetensors, or the GGUF file its config.json
+    names (a directory that `gguf_io.model_dir` derived from a GGUF file)."""
+    from dflash_jax import gguf_io
+
+    if os.path.exists(os.path.join(path, "config.json")):
+        src = gguf_io.gguf_source(path, _read_config(path))
+        if src is not None:
+            return gguf_io.GGUFStore(src)
+    return SafetensorsDir(path)
 
 
 def _read_experts(store, path, key, spec, prefix, param_dtype, fp8_block):

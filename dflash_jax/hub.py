@@ -2,6 +2,9 @@
 
     resolve("path/to/dir")               -> "path/to/dir" (unchanged when it is a directory)
     resolve("z-lab/Qwen3-8B-DFlash-b16") -> the local snapshot directory of that repository
+    resolve("model.gguf")                -> a directory derived from the GGUF (`gguf_io`): its
+                                            config and tokenizer, weights read from the file
+    resolve("smollm2-135m-instruct")     -> the same for the GGUF of an installed package
 
 Hub ids go through `huggingface_hub.snapshot_download`, fetching only the files the loaders read
 (config, safetensors and their index, tokenizer and generation config), so the usual cache
@@ -53,6 +56,9 @@ def resolve(name_or_path, *, what: str = "model") -> str:
     """A local directory for `name_or_path`: itself if it is a directory, else the snapshot of
     the hub repository it names (downloaded or taken from the cache). Raises `HubError`."""
     path = os.fspath(name_or_path)
+    gguf_dir = _gguf_dir(path, what)
+    if gguf_dir is not None:
+        return gguf_dir
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
@@ -125,9 +131,23 @@ def local_path(name_or_path, *, what: str = "model") -> str:
     """What the loaders call: an existing path, or anything that cannot be a hub id, is returned
     unchanged (the loader reports a missing directory in its own terms); a hub id is resolved."""
     path = os.fspath(name_or_path)
+    gguf_dir = _gguf_dir(path, what)
+    if gguf_dir is not None:
+        return gguf_dir
     if os.path.exists(path) or not looks_like_repo_id(path):
         return path
     return resolve(path, what=what)
+
+
+def _gguf_dir(path: str, what: str) -> Optional[str]:
+    """The model directory derived from a GGUF file (`dflash_jax.gguf_io`) when `path` is one,
+    a directory holding one, or a known model name; else None."""
+    from dflash_jax import gguf_io
+
+    try:
+        return gguf_io.as_model_dir(path)
+    except gguf_io.GGUFError as e:
+        raise HubError(f"{what}: {e}") from None
 
 
 def resolve_optional(name_or_path: Optional[str], *, what: str = "model") -> Optional[str]:

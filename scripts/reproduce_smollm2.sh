@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Reproduce the SmolLM2-135M-Instruct drafter (assets/smollm2-135m-instruct/drafter) from scratch.
+#
+#   scripts/reproduce_smollm2.sh [--dry_run] [RUNS]      # from the repository root
+#
+# Stages (every one resumes: a finished chunk / stage is skipped, training resumes from its
+# last checkpoint, so the script can be stopped and rerun across sessions):
+#   1. prompts:  ShareGPT's first user turns (python -m dflash_jax.data.sources), MT-Bench and
+#                HumanEval checked absent
+#   2. regen:    the target's greedy answers through its chat template, CHUNK conversations a
+#                file (python -m dflash_jax.training.regenerate), CHUNKS chunks
+#   3. train:    train.py --config=configs/smollm2/drafter.py on the chunks written so far
+#   4. export:   the drafter in bfloat16 to $OUT (default RUNS/drafter)
+#   5. eval:     benchmarks/eval_tau.py on MT-Bench and HumanEval (greedy, block 16, 256 tokens)
+# Environment: PYTHON (default python), CHUNKS (default 8), CHUNK (default 512), OUT,
+# STEPS (training steps, default from the config). --dry_run prints the commands only.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+DRY=0
+if [[ "${1:-}" == "--dry_run" ]]; then DRY=1; shift; fi
+if [[ $# -gt 1 || "${1:-}" == -* ]]; then
+  echo "usage: scripts/reproduce_smollm2.sh [--dry_run] [RUNS]" >&2
+  exit 2
+fi
+RUNS="${1:-runs/smollm2}"
+OUT="${OUT:-$RUNS/drafter}"
+PY="${PYTHON:-python}"
+CHUNKS="${CHUNKS:-8}"
+CHUNK="${CHUNK:-512}"
+TARGET=smollm2-135m-instruct
+
+step() {
+  local done_path="$1"; shift
+  if [[ $DRY == 1 ]]; then
+    printf '%q ' "$@"; echo
+  elif [[ -e "$done_path" ]]; then
+    echo "reproduce: $done_path exists, skipping"
+  else
+    echo "reproduce: $*"
+    "$@"
+  fi
+}
+
+[[ $DRY == 1 ]] || mkdir -p "$RUNS/regen"
+step "$RUNS/prompts.jsonl" "$PY" -m dflash_jax.data.sources --source=sharegpt \
+  --out="$RUNS/prompts.jsonl" --max_turns=1 --max_chars=2000
+for ((i = 0; i < CHUNKS; i++)); do
+  part="$RUNS/regen/prompts_$i.jsonl"
+  if [[ $DRY == 1 ]]; then
+    echo "sed -n $((i * CHUNK + 1)),$(((i + 1) * CHUNK))p $RUNS/prompts.jsonl > $part"
+  elif [[ ! -e "$part" ]]; then
+    sed -n "$((i * CHUNK + 1)),$(((i + 1) * CHUNK))p" "$RUNS/prompts.jsonl" > "$part.tmp"
+    mv "$part.tmp" "$part"
+  fi
+  step "$RUNS/regen/responses_$i.jsonl" "$PY" -m dflash_jax.training.regenerate \
+    --target=$TARGET --prompts="$part" --out="$RUNS/regen/responses_$i.jsonl" \
+    --batch_size=64 --max_new_tokens=256
+done
