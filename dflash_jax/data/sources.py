@@ -201,11 +201,9 @@ def mt_bench() -> List[dict]:
     return out
 
 
-HUMANEVAL_INSTRUCTION = "Complete the following Python function.\n\n```python\n{prompt}```"
-
-
 def humaneval() -> List[dict]:
-    """[{"id", "prompt" (the function header and docstring), "turns": [a chat instruction]}]."""
+    """[{"id", "prompt"}]: each problem's function header and docstring (the benchmark wraps
+    it in its own instruction: benchmarks/eval_tau.py)."""
     path = source_file("humaneval")
     out = []
     with gzip.open(path, "rt", encoding="utf-8") as f:
@@ -216,7 +214,6 @@ def humaneval() -> List[dict]:
                     {
                         "id": p["task_id"],
                         "prompt": p["prompt"],
-                        "turns": [HUMANEVAL_INSTRUCTION.format(prompt=p["prompt"])],
                     }
                 )
     return out
@@ -259,17 +256,13 @@ def main(argv):
     from dflash_jax import console
 
     F = flags.FLAGS
-    if F.source != "sharegpt":
-        items = eval_prompts(F.source)
-        convs = [[{"role": "user", "content": q["turns"][0]}] for q in items]
-    else:
-        stats = ShareGPTStats()
-        convs = list(sharegpt(F.limit, F.skip, F.max_turns, F.max_chars, stats))
-        check_disjoint(convs, f"sharegpt[{F.skip}:]")
-        console.say(
-            f"sharegpt: {stats.records} records read, {stats.kept} kept, {stats.skipped} "
-            f"skipped; truncated tail {stats.truncated_tail_bytes} bytes"
-        )
+    stats = ShareGPTStats()
+    convs = list(sharegpt(F.limit, F.skip, F.max_turns, F.max_chars, stats))
+    check_disjoint(convs, f"sharegpt[{F.skip}:]")
+    console.say(
+        f"sharegpt: {stats.records} records read, {stats.kept} kept, {stats.skipped} "
+        f"skipped; truncated tail {stats.truncated_tail_bytes} bytes"
+    )
     tmp = F.out + ".tmp"
     with open(tmp, "w", encoding="utf-8") as f:
         for c in convs:
@@ -283,7 +276,7 @@ if __name__ == "__main__":
 
     from dflash_jax import cli
 
-    flags.DEFINE_enum("source", "sharegpt", ["sharegpt", *EVAL_SOURCES], "prompt source")
+    flags.DEFINE_enum("source", "sharegpt", ["sharegpt"], "prompt source (training prompts)")
     flags.DEFINE_string("out", None, "output JSONL (messages)", required=True)
     flags.DEFINE_integer("limit", 0, "at most this many conversations (0: all)")
     flags.DEFINE_integer("skip", 0, "skip this many usable conversations first")
