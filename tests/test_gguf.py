@@ -285,3 +285,17 @@ def test_cli_bad_gguf_one_line(files, tmp_path):
     lines = [ln for ln in r.stderr.splitlines() if ln.strip()]
     assert lines[-1].startswith("error:") and "not a GGUF file" in lines[-1], r.stderr[-500:]
     assert not any("Traceback" in ln for ln in lines)
+
+
+@needs_smollm2
+def test_smollm2_preset_and_dry_run_configs_match_the_file(smollm2):
+    """The dry run's smollm2_135m preset is the file's config field for field (dtype aside),
+    and the dry run takes the GGUF itself; the known name maps back from its directory."""
+    from dflash_jax import dry_run
+
+    _, target = smollm2
+    preset, dcfg = dry_run.build_configs("smollm2_135m", dtype="float32")
+    from_file, _ = dry_run.build_configs("smollm2-135m-instruct", dtype="float32")
+    assert preset == target.config.replace(max_position_embeddings=8192) == from_file
+    assert dcfg.block_size == 16
+    assert gguf_io.known_name(target.path) == "smollm2-135m-instruct"

