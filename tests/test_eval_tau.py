@@ -231,3 +231,40 @@ def test_missing_or_bad_data_is_one_line_exit_2(tmp_path, args, message):
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], lines
     if "no source" in message:  # says what was tried and how to fix it
         assert "math500.jsonl: no such file" in lines[0] and "'problem' per line" in lines[0]
+
+
+def test_batched_responses_match_batch_one():
+    """--batch_size > 1: turn k of all rows in one generate call (padded to the batch), turn 2
+    over the row's own turn-1 answer; the same responses and tokens as batch 1 (greedy), every
+    one equal to autoregressive decoding, the drafter accepted; no timing."""
+    import dflash_jax as dj
+    from dflash_jax.data import load_tokenizer
+
+    target = dj.load_target(os.path.join(PAIR, "target"))
+    drafter = dj.load_drafter(os.path.join(PAIR, "drafter"), target=target)
+    tok = load_tokenizer(os.path.join(PAIR, "target"))
+    rows = [
+        ["def add(a, b):", "def sub(a, b):"],
+        ["import os\n\n\ndef read(path):"],
+        ["class Stack:\n    def push(self, x):", "    def pop(self):"],
+    ]
+    render = lambda msgs: "\n".join(m["content"] for m in msgs)  # noqa: E731
+    kw = dict(temperature=0.0, max_new_tokens=24, stop_ids=(tok.eos_id,), seed=0)
+    one = eval_tau.evaluate_dataset(target, drafter, rows, render, tok.encode, tok.decode, **kw)
+    two = eval_tau.evaluate_dataset(
+        target, drafter, rows, render, tok.encode, tok.decode, batch_size=2, **kw
+    )
+    assert two["speedup"] is None and one["speedup"] is not None
+    key = lambda r: (r["row"], r["turn"])  # noqa: E731
+    a = sorted(one["per_response"], key=key)
+    b = sorted(two["per_response"], key=key)
+    assert [key(r) for r in a] == [key(r) for r in b] and len(b) == 5
+    assert all(r["same_tokens"] for r in a + b)
+    assert [(r["prompt_tokens"], r["new_tokens"]) for r in a] == [
+        (r["prompt_tokens"], r["new_tokens"]) for r in b
+    ]
+    second = next(r for r in b if key(r) == (0, 1))
+    first = next(r for r in b if key(r) == (0, 0))
+    assert second["prompt_tokens"] > first["prompt_tokens"] + first["new_tokens"] - 1
+    assert max(x for r in b for x in r["acceptance"]) >= 3  # the drafter is accepted
+    assert abs(two["tau"] - one["tau"]) < 0.25
