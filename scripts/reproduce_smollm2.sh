@@ -12,7 +12,8 @@
 #   3. train:    train.py --config=configs/smollm2/drafter.py on the chunks written so far
 #   4. export:   the drafter in bfloat16 to $OUT (default RUNS/drafter)
 #   5. eval:     benchmarks/eval_tau.py on MT-Bench and HumanEval (greedy, block 16, 256 tokens)
-# Environment: PYTHON (default python), CHUNKS (default 8), CHUNK (default 512), OUT,
+# Environment: PYTHON (default python), CHUNKS (default 8), CHUNK (default 512), OUT, INIT
+# (a drafter to continue from), EVAL_PROMPTS (rows per dataset, 0: all),
 # STEPS (training steps, default from the config). --dry_run prints the commands only.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -57,3 +58,34 @@ for ((i = 0; i < CHUNKS; i++)); do
     --target=$TARGET --prompts="$part" --out="$RUNS/regen/responses_$i.jsonl" \
     --batch_size=64 --max_new_tokens=256
 done
+
+# Stage 3: train on every chunk written so far (concatenated in chunk order; the trainer holds
+# out the last regen.holdout_fraction of the records for its in-loop loss and tau).
+RESP="$RUNS/responses.jsonl"
+if [[ $DRY == 1 ]]; then
+  echo "cat $RUNS/regen/responses_*.jsonl > $RESP"
+else
+  files=()
+  for ((i = 0; i < CHUNKS; i++)); do
+    [[ -e "$RUNS/regen/responses_$i.jsonl" ]] && files+=("$RUNS/regen/responses_$i.jsonl")
+  done
+  cat "${files[@]}" > "$RESP.tmp" && mv "$RESP.tmp" "$RESP"
+  echo "reproduce: ${#files[@]} chunks of responses -> $RESP"
+fi
+extra=()
+[[ -n "${STEPS:-}" ]] && extra+=("--config.num_train_steps=$STEPS")
+[[ -n "${INIT:-}" ]] && extra+=("--config.drafter.init_path=$INIT")
+step "$RUNS/train/export/drafter/config.json" "$PY" train.py --config=configs/smollm2/drafter.py \
+  --workdir="$RUNS/train" --config.regen.output="$RESP" "${extra[@]}"
+
+# Stage 4: the drafter in bfloat16 (as shipped).
+step "$OUT/config.json" "$PY" -c "import sys, dflash_jax as dj; t = dj.load_target(sys.argv[3]); \
+dj.save_drafter(dj.load_drafter(sys.argv[1], target=t), sys.argv[2], dtype='bfloat16')" \
+  "$RUNS/train/export/drafter" "$OUT" "$TARGET"
+
+# Stage 5: tau on MT-Bench (both turns) and HumanEval, greedy, block 16, 256 new tokens
+# (batched: tau and equality with autoregressive decoding; no timing on this CPU).
+step "$RUNS/eval_t0_b16.json" "$PY" benchmarks/eval_tau.py --target=$TARGET --drafter="$OUT" \
+  --datasets=mt_bench,humaneval --temperature=0 --max_new_tokens=256 --batch_size=16 \
+  --num_prompts="${EVAL_PROMPTS:-0}" --json_out="$RUNS/eval_t0_b16.json" \
+  --md_out="$RUNS/eval_t0_b16.md"

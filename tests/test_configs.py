@@ -143,3 +143,34 @@ def test_named_config_exists_and_loads(path):
     if as_arg:
         cfg = _load(path)
         assert cfg.mode in ("target", "drafter") and cfg.num_train_steps != 0, path
+
+
+def test_smollm2_reproduction_script_stages_in_order(tmp_path):
+    """scripts/reproduce_smollm2.sh parses and, dry, prints its five stages in order (prompts,
+    the regeneration chunks, training on their concatenation, the bfloat16 export, the tau
+    evaluation), writing nothing."""
+    script = os.path.join(ROOT, "scripts", "reproduce_smollm2.sh")
+    assert subprocess.run(["bash", "-n", script], timeout=60).returncode == 0
+    runs = tmp_path / "runs"
+    out = subprocess.run(
+        ["bash", script, "--dry_run", str(runs)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "CHUNKS": "3"},
+    )
+    assert out.returncode == 0, out.stderr
+    assert not runs.exists()
+    lines = out.stdout.splitlines()
+    marks = [
+        "dflash_jax.data.sources --source=sharegpt",
+        "regenerate --target=smollm2-135m-instruct",
+        "train.py --config=configs/smollm2/drafter.py",
+        "save_drafter",
+        "benchmarks/eval_tau.py --target=smollm2-135m-instruct",
+    ]
+    at = [next(i for i, ln in enumerate(lines) if m in ln.replace("\\", "")) for m in marks]
+    assert at == sorted(at), at
+    assert sum("dflash_jax.training.regenerate" in ln for ln in lines) == 3
+    assert _load("configs/smollm2/drafter.py").target_path == "smollm2-135m-instruct"
