@@ -42,20 +42,26 @@ def gqa_attention(
         raise ValueError(f"{n} query heads must be a multiple of {kh} key/value heads")
     g = n // kh
     scale = d**-0.5 if sm_scale is None else sm_scale
-    q = q_BTND.reshape(b, t, kh, g, d)
+    s = k_BSKD.shape[1]
+    # Per KV head, its g query heads and the t queries as one [t*g, d] operand: a few large
+    # batched dots over leading [B, K] (XLA:CPU runs the [B, K, G]-batched [t, d] x [d, s]
+    # form 3.4x slower at t=512, s=1024, g=3); the same function.
+    q = q_BTND.reshape(b, t, kh, g, d).transpose(0, 2, 1, 3, 4).reshape(b, kh, t * g, d)
+    k = k_BSKD.transpose(0, 2, 1, 3)  # [B, K, S, D]
+    v = v_BSKD.transpose(0, 2, 1, 3)
     logits = (
-        jnp.einsum(
-            "btkgd,bskd->bkgts", q, k_BSKD, precision=precision, preferred_element_type=jnp.float32
-        )
+        jnp.einsum("bkqd,bksd->bkqs", q, k, precision=precision, preferred_element_type=jnp.float32)
         * scale
     )
-    mask = jnp.broadcast_to(mask_BTS, (b, t, k_BSKD.shape[1]))[:, None, None, :, :]
+    mask = jnp.broadcast_to(mask_BTS, (b, t, s))[:, None, :, None, :]  # [B, 1, T, 1, S]
+    logits = logits.reshape(b, kh, t, g, s)
     logits = jnp.where(mask, logits, _MASK_VALUE)
     probs = jax.nn.softmax(logits, axis=-1)
-    probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype)
+    probs = jnp.where(mask, probs, 0.0).astype(v_BSKD.dtype).reshape(b, kh, t * g, s)
     out = jnp.einsum(
-        "bkgts,bskd->btkgd", probs, v_BSKD, precision=precision, preferred_element_type=jnp.float32
+        "bkqs,bksd->bkqd", probs, v, precision=precision, preferred_element_type=jnp.float32
     )
+    out = out.reshape(b, kh, t, g, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, n, d).astype(q_BTND.dtype)
 
 

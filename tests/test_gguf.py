@@ -299,3 +299,33 @@ def test_smollm2_preset_and_dry_run_configs_match_the_file(smollm2):
     assert preset == target.config.replace(max_position_embeddings=8192) == from_file
     assert dcfg.block_size == 16
     assert gguf_io.known_name(target.path) == "smollm2-135m-instruct"
+
+
+SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), gguf_io.DEFAULT_DRAFTERS[
+    "smollm2-135m-instruct"])  # fmt: skip
+
+
+@needs_smollm2
+def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
+    """The drafter trained here for SmolLM2 (assets/smollm2-135m-instruct/drafter): DFlash
+    equals autoregressive decoding on real chat prompts (float32, greedy, a batch of three with
+    ragged acceptance), with steps that commit 4 or more tokens."""
+    from dflash_jax.data.chat import template_renderer
+
+    _, target = smollm2
+    drafter = dj.load_drafter(SHIPPED, target=target)
+    assert drafter.config.block_size == 16
+    tok = load_tokenizer(target.path)
+    render, _ = template_renderer(target.path)
+    questions = [
+        "Write a Python function that returns the factorial of n.",
+        "What is the capital of France? Answer in one sentence.",
+        "Give me three tips for staying focused while studying.",
+    ]
+    prompts = [tok.encode(render([{"role": "user", "content": q}], True)) for q in questions]
+    stop = serving.stop_token_ids(target.path, tok)
+    spec = dj.generate(target, drafter, prompts, 48, stop_token_ids=stop)
+    ar = dj.generate(target, None, prompts, 48, stop_token_ids=stop)
+    assert [list(t) for t in spec.tokens] == [list(t) for t in ar.tokens]
+    longest = max(max(a) for a in spec.acceptance_lengths if len(a))
+    assert longest >= 4, spec.acceptance_lengths
