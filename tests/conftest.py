@@ -40,6 +40,13 @@ if not os.environ.get("DFLASH_TEST_NO_COMPILE_CACHE") and not os.environ.get(
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     atexit.register(shutil.rmtree, _cache_dir, True)
 
+# The directories derived from GGUF files (dflash_jax/gguf_io.py) go to a session temp dir,
+# not the user's ~/.cache (shared by workers and subprocesses, removed at the end).
+if not os.environ.get("DFLASH_JAX_CACHE"):
+    _gguf_cache = tempfile.mkdtemp(prefix="dflash-jax-test-cache-")
+    os.environ["DFLASH_JAX_CACHE"] = _gguf_cache
+    atexit.register(shutil.rmtree, _gguf_cache, True)
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 VOCAB = 128
@@ -227,6 +234,7 @@ LONGEST_FIRST = (
     "test_moe.py",
     "test_pallas_kernels.py",
     "test_infer.py",
+    "test_gguf.py",
     "test_tpu_compile.py",
     "test_notebook.py",
     "test_cli_probe.py",

@@ -43,11 +43,6 @@ TEXTS = [
 ]
 
 
-@pytest.fixture(autouse=True)
-def _cache(tmp_path_factory, monkeypatch):
-    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path_factory.getbasetemp() / "djcache"))
-
-
 @pytest.fixture(scope="module")
 def files(tmp_path_factory):
     out = {}
@@ -240,14 +235,16 @@ def _bad_files(tmp_path, good):
     return out
 
 
-def test_bad_files_one_line_before_weights(files, tmp_path):
+def test_bad_files_one_line_before_weights(files, tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_JAX_CACHE", str(tmp_path / "cache"))
     d, _ = files["llama"]
     for kind, (path, msg) in _bad_files(tmp_path, d / "model.gguf").items():
         with pytest.raises(hub.HubError) as e:
             dj.load_target(str(path))
         text = str(e.value)
         assert msg in text and "\n" not in text and str(path) in text, (kind, text)
-    assert not list((tmp_path / "cache").glob("*")) if (tmp_path / "cache").exists() else True
+    made = list((tmp_path / "cache").rglob("config.json"))
+    assert not made, made  # nothing derived from a bad file
 
 
 def test_unsupported_tensor_type_names_tensor(tmp_path):
