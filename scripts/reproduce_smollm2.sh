@@ -8,7 +8,8 @@
 #   1. prompts:  ShareGPT's first user turns (python -m dflash_jax.data.sources), MT-Bench and
 #                HumanEval checked absent
 #   2. regen:    the target's greedy answers through its chat template, CHUNK conversations a
-#                file (python -m dflash_jax.training.regenerate), CHUNKS chunks
+#                file (python -m dflash_jax.training.regenerate), CHUNKS chunks; a chunk
+#                committed in assets/smollm2-135m-instruct/regen/ is unpacked, not redone
 #   3. train:    train.py --config=configs/smollm2/drafter.py on the chunks written so far
 #   4. export:   the drafter in bfloat16 to $OUT (default RUNS/drafter)
 #   5. eval:     benchmarks/eval_tau.py on MT-Bench and HumanEval (greedy, block 16, 256 tokens)
@@ -53,6 +54,12 @@ for ((i = 0; i < CHUNKS; i++)); do
   elif [[ ! -e "$part" ]]; then
     sed -n "$((i * CHUNK + 1)),$(((i + 1) * CHUNK))p" "$RUNS/prompts.jsonl" > "$part.tmp"
     mv "$part.tmp" "$part"
+  fi
+  shipped="assets/smollm2-135m-instruct/regen/responses_$i.jsonl.gz"
+  if [[ $DRY == 0 && -e "$shipped" && ! -e "$RUNS/regen/responses_$i.jsonl" ]]; then
+    # a chunk regenerated in an earlier session, committed (the same command's output)
+    gunzip -c "$shipped" > "$RUNS/regen/responses_$i.jsonl.tmp"
+    mv "$RUNS/regen/responses_$i.jsonl.tmp" "$RUNS/regen/responses_$i.jsonl"
   fi
   step "$RUNS/regen/responses_$i.jsonl" "$PY" -m dflash_jax.training.regenerate \
     --target=$TARGET --prompts="$part" --out="$RUNS/regen/responses_$i.jsonl" \
