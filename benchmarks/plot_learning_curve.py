@@ -87,8 +87,14 @@ def main(argv):
         label: {"train": train, "eval": [dict(tokens=t, loss=l, tau=u) for t, l, u in evals]}
         for (train, evals), label in zip(runs, labels)
     }
+    from dflash_jax import provenance
+
     with open(os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
-        json.dump({"tokens_per_step": FLAGS.tokens_per_step, "runs": points}, f, indent=1)
+        json.dump(
+            {"tokens_per_step": FLAGS.tokens_per_step, "runs": points, **provenance.record()},
+            f,
+            indent=1,
+        )
     print(f"wrote {FLAGS.out}")
 
 
