@@ -215,6 +215,10 @@ def main(argv):
             drafter_dir = os.path.join(ROOT, shipped)
     if drafter_dir:
         drafter_dir = hub.resolve_or_exit(drafter_dir, what="drafter")
+    elif FLAGS.compare_ar:  # refused, like --tree_budget without a drafter: never ignored
+        raise ValueError(
+            "--compare_ar needs a drafter (it compares DFlash with autoregressive decoding)"
+        )
     console.configure_logging(FLAGS.verbose)
     console.set_progress(FLAGS.progress)
     console.quiet_startup()

@@ -109,6 +109,7 @@ def main(argv):
         config.tokenizer_dir = hub.resolve_or_exit(
             config.tokenizer_dir, what="--config.tokenizer_dir"
         )
+    console.quiet_startup()  # before JAX starts: no TPU probe (and its log lines) on CPU hosts
     distributed.initialize(flags.FLAGS.distributed)  # before any other JAX call
     from dflash_jax.training import trainer
 
@@ -118,7 +119,6 @@ def main(argv):
         flags.FLAGS.verbose,
         log_file=os.path.join(workdir, "train.log") if distributed.is_primary() else None,
     )
-    console.quiet_startup()
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir
     if profile_steps:

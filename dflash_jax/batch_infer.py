@@ -405,6 +405,7 @@ def check_before_loading(
     mesh=None,
     quantize: Optional[str] = None,
     quantize_lm_head: bool = False,
+    labels: Optional[Sequence[str]] = None,
 ) -> None:
     """What `generate` would refuse, checked from the config.json files alone (no weights are
     read): the pair's fit, the context length (prompt + max_new_tokens against
@@ -469,6 +470,7 @@ def check_before_loading(
             g.get("stop_token_ids", ()),
             g.get("denoise_steps", 1),
             g.get("confidence_threshold"),
+            labels=labels,
         )
         check_tree_request(
             types.SimpleNamespace(config=tcfg),
@@ -478,8 +480,17 @@ def check_before_loading(
             v,
         )
         check_denoise(
-            g.get("denoise_schedule", "confidence"), g.get("remask", False), v["denoise_steps"]
+            g.get("denoise_schedule", "confidence"),
+            g.get("remask", False),
+            v["denoise_steps"],
+            has_drafter=dcfg is not None,
         )
+        if g.get("prefill_chunk") is not None:
+            validation.int_param("prefill_chunk", g["prefill_chunk"], lo=0)
+    if mesh is not None:
+        from dflash_jax import sharding
+
+        sharding.check_expert_axis(mesh.shape.get("expert", 1), tcfg.num_experts)
 
 
 def run_and_report(
@@ -556,6 +567,7 @@ def run_and_report(
         mesh=mesh,
         quantize=quantize,
         quantize_lm_head=quantize_lm_head,
+        labels=labels,
     )
     extra_settings = {
         "target": model_identity(target_name),
@@ -624,5 +636,6 @@ def run_and_report(
         with_drafter=drafter is not None,
         json_out=out_path,
         profile_dir=profile_dir,
+        sampled=float(gen_kw.get("temperature") or 0.0) > 0,
     )
     return rep

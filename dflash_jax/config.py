@@ -121,10 +121,12 @@ class ModelConfig:
                 )
         if self.quantization not in (None, "int8"):
             raise ValueError(f"unsupported quantization {self.quantization!r}; supported: int8")
-        if self.quantize_lm_head and (self.quantization is None or self.tie_word_embeddings):
+        if self.quantize_lm_head and self.quantization is None:
+            raise ValueError("quantize_lm_head needs quantization='int8'")
+        if self.quantize_lm_head and self.tie_word_embeddings:
             raise ValueError(
-                "quantize_lm_head needs quantization='int8' and an untied LM head (a tied head "
-                "is the embedding table, kept in the parameter dtype)"
+                "quantize_lm_head needs an untied LM head; this model's head is tied (it is "
+                "the embedding table, kept in the parameter dtype)"
             )
         if self.num_heads % self.num_kv_heads:
             raise ValueError(

@@ -44,7 +44,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax import attention as attn_lib
-from dflash_jax import sharding
+from dflash_jax import sharding, validation
 from dflash_jax.drafter import DFlashDrafter, Drafter, decode_attend
 from dflash_jax.generate_io import (
     GenerationResult,
@@ -702,7 +702,13 @@ def generate(
     prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
     temperature = v["temperature"]
     tree_budget = check_tree_request(target, drafter, bs, tree_budget, v, return_drafts)
-    denoise_schedule, remask = check_denoise(denoise_schedule, remask, v["denoise_steps"])
+    denoise_schedule, remask = check_denoise(
+        denoise_schedule, remask, v["denoise_steps"], has_drafter=drafter is not None
+    )
+    if prefill_chunk is not None:
+        validation.int_param("prefill_chunk", prefill_chunk, lo=0)
+    if mesh is not None:
+        sharding.check_expert_axis(mesh.shape.get("expert", 1), target.config.num_experts)
     plan = Plan(
         block_size=bs,
         temperature=float(temperature),

@@ -19,7 +19,8 @@ class GenerationResult:
     """tokens: per sequence, the new token ids (prompt excluded, truncated after a stop token).
     acceptance_lengths: per sequence, tokens committed at each decode step (target pass).
     drafts: per sequence, the drafted block (bs-1 ids) of each step, when requested.
-    stats: prefill_s, decode_s, compile_s, decode_tokens_per_s, steps, tau, new_tokens.
+    stats: prefill_s, decode_s, compile_s, decode_tokens_per_s, steps, tau, new_tokens; tau
+    (tokens per target pass) is None where no decode step ran (every token from the prefill).
     """
 
     tokens: List[List[int]]
@@ -28,7 +29,7 @@ class GenerationResult:
     stats: dict
 
     @property
-    def tau(self) -> float:
+    def tau(self) -> Optional[float]:
         return self.stats["tau"]
 
 
@@ -45,9 +46,11 @@ def check_request(
     stop_token_ids,
     denoise_steps,
     confidence_threshold,
+    labels=None,
 ) -> dict:
     """The arguments of `generate` checked (types, ranges, ids in the vocabulary, the context
-    length) and normalized (`validation.check_generate_args`'s dict). Raises ValueError."""
+    length) and normalized (`validation.check_generate_args`'s dict). Raises ValueError naming
+    a bad prompt by its label (`labels[i]`, e.g. "file.jsonl:3"; default "prompt i")."""
     if drafter is not None:
         validate_pair(drafter.config, target.config)
     v = validation.check_generate_args(
@@ -65,7 +68,13 @@ def check_request(
         confidence_threshold,
     )
     validate_request(
-        target, drafter, v["prompts"], v["max_new_tokens"], v["block_size"], v["denoise_steps"]
+        target,
+        drafter,
+        v["prompts"],
+        v["max_new_tokens"],
+        v["block_size"],
+        v["denoise_steps"],
+        labels=labels,
     )
     return v
 
@@ -109,8 +118,10 @@ def check_tree_request(target, drafter, block_size, tree_budget, v, return_draft
     return tree_budget
 
 
-def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoise_steps):
-    """Raises ValueError for bad input before any compute."""
+def validate_request(
+    target, drafter, prompts, max_new_tokens, block_size, denoise_steps, labels=None
+):
+    """Raises ValueError for bad input before any compute (a prompt named by `labels[i]`)."""
     cfg = target.config
     if drafter is not None:
         validate_pair(drafter.config, cfg)
@@ -123,16 +134,17 @@ def validate_request(target, drafter, prompts, max_new_tokens, block_size, denoi
     if denoise_steps < 1 or (drafter is not None and denoise_steps > block_size - 1):
         raise ValueError(f"denoise_steps must be in [1, block_size-1], got {denoise_steps}")
     for i, p in enumerate(prompts):
+        where = labels[i] if labels is not None else f"prompt {i}"
         if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
+            raise ValueError(f"{where} is empty")
         lo, hi = min(p), max(p)
         if lo < 0 or hi >= cfg.vocab_size:
             raise ValueError(
-                f"prompt {i} has token ids outside [0, {cfg.vocab_size}): range [{lo}, {hi}]"
+                f"{where} has token ids outside [0, {cfg.vocab_size}): range [{lo}, {hi}]"
             )
         if len(p) + max_new_tokens > cfg.max_position_embeddings:
             raise ValueError(
-                f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                f"{where}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
                 f"the model's context length max_position_embeddings="
                 f"{cfg.max_position_embeddings}"
             )
@@ -179,7 +191,7 @@ def collect(
         "new_tokens": new_tokens,
         "decode_tokens_per_s": decode_tokens / max(decode_s, 1e-9),
         "tokens_per_s": new_tokens / max(prefill_s + decode_s, 1e-9),
-        "tau": float(np.mean(all_acc)) if all_acc else 0.0,
+        "tau": float(np.mean(all_acc)) if all_acc else None,  # None: no decode step ran
         "block_size": plan.block_size,
         "batch": b,
     }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import struct
 from typing import Dict, Iterable, Mapping, Optional, Tuple
 
@@ -247,11 +248,15 @@ class SafetensorsDir:
 def save_sharded(
     directory: str, tensors: Mapping[str, np.ndarray], max_shard_bytes: int = 5 * 2**30
 ) -> None:
-    """Writes `model.safetensors`, or shards plus `model.safetensors.index.json` when large."""
+    """Writes `model.safetensors`, or shards plus `model.safetensors.index.json` when large.
+    Weight files of an earlier checkpoint in `directory` that the new one does not use (the
+    other layout's, or shards of another count) are removed once the new files are written, so
+    a loader never reads stale weights beside the new ones."""
     os.makedirs(directory, exist_ok=True)
     total = sum(np.asarray(t).nbytes for t in tensors.values())
     if total <= max_shard_bytes:
         write_safetensors(os.path.join(directory, "model.safetensors"), tensors)
+        _remove_stale_weights(directory, keep={"model.safetensors"})
         return
     shards, current, size = [], {}, 0
     for name in sorted(tensors):
@@ -271,3 +276,16 @@ def save_sharded(
         weight_map.update({name: fname for name in shard})
     with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
         json.dump({"metadata": {"total_size": int(total)}, "weight_map": weight_map}, f, indent=2)
+    _remove_stale_weights(
+        directory, keep=set(weight_map.values()) | {"model.safetensors.index.json"}
+    )
+
+
+_WEIGHT_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def _remove_stale_weights(directory: str, keep) -> None:
+    """Deletes the safetensors weight files and index in `directory` not in `keep`."""
+    for name in os.listdir(directory):
+        if name not in keep and _WEIGHT_FILE.fullmatch(name):
+            os.remove(os.path.join(directory, name))

@@ -526,14 +526,21 @@ def check_generate_args(
             )
     else:
         out["block_size"] = 1
+        for name, given in (
+            ("denoise_steps", out["denoise_steps"] != 1),
+            ("confidence_threshold", out["confidence_threshold"] is not None),
+        ):
+            if given:  # refused like tree_budget: a setting that cannot apply is not ignored
+                raise ValueError(f"{name} needs a drafter (autoregressive decoding drafts nothing)")
     return out
 
 
 DENOISE_SCHEDULES = ("confidence", "fixed")
 
 
-def check_denoise(denoise_schedule, remask, denoise_steps):
-    """`generate`'s denoise_schedule and remask checked (one ValueError): (schedule, remask)."""
+def check_denoise(denoise_schedule, remask, denoise_steps, has_drafter: bool = True):
+    """`generate`'s denoise_schedule and remask checked (one ValueError): (schedule, remask);
+    without a drafter only their defaults are accepted."""
     if denoise_schedule not in DENOISE_SCHEDULES:
         raise ValueError(
             f"denoise_schedule must be one of {', '.join(map(repr, DENOISE_SCHEDULES))}, "
@@ -541,6 +548,9 @@ def check_denoise(denoise_schedule, remask, denoise_steps):
         )
     if not isinstance(remask, (bool, np.bool_)):
         raise ValueError(f"remask must be a bool, got {remask!r}")
+    if not has_drafter and (remask or denoise_schedule != "confidence"):
+        name = "remask" if remask else "denoise_schedule"
+        raise ValueError(f"{name} needs a drafter (autoregressive decoding drafts nothing)")
     if remask and denoise_schedule != "confidence":
         raise ValueError("remask needs denoise_schedule='confidence' (it re-ranks by confidence)")
     if remask and denoise_steps < 3:

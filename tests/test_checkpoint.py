@@ -85,6 +85,25 @@ def test_sharded_checkpoint_loads(hf_checkpoints, tmp_path):
     )
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(d))  # transformers reads it too
     assert hf.config.num_hidden_layers == 4
+    # Saved again into the same directory as one file: the old shards and index are gone (a
+    # loader would otherwise read the stale weights); other files stay.
+    old_shards = set(index["weight_map"].values())
+    (d / "notes.txt").write_text("mine")
+    doubled = {k: 2 * v for k, v in tensors.items()}
+    save_sharded(str(d), doubled)
+    assert sorted(p.name for p in d.iterdir()) == ["config.json", "model.safetensors", "notes.txt"]
+    t3 = dj.load_target(d)
+    np.testing.assert_array_equal(
+        np.asarray(t3.params["embed_tokens"]["embedding"]),
+        2 * np.asarray(t.params["embed_tokens"]["embedding"]),
+    )
+    # And back to fewer shards than before: only the new ones remain.
+    save_sharded(str(d), tensors, max_shard_bytes=400_000)
+    new_index = json.load(open(d / "model.safetensors.index.json"))
+    names = {p.name for p in d.iterdir()}
+    assert "model.safetensors" not in names
+    assert {n for n in names if n.startswith("model-")} == set(new_index["weight_map"].values())
+    assert len(set(new_index["weight_map"].values())) < len(old_shards)
 
 
 def test_transformers_4_and_5_config_styles_agree(hf_checkpoints, tmp_path):

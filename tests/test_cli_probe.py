@@ -48,6 +48,7 @@ class Case:
     env: Optional[Dict[str, str]] = None
     unchanged: Sequence[str] = ()
     timeout: float = 120.0
+    quiet: bool = False  # stderr is the error line alone (no log line before it)
 
 
 def _fill(s: str, tmp: str) -> str:
@@ -63,7 +64,11 @@ def run_case(case: Case, tmp: str):
         p = _fill(p, tmp)
         before[p] = open(p, "rb").read() if os.path.exists(p) else None
     env = dict(os.environ, JAX_PLATFORMS="cpu", NO_COLOR="1")
-    env.update({k: _fill(v, tmp) for k, v in (case.env or {}).items()})
+    # The caller's device count (XLA_FLAGS forcing 8 host devices) must not change a case.
+    env.pop("XLA_FLAGS", None)
+    env.update({k: _fill(v, tmp) for k, v in (case.env or {}).items() if v is not None})
+    for k in [k for k, v in (case.env or {}).items() if v is None]:  # None: unset
+        env.pop(k, None)
     proc = subprocess.run(
         [sys.executable] + [_fill(a, tmp) for a in case.argv],
         cwd=ROOT,
@@ -91,6 +96,8 @@ def check(case: Case, proc, before, after):
             wrong.append(f"{len(lines)} 'error:' lines, want 1")
         elif case.want_err and not re.search(case.want_err, lines[0]):
             wrong.append(f"error line {lines[0]!r} does not match {case.want_err!r}")
+        if case.quiet and err.strip().splitlines() != lines:
+            wrong.append(f"stderr has more than the error line: {err[:300]!r}")
     elif case.want_err and not re.search(case.want_err, err + proc.stdout):
         wrong.append(f"output does not match {case.want_err!r}")
     for p in before:
@@ -218,6 +225,12 @@ _KEEP = ("{tmp}/old.jsonl",)
 
 CASES = [
     # ---- outputs and infer.py inputs
+    Case(  # a prompt too long for the context is named by its file and line, not its index
+        "prompt_file_too_long_names_the_line",
+        _PAIR_RUN,
+        want_err=r"p\.jsonl:2: \d+ prompt tokens \+ max_new_tokens 2 exceed",
+        setup=_file("p.jsonl", '{"prompt": "hi"}\n{"prompt": "' + "word " * 6000 + '"}\n'),
+    ),
     # Checks that ran only after loading the models (and after the old --json_out was deleted)
     # run first: the target's weights are junk here, so a late check names them instead.
     Case(
@@ -446,6 +459,13 @@ CASES = [
             ),
         ]
     ],
+    Case(  # JAX_PLATFORMS unset on a CPU host: no TPU probe lines before the error line
+        "train_error_alone_without_jax_platforms",
+        ["train.py", "--config=configs/tiny_test.py", "--workdir={tmp}/w", "--config.mesh=fsdp=3"],
+        want_err=r"config\.mesh 'fsdp=3' does not fit",
+        env={"JAX_PLATFORMS": None},
+        quiet=True,
+    ),
     Case(
         "train_workdir_under_proc",
         ["train.py", "--config=configs/tiny_test.py", "--workdir=/proc/dflash-probe/w"],
@@ -495,6 +515,68 @@ CASES = [
                 ["--topology=cpu:2", "--model=small", "--tau=-3"],
                 r"--tau .*'-3'",
             ),
+            # Outputs and model limits checked before the compile (no result lost after it).
+            (
+                "dry_run_json_out_missing_dir",
+                ["--topology=cpu:2", "--model=tiny", "--json_out={tmp}/no/such/r.json"],
+                r"--json_out .*r\.json: directory .*no/such does not exist",
+            ),
+            (
+                "dry_run_json_out_is_dir",
+                ["--topology=cpu:2", "--model=tiny", "--json_out={tmp}"],
+                r"--json_out .* is a directory",
+            ),
+            (
+                "dry_run_hlo_dir_is_file",
+                ["--topology=cpu:2", "--model=tiny", "--hlo_dir=pyproject.toml/hlo"],
+                r"--hlo_dir pyproject\.toml/hlo: \S*pyproject\.toml exists and is not a directory",
+            ),
+            (
+                "dry_run_context_past_model",
+                ["--topology=cpu:2", "--model=tiny", "--context=10000000"],
+                r"tiny: --context 10000000 \+ --max_new_tokens 256 = .* exceeds .*"
+                r"max_position_embeddings=",
+            ),
+            (
+                "dry_run_expert_axis_dense",
+                ["--topology=cpu:2", "--model=tiny", "--mesh=expert=2"],
+                r"tiny: the mesh axis expert=2 .*dense",
+            ),
+            (
+                "dry_run_expert_axis_not_dividing",
+                ["--topology=cpu:6", "--model=tiny_moe", "--mesh=expert=3,data=2"],
+                r"tiny_moe: the mesh axis expert=3 does not divide the target's \d+ experts",
+            ),
+        ]
+    ],
+    Case(
+        "train_dry_run_json_out_missing_dir",
+        [
+            "train.py",
+            "--config=configs/tiny_test.py",
+            "--dry_run",
+            "--topology=cpu:2",
+            "--dry_run_model=tiny",
+            "--json_out={tmp}/no/r.json",
+        ],
+        want_err=r"--json_out .*r\.json: directory .* does not exist",
+    ),
+    # Settings that cannot apply without a drafter are refused (as --tree_budget is).
+    *[
+        Case(name, ["infer.py", "--target={pair}/target", "--drafter=", *args], want_err=err)
+        for name, args, err in [
+            ("infer_compare_ar_no_drafter", ["--compare_ar"], r"--compare_ar needs a drafter"),
+            ("infer_denoise_no_drafter", ["--denoise_steps=2"], r"denoise_steps needs a drafter"),
+            (
+                "infer_confidence_no_drafter",
+                ["--confidence_threshold=0.5"],
+                r"confidence_threshold needs a drafter",
+            ),
+            (
+                "infer_schedule_no_drafter",
+                ["--denoise_schedule=fixed"],
+                r"denoise_schedule needs a drafter",
+            ),
         ]
     ],
     *[
@@ -510,6 +592,11 @@ CASES = [
                 r"--block_size must be in \[2, 64\], got 0",
             ),
             ("infer_dry_run_batch_size_0", "--batch_size=0", r"--batch_size must be >= 1, got 0"),
+            (
+                "infer_dry_run_json_out_is_dir",
+                "--json_out=/tmp",
+                r"--json_out /tmp is a directory",
+            ),
         ]
     ],
     # The launcher: refused before any process starts.

@@ -18,6 +18,7 @@ import json
 import os
 import random
 import shutil
+import types
 
 import pytest
 
@@ -264,3 +265,29 @@ def test_no_decode_step_reports_no_tau_and_no_speedup(pair):
     assert "tau n/a" in lines and "speedup n/a" in lines and "0.00" not in lines
     header = report.prompt_header(0, rep.records[0], BATCH)
     assert "tau n/a" in header and "tok/s" not in header
+
+
+def test_sampled_comparison_says_what_was_compared():
+    """At T > 0 DFlash equals autoregressive sampling in distribution: other tokens for the same
+    seed are not reported as a failure ("!!!", "outputs identical: False"); greedy still is."""
+    import io
+
+    totals = dict(
+        prompts=1, new_tokens=8, tau=2.0, tau_per_prompt=None, decode_tokens_per_s=10.0,
+        prefill_s=0.01, speedup=1.5, ar_decode_tokens_per_s=6.7, identical_to_ar=False,
+    )  # fmt: skip
+    record = dict(totals, tokens=[1, 2], tokens_per_s=10.0)
+    rep = types.SimpleNamespace(totals=totals, records=[record], resumed=0)
+    for sampled in (True, False):
+        out = io.StringIO()
+        report.print_run(
+            rep, [[1]], tokenizer=None, batch_size=1, with_drafter=True, json_out="x.jsonl",
+            out=out, sampled=sampled,
+        )  # fmt: skip
+        text = out.getvalue()
+        if sampled:
+            assert "!!!" not in text and "outputs identical" not in text, text
+            assert "other tokens" in text and "in distribution" in text, text
+        else:
+            assert "!!! speculative output differs" in text, text
+            assert "outputs identical: False" in text, text

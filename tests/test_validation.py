@@ -235,6 +235,14 @@ GENERATE_CASES = [
     (dict(prompts=[[1.5, 2]]), "got 1.5"),
     (dict(max_new_tokens=4.0), "max_new_tokens must be an integer"),
     (dict(seed=0.5), "seed must be an integer"),
+    (dict(prefill_chunk=-1), "prefill_chunk must be >= 0, got -1"),
+    (dict(prefill_chunk=2.5), "prefill_chunk must be an integer"),
+    # Settings that cannot apply without a drafter: refused, never ignored.
+    (dict(drafter=None, denoise_steps=2), "denoise_steps needs a drafter"),
+    (dict(drafter=None, confidence_threshold=0.5), "confidence_threshold needs a drafter"),
+    (dict(drafter=None, denoise_schedule="fixed"), "denoise_schedule needs a drafter"),
+    (dict(drafter=None, remask=True), "remask needs a drafter"),
+    (dict(drafter=None, tree_budget=4), "tree_budget needs a drafter"),
 ]
 
 
@@ -249,6 +257,7 @@ def test_generate_rejects_bad_arguments_before_compute(small_pair, kw, message, 
     )
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
     args.update(kw)
+    drafter = args.pop("drafter", drafter)
     with pytest.raises(ValueError) as e:
         dj.generate(target, drafter, **args)
     assert message in str(e.value)
@@ -609,7 +618,8 @@ def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
         (infer + ["--temperature=1", "--top_p=0"], "top_p must be in (0.0, 1.0], got 0.0"),
         (infer + [f"--json_out={tmp_path / 'missing' / 'out.json'}"], "does not exist"),
         (infer + [f"--prompt_file={prompts}"], f"{prompts}:2: 'ids'[0] must be an integer"),
-        (infer + [f"--target={hostile}", "--prompt=hi"], "refused to render"),
+        # (no drafter for this target: without --compare_ar, which needs one)
+        (infer[:-1] + [f"--target={hostile}", "--prompt=hi"], "refused to render"),
         (
             train + ["--config.drafter.num_layer=2"],
             "unknown config key 'drafter.num_layer' (did you mean '--config.drafter.num_layers'?)",
@@ -648,3 +658,13 @@ def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
         timeout=120,
     )
     assert r.returncode != 0 and "Traceback" in r.stderr and "finite" in r.stderr
+
+
+def test_tau_is_none_when_no_decode_step_ran(small_pair):
+    """max_new_tokens=1: the one token comes from the prefill, so there is no tau (not 0.0)."""
+    target, drafter = small_pair
+    res = dj.generate(target, drafter, [[1, 2, 3]], max_new_tokens=1)
+    assert len(res.tokens[0]) == 1 and res.acceptance_lengths == [[]]
+    assert res.stats["tau"] is None and res.tau is None
+    res = dj.generate(target, drafter, [[1, 2, 3]], max_new_tokens=3)
+    assert res.tau >= 1.0

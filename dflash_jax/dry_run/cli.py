@@ -144,12 +144,13 @@ def run(
     devices, chip = topology_devices(topology)
     if mode == "infer" and "attention" not in kw:
         kw["attention"] = (default_attention(topology),)
-    for model in models:  # bad names fail before any compile
-        build_configs(model)
+    hlo_dir = kw.pop("hlo_dir", None)
+    check_outputs(json_out, hlo_dir)  # before any compile: a bad path loses no result
     meshes = meshes or ([f"tensor={len(devices)}"] if mode == "infer" else [f"fsdp={len(devices)}"])
     meshes_ok = [resolve_mesh(mesh, devices) for mesh in meshes]
+    for model in models:  # bad names and settings the model cannot take fail before any compile
+        check_model_settings(model, mode, meshes_ok, kw)
     fn = dry_run_infer if mode == "infer" else dry_run_train
-    hlo_dir = kw.pop("hlo_dir", None)
     results = []
     for model in models:
         for mesh, spec in zip(meshes_ok, meshes):
@@ -172,6 +173,40 @@ def run(
             json.dump(results[0] if len(results) == 1 else results, f, indent=1)
         print(f"wrote {json_out}")
     return results
+
+
+def check_outputs(json_out: Optional[str], hlo_dir: Optional[str]) -> None:
+    """UsageError naming the flag unless --json_out can be written as a file and --hlo_dir as a
+    directory (checked before anything is compiled)."""
+    try:
+        if json_out:
+            validation.writable_file(json_out, "--json_out")
+        if hlo_dir:
+            validation.writable_dir(hlo_dir, "--hlo_dir")
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+
+
+def check_model_settings(model: str, mode: str, meshes, kw) -> None:
+    """UsageError where `model` cannot take the settings: a context plus new tokens past its
+    max_position_embeddings (what `generate` refuses), an `expert` mesh axis that does not split
+    its experts (what train.py refuses)."""
+    from dflash_jax import sharding
+
+    tcfg, _ = build_configs(model)
+    if mode == "infer":
+        need = kw.get("context", 0) + kw.get("max_new_tokens", 0)
+        if need > tcfg.max_position_embeddings:
+            raise UsageError(
+                f"{model}: --context {kw['context']} + --max_new_tokens {kw['max_new_tokens']} "
+                f"= {need} tokens exceeds the model's context length max_position_embeddings="
+                f"{tcfg.max_position_embeddings}"
+            )
+    for mesh in meshes:
+        try:
+            sharding.check_expert_axis(mesh.shape.get("expert", 1), tcfg.num_experts)
+        except ValueError as e:
+            raise UsageError(f"{model}: {e}") from None
 
 
 def _floats(s: str) -> List[float]:

@@ -43,5 +43,6 @@ def evaluate(exp: Experiment, params, eval_step, step: int, frozen=None, mesh=No
             stop_token_ids=exp.stop_ids,
             mesh=mesh,
         )
-        out["tau"] = float(res.stats["tau"])
+        if res.stats["tau"] is not None:  # None: no decode step ran (eval_max_new_tokens 1)
+            out["tau"] = float(res.stats["tau"])
     return out
