@@ -11,6 +11,12 @@ python infer.py --target=DIR --drafter=DIR --profile_dir=/tmp/trace   # XProf / 
 import os
 import sys
 
+from dflash_jax import interrupts
+
+# Ctrl-C from here until the first batch is saved: one line and exit 130 (no traceback from the
+# imports, no crash mid-compile); see dflash_jax/interrupts.py.
+interrupts.guard("interrupted: nothing was written")
+
 from absl import flags
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
@@ -189,10 +195,13 @@ def main(argv):
             block_size=FLAGS.block_size,
         )
         return
-    from dflash_jax import console, hub, prompting, validation
+    from dflash_jax import console, hub, prompting, report, validation
 
     # Every flag checked before any model is loaded or anything is computed or written.
     validation.check_infer_flags(FLAGS.flag_values_dict())
+    interrupts.guard(
+        (report.interrupted_line(FLAGS.json_out, 0) or "interrupted: nothing was written").strip()
+    )
     labels = None
     if FLAGS.prompt_file:
         items, labels = prompting.read_prompt_file(FLAGS.prompt_file, with_labels=True)

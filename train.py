@@ -14,6 +14,12 @@ line on stderr); 3 stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to
 import os
 import sys
 
+from dflash_jax import interrupts
+
+# Ctrl-C / SIGTERM before the first training step: one line and exit 130 / 143 (no traceback,
+# no crash mid-compile); from the first step on, a checkpoint and exit 3 (the trainer's flag).
+interrupts.guard("interrupted before the first training step: this run saved no checkpoint")
+
 import jax
 from absl import app, flags, logging
 from ml_collections import config_flags

@@ -9,20 +9,76 @@ Public API:
   generate(target, drafter_or_None, prompts, max_new_tokens, ...) -> GenerationResult
 """
 
-from dflash_jax.config import ModelConfig
-from dflash_jax.drafter import (
-    DFlashDrafter,
-    Drafter,
-    DrafterConfig,
-    init_drafter_params,
-    load_drafter,
-    make_drafter_config,
-    save_drafter,
-)
-from dflash_jax.decoding import GenerationResult, generate
-from dflash_jax.model import KVCache, Transformer
-from dflash_jax.safetensors_io import CheckpointError
-from dflash_jax.target import ForwardOutput, Target, load_target, quantize_target, save_target
+import importlib
+from typing import TYPE_CHECKING
+
+# The public names, imported on first use (PEP 562): `import dflash_jax` itself loads no JAX,
+# so a command-line tool can arm its Ctrl-C handling (`dflash_jax.interrupts`) before the
+# seconds of JAX and Flax imports.
+_EXPORTS = {
+    "ModelConfig": "config",
+    "DFlashDrafter": "drafter",
+    "Drafter": "drafter",
+    "DrafterConfig": "drafter",
+    "init_drafter_params": "drafter",
+    "load_drafter": "drafter",
+    "make_drafter_config": "drafter",
+    "save_drafter": "drafter",
+    "GenerationResult": "decoding",
+    "generate": "decoding",
+    "KVCache": "model",
+    "Transformer": "model",
+    "CheckpointError": "safetensors_io",
+    "ForwardOutput": "target",
+    "Target": "target",
+    "load_target": "target",
+    "quantize_target": "target",
+    "save_target": "target",
+}
+
+
+def __getattr__(name):
+    """A public name (imported from its module on first use), or a submodule (`dj.model`)."""
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
+    elif not name.startswith("__"):
+        try:
+            value = importlib.import_module(f"{__name__}.{name}")
+        except ModuleNotFoundError as e:
+            if e.name != f"{__name__}.{name}":  # the module exists but an import inside failed
+                raise
+            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
+    from dflash_jax.config import ModelConfig  # noqa: F401
+    from dflash_jax.decoding import GenerationResult, generate  # noqa: F401
+    from dflash_jax.drafter import (  # noqa: F401
+        DFlashDrafter,
+        Drafter,
+        DrafterConfig,
+        init_drafter_params,
+        load_drafter,
+        make_drafter_config,
+        save_drafter,
+    )
+    from dflash_jax.model import KVCache, Transformer  # noqa: F401
+    from dflash_jax.safetensors_io import CheckpointError  # noqa: F401
+    from dflash_jax.target import (  # noqa: F401
+        ForwardOutput,
+        Target,
+        load_target,
+        quantize_target,
+        save_target,
+    )
 
 __all__ = [
     "CheckpointError",

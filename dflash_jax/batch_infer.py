@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_jax import console, serving, validation
+from dflash_jax import console, interrupts, serving, validation
 from dflash_jax.decoding import generate
 
 
@@ -605,6 +605,12 @@ def run_and_report(
         callback = report.stream_printer(tok, prompts[0])
     # Batches grouped by length; the first is run once untimed (compiles both programs).
     finished: List[int] = []
+
+    def on_batch(b, recs):
+        finished.append(b)
+        if out_path:  # a batch is in the file: Ctrl-C from now on keeps it (KeyboardInterrupt)
+            interrupts.release()
+
     try:
         rep = run_prompts(
             target,
@@ -618,7 +624,7 @@ def run_and_report(
             profile_dir=profile_dir,
             extra_settings=extra_settings,
             stream_callback=callback,
-            on_batch=lambda b, recs: finished.append(b),
+            on_batch=on_batch,
             **gen_kw,
         )
         if callback is not None:

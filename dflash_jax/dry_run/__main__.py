@@ -7,6 +7,11 @@ See the package docstring (dflash_jax/dry_run/__init__.py) and docs/tpu_dry_run.
 one line `error: ...` on stderr, exit status 2 (dflash_jax/cli.py).
 """
 
+from dflash_jax import interrupts
+
+if __name__ == "__main__":  # Ctrl-C mid-compile: one line, exit 130 (dflash_jax/interrupts.py)
+    interrupts.guard("interrupted: nothing was written")
+
 from absl import flags
 
 from dflash_jax import cli

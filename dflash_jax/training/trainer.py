@@ -42,7 +42,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from dflash_jax import console, distributed
+from dflash_jax import console, distributed, interrupts
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.evaluation import evaluate
 from dflash_jax.training.experiment import build_experiment, log as _log
@@ -483,6 +483,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
                 batch.update(ul_batch)
             batch = distributed.put(batch, data_sh)
             new_state, metrics = train_step(state, frozen, batch)
+            interrupts.release()  # a signal from here on: this step is saved, then exit 3
             if pending is not None:
                 ok, pending = finish(*pending), None
                 if not ok:

@@ -1,0 +1,107 @@
+"""Ctrl-C at any moment of a command-line run: during the imports, during the first compile,
+between batches. Whatever the moment, the process ends with the documented exit status and
+one line on stderr: no traceback, no `Fatal Python error` (a segfault at exit once followed a
+Ctrl-C in the first compile), no file half-written (`dflash_jax/interrupts.py`)."""
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+# Subprocesses of the real tools: `make test`, not the edit loop.
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def interrupted(argv, delay, sig=signal.SIGINT):
+    """(exit status, stdout, stderr) of `python argv...` sent `sig` after `delay` seconds."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", NO_COLOR="1")
+    env.pop("XLA_FLAGS", None)
+    proc = subprocess.Popen(
+        [sys.executable, *argv],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # A child of a non-interactive shell may inherit SIGINT ignored; a user's Ctrl-C is not.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+    )
+    time.sleep(delay)
+    proc.send_signal(sig)
+    out, err = proc.communicate(timeout=300)
+    return proc.returncode, out, err
+
+
+def _clean(err):
+    assert "Traceback" not in err and "Fatal Python error" not in err, err[-3000:]
+    return [ln for ln in err.splitlines() if ln.strip()]
+
+
+def _parallel(fn, args):
+    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
+        return list(pool.map(lambda a: fn(*a), args))
+
+
+def test_infer_ctrl_c_at_any_moment_is_one_line_and_130(tmp_path):
+    """infer.py on a prompt file with --json_out, interrupted in the imports, the compile and
+    the batches: exit 130, one line; the file is absent (no batch finished) or holds whole
+    JSON lines (the finished batches, as the line says)."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": f"def f{i}(x):"}) + "\n" for i in range(12)))
+    runs = []
+    for delay in (0.2, 1.5, 4.0, 9.0):  # imports, compile, first batch, later batches
+        out = tmp_path / f"out_{delay}.jsonl"
+        argv = [
+            "infer.py",
+            f"--prompt_file={prompts}",
+            f"--json_out={out}",
+            "--batch_size=1",
+            "--max_new_tokens=200",
+        ]
+        runs.append((argv, delay, out))
+    results = _parallel(lambda argv, d, o: (interrupted(argv, d), o), runs)
+    for ((rc, _, err), out), (_, delay, _) in zip(results, runs):
+        if rc == 0:  # finished before the signal (a fast machine): nothing to check
+            continue
+        lines = _clean(err)
+        assert rc == 130, (delay, rc, err[-2000:])
+        assert len(lines) == 1, (delay, lines)
+        if os.path.exists(out):
+            assert "finished batches are in" in lines[0], (delay, lines)
+            for row in open(out):
+                json.loads(row)  # every line whole
+        else:
+            assert "was not written" in lines[0] or "nothing was written" in lines[0], lines
+
+
+def test_train_ctrl_c_before_the_first_step_is_one_line_and_no_checkpoint(tmp_path):
+    """train.py interrupted in its imports and in the first step's compile: exit 130 (143 for
+    SIGTERM), one line, no checkpoint. (After the first step a signal saves the step and
+    exits 3: test_training.py::test_sigterm_saves_a_checkpoint_that_resumes.)"""
+    runs = []
+    for delay, sig in ((0.2, signal.SIGINT), (1.5, signal.SIGINT), (1.5, signal.SIGTERM)):
+        wd = tmp_path / f"w_{delay}_{int(sig)}"
+        argv = [
+            "train.py",
+            "--config=configs/tiny_test.py",
+            f"--workdir={wd}",
+            "--config.num_train_steps=100000",
+            "--config.eval_every=0",
+        ]
+        runs.append((argv, delay, sig, wd))
+    results = _parallel(lambda a, d, s, w: interrupted(a, d, s), runs)
+    for (rc, _, err), (_, delay, sig, wd) in zip(results, runs):
+        lines = _clean(err)
+        assert rc == (130 if sig == signal.SIGINT else 143), (delay, rc, err[-2000:])
+        assert lines == [
+            "interrupted before the first training step: this run saved no checkpoint"
+        ], lines
+        ckpts = wd / "checkpoints"
+        assert not ckpts.exists() or not any(p.name.isdigit() for p in ckpts.iterdir())
