@@ -93,9 +93,12 @@ def build_tree(root_B, logp_BLV, budget: int, top_k: int | None = None) -> Tree:
             f" with {k} tokens per position"
         )
     vals, toks = sharded_top_k(logp_BLV.astype(jnp.float32), k)
-    # Without the barrier XLA:CPU fuses top_k with the slices below into a full sort of the
-    # vocabulary (100x slower at V = 4096).
-    vals, toks = jax.lax.optimization_barrier((vals, toks))
+    # Without the barriers XLA:CPU fuses top_k with the slices below into a full sort of the
+    # vocabulary (100x slower at V = 4096). One barrier per output: a barrier over both would
+    # take the top_k's tuple itself once the partitioner simplifies tuple(gte 0, gte 1), and
+    # XLA:CPU's TopkDecomposer then aborts the process (a batch replicated over `data`).
+    vals = jax.lax.optimization_barrier(vals)
+    toks = jax.lax.optimization_barrier(toks)
     n, f = budget, 2 * budget + 1
     neg = jnp.float32(-jnp.inf)
     bidx = jnp.arange(b)

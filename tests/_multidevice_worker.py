@@ -119,7 +119,21 @@ def check_generate(out, workdir):
     tree = lambda **kw: dj.generate(target, drafter, prompts, n, tree_budget=16, **kw)
     for name, r in (("tree", tree()), ("tree_data=4,tensor=2", tree(mesh=mesh4x2))):
         res[name] = dict(_run(r, drafts=False), acceptance=r.acceptance_lengths, tau=r.stats["tau"])
+    res["replicated_trees"] = _replicated_batch_trees(target, drafter, prompts, "data=2", (1, 3))
     out["generate"] = res
+
+
+def _replicated_batch_trees(target, drafter, prompts, spec, batches, n=24):
+    """Tree decoding (8 nodes) on `spec` for batches that its data axes cannot split (the batch
+    replicated: once a compiler abort in XLA:CPU's top-k), against AR of the same prompts on one
+    device: {batch: {"tokens", "ar", "acceptance"}}."""
+    mesh = dry_run.resolve_mesh(spec)
+    res = {}
+    for b in batches:
+        r = dj.generate(target, drafter, prompts[:b], n, tree_budget=8, mesh=mesh)
+        ar = dj.generate(target, None, prompts[:b], n)
+        res[b] = {"tokens": r.tokens, "ar": ar.tokens, "acceptance": r.acceptance_lengths}
+    return res
 
 
 def check_moe(out, workdir):
@@ -149,6 +163,7 @@ def check_moe(out, workdir):
             "dense_mlp": str(tp["layers_2"]["mlp"]["down_proj"]["kernel"]),
         }
         res[spec]["mesh"] = dict(mesh.shape)
+    res["replicated_trees"] = _replicated_batch_trees(target, drafter, prompts, "expert=2", (1, 2))
     # The trainer's step against a frozen random MoE target (4 experts, top 2), one device
     # and data=2,expert=2,tensor=2 (the step partitioned by GSPMD).
     cfg = dj.ModelConfig(
