@@ -254,6 +254,18 @@ def test_tree_decode_loop_compiles_without_cache_copies_or_extra_collectives(
     assert 0 <= extra <= 2, (len(tree), len(chain))
 
 
+@pytest.mark.parametrize("model,mesh,batch", [("tiny", "data=2", 1), ("tiny_moe", "expert=2", 1)])
+def test_tree_decode_compiles_on_a_mesh_that_replicates_the_batch(v5e, model, mesh, batch):
+    """A draft tree where the mesh cannot split the batch (data=2 at batch 1; experts split,
+    batch replicated): XLA:CPU once aborted compiling this (tests/test_sharding.py runs it on
+    CPU devices); the TPU compiler builds it too."""
+    devices, chip = v5e
+    kw = dict(batch=batch, context=64, max_new_tokens=16, devices=devices[:2], chip=chip)
+    kw.update(attention=("pallas",), step_costs=False, only=("dflash_decode",))
+    r = dry_run.dry_run_infer(model, mesh, tree_budget=8, **kw)
+    assert r["programs"]["dflash_decode"]["fits"] is True
+
+
 def test_dflash_step_collectives_are_the_targets_plus_the_drafters(decode_hlo):
     """The verify of a DFlash step runs exactly the collectives of an autoregressive step (the
     drafter's tensor-parallel `fc` no longer carries a feature sharding into the target's
