@@ -289,3 +289,47 @@ def test_conversations_end_where_the_next_prompt_would_not_fit(chat_target, tmp_
     )
     assert len(recs) == 1 and len(recs[0]["turns"]) == 1  # cut before turn 2; one dropped
     assert long not in tok.decode(recs[0]["input_ids"])
+
+
+def test_an_interrupted_regeneration_resumes_from_its_finished_batches(
+    chat_target, tmp_path, monkeypatch
+):
+    """Stopped after two batches (an exception from generate, as Ctrl-C would raise), the run
+    leaves OUT.partial with those batches; rerun, it generates only the others (a cut last line
+    is redone) and writes what an uninterrupted run writes, then removes OUT.partial. Other
+    settings against the partial file are one line, the file kept."""
+    d, target, tok = chat_target
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    kw = dict(max_new_tokens=5, batch_size=1, stop_token_ids=(tok.eos_id,))
+    ref = regen.regenerate_from_file(target, tok, d, str(data), str(tmp_path / "ref.jsonl"), **kw)
+    assert not os.path.exists(tmp_path / "ref.jsonl.partial")
+
+    real, calls = regen.generate, []
+
+    def stopping(*a, **k):
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        calls.append(1)
+        return real(*a, **k)
+
+    out = str(tmp_path / "out.jsonl")
+    monkeypatch.setattr(regen, "generate", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        regen.regenerate_from_file(target, tok, d, str(data), out, **kw)
+    partial = out + ".partial"
+    assert not os.path.exists(out) and len(open(partial).read().splitlines()) == 1 + 3
+    with open(partial, "a") as f:
+        f.write('{"key": [1, 0], "respo')  # a batch cut mid-line by the interruption
+    saved = open(partial).read()
+
+    with pytest.raises(ValueError, match=r"out\.jsonl\.partial: an interrupted regeneration"):
+        regen.regenerate_from_file(target, tok, d, str(data), out, **dict(kw, max_new_tokens=4))
+    assert open(partial).read() == saved  # refused, kept
+
+    calls.clear()
+    monkeypatch.setattr(regen, "generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    got = regen.regenerate_from_file(target, tok, d, str(data), out, **kw)
+    assert got == ref and [json.loads(l) for l in open(out)] == ref
+    assert len(calls) == 6 - 3  # 6 turns in batches of 1: the 3 recorded ones are not redone
+    assert not os.path.exists(partial)

@@ -22,6 +22,7 @@ CLI: python -m dflash_jax.training.regenerate --target=DIR --prompts=FILE.jsonl 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import time
@@ -29,6 +30,94 @@ from typing import Callable, List, Optional, Sequence
 
 from dflash_jax import console, distributed
 from dflash_jax.decoding import generate
+
+
+class _Journal:
+    """The finished batches of a regeneration, appended to `OUT.partial` as they finish (flushed
+    and synced), so a run stopped by Ctrl-C, a signal or the end of a session resumes where it
+    stopped instead of starting over: the same inputs, target and settings (a fingerprint on
+    the first line) replay the recorded batches; other ones are refused (one line, the file
+    kept). Removed once OUT is written. A single process only (several: disabled)."""
+
+    def __init__(self, out_path: str, fingerprint: str, enabled: bool = True):
+        self.path = out_path + ".partial"
+        self.done: dict = {}
+        self.f = None
+        if not enabled:
+            return
+        lines = []
+        if os.path.exists(self.path):
+            with open(self.path) as f:
+                lines = f.read().split("\n")
+            head = _json_or_none(lines[0]) or {}
+            if head.get("fingerprint") != fingerprint:
+                raise ValueError(
+                    f"{self.path}: an interrupted regeneration of other prompts, target or "
+                    "settings; rerun it with those, or delete the file to start over"
+                )
+            good = [lines[0]]
+            for ln in lines[1:]:
+                rec = _json_or_none(ln)
+                if rec is None:  # a line cut by the interruption: that batch is redone
+                    break
+                self.done[tuple(rec["key"])] = rec["responses"]
+                good.append(ln)
+            lines = good
+        else:
+            lines = [json.dumps({"fingerprint": fingerprint})]
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w") as f:  # rewritten without a cut last line
+            f.write("\n".join(lines) + "\n")
+        os.replace(tmp, self.path)
+        self.f = open(self.path, "a")
+        if self.done:
+            console.say(f"regenerate: {len(self.done)} finished batches resumed from {self.path}")
+
+    def get(self, key):
+        return self.done.get(tuple(key))
+
+    def add(self, key, responses) -> None:
+        if self.f is not None:
+            self.f.write(json.dumps({"key": list(key), "responses": responses}) + "\n")
+            self.f.flush()
+            os.fsync(self.f.fileno())
+
+    def finish(self) -> None:
+        if self.f is not None:
+            self.f.close()
+            os.remove(self.path)
+
+
+_last_log = [0.0]
+
+
+def _log_due(log_every: int, n_batches: int, bar, t0: float) -> bool:
+    """A progress line is due (no progress bar: a log file): every `log_every` batches, or a
+    minute after the last line (a batch of an 8B target can take minutes)."""
+    if not (bar.disable and distributed.is_primary()):
+        return False
+    now = time.time()
+    if (log_every and n_batches % log_every == 0) or now - max(_last_log[0], t0) >= 60:
+        _last_log[0] = now
+        return True
+    return False
+
+
+def _json_or_none(line: str):
+    try:
+        return json.loads(line)
+    except json.JSONDecodeError:
+        return None
+
+
+def _fingerprint(target, inputs, **settings) -> str:
+    blob = json.dumps(
+        {"target": repr(target.config), "inputs": inputs, "settings": settings},
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def regenerate(
@@ -56,36 +145,56 @@ def regenerate(
     """
     records = []
     prompts = [list(map(int, p)) for p in prompts]
+    journal = _Journal(
+        out_path,
+        _fingerprint(
+            target,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=list(stop_token_ids),
+        ),  # fmt: skip
+        enabled=not distributed.is_multiprocess(),
+    )
     t0 = time.time()
     n_batches = (len(prompts) + batch_size - 1) // batch_size
     bar = console.progress(total=len(prompts), desc="regenerate", unit="prompt")
     for bi in range(n_batches):
         chunk = prompts[bi * batch_size : (bi + 1) * batch_size]
         padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-        res = generate(
-            target,
-            drafter,
-            padded,
-            max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed + bi,
-            stop_token_ids=stop_token_ids,
-            mesh=mesh,
-        )
-        for p, r in zip(chunk, res.tokens[: len(chunk)]):
+        outs = journal.get((bi,))
+        if outs is None:
+            res = generate(
+                target,
+                drafter,
+                padded,
+                max_new_tokens,
+                temperature=temperature,
+                top_p=top_p,
+                seed=seed + bi,
+                stop_token_ids=stop_token_ids,
+                mesh=mesh,
+            )
+            outs = [[int(t) for t in r] for r in res.tokens[: len(chunk)]]
+            journal.add((bi,), outs)
+        for p, r in zip(chunk, outs):
             rec = {"prompt_ids": p, "response_ids": list(map(int, r))}
             if tokenizer is not None:
                 rec = {"prompt": tokenizer.decode(p), "response": tokenizer.decode(r), **rec}
             records.append(rec)
         bar.update(len(chunk))
-        if log_every and (bi + 1) % log_every == 0 and bar.disable and distributed.is_primary():
-            # No bar (not a terminal, e.g. a log file): a line every `log_every` batches.
+        if _log_due(log_every, bi + 1, bar, t0):
+            # No bar (not a terminal, e.g. a log file): a line every `log_every` batches, and
+            # at least one a minute.
             console.say(
                 f"regenerate: {len(records)}/{len(prompts)} responses, {time.time() - t0:.0f}s"
             )
     bar.close()
     _write_records(records, out_path)
+    journal.finish()
     return records
 
 
@@ -145,6 +254,20 @@ def regenerate_chat(
     responses: List[List[List[int]]] = [[] for _ in convs]
     turns: List[List[dict]] = [[] for _ in convs]
     stop = tuple(int(s) for s in stop_token_ids)
+    journal = _Journal(
+        out_path,
+        _fingerprint(
+            target,
+            convs,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            stop=list(stop),
+        ),  # fmt: skip
+        enabled=not distributed.is_multiprocess(),
+    )
     total = sum(len(u) for u in users)
     bar = console.progress(total=total, desc="regenerate", unit="turn")
     t0, done, n_batches = time.time(), 0, 0
@@ -168,19 +291,22 @@ def regenerate_chat(
         for b0 in range(0, len(active), batch_size):
             chunk = prompts[b0 : b0 + batch_size]
             padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
-            res = generate(
-                target,
-                drafter,
-                padded,
-                max_new_tokens,
-                temperature=temperature,
-                top_p=top_p,
-                seed=seed + 100003 * k + b0 // batch_size,
-                stop_token_ids=stop,
-                mesh=mesh,
-            )
-            for i, p, r in zip(active[b0 : b0 + batch_size], chunk, res.tokens):
-                r = [int(t) for t in r]
+            outs = journal.get((k, b0))
+            if outs is None:
+                res = generate(
+                    target,
+                    drafter,
+                    padded,
+                    max_new_tokens,
+                    temperature=temperature,
+                    top_p=top_p,
+                    seed=seed + 100003 * k + b0 // batch_size,
+                    stop_token_ids=stop,
+                    mesh=mesh,
+                )
+                outs = [[int(t) for t in r] for r in res.tokens[: len(chunk)]]
+                journal.add((k, b0), outs)
+            for i, p, r in zip(active[b0 : b0 + batch_size], chunk, outs):
                 responses[i].append(r)
                 turns[i].append({"prompt_ids": p, "response_ids": r})
                 text = ""
@@ -190,12 +316,7 @@ def regenerate_chat(
             done += len(chunk)
             n_batches += 1
             bar.update(len(chunk))
-            if (
-                log_every
-                and n_batches % log_every == 0
-                and bar.disable
-                and distributed.is_primary()
-            ):
+            if _log_due(log_every, n_batches, bar, t0):
                 console.say(f"regenerate: {done}/{total} turns, {time.time() - t0:.0f}s")
     bar.close()
     if ended:
@@ -219,6 +340,7 @@ def regenerate_chat(
             rec["messages"] = msgs[i]
         records.append(rec)
     _write_records(records, out_path)
+    journal.finish()
     return records
 
 
