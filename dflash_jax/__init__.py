@@ -9,8 +9,9 @@ Public API:
   generate(target, drafter_or_None, prompts, max_new_tokens, ...) -> GenerationResult
 """
 
-import importlib
 from typing import TYPE_CHECKING
+
+from dflash_jax import lazy as _lazy  # (stdlib only)
 
 # The public names, imported on first use (PEP 562): `import dflash_jax` itself loads no JAX,
 # so a command-line tool can arm its Ctrl-C handling (`dflash_jax.interrupts`) before the
@@ -39,19 +40,7 @@ _EXPORTS = {
 
 def __getattr__(name):
     """A public name (imported from its module on first use), or a submodule (`dj.model`)."""
-    if name in _EXPORTS:
-        value = getattr(importlib.import_module(f"{__name__}.{_EXPORTS[name]}"), name)
-    elif not name.startswith("__"):
-        try:
-            value = importlib.import_module(f"{__name__}.{name}")
-        except ModuleNotFoundError as e:
-            if e.name != f"{__name__}.{name}":  # the module exists but an import inside failed
-                raise
-            raise AttributeError(f"module {__name__!r} has no attribute {name!r}") from None
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+    return _lazy.attribute(__name__, _EXPORTS, globals(), name)
 
 
 def __dir__():

@@ -561,6 +561,13 @@ CASES = [
         ],
         want_err=r"--json_out .*r\.json: directory .* does not exist",
     ),
+    Case(  # an expert axis over a dense target: refused before the weights load, as train.py does
+        "infer_expert_axis_dense_target",
+        ["infer.py", "--mesh=expert=2", "--max_new_tokens=2"],
+        want_err=r"the mesh axis expert=2 splits a mixture-of-experts target's experts, but "
+        r"the target is dense",
+        env={"XLA_FLAGS": "--xla_force_host_platform_device_count=2"},
+    ),
     # Settings that cannot apply without a drafter are refused (as --tree_budget is).
     *[
         Case(name, ["infer.py", "--target={pair}/target", "--drafter=", *args], want_err=err)

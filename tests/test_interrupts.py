@@ -105,3 +105,9 @@ def test_train_ctrl_c_before_the_first_step_is_one_line_and_no_checkpoint(tmp_pa
         ], lines
         ckpts = wd / "checkpoints"
         assert not ckpts.exists() or not any(p.name.isdigit() for p in ckpts.iterdir())
+
+
+def test_dry_run_ctrl_c_in_imports_and_compile_is_one_line_and_130():
+    argv = ["-m", "dflash_jax.dry_run", "--topology=cpu:2", "--model=tiny"]
+    for rc, _, err in _parallel(interrupted, [(argv, 0.2), (argv, 3.0)]):
+        assert rc == 130 and _clean(err) == ["interrupted: nothing was written"], (rc, err[-2000:])

@@ -57,20 +57,68 @@ DFLASH_PALLAS_GPU_BACKEND overrides). docs/gpu_dry_run.md.
 attention unless --attention says otherwise).
 """
 
-from dflash_jax.dry_run.chips import DEFAULT_TAUS, GPU_CHIPS, PROJECTED, TPU_CHIPS, roofline
-from dflash_jax.dry_run.cli import format_report, infer_main, main, run
-from dflash_jax.dry_run.compiled import collectives, compile_stats
-from dflash_jax.dry_run.presets import abstract_params, build_configs, model_presets, train_config
-from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
-from dflash_jax.dry_run.topology import (
-    UsageError,
-    cuda_plugin_missing,
-    ensure_cpu_devices,
-    gpu_devices,
-    libtpu_missing,
-    resolve_mesh,
-    topology_devices,
-)
+from typing import TYPE_CHECKING
+
+from dflash_jax import lazy as _lazy  # (stdlib only)
+
+# Imported on first use (PEP 562): `python -m dflash_jax.dry_run` arms its Ctrl-C handling
+# before JAX loads (dflash_jax/interrupts.py).
+_EXPORTS = {
+    "DEFAULT_TAUS": "chips",
+    "GPU_CHIPS": "chips",
+    "PROJECTED": "chips",
+    "TPU_CHIPS": "chips",
+    "roofline": "chips",
+    "format_report": "cli",
+    "infer_main": "cli",
+    "main": "cli",
+    "run": "cli",
+    "collectives": "compiled",
+    "compile_stats": "compiled",
+    "abstract_params": "presets",
+    "build_configs": "presets",
+    "model_presets": "presets",
+    "train_config": "presets",
+    "dry_run_infer": "programs",
+    "dry_run_train": "programs",
+    "UsageError": "topology",
+    "cuda_plugin_missing": "topology",
+    "ensure_cpu_devices": "topology",
+    "gpu_devices": "topology",
+    "libtpu_missing": "topology",
+    "resolve_mesh": "topology",
+    "topology_devices": "topology",
+}
+
+
+def __getattr__(name):
+    return _lazy.attribute(__name__, _EXPORTS, globals(), name)
+
+
+def __dir__():
+    return sorted(set(globals()) | set(_EXPORTS))
+
+
+if TYPE_CHECKING:  # the names as plain imports, for type checkers and IDEs
+    from dflash_jax.dry_run.chips import DEFAULT_TAUS, GPU_CHIPS, PROJECTED, TPU_CHIPS, roofline
+    from dflash_jax.dry_run.cli import format_report, infer_main, main, run
+    from dflash_jax.dry_run.compiled import collectives, compile_stats
+    from dflash_jax.dry_run.presets import (
+        abstract_params,
+        build_configs,
+        model_presets,
+        train_config,
+    )
+    from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
+    from dflash_jax.dry_run.topology import (
+        UsageError,
+        cuda_plugin_missing,
+        ensure_cpu_devices,
+        gpu_devices,
+        libtpu_missing,
+        resolve_mesh,
+        topology_devices,
+    )
 
 __all__ = [
     "DEFAULT_TAUS",
