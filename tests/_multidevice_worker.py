@@ -80,6 +80,24 @@ def _run(r, drafts=True):
     return out
 
 
+def _divergences(target, prompts, ref_tokens, got_tokens):
+    """Per prompt, None where `got` equals `ref`, else where they first differ and how close
+    the single-device target's choice was there: {"pos", "ref", "got", "gap"} with gap the
+    float32 logit of ref's token minus that of got's (a near-tie when tiny: another reduction
+    order may flip it, which is not a loss of exactness of the algorithm)."""
+    out = []
+    for p, ref, got in zip(prompts, ref_tokens, got_tokens):
+        if ref == got:
+            out.append(None)
+            continue
+        i = next(k for k, (a, b) in enumerate(zip(ref, got)) if a != b)
+        ids = np.asarray([list(p) + list(ref[:i])], np.int32)
+        logits = np.asarray(target.forward(ids).logits)[0, -1]
+        gap = float(logits[ref[i]] - logits[got[i]])
+        out.append({"pos": i, "ref": int(ref[i]), "got": int(got[i]), "gap": gap})
+    return out
+
+
 def check_generate(out, workdir):
     """The bundled pair decoded on one device (DFlash and autoregressive) and on three meshes
     of the 8 devices: data=2,tensor=4 (query heads, vocabulary and MLP split 4 ways; the 2 KV
@@ -99,6 +117,9 @@ def check_generate(out, workdir):
     for spec in ("data=2,tensor=4", "data=4,tensor=2"):
         mesh = dry_run.resolve_mesh(spec)
         res[spec] = _run(dj.generate(target, drafter, prompts, n, return_drafts=True, mesh=mesh))
+        res[spec]["divergences"] = _divergences(
+            target, prompts, res["ref"]["tokens"], res[spec]["tokens"]
+        )
         tp = sharding.param_specs(target.params, mesh, sharding.target_rules(), 64)
         res[spec]["k_proj"] = str(tp["layers_0"]["self_attn"]["k_proj"]["kernel"])
     mesh = dry_run.resolve_mesh("tensor=8")
@@ -112,6 +133,9 @@ def check_generate(out, workdir):
     mesh = dry_run.resolve_mesh("data=2,tensor=4")
     res["untied_data=2,tensor=4"] = _run(
         dj.generate(untied, drafter, prompts, n, return_drafts=True, mesh=mesh)
+    )
+    res["untied_data=2,tensor=4"]["divergences"] = _divergences(
+        target, prompts, res["ref"]["tokens"], res["untied_data=2,tensor=4"]["tokens"]
     )
     tp = sharding.param_specs(untied.params, mesh, sharding.target_rules(), 64)
     res["untied_data=2,tensor=4"]["lm_head"] = str(tp["lm_head"]["kernel"])

@@ -58,22 +58,35 @@ def test_sharded_greedy_generate_equals_single_device(findings):
     assert all(len(d) == 15 for s in ref["drafts"] for d in s)
     for mesh in ("data=2,tensor=4", "data=4,tensor=2", "untied_data=2,tensor=4"):
         got = g[mesh]
-        assert got["tokens"] == ref["tokens"] == ref_ar["tokens"], mesh
-        assert got["acceptance"] == ref["acceptance"], mesh
+        # Sharded, the target's logits are summed in another order (heads and vocabulary split
+        # over tensor): float32 equality of the tokens holds except where the single-device
+        # target itself nearly ties (issue 45 reported tokens differing on data=2,tensor=4 with
+        # 8 host devices for the whole pytest run). A difference passes only as such a flip:
+        # the tokens agree up to it, and there the one-device target's logits of the two tokens
+        # differ by under 1e-3. Anything else is a real divergence and fails.
+        div = got["divergences"]
+        assert [d is None for d in div] == [a == b for a, b in zip(got["tokens"], ref["tokens"])]
+        assert sum(d is not None for d in div) <= 1, (mesh, div)
+        for d, a, b in zip(div, got["tokens"], ref["tokens"]):
+            if d is not None:
+                assert a[: d["pos"]] == b[: d["pos"]] and abs(d["gap"]) < 1e-3, (mesh, d)
+        same = [i for i, d in enumerate(div) if d is None]
+        pick = lambda r, key: [r[key][i] for i in same]  # noqa: E731
+        assert pick(got, "tokens") == pick(ref, "tokens") == pick(ref_ar, "tokens"), mesh
+        assert pick(got, "acceptance") == pick(ref, "acceptance"), mesh
         # The sharded drafter drafts the same blocks: every accepted draft, and all but a few
         # rejected ones. A rejected draft is a low-confidence argmax, where another reduction
-        # order (heads split over tensor) may flip a near-tie (seen on jax 0.12, data=2,tensor=4;
-        # tokens and acceptance stay exact, as asserted above).
+        # order (heads split over tensor) may flip a near-tie (seen on jax 0.12, data=2,tensor=4).
         accepted = (
             lambda r: [  # noqa: E731
                 [d[: a - 1] for d, a in zip(ds, acc)]
-                for ds, acc in zip(r["drafts"], r["acceptance"])
+                for ds, acc in zip(pick(r, "drafts"), pick(r, "acceptance"))
             ]
         )
         assert accepted(got) == accepted(ref), mesh
         pairs = [
             (x, y)
-            for dg, dr in zip(got["drafts"], ref["drafts"])
+            for dg, dr in zip(pick(got, "drafts"), pick(ref, "drafts"))
             for sg, sr in zip(dg, dr)
             for x, y in zip(sg, sr)
         ]
