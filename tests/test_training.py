@@ -652,3 +652,25 @@ def test_every_config_sets_only_keys_the_trainer_reads():
         cfg = importlib.import_module(f"configs.{name}").get_config()
         assert keys(cfg) <= known, (name, keys(cfg) - known)
         assert cfg.num_train_steps != 0 and cfg.mode in ("target", "drafter"), name
+
+
+def test_a_time_sliced_stage_exports_its_drafter(regen_file, tmp_path):
+    """stop_at_step ends a stage early (the schedule unchanged): it saves a checkpoint and exports
+    the drafter so far, which loads and equals the checkpoint's parameters; the next stage
+    resumes from the checkpoint."""
+    kw = dict(num_train_steps=12, checkpoint_every=100, eval_every=0, log_every=4)
+    wd = str(tmp_path / "w")
+    out = trainer.train_and_evaluate(tiny_config(regen_file, stop_at_step=3, **kw), wd)
+    assert out["status"] == "stopped" and out["step"] == 3
+    assert out["export"] and os.path.isfile(os.path.join(out["export"], "config.json"))
+    cfg = tiny_config(regen_file, **kw)
+    target = _tiny_target(cfg)
+    exported = dj.load_drafter(out["export"], target=target)
+    restored = Checkpointer(os.path.join(wd, "checkpoints"), 4).manager.restore(3)
+    want = jax.tree_util.tree_leaves(restored.state["params"])
+    got = jax.tree_util.tree_leaves(exported.params)
+    assert len(got) == len(want)
+    for a, b in zip(sorted(got, key=np.shape), sorted(want, key=np.shape)):
+        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32))
+    again = trainer.train_and_evaluate(tiny_config(regen_file, stop_at_step=5, **kw), wd)
+    assert [s for s, _ in again["losses"]] == [4, 5]

@@ -543,7 +543,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
         logger.close()
 
     export_path = None
-    if config.export and status == "done":
+    # A time-sliced stage (stop_at_step) exports too: the drafter so far, usable at once.
+    if config.export and status in ("done", "stopped"):
         export_path = export(exp, state.params, os.path.join(workdir, "export"))
         _log(f"exported to {export_path}")
     return {
