@@ -1,0 +1,217 @@
+"""tau of one target / drafter pair over a grid of decoding settings, by real decoding.
+
+  python benchmarks/drafter_grid.py --target=smollm2-135m-instruct \
+      --drafter=assets/smollm2-135m-instruct/drafter --datasets=mt_bench,humaneval \
+      --num_prompts=8 --max_new_tokens=128 --batch_size=8 \
+      --json_out=benchmarks/results/smollm2/grid.json
+
+Settings (`--settings`, comma-separated): `t0` / `t1` (temperature 0 or 1), `b16` / `b8` (block
+size), then optionally `tree16` / `tree64` (verify a draft tree of that many nodes) or
+`denoise2` (two drafter passes), e.g. `t0_b16_tree64`. The first turn of each row (MT-Bench:
+turn 1) through the target's chat template, `--batch_size` prompts per `generate` call. Per
+temperature and batch the autoregressive baseline runs once, with the same seed as every
+setting: at temperature 0 every DFlash output must equal it token for token (counted, and a
+failure of the run if not); at 1 the tokens differ (equal in distribution), so only tau is
+reported. No timing (on a CPU the verify is compute-bound: `benchmarks/step_costs.py`).
+
+Writes the JSON (provenance, per setting and dataset: tau per response (z-lab's mean), tau over
+steps, the acceptance-length histogram, identical outputs), a Markdown table (`.md`) and a bar
+chart (`.png`) beside it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import numpy as np
+from absl import flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import eval_tau  # noqa: E402
+
+FLAGS = flags.FLAGS
+flags.DEFINE_string("target", "smollm2-135m-instruct", "Target directory, GGUF or name.")
+flags.DEFINE_string("drafter", "assets/smollm2-135m-instruct/drafter", "Drafter directory.")
+flags.DEFINE_list("datasets", ["mt_bench", "humaneval"], "Datasets (eval_tau's sources).")
+flags.DEFINE_list(
+    "settings",
+    ["t0_b16", "t0_b8", "t0_b16_tree16", "t0_b16_tree64", "t0_b16_denoise2", "t1_b16", "t1_b8"],
+    "Decoding settings: t{0,1}_b{N}[_tree{B}|_denoise{K}].",
+)
+flags.DEFINE_integer("num_prompts", 8, "Rows per dataset (the first ones).")
+flags.DEFINE_integer("max_new_tokens", 128, "Tokens per response.")
+flags.DEFINE_integer("batch_size", 8, "Prompts per generate call.")
+flags.DEFINE_integer("seed", 0, "Sampling seed (temperature 1).")
+flags.DEFINE_string("json_out", None, "Write the results here (.md and .png beside it).")
+
+SETTING = re.compile(r"t(?P<t>[01])_b(?P<b>\d+)(?:_tree(?P<tree>\d+)|_denoise(?P<k>\d+))?")
+
+
+def parse_setting(name: str) -> dict:
+    """'t0_b16_tree64' -> {temperature, block_size, tree_budget, denoise_steps}; ValueError."""
+    m = SETTING.fullmatch(name.strip())
+    if m is None:
+        raise ValueError(
+            f"--settings: {name!r} is not t{{0,1}}_b{{N}}[_tree{{B}}|_denoise{{K}}], "
+            "e.g. t0_b16_tree64"
+        )
+    return {
+        "temperature": float(m["t"]),
+        "block_size": int(m["b"]),
+        "tree_budget": int(m["tree"]) if m["tree"] else None,
+        "denoise_steps": int(m["k"]) if m["k"] else 1,
+    }
+
+
+def run_grid(target, drafter, prompts, settings, max_new_tokens, batch_size, stop, seed=0):
+    """{setting: {"acceptance": [[...] per prompt], "identical": n or None}} for token-id
+    `prompts`, every setting against one autoregressive run per temperature and batch."""
+    from dflash_jax.decoding import generate
+
+    out = {name: {"acceptance": [], "identical": 0} for name in settings}
+    for b0 in range(0, len(prompts), batch_size):
+        batch = prompts[b0 : b0 + batch_size]
+        padded = batch + [batch[-1]] * (batch_size - len(batch))  # one program per shape
+        ar = {}
+        for name, s in settings.items():
+            t = s["temperature"]
+            if t not in ar:
+                ar[t] = generate(target, None, padded, max_new_tokens, temperature=t,
+                                 seed=seed + b0, stop_token_ids=stop)  # fmt: skip
+            res = generate(
+                target, drafter, padded, max_new_tokens, temperature=t, seed=seed + b0,
+                stop_token_ids=stop, block_size=s["block_size"], tree_budget=s["tree_budget"],
+                denoise_steps=s["denoise_steps"],
+            )  # fmt: skip
+            n = len(batch)
+            out[name]["acceptance"] += [list(map(int, a)) for a in res.acceptance_lengths[:n]]
+            same = sum(a == b for a, b in zip(res.tokens[:n], ar[t].tokens[:n]))
+            out[name]["identical"] += same
+            if t == 0 and same != n:
+                raise AssertionError(f"{name}: greedy DFlash differs from AR ({same}/{n} equal)")
+    for name, s in settings.items():
+        if s["temperature"] > 0:
+            out[name]["identical"] = None  # not expected token for token
+    return out
+
+
+def summarize(acceptance):
+    flat = [a for seq in acceptance for a in seq]
+    hist = np.bincount(flat).tolist() if flat else []
+    return {
+        "tau": eval_tau.tau_per_prompt(acceptance),
+        "tau_steps": eval_tau.tau_all_steps(acceptance),
+        "steps": len(flat),
+        "longest_step": max(flat) if flat else 0,
+        "acceptance_histogram": hist,  # index: tokens committed by a step
+    }
+
+
+def markdown(results, datasets) -> str:
+    lines = [
+        "| setting | " + " | ".join(f"{d} tau" for d in datasets) + " | identical to AR |",
+        "|---|" + "---|" * len(datasets) + "---|",
+    ]
+    for name, per in results.items():
+        ident = [per[d]["identical"] for d in datasets]
+        shown = (
+            "n/a (T=1)"
+            if any(i is None for i in ident)
+            else f"{sum(ident)}/{sum(per[d]['responses'] for d in datasets)}"
+        )
+        taus = " | ".join(f"{per[d]['tau']:.3f}" for d in datasets)
+        lines.append(f"| {name} | {taus} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results, datasets, path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = list(results)
+    x = np.arange(len(names))
+    w = 0.8 / len(datasets)
+    fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.5))
+    for i, d in enumerate(datasets):
+        ax.bar(x + i * w, [results[n][d]["tau"] for n in names], w, label=d)
+    ax.axhline(1.0, color="grey", lw=0.8)
+    ax.set_xticks(x + w * (len(datasets) - 1) / 2, names, rotation=20)
+    ax.set_ylabel("tau (tokens per target pass)")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main(argv):
+    del argv
+    from dflash_jax import hub, provenance, validation
+
+    settings = {name: parse_setting(name) for name in FLAGS.settings}
+    validation.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
+    validation.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
+    validation.int_param("--batch_size", FLAGS.batch_size, lo=1)
+    if FLAGS.json_out:
+        validation.writable_file(FLAGS.json_out, "--json_out")
+    rows = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
+    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
+    drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
+
+    from dflash_jax import console
+    from dflash_jax.data import load_tokenizer
+    from dflash_jax.data.chat import template_renderer
+    from dflash_jax.drafter import load_drafter
+    from dflash_jax.target import load_target
+
+    console.cli_startup()
+    target = load_target(target_dir)
+    drafter = load_drafter(drafter_dir, target=target)
+    tok = load_tokenizer(target_dir)
+    render, how = template_renderer(target_dir, True)
+    stop = eval_tau._stop_ids(target_dir, tok)
+    results = {name: {} for name in settings}
+    for d, (turns, source) in rows.items():
+        prompts = [
+            list(tok.encode(render([{"role": "user", "content": t[0]}], True))) for t in turns
+        ]
+        got = run_grid(
+            target, drafter, prompts, settings, FLAGS.max_new_tokens, FLAGS.batch_size, stop,
+            FLAGS.seed,
+        )  # fmt: skip
+        for name in settings:
+            r = dict(summarize(got[name]["acceptance"]), identical=got[name]["identical"])
+            results[name][d] = dict(r, responses=len(prompts), source=source)
+            print(f"{d} {name}: tau {r['tau']:.3f} (steps {r['tau_steps']:.3f})", flush=True)
+    table = markdown(results, list(rows))
+    print("\n" + table)
+    if FLAGS.json_out:
+        rec = dict(
+            provenance.record(),
+            target=FLAGS.target,
+            drafter=FLAGS.drafter,
+            prompts=how,
+            num_prompts=FLAGS.num_prompts,
+            max_new_tokens=FLAGS.max_new_tokens,
+            batch_size=FLAGS.batch_size,
+            settings=settings,
+            results=results,
+        )
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(rec, f, indent=1)
+        base = os.path.splitext(FLAGS.json_out)[0]
+        with open(base + ".md", "w") as f:
+            f.write(table)
+        plot(results, list(rows), base + ".png")
+        print(f"wrote {FLAGS.json_out}, {base}.md, {base}.png")
+
+
+if __name__ == "__main__":
+    from dflash_jax import cli
+
+    cli.run(main)
