@@ -58,6 +58,10 @@ def get_config() -> ml_collections.ConfigDict:
             # masters, as SpecForge keeps); compute stays in `dtype`. "": the same as `dtype`.
             param_dtype="float32",
             init_path="",
+            # "normal": fc ~ N(0, 0.02) as Hugging Face initializes; "tap_rms": its rows
+            # scaled by median / RMS of their tapped feature (measured on a held-out batch) so
+            # that no massive activation dimension dominates the context at step 0.
+            fc_init="normal",
         )
     )  # a z-lab drafter directory to continue from
     c.num_anchors = 512  # per sequence (per document of a packed row), as SpecForge

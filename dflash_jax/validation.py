@@ -283,6 +283,7 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     choice("mode", c.mode, ("drafter", "target"))
     choice("loss", c.loss, ("ce", "kl"))
     choice("mask_schedule", c.mask_schedule, ("all", "random", "mdlm"))
+    choice("drafter.fc_init", c.drafter.get("fc_init", "normal"), ("normal", "tap_rms"))
     mff = c.get("mask_full_fraction", 0.5)
     if isinstance(mff, bool) or not isinstance(mff, (int, float)) or not 0.0 <= mff <= 1.0:
         raise E(f"mask_full_fraction must be a number in [0, 1], got {mff!r}")

@@ -674,3 +674,42 @@ def test_a_time_sliced_stage_exports_its_drafter(regen_file, tmp_path):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32))
     again = trainer.train_and_evaluate(tiny_config(regen_file, stop_at_step=5, **kw), wd)
     assert [s for s, _ in again["losses"]] == [4, 5]
+
+
+def test_fc_init_tap_rms_equalizes_the_tapped_features(regen_file):
+    """drafter.fc_init='tap_rms': fc's rows are scaled by median / RMS of their tapped feature
+    (measured over a held-out batch, the first position left out), so each feature's
+    contribution to the context has the same scale; checked against a NumPy statement of the
+    rule on the target's own taps, with one feature made 1000x larger (a massive activation)."""
+    cfg = tiny_config(regen_file)
+    exp = experiment.build_experiment(cfg, None)
+    tmod, dcfg = exp.tmod, exp.drafter_cfg
+    big = dict(exp.target_params)
+    # A massive activation: layer 0's output gains a huge constant dimension through its MLP
+    # down-projection bias-free row (the residual stream, hence the taps, carry it).
+    down = np.array(big["layers_0"]["mlp"]["down_proj"]["kernel"])
+    down[:, 3] *= 1000.0
+    big["layers_0"] = {
+        **big["layers_0"],
+        "mlp": {**big["layers_0"]["mlp"], "down_proj": {"kernel": jnp.asarray(down)}},
+    }
+    batch = exp.eval_batches[0]
+    rms = experiment.tap_rms(tmod, big, dcfg, [batch])
+    _, _, taps = tmod.apply(
+        {"params": big}, jnp.asarray(batch["input_ids"]),
+        segment_ids_BT=jnp.asarray(batch["segment_ids"]), tap_layers=tuple(dcfg.target_layer_ids),
+        taps_only=True,
+    )  # fmt: skip
+    x = np.asarray(taps, np.float64)[:, 1:][np.asarray(batch["segment_ids"])[:, 1:] > 0]
+    np.testing.assert_allclose(rms, np.sqrt((x**2).mean(0)), rtol=1e-4)
+    assert rms.max() > 50 * np.median(rms)  # the massive dimension is there
+    params = dj.init_drafter_params(dcfg, 0)
+    scaled = experiment.scale_fc_by_tap_rms(params, tmod, big, dcfg, [batch])
+    w0, w1 = np.asarray(params["fc"]["kernel"]), np.asarray(scaled["fc"]["kernel"])
+    np.testing.assert_allclose(w1, w0 * (np.median(rms) / rms)[:, None], rtol=1e-5)
+    # Each feature's contribution x_j * W_jk now has the same scale (within sampling noise).
+    contrib = rms[:, None] * np.abs(w1)
+    per_feature = contrib.mean(1)
+    assert per_feature.max() < 3 * np.median(per_feature)
+    with pytest.raises(ValueError, match="fc_init='tap_rms' needs held-out batches"):
+        experiment.scale_fc_by_tap_rms(params, tmod, big, dcfg, [])

@@ -340,6 +340,8 @@ def build_experiment(config, workdir: str) -> Experiment:
             dcfg, init = dcfg_params.config, dcfg_params.params
         else:
             init = init_drafter_params(dcfg, seed=config.seed)
+            if dc.get("fc_init", "normal") == "tap_rms":
+                init = scale_fc_by_tap_rms(init, tmod, tparams, dcfg, eval_batches)
         dmod = DFlashDrafter(dcfg)
         loss_fn = drafter_loss_fn(config, tmod, dmod)
     else:
@@ -375,6 +377,46 @@ def build_experiment(config, workdir: str) -> Experiment:
         stop_ids=stop_ids,
         repetition_sampler=sampler,
     )
+
+
+def tap_rms(tmod, tparams, dcfg, batches) -> np.ndarray:
+    """Per input feature of the drafter's `fc` (the concatenated taps), the root mean square of
+    the target's tapped hidden states over the scored tokens of `batches` (the first position
+    of each row left out: attention-sink tokens carry activations 100x the rest)."""
+    sq, n = 0.0, 0
+    for batch in batches:
+        ids = jnp.asarray(batch["input_ids"])
+        _, _, taps = tmod.apply(
+            {"params": tparams},
+            ids,
+            segment_ids_BT=jnp.asarray(batch["segment_ids"]),
+            tap_layers=tuple(dcfg.target_layer_ids),
+            taps_only=True,
+        )
+        x = np.asarray(taps, np.float64)[:, 1:]
+        mask = np.asarray(batch["segment_ids"])[:, 1:] > 0
+        sq = sq + (x[mask] ** 2).sum(0)
+        n += int(mask.sum())
+    return np.sqrt(sq / max(n, 1)).astype(np.float32)
+
+
+def scale_fc_by_tap_rms(params, tmod, tparams, dcfg, batches):
+    """`fc`'s rows scaled by median(rms) / rms of their input feature (`tap_rms`): every tapped
+    feature then enters the context features at the same scale at step 0. LLM hidden states
+    carry a few massive dimensions (SmolLM2-135M: 5 of 576 hold ~60% of the energy at layers 1,
+    14 and 27, and layer 27's RMS is ~10x layer 1's), which otherwise dominate `fc`'s output,
+    so that after `hidden_norm` the context features start nearly alike for every token. An
+    initialization only: the architecture and the checkpoint format are unchanged."""
+    if not batches:
+        raise ValueError(
+            "drafter.fc_init='tap_rms' needs held-out batches to measure the taps "
+            "(eval_batches >= 1 and held-out data)"
+        )
+    rms = np.maximum(tap_rms(tmod, tparams, dcfg, batches[:1]), 1e-6)
+    scale = (np.median(rms) / rms)[:, None]
+    kernel = params["fc"]["kernel"]
+    new = (np.asarray(kernel, np.float32) * scale).astype(kernel.dtype)
+    return {**params, "fc": {**params["fc"], "kernel": jnp.asarray(new)}}
 
 
 def _repetition_sampler(
