@@ -60,7 +60,8 @@ def get_config() -> ml_collections.ConfigDict:
             init_path="",
             # "normal": fc ~ N(0, 0.02) as Hugging Face initializes; "tap_rms": its rows
             # scaled by median / RMS of their tapped feature (measured on a held-out batch) so
-            # that no massive activation dimension dominates the context at step 0.
+            # that no massive activation dimension dominates the context at step 0 (tried on
+            # SmolLM2-135M: no faster start, benchmarks/results/smollm2/README.md).
             fc_init="normal",
         )
     )  # a z-lab drafter directory to continue from

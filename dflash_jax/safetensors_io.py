@@ -163,6 +163,11 @@ def write_safetensors(
             os.remove(tmp)
         bad = [f"{n!r} ({a.dtype})" for n, a in arrays.items() if a.dtype.kind in "OUSMm"]
         raise CheckpointError(f"{path}: cannot store tensors {', '.join(bad)} ({e})") from e
+    # The safetensors library creates the file owner-only (0600); a checkpoint is shared like
+    # any file the user writes: the permissions their umask gives.
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
     os.replace(tmp, path)
 
 

@@ -3,7 +3,8 @@
 #
 #   scripts/reproduce_smollm2.sh [--dry_run] [RUNS]      # from the repository root
 #
-# Stages (every one resumes: a finished chunk / stage is skipped, training resumes from its
+# Stages (every one resumes: a finished chunk / stage is skipped, a chunk stopped mid-way
+# continues from its finished batches (responses_i.jsonl.partial), training resumes from its
 # last checkpoint, so the script can be stopped and rerun across sessions):
 #   1. prompts:  ShareGPT's first user turns (python -m dflash_jax.data.sources), MT-Bench and
 #                HumanEval checked absent

@@ -252,3 +252,14 @@ def test_a_failing_load_keeps_nothing_half_loaded(hf_checkpoints, tmp_path):
         kept = {k: np.array(f.get(k)) for k in f.keys() if k != "model.norm.weight"}
     write_safetensors(os.path.join(d, shard), kept)
     _load_fails(d, rf"{shard}: missing tensor 'model.norm.weight' \(listed in the index\)")
+
+
+def test_written_weights_get_the_umask_permissions(tmp_path):
+    """safetensors writes owner-only files; a saved checkpoint gets what the user's umask gives
+    (0644 under the usual 022), like any other file they write."""
+    old = os.umask(0o022)
+    try:
+        save_sharded(str(tmp_path), {"w": np.ones((2, 3), np.float32)})
+    finally:
+        os.umask(old)
+    assert os.stat(tmp_path / "model.safetensors").st_mode & 0o777 == 0o644
