@@ -485,8 +485,6 @@ def check_before_loading(
             v["denoise_steps"],
             has_drafter=dcfg is not None,
         )
-        if g.get("prefill_chunk") is not None:
-            validation.int_param("prefill_chunk", g["prefill_chunk"], lo=0)
     if mesh is not None:
         from dflash_jax import sharding
 

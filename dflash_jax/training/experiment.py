@@ -403,7 +403,7 @@ def tap_rms(tmod, tparams, dcfg, batches) -> np.ndarray:
 def scale_fc_by_tap_rms(params, tmod, tparams, dcfg, batches):
     """`fc`'s rows scaled by median(rms) / rms of their input feature (`tap_rms`): every tapped
     feature then enters the context features at the same scale at step 0. LLM hidden states
-    carry a few massive dimensions (SmolLM2-135M: 5 of 576 hold ~60% of the energy at layers 1,
+    carry a few massive dimensions (SmolLM2-135M: 5 of 576 hold over half the energy at layers 1,
     14 and 27, and layer 27's RMS is ~10x layer 1's), which otherwise dominate `fc`'s output,
     so that after `hidden_norm` the context features start nearly alike for every token. An
     initialization only: the architecture and the checkpoint format are unchanged."""

@@ -111,6 +111,15 @@ def _json_or_none(line: str):
         return None
 
 
+def _journal(out_path, target, inputs, max_new_tokens, batch_size, temperature, top_p, seed, stop):
+    """The `_Journal` of a regeneration of `inputs` with these settings (single process)."""
+    fingerprint = _fingerprint(
+        target, inputs, max_new_tokens=max_new_tokens, batch_size=batch_size,
+        temperature=temperature, top_p=top_p, seed=seed, stop=[int(t) for t in stop],
+    )  # fmt: skip
+    return _Journal(out_path, fingerprint, enabled=not distributed.is_multiprocess())
+
+
 def _fingerprint(target, inputs, **settings) -> str:
     blob = json.dumps(
         {"target": repr(target.config), "inputs": inputs, "settings": settings},
@@ -145,19 +154,16 @@ def regenerate(
     """
     records = []
     prompts = [list(map(int, p)) for p in prompts]
-    journal = _Journal(
+    journal = _journal(
         out_path,
-        _fingerprint(
-            target,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=list(stop_token_ids),
-        ),  # fmt: skip
-        enabled=not distributed.is_multiprocess(),
+        target,
+        prompts,
+        max_new_tokens,
+        batch_size,
+        temperature,
+        top_p,
+        seed,
+        stop_token_ids,
     )
     t0 = time.time()
     n_batches = (len(prompts) + batch_size - 1) // batch_size
@@ -254,19 +260,8 @@ def regenerate_chat(
     responses: List[List[List[int]]] = [[] for _ in convs]
     turns: List[List[dict]] = [[] for _ in convs]
     stop = tuple(int(s) for s in stop_token_ids)
-    journal = _Journal(
-        out_path,
-        _fingerprint(
-            target,
-            convs,
-            max_new_tokens=max_new_tokens,
-            batch_size=batch_size,
-            temperature=temperature,
-            top_p=top_p,
-            seed=seed,
-            stop=list(stop),
-        ),  # fmt: skip
-        enabled=not distributed.is_multiprocess(),
+    journal = _journal(
+        out_path, target, convs, max_new_tokens, batch_size, temperature, top_p, seed, stop
     )
     total = sum(len(u) for u in users)
     bar = console.progress(total=total, desc="regenerate", unit="turn")
