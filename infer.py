@@ -11,10 +11,10 @@ python infer.py --target=DIR --drafter=DIR --profile_dir=/tmp/trace   # XProf / 
 import os
 import sys
 
-from dflash_jax import interrupts
+from dflash_jax.support import interrupts
 
 # Ctrl-C from here until the first batch is saved: one line and exit 130 (no traceback from the
-# imports, no crash mid-compile); see dflash_jax/interrupts.py.
+# imports, no crash mid-compile); see dflash_jax/support/interrupts.py.
 interrupts.guard("interrupted: nothing was written")
 
 from absl import flags
@@ -195,10 +195,14 @@ def main(argv):
             block_size=FLAGS.block_size,
         )
         return
-    from dflash_jax import console, hub, prompting, report, validation
+    from dflash_jax.data import prompting
+    from dflash_jax.frontend import infer_flags, report
+    from dflash_jax.models import hub
+    from dflash_jax.support import console
 
     # Every flag checked before any model is loaded or anything is computed or written.
-    validation.check_infer_flags(FLAGS.flag_values_dict())
+
+    infer_flags.check_infer_flags(FLAGS.flag_values_dict())
     interrupts.guard(
         (report.interrupted_line(FLAGS.json_out, 0) or "interrupted: nothing was written").strip()
     )
@@ -217,7 +221,7 @@ def main(argv):
     if drafter_dir is None and os.path.abspath(target_dir).startswith(bundled):
         drafter_dir = os.path.join(bundled, "drafter")
     if drafter_dir is None:  # the drafter shipped for a known target (smollm2-135m-instruct)
-        from dflash_jax import gguf_io
+        from dflash_jax.models import gguf_io
 
         shipped = gguf_io.DEFAULT_DRAFTERS.get(gguf_io.known_name(target_dir) or "")
         if shipped and os.path.isfile(os.path.join(ROOT, shipped, "config.json")):
@@ -231,7 +235,8 @@ def main(argv):
     console.configure_logging(FLAGS.verbose)
     console.set_progress(FLAGS.progress)
     console.quiet_startup()
-    from dflash_jax import batch_infer, distributed
+    from dflash_jax.frontend import batch_runner
+    from dflash_jax.parallel import distributed
 
     distributed.initialize(FLAGS.distributed)  # before any other JAX call
     if not distributed.is_primary():  # every process computes; the first one reports
@@ -239,7 +244,7 @@ def main(argv):
     compare = FLAGS.compare_ar
     if compare is None:  # with a drafter, unless there is a prompt file
         compare = bool(drafter_dir) and not FLAGS.prompt_file
-    report = batch_infer.run_and_report(  # prints the per-prompt and total figures
+    report = batch_runner.run_and_report(  # prints the per-prompt and total figures
         target_dir,
         drafter_dir or None,
         items,
@@ -266,6 +271,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     cli.run(main)  # user errors: one line on stderr, exit 2

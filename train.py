@@ -14,7 +14,7 @@ line on stderr); 3 stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to
 import os
 import sys
 
-from dflash_jax import interrupts
+from dflash_jax.support import interrupts
 
 # Ctrl-C / SIGTERM before the first training step: one line and exit 130 / 143 (no traceback,
 # no crash mid-compile); from the first step on, a checkpoint and exit 3 (the trainer's flag).
@@ -24,7 +24,8 @@ import jax
 from absl import app, flags, logging
 from ml_collections import config_flags
 
-from dflash_jax import cli, distributed, validation
+from dflash_jax.parallel import distributed
+from dflash_jax.support import checks, cli
 from dflash_jax.training import train_and_evaluate
 
 config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
@@ -98,13 +99,14 @@ def main(argv):
     if not flags.FLAGS.workdir:
         raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")
     profile_steps = _profile_steps(flags.FLAGS.profile_steps)
-    validation.check_train_config(config)
-    validation.writable_dir(flags.FLAGS.workdir, "--workdir")
+    checks.check_train_config(config)
+    checks.writable_dir(flags.FLAGS.workdir, "--workdir")
     if flags.FLAGS.profile_dir:
-        validation.writable_dir(flags.FLAGS.profile_dir, "--profile_dir")
-    from dflash_jax import console, hub
-
+        checks.writable_dir(flags.FLAGS.profile_dir, "--profile_dir")
     # Then model locations (directories or hub ids): a bad one is one line, exit 2.
+    from dflash_jax.models import hub
+    from dflash_jax.support import console
+
     if config.target_path:
         config.target_path = hub.resolve_or_exit(config.target_path, what="--config.target_path")
     if config.drafter.init_path:
@@ -143,4 +145,6 @@ def main(argv):
 
 if __name__ == "__main__":
     flags.mark_flag_as_required("config")
-    cli.run(main)  # user errors: one line on stderr, exit 2; see dflash_jax/cli.py for codes
+    cli.run(
+        main
+    )  # user errors: one line on stderr, exit 2; see dflash_jax/support/cli.py for codes

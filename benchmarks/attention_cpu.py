@@ -1,6 +1,6 @@
 """XLA:CPU attention forms side by side: the [B, K, G]-batched einsum this project used before,
 the merged-query form of `pallas_kernels.reference.gqa_attention` (prefill, verify, training)
-and the multiply-and-reduce decode form (`dflash_jax.attention.decode_attention_xla`).
+and the multiply-and-reduce decode form (`dflash_jax.models.attention.decode_attention_xla`).
 
   python benchmarks/attention_cpu.py [--batch=16 --heads=9 --kv_heads=3 --slots=1024]
 
@@ -50,7 +50,7 @@ def _time(f, *args):
 
 def main(argv):
     del argv
-    from dflash_jax.attention import decode_attention_xla
+    from dflash_jax.models.attention import decode_attention_xla
     from pallas_kernels.reference import gqa_attention
 
     rng = np.random.default_rng(0)

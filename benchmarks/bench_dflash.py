@@ -21,9 +21,8 @@ import os
 import numpy as np
 from absl import app, flags
 
-
 from benchmarks import text_quality  # noqa: E402
-from dflash_jax import provenance  # noqa: E402
+from dflash_jax.support import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory or hub id.")
@@ -77,17 +76,18 @@ def run_setting(dj, target, drafter, prompts, batch, **kw):
 
 def main(argv):
     del argv
-    from dflash_jax import console, hub
+    from dflash_jax.models import hub
+    from dflash_jax.support import console
 
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
     drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
     console.cli_startup()
     import dflash_jax as dj
-    from dflash_jax import serving
+    from dflash_jax.frontend import textgen
 
     target = dj.load_target(target_dir)
     drafter = dj.load_drafter(drafter_dir, target=target)
-    text = serving.load_text(target_dir)  # tokenizer and stop ids, as infer.py uses them
+    text = textgen.load_text(target_dir)  # tokenizer and stop ids, as infer.py uses them
     tok = text.tokenizer
     prompts = load_prompts(tok)
     blocks = [int(x) for x in FLAGS.block_sizes]
@@ -122,7 +122,7 @@ def main(argv):
             seed=0,
             stop_token_ids=text.stop_token_ids,
         )
-        serving.warm_up(target, None, prompts[:batch], **common)
+        textgen.warm_up(target, None, prompts[:batch], **common)
         ar_runs = [
             run_setting(dj, target, None, prompts, batch, **common) for _ in range(FLAGS.repeats)
         ]
@@ -147,7 +147,7 @@ def main(argv):
             if steps > bs - 1:
                 continue
             kw = dict(common, block_size=bs, denoise_steps=steps)
-            warm = serving.warm_up(target, drafter, prompts[:batch], **kw)
+            warm = textgen.warm_up(target, drafter, prompts[:batch], **kw)
             runs = [
                 run_setting(dj, target, drafter, prompts, batch, **kw) for _ in range(FLAGS.repeats)
             ]

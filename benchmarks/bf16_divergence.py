@@ -78,7 +78,7 @@ def _hidden_logits_head(target, ids):
 def _forward(module, params, ids):
     import jax
 
-    from dflash_jax.model import Transformer
+    from dflash_jax.models.transformer import Transformer
 
     if module not in _FORWARD:
 
@@ -131,12 +131,12 @@ def divergence_at(target, prefix, a, d) -> dict:
 def compare(target, drafter, prompts, max_new_tokens, block_size=None) -> dict:
     """DFlash and AR greedy outputs per prompt (batch 1, as infer.py runs them); for each
     prompt where they part, `divergence_at` its first differing position."""
-    from dflash_jax import serving
+    from dflash_jax.frontend import textgen
 
     records, spec_s, spec_tok, ar_s, ar_tok = [], 0.0, 0, 0.0, 0
     ties = [0, 0]  # near-tie positions, positions (AR continuations)
     for i, prompt in enumerate(prompts):
-        c = serving.compare(
+        c = textgen.compare(
             target,
             drafter,
             [prompt],
@@ -189,11 +189,11 @@ def main(argv):
     import jax.numpy as jnp
 
     import dflash_jax as dj
-    from dflash_jax import serving
     from dflash_jax.data.tokenizer import load_tokenizer
+    from dflash_jax.frontend import textgen
 
     if FLAGS.out:
-        from dflash_jax.validation import writable_file
+        from dflash_jax.support.checks import writable_file
 
         writable_file(FLAGS.out, "--out")
     prompts = load_prompts(
@@ -213,7 +213,7 @@ def main(argv):
         target = dj.load_target(FLAGS.target, **kw)
         drafter = dj.load_drafter(FLAGS.drafter, target=target)
         cfg = target.config
-        serving.warm_up(
+        textgen.warm_up(
             target,
             drafter,
             prompts[:1],
@@ -250,7 +250,7 @@ def main(argv):
         )
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
-            from dflash_jax import provenance
+            from dflash_jax.support import provenance
 
             json.dump({**out, **provenance.record()}, f, indent=1)
         print(f"wrote {FLAGS.out}")

@@ -190,7 +190,7 @@ def main(argv):
         raise app.UsageError("--steps: integers; --drafters: name=directory pairs") from None
     rows, n = rows_for(drafters, steps, FLAGS.variants)
     if FLAGS.json_out:
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
         runs = []
@@ -227,6 +227,6 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     cli.run(main)

@@ -5,8 +5,8 @@ bundled pair, the default code prompt, 128 new tokens, checked against autoregre
     python benchmarks/demo.py --repeats=3 --json_out=benchmarks/results/tiny-code/demo.json
     python benchmarks/demo.py -- --max_new_tokens=64     # arguments after -- go to infer.py
 
-JSON: the command, commit, date and machine (`dflash_jax.provenance`), the infer.py command,
-per run the totals of `batch_infer.summarize` (tau, DFlash and autoregressive decode tokens/s,
+JSON: the command, commit, date and machine (`dflash_jax.support.provenance`), the infer.py command,
+per run the totals of `batch_runner.summarize` (tau, DFlash and autoregressive decode tokens/s,
 speedup, outputs identical) and infer.py's stdout, and the median of each rate over the runs.
 Rates from a shared machine are noisy: the runs say how much.
 """
@@ -31,7 +31,7 @@ def define_flags() -> None:
 
 def run_once(extra, timeout=600):
     """One `python infer.py EXTRA --json_out=TMP`: (its totals, its stdout)."""
-    from dflash_jax import batch_infer
+    from dflash_jax.frontend import batch_runner
 
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "demo.jsonl")
@@ -50,7 +50,7 @@ def run_once(extra, timeout=600):
     stdout = r.stdout.replace(ROOT + os.sep, "").replace(ROOT, ".")
     # The per-run file's path is temporary: not part of the result.
     lines = [ln for ln in stdout.splitlines() if ln.strip() and not ln.startswith("wrote ")]
-    return batch_infer.summarize(records), lines
+    return batch_runner.summarize(records), lines
 
 
 def main(argv):
@@ -76,7 +76,7 @@ def main(argv):
     }
     print("median: " + ", ".join(f"{k} {v:.2f}" for k, v in median.items()))
     if FLAGS.json_out:
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         result = {
             **provenance.record(),
@@ -93,7 +93,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     define_flags()
     cli.run(main)

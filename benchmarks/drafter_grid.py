@@ -71,7 +71,7 @@ def parse_setting(name: str) -> dict:
 def run_grid(target, drafter, prompts, settings, max_new_tokens, batch_size, stop, seed=0):
     """{setting: {"acceptance": [[...] per prompt], "identical": n or None}} for token-id
     `prompts`, every setting against one autoregressive run per temperature and batch."""
-    from dflash_jax.decoding import generate
+    from dflash_jax.decoding.speculative import generate
 
     out = {name: {"acceptance": [], "identical": 0} for name in settings}
     for b0 in range(0, len(prompts), batch_size):
@@ -151,23 +151,24 @@ def plot(results, datasets, path) -> None:
 
 def main(argv):
     del argv
-    from dflash_jax import hub, provenance, validation
+    from dflash_jax.models import hub
+    from dflash_jax.support import checks, provenance
 
     settings = {name: parse_setting(name) for name in FLAGS.settings}
-    validation.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
-    validation.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
-    validation.int_param("--batch_size", FLAGS.batch_size, lo=1)
+    checks.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
+    checks.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
+    checks.int_param("--batch_size", FLAGS.batch_size, lo=1)
     if FLAGS.json_out:
-        validation.writable_file(FLAGS.json_out, "--json_out")
+        checks.writable_file(FLAGS.json_out, "--json_out")
     rows = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
     drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
 
-    from dflash_jax import console
     from dflash_jax.data import load_tokenizer
     from dflash_jax.data.chat import template_renderer
-    from dflash_jax.drafter import load_drafter
-    from dflash_jax.target import load_target
+    from dflash_jax.drafters.dflash import load_drafter
+    from dflash_jax.models.target import load_target
+    from dflash_jax.support import console
 
     console.cli_startup()
     target = load_target(target_dir)
@@ -212,6 +213,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     cli.run(main)

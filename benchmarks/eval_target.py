@@ -18,9 +18,8 @@ import sys
 import numpy as np
 from absl import app, flags
 
-
 from benchmarks import text_quality  # noqa: E402
-from dflash_jax import provenance  # noqa: E402
+from dflash_jax.support import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
@@ -37,10 +36,11 @@ def main(argv):
     import jax.numpy as jnp
 
     import dflash_jax as dj
-    from dflash_jax import console, hub
     from dflash_jax.data import build_python_stdlib, decode_example
     from dflash_jax.data.prompts import encode_code_prompt, stdlib_prompts
     from dflash_jax.data.tokenizer import load_tokenizer
+    from dflash_jax.models import hub
+    from dflash_jax.support import console
 
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
     console.cli_startup()

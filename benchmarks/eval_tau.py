@@ -103,7 +103,7 @@ def user_turns(name: str, row, where: str) -> List[str]:
 
 
 def _from_jsonl(name, path, limit):
-    from dflash_jax.prompting import iter_jsonl
+    from dflash_jax.data.prompting import iter_jsonl
 
     out = []
     for n, row in iter_jsonl(path):
@@ -233,7 +233,7 @@ def evaluate_dataset(
     first, untimed. `batch_size` > 1: `batched_responses` (tau and token equality, no timing:
     speedup None). `decode_kw`: more `generate` settings for DFlash (tree_budget,
     denoise_steps)."""
-    from dflash_jax.decoding import generate
+    from dflash_jax.decoding.speculative import generate
 
     stop = tuple(stop_ids)
     decode_kw = dict(decode_kw or {})
@@ -326,7 +326,7 @@ def batched_responses(
     answer), DFlash and autoregressive decoding on the same batch: tau and token equality on
     a CPU in a fraction of the time (the seeds differ from batch 1's: at T > 0 the samples
     differ, the distribution does not). No timing."""
-    from dflash_jax.decoding import generate
+    from dflash_jax.decoding.speculative import generate
 
     stop = tuple(stop_ids)
     convs = [[] for _ in rows]
@@ -468,18 +468,19 @@ def define_flags():
 
 def main(argv):
     del argv
-    from dflash_jax import hub, validation
+    from dflash_jax.models import hub
+    from dflash_jax.support import checks
 
     if not FLAGS.target or not FLAGS.drafter:
         raise ValueError("--target and --drafter are required")
     if FLAGS.temperature < 0:
         raise ValueError(f"--temperature must be >= 0, got {FLAGS.temperature}")
-    validation.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
-    validation.int_param("--num_prompts", FLAGS.num_prompts, lo=0)
-    validation.int_param("--batch_size", FLAGS.batch_size, lo=1)
-    validation.int_param("--denoise_steps", FLAGS.denoise_steps, lo=1)
+    checks.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
+    checks.int_param("--num_prompts", FLAGS.num_prompts, lo=0)
+    checks.int_param("--batch_size", FLAGS.batch_size, lo=1)
+    checks.int_param("--denoise_steps", FLAGS.denoise_steps, lo=1)
     if FLAGS.tree_budget is not None:
-        validation.int_param("--tree_budget", FLAGS.tree_budget, lo=2)
+        checks.int_param("--tree_budget", FLAGS.tree_budget, lo=2)
     if not FLAGS.datasets:
         raise ValueError(f"--datasets is empty; choose from {', '.join(SOURCES)}")
     for name in FLAGS.datasets:
@@ -487,7 +488,7 @@ def main(argv):
             raise ValueError(f"unknown dataset {name!r}; choose from {', '.join(SOURCES)}")
     for out in (FLAGS.json_out, FLAGS.md_out):
         if out:
-            validation.writable_file(out, "output file")
+            checks.writable_file(out, "output file")
     # Every dataset found before any model loads.
     data = {}
     for name in FLAGS.datasets:
@@ -495,11 +496,11 @@ def main(argv):
         data[name] = (rows, source)
         print(f"{name}: {len(rows)} rows from {source}", flush=True)
 
-    from dflash_jax import console, provenance
     from dflash_jax.data import load_tokenizer
     from dflash_jax.data.chat import plain_render, template_renderer
-    from dflash_jax.drafter import load_drafter
-    from dflash_jax.target import load_target
+    from dflash_jax.drafters.dflash import load_drafter
+    from dflash_jax.models.target import load_target
+    from dflash_jax.support import console, provenance
 
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
     drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
@@ -571,7 +572,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     define_flags()
     cli.run(main)

@@ -38,7 +38,7 @@ import time
 import numpy as np
 from absl import flags
 
-from dflash_jax import cli
+from dflash_jax.support import cli
 
 FLAGS = flags.FLAGS
 
@@ -86,7 +86,7 @@ def available_impls(platform: str):
 
 def attention_impl_for(name: str) -> str:
     """The concrete `attention_impl` of an implementation name, as `for_devices` makes it."""
-    from dflash_jax import attention as attn_lib
+    from dflash_jax.models import attention as attn_lib
 
     if name == "xla":
         return "xla"
@@ -126,10 +126,11 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import console, decoding
-    from dflash_jax.drafter import DFlashDrafter, init_drafter_params
+    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.drafters.dflash import DFlashDrafter, init_drafter_params
     from dflash_jax.dry_run.presets import build_configs
-    from dflash_jax.model import Transformer, init_params
+    from dflash_jax.models.transformer import Transformer, init_params
+    from dflash_jax.support import console
 
     t_start = time.perf_counter()
     console.cli_startup()

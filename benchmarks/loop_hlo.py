@@ -2,7 +2,7 @@
 machine, abstract TPU devices: no TPU needed): the collectives of each loop body by scope
 (draft / verify / accept) and the instructions that copy a cache-sized buffer per step
 (pads and relayouts; whole-cache VMEM round trips as copy-starts). DFLASH_KV_UPDATE=pallas
-compiles the cache writes as the Pallas DMA kernel (dflash_jax/attention.py).
+compiles the cache writes as the Pallas DMA kernel (dflash_jax/models/attention.py).
 
     python benchmarks/loop_hlo.py --model=qwen3_8b --topology=v5e:2x4 --mesh=tensor=8 \\
         --context=4096 --max_new_tokens=256 --json_out=benchmarks/results/loop_hlo/X.json
@@ -18,7 +18,7 @@ import os
 
 from absl import flags
 
-from dflash_jax import cli
+from dflash_jax.support import cli
 
 FLAGS = flags.FLAGS
 
@@ -41,7 +41,8 @@ def _scope(s: str) -> str:
 def main(argv):
     import tempfile
 
-    from dflash_jax import decoding, dry_run
+    from dflash_jax import dry_run
+    from dflash_jax.decoding.speculative import speculative as decoding
     from dflash_jax.dry_run import hlo
 
     if len(argv) > 1:
@@ -85,14 +86,14 @@ def main(argv):
             f"cache pads/relayouts per step: {len(pads)}; whole-cache VMEM round trips "
             f"(copy-start): {len(trips)}"
         )
-    from dflash_jax import attention
+    from dflash_jax.models import attention
 
     kv_env = "" if attention.KV_UPDATE == "xla" else f"DFLASH_KV_UPDATE={attention.KV_UPDATE} "
     print(f"cache writes: {attention.KV_UPDATE} (DFLASH_KV_UPDATE)")
     ratio = found["dflash_decode"]["collectives"] / max(1, found["ar_decode"]["collectives"])
     print(f"DFlash / AR collectives per step: {ratio:.2f}x")
     if FLAGS.json_out:
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         prov = provenance.record()
         with open(FLAGS.json_out, "w") as f:

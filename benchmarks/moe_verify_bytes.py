@@ -49,8 +49,9 @@ def main(argv):
     del argv
     import jax
 
-    from dflash_jax import dry_run, provenance
+    from dflash_jax import dry_run
     from dflash_jax.dry_run.presets import abstract_params
+    from dflash_jax.support import provenance
 
     tcfg, dcfg = dry_run.build_configs(FLAGS.model)
     if not tcfg.is_moe:

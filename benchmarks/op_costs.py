@@ -14,7 +14,7 @@
    there and the acceptance the teacher-forced drafts would get.
 
 The last line printed is the result as JSON; --json_out also writes it, with the command,
-commit, date and machine (`dflash_jax.provenance`).
+commit, date and machine (`dflash_jax.support.provenance`).
 """
 
 import json
@@ -22,7 +22,6 @@ import time
 
 import numpy as np
 from absl import app, flags
-
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
@@ -52,7 +51,7 @@ def choosers(vocab):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import sampling
+    from dflash_jax.decoding.speculative import sampling
 
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, vocab)) * 3
     rows = {
@@ -83,8 +82,8 @@ def draft_consistency(target, drafter):
     import jax.numpy as jnp
 
     import dflash_jax as dj
-    from dflash_jax import console
-    from dflash_jax.drafter import DFlashDrafter, decode_attend
+    from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend
+    from dflash_jax.support import console
     from dflash_jax.training.regenerate import read_records
 
     tmod, dmod = target.module, drafter.module
@@ -139,7 +138,8 @@ def main(argv):
     import jax
 
     import dflash_jax as dj
-    from dflash_jax import console, hub
+    from dflash_jax.models import hub
+    from dflash_jax.support import console
 
     console.cli_startup()
     target = dj.load_target(hub.resolve_or_exit(FLAGS.target, what="--target"))
@@ -156,7 +156,7 @@ def main(argv):
         )
         result["consistency"] = draft_consistency(target, drafter)
     if FLAGS.json_out:
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         with open(FLAGS.json_out, "w") as f:
             json.dump({**provenance.record(), "target": FLAGS.target, **result}, f, indent=1)

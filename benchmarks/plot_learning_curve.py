@@ -87,7 +87,7 @@ def main(argv):
         label: {"train": train, "eval": [dict(tokens=t, loss=l, tau=u) for t, l, u in evals]}
         for (train, evals), label in zip(runs, labels)
     }
-    from dflash_jax import provenance
+    from dflash_jax.support import provenance
 
     with open(os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
         json.dump(

@@ -50,7 +50,8 @@ def run(target, drafter, prompts, **kw):
 def main(argv):
     del argv
     sys.path.insert(0, ROOT)
-    from dflash_jax import console, provenance, serving
+    from dflash_jax.frontend import textgen
+    from dflash_jax.support import console, provenance
 
     console.cli_startup()
     import dflash_jax as dj
@@ -59,7 +60,7 @@ def main(argv):
     pair = os.path.join(ROOT, "assets", "tiny-code")
     target = dj.load_target(os.path.join(pair, "target"), dtype="float32")
     drafter = dj.load_drafter(os.path.join(pair, "drafter"), target=target)
-    text = serving.load_text(os.path.join(pair, "target"))
+    text = textgen.load_text(os.path.join(pair, "target"))
     prompts = benchmark_prompts(
         text.tokenizer, None, FLAGS.data_dir, FLAGS.num_prompts, FLAGS.max_prompt_tokens
     )

@@ -1,5 +1,5 @@
 """Recompile the TPU dry runs whose JSONs are in a directory, each with the command it records
-(`"command"`, written by `dflash_jax.provenance`), so that the tables are regenerated with
+(`"command"`, written by `dflash_jax.support.provenance`), so that the tables are regenerated with
 today's code: `python benchmarks/rerun_dry_runs.py [--dir=benchmarks/results/tpu_dry_run]
 [--only=decode] [--match=SUBSTRING]`, then `python benchmarks/tpu_table.py --write`.
 

@@ -22,9 +22,8 @@ import os
 import numpy as np
 from absl import app, flags
 
-
 from benchmarks.timing import loop_step_ms  # noqa: E402
-from dflash_jax import provenance  # noqa: E402
+from dflash_jax.support import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list(
@@ -117,7 +116,7 @@ def main(argv):
         "  target | params | AR step ms | DFlash step ms | step/AR | speedup at tau | "
         "tau for 3x | ceiling"
     )
-    from dflash_jax import console
+    from dflash_jax.support import console
 
     for width, layers in console.progress(sizes, desc="target sizes", unit="size"):
         heads = width // 64
@@ -132,7 +131,7 @@ def main(argv):
             max_position_embeddings=FLAGS.context + FLAGS.tokens + 2 * bs,
             tie_word_embeddings=True,
         )
-        target = dj.Target(cfg, dj.model.init_params(cfg, 0))
+        target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0))
         dcfg = dj.make_drafter_config(
             cfg,
             num_layers=FLAGS.drafter_layers,

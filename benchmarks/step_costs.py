@@ -21,9 +21,8 @@ import json
 import numpy as np
 from absl import app, flags
 
-
 from benchmarks.timing import loop_step_ms, median_time  # noqa: E402
-from dflash_jax import provenance  # noqa: E402
+from dflash_jax.support import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
@@ -58,10 +57,11 @@ def main(argv):
     import jax.numpy as jnp
 
     import dflash_jax as dj
-    from dflash_jax import console, hub
-    from dflash_jax.decoding import _lm_logits, _write_context
-    from dflash_jax.drafter import ContextCache, decode_attend
-    from dflash_jax.model import KVCache
+    from dflash_jax.decoding.speculative import _lm_logits, _write_context
+    from dflash_jax.drafters.dflash import ContextCache, decode_attend
+    from dflash_jax.models import hub
+    from dflash_jax.models.transformer import KVCache
+    from dflash_jax.support import console
 
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
     drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
@@ -166,6 +166,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     cli.run(main)

@@ -56,13 +56,13 @@ def tap_stats(taps, hidden, layers, top):
 def main(argv):
     del argv
     import dflash_jax as dj
-    from dflash_jax import provenance, validation
-    from dflash_jax.model import Transformer
+    from dflash_jax.models.transformer import Transformer
+    from dflash_jax.support import checks, provenance
 
     if not FLAGS.responses:
         raise ValueError("--responses is required (regenerated chat rows)")
-    validation.int_param("--rows", FLAGS.rows, lo=1)
-    validation.int_param("--tokens", FLAGS.tokens, lo=2)
+    checks.int_param("--rows", FLAGS.rows, lo=1)
+    checks.int_param("--tokens", FLAGS.tokens, lo=2)
     layers = [int(x) for x in FLAGS.layers]
     with open(FLAGS.responses) as f:
         rows = [json.loads(line) for line in f if line.strip()]
@@ -84,6 +84,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     cli.run(main)

@@ -381,7 +381,7 @@ def replace_block(doc: str, text: str, where: str) -> str:
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     define_flags()
     cli.run(main)  # bad input: one line on stderr, exit 2

@@ -151,7 +151,7 @@ def main(argv):
         budgets, batches, FLAGS.max_new_tokens, FLAGS.block_size, FLAGS.repeats, thresholds
     )
     if FLAGS.json_out:
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
         with open(FLAGS.json_out, "w") as f:
@@ -176,6 +176,6 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     cli.run(main)

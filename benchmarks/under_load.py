@@ -23,7 +23,7 @@ from typing import Dict, List
 
 from absl import app, flags
 
-from dflash_jax import cli
+from dflash_jax.support import cli
 
 FLAGS = flags.FLAGS
 
@@ -189,7 +189,7 @@ def main(argv):
     )
     print("\n".join(table(rows)))
     if FLAGS.json_out:
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
         with open(FLAGS.json_out, "w") as f:

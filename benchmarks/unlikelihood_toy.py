@@ -64,7 +64,7 @@ def repeated_share(weight, workdir):
 def main(argv):
     if len(argv) > 1:
         raise ValueError(f"unexpected arguments (flags only): {' '.join(argv[1:])}")
-    from dflash_jax import console
+    from dflash_jax.support import console
 
     console.cli_startup()
     rates = {}
@@ -73,7 +73,7 @@ def main(argv):
             rates[str(weight)] = repeated_share(weight, os.path.join(tmp, str(weight)))
             print(f"unlikelihood weight {weight}: repeated 4-gram share {rates[str(weight)]:.3f}")
     if FLAGS.json_out:
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         os.makedirs(os.path.dirname(os.path.abspath(FLAGS.json_out)), exist_ok=True)
         with open(FLAGS.json_out, "w") as f:
@@ -90,7 +90,7 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     define_flags()
     cli.run(main)

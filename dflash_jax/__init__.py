@@ -7,39 +7,50 @@ Public API:
   load_drafter(path, target=...) -> Drafter          a z-lab DFlash drafter
   save_drafter(drafter, path)
   generate(target, drafter_or_None, prompts, max_new_tokens, ...) -> GenerationResult
+
+Subpackages, lowest first (each imports only those before it; tests/test_layering.py):
+  support    console, provenance, Ctrl-C handling, lazy attributes, the CLI error policy, checks
+  models     config, transformer, attention, MoE, quantization, Target, checkpoint formats
+  data       tokenizers, packing, TFDS builders, prompt files and chat templates
+  parallel   partition rules, process groups, the multi-process launcher
+  drafters   the drafter families (DFlash)
+  decoding   the speculative step and its programs, sampling, trees, request checks
+  training   the drafter trainer (Optax, Orbax)
+  frontend   the pieces of infer.py: batch runner, report, text generation, flag checks
+  dry_run    the real programs compiled for TPU / GPU topologies on this machine
 """
 
 from typing import TYPE_CHECKING
 
-from dflash_jax import lazy as _lazy  # (stdlib only)
+from dflash_jax.support import lazy as _lazy  # (stdlib only)
 
 # The public names, imported on first use (PEP 562): `import dflash_jax` itself loads no JAX,
-# so a command-line tool can arm its Ctrl-C handling (`dflash_jax.interrupts`) before the
+# so a command-line tool can arm its Ctrl-C handling (`dflash_jax.support.interrupts`) before the
 # seconds of JAX and Flax imports.
 _EXPORTS = {
-    "ModelConfig": "config",
-    "DFlashDrafter": "drafter",
-    "Drafter": "drafter",
-    "DrafterConfig": "drafter",
-    "init_drafter_params": "drafter",
-    "load_drafter": "drafter",
-    "make_drafter_config": "drafter",
-    "save_drafter": "drafter",
-    "GenerationResult": "decoding",
-    "generate": "decoding",
-    "KVCache": "model",
-    "Transformer": "model",
-    "CheckpointError": "safetensors_io",
-    "ForwardOutput": "target",
-    "Target": "target",
-    "load_target": "target",
-    "quantize_target": "target",
-    "save_target": "target",
+    "ModelConfig": "models.config",
+    "DFlashDrafter": "drafters.dflash",
+    "Drafter": "drafters.dflash",
+    "DrafterConfig": "drafters.dflash",
+    "init_drafter_params": "drafters.dflash",
+    "load_drafter": "drafters.dflash",
+    "make_drafter_config": "drafters.dflash",
+    "save_drafter": "drafters.dflash",
+    "GenerationResult": "decoding.speculative",
+    "generate": "decoding.speculative",
+    "KVCache": "models.transformer",
+    "Transformer": "models.transformer",
+    "CheckpointError": "models.safetensors_io",
+    "ForwardOutput": "models.target",
+    "Target": "models.target",
+    "load_target": "models.target",
+    "quantize_target": "models.target",
+    "save_target": "models.target",
 }
 
 
 def __getattr__(name):
-    """A public name (imported from its module on first use), or a submodule (`dj.model`)."""
+    """A public name (imported from its module on first use), or a subpackage (`dj.models`)."""
     return _lazy.attribute(__name__, _EXPORTS, globals(), name)
 
 
@@ -48,9 +59,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
-    from dflash_jax.config import ModelConfig  # noqa: F401
-    from dflash_jax.decoding import GenerationResult, generate  # noqa: F401
-    from dflash_jax.drafter import (  # noqa: F401
+    from dflash_jax.decoding.speculative import GenerationResult, generate  # noqa: F401
+    from dflash_jax.drafters.dflash import (  # noqa: F401
         DFlashDrafter,
         Drafter,
         DrafterConfig,
@@ -59,15 +69,16 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
         make_drafter_config,
         save_drafter,
     )
-    from dflash_jax.model import KVCache, Transformer  # noqa: F401
-    from dflash_jax.safetensors_io import CheckpointError  # noqa: F401
-    from dflash_jax.target import (  # noqa: F401
+    from dflash_jax.models.config import ModelConfig  # noqa: F401
+    from dflash_jax.models.safetensors_io import CheckpointError  # noqa: F401
+    from dflash_jax.models.target import (  # noqa: F401
         ForwardOutput,
         Target,
         load_target,
         quantize_target,
         save_target,
     )
+    from dflash_jax.models.transformer import KVCache, Transformer  # noqa: F401
 
 __all__ = [
     "CheckpointError",

@@ -83,16 +83,16 @@ The speculative output is checked token for token against autoregressive decodin
         "code",
         """import numpy as np
 import dflash_jax as dj
-from dflash_jax import serving
+from dflash_jax.frontend import textgen
 
 target = dj.load_target("assets/tiny-code/target")
 drafter = dj.load_drafter("assets/tiny-code/drafter", target=target)
-text = serving.load_text("assets/tiny-code/target")  # tokenizer, stop ids
+text = textgen.load_text("assets/tiny-code/target")  # tokenizer, stop ids
 tok = text.tokenizer
 prompt = tok.encode(PROMPT)
 kw = dict(max_new_tokens=MAX_NEW_TOKENS, stop_token_ids=text.stop_token_ids)
 # An untimed warm-up (compiles both programs), then DFlash and autoregressive, timed.
-c = serving.compare(target, drafter, [prompt], **kw)
+c = textgen.compare(target, drafter, [prompt], **kw)
 spec, ar = c.spec, c.ar
 print(PROMPT + tok.decode(spec.tokens[0]))
 print(f"identical to autoregressive: {c.identical}")
@@ -117,7 +117,7 @@ plt.tight_layout(); plt.show()""",
         "md",
         """## 2. A real target with its published drafter (online)
 
-Fetches the target and the z-lab drafter by hub id (`dflash_jax.hub`: the Hugging Face cache,
+Fetches the target and the z-lab drafter by hub id (`dflash_jax.models.hub`: the Hugging Face cache,
 only config, safetensors and tokenizer files; `HF_TOKEN` for gated models), shards the parameters over
 the runtime's devices (tensor parallel on a `tensor` mesh axis) and runs the same comparison.
 Skipped with a message when offline or when the runtime is too small.""",
@@ -136,22 +136,22 @@ def try_online():
         return "RUN_ONLINE is False"
     if device_gb() < MIN_DEVICE_GB_FOR_ONLINE:
         return f"runtime has {device_gb():.0f} GB of accelerator memory (< {MIN_DEVICE_GB_FOR_ONLINE})"
-    from dflash_jax import hub
+    from dflash_jax.models import hub
     try:  # hub id -> local snapshot (config, safetensors, tokenizer files only; HF cache)
         tdir = hub.resolve(HF_TARGET, what="target")
         ddir = hub.resolve(HF_DRAFTER, what="drafter")
     except hub.HubError as e:  # offline, gated, unknown id: one line saying why
         return str(e)
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
     big = dj.load_target(tdir, dtype="bfloat16")
     big_drafter = dj.load_drafter(ddir, target=big)
     mesh = sharding.make_mesh(tensor=-1)
-    btext = serving.load_text(tdir)  # tokenizer (chat template), stop ids
+    btext = textgen.load_text(tdir)  # tokenizer (chat template), stop ids
     prompts = btext.encode(
         [{"prompt": "Write a Python function that checks whether a number is prime."},
          {"prompt": "Explain speculative decoding in two sentences."}])
     # Warm-up (compiles), then the sharded DFlash and autoregressive runs, timed.
-    c = serving.compare(big, big_drafter, prompts, max_new_tokens=256,
+    c = textgen.compare(big, big_drafter, prompts, max_new_tokens=256,
                         stop_token_ids=btext.stop_token_ids, mesh=mesh)
     print(btext.tokenizer.decode(c.spec.tokens[0])[:500])
     print(f"tau {c.spec.tau:.2f}, speedup {c.speedup:.2f}x, identical: {c.identical}")

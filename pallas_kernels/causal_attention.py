@@ -16,7 +16,7 @@ row (documents separated by `segment_ids`). These wrappers hand it to a flash ke
 Both take q [B,T,Hq,D], k/v [B,T,Hkv,D] (Hq a multiple of Hkv), segment_ids [B,T] int32 or
 None, and return [B,T,Hq,D] in q's dtype. Causality is by token index within the row: query t
 sees keys s <= t of its own segment. That equals the position rule `pos[s] <= pos[t]` of
-`dflash_jax.attention.chunked_causal_attention` whenever each segment is one contiguous run whose
+`dflash_jax.models.attention.chunked_causal_attention` whenever each segment is one contiguous run whose
 positions increase with the index (rows of dflash_jax.data.packing, with positions restarting
 per document or running 0..T-1 over the row, both qualify).
 
@@ -24,7 +24,7 @@ Lengths: both kernels tile the sequence, so T is padded at the end to a multiple
 padded keys lie after every real query, hence never seen by one) and the output sliced back.
 The query is multiplied by the softmax scale (1/sqrt(D)) before the kernel, in q's dtype.
 Compiled kernels are opaque to GSPMD: callers on a sharded mesh run these per shard
-(`dflash_jax.attention.causal_attention` does).
+(`dflash_jax.models.attention.causal_attention` does).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 The one masked GQA attention (`gqa_attention`) and the one DFlash training mask
 (`training_mask`) live here, with the kernels they check: the library imports them (its "xla"
-attention is `gqa_attention`, re-exported as `dflash_jax.layers.masked_attention`; the trainer's
+attention is `gqa_attention`, re-exported as `dflash_jax.models.layers.masked_attention`; the trainer's
 mask is this `training_mask`), and this package imports nothing from the library. The module
 adds the decoding masks and the (q, k, v, ...) signatures the kernels share.
 
@@ -14,10 +14,10 @@ Rows that see no key at all produce 0 (and zero gradients), never NaN.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
-
-from typing import Optional
 
 _HI = jax.lax.Precision.HIGHEST
 # Large negative instead of -inf so fully masked rows give a uniform (then zeroed) softmax,
@@ -29,7 +29,7 @@ def gqa_attention(
     q_BTND, k_BSKD, v_BSKD, mask_BTS, sm_scale: Optional[float] = None, *, precision=None
 ):
     """GQA attention with an explicit boolean mask; softmax in float32. The one XLA reference:
-    the model's "xla" attention (`dflash_jax.layers.masked_attention`), and what the kernels are
+    the model's "xla" attention (`dflash_jax.models.layers.masked_attention`), and what the kernels are
     checked against (`masked_attention` below: in float32 at `precision=HIGHEST`).
 
     q [B,T,N,D], k/v [B,S,K,D] (query head h reads kv head h // (N // K)); mask: bool,

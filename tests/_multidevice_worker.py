@@ -21,7 +21,10 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import dflash_jax as dj  # noqa: E402
-from dflash_jax import dry_run, sharding  # noqa: E402
+from dflash_jax import dry_run  # noqa: E402
+from dflash_jax.drafters.dflash import DFlashDrafter  # noqa: E402
+from dflash_jax.models.transformer import KVCache, Transformer, init_params  # noqa: E402
+from dflash_jax.parallel import sharding
 from dflash_jax.training import experiment, trainer  # noqa: E402
 from dflash_jax.training.step import (  # noqa: E402
     TrainState,
@@ -29,8 +32,6 @@ from dflash_jax.training.step import (  # noqa: E402
     make_train_step,
     train_shardings,
 )
-from dflash_jax.model import KVCache, Transformer, init_params  # noqa: E402
-from dflash_jax.drafter import DFlashDrafter  # noqa: E402
 
 
 def _scaled(params, factor=4.0):

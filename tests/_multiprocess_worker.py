@@ -21,7 +21,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-from dflash_jax import distributed  # noqa: E402
+from dflash_jax.parallel import distributed  # noqa: E402
 
 ASSETS = os.path.join(ROOT, "assets", "tiny-code")
 CODE = [
@@ -58,14 +58,14 @@ def setup():
     prompts and infer.py's stop ids (so that its generate calls reuse the programs compiled
     here). Shared by the 2-process run and its single-process reference."""
     import dflash_jax as dj
-    from dflash_jax import serving
     from dflash_jax.data.tokenizer import load_tokenizer
+    from dflash_jax.frontend import textgen
 
     target = dj.load_target(os.path.join(ASSETS, "target"), dtype="float32")
     drafter = dj.load_drafter(os.path.join(ASSETS, "drafter"), target=target)
     tok = load_tokenizer(os.path.join(ASSETS, "target"))
     prompts = [tok.encode(c) for c in CODE]
-    kw = dict(stop_token_ids=serving.stop_token_ids(os.path.join(ASSETS, "target"), tok))
+    kw = dict(stop_token_ids=textgen.stop_token_ids(os.path.join(ASSETS, "target"), tok))
     return target, drafter, prompts, kw
 
 
@@ -85,7 +85,7 @@ def generate(out_dir):
     from absl import app
 
     import dflash_jax as dj
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     infer = _load_script("infer")
 

@@ -40,7 +40,7 @@ if not os.environ.get("DFLASH_TEST_NO_COMPILE_CACHE") and not os.environ.get(
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     atexit.register(shutil.rmtree, _cache_dir, True)
 
-# The directories derived from GGUF files (dflash_jax/gguf_io.py) go to a session temp dir,
+# The directories derived from GGUF files (dflash_jax/models/gguf_io.py) go to a session temp dir,
 # not the user's ~/.cache (shared by workers and subprocesses, removed at the end).
 if not os.environ.get("DFLASH_JAX_CACHE"):
     _gguf_cache = tempfile.mkdtemp(prefix="dflash-jax-test-cache-")

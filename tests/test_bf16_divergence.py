@@ -18,7 +18,7 @@ import pytest
 import dflash_jax as dj
 from benchmarks import bf16_divergence as bd
 from dflash_jax.data.tokenizer import load_tokenizer
-from dflash_jax.model import KVCache, Transformer
+from dflash_jax.models.transformer import KVCache, Transformer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = os.path.join(ROOT, "assets", "tiny-code")

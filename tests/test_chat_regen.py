@@ -6,8 +6,7 @@ import shutil
 
 import pytest
 
-from dflash_jax import prompting
-from dflash_jax.data import chat, load_tokenizer
+from dflash_jax.data import chat, load_tokenizer, prompting
 from dflash_jax.training import regenerate as regen
 
 # ChatML, as Qwen's templates write it (system, user, assistant turns; generation prompt).
@@ -51,7 +50,7 @@ def chat_target(hf_checkpoints, tmp_path_factory):
             },
             f,
         )
-    from dflash_jax.target import load_target
+    from dflash_jax.models.target import load_target
 
     return d, load_target(d), load_tokenizer(d)
 
@@ -222,7 +221,7 @@ def _default_config():
 
 
 def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path):
-    from dflash_jax import validation
+    from dflash_jax.support import checks
     from dflash_jax.training import experiment, trainer
 
     d, _, tok = chat_target
@@ -243,7 +242,7 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
         batch_size=4,
         holdout_fraction=0.3,
     )
-    validation.check_train_config(c)
+    checks.check_train_config(c)
     res = trainer.train_and_evaluate(c, str(tmp_path / "work"))
     assert res["status"] == "regenerated"
     recs = regen.read_records(out_file, vocab_size=128)
@@ -265,8 +264,8 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
         d2 = _default_config().to_dict()
         d2["regen"].update({"prompt_source": "file", "prompt_file": str(data), **bad})
         c2 = ml_collections.ConfigDict(d2)  # a config file can hold any type
-        with pytest.raises(validation.ConfigError, match=message):
-            validation.check_train_config(c2)
+        with pytest.raises(checks.ConfigError, match=message):
+            checks.check_train_config(c2)
 
 
 def test_conversations_end_where_the_next_prompt_would_not_fit(chat_target, tmp_path):

@@ -14,7 +14,7 @@ import torch
 import transformers
 
 import dflash_jax as dj
-from dflash_jax.safetensors_io import (
+from dflash_jax.models.safetensors_io import (
     SafetensorsDir,
     SafetensorsFile,
     save_sharded,
@@ -73,7 +73,7 @@ def test_sharded_checkpoint_loads(hf_checkpoints, tmp_path):
     src, _ = hf_checkpoints["llama3"]
     t = dj.load_target(src)
     d = tmp_path / "sharded"
-    tensors = dj.checkpoint.params_to_hf(t.params, prefix="model.", dtype="float32")
+    tensors = dj.models.checkpoint.params_to_hf(t.params, prefix="model.", dtype="float32")
     save_sharded(str(d), tensors, max_shard_bytes=200_000)
     shutil.copy(os.path.join(src, "config.json"), d / "config.json")
     index = json.load(open(d / "model.safetensors.index.json"))

@@ -19,8 +19,10 @@ import jax
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import batch_infer, console, hub
 from dflash_jax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+from dflash_jax.frontend import batch_runner
+from dflash_jax.models import hub
+from dflash_jax.support import console
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CODE = [
@@ -59,7 +61,7 @@ def models(tmp_path_factory):
         head_dim=16,
         max_position_embeddings=512,
     )
-    target = dj.Target(cfg, dj.model.init_params(cfg, 0), path=str(root / "target"))
+    target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0), path=str(root / "target"))
     dj.save_target(target, root / "target")
     dcfg = dj.make_drafter_config(
         cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=tok.mask_id
@@ -173,7 +175,7 @@ def test_offline_unknown_hub_id_is_one_line_and_exit_2(models, tmp_path):
 
 def test_length_batches_group_similar_lengths():
     lengths = [5, 40, 6, 39, 7, 38, 5]
-    batches = batch_infer.length_batches(lengths, 3)
+    batches = batch_runner.length_batches(lengths, 3)
     assert sorted(i for b in batches for i in b) == list(range(7))
     assert [[lengths[i] for i in b] for b in batches] == [[5, 5, 6], [7, 38, 39], [40]]
 
@@ -190,7 +192,7 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
             raise KeyboardInterrupt
 
     with pytest.raises(KeyboardInterrupt):
-        batch_infer.run_prompts(
+        batch_runner.run_prompts(
             models.target,
             models.drafter,
             models.prompts,
@@ -209,7 +211,7 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
     ran = []
     console.set_progress(True)
     try:
-        rep = batch_infer.run_prompts(
+        rep = batch_runner.run_prompts(
             models.target,
             models.drafter,
             models.prompts,
@@ -236,7 +238,7 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
     assert t["decode_tokens_per_s"] > 0
     # The file belongs to these prompts and settings: anything else is refused, not mixed in.
     with pytest.raises(ValueError, match="other generation settings"):
-        batch_infer.run_prompts(
+        batch_runner.run_prompts(
             models.target,
             models.drafter,
             models.prompts,
@@ -247,7 +249,7 @@ def test_batches_of_8_match_one_at_a_time_and_an_interrupted_run_resumes(
             stop_token_ids=[0],
         )
     with pytest.raises(ValueError, match="different prompt"):
-        batch_infer.run_prompts(
+        batch_runner.run_prompts(
             models.target,
             models.drafter,
             models.prompts[::-1],
@@ -265,7 +267,7 @@ def test_sampled_batches_use_seed_plus_batch_number(models):
     `generate` draws alone with that batch's seed."""
     prompt = models.prompts[0]
     kw = dict(max_new_tokens=MAX_NEW, temperature=1.0, stop_token_ids=[0])
-    rep = batch_infer.run_prompts(  # autoregressive (a cheap compile): the same _batch_seed
+    rep = batch_runner.run_prompts(  # autoregressive (a cheap compile): the same _batch_seed
         models.target,
         None,
         [prompt] * 3,

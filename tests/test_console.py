@@ -4,7 +4,7 @@ import io
 
 import pytest
 
-from dflash_jax import console
+from dflash_jax.support import console
 
 
 class FakeTTY(io.StringIO):

@@ -7,12 +7,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from _pair import assert_accepted
 
 import dflash_jax as dj
-from dflash_jax import decoding as gen_lib
-from dflash_jax import sampling
-
-from _pair import assert_accepted
+from dflash_jax.decoding.speculative import sampling
+from dflash_jax.decoding.speculative import speculative as gen_lib
 
 MIXED = [[5, 9, 2, 77, 3], list(range(20, 43)), [100], [7, 7, 7, 1, 2, 3, 4, 5, 6, 60, 61]]
 
@@ -449,7 +448,7 @@ def test_pallas_cache_write_kernel_path_is_exact(target, drafter, ar_out, monkey
     """With the Pallas DMA cache-write kernel in the decode path (the TPU default,
     interpret mode on CPU) and drafts that are accepted (the oracle, wrong every 7th position),
     the tokens are the autoregressive ones and several tokens are committed per step."""
-    from dflash_jax import attention
+    from dflash_jax.models import attention
 
     full = np.zeros((4, 128), np.int32)
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
@@ -488,10 +487,10 @@ def test_streaming_callback_delivers_the_same_tokens(pair, pair_ar):
 
 
 def test_compare_streams_warms_up_and_matches_autoregressive(pair, pair_ar):
-    """`serving.compare` (infer.py's, the notebook's): an extra streamed run, an untimed
+    """`textgen.compare` (infer.py's, the notebook's): an extra streamed run, an untimed
     warm-up, then DFlash and autoregressive timed on the same prompts. The streamed tokens are
     the result's, and only the latest callback's streaming programs stay compiled."""
-    from dflash_jax import serving
+    from dflash_jax.frontend import textgen
 
     target, drafter, prompts = pair
     got = [[] for _ in prompts]
@@ -500,7 +499,7 @@ def test_compare_streams_warms_up_and_matches_autoregressive(pair, pair_ar):
         for b, c in enumerate(chunks):
             got[b].extend(c)
 
-    c = serving.compare(
+    c = textgen.compare(
         target,
         drafter,
         prompts,
@@ -521,8 +520,8 @@ def test_chunked_prefill_equals_one_pass(pair, pair_ar):
     """Prefill in chunks of 8 tokens (a scan appending to the caches: linear attention
     temporaries) fills the same target and drafter caches as one pass, and decodes the same
     tokens as autoregressive greedy decoding, for DFlash and for the autoregressive loop."""
-    from dflash_jax.drafter import DFlashDrafter
-    from dflash_jax.model import Transformer
+    from dflash_jax.drafters.dflash import DFlashDrafter
+    from dflash_jax.models.transformer import Transformer
 
     target, drafter, prompts = pair
     b, p_pad, n_buf = len(prompts), 32, 64

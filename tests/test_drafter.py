@@ -11,8 +11,13 @@ import torch
 from safetensors.torch import load_file
 
 import dflash_jax as dj
-from dflash_jax import decoding
-from dflash_jax.drafter import ContextCache, DFlashDrafter, decode_attend, default_target_layer_ids
+from dflash_jax.decoding.speculative import speculative as decoding
+from dflash_jax.drafters.dflash import (
+    ContextCache,
+    DFlashDrafter,
+    decode_attend,
+    default_target_layer_ids,
+)
 
 
 def test_default_target_layer_ids_follow_the_doc():

@@ -1,7 +1,7 @@
 """Every figure the docs quote comes from a committed result file that names its command and
 commit: each JSON under benchmarks/results/ has both, every result file a doc cites exists, the
 demo / sampling / unlikelihood figures the docs quote are the ones in their files, and
-`dflash_jax.provenance` records the command and commit as git and the command line give them."""
+`dflash_jax.support.provenance` records the command and commit as git and the command line give them."""
 
 import glob
 import json
@@ -9,7 +9,7 @@ import os
 import re
 import subprocess
 
-from dflash_jax import provenance
+from dflash_jax.support import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")

@@ -1,4 +1,4 @@
-"""GGUF targets (dflash_jax/gguf_io.py) against independent references: transformers' own GGUF
+"""GGUF targets (dflash_jax/models/gguf_io.py) against independent references: transformers' own GGUF
 loader (float32) for logits and its GGUF tokenizer, NumPy statements of the Q8_0 / Q4_1 block
 rules and of llama.cpp's Q/K row permutation, and one-line errors for bad files.
 
@@ -15,8 +15,9 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import gguf_io, hub, serving
 from dflash_jax.data import load_tokenizer
+from dflash_jax.frontend import textgen
+from dflash_jax.models import gguf_io, hub
 
 sys.path.insert(0, os.path.dirname(__file__))
 import gguf_files as gf  # noqa: E402
@@ -199,7 +200,7 @@ def test_smollm2_logits_tokenizer_template_equal_transformers(smollm2):
     ours = np.asarray(target.forward(ids).logits)
     ref = _hf_logits(d, fname, ids)
     np.testing.assert_allclose(ours, ref, atol=1e-4 * np.abs(ref).max(), rtol=0)
-    assert serving.stop_token_ids(target.path, tok) == [tok.token_to_id("<|im_end|>")]
+    assert textgen.stop_token_ids(target.path, tok) == [tok.token_to_id("<|im_end|>")]
 
 
 def test_known_name_missing_package(monkeypatch):
@@ -322,7 +323,7 @@ def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
         "Give me three tips for staying focused while studying.",
     ]
     prompts = [tok.encode(render([{"role": "user", "content": q}], True)) for q in questions]
-    stop = serving.stop_token_ids(target.path, tok)
+    stop = textgen.stop_token_ids(target.path, tok)
     spec = dj.generate(target, drafter, prompts, 48, stop_token_ids=stop)
     ar = dj.generate(target, None, prompts, 48, stop_token_ids=stop)
     assert [list(t) for t in spec.tokens] == [list(t) for t in ar.tokens]

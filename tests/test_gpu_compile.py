@@ -94,7 +94,7 @@ def test_decode_loops_hold_the_kernel_and_copy_no_cache(default_run, triton_run,
     transposes, concatenates or relayouts a cache-sized buffer: before, the cuDNN draft
     concatenated the drafter's context with the block in every layer every step
     (`input_concatenate_fusion bf16[1,capacity+16,8,128]`) and took a [B,1,T,S] bias."""
-    from dflash_jax import decoding
+    from dflash_jax.decoding.speculative import speculative as decoding
     from dflash_jax.dry_run import hlo
 
     r, texts = default_run if variant == "default" else triton_run
@@ -119,7 +119,7 @@ def test_decode_loops_hold_the_kernel_and_copy_no_cache(default_run, triton_run,
 def test_the_variant_follows_the_devices_compiled_for(h200, default_run):
     """The abstract H200 gets what a real H200 runs (cuDNN on jax >= 0.11), though this process
     has no GPU: the choice reads the device kind of the devices compiled for."""
-    from dflash_jax import attention
+    from dflash_jax.models import attention
     from pallas_kernels import backend
 
     devices, _ = h200

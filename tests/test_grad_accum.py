@@ -146,7 +146,7 @@ def test_donated_adamw_steps_with_accumulation_equal_the_full_batch(setup):
 def test_target_mode_loss_accumulates_on_a_sharded_mesh(setup):
     """The target's next-token loss (target mode's step), laid out by `train_shardings` on a
     mesh (the sharding constraints of the accumulating step are traced)."""
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     _, exp, batch = setup
     loss_fn = lambda p, f, b, k: losses.target_loss(exp.tmod, p, b)

@@ -10,8 +10,8 @@ import sys
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import batch_infer, report, serving
 from dflash_jax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
+from dflash_jax.frontend import batch_runner, report, textgen
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = os.path.join(ROOT, "assets", "tiny-code")  # the bundled trained pair
@@ -36,7 +36,7 @@ def pair_dirs(tmp_path_factory):
         head_dim=16,
         max_position_embeddings=512,
     )
-    target = dj.Target(cfg, dj.model.init_params(cfg, 0), path=str(root / "target"))
+    target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0), path=str(root / "target"))
     dj.save_target(target, root / "target")
     dcfg = dj.make_drafter_config(
         cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=tok.mask_id
@@ -89,7 +89,7 @@ def test_infer_cli_compares_with_ar_and_writes_json_and_profile(tmp_path):
     # Greedy autoregressive decoding of the same prompt ids, in this process (the batch padded
     # as infer.py pads it, so the session's compile cache has the program).
     target = dj.load_target(f"{PAIR}/target", dtype="float32")
-    stop = serving.stop_token_ids(f"{PAIR}/target", load_tokenizer(f"{PAIR}/target"))
+    stop = textgen.stop_token_ids(f"{PAIR}/target", load_tokenizer(f"{PAIR}/target"))
     ids = [rec["prompt_ids"] for rec in recs]
     ar = dj.generate(target, None, ids + [ids[-1]] * 6, max_new_tokens=12, stop_token_ids=stop)
     assert [rec["tokens"] for rec in recs] == ar.tokens[:2]
@@ -159,7 +159,7 @@ def test_report_prints_what_infer_prints_and_bolds_only_on_a_terminal(monkeypatc
         "speedup": 1.5,
         "identical_to_ar": False,
     }
-    rep = batch_infer.BatchReport(records=recs, totals=totals)
+    rep = batch_runner.BatchReport(records=recs, totals=totals)
     kw = dict(tokenizer=_CharTok(), batch_size=2, with_drafter=True)
     out = io.StringIO()
     report.print_run(rep, prompts, out=out, **kw)
@@ -193,16 +193,16 @@ def test_stop_token_ids_join_the_tokenizer_eos_and_generation_config(tmp_path):
     class Tok:
         eos_id = 1
 
-    assert serving.stop_token_ids(str(tmp_path), Tok()) == [1]
-    assert serving.stop_token_ids(str(tmp_path)) == [] and serving.stop_token_ids(None) == []
+    assert textgen.stop_token_ids(str(tmp_path), Tok()) == [1]
+    assert textgen.stop_token_ids(str(tmp_path)) == [] and textgen.stop_token_ids(None) == []
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [7, 1]}))
-    assert serving.stop_token_ids(str(tmp_path), Tok()) == [1, 7]
+    assert textgen.stop_token_ids(str(tmp_path), Tok()) == [1, 7]
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 3}))
-    assert serving.stop_token_ids(str(tmp_path)) == [3]
+    assert textgen.stop_token_ids(str(tmp_path)) == [3]
 
 
 def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
-    """Bad input: exit status 2 and one `error:` line on stderr (README, dflash_jax/cli.py)."""
+    """Bad input: exit status 2 and one `error:` line on stderr (README, dflash_jax/support/cli.py)."""
     for args, says in (
         (
             [f"--target={pair_dirs / 'target'}", "--prompt=", "--max_new_tokens=4"],
@@ -518,7 +518,7 @@ def test_gpu_steps_tiny_configuration_times_ar_and_dflash_steps(tmp_path):
 def test_gpu_steps_cudnn_variant_is_an_attention_impl(monkeypatch):
     """What `for_devices` makes of "pallas" for a GPU under DFLASH_PALLAS_GPU_BACKEND=cudnn
     (gpu_steps' cuDNN rows) is an attention_impl the models accept, run by the cuDNN kernels."""
-    from dflash_jax import attention
+    from dflash_jax.models import attention
 
     monkeypatch.setenv("DFLASH_PALLAS_GPU_BACKEND", "cudnn")
     impl = attention.for_devices("pallas", "cuda")

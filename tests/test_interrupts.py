@@ -1,7 +1,7 @@
 """Ctrl-C at any moment of a command-line run: during the imports, during the first compile,
 between batches. Whatever the moment, the process ends with the documented exit status and
 one line on stderr: no traceback, no `Fatal Python error` (a segfault at exit once followed a
-Ctrl-C in the first compile), no file half-written (`dflash_jax/interrupts.py`)."""
+Ctrl-C in the first compile), no file half-written (`dflash_jax/support/interrupts.py`)."""
 
 import concurrent.futures
 import json

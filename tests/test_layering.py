@@ -107,3 +107,60 @@ def test_no_import_circle_in_the_library_or_the_kernels():
 def test_the_checker_sees_a_circle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert _cycle({"a": {"b"}, "b": set()}) is None
+
+
+# The subpackages of dflash_jax, lowest first: a module may import its own subpackage and those
+# before it, never one after it (the API package `dflash_jax` and the `python -m
+# dflash_jax.launch` entry sit above them all and are imported by none).
+LAYERS = (
+    "support",
+    "models",
+    "data",
+    "parallel",
+    "drafters",
+    "decoding",
+    "training",
+    "frontend",
+    "dry_run",
+)
+
+
+def _upward_imports(graph, layers=LAYERS):
+    """(importer, imported) pairs that go up the layer order or into a top-level module, and
+    modules outside every layer."""
+
+    def layer(m):
+        parts = m.split(".")
+        return parts[1] if len(parts) > 1 and parts[1] in layers else None
+
+    bad = []
+    for name, refs in graph.items():
+        if name.count(".") <= 1 and layer(name) is None:  # the API package, entry points
+            continue
+        if layer(name) is None:
+            bad.append((name, "<in no layer>"))
+            continue
+        for r in refs:
+            if layer(r) is None or layers.index(layer(r)) > layers.index(layer(name)):
+                bad.append((name, r))
+    return sorted(bad)
+
+
+def test_the_subpackages_import_only_downward():
+    mods, graph = _graph("dflash_jax")
+    top = sorted(m for m in mods if m.count(".") == 1 and m.split(".")[1] not in LAYERS)
+    assert top == ["dflash_jax.launch"], f"modules outside the subpackages: {top}"
+    for name in graph:  # the root package's lazy table names no module statically
+        graph[name] = {r for r in graph[name] if r != "dflash_jax"}
+    assert not _upward_imports(graph), f"imports against the layer order: {_upward_imports(graph)}"
+
+
+def test_the_layer_checker_sees_an_upward_import():
+    graph = {
+        "dflash_jax.models.config": {"dflash_jax.support.checks"},
+        "dflash_jax.support.checks": {"dflash_jax.models.hub"},
+        "dflash_jax.models.hub": set(),
+        "dflash_jax.launch": {"dflash_jax.parallel.launch"},
+        "dflash_jax.parallel.launch": set(),
+    }
+    assert _upward_imports(graph) == [("dflash_jax.support.checks", "dflash_jax.models.hub")]

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_jax as dj
-from dflash_jax.model import KVCache, Transformer
+from dflash_jax.models.transformer import KVCache, Transformer
 
 KINDS = ("qwen3_tied", "qwen3_untied", "llama3")
 

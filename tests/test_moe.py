@@ -26,8 +26,8 @@ import torch
 from _pair import assert_accepted, moe_from_dense
 
 import dflash_jax as dj
-from dflash_jax import moe
-from dflash_jax.safetensors_io import SafetensorsDir
+from dflash_jax.models import moe
+from dflash_jax.models.safetensors_io import SafetensorsDir
 
 VOCAB = 128
 # (norm_topk_prob, mlp_only_layers, decoder_sparse_step): layers 0..3 MoE except [1];
@@ -217,8 +217,8 @@ def test_expert_axis_needs_a_moe_target_whose_experts_it_divides(moe_models, tmp
     would be replicated over it) is one line; a divisor passes. The devices are the one CPU
     device counted 8 times: preflight only counts them."""
     from configs import tiny_test
+    from dflash_jax.support.checks import ConfigError
     from dflash_jax.training import trainer
-    from dflash_jax.validation import ConfigError
 
     monkeypatch.setattr(trainer, "_mesh_devices", lambda spec: jax.devices()[:1] * 8)
     d = moe_models["plain_step2"][0]  # 8 experts

@@ -210,9 +210,9 @@ def _moe_target(path):
     Qwen3-MoE (`_pair.moe_from_dense`: 4 experts, each a perturbed copy of its layer's MLP,
     top 2, random routers, both layers MoE), written as a Hugging Face checkpoint."""
     from _pair import moe_from_dense
-    from configs import tiny_test
 
     import dflash_jax as dj
+    from configs import tiny_test
     from dflash_jax.training.experiment import fresh_target_params, model_config_from
 
     c = tiny_test.get_config()
@@ -364,10 +364,11 @@ def test_sharded_batches_are_the_streams_stacked_and_resume():
     """The global batch of `num_shards` streams (what 2 processes read, one stream each) is the
     same in one process, and its per-stream position resumes exactly."""
     import jax
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    from jax.sharding import NamedSharding
+    from jax.sharding import PartitionSpec as P
 
-    from dflash_jax import distributed
     from dflash_jax.data.packing import PackedBatchIterator
+    from dflash_jax.parallel import distributed
 
     rng = np.random.RandomState(0)
     docs = [

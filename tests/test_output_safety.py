@@ -1,4 +1,4 @@
-"""The output-safety rules of infer.py's `--json_out` (`batch_infer.run_prompts`), as properties
+"""The output-safety rules of infer.py's `--json_out` (`batch_runner.run_prompts`), as properties
 over many existing files and many ways a run can fail:
 
   * a run that fails (a bad input found by `generate`, an exception before the first batch is
@@ -23,7 +23,7 @@ import types
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import batch_infer, report, serving, validation
+from dflash_jax.frontend import batch_runner, infer_flags, report, textgen
 
 MAX_NEW = 3
 BATCH = 2
@@ -43,7 +43,7 @@ def pair(tmp_path_factory):
         head_dim=16,
         max_position_embeddings=64,
     )
-    target = dj.Target(cfg, dj.model.init_params(cfg, 0), path=str(root / "target"))
+    target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0), path=str(root / "target"))
     dj.save_target(target, root / "target")
     dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=95)
     drafter = dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))
@@ -58,7 +58,7 @@ def clean(pair):
     """A clean run's records (the reference for prefixes) and its file's bytes."""
     root, target, drafter = pair
     out = str(root / "clean.jsonl")
-    rep = batch_infer.run_prompts(
+    rep = batch_runner.run_prompts(
         target, drafter, PROMPTS, batch_size=BATCH, out_path=out, max_new_tokens=MAX_NEW
     )
     return rep.records, open(out, "rb").read()
@@ -68,7 +68,7 @@ def _run(pair, out, **kw):
     _, target, drafter = pair
     kw = dict(dict(batch_size=BATCH, max_new_tokens=MAX_NEW, warmup=False), **kw)
     out = None if out is None else str(out)
-    return batch_infer.run_prompts(target, drafter, PROMPTS, out_path=out, **kw)
+    return batch_runner.run_prompts(target, drafter, PROMPTS, out_path=out, **kw)
 
 
 def _existing_files(clean_bytes):
@@ -110,7 +110,7 @@ def test_a_failed_run_leaves_an_existing_file_byte_for_byte(
         def broken(*a, **k):
             raise RuntimeError("device lost")
 
-        monkeypatch.setattr(serving, "generate", broken)
+        monkeypatch.setattr(textgen, "generate", broken)
         kw, error = {}, RuntimeError
     else:
         kw, error = FAILURES[failure], ValueError
@@ -130,7 +130,7 @@ def test_an_interrupted_run_leaves_the_old_file_or_a_valid_prefix(
     """`generate` raises on batch `stop_at` (the 1st: before any result): the file is the old
     one, or the records of the batches done, equal to a clean run's; --resume completes it."""
     records, _ = clean
-    real = serving.generate
+    real = textgen.generate
     calls = []
 
     def flaky(*a, **k):
@@ -142,10 +142,10 @@ def test_an_interrupted_run_leaves_the_old_file_or_a_valid_prefix(
     out = tmp_path / "out.jsonl"
     old = b'{"old": "a file the user had"}\n'
     out.write_bytes(old)
-    monkeypatch.setattr(serving, "generate", flaky)
+    monkeypatch.setattr(textgen, "generate", flaky)
     with pytest.raises(KeyboardInterrupt):
         _run(pair, out)
-    monkeypatch.setattr(serving, "generate", real)
+    monkeypatch.setattr(textgen, "generate", real)
     _no_temp_files(tmp_path)
     if stop_at == 1:
         assert out.read_bytes() == old
@@ -159,7 +159,7 @@ def test_an_interrupted_run_leaves_the_old_file_or_a_valid_prefix(
         assert r["settings"] == records[r["index"]]["settings"]
     # Killed in the middle of the next write: a torn line, dropped and replaced by --resume.
     with open(out, "ab") as f:
-        f.write(batch_infer.RECORD_START + b'4, "prompt_sha": "12')
+        f.write(batch_runner.RECORD_START + b'4, "prompt_sha": "12')
     rep = _run(pair, out, resume=True)
     assert rep.resumed == len(kept)
     assert [r["tokens"] for r in rep.records] == [r["tokens"] for r in records]
@@ -191,11 +191,11 @@ def test_resume_refuses_a_file_that_is_not_its_record_file_without_changing_it(
             _run(pair, out, resume=True)
         assert out.read_bytes() == data, name
     # Its own file with a torn last line is recognised, and read without being changed.
-    torn = first + batch_infer.RECORD_START + b"1"
+    torn = first + batch_runner.RECORD_START + b"1"
     out = tmp_path / "torn"
     out.write_bytes(torn)
     settings = json.loads(first)["settings"]
-    done, keep = batch_infer.read_records(str(out), PROMPTS, settings)
+    done, keep = batch_runner.read_records(str(out), PROMPTS, settings)
     assert list(done) == [json.loads(first)["index"]] and keep == len(first)
     assert out.read_bytes() == torn
     _no_temp_files(tmp_path)
@@ -210,8 +210,8 @@ def test_an_output_that_resolves_to_an_input_is_refused(pair, tmp_path, monkeypa
     monkeypatch.chdir(tmp_path / "sub")
     for same in ("../p.jsonl", str(tmp_path / "sub" / ".." / "p.jsonl"), "../link.jsonl"):
         with pytest.raises(ValueError, match="is the --prompt_file"):
-            validation.output_not_input(same, "--json_out", {"--prompt_file": str(prompts)})
-    validation.output_not_input("../other.jsonl", "--json_out", {"--prompt_file": str(prompts)})
+            infer_flags.output_not_input(same, "--json_out", {"--prompt_file": str(prompts)})
+    infer_flags.output_not_input("../other.jsonl", "--json_out", {"--prompt_file": str(prompts)})
     # A model directory's files, also through a link (a hub snapshot links to its blobs).
     model = tmp_path / "model"
     model.mkdir()
@@ -219,10 +219,10 @@ def test_an_output_that_resolves_to_an_input_is_refused(pair, tmp_path, monkeypa
     dirs = {"--target": str(model)}
     for bad in (str(model / "config.json"), str(root / "target" / "config.json")):
         with pytest.raises(ValueError, match="is a file of the --target"):
-            validation.output_not_input(bad, "--json_out", dirs=dirs)
+            infer_flags.output_not_input(bad, "--json_out", dirs=dirs)
     (model / "out.jsonl").write_text("an earlier run's output\n")
     for fine in (model / "new.jsonl", model / "out.jsonl"):  # not a file the loaders read
-        validation.output_not_input(str(fine), "--json_out", dirs=dirs)
+        infer_flags.output_not_input(str(fine), "--json_out", dirs=dirs)
 
 
 def test_the_resume_key_is_the_models_real_path(pair, tmp_path, monkeypatch, capsys):
@@ -238,7 +238,7 @@ def test_the_resume_key_is_the_models_real_path(pair, tmp_path, monkeypatch, cap
 
     def run(cwd, target, drafter):
         monkeypatch.chdir(cwd)
-        return batch_infer.run_and_report(
+        return batch_runner.run_and_report(
             target, drafter, items, out_path=out, resume=True, max_new_tokens=MAX_NEW
         )
 
@@ -250,7 +250,7 @@ def test_the_resume_key_is_the_models_real_path(pair, tmp_path, monkeypatch, cap
     with pytest.raises(ValueError, match="other generation settings"):
         run(b, "models/target", "models/drafter")  # other models at the same relative path
     assert open(out, "rb").read() == before
-    assert batch_infer.model_identity("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # hub ids as typed
+    assert batch_runner.model_identity("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # hub ids as typed
     capsys.readouterr()
 
 

@@ -8,11 +8,10 @@ splits and tile skipping are all exercised.
 
 import contextlib
 
-import numpy as np
-import pytest
-
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import numpy as np
+import pytest
 
 import pallas_kernels as pk  # noqa: E402
 from pallas_kernels import backend, reference  # noqa: E402
@@ -238,7 +237,7 @@ def test_gpu_variant_follows_the_devices_compiled_for(monkeypatch):
     DFLASH_PALLAS_GPU_BACKEND overrides both."""
     import types
 
-    from dflash_jax import attention
+    from dflash_jax.models import attention
 
     gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
     h200, a100 = gpu("NVIDIA H200"), gpu("NVIDIA A100-SXM4-80GB")
@@ -536,7 +535,7 @@ def test_drafter_loss_pallas_equals_xla_on_packed_rows(monkeypatch):
     position of each anchor's document and matches the segment-aware XLA mask;
     without that bound it would not (earlier documents' context leaks)."""
     import dflash_jax as dj
-    from dflash_jax.model import init_params
+    from dflash_jax.models.transformer import init_params
     from dflash_jax.training import losses
 
     seg = np.array(
@@ -712,6 +711,7 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
     against the reference; by default it times every variant of the backend it runs on."""
     import json
     import types
+
     from pallas_kernels import bench
 
     out = tmp_path / "bench.json"
@@ -763,7 +763,7 @@ def test_kv_update_kernel_equals_the_xla_write(dtype):
     rows with different starts (tile-aligned: one DMA; unaligned: the window path), a block
     reaching past the cache (its in-range rows kept) and one wholly out of range (dropped);
     T = 16 (a tile of rows) and T = 5 / 1 (padded rows); S = 40 (not a tile multiple: XLA)."""
-    from dflash_jax.model import write_kv
+    from dflash_jax.models.transformer import write_kv
 
     b, k, d = 4, 2, 128
     for s, t, starts in (

@@ -29,10 +29,10 @@ from _pair import assert_accepted
 from flax import traverse_util
 
 import dflash_jax as dj
-from dflash_jax import checkpoint, quantization
-from dflash_jax.config import ModelConfig
-from dflash_jax.model import init_params
-from dflash_jax.safetensors_io import SafetensorsDir, save_sharded
+from dflash_jax.models import checkpoint, quantization
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.safetensors_io import SafetensorsDir, save_sharded
+from dflash_jax.models.transformer import init_params
 
 NEW = 40
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn
@@ -251,7 +251,7 @@ def test_compiled_int8_forward_reads_s8_kernels(pair_int8):
     """XLA:CPU: every int8 kernel is an s8 parameter of the compiled forward (XLA:CPU has no
     dot that fuses a convert, so it converts the kernel in a loop fusion first: the HBM
     claim is checked on TPU below)."""
-    from dflash_jax.target import _forward
+    from dflash_jax.models.target import _forward
 
     target = pair_int8[0]
     ids = jnp.zeros((1, 8), jnp.int32)
@@ -285,7 +285,7 @@ def test_int8_matmul_on_tpu_converts_inside_the_dot_fusion():
     (converting it inside, if at all), and no float array of the kernel's shape exists outside a fusion (nothing dequantized
     in HBM)."""
     from dflash_jax import dry_run
-    from dflash_jax.layers import Int8Dense
+    from dflash_jax.models.layers import Int8Dense
 
     devices, _ = dry_run.topology_devices("v5e:2x4")
     one = jax.sharding.NamedSharding(

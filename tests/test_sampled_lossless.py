@@ -24,12 +24,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _sampling_reference import reference
 
 import dflash_jax as dj
-from dflash_jax import decoding as gen_lib
-from dflash_jax import sampling
-
-from _sampling_reference import reference
+from dflash_jax.decoding.speculative import sampling
+from dflash_jax.decoding.speculative import speculative as gen_lib
 
 V = 6  # vocabulary
 PROMPT = [1, 4, 2]
@@ -55,7 +54,7 @@ def tiny():
     # Initialized under jit: one compile, not a dispatch per op (seconds less).
     params = jax.jit(
         lambda: jax.tree_util.tree_map(
-            lambda x: x * 6.0 if x.ndim == 2 else x, dj.model.init_params(cfg, seed=3)
+            lambda x: x * 6.0 if x.ndim == 2 else x, dj.models.transformer.init_params(cfg, seed=3)
         )
     )()
     t = dj.Target(cfg, params)

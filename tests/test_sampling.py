@@ -14,10 +14,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from dflash_jax import sampling
-
 from _sampling_reference import reference
+
+from dflash_jax.decoding.speculative import sampling
 
 N = 20_000
 

@@ -1,4 +1,4 @@
-"""The chat-template sandbox's bounds (`dflash_jax.template_sandbox`): a template from a model
+"""The chat-template sandbox's bounds (`dflash_jax.data.template_sandbox`): a template from a model
 directory that loops or allocates without limit ends in one ValueError line within the time
 bound, and real templates render exactly as before (jinja2's immutable sandbox, unbounded)."""
 
@@ -11,7 +11,7 @@ import jinja2.ext
 import pytest
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-from dflash_jax import prompting, template_sandbox
+from dflash_jax.data import prompting, template_sandbox
 
 LIMIT_S = 0.5
 MAX_CHARS = 65536

@@ -188,8 +188,9 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
     chip, the relayout into the kernels' view and the VMEM prefetch it brings (issue 26, item 3),
     and none of it over [B, S, K*D]."""
     no_pads = ("pad", "copy", "transpose", "concatenate")
-    from dflash_jax import attention, decoding
+    from dflash_jax.decoding.speculative import speculative as decoding
     from dflash_jax.dry_run import hlo
+    from dflash_jax.models import attention
 
     def cap_of(name):
         return decoding.buffer_sizes(1024, 64, 16 if name == "dflash_decode" else 1)[2]
@@ -233,7 +234,7 @@ def test_tree_decode_loop_compiles_without_cache_copies_or_extra_collectives(
     pads, transposes, concatenates or reshapes a cache, and the step's collectives are the
     chain's plus at most the tree build's one all-gather per candidate array (the top-k of
     the vocabulary-sharded logits is per device)."""
-    from dflash_jax import decoding
+    from dflash_jax.decoding.speculative import speculative as decoding
     from dflash_jax.dry_run import hlo
 
     devices, chip = v5e

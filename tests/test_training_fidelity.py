@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.config import ModelConfig
+from dflash_jax.models.config import ModelConfig
 
 
 def _target_cfg(**kw):
@@ -250,7 +250,7 @@ def test_blocks_run_past_the_end_with_out_of_range_labels_masked():
 
 
 def _small_target(num_layers=4):
-    from dflash_jax.model import init_params
+    from dflash_jax.models.transformer import init_params
 
     cfg = _target_cfg(
         num_layers=num_layers,
@@ -265,7 +265,7 @@ def _small_target(num_layers=4):
 
 
 def test_taps_only_pass_equals_the_full_forward_taps():
-    from dflash_jax.model import Transformer
+    from dflash_jax.models.transformer import Transformer
 
     cfg, params = _small_target(num_layers=5)
     tmod = Transformer(cfg)
@@ -296,7 +296,7 @@ def test_taps_only_pass_equals_the_full_forward_taps():
 
 
 def test_taps_only_pass_memory_grows_linearly_not_quadratically():
-    from dflash_jax.model import Transformer
+    from dflash_jax.models.transformer import Transformer
 
     cfg, params = _small_target(num_layers=2)
     tmod = Transformer(cfg)

@@ -1,4 +1,4 @@
-"""Draft trees (dflash_jax.tree): the builder keeps exactly the most probable prefixes, its
+"""Draft trees (dflash_jax.decoding.tree): the builder keeps exactly the most probable prefixes, its
 arrays are consistent (parents first, depths, ancestor masks), and the walk accepts the longest
 path the target agrees with."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax import tree as tree_lib
+from dflash_jax.decoding.speculative import tree as tree_lib
 
 
 def _prefixes(logp, k):
@@ -183,7 +183,7 @@ def test_tree_caches_equal_autoregressive_caches(bundled_pair):
     every committed slot, the K/V of autoregressive decoding, and the drafter's context cache
     the K/V of chain decoding, for the same committed tokens."""
     import dflash_jax as dj
-    from dflash_jax import decoding
+    from dflash_jax.decoding.speculative import speculative as decoding
 
     target, drafter, prompts = bundled_pair
     prompts = prompts[:2]
@@ -238,7 +238,7 @@ def test_tree_from_denoising_passes_equals_autoregressive(bundled_pair):
     its log-probs, the other 7 get the second pass's, which differ), and decoding with it gives
     the autoregressive tokens with the tree accepted."""
     import dflash_jax as dj
-    from dflash_jax import decoding
+    from dflash_jax.decoding.speculative import speculative as decoding
 
     target, drafter, prompts = bundled_pair
     tmod, dmod = dj.Transformer(target.config), dj.DFlashDrafter(drafter.config)

@@ -1,4 +1,4 @@
-"""The validation layer (dflash_jax/validation.py), prompt files, sandboxed chat templates,
+"""The validation layer (dflash_jax/support/checks.py), prompt files, sandboxed chat templates,
 confined safetensors indexes, and the CLIs' one-line errors (subprocess)."""
 
 import json
@@ -12,8 +12,10 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax import prompting, validation
-from dflash_jax.validation import ConfigError
+from dflash_jax.data import prompting
+from dflash_jax.frontend import infer_flags
+from dflash_jax.support import checks
+from dflash_jax.support.checks import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -25,58 +27,58 @@ GOOD, BAD = "ok", "error"
 
 CASES = [
     # (call, expected: value or (BAD, message fragment))
-    (lambda: validation.int_param("block_size", 8), 8),
-    (lambda: validation.int_param("block_size", np.int64(8)), 8),
-    (lambda: validation.int_param("block_size", 8.0), (BAD, "must be an integer, got 8.0")),
-    (lambda: validation.int_param("block_size", True), (BAD, "must be an integer")),
-    (lambda: validation.int_param("block_size", "8"), (BAD, "must be an integer")),
-    (lambda: validation.int_param("x", 0, lo=1), (BAD, "x must be >= 1, got 0")),
-    (lambda: validation.int_param("x", 65, lo=2, hi=64), (BAD, "in [2, 64]")),
-    (lambda: validation.float_param("t", 1), 1.0),
-    (lambda: validation.float_param("t", float("nan")), (BAD, "finite")),
-    (lambda: validation.float_param("t", float("inf")), (BAD, "finite")),
-    (lambda: validation.float_param("t", "1"), (BAD, "must be a number")),
-    (lambda: validation.sampling_params(0.7, 5, 0.9), (0.7, 5, 0.9)),
-    (lambda: validation.sampling_params(0, None, None), (0.0, None, None)),
-    (lambda: validation.sampling_params(float("nan"), None, None), (BAD, "temperature")),
-    (lambda: validation.sampling_params(-0.1, None, None), (BAD, "temperature must be >= 0")),
-    (lambda: validation.sampling_params(1.0, None, 0.0), (BAD, "top_p must be in (0.0, 1.0]")),
-    (lambda: validation.sampling_params(1.0, None, -0.5), (BAD, "top_p")),
-    (lambda: validation.sampling_params(1.0, None, 1.5), (BAD, "top_p")),
-    (lambda: validation.sampling_params(1.0, None, float("nan")), (BAD, "top_p")),
-    (lambda: validation.sampling_params(1.0, 0, None), (BAD, "top_k must be >= 1")),
-    (lambda: validation.sampling_params(1.0, -3, None), (BAD, "top_k must be >= 1")),
-    (lambda: validation.sampling_params(1.0, 2.5, None), (BAD, "top_k must be an integer")),
-    (lambda: validation.confidence_threshold(0.5), 0.5),
-    (lambda: validation.confidence_threshold(None), None),
-    (lambda: validation.confidence_threshold(2), (BAD, "confidence_threshold must be in")),
-    (lambda: validation.confidence_threshold(-1), (BAD, "confidence_threshold")),
-    (lambda: validation.prompt_ids([[1, 2], (3,)], V), [[1, 2], [3]]),
-    (lambda: validation.prompt_ids(np.array([[1, 2]]), V), [[1, 2]]),
-    (lambda: validation.prompt_ids([1, 2, 3], V), (BAD, "flat list of 3 ints")),
-    (lambda: validation.prompt_ids("def f", V), (BAD, "list of token-id lists")),
-    (lambda: validation.prompt_ids(["a b", "c"], V), (BAD, "prompt 0 is a string")),
-    (lambda: validation.prompt_ids([["1", "2"]], V), (BAD, "prompt 0[0] must be an integer")),
+    (lambda: checks.int_param("block_size", 8), 8),
+    (lambda: checks.int_param("block_size", np.int64(8)), 8),
+    (lambda: checks.int_param("block_size", 8.0), (BAD, "must be an integer, got 8.0")),
+    (lambda: checks.int_param("block_size", True), (BAD, "must be an integer")),
+    (lambda: checks.int_param("block_size", "8"), (BAD, "must be an integer")),
+    (lambda: checks.int_param("x", 0, lo=1), (BAD, "x must be >= 1, got 0")),
+    (lambda: checks.int_param("x", 65, lo=2, hi=64), (BAD, "in [2, 64]")),
+    (lambda: checks.float_param("t", 1), 1.0),
+    (lambda: checks.float_param("t", float("nan")), (BAD, "finite")),
+    (lambda: checks.float_param("t", float("inf")), (BAD, "finite")),
+    (lambda: checks.float_param("t", "1"), (BAD, "must be a number")),
+    (lambda: checks.sampling_params(0.7, 5, 0.9), (0.7, 5, 0.9)),
+    (lambda: checks.sampling_params(0, None, None), (0.0, None, None)),
+    (lambda: checks.sampling_params(float("nan"), None, None), (BAD, "temperature")),
+    (lambda: checks.sampling_params(-0.1, None, None), (BAD, "temperature must be >= 0")),
+    (lambda: checks.sampling_params(1.0, None, 0.0), (BAD, "top_p must be in (0.0, 1.0]")),
+    (lambda: checks.sampling_params(1.0, None, -0.5), (BAD, "top_p")),
+    (lambda: checks.sampling_params(1.0, None, 1.5), (BAD, "top_p")),
+    (lambda: checks.sampling_params(1.0, None, float("nan")), (BAD, "top_p")),
+    (lambda: checks.sampling_params(1.0, 0, None), (BAD, "top_k must be >= 1")),
+    (lambda: checks.sampling_params(1.0, -3, None), (BAD, "top_k must be >= 1")),
+    (lambda: checks.sampling_params(1.0, 2.5, None), (BAD, "top_k must be an integer")),
+    (lambda: checks.confidence_threshold(0.5), 0.5),
+    (lambda: checks.confidence_threshold(None), None),
+    (lambda: checks.confidence_threshold(2), (BAD, "confidence_threshold must be in")),
+    (lambda: checks.confidence_threshold(-1), (BAD, "confidence_threshold")),
+    (lambda: checks.prompt_ids([[1, 2], (3,)], V), [[1, 2], [3]]),
+    (lambda: checks.prompt_ids(np.array([[1, 2]]), V), [[1, 2]]),
+    (lambda: checks.prompt_ids([1, 2, 3], V), (BAD, "flat list of 3 ints")),
+    (lambda: checks.prompt_ids("def f", V), (BAD, "list of token-id lists")),
+    (lambda: checks.prompt_ids(["a b", "c"], V), (BAD, "prompt 0 is a string")),
+    (lambda: checks.prompt_ids([["1", "2"]], V), (BAD, "prompt 0[0] must be an integer")),
     (
-        lambda: validation.prompt_ids([[1.5, 2]], V),
+        lambda: checks.prompt_ids([[1.5, 2]], V),
         (BAD, "prompt 0[0] must be an integer token id, got 1.5"),
     ),
-    (lambda: validation.prompt_ids([[1, 2.0]], V), (BAD, "prompt 0[1]")),
-    (lambda: validation.prompt_ids([[1], []], V), (BAD, "prompt 1 is empty")),
-    (lambda: validation.prompt_ids([], V), (BAD, "non-empty")),
-    (lambda: validation.prompt_ids([[1, 100]], V), (BAD, "outside [0, 100): 100")),
-    (lambda: validation.prompt_ids([[-1]], V), (BAD, "outside")),
-    (lambda: validation.stop_token_ids([5, 3, 5], V), (3, 5)),
-    (lambda: validation.stop_token_ids([], V), ()),
-    (lambda: validation.stop_token_ids([100], V), (BAD, "stop_token_ids has token ids outside")),
-    (lambda: validation.stop_token_ids(7, V), (BAD, "must be a list")),
-    (lambda: validation.block_size_for(8, 16), 8),
-    (lambda: validation.block_size_for(8.0, 16), (BAD, "block_size must be an integer")),
-    (lambda: validation.block_size_for(1, 16), (BAD, "block_size must be in [2, 64]")),
-    (lambda: validation.writable_file("/nonexistent_dir_i19/out.json"), (BAD, "does not exist")),
-    (lambda: validation.writable_file("/etc/hostname/x.json"), (BAD, "does not exist")),
-    (lambda: validation.writable_file(ROOT), (BAD, "is a directory")),
-    (lambda: validation.writable_dir("/etc/hostname/sub"), (BAD, "is not a directory")),
+    (lambda: checks.prompt_ids([[1, 2.0]], V), (BAD, "prompt 0[1]")),
+    (lambda: checks.prompt_ids([[1], []], V), (BAD, "prompt 1 is empty")),
+    (lambda: checks.prompt_ids([], V), (BAD, "non-empty")),
+    (lambda: checks.prompt_ids([[1, 100]], V), (BAD, "outside [0, 100): 100")),
+    (lambda: checks.prompt_ids([[-1]], V), (BAD, "outside")),
+    (lambda: checks.stop_token_ids([5, 3, 5], V), (3, 5)),
+    (lambda: checks.stop_token_ids([], V), ()),
+    (lambda: checks.stop_token_ids([100], V), (BAD, "stop_token_ids has token ids outside")),
+    (lambda: checks.stop_token_ids(7, V), (BAD, "must be a list")),
+    (lambda: checks.block_size_for(8, 16), 8),
+    (lambda: checks.block_size_for(8.0, 16), (BAD, "block_size must be an integer")),
+    (lambda: checks.block_size_for(1, 16), (BAD, "block_size must be in [2, 64]")),
+    (lambda: checks.writable_file("/nonexistent_dir_i19/out.json"), (BAD, "does not exist")),
+    (lambda: checks.writable_file("/etc/hostname/x.json"), (BAD, "does not exist")),
+    (lambda: checks.writable_file(ROOT), (BAD, "is a directory")),
+    (lambda: checks.writable_dir("/etc/hostname/sub"), (BAD, "is not a directory")),
 ]
 
 
@@ -93,10 +95,10 @@ def test_validation_table(i):
 
 def test_block_size_beyond_the_drafter_warns_explicitly():
     with pytest.warns(UserWarning, match="larger than the drafter's trained block size 16"):
-        assert validation.block_size_for(32, 16) == 32
+        assert checks.block_size_for(32, 16) == 32
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        validation.block_size_for(16, 16)
+        checks.block_size_for(16, 16)
 
 
 def _cfg(**kw):
@@ -130,7 +132,7 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("kw,message", CONFIG_CASES)
 def test_train_config_values_are_checked(kw, message):
     with pytest.raises(ConfigError) as e:
-        validation.check_train_config(_cfg(**kw))
+        checks.check_train_config(_cfg(**kw))
     assert message in str(e.value)
 
 
@@ -174,14 +176,14 @@ INFER_FLAGS = dict(
     ],
 )
 def test_infer_flags_are_checked(kw, message):
-    validation.check_infer_flags(INFER_FLAGS)  # the defaults pass
+    infer_flags.check_infer_flags(INFER_FLAGS)  # the defaults pass
     with pytest.raises(ValueError) as e:
-        validation.check_infer_flags(dict(INFER_FLAGS, **kw))
+        infer_flags.check_infer_flags(dict(INFER_FLAGS, **kw))
     assert message in str(e.value)
 
 
 def test_unknown_config_key_names_the_nearest_valid_key():
-    validation.check_train_config(_cfg())  # the shipped config passes
+    checks.check_train_config(_cfg())  # the shipped config passes
     c = _cfg()
     c.drafter.num_layer = 2  # a typo of num_layers
     with pytest.raises(
@@ -189,7 +191,7 @@ def test_unknown_config_key_names_the_nearest_valid_key():
         match=r"unknown config key 'drafter.num_layer' \(did you "
         r"mean 'drafter.num_layers'\?\)",
     ):
-        validation.check_train_config(c)
+        checks.check_train_config(c)
 
 
 def test_train_and_evaluate_checks_its_config_before_writing(tmp_path):
@@ -216,7 +218,7 @@ def small_pair():
         head_dim=16,
         max_position_embeddings=256,
     )
-    target = dj.Target(cfg, dj.model.init_params(cfg, 0))
+    target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0))
     dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=63)
     return target, dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))
 
@@ -248,7 +250,7 @@ GENERATE_CASES = [
 
 @pytest.mark.parametrize("kw,message", GENERATE_CASES)
 def test_generate_rejects_bad_arguments_before_compute(small_pair, kw, message, monkeypatch):
-    from dflash_jax import decoding
+    from dflash_jax.decoding.speculative import speculative as decoding
 
     target, drafter = small_pair
     # Nothing may be compiled or run: the program cache must not be consulted.
@@ -551,7 +553,7 @@ def test_hostile_chat_template_cannot_reach_python(tmp_path, i, monkeypatch):
 
 
 def test_sharded_index_naming_files_outside_the_directory_is_refused(tmp_path):
-    from dflash_jax.safetensors_io import SafetensorsDir, write_safetensors
+    from dflash_jax.models.safetensors_io import SafetensorsDir, write_safetensors
 
     d = tmp_path / "model"
     d.mkdir()

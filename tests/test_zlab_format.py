@@ -29,7 +29,7 @@ import pytest
 from flax import traverse_util
 
 import dflash_jax as dj
-from dflash_jax.drafter import read_drafter_config
+from dflash_jax.drafters.dflash import read_drafter_config
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "zlab", "Qwen3-8B-DFlash-b16")
 PUBLISHED_TARGET_HIDDEN = 4096  # Qwen/Qwen3-8B hidden_size: the width of one tap
@@ -218,7 +218,7 @@ def test_loader_consumes_every_published_tensor_into_its_parameter(
         want = np.asarray(arr, np.float32)
         np.testing.assert_array_equal(np.asarray(flat.pop(path)), want.T if transpose else want)
     assert not flat, f"parameters no published tensor filled: {sorted(flat)}"
-    with caplog.at_level("WARNING", logger="dflash_jax.checkpoint"):
+    with caplog.at_level("WARNING", logger="dflash_jax.models.checkpoint"):
         dj.load_drafter(checkpoint_dir, target=target)
     assert "ignoring" not in caplog.text  # every tensor of the file was consumed
 

@@ -41,7 +41,7 @@ from typing import Any
 
 import tensorflow_datasets as tfds
 
-from dflash_jax import console
+from dflash_jax.support import console
 
 __all__ = [
     "PythonStdlib",

@@ -20,7 +20,7 @@ import os
 import re
 from typing import Dict, List, Optional, Sequence, Tuple
 
-from dflash_jax.prompting import iter_jsonl
+from dflash_jax.data.prompting import iter_jsonl
 
 _ROLES = {
     "system": "system",
@@ -180,7 +180,7 @@ def plain_render(messages: Sequence[Message], add_generation_prompt: bool) -> st
 def template_renderer(model_dir: Optional[str], use_chat_template: bool = True):
     """(render, description): the target's chat template (tokenizer_config.json, rendered in
     `prompting`'s sandbox) when it has one and `use_chat_template`, else `plain_render`."""
-    from dflash_jax import prompting
+    from dflash_jax.data import prompting
 
     template = prompting.chat_template(model_dir) if use_chat_template else None
     if template is None:

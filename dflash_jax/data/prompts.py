@@ -9,7 +9,7 @@
   *training* documents: random windows, code-completion prompts, or a mix (responses to
   regenerate, unlikelihood continuations).
 
-User prompts (text, chat messages, JSONL files) are parsed by `dflash_jax.prompting`.
+User prompts (text, chat messages, JSONL files) are parsed by `dflash_jax.data.prompting`.
 """
 
 from __future__ import annotations
@@ -153,11 +153,11 @@ def benchmark_prompts(
     num_prompts: int = 16,
     max_prompt_tokens: int = 256,
 ) -> list[list[int]]:
-    """The benchmarks' token-id prompts: `prompt_file` JSONL (`dflash_jax.prompting`, no chat
+    """The benchmarks' token-id prompts: `prompt_file` JSONL (`dflash_jax.data.prompting`, no chat
     template), or the held-out stdlib code-completion prompts (`BENCHMARK_PROMPTS`); each cut
     to its last `max_prompt_tokens`, empty ones dropped, at most `num_prompts`."""
     if prompt_file:
-        from dflash_jax import prompting
+        from dflash_jax.data import prompting
 
         items = prompting.read_prompt_file(prompt_file)
         prompts = prompting.encode_prompts(items, tokenizer, None, use_chat_template=False)

@@ -253,7 +253,7 @@ def main(argv):
     del argv
     from absl import flags
 
-    from dflash_jax import console
+    from dflash_jax.support import console
 
     F = flags.FLAGS
     stats = ShareGPTStats()
@@ -274,7 +274,7 @@ def main(argv):
 if __name__ == "__main__":
     from absl import flags
 
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     flags.DEFINE_enum("source", "sharegpt", ["sharegpt"], "prompt source (training prompts)")
     flags.DEFINE_string("out", None, "output JSONL (messages)", required=True)

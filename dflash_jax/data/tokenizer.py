@@ -136,7 +136,7 @@ def train_bpe_tokenizer(
     exactly (no normalizer, no prefix space).
 
     ``total``: the number of texts, for the progress bar's ETA (default ``len(texts)`` when it
-    has one). The bar (``dflash_jax.console.progress``) counts texts read; ``show_progress``
+    has one). The bar (``dflash_jax.support.console.progress``) counts texts read; ``show_progress``
     adds the tokenizers library's own bars.
     """
     specials = [EOS_TOKEN, MASK_TOKEN] + [t for t in extra_special_tokens]
@@ -152,7 +152,7 @@ def train_bpe_tokenizer(
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=show_progress,
     )
-    from dflash_jax import console
+    from dflash_jax.support import console
 
     if total is None and hasattr(texts, "__len__"):
         total = len(texts)

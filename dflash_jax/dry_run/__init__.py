@@ -59,10 +59,10 @@ attention unless --attention says otherwise).
 
 from typing import TYPE_CHECKING
 
-from dflash_jax import lazy as _lazy  # (stdlib only)
+from dflash_jax.support import lazy as _lazy  # (stdlib only)
 
 # Imported on first use (PEP 562): `python -m dflash_jax.dry_run` arms its Ctrl-C handling
-# before JAX loads (dflash_jax/interrupts.py).
+# before JAX loads (dflash_jax/support/interrupts.py).
 _EXPORTS = {
     "DEFAULT_TAUS": "chips",
     "GPU_CHIPS": "chips",

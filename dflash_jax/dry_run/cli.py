@@ -9,7 +9,6 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from absl import flags
 
-from dflash_jax import validation
 from dflash_jax.dry_run.chips import DEFAULT_TAUS
 from dflash_jax.dry_run.presets import build_configs
 from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
@@ -21,6 +20,7 @@ from dflash_jax.dry_run.topology import (
     resolve_mesh,
     topology_devices,
 )
+from dflash_jax.support import checks
 
 
 def _gb(n) -> str:
@@ -164,7 +164,7 @@ def run(
     if json_out:
         import json
 
-        from dflash_jax import provenance
+        from dflash_jax.support import provenance
 
         # Each result names the command, commit, date and machine that made it.
         prov = provenance.record()
@@ -180,9 +180,9 @@ def check_outputs(json_out: Optional[str], hlo_dir: Optional[str]) -> None:
     directory (checked before anything is compiled)."""
     try:
         if json_out:
-            validation.writable_file(json_out, "--json_out")
+            checks.writable_file(json_out, "--json_out")
         if hlo_dir:
-            validation.writable_dir(hlo_dir, "--hlo_dir")
+            checks.writable_dir(hlo_dir, "--hlo_dir")
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -191,7 +191,7 @@ def check_model_settings(model: str, mode: str, meshes, kw) -> None:
     """UsageError where `model` cannot take the settings: a context plus new tokens past its
     max_position_embeddings (what `generate` refuses), an `expert` mesh axis that does not split
     its experts (what train.py refuses)."""
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     tcfg, _ = build_configs(model)
     if mode == "infer":
@@ -235,18 +235,18 @@ def _check_sizes(args) -> None:
     default or accepted out of range."""
     E = UsageError
     if args.batch is not None:
-        validation.int_param("--batch", args.batch, lo=1, error=E)
+        checks.int_param("--batch", args.batch, lo=1, error=E)
     if args.mode == "infer":
-        validation.int_param("--context", args.context, lo=1, error=E)
-        validation.int_param("--max_new_tokens", args.max_new_tokens, lo=1, error=E)
+        checks.int_param("--context", args.context, lo=1, error=E)
+        checks.int_param("--max_new_tokens", args.max_new_tokens, lo=1, error=E)
         if args.block_size is not None:
-            validation.int_param("--block_size", args.block_size, lo=2, hi=64, error=E)
+            checks.int_param("--block_size", args.block_size, lo=2, hi=64, error=E)
         if args.prefill_chunk is not None:
-            validation.int_param("--prefill_chunk", args.prefill_chunk, lo=0, error=E)
+            checks.int_param("--prefill_chunk", args.prefill_chunk, lo=0, error=E)
         if getattr(args, "tree_budget", None) is not None:
-            validation.int_param("--tree_budget", args.tree_budget, lo=1, hi=1024, error=E)
+            checks.int_param("--tree_budget", args.tree_budget, lo=1, hi=1024, error=E)
         denoise = getattr(args, "denoise_steps", 1)
-        validation.int_param("--denoise_steps", denoise, lo=1, error=E)
+        checks.int_param("--denoise_steps", denoise, lo=1, error=E)
         if denoise != 1:
             from dflash_jax.dry_run.presets import build_configs
 
@@ -254,9 +254,9 @@ def _check_sizes(args) -> None:
         if denoise != 1 and denoise > bs - 1:
             raise E(f"--denoise_steps must be in [1, {bs - 1}] (block_size - 1), got {denoise}")
     else:
-        validation.int_param("--seq_len", args.seq_len, lo=2, error=E)
-        validation.int_param("--num_anchors", args.num_anchors, lo=1, error=E)
-        validation.int_param("--loss_chunk_anchors", args.loss_chunk_anchors, lo=0, error=E)
+        checks.int_param("--seq_len", args.seq_len, lo=2, error=E)
+        checks.int_param("--num_anchors", args.num_anchors, lo=1, error=E)
+        checks.int_param("--loss_chunk_anchors", args.loss_chunk_anchors, lo=0, error=E)
 
 
 def _programs(s: str) -> tuple:
@@ -393,7 +393,7 @@ def run_flags(args):
         )
         quantize = getattr(args, "quantize", "") or None
         if quantize is not None or getattr(args, "quantize_lm_head", False):
-            from dflash_jax.quantization import check_quantize
+            from dflash_jax.models.quantization import check_quantize
 
             try:
                 check_quantize(quantize)
@@ -433,9 +433,9 @@ def _no_positional(argv: Sequence[str]) -> None:
 
 def command_line(argv) -> None:
     """absl main of `python -m dflash_jax.dry_run` (flags from `define_flags` on the global
-    FLAGS; `dflash_jax.cli.run` prints the error line). Library log lines (JAX's) only with
+    FLAGS; `dflash_jax.support.cli.run` prints the error line). Library log lines (JAX's) only with
     --verbose or --verbosity, as before absl."""
-    from dflash_jax import console
+    from dflash_jax.support import console
 
     _no_positional(argv)
     console.configure_logging(flags.FLAGS["verbose"].value)
@@ -447,7 +447,7 @@ def main(argv: Optional[Sequence[str]] = None):
     sys.argv[1:]), in this process, on a FlagValues of its own (so a tool with global flags of
     the same names, infer.py, can call it). Bad input: one line `error: ...` on stderr and
     exit status 2, before anything is compiled or written. Returns the results."""
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     argv = sys.argv[1:] if argv is None else list(argv)
     fv = flags.FlagValues()
@@ -480,13 +480,13 @@ def infer_main(
     separated meshes; attention None or "auto": the dry run's default, the TPU kernels on a TPU
     topology). Bad input (a --batch_size or --block_size out of range included: never replaced
     by a default): one line on stderr, exit 2."""
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     try:
         if batch is not None:
-            validation.int_param("--batch_size", batch, lo=1)
+            checks.int_param("--batch_size", batch, lo=1)
         if block_size is not None:
-            validation.int_param("--block_size", block_size, lo=2, hi=64)
+            checks.int_param("--block_size", block_size, lo=2, hi=64)
     except ValueError as e:
         cli.fail(cli.one_line(e))
     attention = "" if attention in (None, "auto") else attention
@@ -508,7 +508,7 @@ def infer_main(
 
 
 if __name__ == "__main__":
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     define_flags()
     cli.run(command_line)

@@ -14,7 +14,7 @@ def model_presets():
     """name -> (target ModelConfig, drafter kwargs for make_drafter_config), in bfloat16."""
     import jax.numpy as jnp
 
-    from dflash_jax.config import ModelConfig
+    from dflash_jax.models.config import ModelConfig
 
     bf16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     llama_scaling = tuple(
@@ -220,12 +220,12 @@ def build_configs(
 
 
 def _build_configs(model: str, dtype: Optional[str] = None):
-    from dflash_jax.config import as_dtype
-    from dflash_jax.drafter import make_drafter_config
+    from dflash_jax.drafters.dflash import make_drafter_config
+    from dflash_jax.models.config import as_dtype
 
     presets = model_presets()
     if model not in presets:  # a GGUF file, a directory holding one, or a known model name
-        from dflash_jax import gguf_io
+        from dflash_jax.models import gguf_io
 
         try:
             model = gguf_io.as_model_dir(model) or model
@@ -234,7 +234,7 @@ def _build_configs(model: str, dtype: Optional[str] = None):
     if model not in presets and os.path.isfile(os.path.join(str(model), "config.json")):
         import json
 
-        from dflash_jax.config import ModelConfig
+        from dflash_jax.models.config import ModelConfig
 
         with open(os.path.join(str(model), "config.json")) as f:  # a Hugging Face directory
             tcfg = ModelConfig.from_hf(json.load(f), dtype=dtype or "bfloat16")
@@ -254,8 +254,8 @@ def abstract_params(tcfg, dcfg):
     """(target, drafter) parameter shapes: ShapeDtypeStruct pytrees, nothing allocated."""
     import jax
 
-    from dflash_jax.drafter import init_drafter_params
-    from dflash_jax.model import init_params
+    from dflash_jax.drafters.dflash import init_drafter_params
+    from dflash_jax.models.transformer import init_params
 
     return (
         jax.eval_shape(lambda: init_params(tcfg)),

@@ -4,7 +4,6 @@ loop for one step's cost) and the trainer's own step."""
 from __future__ import annotations
 
 import os
-
 from typing import Any, Dict, Optional, Sequence, Union
 
 from dflash_jax.dry_run import hbm
@@ -27,7 +26,7 @@ def _loop_program(tmod, dmod, plan, reps: int):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import decoding
+    from dflash_jax.decoding.speculative import speculative as decoding
 
     def run(tp, dp, state):
         n_buf = state.tokens.shape[1]
@@ -47,7 +46,7 @@ def _floor(tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, contex
     sizes of the weights and caches as sharded."""
     import jax
 
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     flat = jax.tree_util.tree_flatten_with_path(tparams)[0]
     shards = jax.tree_util.tree_leaves(tshard)
@@ -111,17 +110,18 @@ def dry_run_infer(
     hlo_dir: write each compiled program's optimized HLO text as `hlo_dir/<program>.hlo`
     (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
     tree_budget: the DFlash loop verifies a draft tree of this many nodes (B + 1 tokens per
-    verify, `dflash_jax.tree`) instead of the chain.
+    verify, `dflash_jax.decoding.tree`) instead of the chain.
     denoise_steps: drafter passes per DFlash step (`decoding.Plan.denoise_steps`).
     quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
     its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
-    from dflash_jax import attention as attn_lib
-    from dflash_jax import decoding, sharding
-    from dflash_jax.drafter import DFlashDrafter
-    from dflash_jax.model import Transformer
+    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.drafters.dflash import DFlashDrafter
+    from dflash_jax.models import attention as attn_lib
+    from dflash_jax.models.transformer import Transformer
+    from dflash_jax.parallel import sharding
 
     tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
     m = resolve_mesh(mesh, devices)
@@ -297,9 +297,10 @@ def dry_run_train(
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax import sharding
-    from dflash_jax.drafter import DFlashDrafter
-    from dflash_jax.model import Transformer
+    from dflash_jax.drafters.dflash import DFlashDrafter
+    from dflash_jax.models.config import as_dtype
+    from dflash_jax.models.transformer import Transformer
+    from dflash_jax.parallel import sharding
     from dflash_jax.training.experiment import drafter_loss_fn
     from dflash_jax.training.step import (
         TrainState,
@@ -308,8 +309,6 @@ def dry_run_train(
         make_train_step,
         train_shardings,
     )
-
-    from dflash_jax.config import as_dtype
 
     if config is None:
         config = train_config(

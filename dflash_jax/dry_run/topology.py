@@ -159,7 +159,7 @@ def resolve_mesh(mesh: Union[str, dict, Any], devices=None):
     devices of `jax.devices()` it needs). A mesh the devices cannot hold is a UsageError."""
     import jax
 
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     if isinstance(mesh, jax.sharding.Mesh):
         return mesh

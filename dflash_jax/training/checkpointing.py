@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import jax
 import orbax.checkpoint as ocp
 
-from dflash_jax.safetensors_io import CheckpointError
+from dflash_jax.models.safetensors_io import CheckpointError
 
 
 def _is_read_noise(exc) -> bool:
@@ -40,7 +40,7 @@ class _AsyncioReadNoise(logging.Filter):
     tasks (dozens of tracebacks); kept with --verbose."""
 
     def filter(self, record):
-        from dflash_jax import console
+        from dflash_jax.support import console
 
         exc = record.exc_info[1] if record.exc_info else None
         return console.verbose() or not _is_read_noise(exc)
@@ -62,7 +62,7 @@ def _quiet_read_noise() -> None:
         previous = sys.unraisablehook
 
         def hook(unraisable):
-            from dflash_jax import console
+            from dflash_jax.support import console
 
             if console.verbose() or not _is_read_noise(unraisable.exc_value):
                 previous(unraisable)
@@ -226,7 +226,7 @@ class Checkpointer:
                     return out["state"], dict(out["data"]), int(step)
                 except Exception as e:  # noqa: BLE001 - any failure means "unreadable"
                     err = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                    from dflash_jax import console
+                    from dflash_jax.support import console
 
                     logging.log(  # the traceback on the console with --verbose only
                         logging.INFO if console.verbose() else logging.DEBUG,

@@ -22,12 +22,19 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import console, distributed, hub
-from dflash_jax.config import ModelConfig, as_dtype
-from dflash_jax.drafter import DFlashDrafter, Drafter, init_drafter_params, make_drafter_config
-from dflash_jax.model import Transformer, init_params
-from dflash_jax.target import Target, load_target
 from dflash_jax.data.prompts import prompt_pool, window_prompts
+from dflash_jax.drafters.dflash import (
+    DFlashDrafter,
+    Drafter,
+    init_drafter_params,
+    make_drafter_config,
+)
+from dflash_jax.models import hub
+from dflash_jax.models.config import ModelConfig, as_dtype
+from dflash_jax.models.target import Target, load_target
+from dflash_jax.models.transformer import Transformer, init_params
+from dflash_jax.parallel import distributed
+from dflash_jax.support import console
 from dflash_jax.training import losses, unlikelihood
 
 
@@ -330,7 +337,7 @@ def build_experiment(config, workdir: str) -> Experiment:
             **overrides,
         )
         if dc.init_path:
-            from dflash_jax.drafter import load_drafter
+            from dflash_jax.drafters.dflash import load_drafter
 
             dcfg_params = load_drafter(
                 dc.init_path,
@@ -454,7 +461,7 @@ def _process_group_mesh():
     process takes part in). One process: None (generation on the default device)."""
     if not distributed.is_multiprocess():
         return None
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     return sharding.make_mesh(data=-1, fsdp=1, tensor=1)
 

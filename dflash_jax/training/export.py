@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
-from dflash_jax import distributed
-from dflash_jax.target import save_target
+from dflash_jax.models.target import save_target
+from dflash_jax.parallel import distributed
 
 if TYPE_CHECKING:
     from dflash_jax.training.experiment import Experiment
@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 def export(exp: Experiment, params, directory: str) -> str:
     """Drafter: z-lab format (`save_drafter`). Target: HF format with the tokenizer beside it."""
-    from dflash_jax.drafter import save_drafter
+    from dflash_jax.drafters.dflash import save_drafter
 
     params = distributed.gather(params)  # all processes take part; process 0 writes
     if exp.mode == "drafter":

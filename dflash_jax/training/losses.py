@@ -22,10 +22,10 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import attention
-from dflash_jax.drafter import DFlashDrafter
-from dflash_jax.layers import masked_attention
-from dflash_jax.model import Transformer
+from dflash_jax.drafters.dflash import DFlashDrafter
+from dflash_jax.models import attention
+from dflash_jax.models.layers import masked_attention
+from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import masks
 
 

@@ -28,8 +28,9 @@ import os
 import time
 from typing import Callable, List, Optional, Sequence
 
-from dflash_jax import console, distributed
-from dflash_jax.decoding import generate
+from dflash_jax.decoding.speculative import generate
+from dflash_jax.parallel import distributed
+from dflash_jax.support import console
 
 
 class _Journal:
@@ -363,7 +364,7 @@ def read_records(
     `required`, a chat row (a record with "input_ids", see `regenerate_chat`) needs
     input_ids, a 0/1 loss_mask of the same length and prompt_ids instead. Every error is a
     ValueError naming the file and line."""
-    from dflash_jax.validation import token_id_list
+    from dflash_jax.support.checks import token_id_list
 
     default = required == ("prompt_ids", "response_ids")
 
@@ -454,9 +455,8 @@ def main(argv):
     from absl import flags
 
     from dflash_jax.data import load_tokenizer
-    from dflash_jax.target import load_target
-
-    from dflash_jax import hub
+    from dflash_jax.models import hub
+    from dflash_jax.models.target import load_target
 
     F = flags.FLAGS
     target_dir = hub.resolve_or_exit(F.target, what="--target")
@@ -485,7 +485,7 @@ def main(argv):
 if __name__ == "__main__":
     from absl import flags
 
-    from dflash_jax import cli
+    from dflash_jax.support import cli
 
     flags.DEFINE_string(
         "target", None, "target model directory (HF format) or hub id", required=True

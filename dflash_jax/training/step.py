@@ -15,7 +15,8 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 
 @flax.struct.dataclass
@@ -198,7 +199,7 @@ def train_shardings(
     mesh: the trained parameters and their optimizer moments by the drafter's (or, training a
     target, the target's) FSDP + tensor rules, the frozen target by the target's, step and rng
     replicated, the batch over ("data", "fsdp")."""
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     if mode == "drafter":
         rules, head_dim = sharding.target_rules(True), drafter_head_dim

@@ -8,12 +8,12 @@ restores the newest readable checkpoint, trains with AdamW + warmup-cosine + glo
 clipping in one jitted step (`step.make_train_step`) on a device mesh (`config.mesh`:
 empty for data parallelism over all local devices, or a `sharding` spec such as "fsdp=8" or
 "data=2,fsdp=4": the trained parameters, their AdamW moments and the frozen target are then
-sharded by the partition rules of `dflash_jax.sharding`; an `expert` axis, e.g.
+sharded by the partition rules of `dflash_jax.parallel.sharding`; an `expert` axis, e.g.
 "data=2,expert=2,fsdp=2", only with a mixture-of-experts target whose experts it divides: they
 split over it, and the target pass, traced under the mesh, runs them expert parallel
-(`shard_map`, `dflash_jax.moe`); with several processes, e.g. a pod or
+(`shard_map`, `dflash_jax.models.moe`); with several processes, e.g. a pod or
 `dflash_jax.launch`, the mesh spans all of them and each reads only its data streams, see
-`dflash_jax.distributed`), logs progress / TensorBoard / JSONL,
+`dflash_jax.parallel.distributed`), logs progress / TensorBoard / JSONL,
 evaluates (`evaluation.evaluate`: per-position draft accuracy, tau with the real `generate`),
 saves Orbax checkpoints (periodic, async, keep-N, on SIGTERM/SIGINT), stops cleanly on a NaN
 loss, and exports the result (`export.export`; drafter: z-lab format; target: Hugging Face
@@ -40,12 +40,15 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from dflash_jax import console, distributed, interrupts
+from dflash_jax.parallel import distributed
+from dflash_jax.support import console, interrupts
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.evaluation import evaluate
-from dflash_jax.training.experiment import build_experiment, log as _log
+from dflash_jax.training.experiment import build_experiment
+from dflash_jax.training.experiment import log as _log
 from dflash_jax.training.export import export
 from dflash_jax.training.metrics import MetricsLogger, format_eta
 from dflash_jax.training.step import (
@@ -89,7 +92,7 @@ def _target_hf_config(config):
     read without loading (a hub id, an unreadable file: reported when the target loads)."""
     if not config.target_path or not os.path.isdir(config.target_path):
         return None  # a fresh target, or a hub id: resolved (and checked) when it is loaded
-    from dflash_jax import checkpoint
+    from dflash_jax.models import checkpoint
 
     try:
         hf = checkpoint.read_config(config.target_path)
@@ -115,7 +118,7 @@ def _target_num_experts(config):
     hf = _target_hf_config(config)
     if hf is None:
         return None
-    from dflash_jax.config import ModelConfig
+    from dflash_jax.models.config import ModelConfig
 
     try:
         return ModelConfig.from_hf(hf).num_experts
@@ -125,16 +128,17 @@ def _target_num_experts(config):
 
 def preflight(config, workdir: str) -> int:
     """Every check of a training run that needs no model and writes nothing: the config's
-    values (`validation.check_train_config`), the workdir and regen.output, the data files,
+    values (`checks.check_train_config`), the workdir and regen.output, the data files,
     the mesh against the devices (and the batch against its shards; an `expert` axis against
     the target's experts, `sharding.check_expert_axis`, when its config.json is local), the
     drafter's tapped layers against the target's. A bad value is one line (a ValueError)
     before anything runs or is written (regeneration takes hours on an 8B target). Returns
     grad_accum_steps."""
-    from dflash_jax import sharding, validation
-    from dflash_jax.validation import ConfigError
+    from dflash_jax.parallel import sharding
+    from dflash_jax.support import checks
+    from dflash_jax.support.checks import ConfigError
 
-    validation.check_train_config(config)  # one-line ConfigError before anything runs
+    checks.check_train_config(config)  # one-line ConfigError before anything runs
     accum = int(config.get("grad_accum_steps", 1))
     check_grad_accum(config.data.batch_size, accum)
     if accum > 1 and config.mode == "target" and config.unlikelihood.weight > 0:
@@ -142,9 +146,9 @@ def preflight(config, workdir: str) -> int:
             f"grad_accum_steps {accum} > 1 with unlikelihood.weight "
             f"{config.unlikelihood.weight} > 0: the unlikelihood rows are not accumulated"
         )
-    validation.writable_dir(workdir, "workdir")
+    checks.writable_dir(workdir, "workdir")
     if config.regen.output and not os.path.exists(config.regen.output):
-        validation.writable_file(config.regen.output, "regen.output")
+        checks.writable_file(config.regen.output, "regen.output")
     if config.regen.get("only", False) and (
         config.mode != "drafter" or config.data.kind != "regenerated"
     ):
@@ -208,7 +212,7 @@ def preflight(config, workdir: str) -> int:
 def _check_taps(config) -> None:
     """The drafter's tapped layers against the target's (an IndexError deep in the loss,
     after regeneration, otherwise)."""
-    from dflash_jax.validation import ConfigError
+    from dflash_jax.support.checks import ConfigError
 
     ids = tuple(config.drafter.target_layer_ids)
     if config.mode == "drafter" and ids and not config.drafter.init_path:
@@ -269,7 +273,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     )
     # "" is data parallelism over this host's devices: the same rules on a data-only mesh,
     # where every parameter is replicated.
-    from dflash_jax import sharding
+    from dflash_jax.parallel import sharding
 
     mesh_spec = config.get("mesh", "")
     sizes = sharding.parse_mesh(mesh_spec or "data=-1")
@@ -349,7 +353,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
 
     def eval_loss(p, f, b):
         # Traced under the mesh, as the train step is: a MoE target's experts run expert
-        # parallel (shard_map, `dflash_jax/moe.py`), Pallas kernels per shard.
+        # parallel (shard_map, `dflash_jax/models/moe.py`), Pallas kernels per shard.
         with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
             return exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1]
 

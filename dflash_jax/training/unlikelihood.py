@@ -28,9 +28,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding import generate
-from dflash_jax.model import Transformer
-from dflash_jax.target import Target
+from dflash_jax.decoding.speculative import generate
+from dflash_jax.models.target import Target
+from dflash_jax.models.transformer import Transformer
 
 
 def repeated_ngram_mask(seq: Sequence[int], start: int, n: int) -> np.ndarray:

@@ -9,7 +9,6 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-
 # Candidates of a filtered sample: top-k draws within its k (lax.top_k, never a sort of the
 # vocabulary); top-p alone within the top CANDIDATES logits of each row when their mass reaches
 # top_p (checked at every call; the nucleus then lies inside them), else over the sorted

@@ -11,9 +11,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import checkpoint, hub
-from dflash_jax.config import ModelConfig
-from dflash_jax.model import KVCache, Transformer
+from dflash_jax.models import checkpoint, hub
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.transformer import KVCache, Transformer
 
 
 @dataclasses.dataclass
@@ -78,15 +78,15 @@ def load_target(
     quantize_lm_head: bool = False,
 ) -> Target:
     """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory, or hub id
-    (`Qwen/Qwen3-8B`, fetched into the Hugging Face cache by `dflash_jax.hub`).
+    (`Qwen/Qwen3-8B`, fetched into the Hugging Face cache by `dflash_jax.models.hub`).
 
     dtype: compute dtype ("float32" on CPU, "bfloat16" on accelerators); param_dtype defaults
     to dtype. Block-FP8 checkpoints (`quant_method` "fp8", e.g. Qwen/Qwen3-8B-FP8) are
     dequantized at load; int8 ones written by `save_target` stay int8. quantize="int8": the
     decoder linears quantized to int8 per output channel at load (weight-only; the LM head too
-    with `quantize_lm_head`, for an untied head). See `dflash_jax/quantization.py`.
+    with `quantize_lm_head`, for an untied head). See `dflash_jax/models/quantization.py`.
     """
-    from dflash_jax import quantization
+    from dflash_jax.models import quantization
 
     quantization.check_quantize(quantize)  # a bad request is refused before any download
     path = hub.local_path(path, what="target")
@@ -106,7 +106,7 @@ def quantize_target(target: Target, quantize: str = "int8", lm_head: bool = Fals
     load: a new Target (the original is left as it is)."""
     from flax import traverse_util
 
-    from dflash_jax import quantization
+    from dflash_jax.models import quantization
 
     quantization.check_quantize(quantize)
     if target.config.quantization is not None:
@@ -126,7 +126,7 @@ def quantize_target(target: Target, quantize: str = "int8", lm_head: bool = Fals
 def save_target(target: Target, path: str, dtype: Optional[str] = None) -> None:
     """Writes the target as a Hugging Face directory (config.json + safetensors).
 
-    An int8 target is written in the `dflash_int8` format (`dflash_jax/quantization.py`: int8
+    An int8 target is written in the `dflash_int8` format (`dflash_jax/models/quantization.py`: int8
     `weight` [out, in] + float32 `weight_scale` [out] per quantized linear, the config's
     `quantization_config` saying so) that `load_target` reads back as int8; `dtype` casts the
     other tensors only. Tokenizer files of the source directory are copied along, so the result is self-contained.

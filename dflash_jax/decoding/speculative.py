@@ -14,7 +14,7 @@ generate_io.py, warm-up and comparison in serving.py.)
                   until every sequence hit max_new_tokens or a stop token.
 No host round trip per step. The autoregressive baseline is the same loop with an empty draft
 (block of one token), through the same target code and cache. `generate_programs` wraps both in
-`jax.jit`s with in/out shardings for a device mesh (`dflash_jax.sharding`'s rules; none on one
+`jax.jit`s with in/out shardings for a device mesh (`dflash_jax.parallel.sharding`'s rules; none on one
 device); `generate_io` checks the request and reads the result back on the host.
 
 Losslessness. At temperature 0, y_i is the target's argmax after the committed prefix, and we
@@ -43,10 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax import attention as attn_lib
-from dflash_jax import sharding, validation
-from dflash_jax.drafter import DFlashDrafter, Drafter, decode_attend
-from dflash_jax.generate_io import (
+from dflash_jax.decoding.request import (
     GenerationResult,
     check_denoise,
     check_request,
@@ -54,9 +51,13 @@ from dflash_jax.generate_io import (
     collect,
     gather_multiprocess,
 )
-from dflash_jax.model import KVCache, Transformer, flat_heads, write_kv
-from dflash_jax.sampling import greedy_argmax, pick_tokens
-from dflash_jax.tree import Tree, accept_path, build_tree
+from dflash_jax.decoding.sampling import greedy_argmax, pick_tokens
+from dflash_jax.decoding.tree import Tree, accept_path, build_tree
+from dflash_jax.drafters.dflash import DFlashDrafter, Drafter, decode_attend
+from dflash_jax.models import attention as attn_lib
+from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
+from dflash_jax.parallel import sharding
+from dflash_jax.support import checks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,7 +77,7 @@ class Plan:
     remask: bool = False
     confidence_threshold: Optional[float] = None
     record_drafts: bool = False
-    # Verify a draft tree of this many nodes (`dflash_jax.tree`) instead of the chain.
+    # Verify a draft tree of this many nodes (`dflash_jax.decoding.tree`) instead of the chain.
     tree_budget: Optional[int] = None
     # Host function called with each step's commits (`generate`'s stream_callback), or None.
     # Part of the jit key: a program is compiled per function (reuse one to reuse the program).
@@ -670,12 +671,12 @@ def generate(
     stream_callback: called on the host with, per sequence, the token ids just committed: once
     after prefill (the first token), then after every decode step. Concatenated, the calls give
     `result.tokens`. Streaming adds one host callback per step; leave it None for speed.
-    mesh: a `jax.sharding.Mesh` (see `dflash_jax.sharding.make_mesh`): the same programs run
+    mesh: a `jax.sharding.Mesh` (see `dflash_jax.parallel.sharding.make_mesh`): the same programs run
     sharded on it (parameters by the partition rules, batch over data axes, KV heads over
     `tensor`); stats then also name the mesh and the cache sharding.
     prefill_chunk: prompts longer than this are prefilled this many tokens at a time (default
     `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
-    tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.tree`: the most
+    tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.decoding.tree`: the most
     probable prefixes of depth <= block_size - 1 under the drafter's one pass) instead of the
     chain of block_size - 1 drafts; None: the chain. Same tokens either way (lossless). With
     denoise_steps > 1 the tree is built from the K passes' distributions (`draft_logprobs`).
@@ -706,7 +707,7 @@ def generate(
         denoise_schedule, remask, v["denoise_steps"], has_drafter=drafter is not None
     )
     if prefill_chunk is not None:
-        validation.int_param("prefill_chunk", prefill_chunk, lo=0)
+        checks.int_param("prefill_chunk", prefill_chunk, lo=0)
     if mesh is not None:
         sharding.check_expert_axis(mesh.shape.get("expert", 1), target.config.num_experts)
     plan = Plan(
@@ -785,7 +786,7 @@ def generate(
 
     (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
     if placement is not None:  # put parameters and inputs where the sharded programs want them
-        from dflash_jax import distributed  # put: also across processes (pod hosts)
+        from dflash_jax.parallel import distributed  # put: also across processes (pod hosts)
 
         tsh, dsh, arg_sh = placement
         tparams = distributed.put(tparams, tsh)

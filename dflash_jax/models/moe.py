@@ -31,7 +31,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import ModelConfig
+from dflash_jax.models.config import ModelConfig
 
 
 def route(x_NH, router_HE, top_k: int, norm_topk_prob: bool):

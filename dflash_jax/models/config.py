@@ -14,7 +14,11 @@ from typing import Any, Optional
 
 import jax.numpy as jnp
 
-from dflash_jax.quantization import INT8_METHOD, parse_quantization_config, quantization_config
+from dflash_jax.models.quantization import (
+    INT8_METHOD,
+    parse_quantization_config,
+    quantization_config,
+)
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",

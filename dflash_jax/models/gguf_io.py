@@ -35,7 +35,7 @@ from typing import Dict, Iterable, List, Optional, Tuple
 
 import numpy as np
 
-from dflash_jax.safetensors_io import CheckpointError
+from dflash_jax.models.safetensors_io import CheckpointError
 
 GGUF_MAGIC = b"GGUF"
 # general.architecture -> Hugging Face class / model_type.
@@ -460,8 +460,15 @@ def build_tokenizer(reader):
     vocabulary and merges as stored, the pre-tokenizer of `tokenizer.ggml.pre`, control tokens
     as special added tokens and user-defined ones as plain added tokens (matched whole), a BOS
     prepended when `add_bos_token`. None (with the reason) for other tokenizer models."""
-    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
-    from tokenizers import processors
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+    )
 
     kind = _field(reader, "tokenizer.ggml.model")
     if kind != "gpt2":

@@ -8,7 +8,7 @@ Mesh axes (the first three always, size 1 when unused):
   tensor  - tensor (Megatron) parallelism: attention heads, MLP width and the vocabulary.
   expert  - expert parallelism of a mixture-of-experts target (only in a mesh made with
             expert > 1, so dense meshes and their programs are unchanged): the stacked experts
-            [E, ...] split over it, dispatched under `shard_map` (`dflash_jax/moe.py`: every
+            [E, ...] split over it, dispatched under `shard_map` (`dflash_jax/models/moe.py`: every
             device routes its tokens, computes its own experts' pairs and one psum over
             expert and tensor adds them). Everything else is replicated over `expert`.
 
@@ -41,7 +41,7 @@ o_proj/down, gathers for FSDP). This module holds only meshes, rules and specs: 
 neither `decoding` nor `training`.
 
 Meshes default to `jax.devices()`, i.e. the devices of every process when several run (a pod
-slice); `dflash_jax.distributed` joins the processes and moves values in and out of such meshes.
+slice); `dflash_jax.parallel.distributed` joins the processes and moves values in and out of such meshes.
 """
 
 from __future__ import annotations
@@ -53,7 +53,8 @@ from typing import Any, Dict, Iterable, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 AXES = ("data", "fsdp", "tensor")
 EXPERT = "expert"  # the fourth axis, present only in a mesh made with expert > 1

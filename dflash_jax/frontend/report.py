@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import Callable, List, Optional, Sequence
 
-from dflash_jax import console
+from dflash_jax.support import console
 
 NO_DRAFTER = "none (autoregressive)"
 # Printed for tau and the speedup when no decode step ran (max_new_tokens=1: the one token

@@ -42,8 +42,9 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_jax import console, interrupts, serving, validation
-from dflash_jax.decoding import generate
+from dflash_jax.decoding.speculative import generate
+from dflash_jax.frontend import infer_flags, textgen
+from dflash_jax.support import checks, console, interrupts
 
 
 @dataclasses.dataclass
@@ -253,7 +254,7 @@ def run_prompts(
     if not prompts:
         raise ValueError("no prompts")
     settings = run_settings(gen_kw, batch_size, drafter is not None, extra_settings)
-    seed = validation.seed_param("seed", gen_kw.pop("seed", 0))  # batch b: seed + b, wrapped
+    seed = checks.seed_param("seed", gen_kw.pop("seed", 0))  # batch b: seed + b, wrapped
     gen_kw.setdefault("stop_token_ids", ())
     batches = length_batches([len(p) for p in prompts], batch_size)
     done: Dict[int, dict] = {}
@@ -271,7 +272,7 @@ def run_prompts(
     if stream_callback is not None:
         generate(target, drafter, prompts, stream_callback=stream_callback, seed=seed, **gen_kw)
     if warmup and todo:
-        serving.warm_up(
+        textgen.warm_up(
             target, drafter, padded(todo[0][1]), compare_ar=compare_ar, seed=seed, **gen_kw
         )
     if profile_dir:
@@ -284,7 +285,7 @@ def run_prompts(
     run_tokens, run_decode_s, run_acc = 0, 0.0, []
     try:
         for b, idx in todo:
-            c = serving.compare(
+            c = textgen.compare(
                 target,
                 drafter,
                 padded(idx),
@@ -413,11 +414,11 @@ def check_before_loading(
     the vocabulary, the seed and sampling, and the attention implementation on `mesh`'s
     devices (the default backend's without one), the target's quantization_config and the
     `quantize` request (an LM head that is tied cannot be int8). Raises ValueError (one line)."""
-    from dflash_jax import attention, checkpoint
-    from dflash_jax.config import ModelConfig
-    from dflash_jax.drafter import DrafterConfig
-    from dflash_jax.generate_io import check_denoise, check_request, check_tree_request
-    from dflash_jax.safetensors_io import CheckpointError
+    from dflash_jax.decoding.request import check_denoise, check_request, check_tree_request
+    from dflash_jax.drafters.dflash import DrafterConfig
+    from dflash_jax.models import attention, checkpoint
+    from dflash_jax.models.config import ModelConfig
+    from dflash_jax.models.safetensors_io import CheckpointError
 
     source = os.path.join(target_dir, "config.json")
     try:
@@ -431,7 +432,7 @@ def check_before_loading(
         raise
     except ValueError as e:
         raise CheckpointError(str(e)) from e
-    from dflash_jax.quantization import check_quantize
+    from dflash_jax.models.quantization import check_quantize
 
     if check_quantize(quantize) is not None or quantize_lm_head:
         if tcfg.quantization is None and quantize is None:
@@ -486,7 +487,7 @@ def check_before_loading(
             has_drafter=dcfg is not None,
         )
     if mesh is not None:
-        from dflash_jax import sharding
+        from dflash_jax.parallel import sharding
 
         sharding.check_expert_axis(mesh.shape.get("expert", 1), tcfg.num_experts)
 
@@ -533,21 +534,23 @@ def run_and_report(
     """
     import jax
 
-    import dflash_jax as dj
-    from dflash_jax import distributed, report, sharding
+    from dflash_jax.drafters.dflash import load_drafter
+    from dflash_jax.models.target import load_target
+    from dflash_jax.frontend import report
+    from dflash_jax.parallel import distributed, sharding
 
     target_name = target_dir if target_name is None else target_name
     drafter_name = drafter_dir if drafter_name is None else drafter_name
-    validation.output_not_input(
+    infer_flags.output_not_input(
         out_path, "--json_out", dirs={"--target": target_dir, "--drafter": drafter_dir}
     )
     if mesh or distributed.is_multiprocess():
         mesh = sharding.make_mesh(**sharding.parse_mesh(mesh or ""))
     else:
         mesh = None
-    text = serving.load_text(target_dir)  # config, tokenizer, stop ids, vocabulary size
+    text = textgen.load_text(target_dir)  # config, tokenizer, stop ids, vocabulary size
     if drafter_dir:  # the drafter's config.json checked, and against the target, before loading
-        from dflash_jax.drafter import read_drafter_config
+        from dflash_jax.drafters.dflash import read_drafter_config
 
         read_drafter_config(drafter_dir, text.config)
     tok = text.tokenizer
@@ -583,7 +586,7 @@ def run_and_report(
             run_settings(gen_kw, batch_size, drafter_dir is not None, extra_settings),
         )
 
-    target = dj.load_target(
+    target = load_target(
         target_dir,
         dtype=dtype,
         param_dtype=param_dtype,
@@ -591,7 +594,7 @@ def run_and_report(
         quantize=quantize,
         quantize_lm_head=quantize_lm_head,
     )
-    drafter = dj.load_drafter(drafter_dir, target=target) if drafter_dir else None
+    drafter = load_drafter(drafter_dir, target=target) if drafter_dir else None
     print(
         report.model_line(target_name, target.config, drafter_name, jax.default_backend()),
         flush=True,

@@ -15,8 +15,8 @@ import json
 import os
 from typing import Callable, List, Optional, Sequence
 
-from dflash_jax.decoding import generate
-from dflash_jax.generate_io import GenerationResult
+from dflash_jax.decoding.request import GenerationResult
+from dflash_jax.decoding.speculative import generate
 
 # `generate` arguments that only a drafter uses: left out of the autoregressive runs.
 DRAFTER_ONLY = (
@@ -71,7 +71,7 @@ class ModelText:
     def encode(self, items, chat_template: bool = True, labels=None) -> List[List[int]]:
         """Prompt items ({"prompt"|"messages"|"ids": ...}, `prompting.check_prompt_item`) as
         token-id lists, through the chat template when the tokenizer has one."""
-        from dflash_jax import prompting
+        from dflash_jax.data import prompting
 
         return prompting.encode_prompts(
             items,
@@ -87,7 +87,7 @@ def load_text(model_dir: str) -> ModelText:
     """Reads `model_dir`'s config.json (every field checked, `ModelConfig.from_hf`),
     tokenizer.json and generation_config.json (no weights), so that a bad model directory
     and bad prompts are refused before a model is loaded."""
-    from dflash_jax.checkpoint import read_target_config
+    from dflash_jax.models.checkpoint import read_target_config
 
     cfg = read_target_config(model_dir)
     tok = _tokenizer(model_dir)

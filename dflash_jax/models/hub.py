@@ -140,9 +140,9 @@ def local_path(name_or_path, *, what: str = "model") -> str:
 
 
 def _gguf_dir(path: str, what: str) -> Optional[str]:
-    """The model directory derived from a GGUF file (`dflash_jax.gguf_io`) when `path` is one,
+    """The model directory derived from a GGUF file (`dflash_jax.models.gguf_io`) when `path` is one,
     a directory holding one, or a known model name; else None."""
-    from dflash_jax import gguf_io
+    from dflash_jax.models import gguf_io
 
     try:
         return gguf_io.as_model_dir(path)

@@ -25,12 +25,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import attention as attn_lib
-from dflash_jax import checkpoint, hub
-from dflash_jax.config import ModelConfig, as_dtype
-from dflash_jax.layers import MLP, QKVProjection, RMSNorm, rope_inv_freq
-from dflash_jax.model import KVCache
-from dflash_jax.safetensors_io import CheckpointError
+from dflash_jax.models import attention as attn_lib
+from dflash_jax.models import checkpoint, hub
+from dflash_jax.models.config import ModelConfig, as_dtype
+from dflash_jax.models.layers import MLP, QKVProjection, RMSNorm, rope_inv_freq
+from dflash_jax.models.safetensors_io import CheckpointError
+from dflash_jax.models.transformer import KVCache
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> Tuple[int, ...]:
@@ -96,7 +96,7 @@ class DrafterConfig:
             )
         except ValueError as e:
             raise CheckpointError(str(e)) from e
-        from dflash_jax.validation import int_param
+        from dflash_jax.support.checks import int_param
 
         def check(fn, *args, **kw):
             try:
@@ -425,7 +425,7 @@ def load_drafter(
     path: str, target=None, dtype: Optional[str] = None, param_dtype: Optional[str] = None
 ) -> Drafter:
     """Loads a z-lab DFlash drafter directory (config.json + safetensors), or hub id
-    (`z-lab/Qwen3-8B-DFlash-b16`, fetched into the Hugging Face cache by `dflash_jax.hub`).
+    (`z-lab/Qwen3-8B-DFlash-b16`, fetched into the Hugging Face cache by `dflash_jax.models.hub`).
 
     With `target`, checks that the pair fits (taps, widths, vocabulary, mask token) and
     defaults the compute dtype to the target's.
@@ -447,7 +447,7 @@ def save_drafter(drafter: Drafter, path: str, dtype: Optional[str] = None) -> No
     dtype = drafter.config.body.param_dtype if dtype is None else as_dtype(dtype)
     os.makedirs(path, exist_ok=True)
     tensors = checkpoint.params_to_hf(drafter.params, prefix="", dtype=dtype)
-    from dflash_jax.safetensors_io import save_sharded
+    from dflash_jax.models.safetensors_io import save_sharded
 
     save_sharded(path, tensors)
     with open(os.path.join(path, "config.json"), "w") as f:

@@ -12,7 +12,6 @@ import json
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
-
 _PROMPT_KEYS = ("prompt", "text", "messages", "ids")
 
 
@@ -55,7 +54,7 @@ def check_prompt_item(obj, where: str) -> dict:
                     f"and 'content', got {json.dumps(m)[:60]}"
                 )
     if key == "ids":
-        from dflash_jax.validation import token_id_list
+        from dflash_jax.support.checks import token_id_list
 
         try:
             obj = dict(obj, ids=token_id_list("'ids'", value))
@@ -190,7 +189,7 @@ def render_chat(
     `ChatTemplateError` (a ValueError) naming `where`."""
     from jinja2.exceptions import SecurityError, TemplateError
 
-    from dflash_jax import template_sandbox
+    from dflash_jax.data import template_sandbox
 
     try:
         return template_sandbox.render(

@@ -17,7 +17,7 @@ The layout change is written once, as a rule on parameter paths:
 (PyTorch linear weights are stored [out, in]; Flax kernels are [in, out].) Drafters use the same
 rule without the `model.` prefix (`layers.i...`, `norm`, `fc`, `hidden_norm`).
 
-Quantized targets (`dflash_jax/quantization.py`): a block-FP8 linear (`weight` float8_e4m3fn +
+Quantized targets (`dflash_jax/models/quantization.py`): a block-FP8 linear (`weight` float8_e4m3fn +
 `weight_scale_inv`) is dequantized as it is read; an int8 target's linears are
 `.../kernel` int8 [in, out] + `.../kernel_scale` float32 [out] in Flax and `weight` int8
 [out, in] + `weight_scale` [out] in the file; `quantize="int8"` quantizes each float (or
@@ -41,9 +41,10 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
-from dflash_jax import console, quantization
-from dflash_jax.config import ModelConfig, as_dtype
-from dflash_jax.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
+from dflash_jax.models import quantization
+from dflash_jax.models.config import ModelConfig, as_dtype
+from dflash_jax.models.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
+from dflash_jax.support import console
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ def load_params(
 def _open_store(path: str):
     """The tensors of a model directory: its safetensors, or the GGUF file its config.json
     names (a directory that `gguf_io.model_dir` derived from a GGUF file)."""
-    from dflash_jax import gguf_io
+    from dflash_jax.models import gguf_io
 
     if os.path.exists(os.path.join(path, "config.json")):
         src = gguf_io.gguf_source(path, _read_config(path))
@@ -312,7 +313,7 @@ def load_target_params(
     `quantize_lm_head`) quantized per output channel as they are read. Every setting and the
     config's quantization_config are checked before any weight is read.
     """
-    from dflash_jax.model import Transformer
+    from dflash_jax.models.transformer import Transformer
 
     quantize = quantization.check_quantize(quantize)
     cfg = read_target_config(path, dtype=dtype, param_dtype=param_dtype)

@@ -12,7 +12,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.config import ModelConfig
+from dflash_jax.models.config import ModelConfig
 
 # The one XLA masked GQA attention lives with the kernels it checks (the library imports the
 # kernel package, never the reverse).
@@ -79,7 +79,7 @@ class Int8Dense(nn.Module):
     The convert of the int8 kernel sits next to the dot, so XLA fuses it into the matmul and
     the int8 bytes are what is read from memory (tests/test_quantized.py checks the compiled
     HLO); the scale multiplies the dot's output in float32, rounded once to the compute dtype.
-    Why a module of our own and not qwix: `dflash_jax/quantization.py`.
+    Why a module of our own and not qwix: `dflash_jax/models/quantization.py`.
     """
 
     features: int

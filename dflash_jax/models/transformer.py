@@ -29,10 +29,9 @@ import flax.struct
 import jax
 import jax.numpy as jnp
 
-from dflash_jax import attention as attn_lib
-from dflash_jax.config import ModelConfig
-from dflash_jax.moe import SparseMoE
-from dflash_jax.layers import (
+from dflash_jax.models import attention as attn_lib
+from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.layers import (
     MLP,
     Int8Dense,
     QKVProjection,
@@ -40,6 +39,7 @@ from dflash_jax.layers import (
     masked_attention,
     rope_inv_freq,
 )
+from dflash_jax.models.moe import SparseMoE
 
 
 @flax.struct.dataclass

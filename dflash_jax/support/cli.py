@@ -1,6 +1,6 @@
 """How the command-line tools (`infer.py`, `train.py`) end on an error.
 
-    from dflash_jax import cli
+    from dflash_jax.support import cli
     if __name__ == "__main__":
         cli.run(main)          # instead of absl's app.run(main)
 
@@ -28,9 +28,8 @@ EXIT_PREEMPTED = 3
 
 
 def expected_errors() -> tuple:
-    from dflash_jax.safetensors_io import CheckpointError
-
-    return (ValueError, CheckpointError, OSError, flags.Error, app.UsageError)
+    # ConfigError and CheckpointError are ValueErrors.
+    return (ValueError, OSError, flags.Error, app.UsageError)
 
 
 def one_line(e: BaseException) -> str:
@@ -71,7 +70,7 @@ def _suggest_flag(argv: Sequence[str]) -> Optional[str]:
     message names neither the key nor a near one)."""
     try:
         from configs.default import get_config as default_config
-        from dflash_jax.validation import _flatten
+        from dflash_jax.support.checks import _flatten
     except Exception:  # noqa: BLE001 - a hint only
         return None
     known = list(_flatten(default_config()))

@@ -28,7 +28,7 @@ from typing import Any, List
 import jax
 import numpy as np
 
-from dflash_jax.launch import ENV_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
+from dflash_jax.parallel.launch import ENV_ADDRESS, ENV_NUM_PROCESSES, ENV_PROCESS_ID
 
 _STATE = {"initialized": False}
 

@@ -9,9 +9,9 @@ from typing import List, Optional
 import jax
 import numpy as np
 
-from dflash_jax import validation
-from dflash_jax.validation import DENOISE_SCHEDULES, check_denoise  # noqa: F401 (re-exported)
-from dflash_jax.drafter import validate_pair
+from dflash_jax.drafters.dflash import validate_pair
+from dflash_jax.support import checks
+from dflash_jax.support.checks import DENOISE_SCHEDULES, check_denoise  # noqa: F401 (re-exported)
 
 
 @dataclasses.dataclass
@@ -49,11 +49,11 @@ def check_request(
     labels=None,
 ) -> dict:
     """The arguments of `generate` checked (types, ranges, ids in the vocabulary, the context
-    length) and normalized (`validation.check_generate_args`'s dict). Raises ValueError naming
+    length) and normalized (`checks.check_generate_args`'s dict). Raises ValueError naming
     a bad prompt by its label (`labels[i]`, e.g. "file.jsonl:3"; default "prompt i")."""
     if drafter is not None:
         validate_pair(drafter.config, target.config)
-    v = validation.check_generate_args(
+    v = checks.check_generate_args(
         target.config,
         drafter.config if drafter is not None else None,
         prompts,
@@ -97,7 +97,7 @@ def check_tree_request(target, drafter, block_size, tree_budget, v, return_draft
         raise ValueError("tree_budget needs a drafter (autoregressive decoding drafts nothing)")
     if not 1 <= tree_budget <= MAX_TREE_BUDGET:
         raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
-    from dflash_jax.tree import max_nodes
+    from dflash_jax.decoding.tree import max_nodes
 
     most = max_nodes(block_size - 1, min(tree_budget, target.config.vocab_size))
     if tree_budget > most:
@@ -154,7 +154,7 @@ def gather_multiprocess(state, plan, times):
     """A mesh over several processes: the outputs `collect` reads, gathered to numpy on every
     process (a collective), and process 0's timings, so every process returns the same
     result."""
-    from dflash_jax import distributed
+    from dflash_jax.parallel import distributed
 
     out = dict(tokens=state.tokens, num_out=state.num_out, accepted=state.accepted, step=state.step)
     if plan.record_drafts:

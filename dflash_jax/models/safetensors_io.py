@@ -272,7 +272,7 @@ def save_sharded(
         current[name] = tensors[name]
         size += nbytes
     shards.append(current)
-    from dflash_jax import console
+    from dflash_jax.support import console
 
     weight_map = {}
     for i, shard in enumerate(console.progress(shards, desc=f"write {directory}", unit="shard")):

@@ -25,7 +25,7 @@ import os
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.layers import masked_attention
+from dflash_jax.models.layers import masked_attention
 
 IMPLS = ("xla", "pallas", "pallas_interpret", "auto", "pallas_tpu", "pallas_triton", "pallas_cudnn")
 

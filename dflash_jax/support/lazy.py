@@ -1,5 +1,5 @@
 """Lazy package attributes (PEP 562), for packages whose import must not load JAX: a command-line
-tool imports them to arm its Ctrl-C handling (`dflash_jax.interrupts`) before JAX starts."""
+tool imports them to arm its Ctrl-C handling (`dflash_jax.support.interrupts`) before JAX starts."""
 
 from __future__ import annotations
 

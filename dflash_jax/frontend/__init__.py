@@ -1,0 +1,11 @@
+"""What the command-line tools are built from: the batch runner behind `infer.py`
+(`batch_runner`), its report lines (`report`), text-level generation and the AR comparison
+(`textgen`), and infer.py's flag checks (`infer_flags`).
+
+Submodules import on first use (`dflash_jax.frontend.<name>`); importing the package loads nothing."""
+
+from dflash_jax.support import lazy as _lazy  # (stdlib only)
+
+
+def __getattr__(name):
+    return _lazy.attribute(__name__, {}, globals(), name)

@@ -1,0 +1,118 @@
+"""infer.py's flags checked before anything loads (`check_infer_flags`), and the rule that no
+output file is one of the run's inputs (`output_not_input`): one line naming the flag."""
+
+from __future__ import annotations
+
+import difflib
+import os
+from typing import Mapping, Optional
+
+from dflash_jax.support.checks import (
+    ATTENTION_IMPLS,
+    check_denoise,
+    confidence_threshold,
+    int_param,
+    sampling_params,
+    seed_param,
+    writable_dir,
+    writable_file,
+)
+
+
+def output_not_input(
+    path: Optional[str], name: str, files: Optional[Mapping] = None, dirs: Optional[Mapping] = None
+) -> None:
+    """Raises ValueError when output `path` resolves (symbolic links, "..", relative paths) to
+    one of the inputs: `files` ({flag: path}) or a file the loaders read in one of `dirs`
+    ({flag: model directory}: config.json, safetensors, tokenizer and generation config,
+    `hub.ALLOW_PATTERNS`, also through a link such as a hub snapshot's), e.g. --json_out
+    naming the prompt file or a config.json. Other files in a model directory may be written."""
+    import fnmatch
+
+    from dflash_jax.models.hub import ALLOW_PATTERNS
+
+    if not path:
+        return
+    real = os.path.realpath(path)
+    for flag, other in (files or {}).items():
+        if other and os.path.realpath(other) == real:
+            raise ValueError(f"{name} {path} is the {flag} (an input); choose another file")
+
+    def model_file(p):
+        return any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in ALLOW_PATTERNS)
+
+    for flag, d in (dirs or {}).items():
+        if not d or not os.path.isdir(d):
+            continue
+        base = os.path.realpath(d)
+        inside = os.path.commonpath([base, real]) == base and model_file(real)
+        linked = any(
+            os.path.realpath(os.path.join(d, n)) == real for n in os.listdir(d) if model_file(n)
+        )
+        if inside or linked:
+            raise ValueError(
+                f"{name} {path} is a file of the {flag} model directory {d} (an input); "
+                "choose another file"
+            )
+
+
+def check_infer_flags(f: Mapping) -> None:
+    """Raises ValueError (one line, naming the flag) for the first bad value among infer.py's
+    flags (`f`: `FLAGS.flag_values_dict()`): --resume without --json_out, --prompt with
+    --prompt_file, batch, token and step counts, the seed, sampling, the attention
+    implementation, an output file or directory that cannot be written or that is the prompt
+    file, dtypes, --quantize. Prompts and models are checked when they are read (`prompting`, `hub`);
+    what depends on the models' config files (context length, block size, stop ids) by
+    `batch_infer.check_before_loading`."""
+    from dflash_jax.models.config import as_dtype
+
+    if f["resume"] and not f["json_out"]:
+        raise ValueError("--resume needs --json_out (the file of the interrupted run)")
+    if f.get("prompt") is not None and f.get("prompt_file"):
+        raise ValueError(
+            "--prompt and --prompt_file were both given; pass one (a prompt file can hold "
+            'the prompt as a line {"prompt": ...})'
+        )
+    if f["batch_size"] is not None:
+        int_param("--batch_size", f["batch_size"], lo=1)
+    if f["json_out"]:
+        writable_file(f["json_out"], "--json_out")
+        output_not_input(f["json_out"], "--json_out", {"--prompt_file": f.get("prompt_file")})
+    if f["profile_dir"]:
+        writable_dir(f["profile_dir"], "--profile_dir")
+    sampling_params(f["temperature"], f["top_k"], f["top_p"])
+    confidence_threshold(f["confidence_threshold"])
+    int_param("--max_new_tokens", f["max_new_tokens"], lo=1)
+    int_param("--denoise_steps", f["denoise_steps"], lo=1)
+    if f.get("remask") or f.get("denoise_schedule", "confidence") != "confidence":
+        try:
+            check_denoise(
+                f.get("denoise_schedule", "confidence"), f.get("remask"), f["denoise_steps"]
+            )
+        except ValueError as e:
+            raise ValueError("--" + str(e)) from None
+    seed_param("--seed", f.get("seed", 0))
+    if f["block_size"] is not None:
+        int_param("--block_size", f["block_size"], lo=2, hi=64)
+    if f.get("tree_budget") is not None:
+        int_param("--tree_budget", f["tree_budget"], lo=1, hi=1024)
+    impl = f.get("attention_impl", "xla")
+    if impl not in ATTENTION_IMPLS:
+        near = difflib.get_close_matches(str(impl), ATTENTION_IMPLS, n=1)
+        raise ValueError(
+            f"--attention_impl must be one of {', '.join(ATTENTION_IMPLS)}, got {impl!r}"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
+    as_dtype(f["dtype"])
+    if f["param_dtype"]:
+        as_dtype(f["param_dtype"])
+    from dflash_jax.models.quantization import check_quantize
+
+    try:
+        quantize = check_quantize(f.get("quantize"))
+    except ValueError:
+        raise ValueError(
+            f"--quantize must be int8 (weight-only, per output channel), got {f.get('quantize')!r}"
+        ) from None
+    if f.get("quantize_lm_head") and quantize is None:
+        raise ValueError("--quantize_lm_head needs --quantize=int8")
