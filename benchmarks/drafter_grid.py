@@ -71,7 +71,7 @@ def parse_setting(name: str) -> dict:
 def run_grid(target, drafter, prompts, settings, max_new_tokens, batch_size, stop, seed=0):
     """{setting: {"acceptance": [[...] per prompt], "identical": n or None}} for token-id
     `prompts`, every setting against one autoregressive run per temperature and batch."""
-    from dflash_jax.decoding.speculative import generate
+    from dflash_jax.decoding.generation import generate
 
     out = {name: {"acceptance": [], "identical": 0} for name in settings}
     for b0 in range(0, len(prompts), batch_size):

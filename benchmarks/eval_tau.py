@@ -233,7 +233,7 @@ def evaluate_dataset(
     first, untimed. `batch_size` > 1: `batched_responses` (tau and token equality, no timing:
     speedup None). `decode_kw`: more `generate` settings for DFlash (tree_budget,
     denoise_steps)."""
-    from dflash_jax.decoding.speculative import generate
+    from dflash_jax.decoding.generation import generate
 
     stop = tuple(stop_ids)
     decode_kw = dict(decode_kw or {})
@@ -326,7 +326,7 @@ def batched_responses(
     answer), DFlash and autoregressive decoding on the same batch: tau and token equality on
     a CPU in a fraction of the time (the seeds differ from batch 1's: at T > 0 the samples
     differ, the distribution does not). No timing."""
-    from dflash_jax.decoding.speculative import generate
+    from dflash_jax.decoding.generation import generate
 
     stop = tuple(stop_ids)
     convs = [[] for _ in rows]

@@ -8,8 +8,8 @@ default `qwen3_8b`), the parameters are drawn on the device by a jitted init (16
 weights never pass through the host). For each attention implementation the device has (on
 GPU: Pallas Triton, cuDNN, XLA; `--impls` to choose), batch (`--batches`, default 1, 8) and
 context (`--contexts`, default 1K / 8K / 32K) it compiles the two decode loops `generate`
-runs (`decoding.generate_programs`: the same `while_loop` programs, cache capacity from
-`decoding.buffer_sizes`) and times them as benchmarks/step_costs.py times the loop: seconds
+runs (`generate_programs`: the same `while_loop` programs, cache capacity from
+`buffer_sizes`) and times them as benchmarks/step_costs.py times the loop: seconds
 per iteration of the compiled loop (`--loop_tokens` new tokens per run, divided by the
 iterations it ran), median of `--repeats` runs after one warm-up run; compile time apart.
 
@@ -126,7 +126,8 @@ def main(argv):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import buffer_sizes, generate_programs
+    from dflash_jax.decoding.step import Plan
     from dflash_jax.drafters.dflash import DFlashDrafter, init_drafter_params
     from dflash_jax.dry_run.presets import build_configs
     from dflash_jax.models.transformer import Transformer, init_params
@@ -216,12 +217,12 @@ def main(argv):
     def lower(impl, batch, ctx, mode):
         """(lowered decode program, state builder, capacity) of one setting."""
         block = bs if mode == "dflash" else 1
-        p_pad, n_buf, capacity = decoding.buffer_sizes(ctx, FLAGS.loop_tokens, block)
-        plan = decoding.Plan(block_size=block, attention_impl=impl)
+        p_pad, n_buf, capacity = buffer_sizes(ctx, FLAGS.loop_tokens, block)
+        plan = Plan(block_size=block, attention_impl=impl)
         tmod = Transformer(tcfg, impl)
         dmod = DFlashDrafter(dcfg) if mode == "dflash" else None
         dp = dparams if mode == "dflash" else None
-        prefill_jit, decode_jit, _ = decoding.generate_programs(
+        prefill_jit, decode_jit, _ = generate_programs(
             tmod, dmod, plan, capacity, n_buf, None, tparams, dp, batch, p_pad
         )
         build, shape = state_builder(prefill_jit, batch, p_pad, ctx, mode == "dflash")

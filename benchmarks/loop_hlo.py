@@ -42,7 +42,7 @@ def main(argv):
     import tempfile
 
     from dflash_jax import dry_run
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import buffer_sizes
     from dflash_jax.dry_run import hlo
 
     if len(argv) > 1:
@@ -65,7 +65,7 @@ def main(argv):
     found = {}
     for name, bs in (("dflash_decode", r["settings"]["block_size"]), ("ar_decode", 1)):
         text = open(os.path.join(out_dir, f"{name}.hlo")).read()
-        cap = decoding.buffer_sizes(FLAGS.context, FLAGS.max_new_tokens, bs)[2]
+        cap = buffer_sizes(FLAGS.context, FLAGS.max_new_tokens, bs)[2]
         coll = hlo.loop_collectives(text)
         by = collections.Counter(f"{c['op']} {_scope(c['scope'])}" for c in coll)
         min_elems = cap * 128  # one KV head of head_dim >= 128 per chip at least

@@ -51,7 +51,7 @@ def choosers(vocab):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.decoding.speculative import sampling
+    from dflash_jax.decoding import sampling
 
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, vocab)) * 3
     rows = {

@@ -57,7 +57,7 @@ def main(argv):
     import jax.numpy as jnp
 
     import dflash_jax as dj
-    from dflash_jax.decoding.speculative import _lm_logits, _write_context
+    from dflash_jax.decoding.step import Decoder, Plan
     from dflash_jax.drafters.dflash import ContextCache, decode_attend
     from dflash_jax.models import hub
     from dflash_jax.models.transformer import KVCache
@@ -80,7 +80,8 @@ def main(argv):
         cache = KVCache.create(target.config, 1, capacity)
         _, cache, taps = tmod.apply({"params": tp}, prompt, cache=cache, tap_layers=taps_layers)
         ctx = ContextCache.create(drafter.config, 1, capacity)
-        ctx = _write_context(dmod, dp, ctx, taps, jnp.arange(ctx_len)[None], jnp.array([ctx_len]))
+        decoder = Decoder(tp, dp, tmod, dmod, Plan(block_size=drafter.config.block_size))
+        ctx = decoder.write_context(ctx, taps, jnp.arange(ctx_len)[None], jnp.array([ctx_len]))
         return cache, ctx
 
     cache, ctx = prefill(target.params, drafter.params)
@@ -91,7 +92,7 @@ def main(argv):
         hidden, cache, taps = tmod.apply(
             {"params": tp}, ids, cache=cache, tap_layers=taps_layers if t > 1 else ()
         )
-        return _lm_logits(tmod, tp, hidden), cache.lengths
+        return Decoder(tp, None, tmod, None, Plan(1)).lm_logits(hidden), cache.lengths
 
     @functools.partial(jax.jit, static_argnums=0)
     def draft_step(bs, tp, dp, ctx):
@@ -99,7 +100,7 @@ def main(argv):
         emb = tmod.apply({"params": tp}, ids, method=dj.Transformer.embed)
         pos = ctx.lengths[:, None] + jnp.arange(bs)[None]
         h = dmod.apply({"params": dp}, emb, pos, ctx.k, ctx.v, decode_attend(ctx.lengths))
-        return jnp.argmax(_lm_logits(tmod, tp, h[:, 1:]), -1)
+        return jnp.argmax(Decoder(tp, None, tmod, None, Plan(1)).lm_logits(h[:, 1:]), -1)
 
     rows = {}
     for t in console.progress(widths, desc="block widths", unit="width"):

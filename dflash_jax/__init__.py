@@ -36,8 +36,8 @@ _EXPORTS = {
     "load_drafter": "drafters.dflash",
     "make_drafter_config": "drafters.dflash",
     "save_drafter": "drafters.dflash",
-    "GenerationResult": "decoding.speculative",
-    "generate": "decoding.speculative",
+    "GenerationResult": "decoding.generation",
+    "generate": "decoding.generation",
     "KVCache": "models.transformer",
     "Transformer": "models.transformer",
     "CheckpointError": "models.safetensors_io",
@@ -59,7 +59,7 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
-    from dflash_jax.decoding.speculative import GenerationResult, generate  # noqa: F401
+    from dflash_jax.decoding.generation import GenerationResult, generate  # noqa: F401
     from dflash_jax.drafters.dflash import (  # noqa: F401
         DFlashDrafter,
         Drafter,

@@ -59,36 +59,64 @@ def _decode_module(variant):
     return m
 
 
-def _decode_kwargs(variant, interpret, block_k, num_splits):
-    kw = dict(interpret=backend.interpret_arg(variant, interpret), num_splits=num_splits)
-    if block_k is not None:
-        kw["block_k"] = block_k
-    return kw
+# The inference operations as a table. Each: its XLA reference (`reference.<name>`), its cuDNN
+# function of the same name when `cudnn` (else the reference on every GPU variant), and how
+# its arguments become the one decode kernel's (`_kernel_args`: queries, keys, values, the last
+# visible slot per query row, and the block's own K/V / mask); `chunked`: long query blocks run
+# in chunks on Triton (see TRITON_MAX_ROWS).
+_OPS = {
+    "verify_attention": dict(cudnn=True, gpu_kernel=True, chunked=True),
+    "draft_attention": dict(cudnn=True, gpu_kernel=True, chunked=False),
+    "tree_attention": dict(cudnn=False, gpu_kernel=False, chunked=False),
+}
+
+
+def _kernel_args(op, args):
+    """(q, k, v, last visible slot [B,T], extra kernel kwargs) for `op`'s arguments."""
+    if op == "verify_attention":
+        q, k, v, q_positions = args
+        return q, k, v, q_positions.astype(jnp.int32), {}
+    if op == "draft_attention":
+        q, k, v, ctx_len, blk_k, blk_v = args
+        blk = dict(blk_k=blk_k, blk_v=blk_v)
+        if k.shape[1] == 0:  # no context: one dummy slot that nobody sees
+            pad = [(0, 0), (0, 1), (0, 0), (0, 0)]
+            k, v = jnp.pad(k, pad), jnp.pad(v, pad)
+            ctx_len = jnp.zeros_like(ctx_len)
+    else:  # tree_attention
+        q, k, v, ctx_len, blk_k, blk_v, blk_mask = args
+        blk = dict(blk_k=blk_k, blk_v=blk_v, blk_mask=blk_mask)
+    ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, k.shape[1])
+    lim = jnp.broadcast_to((ctx_len - 1)[:, None], q.shape[:2])
+    return q, k, v, lim, blk
 
 
 @functools.partial(
-    jax.jit, static_argnames=("sm_scale", "variant", "interpret", "block_k", "num_splits")
+    jax.jit, static_argnames=("op", "sm_scale", "variant", "interpret", "block_k", "num_splits")
 )
-def _verify(q, k_cache, v_cache, q_positions, *, sm_scale, variant, interpret, block_k, num_splits):
-    if variant == backend.XLA:
-        return reference.verify_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale)
+def _attend(*args, op, sm_scale, variant, interpret, block_k, num_splits):
+    """`op` (a key of _OPS) on `variant`: the reference, cuDNN, or the TPU / Triton kernel."""
+    spec = _OPS[op]
+    if variant == backend.XLA or (variant != backend.TPU and not spec["gpu_kernel"]):
+        return getattr(reference, op)(*args, sm_scale=sm_scale)
     if variant == backend.CUDNN:
         from . import cudnn_attention
 
-        return cudnn_attention.verify_attention(q, k_cache, v_cache, q_positions, sm_scale=sm_scale)
-    decode = lambda q_, pos_: _decode_module(variant).decode_attention(
-        q_,
-        k_cache,
-        v_cache,
-        pos_,
-        sm_scale=sm_scale,
-        **_decode_kwargs(variant, interpret, block_k, num_splits),
-    )
-    pos = q_positions.astype(jnp.int32)
-    per_chunk = max(1, TRITON_MAX_ROWS // (q.shape[2] // k_cache.shape[2]))
-    if variant == backend.TRITON and q.shape[1] > per_chunk:
-        return _by_query_chunks(decode, q, pos, per_chunk)
-    return decode(q, pos)
+        return getattr(cudnn_attention, op)(*args, sm_scale=sm_scale)
+    q, k, v, lim, blk = _kernel_args(op, args)
+    kw = dict(interpret=backend.interpret_arg(variant, interpret), num_splits=num_splits)
+    if block_k is not None:
+        kw["block_k"] = block_k
+
+    def decode(q_, lim_):
+        return _decode_module(variant).decode_attention(
+            q_, k, v, lim_, sm_scale=sm_scale, **blk, **kw
+        )
+
+    per_chunk = max(1, TRITON_MAX_ROWS // (q.shape[2] // k.shape[2]))
+    if spec["chunked"] and variant == backend.TRITON and q.shape[1] > per_chunk:
+        return _by_query_chunks(decode, q, lim, per_chunk)
+    return decode(q, lim)
 
 
 # The Triton decode kernel holds all T x G query rows of a KV head in one program; past 128 rows
@@ -111,6 +139,18 @@ def _by_query_chunks(fn, q, pos, c):
     return jnp.swapaxes(out, 0, 1).reshape(b, n * c, *q.shape[2:])[:, :t]
 
 
+def _run(op, args, sm_scale, impl, interpret, block_k, num_splits):
+    return _attend(
+        *args,
+        op=op,
+        sm_scale=sm_scale,
+        variant=backend.resolve(impl, interpret),
+        interpret=bool(interpret),
+        block_k=block_k,
+        num_splits=num_splits,
+    )
+
+
 def verify_attention(
     q,
     k_cache,
@@ -129,50 +169,8 @@ def verify_attention(
     written at their positions); q_positions: [B,T] int32.  Query (b,t) sees
     cache slot j iff j <= q_positions[b,t].  Returns [B,T,Hq,D].
     """
-    variant = backend.resolve(impl, interpret)
-    return _verify(
-        q,
-        k_cache,
-        v_cache,
-        q_positions,
-        sm_scale=sm_scale,
-        variant=variant,
-        interpret=bool(interpret),
-        block_k=block_k,
-        num_splits=num_splits,
-    )
-
-
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "variant", "interpret", "block_k", "num_splits")
-)
-def _draft(
-    q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale, variant, interpret, block_k, num_splits
-):
-    if variant == backend.XLA:
-        return reference.draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, sm_scale=sm_scale)
-    if variant == backend.CUDNN:
-        from . import cudnn_attention
-
-        return cudnn_attention.draft_attention(
-            q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, sm_scale=sm_scale
-        )
-    b, t = q.shape[:2]
-    ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, ctx_k.shape[1])
-    if ctx_k.shape[1] == 0:  # no context: one dummy slot that nobody sees
-        pad = [(0, 0), (0, 1), (0, 0), (0, 0)]
-        ctx_k, ctx_v = jnp.pad(ctx_k, pad), jnp.pad(ctx_v, pad)
-    lim = jnp.broadcast_to((ctx_len - 1)[:, None], (b, t))
-    return _decode_module(variant).decode_attention(
-        q,
-        ctx_k,
-        ctx_v,
-        lim,
-        blk_k=blk_k,
-        blk_v=blk_v,
-        sm_scale=sm_scale,
-        **_decode_kwargs(variant, interpret, block_k, num_splits),
-    )
+    args = (q, k_cache, v_cache, q_positions)
+    return _run("verify_attention", args, sm_scale, impl, interpret, block_k, num_splits)
 
 
 def draft_attention(
@@ -195,58 +193,8 @@ def draft_attention(
     blk_k, blk_v: [B,T,Hkv,D].  Query sees context slot j iff j < ctx_len[b]
     and all T block slots (non-causal).  Returns [B,T,Hq,D].
     """
-    variant = backend.resolve(impl, interpret)
-    return _draft(
-        q,
-        ctx_k,
-        ctx_v,
-        ctx_len,
-        blk_k,
-        blk_v,
-        sm_scale=sm_scale,
-        variant=variant,
-        interpret=bool(interpret),
-        block_k=block_k,
-        num_splits=num_splits,
-    )
-
-
-@functools.partial(
-    jax.jit, static_argnames=("sm_scale", "variant", "interpret", "block_k", "num_splits")
-)
-def _tree(
-    q,
-    k,
-    v,
-    prefix_len,
-    blk_k,
-    blk_v,
-    blk_mask,
-    *,
-    sm_scale,
-    variant,
-    interpret,
-    block_k,
-    num_splits,
-):
-    if variant != backend.TPU:  # no Triton / cuDNN kernel takes a tree mask yet: XLA
-        return reference.tree_attention(
-            q, k, v, prefix_len, blk_k, blk_v, blk_mask, sm_scale=sm_scale
-        )
-    b, t = q.shape[:2]
-    prefix_len = jnp.clip(prefix_len.astype(jnp.int32), 0, k.shape[1])
-    lim = jnp.broadcast_to((prefix_len - 1)[:, None], (b, t))
-    return _decode_module(variant).decode_attention(
-        q,
-        k,
-        v,
-        lim,
-        blk_k=blk_k,
-        blk_v=blk_v,
-        blk_mask=blk_mask,
-        sm_scale=sm_scale,
-        **_decode_kwargs(variant, interpret, block_k, num_splits),
-    )
+    args = (q, ctx_k, ctx_v, ctx_len, blk_k, blk_v)
+    return _run("draft_attention", args, sm_scale, impl, interpret, block_k, num_splits)
 
 
 def tree_attention(
@@ -274,21 +222,8 @@ def tree_attention(
     variants (Triton, cuDNN) have no tree kernel yet and run the XLA reference.
     Returns [B,T,Hq,D].
     """
-    variant = backend.resolve(impl, interpret)
-    return _tree(
-        q,
-        k_cache,
-        v_cache,
-        prefix_len,
-        blk_k,
-        blk_v,
-        blk_mask,
-        sm_scale=sm_scale,
-        variant=variant,
-        interpret=bool(interpret),
-        block_k=block_k,
-        num_splits=num_splits,
-    )
+    args = (q, k_cache, v_cache, prefix_len, blk_k, blk_v, blk_mask)
+    return _run("tree_attention", args, sm_scale, impl, interpret, block_k, num_splits)
 
 
 def training_attention(

@@ -68,3 +68,10 @@ def moe_from_dense(target, num_experts=4, top_k=2, noise=0.2, mlp_only_layers=(2
                 "mlp": {"gate": {"kernel": jnp.asarray(router)}, "experts": experts},
             }
     return dj.Target(cfg, params)
+
+
+def as_decoder_method(fn):
+    """A `Decoder` method (self, *args) from a function of the models and the plan around the
+    same args, (tmod, tparams, dmod, dparams, *args, plan): how the oracle drafters replace
+    `Decoder.draft_block`, `draft_logprobs` or `draft_logits` in a test (monkeypatch)."""
+    return lambda self, *a: fn(self.tmod, self.tparams, self.dmod, self.dparams, *a, self.plan)

@@ -7,11 +7,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _pair import assert_accepted
+from _pair import as_decoder_method, assert_accepted
 
 import dflash_jax as dj
-from dflash_jax.decoding.speculative import sampling
-from dflash_jax.decoding.speculative import speculative as gen_lib
+from dflash_jax.decoding import sampling
+from dflash_jax.decoding.programs import _Compiled, buffer_sizes, generate_programs
+from dflash_jax.decoding.step import Decoder, Plan, verify_width_index, verify_widths
 
 MIXED = [[5, 9, 2, 77, 3], list(range(20, 43)), [100], [7, 7, 7, 1, 2, 3, 4, 5, 6, 60, 61]]
 
@@ -128,28 +129,28 @@ def test_stop_token_inside_an_accepted_run_truncates_like_autoregressive(pair, p
 
 def _forget_compiled(monkeypatch):
     """After patching a traced function, drop both our executables and JAX's trace cache."""
-    monkeypatch.setattr(gen_lib._Compiled, "cache", collections.OrderedDict())
+    monkeypatch.setattr(_Compiled, "cache", collections.OrderedDict())
     jax.clear_caches()
 
 
 def test_compiled_program_cache_is_bounded_least_recently_used(monkeypatch):
     """The compiled-program cache keeps at most `max_entries` configurations and drops the
     least recently used one first (a hit refreshes an entry)."""
-    monkeypatch.setattr(gen_lib._Compiled, "cache", collections.OrderedDict())
-    monkeypatch.setattr(gen_lib._Compiled, "max_entries", 2)
+    monkeypatch.setattr(_Compiled, "cache", collections.OrderedDict())
+    monkeypatch.setattr(_Compiled, "max_entries", 2)
     built = []
 
     def get(name):
-        key = (None, None, gen_lib.Plan(block_size=4), name)
-        return gen_lib._Compiled.get(key, lambda: built.append(name) or name)
+        key = (None, None, Plan(block_size=4), name)
+        return _Compiled.get(key, lambda: built.append(name) or name)
 
     assert get("a")[0] == "a" and get("b")[0] == "b"
     assert get("a")[1] == 0.0  # a hit: nothing built, "a" now the most recent
     get("c")  # evicts "b", the least recently used
-    assert [k[3] for k in gen_lib._Compiled.cache] == ["a", "c"]
+    assert [k[3] for k in _Compiled.cache] == ["a", "c"]
     get("b")  # built again; evicts "a"
     assert built == ["a", "b", "c", "b"]
-    assert [k[3] for k in gen_lib._Compiled.cache] == ["c", "b"]
+    assert [k[3] for k in _Compiled.cache] == ["c", "b"]
 
 
 def _oracle_draft(full_seqs, wrong_every):
@@ -171,7 +172,9 @@ def test_oracle_drafts_commit_many_tokens_and_stay_exact(target, drafter, ar_out
     full = np.zeros((4, 128), np.int32)
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
         full[i, : len(p) + len(c)] = p + c
-    monkeypatch.setattr(gen_lib, "draft_block", _oracle_draft(full, wrong_every=11))
+    monkeypatch.setattr(
+        Decoder, "draft_block", as_decoder_method(_oracle_draft(full, wrong_every=11))
+    )
     _forget_compiled(monkeypatch)
     res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8)
     assert res.tokens == ar_out
@@ -185,11 +188,11 @@ def test_buffers_are_tile_multiples_and_not_doubled():
     """Cache capacity is a multiple of the decode kernels' KV tile (no per-step pad copy of a
     cache), and max_new_tokens that is a power of two gets exactly that many output slots."""
     for prompt, new, bs in ((32768, 1024, 16), (32768, 1024, 1), (4000, 256, 8), (5, 40, 16)):
-        p_pad, n_buf, cap = gen_lib.buffer_sizes(prompt, new, bs)
+        p_pad, n_buf, cap = buffer_sizes(prompt, new, bs)
         assert p_pad >= prompt and n_buf >= new and cap >= p_pad + n_buf + bs
         assert cap % (512 if cap > 512 else 128) == 0, cap
-    assert gen_lib.buffer_sizes(32768, 1024, 16) == (32768, 1024, 34304)
-    assert gen_lib.buffer_sizes(5, 32, 16)[1] == 32
+    assert buffer_sizes(32768, 1024, 16) == (32768, 1024, 34304)
+    assert buffer_sizes(5, 32, 16)[1] == 32
 
 
 def test_full_output_buffer_with_many_token_commits_is_exact(target, drafter, ar_out, monkeypatch):
@@ -198,7 +201,9 @@ def test_full_output_buffer_with_many_token_commits_is_exact(target, drafter, ar
     full = np.zeros((4, 128), np.int32)
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
         full[i, : len(p) + len(c)] = p + c
-    monkeypatch.setattr(gen_lib, "draft_block", _oracle_draft(full, wrong_every=13))
+    monkeypatch.setattr(
+        Decoder, "draft_block", as_decoder_method(_oracle_draft(full, wrong_every=13))
+    )
     _forget_compiled(monkeypatch)
     res = dj.generate(target, drafter, MIXED, max_new_tokens=32, block_size=8)
     assert res.tokens == [c[:32] for c in ar_out]
@@ -304,14 +309,14 @@ def test_confidence_picks_a_narrower_verify_that_gives_the_same_tokens(pair):
     row."""
     target, drafter, prompts = pair
     tmod, dmod = dj.Transformer(target.config), dj.DFlashDrafter(drafter.config)
-    assert gen_lib.verify_widths(16) == (4, 8, 16)
+    assert verify_widths(16) == (4, 8, 16)
     lens = np.array([len(p) for p in prompts], np.int32)
-    p_pad, n_buf, cap = gen_lib.buffer_sizes(int(lens.max()), 8, 16)
+    p_pad, n_buf, cap = buffer_sizes(int(lens.max()), 8, 16)
     ids = np.zeros((len(prompts), p_pad), np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
-    plan = gen_lib.Plan(block_size=16, confidence_threshold=0.5)
-    prefill, _, _ = gen_lib.generate_programs(
+    plan = Plan(block_size=16, confidence_threshold=0.5)
+    prefill, _, _ = generate_programs(
         tmod, dmod, plan, cap, n_buf, None, target.params, drafter.params, len(prompts), p_pad
     )
     state = prefill(
@@ -320,21 +325,23 @@ def test_confidence_picks_a_narrower_verify_that_gives_the_same_tokens(pair):
     )  # fmt: skip
     start = state.cache.lengths
     x_last = state.tokens[:, 0]
-    prop = gen_lib.propose(tmod, target.params, dmod, drafter.params, plan, state, x_last, start)
+    decoder = Decoder(target.params, drafter.params, tmod, dmod, plan)
+    prop = decoder.propose(state, x_last, start)
     key = jax.random.PRNGKey(1)
-    full = gen_lib.verify(tmod, target.params, dmod, plan.__class__(16), state, prop, start, key)
+    full = decoder.replace(plan=Plan(16)).verify(state, prop, start, key)
     b = len(prompts)
     for trusted, width in ((0, 4), (3, 4), (4, 8), (7, 8), (9, 16), (15, 16)):
         conf = np.zeros((b, 15), np.float32)
         conf[1, :trusted] = 0.9  # row 1 the most trusted
         conf[0, : max(trusted - 2, 0)] = 0.9
         p = prop.replace(conf=jnp.asarray(conf))
-        idx = int(gen_lib.verify_width_index(p.conf, 0.5, 16))
-        assert gen_lib.verify_widths(16)[idx] == width, (trusted, idx)
-        y, _, taps = gen_lib.verify(tmod, target.params, dmod, plan, state, p, start, key)
-        np.testing.assert_array_equal(np.asarray(y[:, :width]), np.asarray(full[0][:, :width]))
+        idx = int(verify_width_index(p.conf, 0.5, 16))
+        assert verify_widths(16)[idx] == width, (trusted, idx)
+        v = decoder.verify(state, p, start, key)
+        y, taps = v.y, v.taps
+        np.testing.assert_array_equal(np.asarray(y[:, :width]), np.asarray(full.y[:, :width]))
         assert bool(jnp.all(y[:, width:] == -1))
-        np.testing.assert_allclose(taps[:, :width], full[2][:, :width], rtol=1e-5, atol=1e-4)
+        np.testing.assert_allclose(taps[:, :width], full.taps[:, :width], rtol=1e-5, atol=1e-4)
 
 
 def test_recorded_drafts_explain_acceptance(pair_ar, pair_drafts):
@@ -454,7 +461,9 @@ def test_pallas_cache_write_kernel_path_is_exact(target, drafter, ar_out, monkey
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
         full[i, : len(p) + len(c)] = p + c
     monkeypatch.setattr(attention, "KV_UPDATE", "pallas")
-    monkeypatch.setattr(gen_lib, "draft_block", _oracle_draft(full[:2], wrong_every=7))
+    monkeypatch.setattr(
+        Decoder, "draft_block", as_decoder_method(_oracle_draft(full[:2], wrong_every=7))
+    )
     _forget_compiled(monkeypatch)
     res = dj.generate(
         target,
@@ -512,7 +521,7 @@ def test_compare_streams_warms_up_and_matches_autoregressive(pair, pair_ar):
     assert_accepted(c.spec, 8)
     assert c.spec.stats["compile_s"] == c.ar.stats["compile_s"] == 0  # warmed up
     assert c.speedup > 0 and c.spec.stats["block_size"] == 8 and c.ar.stats["block_size"] == 1
-    streaming = {k[2].stream for k in gen_lib._Compiled.cache if k[2].stream is not None}
+    streaming = {k[2].stream for k in _Compiled.cache if k[2].stream is not None}
     assert streaming == {sink}
 
 
@@ -532,8 +541,8 @@ def test_chunked_prefill_equals_one_pass(pair, pair_ar):
     tmod, dmod = Transformer(target.config), DFlashDrafter(drafter.config)
 
     def prefill(chunk):
-        plan = gen_lib.Plan(block_size=16, prefill_chunk=chunk)
-        prefill_jit, _, _ = gen_lib.generate_programs(
+        plan = Plan(block_size=16, prefill_chunk=chunk)
+        prefill_jit, _, _ = generate_programs(
             tmod,
             dmod,
             plan,

@@ -11,7 +11,9 @@ import torch
 from safetensors.torch import load_file
 
 import dflash_jax as dj
-from dflash_jax.decoding.speculative import speculative as decoding
+from dflash_jax.decoding.step import Decoder, Plan
+
+pass
 from dflash_jax.drafters.dflash import (
     ContextCache,
     DFlashDrafter,
@@ -99,9 +101,8 @@ def test_drafter_forward_matches_independent_torch_implementation(pair, tmp_path
     # Our decode path: context K/V cached at slots 0..c-1 of a larger cache, block at c..c+t-1.
     dmod = DFlashDrafter(drafter.config)
     ctx = ContextCache.create(drafter.config, 1, 32)
-    ctx = decoding._write_context(
-        dmod, drafter.params, ctx, jnp.asarray(taps), jnp.arange(c)[None], jnp.array([c])
-    )
+    decoder = Decoder(None, drafter.params, None, dmod, Plan(block_size=drafter.config.block_size))
+    ctx = decoder.write_context(ctx, jnp.asarray(taps), jnp.arange(c)[None], jnp.array([c]))
     ours = dmod.apply(
         {"params": drafter.params},
         emb,

@@ -94,7 +94,7 @@ def test_decode_loops_hold_the_kernel_and_copy_no_cache(default_run, triton_run,
     transposes, concatenates or relayouts a cache-sized buffer: before, the cuDNN draft
     concatenated the drafter's context with the block in every layer every step
     (`input_concatenate_fusion bf16[1,capacity+16,8,128]`) and took a [B,1,T,S] bias."""
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import buffer_sizes
     from dflash_jax.dry_run import hlo
 
     r, texts = default_run if variant == "default" else triton_run
@@ -103,7 +103,7 @@ def test_decode_loops_hold_the_kernel_and_copy_no_cache(default_run, triton_run,
     kernel = {"pallas_cudnn": "__cudnn$fmhaSoftmax", "pallas_triton": "__gpu$xla.gpu.triton"}[impl]
     for name in ("dflash_decode", "ar_decode"):
         text = texts[name]
-        cap = decoding.buffer_sizes(CONTEXT, NEW, 16 if name == "dflash_decode" else 1)[2]
+        cap = buffer_sizes(CONTEXT, NEW, 16 if name == "dflash_decode" else 1)[2]
         comps = hlo.computations(text)
         body = hlo.loop_body_computations(text)
         assert body, name

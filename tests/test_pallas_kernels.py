@@ -316,7 +316,7 @@ def test_triton_verify_of_a_long_block_runs_in_query_chunks(monkeypatch):
     shared memory than a Hopper block has at 512 positions: test_gpu_compile.py)."""
     import pallas_kernels
 
-    pallas_kernels._verify.clear_cache()  # traced again under the patched limit
+    pallas_kernels._attend.clear_cache()  # traced again under the patched limit
     monkeypatch.setattr(pallas_kernels, "TRITON_MAX_ROWS", 16)  # 4 positions a chunk at G = 4
     calls = []
     real = pallas_kernels._by_query_chunks
@@ -327,7 +327,7 @@ def test_triton_verify_of_a_long_block_runs_in_query_chunks(monkeypatch):
     q, k, v = _rand(rng, 2, 10, 8, 16), _rand(rng, 2, 37, 2, 16), _rand(rng, 2, 37, 2, 16)
     pos = jnp.asarray(np.array([3, 27])[:, None] + np.arange(10)[None], jnp.int32)
     out = pk.verify_attention(q, k, v, pos, impl="pallas_triton", interpret=True)
-    pallas_kernels._verify.clear_cache()
+    pallas_kernels._attend.clear_cache()
     assert calls == [4]  # 10 positions: chunks of 4, 4 and 2 (+ 2 padded)
     np.testing.assert_allclose(out, _np_verify(q, k, v, pos), atol=ATOL)
 

@@ -24,11 +24,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _pair import as_decoder_method
 from _sampling_reference import reference
 
 import dflash_jax as dj
-from dflash_jax.decoding.speculative import sampling
-from dflash_jax.decoding.speculative import speculative as gen_lib
+from dflash_jax.decoding import sampling
+from dflash_jax.decoding import step as step_lib
+from dflash_jax.decoding.programs import _Compiled
+from dflash_jax.decoding.step import Decoder, Plan
 
 V = 6  # vocabulary
 PROMPT = [1, 4, 2]
@@ -113,7 +116,7 @@ def tv_bound(probs, n):
 
 def _forget_compiled(monkeypatch):
     """After patching a traced function, drop both our executables and JAX's trace cache."""
-    monkeypatch.setattr(gen_lib._Compiled, "cache", collections.OrderedDict())
+    monkeypatch.setattr(_Compiled, "cache", collections.OrderedDict())
     jax.clear_caches()
 
 
@@ -138,7 +141,7 @@ def _tree_oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
 
 
 def _denoising_oracle(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, plan):
-    """One drafter pass (`_draft_logits`) that denoising passes improve: position i's logits
+    """One drafter pass (`Decoder.draft_logits`) that denoising passes improve: position i's logits
     are the target's after x_last and the block's tokens before i, where each still-masked one
     is guessed as the target's second choice (wrong): a fixed token makes the later ones right."""
     seq, out = [x_last], []
@@ -155,15 +158,15 @@ def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None, tree_budget=N
     """N speculative samples of N_TOKENS tokens after PROMPT with the oracle drafter (chain) or
     the oracle's tree of `tree_budget` nodes: (counts [M] of each continuation, tau). With
     `denoise` (generate's block_size, denoise_steps, denoise_schedule, remask) the chain is
-    drafted by the real K-pass `_denoise` over `_denoising_oracle` passes."""
+    drafted by the real K-pass `Decoder.denoise` over `_denoising_oracle` passes."""
     t, drafter = tiny
     if denoise:
-        monkeypatch.setattr(gen_lib, "_draft_logits", _denoising_oracle)
+        monkeypatch.setattr(Decoder, "draft_logits", as_decoder_method(_denoising_oracle))
         cfg = drafter.config.replace(block_size=denoise["block_size"])
         drafter = dj.Drafter(cfg, drafter.params)
     else:
-        monkeypatch.setattr(gen_lib, "draft_block", _greedy_oracle)
-        monkeypatch.setattr(gen_lib, "draft_logprobs", _tree_oracle)
+        monkeypatch.setattr(Decoder, "draft_block", as_decoder_method(_greedy_oracle))
+        monkeypatch.setattr(Decoder, "draft_logprobs", as_decoder_method(_tree_oracle))
     _forget_compiled(monkeypatch)
     res = dj.generate(
         t,
@@ -243,22 +246,15 @@ def test_denoised_drafts_samples_follow_the_exact_joint(tiny, enumerated, monkey
     x_last), the drafts are accepted, and the samples follow the exact joint."""
     case = "temperature_1.2_top_k_3_top_p_0.9"
     t, drafter = tiny
-    monkeypatch.setattr(gen_lib, "_draft_logits", _denoising_oracle)
+    monkeypatch.setattr(Decoder, "draft_logits", as_decoder_method(_denoising_oracle))
     dmod = dj.DFlashDrafter(drafter.config.replace(block_size=4))
     x_last = jnp.arange(V, dtype=jnp.int32)
     tmod, start = dj.Transformer(t.config), jnp.zeros((V,), jnp.int32)
     drafts = {
         k: np.asarray(
-            gen_lib.draft_block(
-                tmod,
-                t.params,
-                dmod,
-                None,
-                None,
-                x_last,
-                start,
-                gen_lib.Plan(block_size=4, denoise_steps=k, remask=k == 3),
-            )[0]
+            Decoder(
+                t.params, None, tmod, dmod, Plan(block_size=4, denoise_steps=k, remask=k == 3)
+            ).draft_block(None, x_last, start)[0]
         )  # fmt: skip
         for k in (1, 3)
     }
@@ -308,7 +304,7 @@ def test_no_filter_decision_is_a_near_tie(enumerated):
 
 def _accept_every_draft(monkeypatch):
     monkeypatch.setattr(
-        gen_lib, "accepted_prefix", lambda d, y, trusted=None: jnp.full(d.shape[:1], d.shape[1])
+        step_lib, "accepted_prefix", lambda d, y, trusted=None: jnp.full(d.shape[:1], d.shape[1])
     )
 
 
@@ -318,7 +314,7 @@ def _pick_tokens_with(monkeypatch, change):
     def wrong(logits, key, temperature, top_k=None, top_p=None):
         return sampling.pick_tokens(logits, key, *change(temperature, top_k, top_p))
 
-    monkeypatch.setattr(gen_lib, "pick_tokens", wrong)
+    monkeypatch.setattr(step_lib, "pick_tokens", wrong)
 
 
 def _ignore_temperature(monkeypatch):
@@ -348,7 +344,7 @@ def _walk_to_best_child(monkeypatch):
         b = y.shape[0]
         return jnp.ones((b, max_depth), jnp.int32), jnp.ones((b,), jnp.int32)
 
-    monkeypatch.setattr(gen_lib, "accept_path", walk)
+    monkeypatch.setattr(step_lib, "accept_path", walk)
 
 
 CONTROLS = {

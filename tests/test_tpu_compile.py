@@ -188,12 +188,13 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
     chip, the relayout into the kernels' view and the VMEM prefetch it brings (issue 26, item 3),
     and none of it over [B, S, K*D]."""
     no_pads = ("pad", "copy", "transpose", "concatenate")
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding import programs as decoding_programs
+    from dflash_jax.decoding.programs import buffer_sizes
     from dflash_jax.dry_run import hlo
     from dflash_jax.models import attention
 
     def cap_of(name):
-        return decoding.buffer_sizes(1024, 64, 16 if name == "dflash_decode" else 1)[2]
+        return buffer_sizes(1024, 64, 16 if name == "dflash_decode" else 1)[2]
 
     for mesh, programs in decode_hlo.items():
         for name, text in programs.items():
@@ -213,7 +214,7 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
         # The scan sees the caches: their VMEM round trips are found as copy-starts.
         assert hlo.cache_sized_copies(text, cap_of(name), cap_of(name) * 128, ("copy-start",))
     monkeypatch.setattr(attention, "KV_UPDATE", "pallas")
-    monkeypatch.setattr(decoding, "cache_capacity", lambda slots: slots)
+    monkeypatch.setattr(decoding_programs, "cache_capacity", lambda slots: slots)
     text = _decode_hlo(v5e, "tensor=8", tmp_path, only=("dflash_decode",))["dflash_decode"]
     cap = 1024 + 64 + 16
     pads = hlo.cache_sized_copies(text, cap, cap * 128, no_pads)
@@ -234,7 +235,7 @@ def test_tree_decode_loop_compiles_without_cache_copies_or_extra_collectives(
     pads, transposes, concatenates or reshapes a cache, and the step's collectives are the
     chain's plus at most the tree build's one all-gather per candidate array (the top-k of
     the vocabulary-sharded logits is per device)."""
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import buffer_sizes
     from dflash_jax.dry_run import hlo
 
     devices, chip = v5e
@@ -244,7 +245,7 @@ def test_tree_decode_loop_compiles_without_cache_copies_or_extra_collectives(
     assert r["programs"]["dflash_decode"]["fits"] is True
     assert r["settings"]["tree_budget"] == 16
     text = open(tmp_path / "dflash_decode.hlo").read()
-    cap = decoding.buffer_sizes(1024, 64, 17)[2]
+    cap = buffer_sizes(1024, 64, 17)[2]
     ops = ("pad", "copy", "transpose", "concatenate", "reshape")
     assert hlo.cache_sized_copies(text, cap, cap * 128, ops) == []
     n_layers = dry_run.build_configs("tiny")[0].num_layers

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.decoding.speculative import tree as tree_lib
+from dflash_jax.decoding import tree as tree_lib
 
 
 def _prefixes(logp, k):
@@ -183,7 +183,8 @@ def test_tree_caches_equal_autoregressive_caches(bundled_pair):
     every committed slot, the K/V of autoregressive decoding, and the drafter's context cache
     the K/V of chain decoding, for the same committed tokens."""
     import dflash_jax as dj
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import buffer_sizes, generate_programs
+    from dflash_jax.decoding.step import Plan
 
     target, drafter, prompts = bundled_pair
     prompts = prompts[:2]
@@ -191,14 +192,14 @@ def test_tree_caches_equal_autoregressive_caches(bundled_pair):
     for name, dr, budget in (("ar", None, None), ("chain", drafter, None), ("tree", drafter, 16)):
         tmod = dj.Transformer(target.config)
         dmod = None if dr is None else dj.DFlashDrafter(dr.config)
-        plan = decoding.Plan(block_size=1 if dr is None else 16, tree_budget=budget)
+        plan = Plan(block_size=1 if dr is None else 16, tree_budget=budget)
         width = 1 if dr is None else (16 if budget is None else budget + 1)
         lens = np.array([len(p) for p in prompts], np.int32)
-        p_pad, n_buf, cap = decoding.buffer_sizes(int(lens.max()), 24, width)
+        p_pad, n_buf, cap = buffer_sizes(int(lens.max()), 24, width)
         ids = np.zeros((2, p_pad), np.int32)
         for i, p in enumerate(prompts):
             ids[i, : len(p)] = p
-        prefill, decode, _ = decoding.generate_programs(
+        prefill, decode, _ = generate_programs(
             tmod,
             dmod,
             plan,
@@ -238,18 +239,19 @@ def test_tree_from_denoising_passes_equals_autoregressive(bundled_pair):
     its log-probs, the other 7 get the second pass's, which differ), and decoding with it gives
     the autoregressive tokens with the tree accepted."""
     import dflash_jax as dj
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import buffer_sizes, generate_programs
+    from dflash_jax.decoding.step import Decoder, Plan
 
     target, drafter, prompts = bundled_pair
     tmod, dmod = dj.Transformer(target.config), dj.DFlashDrafter(drafter.config)
-    plan1 = decoding.Plan(block_size=16, tree_budget=16)
-    plan2 = decoding.Plan(block_size=16, tree_budget=16, denoise_steps=2)
+    plan1 = Plan(block_size=16, tree_budget=16)
+    plan2 = Plan(block_size=16, tree_budget=16, denoise_steps=2)
     lens = np.array([len(p) for p in prompts], np.int32)
-    p_pad, n_buf, cap = decoding.buffer_sizes(int(lens.max()), 8, 17)
+    p_pad, n_buf, cap = buffer_sizes(int(lens.max()), 8, 17)
     ids = np.zeros((len(prompts), p_pad), np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
-    prefill, _, _ = decoding.generate_programs(
+    prefill, _, _ = generate_programs(
         tmod, dmod, plan1, cap, n_buf, None, target.params, drafter.params, len(prompts), p_pad
     )
     st = prefill(
@@ -257,9 +259,9 @@ def test_tree_from_denoising_passes_equals_autoregressive(bundled_pair):
         jax.random.PRNGKey(0),
     )  # fmt: skip
     x_last, start = st.tokens[:, 0], st.cache.lengths
-    args = (tmod, target.params, dmod, drafter.params, st.ctx, x_last, start)
-    lp1 = np.asarray(decoding.draft_logprobs(*args, plan1))
-    lp2 = np.asarray(decoding.draft_logprobs(*args, plan2))
+    decoder = Decoder(target.params, drafter.params, tmod, dmod, plan1)
+    lp1 = np.asarray(decoder.draft_logprobs(st.ctx, x_last, start))
+    lp2 = np.asarray(decoder.replace(plan=plan2).draft_logprobs(st.ctx, x_last, start))
     n1 = int(round(15 / 2))  # 8 (Python rounds half to even)
     first = np.argsort(-lp1.max(-1), axis=1, kind="stable")[:, :n1]  # fixed after pass 1
     kept = np.zeros(lp1.shape[:2], bool)

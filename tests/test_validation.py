@@ -250,12 +250,12 @@ GENERATE_CASES = [
 
 @pytest.mark.parametrize("kw,message", GENERATE_CASES)
 def test_generate_rejects_bad_arguments_before_compute(small_pair, kw, message, monkeypatch):
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import _Compiled
 
     target, drafter = small_pair
     # Nothing may be compiled or run: the program cache must not be consulted.
     monkeypatch.setattr(
-        decoding._Compiled, "get", classmethod(lambda cls, *a: pytest.fail("compute started"))
+        _Compiled, "get", classmethod(lambda cls, *a: pytest.fail("compute started"))
     )
     args = dict(prompts=[[1, 2, 3]], max_new_tokens=4)
     args.update(kw)

@@ -1,6 +1,7 @@
-"""Speculative decoding: the propose / verify / accept / commit step and the programs that
-run it (`speculative`, whose `generate` is `dflash_jax.generate`), sampling rules, draft trees,
-and the request checks and result type (`request`).
+"""Speculative decoding: the API (`generation.generate`, which is `dflash_jax.generate`), the
+propose / verify / accept / commit step as a frozen `Decoder` (`step`), the compiled programs
+that run it (`programs`), sampling rules, draft trees, and the request checks and result type
+(`request`).
 
 Submodules import on first use (`dflash_jax.decoding.<name>`); importing the package loads nothing."""
 

@@ -20,20 +20,20 @@ from dflash_jax.dry_run.topology import UsageError, platform_name, resolve_mesh
 
 
 def _loop_program(tmod, dmod, plan, reps: int):
-    """The decode while_loop with `reps` spec_steps per iteration (reps=1: `decoding._decode`,
-    up to the jit wrapper); for isolating one step's cost (see the `dflash_jax.dry_run`
-    docstring)."""
+    """The decode while_loop with `reps` steps per iteration (reps=1: `Decoder.decode`, up to
+    the jit wrapper); for isolating one step's cost (see the `dflash_jax.dry_run` docstring)."""
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.step import Decoder
 
     def run(tp, dp, state):
         n_buf = state.tokens.shape[1]
+        decoder = Decoder(tp, dp, tmod, dmod, plan)
 
         def body(s):
             for _ in range(reps):
-                s = decoding.spec_step(tmod, tp, dmod, dp, plan, s)
+                s = decoder.step(s)
             return s
 
         return jax.lax.while_loop(lambda s: (~jnp.all(s.done)) & (s.step < n_buf), body, state)
@@ -106,18 +106,19 @@ def dry_run_infer(
     loop (the roofline's input). context: prompt tokens (padded to a power of two as `generate`
     does); the caches hold context + max_new_tokens (rounded up) + block_size positions.
     only: a subset of ("prefill", "dflash_decode", "ar_decode") to compile (default: all).
-    prefill_chunk: overrides `decoding.Plan.prefill_chunk` (0: one-pass prefill).
+    prefill_chunk: overrides `Plan.prefill_chunk` (0: one-pass prefill).
     hlo_dir: write each compiled program's optimized HLO text as `hlo_dir/<program>.hlo`
     (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
     tree_budget: the DFlash loop verifies a draft tree of this many nodes (B + 1 tokens per
     verify, `dflash_jax.decoding.tree`) instead of the chain.
-    denoise_steps: drafter passes per DFlash step (`decoding.Plan.denoise_steps`).
+    denoise_steps: drafter passes per DFlash step (`Plan.denoise_steps`).
     quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
     its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
-    from dflash_jax.decoding.speculative import speculative as decoding
+    from dflash_jax.decoding.programs import buffer_sizes, generate_programs
+    from dflash_jax.decoding.step import Plan
     from dflash_jax.drafters.dflash import DFlashDrafter
     from dflash_jax.models import attention as attn_lib
     from dflash_jax.models.transformer import Transformer
@@ -143,13 +144,13 @@ def dry_run_infer(
             tree = tree_budget if kind == "dflash" else None
             if kind == "dflash" and denoise_steps != 1:
                 plan_kw["denoise_steps"] = denoise_steps
-            plan = decoding.Plan(block_size=k_bs, attention_impl=impl, tree_budget=tree, **plan_kw)
+            plan = Plan(block_size=k_bs, attention_impl=impl, tree_budget=tree, **plan_kw)
             width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
-            p_pad, n_buf, capacity = decoding.buffer_sizes(context, max_new_tokens, width)
+            p_pad, n_buf, capacity = buffer_sizes(context, max_new_tokens, width)
             tmod = Transformer(tcfg, impl)
             dmod = DFlashDrafter(dcfg) if kind == "dflash" else None
             dp = dparams if kind == "dflash" else None
-            prefill_jit, decode_jit, sh = decoding.generate_programs(
+            prefill_jit, decode_jit, sh = generate_programs(
                 tmod, dmod, plan, capacity, n_buf, m, tparams, dp, batch, p_pad
             )
             tp_a = sharding.with_shardings(tparams, sh["tparams"])

@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from dflash_jax.decoding.speculative import generate
+from dflash_jax.decoding.generation import generate
 from dflash_jax.frontend import infer_flags, textgen
 from dflash_jax.support import checks, console, interrupts
 

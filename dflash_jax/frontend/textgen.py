@@ -16,7 +16,7 @@ import os
 from typing import Callable, List, Optional, Sequence
 
 from dflash_jax.decoding.request import GenerationResult
-from dflash_jax.decoding.speculative import generate
+from dflash_jax.decoding.generation import generate
 
 # `generate` arguments that only a drafter uses: left out of the autoregressive runs.
 DRAFTER_ONLY = (

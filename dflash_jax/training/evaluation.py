@@ -33,7 +33,7 @@ def evaluate(exp: Experiment, params, eval_step, step: int, frozen=None, mesh=No
             out["accuracy"] = float(acc["correct"] / max(acc["weight_sum"], 1))
             out["perplexity"] = float(np.exp(min(out["loss"], 50.0)))
     if exp.mode == "drafter" and exp.eval_prompts:
-        from dflash_jax.decoding.speculative import generate
+        from dflash_jax.decoding.generation import generate
 
         res = generate(
             exp.target_for(params),

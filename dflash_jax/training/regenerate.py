@@ -28,7 +28,7 @@ import os
 import time
 from typing import Callable, List, Optional, Sequence
 
-from dflash_jax.decoding.speculative import generate
+from dflash_jax.decoding.generation import generate
 from dflash_jax.parallel import distributed
 from dflash_jax.support import console
 

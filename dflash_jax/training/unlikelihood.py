@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding.speculative import generate
+from dflash_jax.decoding.generation import generate
 from dflash_jax.models.target import Target
 from dflash_jax.models.transformer import Transformer
 

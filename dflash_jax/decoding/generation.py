@@ -1,0 +1,199 @@
+"""`generate`: the API of generation. The request checked, the plan and buffers chosen, the
+programs compiled (or found compiled), run, and read back, as a short sequence of named steps;
+the algorithm is `step.py`, the programs `programs.py`, the checks and the result `request.py`."""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, List, Optional, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.decoding.programs import _Compiled, buffer_sizes, generate_programs
+from dflash_jax.decoding.request import (
+    GenerationResult,
+    check_denoise,
+    check_request,
+    check_tree_request,
+    collect,
+    gather_multiprocess,
+)
+from dflash_jax.decoding.step import Plan
+from dflash_jax.drafters.dflash import DFlashDrafter, Drafter
+from dflash_jax.models import attention as attn_lib
+from dflash_jax.models.transformer import Transformer
+from dflash_jax.parallel import sharding
+from dflash_jax.support import checks
+
+
+def generate(
+    target,
+    drafter: Optional[Drafter],
+    prompts: Sequence[Sequence[int]],
+    max_new_tokens: int,
+    block_size: Optional[int] = None,
+    temperature: float = 0.0,
+    top_k: Optional[int] = None,
+    top_p: Optional[float] = None,
+    seed: int = 0,
+    stop_token_ids: Sequence[int] = (),
+    denoise_steps: int = 1,
+    confidence_threshold: Optional[float] = None,
+    return_drafts: bool = False,
+    attention_impl: Optional[str] = None,
+    stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+    mesh=None,
+    prefill_chunk: Optional[int] = None,
+    tree_budget: Optional[int] = None,
+    denoise_schedule: str = "confidence",
+    remask: bool = False,
+) -> GenerationResult:
+    """Generates continuations of `prompts` (lists of token ids) with DFlash, or
+    autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
+
+    stream_callback: called on the host with, per sequence, the token ids just committed: once
+    after prefill (the first token), then after every decode step. Concatenated, the calls give
+    `result.tokens`. Streaming adds one host callback per step; leave it None for speed.
+    mesh: a `jax.sharding.Mesh` (see `dflash_jax.parallel.sharding.make_mesh`): the same programs run
+    sharded on it (parameters by the partition rules, batch over data axes, KV heads over
+    `tensor`); stats then also name the mesh and the cache sharding.
+    prefill_chunk: prompts longer than this are prefilled this many tokens at a time (default
+    `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
+    tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.decoding.tree`: the most
+    probable prefixes of depth <= block_size - 1 under the drafter's one pass) instead of the
+    chain of block_size - 1 drafts; None: the chain. Same tokens either way (lossless). With
+    denoise_steps > 1 the tree is built from the K passes' distributions (`draft_logprobs`).
+    denoise_schedule: which positions each of the denoise_steps passes fixes, "confidence"
+    (the most confident) or "fixed" (left to right); remask: a fixed low-confidence token may
+    be masked and predicted again (denoise_steps >= 3, "confidence"). They change the drafts,
+    never the output.
+    """
+    # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
+    v = check_request(
+        target,
+        drafter,
+        prompts,
+        max_new_tokens,
+        block_size,
+        temperature,
+        top_k,
+        top_p,
+        seed,
+        stop_token_ids,
+        denoise_steps,
+        confidence_threshold,
+    )
+    prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
+    temperature = v["temperature"]
+    tree_budget = check_tree_request(target, drafter, bs, tree_budget, v, return_drafts)
+    denoise_schedule, remask = check_denoise(
+        denoise_schedule, remask, v["denoise_steps"], has_drafter=drafter is not None
+    )
+    if prefill_chunk is not None:
+        checks.int_param("prefill_chunk", prefill_chunk, lo=0)
+    if mesh is not None:
+        sharding.check_expert_axis(mesh.shape.get("expert", 1), target.config.num_experts)
+    plan = Plan(
+        block_size=bs,
+        temperature=float(temperature),
+        top_k=None if temperature == 0 else v["top_k"],
+        top_p=None if temperature == 0 else v["top_p"],
+        stop_ids=v["stop_token_ids"],
+        denoise_steps=v["denoise_steps"] if drafter is not None else 1,
+        denoise_schedule=denoise_schedule if drafter is not None else "confidence",
+        remask=remask and drafter is not None,
+        confidence_threshold=v["confidence_threshold"] if drafter is not None else None,
+        record_drafts=bool(return_drafts and drafter is not None),
+        tree_budget=tree_budget,
+        stream=stream_callback,
+        # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
+        attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl, mesh),
+        **({} if prefill_chunk is None else {"prefill_chunk": int(prefill_chunk)}),
+    )
+    b = len(prompts)
+    lens = np.array([len(p) for p in prompts], np.int32)
+    width = bs if tree_budget is None else tree_budget + 1  # cache slots one step writes
+    p_pad, n_buf, capacity = buffer_sizes(int(lens.max()), max_new_tokens, width)
+    ids = np.zeros((b, p_pad), np.int32)
+    for i, p in enumerate(prompts):
+        ids[i, : len(p)] = p
+
+    tmod = Transformer(target.config, plan.attention_impl)
+    dmod = DFlashDrafter(drafter.config) if drafter is not None else None
+    tparams = target.params
+    dparams = drafter.params if drafter is not None else None
+    args = (
+        jnp.asarray(ids),
+        jnp.asarray(lens),
+        jnp.asarray(max_new_tokens, jnp.int32),
+        jax.random.PRNGKey(v["seed"]),
+    )
+    key = (
+        tmod,
+        dmod,
+        plan,
+        b,
+        p_pad,
+        n_buf,
+        capacity,
+        mesh,
+        jax.tree_util.tree_structure(tparams),
+        jax.tree_util.tree_structure(dparams),
+    )
+
+    def build():
+        prefill_jit, decode_jit, sh = generate_programs(
+            tmod, dmod, plan, capacity, n_buf, mesh, tparams, dparams, b, p_pad
+        )
+        if sh is None:  # one device: lowered on the arrays as they are placed
+            state = jax.eval_shape(prefill_jit, tparams, dparams, *args)
+            return (
+                prefill_jit.lower(tparams, dparams, *args).compile(),
+                decode_jit.lower(tparams, dparams, state).compile(),
+                None,
+            )
+        repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        arg_sh = (sh["ids"], sh["lens"], repl, repl)
+        # Lowered on shapes: the arrays may be placed otherwise (e.g. a trainer's FSDP
+        # layout); they are moved to the programs' shardings below.
+        shapes = lambda tree: jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree
+        )
+        tp_s, dp_s = shapes(tparams), shapes(dparams)
+        with sharding.compiling_for(mesh):  # kernels for the mesh's platform
+            return (
+                prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
+                decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
+                (sh["tparams"], sh["dparams"], arg_sh),
+            )
+
+    (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
+    if placement is not None:  # put parameters and inputs where the sharded programs want them
+        from dflash_jax.parallel import distributed  # put: also across processes (pod hosts)
+
+        tsh, dsh, arg_sh = placement
+        tparams = distributed.put(tparams, tsh)
+        dparams = None if dparams is None else distributed.put(dparams, dsh)
+        args = tuple(distributed.put(a, s) for a, s in zip(args, arg_sh))
+
+    t0 = time.perf_counter()
+    state = prefill_x(tparams, dparams, *args)
+    jax.block_until_ready(state.tokens)
+    t1 = time.perf_counter()
+    if stream_callback is not None:
+        stream_callback([[int(t)] for t in np.asarray(state.tokens[:, 0])])
+    state = decode_x(tparams, dparams, state)
+    jax.block_until_ready(state.tokens)
+    jax.effects_barrier()
+    t2 = time.perf_counter()
+    times = (t1 - t0, t2 - t1, compile_s)
+    if mesh is not None and jax.process_count() > 1:
+        state, times = gather_multiprocess(state, plan, times)
+    result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1], compile_s=times[2])
+    if mesh is not None:
+        result.stats.update(
+            mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
+        )
+    return result

@@ -1,0 +1,525 @@
+"""The speculative (DFlash) and autoregressive decode step, and its prefill.
+
+The algorithm, as one frozen object: `Decoder` holds the two models, their parameters and the
+static `Plan`, so a step reads `decoder.step(state)` and its parts `propose`, `verify`, `accept`,
+`commit(state, proposal, verdict)` take only what changes per step. The programs that jit and
+cache it live in `programs.py`, the API (`generate`) in `generation.py`.
+
+  prefill  (jit): target forward over the (right-padded) prompts with taps; first token; the
+                  drafter context cache filled with the prompt's context K/V.
+  decode   (jit): one `lax.while_loop`; every iteration is `Decoder.step`:
+                    draft   one drafter pass over [x_last, MASK * (bs-1)]  (or K denoise passes)
+                    verify  one target pass over [x_last, d_1 .. d_{bs-1}] appended to the cache
+                    accept  the longest prefix with d_i == y_{i-1}; commit y_0 .. y_a
+                    roll back both caches to the committed length, append the new taps
+                  until every sequence hit max_new_tokens or a stop token.
+No host round trip per step. The autoregressive baseline is the same loop with an empty draft
+(block of one token), through the same target code and cache. `programs.generate_programs`
+wraps both in `jax.jit`s with in/out shardings for a device mesh (`dflash_jax.parallel.sharding`'s
+rules; none on one device); `request` checks the request and reads the result back on the host.
+
+Losslessness. At temperature 0, y_i is the target's argmax after the committed prefix, and we
+commit only y's, so the output equals greedy autoregressive decoding token for token. At
+temperature > 0, y_i is a fresh sample from the target's adjusted distribution given the prefix
+[committed, d_1..d_i]; while d_i == y_{i-1} that prefix IS the committed sequence, so y_0..y_a
+are successive samples from the target conditionals. This is speculative (rejection) sampling
+with a one-hot draft distribution q = delta(d): accept d with probability min(1, p(d)/q(d)) =
+p(d), i.e. exactly when an independent target sample equals d, and on rejection the residual
+norm(max(p - q, 0)) is p with d removed: the distribution of y_{i} given y_{i} != d_{i+1}. So
+every emitted token is distributed as the target's sample (tested statistically against an
+independent reference in tests/test_sampled_lossless.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable, List, Optional
+
+import flax.struct
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from dflash_jax.decoding.sampling import greedy_argmax, pick_tokens
+from dflash_jax.decoding.tree import Tree, accept_path, build_tree
+from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend
+from dflash_jax.models import attention as attn_lib
+from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """Static settings of one compiled generation program (hashable: part of the jit key)."""
+
+    block_size: int  # 1 = autoregressive
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    stop_ids: tuple = ()
+    denoise_steps: int = 1
+    # Which positions the K passes fix: "confidence" (the most confident still-masked ones) or
+    # "fixed" (left to right); remask: a fixed low-confidence token may be masked again
+    # (`Decoder.denoise`).
+    denoise_schedule: str = "confidence"
+    remask: bool = False
+    confidence_threshold: Optional[float] = None
+    record_drafts: bool = False
+    # Verify a draft tree of this many nodes (`dflash_jax.decoding.tree`) instead of the chain.
+    tree_budget: Optional[int] = None
+    # Host function called with each step's commits (`generate`'s stream_callback), or None.
+    # Part of the jit key: a program is compiled per function (reuse one to reuse the program).
+    stream: Optional[Callable[[List[List[int]]], None]] = None
+    attention_impl: str = "xla"
+    # Prompts longer than this are prefilled in chunks of this many tokens (a scan appending to
+    # the cache), so attention temporaries grow linearly with the context, not quadratically:
+    # each chunk's scores are [chunk, capacity]. 0: one pass (dense [prompt, capacity] scores).
+    prefill_chunk: int = 512
+
+
+@flax.struct.dataclass
+class DecodeState:
+    cache: KVCache
+    ctx: Optional[KVCache]
+    tokens: jnp.ndarray  # [B, N] generated tokens (prompt excluded)
+    num_out: jnp.ndarray  # [B] tokens generated so far
+    done: jnp.ndarray  # [B] bool
+    step: jnp.ndarray  # [] decode iterations run
+    accepted: jnp.ndarray  # [B, N] tokens committed at each step (0 when inactive)
+    drafts: jnp.ndarray  # [N, B, bs-1] drafted blocks (shape [0, B, 0] when not recorded)
+    key: jnp.ndarray
+    max_new: jnp.ndarray  # [] tokens to generate per sequence
+
+
+def accepted_prefix(drafts, y, trusted=None):
+    """Number of drafts accepted: the longest prefix with d_i == y_{i-1}. drafts [B, bs-1],
+    y [B, bs] target tokens at the block positions; trusted [B, bs-1] optional cap."""
+    match = drafts == y[:, :-1]
+    if trusted is not None:
+        match &= trusted
+    return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
+
+
+@flax.struct.dataclass
+class Proposal:
+    """What one step gives the target to verify: T tokens at positions start + depths (the
+    last committed token x_last first, at depth 0), and how they were drafted."""
+
+    tokens: jnp.ndarray  # [B, T]
+    depths: jnp.ndarray  # [B, T]
+    drafts: Optional[jnp.ndarray] = None  # [B, bs-1] a chain's drafts (None: AR or a tree)
+    conf: Optional[jnp.ndarray] = None  # [B, bs-1] their confidence
+    tree: Optional[Tree] = None  # a draft tree (its mask is the verify's), None: a chain
+
+
+@flax.struct.dataclass
+class Verdict:
+    """What the target made of a proposal: its token after each proposed one (y [B, T]), the
+    cache with the proposal's K/V appended, the taps [B, T, F]; after `accept`, the accepted
+    path ([B, L]: proposal indices by depth, padded) and how many drafts were accepted ([B])."""
+
+    y: jnp.ndarray
+    cache: KVCache
+    taps: jnp.ndarray
+    path: Optional[jnp.ndarray] = None
+    accepted: Optional[jnp.ndarray] = None
+
+
+def verify_widths(block_size: int):
+    """The static verify widths a chain step chooses from under a confidence threshold: a
+    quarter, half and the whole block (at least 2 tokens: x_last and one draft)."""
+    return tuple(sorted({max(2, block_size // 4), max(2, block_size // 2), block_size}))
+
+
+def verify_width_index(conf, threshold: float, block_size: int):
+    """Which of `verify_widths` a step verifies: the narrowest that holds x_last and the
+    longest run of drafts (from the first) at or above `threshold` in any row of the batch
+    (drafts after a row's first low-confidence one are never accepted, so they need no
+    verify). conf: [B, bs-1]."""
+    run = jnp.sum(jnp.cumprod((conf >= threshold).astype(jnp.int32), axis=1), axis=1)
+    need = jnp.max(run) + 1
+    widths = jnp.asarray(verify_widths(block_size), jnp.int32)
+    return jnp.argmax(widths >= need).astype(jnp.int32)
+
+
+def _compact(cache: KVCache, path, start, impl: str = "xla") -> KVCache:
+    """Moves the K/V of the accepted tree nodes (slots start + path[k]) to their positions'
+    slots start + 1 + k, in every layer: the cache then holds what autoregressive decoding of
+    the committed tokens would have written. The rows are written back as one block
+    (`attention.write_block`: the Pallas DMA kernel under a TPU Pallas impl)."""
+    src = (start[:, None] + path)[..., None]
+    move = lambda x: attn_lib.write_block(
+        x, jnp.take_along_axis(x, src, axis=1), start + 1, impl, cache.head_dim
+    )
+    return cache.replace(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
+
+
+def _emit_stream(sink, y, n):
+    y, n = np.asarray(y), np.asarray(n)
+    sink([y[b, : n[b]].tolist() for b in range(y.shape[0])])
+
+
+@flax.struct.dataclass
+class Decoder:
+    """One generation program's models and settings: the target (`tmod`, `tparams`), the
+    drafter (`dmod`, `dparams`; None: autoregressive, a drafter that drafts nothing) and the
+    static `plan`. A pytree whose leaves are the parameters (modules and plan are static), so it
+    crosses `jax.jit` as one argument; built inside the programs from the parameters they take.
+    """
+
+    tparams: Any
+    dparams: Any
+    tmod: Transformer = flax.struct.field(pytree_node=False)
+    dmod: Optional[DFlashDrafter] = flax.struct.field(pytree_node=False)
+    plan: Plan = flax.struct.field(pytree_node=False)
+
+    def embed(self, ids):
+        return self.tmod.apply({"params": self.tparams}, ids, method=Transformer.embed)
+
+    def lm_logits(self, hidden):
+        return self.tmod.apply({"params": self.tparams}, hidden, method=Transformer.logits)
+
+    def write_context(self, ctx: KVCache, taps, positions, lengths, starts=None) -> KVCache:
+        """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`; with
+        `starts` [B] (positions = starts[b] + arange(T)) through `attention.write_block` (the
+        Pallas DMA kernel under a TPU Pallas attention implementation)."""
+        ck, cv = self.dmod.apply(
+            {"params": self.dparams}, taps, positions, method=DFlashDrafter.context_kv
+        )
+        if starts is None:
+            write = lambda old, new: write_kv(old, flat_heads(new), positions)
+        else:
+            write = lambda old, new: attn_lib.write_block(
+                old, flat_heads(new), starts, self.plan.attention_impl, ctx.head_dim
+            )
+        k = tuple(write(old, new) for old, new in zip(ctx.k, ck))
+        v = tuple(write(old, new) for old, new in zip(ctx.v, cv))
+        return ctx.replace(k=k, v=v, lengths=lengths)
+
+    def draft_logits(self, ctx: KVCache, x_last, tokens, start):
+        """One drafter pass over [x_last, tokens] (tokens [B, bs-1]: MASK where not yet drafted) at
+        positions start + arange(bs): the logits [B, bs-1, V] of the block positions after x_last."""
+        positions = start[:, None] + jnp.arange(self.plan.block_size, dtype=jnp.int32)[None]
+        attend = decode_attend(ctx.lengths, self.plan.attention_impl)
+        block = jnp.concatenate([x_last[:, None], tokens], axis=1)
+        hidden = self.dmod.apply(
+            {"params": self.dparams}, self.embed(block), positions, ctx.k, ctx.v, attend
+        )
+        return self.lm_logits(hidden[:, 1:])
+
+    def denoise(self, ctx: KVCache, x_last, start, logp=False):
+        """The K = `self.plan.denoise_steps` drafter passes over one block: (drafts [B, bs-1],
+        confidence [B, bs-1], log-probs [B, bs-1, V] or None).
+
+        After pass j < K, n_j = round((bs-1) j / K) positions hold a drafted token (its MASK
+        embedding replaced by the token's) and the rest stay MASK for the next pass; the last pass
+        fills every position still masked. Which positions are fixed (`self.plan.denoise_schedule`):
+          "confidence": the n_j - n_{j-1} most confident (max probability) still-masked ones;
+          "fixed": the first n_j, left to right (a fixed count per pass, whatever the confidence).
+        `self.plan.remask` ("confidence" only): after pass j < K the n_j kept are the most confident of
+        all positions, the fixed tokens scored by the confidence they were drafted with and the
+        masked ones by this pass's, so a fixed token that later predictions outrank is masked again
+        and predicted again in a later pass (it never changes a committed token: only drafts).
+        Each position's confidence and log-probs are those of the pass that drafted its final
+        token (the last pass for the positions it fills): what a draft tree is built from.
+        """
+        bs = self.plan.block_size
+        b = x_last.shape[0]
+        mask_id = jnp.int32(self.dmod.cfg.mask_token_id)
+        tokens = jnp.full((b, bs - 1), mask_id, jnp.int32)
+        fixed = jnp.zeros((b, bs - 1), bool)
+        conf = jnp.zeros((b, bs - 1), jnp.float32)
+        out_lp = None
+        steps = self.plan.denoise_steps
+        need_conf = steps > 1 or self.plan.confidence_threshold is not None
+        for j in range(1, steps + 1):
+            logits = self.draft_logits(ctx, x_last, tokens, start)
+            pred = greedy_argmax(logits)
+            lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) if logp else None
+            if lp is not None and need_conf:
+                p_max = jnp.exp(jnp.max(lp, axis=-1))
+            elif need_conf:
+                p_max = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
+            else:
+                p_max = jnp.ones(pred.shape, jnp.float32)  # confidence unused: skip the softmax
+            n_j = int(round((bs - 1) * j / steps))
+            keep = None
+            if j == steps:
+                newly = ~fixed
+            elif self.plan.denoise_schedule == "fixed":
+                newly = (jnp.arange(bs - 1)[None] < n_j) & ~fixed
+            elif self.plan.remask:
+                score = jnp.where(fixed, conf, p_max)
+                top = jax.lax.top_k(score, max(n_j, 1))[1]
+                keep = jnp.zeros_like(fixed).at[jnp.arange(b)[:, None], top].set(n_j > 0)
+                newly = keep & ~fixed
+            else:
+                m = n_j - int(round((bs - 1) * (j - 1) / steps))
+                score = jnp.where(fixed, -jnp.inf, p_max)
+                top = jax.lax.top_k(score, max(m, 1))[1]
+                newly = jnp.zeros_like(fixed).at[jnp.arange(b)[:, None], top].set(m > 0)
+            tokens = jnp.where(newly, pred, tokens)
+            conf = jnp.where(newly, p_max, conf)
+            if lp is not None:
+                out_lp = lp if out_lp is None else jnp.where(newly[..., None], lp, out_lp)
+            fixed = fixed | newly
+            if keep is not None:  # remasked: back to MASK, predicted again by a later pass
+                tokens = jnp.where(keep, tokens, mask_id)
+                fixed = keep
+        return tokens, conf, out_lp
+
+    def draft_block(self, ctx: KVCache, x_last, start):
+        """Drafts bs-1 tokens after x_last. Returns (drafts [B, bs-1], confidence [B, bs-1]).
+
+        denoise_steps = 1: DFlash's single pass. K > 1: K masked-diffusion passes (`denoise`: the
+        positions fixed after each pass by confidence or left to right, optionally remasked).
+        """
+        tokens, conf, _ = self.denoise(ctx, x_last, start)
+        return tokens, conf
+
+    def draft_logprobs(self, ctx: KVCache, x_last, start):
+        """The drafter's log-probabilities [B, bs-1, V] at the block positions after x_last: what a
+        draft tree is built from. One pass over [x_last, MASK * (bs-1)], or with denoise_steps K > 1
+        the K passes of `denoise`, each position's log-probs from the pass that drafted it (the
+        last pass for the positions still masked before it)."""
+        if self.plan.denoise_steps == 1:
+            masks = jnp.full(
+                (x_last.shape[0], self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32
+            )
+            logits = self.draft_logits(ctx, x_last, masks, start)
+            return jax.nn.log_softmax(logits, axis=-1)
+        return self.denoise(ctx, x_last, start, logp=True)[2]
+
+    def propose(self, state: DecodeState, x_last, start) -> Proposal:
+        """Draft: nothing (autoregressive: a drafter that drafts nothing), a chain of bs-1 tokens,
+        or a tree of `self.plan.tree_budget` nodes from the same drafter pass(es)."""
+        b = x_last.shape[0]
+        if self.dmod is None:
+            return Proposal(tokens=x_last[:, None], depths=jnp.zeros((b, 1), jnp.int32))
+        if self.plan.tree_budget:
+            logp = self.draft_logprobs(state.ctx, x_last, start)
+            tree = build_tree(x_last, logp, self.plan.tree_budget)
+            return Proposal(tokens=tree.tokens, depths=tree.depths, tree=tree)
+        drafts, conf = self.draft_block(state.ctx, x_last, start)
+        bs = self.plan.block_size
+        depths = jnp.broadcast_to(jnp.arange(bs, dtype=jnp.int32)[None], (b, bs))
+        tokens = jnp.concatenate([x_last[:, None], drafts], axis=1)
+        return Proposal(tokens=tokens, depths=depths, drafts=drafts, conf=conf)
+
+    def _verify_tokens(self, state: DecodeState, prop: Proposal, start, key) -> Verdict:
+        tap_layers = self.dmod.cfg.target_layer_ids if self.dmod is not None else ()
+        extra = {}
+        if prop.tree is not None:
+            extra = dict(positions_BT=start[:, None] + prop.depths, tree_mask_BTT=prop.tree.mask)
+        hidden, cache, taps = self.tmod.apply(
+            {"params": self.tparams}, prop.tokens, cache=state.cache, tap_layers=tap_layers, **extra
+        )
+        logits = self.lm_logits(hidden)  # [B, T, V]
+        y = pick_tokens(logits, key, self.plan.temperature, self.plan.top_k, self.plan.top_p)
+        return Verdict(y=y, cache=cache, taps=taps)
+
+    def verify(self, state: DecodeState, prop: Proposal, start, key) -> Verdict:
+        """One target pass over the proposal, its K/V appended to the cache at slots start ..
+        start+T-1 (a chain: causal; a tree: each node sees the committed prefix and its own
+        ancestors): the `Verdict`'s y [B, T] (the target's token after each proposed token),
+        cache and taps [B, T, F] for the drafter.
+
+        A chain under `confidence_threshold` verifies only the first w of its T tokens, w the
+        narrowest of `verify_widths` that holds every row's trusted drafts (`lax.switch` over the
+        widths): the confidence saves target compute, not only acceptance. y past w is -1 (never
+        a draft) and the taps there 0 (never committed)."""
+        if self.plan.confidence_threshold is None or prop.drafts is None:
+            return self._verify_tokens(state, prop, start, key)
+        bs = prop.tokens.shape[1]
+
+        def narrow(w):
+            def run():
+                cut = prop.replace(tokens=prop.tokens[:, :w], depths=prop.depths[:, :w])
+                v = self._verify_tokens(state, cut, start, key)
+                pad = ((0, 0), (0, bs - w))
+                y = jnp.pad(v.y, pad, constant_values=-1)
+                return Verdict(y=y, cache=v.cache, taps=jnp.pad(v.taps, pad + ((0, 0),)))
+
+            return run
+
+        idx = verify_width_index(prop.conf, self.plan.confidence_threshold, bs)
+        return jax.lax.switch(idx, [narrow(w) for w in verify_widths(bs)])
+
+    def accept(self, prop: Proposal, verdict: Verdict) -> Verdict:
+        """The verdict with its accepted path ([B, L]: the proposal indices of the accepted
+        drafts by depth, padded) and count a ([B]). The step commits y at [0, path[:a]]: a + 1
+        target tokens."""
+        y = verdict.y
+        b = y.shape[0]
+        if prop.tree is not None:
+            path, a = accept_path(prop.tree, y, self.plan.block_size - 1)
+            return verdict.replace(path=path, accepted=a)
+        if prop.drafts is None:  # autoregressive
+            zeros = jnp.zeros((b, 0), jnp.int32), jnp.zeros((b,), jnp.int32)
+            return verdict.replace(path=zeros[0], accepted=zeros[1])
+        trusted = None
+        if self.plan.confidence_threshold is not None:
+            # Trim the block at the first low-confidence draft: those drafts are never accepted
+            # (still lossless; the bonus token comes from the target).
+            trusted = prop.conf >= self.plan.confidence_threshold
+        path = jnp.broadcast_to(
+            jnp.arange(1, self.plan.block_size, dtype=jnp.int32)[None], prop.drafts.shape
+        )
+        return verdict.replace(path=path, accepted=accepted_prefix(prop.drafts, y, trusted))
+
+    def commit(self, state: DecodeState, prop: Proposal, verdict: Verdict) -> DecodeState:
+        """Commits y at the root and the accepted path (cut at max_new_tokens and at a stop token),
+        rolls both caches back to the committed length (a tree's accepted K/V compacted into
+        place first) and appends the accepted positions' taps to the drafter's context."""
+        y, cache, taps, path, a = (
+            verdict.y,
+            verdict.cache,
+            verdict.taps,
+            verdict.path,
+            verdict.accepted,
+        )
+        start = state.cache.lengths  # position of x_last, the last committed token
+        b, n_buf = state.tokens.shape
+        bidx = jnp.arange(b)
+        nodes = jnp.concatenate([jnp.zeros((b, 1), jnp.int32), path], axis=1)  # [B, L+1]
+        if prop.tree is not None:
+            y = jnp.take_along_axis(y, nodes, axis=1)
+            taps = jnp.take_along_axis(taps, nodes[..., None], axis=1)
+            cache = _compact(cache, path, start, self.plan.attention_impl)
+        width = nodes.shape[1]
+        n = jnp.minimum(a + 1, state.max_new - state.num_out)
+        idx = jnp.arange(width, dtype=jnp.int32)[None]
+        is_stop = (
+            jnp.isin(y, jnp.asarray(self.plan.stop_ids, jnp.int32)) & (idx < n[:, None])
+            if self.plan.stop_ids
+            else jnp.zeros_like(y, bool)
+        )
+        has_stop = jnp.any(is_stop, axis=1)
+        n = jnp.where(has_stop, jnp.argmax(is_stop, axis=1) + 1, n)
+        n = jnp.where(state.done, 0, n).astype(jnp.int32)
+        write_at = jnp.where(idx < n[:, None], state.num_out[:, None] + idx, n_buf)
+        tokens = state.tokens.at[bidx[:, None], write_at].set(y, mode="drop")
+        new_len = start + n
+        cache = cache.rollback(new_len)
+        ctx = state.ctx
+        if self.dmod is not None:
+            positions = start[:, None] + idx
+            ctx = self.write_context(ctx, taps, positions, new_len, start)
+        num_out = state.num_out + n
+        if self.plan.stream is not None:
+            # Optional host callback (only when streaming was asked for): committed tokens
+            # y[b, :n[b]] of this step; ordered so the terminal sees them in sequence.
+            jax.debug.callback(
+                functools.partial(_emit_stream, self.plan.stream), y, n, ordered=True
+            )
+        drafts_rec = state.drafts
+        if self.plan.record_drafts and prop.drafts is not None:
+            drafts_rec = drafts_rec.at[state.step].set(prop.drafts)
+        return state.replace(
+            cache=cache,
+            ctx=ctx,
+            tokens=tokens,
+            num_out=num_out,
+            done=state.done | has_stop | (num_out >= state.max_new),
+            step=state.step + 1,
+            accepted=state.accepted.at[:, state.step].set(n),
+            drafts=drafts_rec,
+        )
+
+    def step(self, state: DecodeState) -> DecodeState:
+        """One draft -> verify -> accept -> commit iteration for the whole batch: autoregressive,
+        chain and tree decoding are the same four methods over a `Proposal`."""
+        start = state.cache.lengths  # position of x_last, the last committed token
+        x_last = state.tokens[jnp.arange(state.tokens.shape[0]), state.num_out - 1]
+        key, sub = jax.random.split(state.key)
+        with jax.named_scope("draft"):
+            prop = self.propose(state, x_last, start)
+        with jax.named_scope("verify"):
+            verdict = self.verify(state, prop, start, sub)
+        with jax.named_scope("accept"):
+            verdict = self.accept(prop, verdict)
+            state = self.commit(state, prop, verdict)
+        return state.replace(key=key)
+
+    def prefill(self, capacity: int, n_buf: int, prompts, prompt_lens, max_new, key) -> DecodeState:
+        """The target over the right-padded prompts [B, P] (in chunks of `plan.prefill_chunk`)
+        into a cache of `capacity` slots, the drafter's context filled from the taps, the first
+        token sampled: the state the decode loop starts from (`n_buf` output slots)."""
+        b, p = prompts.shape
+        tap_layers = self.dmod.cfg.target_layer_ids if self.dmod is not None else ()
+        cache = KVCache.create(self.tmod.cfg, b, capacity)
+        ctx = None if self.dmod is None else KVCache.create(self.dmod.cfg, b, capacity)
+        chunk = self.plan.prefill_chunk
+        if not chunk or p <= chunk or p % chunk:
+            chunk = p  # one pass
+        bidx = jnp.arange(b)
+
+        def prefill_chunk(carry, xs):
+            """Target over prompt tokens [i*chunk, (i+1)*chunk), appended to the caches; keeps
+            the final hidden state of each prompt's last token when it falls in this chunk."""
+            cache, ctx, last = carry
+            ids, i = xs
+            start = i * chunk
+            hidden, cache, taps = self.tmod.apply(
+                {"params": self.tparams}, ids, cache=cache, tap_layers=tap_layers
+            )
+            if self.dmod is not None:
+                positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+                ctx = self.write_context(
+                    ctx, taps, positions, prompt_lens, jnp.full((b,), start, jnp.int32)
+                )
+            at = prompt_lens - 1 - start
+            here = (at >= 0) & (at < chunk)
+            last = jnp.where(here[:, None], hidden[bidx, jnp.clip(at, 0, chunk - 1)], last)
+            return (cache, ctx, last), None
+
+        with jax.named_scope("prefill"):
+            last = jnp.zeros((b, self.tmod.cfg.hidden_size), self.tmod.cfg.dtype)
+            if chunk == p:
+                (cache, ctx, last), _ = prefill_chunk((cache, ctx, last), (prompts, 0))
+            else:
+                chunks = prompts.reshape(b, p // chunk, chunk).transpose(1, 0, 2)  # [n, B, chunk]
+                (cache, ctx, last), _ = jax.lax.scan(
+                    prefill_chunk,
+                    (cache, ctx, last),
+                    (chunks, jnp.arange(p // chunk, dtype=jnp.int32)),
+                )
+            cache = cache.rollback(prompt_lens)
+            last = last[:, None]
+            key, sub = jax.random.split(key)
+            first = pick_tokens(
+                self.lm_logits(last)[:, 0],
+                sub,
+                self.plan.temperature,
+                self.plan.top_k,
+                self.plan.top_p,
+            )
+        tokens = jnp.zeros((b, n_buf), jnp.int32).at[:, 0].set(first)
+        stop = (
+            jnp.isin(first, jnp.asarray(self.plan.stop_ids, jnp.int32))
+            if self.plan.stop_ids
+            else jnp.zeros((b,), bool)
+        )
+        num_out = jnp.ones((b,), jnp.int32)
+        nd = n_buf if self.plan.record_drafts and self.dmod is not None else 0
+        return DecodeState(
+            cache=cache,
+            ctx=ctx,
+            tokens=tokens,
+            num_out=num_out,
+            done=stop | (num_out >= max_new),
+            step=jnp.zeros((), jnp.int32),
+            accepted=jnp.zeros((b, n_buf), jnp.int32),
+            drafts=jnp.zeros((nd, b, self.plan.block_size - 1 if nd else 0), jnp.int32),
+            key=key,
+            max_new=max_new,
+        )
+
+    def decode(self, state: DecodeState) -> DecodeState:
+        """`step` in one `lax.while_loop` until every sequence is done (or the buffer is full)."""
+        n_buf = state.tokens.shape[1]
+
+        def cond(s):
+            return (~jnp.all(s.done)) & (s.step < n_buf)
+
+        return jax.lax.while_loop(cond, self.step, state)
