@@ -68,10 +68,10 @@ CASES = [
     (lambda: checks.prompt_ids([], V), (BAD, "non-empty")),
     (lambda: checks.prompt_ids([[1, 100]], V), (BAD, "outside [0, 100): 100")),
     (lambda: checks.prompt_ids([[-1]], V), (BAD, "outside")),
-    (lambda: checks.stop_token_ids([5, 3, 5], V), (3, 5)),
-    (lambda: checks.stop_token_ids([], V), ()),
-    (lambda: checks.stop_token_ids([100], V), (BAD, "stop_token_ids has token ids outside")),
-    (lambda: checks.stop_token_ids(7, V), (BAD, "must be a list")),
+    (lambda: checks.stop_id_tuple([5, 3, 5], V), (3, 5)),
+    (lambda: checks.stop_id_tuple([], V), ()),
+    (lambda: checks.stop_id_tuple([100], V), (BAD, "stop_token_ids has token ids outside")),
+    (lambda: checks.stop_id_tuple(7, V), (BAD, "must be a list")),
     (lambda: checks.block_size_for(8, 16), 8),
     (lambda: checks.block_size_for(8.0, 16), (BAD, "block_size must be an integer")),
     (lambda: checks.block_size_for(1, 16), (BAD, "block_size must be in [2, 64]")),
@@ -270,6 +270,67 @@ def test_generate_warns_for_a_block_larger_than_the_drafters(small_pair):
     with pytest.warns(UserWarning, match="trained block size 4"):
         res = dj.generate(target, drafter, [[1, 2, 3]], 4, block_size=6)
     assert len(res.tokens[0]) == 4
+
+
+def test_a_request_is_built_once_from_the_configs_and_gives_the_plan(small_pair):
+    """`Request.build` (what generate and the batch runner's pre-load check both call) from
+    the configs alone: normalized values, the settings every entry point passes named once
+    (`Request.SETTINGS` = build's keywords), frozen, and the plan of generate's programs."""
+    import dataclasses
+    import inspect
+
+    from dflash_jax.decoding.request import Request
+    from dflash_jax.decoding.step import Plan
+
+    target, drafter = small_pair
+    kw = [
+        n
+        for n, p in inspect.signature(Request.build).parameters.items()
+        if p.kind == p.KEYWORD_ONLY and n != "labels"
+    ]
+    assert sorted(Request.SETTINGS) == sorted(kw)
+    fields = {f.name for f in dataclasses.fields(Request)}
+    assert fields == set(kw) | {"prompts", "max_new_tokens"}
+
+    r = Request.build(
+        target.config,
+        drafter.config,
+        np.array([[1, 2, 3]]),
+        np.int64(5),
+        stop_token_ids=[9, 3, 9],
+        top_k=4,  # greedy: no top-k in the plan
+        confidence_threshold=0.5,
+    )
+    assert r.prompts == ((1, 2, 3),) and r.max_new_tokens == 5 and r.block_size == 4
+    assert r.stop_token_ids == (3, 9) and r.top_k is None and r.prefill_chunk is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.block_size = 8
+    plan = r.plan("xla")
+    assert plan == Plan(block_size=4, stop_ids=(3, 9), confidence_threshold=0.5)
+    assert r.plan("xla") == plan and hash(r.plan("xla")) == hash(plan)  # a jit key
+    ar = Request.build(target.config, None, [[1]], 2, return_drafts=True, prefill_chunk=0)
+    assert ar.block_size == 1 and ar.return_drafts is False
+    assert ar.plan("xla").prefill_chunk == 0 and not ar.plan("xla").record_drafts
+    sampled = Request.build(target.config, drafter.config, [[1]], 2, temperature=0.7, top_k=4)
+    assert (sampled.plan("xla").top_k, sampled.plan("xla").temperature) == (4, 0.7)
+
+
+@pytest.mark.parametrize(
+    "prompts,message",
+    [
+        ([[1], "abc"], "b.jsonl:7 is a string"),
+        ([[1], []], "b.jsonl:7 is empty"),
+        ([[1], [70]], "b.jsonl:7 has token ids outside [0, 64)"),
+        ([[1], [1] * 255], "b.jsonl:7: 255 prompt tokens + max_new_tokens 4 exceed"),
+    ],
+)
+def test_a_request_names_a_bad_prompt_by_its_label(small_pair, prompts, message):
+    from dflash_jax.decoding.request import Request
+
+    target, drafter = small_pair
+    with pytest.raises(ValueError) as e:
+        Request.build(target.config, drafter.config, prompts, 4, labels=["a.jsonl:1", "b.jsonl:7"])
+    assert message in str(e.value)
 
 
 # ------------------------------------------------------------------------- prompt files

@@ -14,9 +14,7 @@ import numpy as np
 from dflash_jax.decoding.programs import _Compiled, buffer_sizes, generate_programs
 from dflash_jax.decoding.request import (
     GenerationResult,
-    check_denoise,
-    check_request,
-    check_tree_request,
+    Request,
     collect,
     gather_multiprocess,
 )
@@ -25,7 +23,6 @@ from dflash_jax.drafters.dflash import DFlashDrafter, Drafter
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.parallel import sharding
-from dflash_jax.support import checks
 
 
 def generate(
@@ -70,66 +67,85 @@ def generate(
     be masked and predicted again (denoise_steps >= 3, "confidence"). They change the drafts,
     never the output.
     """
-    # Every argument checked (types, ranges, ids in the vocabulary) before any compute.
-    v = check_request(
-        target,
-        drafter,
+    request = Request.build(
+        target.config,
+        drafter.config if drafter is not None else None,
         prompts,
         max_new_tokens,
-        block_size,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        stop_token_ids,
-        denoise_steps,
-        confidence_threshold,
+        block_size=block_size,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        stop_token_ids=stop_token_ids,
+        denoise_steps=denoise_steps,
+        confidence_threshold=confidence_threshold,
+        tree_budget=tree_budget,
+        return_drafts=return_drafts,
+        denoise_schedule=denoise_schedule,
+        remask=remask,
+        prefill_chunk=prefill_chunk,
     )
-    prompts, max_new_tokens, bs = v["prompts"], v["max_new_tokens"], v["block_size"]
-    temperature = v["temperature"]
-    tree_budget = check_tree_request(target, drafter, bs, tree_budget, v, return_drafts)
-    denoise_schedule, remask = check_denoise(
-        denoise_schedule, remask, v["denoise_steps"], has_drafter=drafter is not None
-    )
-    if prefill_chunk is not None:
-        checks.int_param("prefill_chunk", prefill_chunk, lo=0)
     if mesh is not None:
         sharding.check_expert_axis(mesh.shape.get("expert", 1), target.config.num_experts)
-    plan = Plan(
-        block_size=bs,
-        temperature=float(temperature),
-        top_k=None if temperature == 0 else v["top_k"],
-        top_p=None if temperature == 0 else v["top_p"],
-        stop_ids=v["stop_token_ids"],
-        denoise_steps=v["denoise_steps"] if drafter is not None else 1,
-        denoise_schedule=denoise_schedule if drafter is not None else "confidence",
-        remask=remask and drafter is not None,
-        confidence_threshold=v["confidence_threshold"] if drafter is not None else None,
-        record_drafts=bool(return_drafts and drafter is not None),
-        tree_budget=tree_budget,
-        stream=stream_callback,
-        # "pallas"/"auto" made concrete for the devices compiled for (the mesh's).
-        attention_impl=attn_lib.for_devices(attention_impl or target.attention_impl, mesh),
-        **({} if prefill_chunk is None else {"prefill_chunk": int(prefill_chunk)}),
+    # "pallas" / "auto" made concrete for the devices compiled for (the mesh's).
+    impl = attn_lib.for_devices(attention_impl or target.attention_impl, mesh)
+    plan = request.plan(impl, stream_callback)
+    args, shape = _inputs(request)
+    (prefill_x, decode_x, placement), compile_s = _programs(
+        target, drafter, plan, args, shape, mesh
     )
-    b = len(prompts)
+    tparams = target.params
+    dparams = drafter.params if drafter is not None else None
+    if placement is not None:  # put parameters and inputs where the sharded programs want them
+        from dflash_jax.parallel import distributed  # put: also across processes (pod hosts)
+
+        tsh, dsh, arg_sh = placement
+        tparams = distributed.put(tparams, tsh)
+        dparams = None if dparams is None else distributed.put(dparams, dsh)
+        args = tuple(distributed.put(a, s) for a, s in zip(args, arg_sh))
+    state, times = _run(prefill_x, decode_x, tparams, dparams, args, stream_callback)
+    times += (compile_s,)
+    if mesh is not None and jax.process_count() > 1:
+        state, times = gather_multiprocess(state, plan, times)
+    b = len(request.prompts)
+    result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1], compile_s=times[2])
+    if mesh is not None:
+        result.stats.update(
+            mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
+        )
+    return result
+
+
+def _inputs(request: Request):
+    """The programs' inputs (prompts right-padded to their bucket, lengths, max_new_tokens,
+    the PRNG key) and their static shape (batch, padded prompt, output buffer, cache slots)."""
+    prompts = request.prompts
     lens = np.array([len(p) for p in prompts], np.int32)
-    width = bs if tree_budget is None else tree_budget + 1  # cache slots one step writes
-    p_pad, n_buf, capacity = buffer_sizes(int(lens.max()), max_new_tokens, width)
-    ids = np.zeros((b, p_pad), np.int32)
+    tree = request.tree_budget
+    width = request.block_size if tree is None else tree + 1  # cache slots one step writes
+    p_pad, n_buf, capacity = buffer_sizes(int(lens.max()), request.max_new_tokens, width)
+    ids = np.zeros((len(prompts), p_pad), np.int32)
     for i, p in enumerate(prompts):
         ids[i, : len(p)] = p
+    args = (
+        jnp.asarray(ids),
+        jnp.asarray(lens),
+        jnp.asarray(request.max_new_tokens, jnp.int32),
+        jax.random.PRNGKey(request.seed),
+    )
+    return args, (len(prompts), p_pad, n_buf, capacity)
 
+
+def _programs(target, drafter, plan: Plan, args, shape, mesh):
+    """((prefill, decode, placement), seconds compiling): the compiled executables of this
+    plan and shape, found in `_Compiled` or built now. placement: None on one device, else the
+    (target, drafter, input) shardings the sharded programs take their arguments in."""
+    b, p_pad, n_buf, capacity = shape
     tmod = Transformer(target.config, plan.attention_impl)
     dmod = DFlashDrafter(drafter.config) if drafter is not None else None
     tparams = target.params
     dparams = drafter.params if drafter is not None else None
-    args = (
-        jnp.asarray(ids),
-        jnp.asarray(lens),
-        jnp.asarray(max_new_tokens, jnp.int32),
-        jax.random.PRNGKey(v["seed"]),
-    )
     key = (
         tmod,
         dmod,
@@ -157,7 +173,7 @@ def generate(
         repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         arg_sh = (sh["ids"], sh["lens"], repl, repl)
         # Lowered on shapes: the arrays may be placed otherwise (e.g. a trainer's FSDP
-        # layout); they are moved to the programs' shardings below.
+        # layout); they are moved to the programs' shardings by the caller.
         shapes = lambda tree: jax.tree_util.tree_map(
             lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), tree
         )
@@ -169,15 +185,11 @@ def generate(
                 (sh["tparams"], sh["dparams"], arg_sh),
             )
 
-    (prefill_x, decode_x, placement), compile_s = _Compiled.get(key, build)
-    if placement is not None:  # put parameters and inputs where the sharded programs want them
-        from dflash_jax.parallel import distributed  # put: also across processes (pod hosts)
+    return _Compiled.get(key, build)
 
-        tsh, dsh, arg_sh = placement
-        tparams = distributed.put(tparams, tsh)
-        dparams = None if dparams is None else distributed.put(dparams, dsh)
-        args = tuple(distributed.put(a, s) for a, s in zip(args, arg_sh))
 
+def _run(prefill_x, decode_x, tparams, dparams, args, stream_callback):
+    """The prefill and the decode loop, timed apart: (final state, (prefill_s, decode_s))."""
     t0 = time.perf_counter()
     state = prefill_x(tparams, dparams, *args)
     jax.block_until_ready(state.tokens)
@@ -188,12 +200,4 @@ def generate(
     jax.block_until_ready(state.tokens)
     jax.effects_barrier()
     t2 = time.perf_counter()
-    times = (t1 - t0, t2 - t1, compile_s)
-    if mesh is not None and jax.process_count() > 1:
-        state, times = gather_multiprocess(state, plan, times)
-    result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1], compile_s=times[2])
-    if mesh is not None:
-        result.stats.update(
-            mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
-        )
-    return result
+    return state, (t1 - t0, t2 - t1)

@@ -1,17 +1,210 @@
-"""The host side of `decoding.generate`: every argument checked before any compute, and the
-decode state read back into a `GenerationResult` (also across the processes of a pod)."""
+"""A generation request checked once (`Request.build`: the prompts and every setting of
+`generate`, from the models' configs alone, so the batch runner checks a request from the
+config.json files before any weight is read), and the host side of a run: the decode state
+read back into a `GenerationResult` (also across the processes of a pod)."""
 
 from __future__ import annotations
 
 import dataclasses
-from typing import List, Optional
+from typing import Callable, List, Optional, Sequence, Tuple
 
 import jax
 import numpy as np
 
+from dflash_jax.decoding.step import Plan
 from dflash_jax.drafters.dflash import validate_pair
 from dflash_jax.support import checks
-from dflash_jax.support.checks import DENOISE_SCHEDULES, check_denoise  # noqa: F401 (re-exported)
+from dflash_jax.support.checks import MAX_TREE_BUDGET, check_denoise
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request, checked and normalized: what `generate` takes besides the
+    models, the mesh and the callbacks. Build it with `Request.build` (the one place the
+    settings are checked); `plan` gives the static settings of the compiled programs."""
+
+    prompts: Tuple[Tuple[int, ...], ...]
+    max_new_tokens: int
+    block_size: int  # the verify block; 1: autoregressive (no drafter)
+    temperature: float = 0.0
+    top_k: Optional[int] = None
+    top_p: Optional[float] = None
+    seed: int = 0
+    stop_token_ids: Tuple[int, ...] = ()
+    denoise_steps: int = 1
+    denoise_schedule: str = "confidence"
+    remask: bool = False
+    confidence_threshold: Optional[float] = None
+    tree_budget: Optional[int] = None
+    return_drafts: bool = False
+    prefill_chunk: Optional[int] = None  # None: `Plan.prefill_chunk`
+
+    # The settings (keyword arguments of `build`, fields besides prompts and max_new_tokens).
+    SETTINGS = (
+        "block_size",
+        "temperature",
+        "top_k",
+        "top_p",
+        "seed",
+        "stop_token_ids",
+        "denoise_steps",
+        "denoise_schedule",
+        "remask",
+        "confidence_threshold",
+        "tree_budget",
+        "return_drafts",
+        "prefill_chunk",
+    )
+
+    @classmethod
+    def build(
+        cls,
+        target_config,
+        drafter_config,
+        prompts,
+        max_new_tokens,
+        *,
+        block_size=None,
+        temperature=0.0,
+        top_k=None,
+        top_p=None,
+        seed=0,
+        stop_token_ids=(),
+        denoise_steps=1,
+        confidence_threshold=None,
+        tree_budget=None,
+        return_drafts=False,
+        denoise_schedule="confidence",
+        remask=False,
+        prefill_chunk=None,
+        labels: Optional[Sequence[str]] = None,
+    ) -> "Request":
+        """Every setting checked (types, ranges, ids in the vocabulary, the context length,
+        what needs a drafter, what combines) against the target's and the drafter's configs
+        (`drafter_config` None: autoregressive). Raises ValueError (one line) naming the
+        setting, or a bad prompt by its label (`labels[i]`, e.g. "file.jsonl:3"; default
+        "prompt i")."""
+        drafted = drafter_config is not None
+        if drafted:
+            validate_pair(drafter_config, target_config)
+        vocab = target_config.vocab_size
+        prompts = checks.prompt_ids(prompts, vocab, labels=labels)
+        max_new_tokens = checks.int_param("max_new_tokens", max_new_tokens, lo=1)
+        seed = checks.seed_param("seed", seed)
+        temperature, top_k, top_p = checks.sampling_params(temperature, top_k, top_p)
+        stop = checks.stop_id_tuple(stop_token_ids, vocab)
+        steps = checks.int_param("denoise_steps", denoise_steps, lo=1)
+        threshold = checks.confidence_threshold(confidence_threshold)
+        if drafted:
+            bs = drafter_config.block_size if block_size is None else block_size
+            bs = checks.block_size_for(bs, drafter_config.block_size)
+            if steps > bs - 1:
+                raise ValueError(
+                    f"denoise_steps must be in [1, {bs - 1}] (block_size - 1), got {steps}"
+                )
+        else:
+            bs = 1
+            for name, given in (
+                ("denoise_steps", steps != 1),
+                ("confidence_threshold", threshold is not None),
+            ):
+                if given:  # refused like tree_budget: a setting that cannot apply is not ignored
+                    raise ValueError(
+                        f"{name} needs a drafter (autoregressive decoding drafts nothing)"
+                    )
+        _check_context(target_config, prompts, max_new_tokens, labels)
+        tree_budget = _check_tree(target_config, drafted, bs, tree_budget, threshold, return_drafts)
+        denoise_schedule, remask = check_denoise(
+            denoise_schedule, remask, steps, has_drafter=drafted
+        )
+        if prefill_chunk is not None:
+            prefill_chunk = checks.int_param("prefill_chunk", prefill_chunk, lo=0)
+        greedy = temperature == 0
+        return cls(
+            prompts=tuple(tuple(p) for p in prompts),
+            max_new_tokens=max_new_tokens,
+            block_size=bs,
+            temperature=float(temperature),
+            top_k=None if greedy else top_k,
+            top_p=None if greedy else top_p,
+            seed=seed,
+            stop_token_ids=stop,
+            denoise_steps=steps,
+            denoise_schedule=denoise_schedule,
+            remask=remask,
+            confidence_threshold=threshold,
+            tree_budget=tree_budget,
+            return_drafts=bool(return_drafts and drafted),
+            prefill_chunk=prefill_chunk,
+        )
+
+    def plan(
+        self, attention_impl: str, stream: Optional[Callable[[List[List[int]]], None]] = None
+    ) -> Plan:
+        """The static settings of this request's programs (`attention_impl` made concrete for
+        the devices compiled for; `stream`: generate's stream_callback)."""
+        return Plan(
+            block_size=self.block_size,
+            temperature=self.temperature,
+            top_k=self.top_k,
+            top_p=self.top_p,
+            stop_ids=self.stop_token_ids,
+            denoise_steps=self.denoise_steps,
+            denoise_schedule=self.denoise_schedule,
+            remask=self.remask,
+            confidence_threshold=self.confidence_threshold,
+            record_drafts=self.return_drafts,
+            tree_budget=self.tree_budget,
+            stream=stream,
+            attention_impl=attention_impl,
+            **({} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}),
+        )
+
+
+def _check_context(cfg, prompts, max_new_tokens, labels=None) -> None:
+    """Each prompt plus max_new_tokens within the target's context length."""
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > cfg.max_position_embeddings:
+            where = labels[i] if labels is not None else f"prompt {i}"
+            raise ValueError(
+                f"{where}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
+                f"the model's context length max_position_embeddings="
+                f"{cfg.max_position_embeddings}"
+            )
+
+
+def _check_tree(target_config, drafted, block_size, tree_budget, threshold, return_drafts):
+    """tree_budget checked against the rest of the request: None (the chain) or an int in
+    [1, MAX_TREE_BUDGET] that the block's depth can hold, with a drafter, no confidence
+    threshold and no draft recording."""
+    if tree_budget is None:
+        return None
+    if isinstance(tree_budget, bool) or not isinstance(tree_budget, (int, np.integer)):
+        raise ValueError(f"tree_budget must be an int or None, got {tree_budget!r}")
+    tree_budget = int(tree_budget)
+    if not drafted:
+        raise ValueError("tree_budget needs a drafter (autoregressive decoding drafts nothing)")
+    if not 1 <= tree_budget <= MAX_TREE_BUDGET:
+        raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
+    from dflash_jax.decoding.tree import max_nodes
+
+    most = max_nodes(block_size - 1, min(tree_budget, target_config.vocab_size))
+    if tree_budget > most:
+        raise ValueError(
+            f"tree_budget {tree_budget} exceeds the {most} draft prefixes a block of "
+            f"{block_size} can hold"
+        )
+    for name, bad, why in (
+        (
+            "confidence_threshold",
+            threshold is not None,
+            "a tree spends its budget where the drafter is unsure by construction",
+        ),
+        ("return_drafts", bool(return_drafts), "drafts are recorded for chains only"),
+    ):
+        if bad:
+            raise ValueError(f"tree_budget does not combine with {name}: {why}")
+    return tree_budget
 
 
 @dataclasses.dataclass
@@ -31,123 +224,6 @@ class GenerationResult:
     @property
     def tau(self) -> Optional[float]:
         return self.stats["tau"]
-
-
-def check_request(
-    target,
-    drafter,
-    prompts,
-    max_new_tokens,
-    block_size,
-    temperature,
-    top_k,
-    top_p,
-    seed,
-    stop_token_ids,
-    denoise_steps,
-    confidence_threshold,
-    labels=None,
-) -> dict:
-    """The arguments of `generate` checked (types, ranges, ids in the vocabulary, the context
-    length) and normalized (`checks.check_generate_args`'s dict). Raises ValueError naming
-    a bad prompt by its label (`labels[i]`, e.g. "file.jsonl:3"; default "prompt i")."""
-    if drafter is not None:
-        validate_pair(drafter.config, target.config)
-    v = checks.check_generate_args(
-        target.config,
-        drafter.config if drafter is not None else None,
-        prompts,
-        max_new_tokens,
-        block_size,
-        temperature,
-        top_k,
-        top_p,
-        seed,
-        stop_token_ids,
-        denoise_steps,
-        confidence_threshold,
-    )
-    validate_request(
-        target,
-        drafter,
-        v["prompts"],
-        v["max_new_tokens"],
-        v["block_size"],
-        v["denoise_steps"],
-        labels=labels,
-    )
-    return v
-
-
-# Tree budgets above this are refused: the builder is O(budget^2) per row and step, and the
-# published speed peaks at 256-512 nodes on an H200 (DDTree).
-MAX_TREE_BUDGET = 1024
-
-
-def check_tree_request(target, drafter, block_size, tree_budget, v, return_drafts=False):
-    """`generate`'s tree_budget checked against the rest of the request (one ValueError, before
-    any compute): None (the chain) or an int in [1, MAX_TREE_BUDGET] that the block's depth can
-    hold, with a drafter, no confidence threshold and no draft recording."""
-    if tree_budget is None:
-        return None
-    if isinstance(tree_budget, bool) or not isinstance(tree_budget, (int, np.integer)):
-        raise ValueError(f"tree_budget must be an int or None, got {tree_budget!r}")
-    tree_budget = int(tree_budget)
-    if drafter is None:
-        raise ValueError("tree_budget needs a drafter (autoregressive decoding drafts nothing)")
-    if not 1 <= tree_budget <= MAX_TREE_BUDGET:
-        raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
-    from dflash_jax.decoding.tree import max_nodes
-
-    most = max_nodes(block_size - 1, min(tree_budget, target.config.vocab_size))
-    if tree_budget > most:
-        raise ValueError(
-            f"tree_budget {tree_budget} exceeds the {most} draft prefixes a block of "
-            f"{block_size} can hold"
-        )
-    for name, bad, why in (
-        (
-            "confidence_threshold",
-            v["confidence_threshold"] is not None,
-            "a tree spends its budget where the drafter is unsure by construction",
-        ),
-        ("return_drafts", bool(return_drafts), "drafts are recorded for chains only"),
-    ):
-        if bad:
-            raise ValueError(f"tree_budget does not combine with {name}: {why}")
-    return tree_budget
-
-
-def validate_request(
-    target, drafter, prompts, max_new_tokens, block_size, denoise_steps, labels=None
-):
-    """Raises ValueError for bad input before any compute (a prompt named by `labels[i]`)."""
-    cfg = target.config
-    if drafter is not None:
-        validate_pair(drafter.config, cfg)
-    if not isinstance(prompts, (list, tuple)) or not prompts:
-        raise ValueError("prompts must be a non-empty list of token-id lists")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-    if drafter is not None and not 2 <= block_size <= 64:
-        raise ValueError(f"block_size must be in [2, 64], got {block_size}")
-    if denoise_steps < 1 or (drafter is not None and denoise_steps > block_size - 1):
-        raise ValueError(f"denoise_steps must be in [1, block_size-1], got {denoise_steps}")
-    for i, p in enumerate(prompts):
-        where = labels[i] if labels is not None else f"prompt {i}"
-        if len(p) == 0:
-            raise ValueError(f"{where} is empty")
-        lo, hi = min(p), max(p)
-        if lo < 0 or hi >= cfg.vocab_size:
-            raise ValueError(
-                f"{where} has token ids outside [0, {cfg.vocab_size}): range [{lo}, {hi}]"
-            )
-        if len(p) + max_new_tokens > cfg.max_position_embeddings:
-            raise ValueError(
-                f"{where}: {len(p)} prompt tokens + max_new_tokens {max_new_tokens} exceed "
-                f"the model's context length max_position_embeddings="
-                f"{cfg.max_position_embeddings}"
-            )
 
 
 def gather_multiprocess(state, plan, times):

@@ -240,11 +240,19 @@ def _check_sizes(args) -> None:
         checks.int_param("--context", args.context, lo=1, error=E)
         checks.int_param("--max_new_tokens", args.max_new_tokens, lo=1, error=E)
         if args.block_size is not None:
-            checks.int_param("--block_size", args.block_size, lo=2, hi=64, error=E)
+            checks.int_param(
+                "--block_size",
+                args.block_size,
+                lo=checks.BLOCK_SIZE_MIN,
+                hi=checks.BLOCK_SIZE_MAX,
+                error=E,
+            )
         if args.prefill_chunk is not None:
             checks.int_param("--prefill_chunk", args.prefill_chunk, lo=0, error=E)
         if getattr(args, "tree_budget", None) is not None:
-            checks.int_param("--tree_budget", args.tree_budget, lo=1, hi=1024, error=E)
+            checks.int_param(
+                "--tree_budget", args.tree_budget, lo=1, hi=checks.MAX_TREE_BUDGET, error=E
+            )
         denoise = getattr(args, "denoise_steps", 1)
         checks.int_param("--denoise_steps", denoise, lo=1, error=E)
         if denoise != 1:
@@ -486,7 +494,9 @@ def infer_main(
         if batch is not None:
             checks.int_param("--batch_size", batch, lo=1)
         if block_size is not None:
-            checks.int_param("--block_size", block_size, lo=2, hi=64)
+            checks.int_param(
+                "--block_size", block_size, lo=checks.BLOCK_SIZE_MIN, hi=checks.BLOCK_SIZE_MAX
+            )
     except ValueError as e:
         cli.fail(cli.one_line(e))
     attention = "" if attention in (None, "auto") else attention

@@ -36,7 +36,6 @@ import json
 import os
 import sys
 import tempfile
-import types
 import warnings
 from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
@@ -414,7 +413,7 @@ def check_before_loading(
     the vocabulary, the seed and sampling, and the attention implementation on `mesh`'s
     devices (the default backend's without one), the target's quantization_config and the
     `quantize` request (an LM head that is tied cannot be int8). Raises ValueError (one line)."""
-    from dflash_jax.decoding.request import check_denoise, check_request, check_tree_request
+    from dflash_jax.decoding.request import Request
     from dflash_jax.drafters.dflash import DrafterConfig
     from dflash_jax.models import attention, checkpoint
     from dflash_jax.models.config import ModelConfig
@@ -455,37 +454,10 @@ def check_before_loading(
         attention.for_devices(attention_impl, mesh)
     except ValueError as e:
         raise ValueError(f"attention_impl {attention_impl!r}: {e}") from None
-    g = dict(gen_kw)
+    settings = {k: v for k, v in gen_kw.items() if k in Request.SETTINGS}
     with warnings.catch_warnings():  # generate itself warns (block_size past the drafter's)
         warnings.simplefilter("ignore")
-        v = check_request(
-            types.SimpleNamespace(config=tcfg),
-            types.SimpleNamespace(config=dcfg) if dcfg is not None else None,
-            prompts,
-            g.get("max_new_tokens"),
-            g.get("block_size"),
-            g.get("temperature", 0.0),
-            g.get("top_k"),
-            g.get("top_p"),
-            g.get("seed", 0),
-            g.get("stop_token_ids", ()),
-            g.get("denoise_steps", 1),
-            g.get("confidence_threshold"),
-            labels=labels,
-        )
-        check_tree_request(
-            types.SimpleNamespace(config=tcfg),
-            types.SimpleNamespace(config=dcfg) if dcfg is not None else None,
-            v["block_size"],
-            g.get("tree_budget"),
-            v,
-        )
-        check_denoise(
-            g.get("denoise_schedule", "confidence"),
-            g.get("remask", False),
-            v["denoise_steps"],
-            has_drafter=dcfg is not None,
-        )
+        Request.build(tcfg, dcfg, prompts, gen_kw.get("max_new_tokens"), labels=labels, **settings)
     if mesh is not None:
         from dflash_jax.parallel import sharding
 

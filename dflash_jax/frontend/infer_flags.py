@@ -9,6 +9,9 @@ from typing import Mapping, Optional
 
 from dflash_jax.support.checks import (
     ATTENTION_IMPLS,
+    BLOCK_SIZE_MAX,
+    BLOCK_SIZE_MIN,
+    MAX_TREE_BUDGET,
     check_denoise,
     confidence_threshold,
     int_param,
@@ -93,9 +96,9 @@ def check_infer_flags(f: Mapping) -> None:
             raise ValueError("--" + str(e)) from None
     seed_param("--seed", f.get("seed", 0))
     if f["block_size"] is not None:
-        int_param("--block_size", f["block_size"], lo=2, hi=64)
+        int_param("--block_size", f["block_size"], lo=BLOCK_SIZE_MIN, hi=BLOCK_SIZE_MAX)
     if f.get("tree_budget") is not None:
-        int_param("--tree_budget", f["tree_budget"], lo=1, hi=1024)
+        int_param("--tree_budget", f["tree_budget"], lo=1, hi=MAX_TREE_BUDGET)
     impl = f.get("attention_impl", "xla")
     if impl not in ATTENTION_IMPLS:
         near = difflib.get_close_matches(str(impl), ATTENTION_IMPLS, n=1)

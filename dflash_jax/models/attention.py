@@ -26,8 +26,10 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.models.layers import masked_attention
+from dflash_jax.support.checks import ATTENTION_IMPLS
 
-IMPLS = ("xla", "pallas", "pallas_interpret", "auto", "pallas_tpu", "pallas_triton", "pallas_cudnn")
+# The implementations a user may name (ATTENTION_IMPLS) and those they resolve to per platform.
+IMPLS = ATTENTION_IMPLS + ("pallas_tpu", "pallas_triton", "pallas_cudnn")
 
 
 def _compile_platform() -> str:

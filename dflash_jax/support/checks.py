@@ -21,7 +21,7 @@ import math
 import numbers
 import os
 import warnings
-from typing import Iterable, List, Mapping, Optional, Tuple
+from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -113,9 +113,12 @@ def token_id_list(
     return out
 
 
-def prompt_ids(prompts, vocab_size: Optional[int] = None) -> List[List[int]]:
+def prompt_ids(
+    prompts, vocab_size: Optional[int] = None, labels: Optional[Sequence[str]] = None
+) -> List[List[int]]:
     """`prompts` as a list of token-id lists (one per prompt). A flat list of ints, a string,
-    or a list of strings is an error that says what was expected."""
+    or a list of strings is an error that says what was expected; a bad prompt is named by
+    `labels[i]` (e.g. "file.jsonl:3"), default "prompt i"."""
     if isinstance(prompts, np.ndarray):
         prompts = prompts.tolist() if prompts.ndim == 2 else prompts
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, (list, tuple)):
@@ -131,14 +134,15 @@ def prompt_ids(prompts, vocab_size: Optional[int] = None) -> List[List[int]]:
         )
     out = []
     for i, p in enumerate(prompts):
+        where = labels[i] if labels is not None and i < len(labels) else f"prompt {i}"
         if isinstance(p, (str, bytes)):
             raise ValueError(
-                f"prompt {i} is a string ({p[:30]!r}); prompts are token ids: "
+                f"{where} is a string ({p[:30]!r}); prompts are token ids: "
                 "encode text with the target's tokenizer first"
             )
         if isinstance(p, (list, tuple, np.ndarray)) and len(p) == 0:
-            raise ValueError(f"prompt {i} is empty")
-        out.append(token_id_list(f"prompt {i}", p, vocab_size))
+            raise ValueError(f"{where} is empty")
+        out.append(token_id_list(where, p, vocab_size))
     return out
 
 
@@ -154,7 +158,7 @@ def sampling_params(temperature, top_k, top_p) -> Tuple[float, Optional[int], Op
     return temperature, top_k, top_p
 
 
-def stop_token_ids(ids: Iterable, vocab_size: int) -> Tuple[int, ...]:
+def stop_id_tuple(ids: Iterable, vocab_size: int) -> Tuple[int, ...]:
     """Sorted distinct stop ids, each an integer in [0, vocab_size)."""
     if isinstance(ids, (str, bytes)) or (ids is not None and _is_int(ids)):
         raise ValueError(f"stop_token_ids must be a list of token ids, got {_describe(ids)}")
@@ -162,10 +166,19 @@ def stop_token_ids(ids: Iterable, vocab_size: int) -> Tuple[int, ...]:
     return tuple(sorted(set(ids)))
 
 
+# The ranges every entry point checks against, stated once: the verify block (a drafter's block
+# size, generate's and infer.py's --block_size, the dry run's, the trainer's) and the draft tree
+# (above MAX_TREE_BUDGET the builder's O(budget^2) per row and step dominates; the published
+# speed peaks at 256-512 nodes on an H200, DDTree).
+BLOCK_SIZE_MIN, BLOCK_SIZE_MAX = 2, 64
+MAX_TREE_BUDGET = 1024
+
+
 def block_size_for(block_size, drafter_block_size: int) -> int:
-    """A verify block size in [2, 64]; larger than the drafter's trained block size is allowed
-    (the drafter was never trained to fill those positions) with an explicit warning."""
-    block_size = int_param("block_size", block_size, lo=2, hi=64)
+    """A verify block size in [BLOCK_SIZE_MIN, BLOCK_SIZE_MAX]; larger than the drafter's
+    trained block size is allowed (the drafter was never trained to fill those positions) with
+    an explicit warning."""
+    block_size = int_param("block_size", block_size, lo=BLOCK_SIZE_MIN, hi=BLOCK_SIZE_MAX)
     if block_size > drafter_block_size:
         warnings.warn(
             f"block_size {block_size} is larger than the drafter's trained block size "
@@ -320,7 +333,9 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
         "unlikelihood.prompt_source", c.unlikelihood.prompt_source, ("docs", "functions", "mixed")
     )
     int_param("seed", c.seed, error=E)
-    int_param("drafter.block_size", c.drafter.block_size, lo=2, hi=64, error=E)
+    int_param(
+        "drafter.block_size", c.drafter.block_size, lo=BLOCK_SIZE_MIN, hi=BLOCK_SIZE_MAX, error=E
+    )
     int_param("drafter.num_layers", c.drafter.num_layers, lo=1, error=E)
     int_param("drafter.num_taps", c.drafter.num_taps, lo=1, error=E)
     int_param("drafter.mask_token_id", c.drafter.mask_token_id, lo=-1, error=E)
@@ -390,51 +405,6 @@ ATTENTION_IMPLS = ("xla", "pallas", "pallas_interpret", "auto")
 
 def seed_param(name: str, value) -> int:
     return int_param(name, value, lo=SEED_MIN, hi=SEED_MAX)
-
-
-def check_generate_args(
-    target_config,
-    drafter_config,
-    prompts,
-    max_new_tokens,
-    block_size,
-    temperature,
-    top_k,
-    top_p,
-    seed,
-    stop_ids,
-    denoise_steps,
-    confidence_threshold_,
-) -> dict:
-    """Every argument of `generate` checked and normalized (see `decoding.generate`); returns
-    them as a dict. `drafter_config` None: autoregressive (block_size/denoise unused)."""
-    vocab = target_config.vocab_size
-    out = dict(
-        prompts=prompt_ids(prompts, vocab),
-        max_new_tokens=int_param("max_new_tokens", max_new_tokens, lo=1),
-        seed=seed_param("seed", seed),
-    )
-    out["temperature"], out["top_k"], out["top_p"] = sampling_params(temperature, top_k, top_p)
-    out["stop_token_ids"] = stop_token_ids(stop_ids, vocab)
-    out["denoise_steps"] = int_param("denoise_steps", denoise_steps, lo=1)
-    out["confidence_threshold"] = confidence_threshold(confidence_threshold_)
-    if drafter_config is not None:
-        bs = drafter_config.block_size if block_size is None else block_size
-        out["block_size"] = block_size_for(bs, drafter_config.block_size)
-        if out["denoise_steps"] > out["block_size"] - 1:
-            raise ValueError(
-                f"denoise_steps must be in [1, {out['block_size'] - 1}] (block_size - 1), "
-                f"got {denoise_steps}"
-            )
-    else:
-        out["block_size"] = 1
-        for name, given in (
-            ("denoise_steps", out["denoise_steps"] != 1),
-            ("confidence_threshold", out["confidence_threshold"] is not None),
-        ):
-            if given:  # refused like tree_budget: a setting that cannot apply is not ignored
-                raise ValueError(f"{name} needs a drafter (autoregressive decoding drafts nothing)")
-    return out
 
 
 DENOISE_SCHEDULES = ("confidence", "fixed")
