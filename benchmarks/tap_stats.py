@@ -71,7 +71,7 @@ def main(argv):
     taps = []
     for r in rows[: FLAGS.rows]:
         ids = np.asarray([r["input_ids"][: FLAGS.tokens]], np.int32)
-        _, _, t = tmod.apply({"params": target.params}, ids, tap_layers=layers, taps_only=True)
+        t = tmod.apply({"params": target.params}, ids, layers, method=Transformer.taps)
         taps.append(np.asarray(t)[0, 1:])
     rec = {
         "data": data_stats(rows, FLAGS.max_new_tokens),

@@ -94,11 +94,11 @@ def test_taps_only_forward_is_the_same_with_splash_as_with_chunked_xla():
         return Transformer(cfg, impl).apply(
             {"params": params},
             ids,
+            (0, 2),
             segment_ids_BT=seg,
-            tap_layers=(0, 2),
-            taps_only=True,
             attn_chunk=32,
-        )[2]
+            method=Transformer.taps,
+        )
 
     want, got = taps("xla"), taps("pallas_interpret")
     assert got.shape == (2, 137, 2 * cfg.hidden_size)

@@ -695,10 +695,9 @@ def test_fc_init_tap_rms_equalizes_the_tapped_features(regen_file):
     }
     batch = exp.eval_batches[0]
     rms = experiment.tap_rms(tmod, big, dcfg, [batch])
-    _, _, taps = tmod.apply(
-        {"params": big}, jnp.asarray(batch["input_ids"]),
-        segment_ids_BT=jnp.asarray(batch["segment_ids"]), tap_layers=tuple(dcfg.target_layer_ids),
-        taps_only=True,
+    taps = tmod.apply(
+        {"params": big}, jnp.asarray(batch["input_ids"]), tuple(dcfg.target_layer_ids),
+        segment_ids_BT=jnp.asarray(batch["segment_ids"]), method=dj.Transformer.taps,
     )  # fmt: skip
     x = np.asarray(taps, np.float64)[:, 1:][np.asarray(batch["segment_ids"])[:, 1:] > 0]
     np.testing.assert_allclose(rms, np.sqrt((x**2).mean(0)), rtol=1e-4)

@@ -277,21 +277,20 @@ def test_taps_only_pass_equals_the_full_forward_taps():
     for taps_at, segj in (((0, 2), jnp.asarray(seg)), ((1, 3), None), ((2,), jnp.asarray(seg))):
         _, _, full = tmod.apply({"params": params}, ids, tap_layers=taps_at, segment_ids_BT=segj)
         for chunk in (8, 64):  # 8 does not divide 37
-            h, cache, taps = tmod.apply(
+            taps = tmod.apply(
                 {"params": params},
                 ids,
-                tap_layers=taps_at,
+                taps_at,
                 segment_ids_BT=segj,
-                taps_only=True,
                 attn_chunk=chunk,
+                method=Transformer.taps,
             )
-            assert h is None and cache is None
             np.testing.assert_allclose(np.asarray(taps), np.asarray(full), rtol=2e-5, atol=2e-5)
     # Layers above the last tap are never computed: their parameters do not matter.
     broken = jax.tree_util.tree_map(lambda x: x, params)
     broken["layers_4"] = jax.tree_util.tree_map(lambda x: x * jnp.nan, params["layers_4"])
-    _, _, t1 = tmod.apply({"params": broken}, ids, tap_layers=(1, 3), taps_only=True)
-    _, _, t2 = tmod.apply({"params": params}, ids, tap_layers=(1, 3), taps_only=True)
+    t1 = tmod.apply({"params": broken}, ids, (1, 3), method=Transformer.taps)
+    t2 = tmod.apply({"params": params}, ids, (1, 3), method=Transformer.taps)
     np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
 
 
@@ -302,11 +301,14 @@ def test_taps_only_pass_memory_grows_linearly_not_quadratically():
     tmod = Transformer(cfg)
 
     def temp_bytes(t, taps_only):
-        fn = jax.jit(
-            lambda p, ids: tmod.apply(
-                {"params": p}, ids, tap_layers=(0, 1), taps_only=taps_only, attn_chunk=128
-            )[2]
-        )
+        def run(p, ids):
+            if taps_only:  # the taps entry point: chunked causal attention
+                return tmod.apply(
+                    {"params": p}, ids, (0, 1), attn_chunk=128, method=Transformer.taps
+                )
+            return tmod.apply({"params": p}, ids, tap_layers=(0, 1))[2]  # the dense forward
+
+        fn = jax.jit(run)
         ids = jax.ShapeDtypeStruct((1, t), jnp.int32)
         return fn.lower(params, ids).compile().memory_analysis().temp_size_in_bytes
 

@@ -308,12 +308,22 @@ class Decoder:
 
     def _verify_tokens(self, state: DecodeState, prop: Proposal, start, key) -> Verdict:
         tap_layers = self.dmod.cfg.target_layer_ids if self.dmod is not None else ()
-        extra = {}
-        if prop.tree is not None:
-            extra = dict(positions_BT=start[:, None] + prop.depths, tree_mask_BTT=prop.tree.mask)
-        hidden, cache, taps = self.tmod.apply(
-            {"params": self.tparams}, prop.tokens, cache=state.cache, tap_layers=tap_layers, **extra
-        )
+        variables = {"params": self.tparams}
+        if prop.tree is None:
+            hidden, cache, taps = self.tmod.apply(
+                variables, prop.tokens, cache=state.cache, tap_layers=tap_layers
+            )
+        else:
+            positions = start[:, None] + prop.depths
+            hidden, cache, taps = self.tmod.apply(
+                variables,
+                prop.tokens,
+                positions,
+                state.cache,
+                prop.tree.mask,
+                tap_layers,
+                method=Transformer.verify_tree,
+            )
         logits = self.lm_logits(hidden)  # [B, T, V]
         y = pick_tokens(logits, key, self.plan.temperature, self.plan.top_k, self.plan.top_p)
         return Verdict(y=y, cache=cache, taps=taps)

@@ -16,7 +16,7 @@ presets (models, the trainer config), compiled (memory plan, cost analysis, coll
 programs (`dry_run_infer`, `dry_run_train`), cli (report lines, `main`, `infer_main` for
 `infer.py --dry_run`).
 
-  infer: the programs of `decoding.generate` through `decoding.generate_programs`: the prefill,
+  infer: the programs of `generate` through `decoding.programs.generate_programs`: the prefill,
          the DFlash decode loop and the autoregressive decode loop, sharded by the partition
          rules, for each attention implementation asked for ("pallas": the TPU kernels).
   train: the trainer's own step: `training.step.make_train_step` with the shardings of
@@ -28,11 +28,11 @@ compiled cost analysis), and the collectives of the compiled HLO with their byte
 fails with RESOURCE_EXHAUSTED is reported as "does not fit" with the compiler's numbers.
 
 What the cost analysis of the decode loop counts (measured, see `_loop_step_costs`): the
-`while_loop` body ONCE (the FLOPs of the loop program equal those of one `spec_step` compiled on
+`while_loop` body ONCE (the FLOPs of the loop program equal those of one `Decoder.step` compiled on
 its own), plus the work outside the loop that runs once per call, notably the weight relayout
 copies the compiler hoists out of the loop (each weight read and written once). So its bytes are
 not one step's. The roofline therefore takes one step's FLOPs, bytes and collectives as the
-difference between the loop program with two `spec_step`s per iteration and the real one.
+difference between the loop program with two `Decoder.step`s per iteration and the real one.
 
 The roofline (`roofline`), two step models side by side. The cost analysis's: time per step =
 max(FLOPs / peak, bytes accessed / HBM bandwidth) + collective bytes moved / ICI bandwidth

@@ -174,74 +174,31 @@ def dry_run_infer(
                     )
                 if f"{kind}_decode" not in want:
                     continue
-                loop = compile_stats(
+                loop, text, lowered = _decode_loop(
                     lambda: decode_jit.lower(tp_a, dp_a, state),
                     capacity_bytes,
                     hlo(f"{kind}_decode"),
-                    keep_text=True,
+                    capacity * max(1, tcfg.num_kv_heads // m.shape["tensor"]) * tcfg.head_dim,
+                    capacity,
                 )
-                text = loop.pop("hlo_text", None)
-                lowered_text = loop.pop("lowered_hlo_text", None)
-                if text is not None:
-                    # Instructions of the loop body that copy a cache-sized buffer (pad, copy,
-                    # transpose, concatenate, relayout: `hlo.cache_sized_copies`), at the
-                    # smallest per-chip cache (KV heads per chip x head_dim x capacity).
-                    heads = max(1, tcfg.num_kv_heads // m.shape["tensor"])
-                    loop["cache_sized_copies"] = hlo_scan.cache_sized_copies(
-                        text, capacity, capacity * heads * tcfg.head_dim
-                    )
                 programs[f"{kind}_decode" + suffix] = loop
-                if step_costs and gpu and loop["flops"] is not None:
-                    # XLA:GPU's compiled cost analysis gives no FLOPs or bytes: the step's
-                    # FLOPs are the matmuls of the loop body as lowered, its bytes the HBM
-                    # model's; one GPU, no collectives. No cost-analysis model (no two-step
-                    # loop to compile).
-                    steps[f"{kind}_step" + suffix] = {
-                        "flops": hbm.loop_dot_flops(lowered_text),
-                        "flops_source": "matmuls of the lowered loop body (hbm.loop_dot_flops)",
-                        "bytes_accessed": None,
-                        "collective_moved_bytes": moved_bytes(loop),
-                    }
-                elif step_costs and chip is not None and loop["flops"] is not None:
-                    twice = jax.jit(
-                        _loop_program(tmod, dmod, plan, 2),
-                        in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
-                        out_shardings=sh["state"],
-                        donate_argnums=(2,),
-                    )
-                    two = compile_stats(lambda: twice.lower(tp_a, dp_a, state), None)
-                    steps[f"{kind}_step" + suffix] = {
-                        "flops": two["flops"] - loop["flops"],
-                        "bytes_accessed": two["bytes_accessed"] - loop["bytes_accessed"],
-                        "collective_moved_bytes": moved_bytes(two) - moved_bytes(loop),
-                        "collectives_per_step": sum(c["count"] for c in two["collectives"])
-                        - sum(c["count"] for c in loop["collectives"]),
-                        "loop_flops": loop["flops"],
-                    }
-                if f"{kind}_step" + suffix in steps:
-                    # The HBM model (dry_run.hbm): one iteration of the real loop's body is
-                    # one step; no differencing.
-                    traffic = hbm.hbm_traffic(text)
-                    count, latency = hbm.loop_collective_latency(text)
-                    steps[f"{kind}_step" + suffix].update(
-                        hbm_bytes=traffic["hbm_bytes"],
-                        hbm_by_op=traffic["by_op"],
-                        top_ops=traffic["top_ops"],
-                        loop_collectives=count,
-                        collective_latency_s=latency,
-                    )
+                if step_costs and loop["flops"] is not None and (gpu or chip is not None):
+                    twice = None
+                    if not gpu:  # the cost analysis' step: a two-step loop minus the real one
+                        two_jit = jax.jit(
+                            _loop_program(tmod, dmod, plan, 2),
+                            in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
+                            out_shardings=sh["state"],
+                            donate_argnums=(2,),
+                        )
+                        twice = compile_stats(lambda: two_jit.lower(tp_a, dp_a, state), None)
+                    steps[f"{kind}_step" + suffix] = _step_figures(loop, text, lowered, twice)
             if impl_name == attention[0]:
-                st = sh["state_shape"]
-                caches = [st.cache] + ([st.ctx] if st.ctx is not None else [])
-                sizes[f"{kind}_cache_bytes"] = sum(
-                    tree_bytes_per_device(c, sharding.cache_sharding(c, m)) for c in caches
-                )
-                sizes[f"{kind}_param_bytes"] = tree_bytes_per_device(tparams, sh["tparams"]) + (
-                    0 if dp is None else tree_bytes_per_device(dp, sh["dparams"])
-                )
-                sizes[f"{kind}_floor_bytes"] = _floor(
-                    tcfg, tparams, sh["tparams"], dp, sh["dparams"], st, m, capacity,
-                    context, width, plan.denoise_steps if dmod is not None else 0,
+                sizes.update(
+                    _size_figures(
+                        kind, sh, tparams, dp, tcfg, m, capacity, context, width,
+                        plan.denoise_steps if dmod is not None else 0,
+                    )
                 )  # fmt: skip
     result = {
         "topology": topology or platform_name(m),
@@ -271,6 +228,73 @@ def dry_run_infer(
     }
     result["roofline"] = roofline(steps, chip, sizes, attention, taus) if steps else {}
     return result
+
+
+def _decode_loop(lower, capacity_bytes, hlo_path, cache_elems, capacity):
+    """(the decode loop's compile stats, its optimized HLO text, its lowered HLO text), with
+    the loop body's instructions that copy a cache-sized buffer (pad, copy, transpose,
+    concatenate, relayout: `hlo.cache_sized_copies`) at the smallest per-chip cache
+    (`cache_elems`: KV heads per chip x head_dim x capacity)."""
+    loop = compile_stats(lower, capacity_bytes, hlo_path, keep_text=True)
+    text = loop.pop("hlo_text", None)
+    lowered = loop.pop("lowered_hlo_text", None)
+    if text is not None:
+        loop["cache_sized_copies"] = hlo_scan.cache_sized_copies(text, capacity, cache_elems)
+    return loop, text, lowered
+
+
+def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
+    """One decode step's figures. On a TPU (`twice`: the stats of the loop with two steps per
+    iteration) the cost analysis' FLOPs, bytes and collectives as the difference from the real
+    loop; on a GPU (`twice` None: XLA:GPU's cost analysis gives no FLOPs or bytes) the
+    matmuls of the lowered loop body, one GPU, no collectives. Both with the HBM model
+    (`dry_run.hbm`: one iteration of the real loop's body is one step; no differencing)."""
+    if twice is None:
+        step = {
+            "flops": hbm.loop_dot_flops(lowered),
+            "flops_source": "matmuls of the lowered loop body (hbm.loop_dot_flops)",
+            "bytes_accessed": None,
+            "collective_moved_bytes": moved_bytes(loop),
+        }
+    else:
+        step = {
+            "flops": twice["flops"] - loop["flops"],
+            "bytes_accessed": twice["bytes_accessed"] - loop["bytes_accessed"],
+            "collective_moved_bytes": moved_bytes(twice) - moved_bytes(loop),
+            "collectives_per_step": sum(c["count"] for c in twice["collectives"])
+            - sum(c["count"] for c in loop["collectives"]),
+            "loop_flops": loop["flops"],
+        }
+    traffic = hbm.hbm_traffic(text)
+    count, latency = hbm.loop_collective_latency(text)
+    step.update(
+        hbm_bytes=traffic["hbm_bytes"],
+        hbm_by_op=traffic["by_op"],
+        top_ops=traffic["top_ops"],
+        loop_collectives=count,
+        collective_latency_s=latency,
+    )
+    return step
+
+
+def _size_figures(kind, sh, tparams, dp, tcfg, m, capacity, context, width, passes):
+    """Per-device bytes of the caches and parameters of one kind of decode ("dflash", "ar")
+    and the analytic floor of its step (`_floor`)."""
+    from dflash_jax.parallel import sharding
+
+    st = sh["state_shape"]
+    caches = [st.cache] + ([st.ctx] if st.ctx is not None else [])
+    return {
+        f"{kind}_cache_bytes": sum(
+            tree_bytes_per_device(c, sharding.cache_sharding(c, m)) for c in caches
+        ),
+        f"{kind}_param_bytes": tree_bytes_per_device(tparams, sh["tparams"])
+        + (0 if dp is None else tree_bytes_per_device(dp, sh["dparams"])),
+        f"{kind}_floor_bytes": _floor(
+            tcfg, tparams, sh["tparams"], dp, sh["dparams"], st, m, capacity, context, width,
+            passes,
+        ),
+    }  # fmt: skip
 
 
 def dry_run_train(

@@ -3,7 +3,7 @@ reuse: the model line, a completion streamed as it is committed, one section per
 totals with the DFlash-vs-autoregressive comparison.
 
     print(report.model_line("Qwen/Qwen3-8B", target.config, "z-lab/...", jax.default_backend()))
-    rep = batch_infer.run_prompts(target, drafter, prompts, batch_size=8, compare_ar=True, ...)
+    rep = batch_runner.run_prompts(target, drafter, prompts, batch_size=8, compare_ar=True, ...)
     report.print_run(rep, prompts, tokenizer=tok, batch_size=8, with_drafter=True)
     report.totals_lines(rep.totals, batch_size=8, with_drafter=True)   # the last lines, as text
 
@@ -83,7 +83,7 @@ def completion(tokenizer, prompt: Sequence[int], record: dict, out=None) -> str:
 def totals_lines(
     totals: dict, *, batch_size: int, with_drafter: bool, sampled: bool = False
 ) -> List[str]:
-    """The summary of `run_prompts`' totals (`batch_infer.summarize`): tokens, tau (its spread
+    """The summary of `run_prompts`' totals (`batch_runner.summarize`): tokens, tau (its spread
     over several prompts), decode tokens/s, prefill time; and, when the run was compared with
     autoregressive decoding, its tokens/s, the speedup and whether the outputs were identical.
     Without a decode step (totals["tau"] None) tau, tokens/s and the speedup read n/a.

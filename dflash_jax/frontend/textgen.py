@@ -2,9 +2,9 @@
 text side (tokenizer, stop ids, vocabulary size; prompts encoded with them), and DFlash timed
 against autoregressive decoding on the same prompts after an untimed warm-up.
 
-    text = serving.load_text("assets/tiny-code/target")
+    text = textgen.load_text("assets/tiny-code/target")
     prompts = text.encode([{"prompt": "def fib(n):"}])
-    c = serving.compare(target, drafter, prompts, max_new_tokens=64)  # stop ids: the target's
+    c = textgen.compare(target, drafter, prompts, max_new_tokens=64)  # stop ids: the target's
     c.identical, c.speedup, c.spec.tau   # c.spec / c.ar: GenerationResults of the timed runs
 """
 

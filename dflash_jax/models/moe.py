@@ -11,7 +11,7 @@ tokens of the batch (and of the draft block), and speculative decoding would no 
 lossless. The N*k pairs are sorted by expert and each expert matmul is one
 `jax.lax.ragged_dot` over the sorted rows (a group per expert).
 
-Under a context mesh of several devices (`jax.sharding.set_mesh`, as `decoding.generate`
+Under a context mesh of several devices (`jax.sharding.set_mesh`, as `generate`
 sets for a mesh) the block runs per shard (`shard_map`): tokens over the data axes, the stacked
 expert weights [E, ...] over `expert` (expert parallelism) and their SwiGLU width over
 `tensor`. Every device routes its data shard's tokens (the router is replicated), computes the

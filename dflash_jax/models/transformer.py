@@ -176,20 +176,20 @@ class Transformer(nn.Module):
     """Qwen3 / Llama-3 / Qwen3-MoE decoder. Parameter names follow the Hugging Face layout
     (a Qwen3-MoE layer's experts stacked, `moe.SparseMoE`).
 
-    __call__(input_ids [B,T], positions [B,T], cache=None, tap_layers=(), segment_ids=None)
-      -> (hidden [B,T,H] after the final norm, cache or None, taps [B,T,n*H] or None)
+    Entry points, one per use:
+      __call__(input_ids [B,T], positions [B,T]=None, cache=None, tap_layers=(), segment_ids=None)
+        -> (hidden [B,T,H] after the final norm, cache or None, taps [B,T,n*H] or None):
+        training and evaluation without a cache; the prefill and a chain's verify with one
+      verify_tree(input_ids, positions, cache, tree_mask, tap_layers=()): a draft tree's verify
+      taps(input_ids, tap_layers, positions=None, segment_ids=None): the frozen target pass of
+        drafter training, the taps only
+      embed(input_ids), logits(hidden): the embedding and the LM head
 
     With a cache, positions default to `cache.lengths + arange(T)` and the returned cache has
     `lengths + T`: the caller rolls back what it does not commit.
 
     `tap_layers` are 0-based decoder-layer indices; tap i is the residual stream after layer i
     (Hugging Face `hidden_states[i + 1]`).
-
-    `taps_only=True` (the frozen target pass of drafter training; no cache): the forward stops
-    at the last tapped layer (the layers above it, the final norm and the LM head are never
-    computed) and its causal attention is `attention.causal_attention` under `attention_impl`
-    (splash attention on TPU, Pallas Triton flash attention on GPU, `attn_chunk` queries at a
-    time in XLA otherwise), never a dense [B, N, T, T] score tensor. Returns (None, None, taps).
     """
 
     cfg: ModelConfig
@@ -249,38 +249,37 @@ class Transformer(nn.Module):
         cache: Optional[KVCache] = None,
         tap_layers: Sequence[int] = (),
         segment_ids_BT=None,
-        taps_only: bool = False,
-        attn_chunk: int = 512,
-        tree_mask_BTT=None,
     ):
-        c = self.cfg
-        if taps_only:
-            if cache is not None or not tap_layers:
-                raise ValueError("taps_only needs tap_layers and no cache")
-            return (
-                None,
-                None,
-                self._taps_only(
-                    input_ids_BT, positions_BT, tuple(tap_layers), segment_ids_BT, attn_chunk
-                ),
-            )
+        """The forward: without a cache, causal over the block (within `segment_ids_BT`'s
+        documents when given: packed training rows); with a cache, the block appended to it
+        (the prefill and a chain's verify), positions `cache.lengths + arange(T)` by default.
+        Returns (hidden, cache or None, taps or None)."""
         b, t = input_ids_BT.shape
         starts = None  # with a cache and default positions: each row writes a contiguous block
         if positions_BT is None:
             base = 0 if cache is None else cache.lengths[:, None]
             positions_BT = base + jnp.arange(t, dtype=jnp.int32)[None, :]
             starts = None if cache is None else cache.lengths
-        inv_freq = rope_inv_freq(c)
-        x = self.embed(input_ids_BT)
         mask = None
-        if tree_mask_BTT is not None:
-            if cache is None or starts is not None:
-                raise ValueError("tree_mask_BTT needs a cache and the tree's positions_BT")
-            starts = cache.lengths
-        elif cache is None:
+        if cache is None:
             mask = positions_BT[:, None, :] <= positions_BT[:, :, None]
             if segment_ids_BT is not None:
                 mask &= segment_ids_BT[:, None, :] == segment_ids_BT[:, :, None]
+        return self._layers(input_ids_BT, positions_BT, cache, tap_layers, mask, starts)
+
+    def verify_tree(self, input_ids_BT, positions_BT, cache: KVCache, tree_mask_BTT, tap_layers=()):
+        """A draft tree's verify: the T nodes at `positions_BT` (committed length + depth),
+        written at slots `cache.lengths + t`; node t sees the committed slots and node u iff
+        `tree_mask_BTT[b, t, u]`. Returns (hidden, cache, taps or None) as `__call__`."""
+        return self._layers(
+            input_ids_BT, positions_BT, cache, tap_layers, None, cache.lengths, tree_mask_BTT
+        )
+
+    def _layers(self, ids_BT, positions_BT, cache, tap_layers, mask, starts, tree_mask_BTT=None):
+        c = self.cfg
+        t = ids_BT.shape[1]
+        inv_freq = rope_inv_freq(c)
+        x = self.embed(ids_BT)
         taps = []
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
@@ -311,7 +310,18 @@ class Transformer(nn.Module):
             tap_out = jnp.concatenate([by_layer[i] for i in tap_layers], axis=-1)
         return hidden, new_cache, tap_out
 
-    def _taps_only(self, input_ids_BT, positions_BT, tap_layers, segment_ids_BT, attn_chunk):
+    def taps(
+        self, input_ids_BT, tap_layers, positions_BT=None, segment_ids_BT=None, attn_chunk=512
+    ):
+        """The frozen target pass of drafter training (no cache): the taps [B, T, n*H] only.
+        The forward stops at the last tapped layer (the layers above it, the final norm and the
+        LM head are never computed) and its causal attention is `attention.causal_attention`
+        under `attention_impl` (splash attention on TPU, Pallas Triton flash attention on GPU,
+        `attn_chunk` queries at a time in XLA otherwise), never a dense [B, N, T, T] score
+        tensor."""
+        tap_layers = tuple(tap_layers)
+        if not tap_layers:
+            raise ValueError("taps needs tap_layers")
         b, t = input_ids_BT.shape
         if positions_BT is None:
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))

@@ -13,7 +13,7 @@ import subprocess
 import sys
 from typing import Any, Dict, Optional, Sequence
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the checkout
 # Results are written into the tree: their own changes do not make the code dirty.
 RESULTS_DIR = os.path.join("benchmarks", "results")
 # Environment variables that change what the library computes or compiles (recorded as set).

@@ -182,36 +182,72 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
 
 def build_experiment(config, workdir: str) -> Experiment:
     """Tokenizer, data, target, drafter and loss for `config`."""
-    from dflash_jax.data import (
-        PackedBatchIterator,
-        load_tokenizer,
-        tokenize_example,
-        train_bpe_tokenizer,
-    )
-    from dflash_jax.data.builders import iter_texts
-
     mode = config.mode
     if mode not in ("drafter", "target"):
         raise ValueError(f"mode must be 'drafter' or 'target', got {mode!r}")
-    d = config.data
     rng = np.random.RandomState(config.seed)
-
-    # Tokenizer. Model locations may be hub ids (resolved to their cached snapshots).
+    # Model locations may be hub ids (resolved to their cached snapshots).
     target_path = hub.local_path(config.target_path, what="target") if config.target_path else ""
+    train_src = val_src = None
+    d = config.data
+    if d.kind in ("stdlib", "files") or (
+        d.kind == "regenerated" and config.regen.prompt_source not in ("random", "file")
+    ):
+        train_src, val_src = _tfds_sources(config, workdir)
+    tokenizer, tok_dir = _tokenizer(config, workdir, target_path, train_src)
+    eos_id = tokenizer.eos_id if tokenizer is not None else None
+    pad_id = tokenizer.pad_id if tokenizer is not None else 0
+    tcfg, tparams = _target(config, target_path, tokenizer)
+    tmod = Transformer(tcfg, config.attention_impl)  # the target pass: causal_attention
+    train_docs, eval_docs, tokenize_fn, eval_prompts = _documents(
+        config, workdir, tcfg, tparams, tokenizer, tok_dir, train_src, val_src, rng
+    )
+    train_iter, steps_per_epoch, eval_batches = _batches(
+        config, train_docs, eval_docs, tokenize_fn, pad_id
+    )
+    dcfg, dmod, init, loss_fn = _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches)
+    stop_ids = (eos_id,) if eos_id is not None else ()
+    sampler = None
+    if mode == "target" and config.unlikelihood.weight > 0:
+        sampler = _repetition_sampler(
+            config, tcfg, tokenizer, train_docs, tokenize_fn, stop_ids, pad_id, rng
+        )
+    return Experiment(
+        config=config,
+        mode=mode,
+        target_cfg=tcfg,
+        tmod=tmod,
+        target_params=tparams,
+        drafter_cfg=dcfg,
+        dmod=dmod,
+        init_params=init,
+        loss_fn=loss_fn,
+        train_iter=train_iter,
+        steps_per_epoch=steps_per_epoch,
+        eval_batches=eval_batches,
+        eval_prompts=eval_prompts,
+        tokenizer=tokenizer,
+        tokenizer_dir=tok_dir,
+        stop_ids=stop_ids,
+        repetition_sampler=sampler,
+    )
+
+
+def _tokenizer(config, workdir, target_path, train_src):
+    """(tokenizer or None, its directory): config.tokenizer_dir's or the target's; a small
+    target trained from scratch on text data gets one trained on the training split (once, by
+    the primary process, in workdir/tokenizer)."""
+    from dflash_jax.data import load_tokenizer, train_bpe_tokenizer
+    from dflash_jax.data.builders import iter_texts
+
     tok_dir = (
         hub.local_path(config.tokenizer_dir, what="tokenizer")
         if config.tokenizer_dir
         else target_path
     ) or None
-    tokenizer = None
     if tok_dir and os.path.exists(os.path.join(tok_dir, "tokenizer.json")):
-        tokenizer = load_tokenizer(tok_dir)
-    train_src = val_src = None
-    if d.kind in ("stdlib", "files") or (
-        d.kind == "regenerated" and config.regen.prompt_source not in ("random", "file")
-    ):
-        train_src, val_src = _tfds_sources(config, workdir)
-    if tokenizer is None and mode == "target" and d.kind != "synthetic":
+        return load_tokenizer(tok_dir), tok_dir
+    if config.mode == "target" and config.data.kind != "synthetic":
         tok_dir = os.path.join(workdir, "tokenizer")
 
         def load_or_train():
@@ -224,25 +260,31 @@ def build_experiment(config, workdir: str) -> Experiment:
                 total=len(train_src),
             )
 
-        tokenizer = distributed.primary_first(load_or_train, "tokenizer")  # one writer
-    eos_id = tokenizer.eos_id if tokenizer is not None else None
-    pad_id = tokenizer.pad_id if tokenizer is not None else 0
+        return distributed.primary_first(load_or_train, "tokenizer"), tok_dir  # one writer
+    return None, tok_dir
 
-    # Target.
+
+def _target(config, target_path, tokenizer):
+    """(config, parameters) of the target: loaded from target_path, else fresh ones of
+    config.target_model's shape over the tokenizer's vocabulary."""
     if target_path:
         target = load_target(target_path, dtype=config.dtype)
-        tcfg, tparams = target.config, target.params
-    else:
-        vocab = tokenizer.vocab_size if tokenizer is not None else 0
-        tcfg = model_config_from(config, vocab)
-        if tcfg.vocab_size <= 0:
-            raise ValueError("target_model.vocab_size is needed without a tokenizer")
-        tparams = fresh_target_params(tcfg, config.target_model)
-    tmod = Transformer(tcfg, config.attention_impl)  # the target pass: causal_attention
+        return target.config, target.params
+    vocab = tokenizer.vocab_size if tokenizer is not None else 0
+    tcfg = model_config_from(config, vocab)
+    if tcfg.vocab_size <= 0:
+        raise ValueError("target_model.vocab_size is needed without a tokenizer")
+    return tcfg, fresh_target_params(tcfg, config.target_model)
 
-    # Documents.
+
+def _documents(config, workdir, tcfg, tparams, tokenizer, tok_dir, train_src, val_src, rng):
+    """(train documents, eval documents, their tokenize function, eval prompts) of
+    config.data.kind: synthetic ids, responses regenerated by the target, or text."""
+    from dflash_jax.data import tokenize_example
+
+    d = config.data
+    eos_id = tokenizer.eos_id if tokenizer is not None else None
     text_tokenize = (lambda ex: tokenize_example(ex, tokenizer)) if tokenizer else None
-    eval_prompts: List[List[int]] = []
     if d.kind == "synthetic":
         drng = np.random.RandomState(config.seed + 17)
         docs = [
@@ -253,36 +295,41 @@ def build_experiment(config, workdir: str) -> Experiment:
             for _ in range(d.num_docs)
         ]
         train_docs, eval_docs = docs[: int(0.9 * len(docs))], docs[int(0.9 * len(docs)) :]
-        tokenize_fn = _ids_doc(eos_id)
         eval_prompts = [
             list(rec["prompt_ids"]) + list(rec["response_ids"][:8])
             for rec in eval_docs[: config.eval_num_prompts]
         ]
-    elif d.kind == "regenerated":
-        if mode != "drafter":
+        return train_docs, eval_docs, _ids_doc(eos_id), eval_prompts
+    if d.kind == "regenerated":
+        if config.mode != "drafter":
             raise ValueError("data.kind='regenerated' is for drafter training")
         train_docs, eval_docs = _regenerated_docs(
             config, workdir, tcfg, tparams, tokenizer, train_src, text_tokenize, rng, tok_dir
         )
         from dflash_jax.training.regenerate import record_tokens
 
-        tokenize_fn = record_tokens  # responses end with the eos the target produced
         eval_prompts = [list(rec["prompt_ids"]) for rec in eval_docs[: config.eval_num_prompts]]
-    else:
-        if tokenizer is None:
-            raise ValueError(
-                f"data.kind={d.kind!r} needs a tokenizer (tokenizer_dir or a "
-                "target_path with tokenizer.json)"
-            )
-        train_docs, eval_docs, tokenize_fn = train_src, val_src, text_tokenize
-        eval_prompts = (
-            window_prompts(
-                eval_docs, tokenize_fn, config.eval_num_prompts, config.eval_prompt_len, rng
-            )
-            if len(eval_docs)
-            else []
+        # responses end with the eos the target produced
+        return train_docs, eval_docs, record_tokens, eval_prompts
+    if tokenizer is None:
+        raise ValueError(
+            f"data.kind={d.kind!r} needs a tokenizer (tokenizer_dir or a "
+            "target_path with tokenizer.json)"
         )
+    eval_prompts = (
+        window_prompts(val_src, text_tokenize, config.eval_num_prompts, config.eval_prompt_len, rng)
+        if len(val_src)
+        else []
+    )
+    return train_src, val_src, text_tokenize, eval_prompts
 
+
+def _batches(config, train_docs, eval_docs, tokenize_fn, pad_id):
+    """(the packed training batch iterator, steps per epoch, the first config.eval_batches
+    packed eval batches)."""
+    from dflash_jax.data import PackedBatchIterator
+
+    d = config.data
     epoch_tokens = sum(len(tokenize_fn(train_docs[i])[0]) for i in range(len(train_docs)))
     steps_per_epoch = max(1, math.ceil(epoch_tokens / (d.seq_len * d.batch_size)))
     train_iter = PackedBatchIterator(
@@ -312,78 +359,56 @@ def build_experiment(config, workdir: str) -> Experiment:
             eval_batches.append(batch)
             if len(eval_batches) >= config.eval_batches:
                 break
+    return train_iter, steps_per_epoch, eval_batches
 
-    # Trained model and loss.
-    dcfg = dmod = None
-    if mode == "drafter":
-        dc = config.drafter
-        mask_id = dc.mask_token_id
-        if mask_id < 0:
-            mask_id = (
-                tokenizer.mask_id
-                if tokenizer is not None and tokenizer.mask_id is not None
-                else tcfg.vocab_size - 1
-            )
-        overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
-        if dc.get("param_dtype"):  # float32 masters; the frozen target keeps its dtype
-            overrides["param_dtype"] = as_dtype(dc.param_dtype)
-        dcfg = make_drafter_config(
-            tcfg,
-            num_layers=dc.num_layers,
-            num_taps=dc.num_taps,
-            block_size=dc.block_size,
-            mask_token_id=mask_id,
-            target_layer_ids=tuple(dc.target_layer_ids) or None,
-            **overrides,
-        )
-        if dc.init_path:
-            from dflash_jax.drafters.dflash import load_drafter
 
-            dcfg_params = load_drafter(
-                dc.init_path,
-                target=Target(tcfg, tparams),
-                param_dtype=dc.get("param_dtype") or None,
-            )
-            dcfg, init = dcfg_params.config, dcfg_params.params
-        else:
-            init = init_drafter_params(dcfg, seed=config.seed)
-            if dc.get("fc_init", "normal") == "tap_rms":
-                init = scale_fc_by_tap_rms(init, tmod, tparams, dcfg, eval_batches)
-        dmod = DFlashDrafter(dcfg)
-        loss_fn = drafter_loss_fn(config, tmod, dmod)
-    else:
-        init = tparams
+def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
+    """(drafter config, drafter module, initial parameters, loss function): the drafter (its
+    config from config.drafter and the target; initialized fresh, fc rows scaled by the tap
+    RMS, or from drafter.init_path) in drafter mode; the target itself in target mode."""
+    if config.mode != "drafter":
         ul_weight = float(config.unlikelihood.weight)
 
         def loss_fn(params, frozen, batch, key):
             del frozen, key
             return unlikelihood.combined_loss(tmod, params, batch, ul_weight, losses.target_loss)
 
-    stop_ids = (eos_id,) if eos_id is not None else ()
-    sampler = None
-    if mode == "target" and config.unlikelihood.weight > 0:
-        sampler = _repetition_sampler(
-            config, tcfg, tokenizer, train_docs, tokenize_fn, stop_ids, pad_id, rng
+        return None, None, tparams, loss_fn
+    dc = config.drafter
+    mask_id = dc.mask_token_id
+    if mask_id < 0:
+        mask_id = (
+            tokenizer.mask_id
+            if tokenizer is not None and tokenizer.mask_id is not None
+            else tcfg.vocab_size - 1
         )
-    return Experiment(
-        config=config,
-        mode=mode,
-        target_cfg=tcfg,
-        tmod=tmod,
-        target_params=tparams,
-        drafter_cfg=dcfg,
-        dmod=dmod,
-        init_params=init,
-        loss_fn=loss_fn,
-        train_iter=train_iter,
-        steps_per_epoch=steps_per_epoch,
-        eval_batches=eval_batches,
-        eval_prompts=eval_prompts,
-        tokenizer=tokenizer,
-        tokenizer_dir=tok_dir,
-        stop_ids=stop_ids,
-        repetition_sampler=sampler,
+    overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
+    if dc.get("param_dtype"):  # float32 masters; the frozen target keeps its dtype
+        overrides["param_dtype"] = as_dtype(dc.param_dtype)
+    dcfg = make_drafter_config(
+        tcfg,
+        num_layers=dc.num_layers,
+        num_taps=dc.num_taps,
+        block_size=dc.block_size,
+        mask_token_id=mask_id,
+        target_layer_ids=tuple(dc.target_layer_ids) or None,
+        **overrides,
     )
+    if dc.init_path:
+        from dflash_jax.drafters.dflash import load_drafter
+
+        loaded = load_drafter(
+            dc.init_path,
+            target=Target(tcfg, tparams),
+            param_dtype=dc.get("param_dtype") or None,
+        )
+        dcfg, init = loaded.config, loaded.params
+    else:
+        init = init_drafter_params(dcfg, seed=config.seed)
+        if dc.get("fc_init", "normal") == "tap_rms":
+            init = scale_fc_by_tap_rms(init, tmod, tparams, dcfg, eval_batches)
+    dmod = DFlashDrafter(dcfg)
+    return dcfg, dmod, init, drafter_loss_fn(config, tmod, dmod)
 
 
 def tap_rms(tmod, tparams, dcfg, batches) -> np.ndarray:
@@ -393,12 +418,12 @@ def tap_rms(tmod, tparams, dcfg, batches) -> np.ndarray:
     sq, n = 0.0, 0
     for batch in batches:
         ids = jnp.asarray(batch["input_ids"])
-        _, _, taps = tmod.apply(
+        taps = tmod.apply(
             {"params": tparams},
             ids,
+            tuple(dcfg.target_layer_ids),
             segment_ids_BT=jnp.asarray(batch["segment_ids"]),
-            tap_layers=tuple(dcfg.target_layer_ids),
-            taps_only=True,
+            method=Transformer.taps,
         )
         x = np.asarray(taps, np.float64)[:, 1:]
         mask = np.asarray(batch["segment_ids"])[:, 1:] > 0

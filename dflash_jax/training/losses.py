@@ -350,13 +350,19 @@ def drafter_loss(
 
     # "ce" needs only the taps: the target stops at the last tapped layer, with chunked causal
     # attention (no [B, N, S, S] scores). "kl" needs the final hidden states: full forward.
-    hidden_t, _, taps = tmod.apply(
-        tvars,
-        ids,
-        segment_ids_BT=batch["segment_ids"],
-        tap_layers=recipe.tap_layers,
-        taps_only=recipe.loss == "ce",
-    )
+    if recipe.loss == "ce":
+        hidden_t = None
+        taps = tmod.apply(
+            tvars,
+            ids,
+            recipe.tap_layers,
+            segment_ids_BT=batch["segment_ids"],
+            method=Transformer.taps,
+        )
+    else:
+        hidden_t, _, taps = tmod.apply(
+            tvars, ids, segment_ids_BT=batch["segment_ids"], tap_layers=recipe.tap_layers
+        )
     taps = jax.lax.stop_gradient(taps)
 
     anchors, valid, masked, scale = drafter_draws(recipe, loss_mask, seg, row_keys(key, b))

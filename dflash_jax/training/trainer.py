@@ -245,9 +245,8 @@ def train_and_evaluate(config, workdir: str) -> dict:
      "export": path or None}."""
     accum = preflight(config, workdir)
     workdir = make_workdir(workdir)
-    regen_only = config.regen.get("only", False)
     exp = build_experiment(config, workdir)
-    if regen_only:  # the responses exist now (build_experiment wrote or found them)
+    if config.regen.get("only", False):  # the responses exist now (build_experiment wrote them)
         path = config.regen.output or os.path.join(workdir, "regenerated.jsonl")
         _log(f"regen.only: responses in {path}; no training")
         return {
@@ -258,6 +257,131 @@ def train_and_evaluate(config, workdir: str) -> dict:
             "export": None,
             "regenerated": path,
         }
+    run = _setup(config, workdir, exp, accum)
+    logger = MetricsLogger(
+        workdir,
+        resume_step=int(run.state.step),  # no duplicate rows
+        enabled=distributed.is_primary(),
+    )
+    bar = console.progress(total=run.total, initial=int(run.state.step), desc="train", unit="step")
+    window = _LogWindow(config, run, logger, bar)
+    flag = _StopFlag().install()
+    profiler = _Profiler(config)
+    try:
+        status, step, state, last_eval = _loop(config, run, window, flag, logger, profiler)
+        if status != "nan" and run.ckpt.maybe_save(
+            step, state, run.exp.train_iter.get_state, force=True
+        ):
+            _log(f"checkpoint step {step} -> {run.ckpt.directory}")
+        if status == "done" and step < run.total:
+            status = "stopped"
+    finally:
+        bar.close()
+        profiler.close()
+        run.ckpt.close()
+        flag.uninstall()
+        logger.close()
+
+    export_path = None
+    # A time-sliced stage (stop_at_step) exports too: the drafter so far, usable at once.
+    if config.export and status in ("done", "stopped"):
+        export_path = export(exp, state.params, os.path.join(workdir, "export"))
+        _log(f"exported to {export_path}")
+    return {
+        "status": status,
+        "step": step,
+        "losses": window.history,
+        "eval": last_eval,
+        "export": export_path,
+        "total_steps": run.total,
+    }
+
+
+def _loop(config, run: "_Run", window: "_LogWindow", flag, logger, profiler):
+    """The training steps from the restored one to `run.stop_at`: (status, step, state, last
+    eval metrics). Metrics are read one step late (as nanodo does): step k's are read after
+    step k + 1 is dispatched, so the host never waits for the device before queueing the next
+    step; steps whose state is used (evaluation, checkpoint, the last) are read at once, so no
+    state with a non-finite loss is evaluated or saved."""
+    exp, ckpt = run.exp, run.ckpt
+    state, step = run.state, int(run.state.step)
+    status, last_eval = "done", {}
+    pending = None  # (step, metrics on device, rep_frac) not read yet
+    while step < run.stop_at:
+        try:
+            batch = next(exp.train_iter)
+        except StopIteration:
+            status = "data_exhausted"
+            break
+        profiler.maybe_start(step)
+        batch = {k: batch[k] for k in ("input_ids", "loss_mask", "segment_ids")}
+        rep_frac = None
+        if exp.repetition_sampler is not None:
+            ul_batch, rep_frac = exp.repetition_sampler(state.params, step, run.eval_mesh)
+            batch.update(ul_batch)
+        new_state, metrics = run.train_step(state, run.frozen, distributed.put(batch, run.data_sh))
+        interrupts.release()  # a signal from here on: this step is saved, then exit 3
+        if pending is not None:
+            ok, pending = window.finish(*pending), None
+            if not ok:
+                break
+        profiler.maybe_stop(step, metrics)
+        state = new_state
+        step += 1
+        pending = (step, metrics, rep_frac)
+        evaluating = config.eval_every > 0 and (step % config.eval_every == 0 or step == run.total)
+        if evaluating or step % ckpt.every == 0 or step == run.stop_at:
+            ok, pending = window.finish(*pending), None
+            if not ok:
+                break
+        if evaluating:
+            last_eval = evaluate(exp, state.params, run.eval_step, step, run.frozen, run.eval_mesh)
+            logger.write("eval", step, last_eval)
+            _log(f"eval step {step}: " + _eval_line(last_eval))
+        if ckpt.maybe_save(step, state, exp.train_iter.get_state):
+            _log(f"checkpoint step {step} -> {ckpt.directory}")
+        # A signal to any one process stops all of them after the same step.
+        if distributed.any_process(flag.signum is not None):
+            if pending is not None and not window.finish(*pending):
+                break  # (a non-finite loss: stopped, nothing saved)
+            pending = None
+            status = "preempted"
+            _log(f"signal {flag.signum or 'to another process'}: saving step {step} and stopping")
+            break
+    if pending is not None:  # the data ran out before the last step's read
+        window.finish(*pending)
+    if window.bad_step is not None:
+        status, step = "nan", window.bad_step - 1
+        _log(
+            f"ERROR: non-finite loss ({window.bad_loss}) at step {window.bad_step}; stopping. "
+            f"The last good checkpoint (step {ckpt.manager.latest_step()}) is kept; this state "
+            "is not saved."
+        )
+    return status, step, state, last_eval
+
+
+def _eval_line(metrics: dict) -> str:
+    return " ".join(
+        f"{k} {v:.3f}"
+        for k, v in metrics.items()
+        if not k.startswith("acc_k") or k in ("acc_k01", "acc_k02", "acc_k04", "acc_k08")
+    )
+
+
+class _Run:
+    """What the loop runs with, fixed before its first step (`_setup`)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _setup(config, workdir: str, exp, accum: int) -> _Run:
+    """The one-time setup: step counts, optimizer, the mesh and its shardings (checked against
+    the batch and the experts), the data streams of this process, the checkpoint restored (all
+    processes at the same step), the state and frozen parameters placed, the jitted train and
+    eval steps; the start-up lines logged."""
+    from dflash_jax.parallel import sharding
+
     total = (
         config.num_train_steps
         if config.num_train_steps > 0
@@ -273,8 +397,6 @@ def train_and_evaluate(config, workdir: str) -> dict:
     )
     # "" is data parallelism over this host's devices: the same rules on a data-only mesh,
     # where every parameter is replicated.
-    from dflash_jax.parallel import sharding
-
     mesh_spec = config.get("mesh", "")
     sizes = sharding.parse_mesh(mesh_spec or "data=-1")
     pool = _mesh_devices(mesh_spec)
@@ -316,6 +438,56 @@ def train_and_evaluate(config, workdir: str) -> dict:
         config.keep_checkpoints,
         config.async_checkpoint,
     )
+    state = _restore(ckpt, exp, state, state_sh)
+    state = distributed.put(state, state_sh)
+    frozen = distributed.put(exp.frozen, frozen_sh)
+    # The state is donated: each step's input state is dead once the step is called (a
+    # non-finite step breaks out with it, unused; exp.init_params may share its buffers: only
+    # its sizes are read below).
+    train_step = make_train_step(
+        exp.loss_fn,
+        optimizer,
+        mesh,
+        (state_sh, frozen_sh, data_sh),
+        donate=True,
+        grad_accum_steps=accum,
+    )
+
+    def eval_loss(p, f, b):
+        # Traced under the mesh, as the train step is: a MoE target's experts run expert
+        # parallel (shard_map, `dflash_jax/models/moe.py`), Pallas kernels per shard.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1]
+
+    eval_jit = jax.jit(eval_loss, out_shardings=NamedSharding(mesh, P()))
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
+    _log(
+        f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
+        f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
+        + (f"in {accum} micro-batches " if accum > 1 else "")
+        + f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
+        f"{sharding.mesh_str(mesh)}], workdir {workdir}"
+    )
+    _log_expert_placement(exp, mesh, frozen if exp.mode == "drafter" else state.params)
+    return _Run(
+        exp=exp,
+        total=total,
+        stop_at=stop_at,
+        schedule=schedule,
+        state=state,
+        frozen=frozen,
+        data_sh=data_sh,
+        train_step=train_step,
+        eval_step=lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh)),
+        eval_mesh=mesh if n_dev > 1 else None,
+        ckpt=ckpt,
+    )
+
+
+def _restore(ckpt, exp, state, state_sh):
+    """The newest readable checkpoint (the same step on every process) restored into the
+    state's shardings, with the data stream's position; `state` unchanged when there is none.
+    An incompatible checkpoint raises and leaves every checkpoint as it is."""
     abstract = jax.tree_util.tree_map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         jax.eval_shape(lambda: state),
@@ -332,230 +504,127 @@ def train_and_evaluate(config, workdir: str) -> dict:
             raise RuntimeError(
                 f"processes restored different checkpoint steps {steps} from {ckpt.directory}"
             )
-    if restored is not None:
-        state, data_state, _ = restored
-        exp.train_iter.set_state(data_state)
-        _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
-    state = distributed.put(state, state_sh)
-    frozen = distributed.put(exp.frozen, frozen_sh)
-    # The state is donated: each step's input state is dead once the step is called (a
-    # non-finite step breaks out with it, unused; exp.init_params may share its buffers: only
-    # its sizes are read below).
-    train_step = make_train_step(
-        exp.loss_fn,
-        optimizer,
-        mesh,
-        (state_sh, frozen_sh, data_sh),
-        donate=True,
-        grad_accum_steps=accum,
-    )
-    eval_mesh = mesh if n_dev > 1 else None
+    if restored is None:
+        return state
+    state, data_state, _ = restored
+    exp.train_iter.set_state(data_state)
+    _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
+    return state
 
-    def eval_loss(p, f, b):
-        # Traced under the mesh, as the train step is: a MoE target's experts run expert
-        # parallel (shard_map, `dflash_jax/models/moe.py`), Pallas kernels per shard.
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1]
 
-    eval_jit = jax.jit(eval_loss, out_shardings=NamedSharding(mesh, P()))
-    eval_step = lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh))
+def _log_expert_placement(exp, mesh, params) -> None:
+    """Where a MoE target's stacked experts live (one line; nothing for a dense target)."""
+    from dflash_jax.parallel import sharding
 
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
-    _log(
-        f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
-        f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
-        + (f"in {accum} micro-batches " if accum > 1 else "")
-        + f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
-        f"{sharding.mesh_str(mesh)}], workdir {workdir}"
-    )
-    experts = [  # where a MoE target's stacked experts live
+    experts = [
         x
-        for path, x in jax.tree_util.tree_flatten_with_path(
-            frozen if exp.mode == "drafter" else state.params
-        )[0]
+        for path, x in jax.tree_util.tree_flatten_with_path(params)[0]
         if exp.target_cfg.is_moe and sharding.path_str(path).endswith("experts/gate_proj/kernel")
     ]
-    if experts:
-        spec = tuple(experts[0].sharding.spec) + (None,) * 3
-        split = ", ".join(
-            f"{dim} over {'x'.join((ax,) if isinstance(ax, str) else ax)}"
-            if ax
-            else f"{dim} replicated"
-            for dim, ax in zip("EHI", spec)
-        )
-        _log(
-            f"MoE target: {exp.target_cfg.num_experts} experts (top "
-            f"{exp.target_cfg.num_experts_per_tok}) in {len(experts)} layers, "
-            f"{exp.target_cfg.num_experts // mesh.shape.get('expert', 1)} per device; "
-            f"gate_proj [{split}]"
-        )
-    logger = MetricsLogger(
-        workdir,
-        resume_step=int(state.step),  # no duplicate rows
-        enabled=distributed.is_primary(),
+    if not experts:
+        return
+    spec = tuple(experts[0].sharding.spec) + (None,) * 3
+    split = ", ".join(
+        f"{dim} over {'x'.join((ax,) if isinstance(ax, str) else ax)}"
+        if ax
+        else f"{dim} replicated"
+        for dim, ax in zip("EHI", spec)
     )
-    flag = _StopFlag().install()
-    step = int(state.step)
-    status, last_eval, history = "done", {}, []
-    tokens_per_step = config.data.batch_size * config.data.seq_len
-    t_window, steps_window, t_start, step_start = time.time(), 0, time.time(), step
-    acc_window = None
-    profiling = False
-    bar = console.progress(total=total, initial=step, desc="train", unit="step")
+    _log(
+        f"MoE target: {exp.target_cfg.num_experts} experts (top "
+        f"{exp.target_cfg.num_experts_per_tok}) in {len(experts)} layers, "
+        f"{exp.target_cfg.num_experts // mesh.shape.get('expert', 1)} per device; "
+        f"gate_proj [{split}]"
+    )
 
-    def finish(k, metrics, rep_frac) -> bool:
-        """The host's part of step k, once its metrics are read: the non-finite loss check,
-        the loss history, the log window. False when the loss is not finite (step k is
-        dropped: `step` goes back to k - 1, the last good step)."""
-        nonlocal status, step, t_window, steps_window, acc_window
+
+class _LogWindow:
+    """The host's part of each step once its metrics are read (`finish`): the non-finite loss
+    check, the loss history, and the metrics summed since the last log line, written (metrics
+    file, console) every `log_every` steps and at the last step."""
+
+    def __init__(self, config, run: _Run, logger, bar):
+        self.config, self.run, self.logger, self.bar = config, run, logger, bar
+        self.history = []  # (step, loss) of this process
+        self.bad_step = self.bad_loss = None  # the first step with a non-finite loss
+        self.tokens_per_step = config.data.batch_size * config.data.seq_len
+        self.t_start = self.t_window = time.time()
+        self.step_start = int(run.state.step)
+        self.steps, self.acc = 0, None
+
+    def finish(self, k, metrics, rep_frac) -> bool:
+        """Step k's metrics read; False when its loss is not finite (step k is dropped: the
+        loop stops at step k - 1, the last good one)."""
         metrics = jax.device_get(metrics)
         if rep_frac is not None:
             metrics = dict(metrics, rep_frac=np.float32(rep_frac))
         loss = float(metrics["loss"]) + float(metrics.get("ul_loss", 0.0))
         if not math.isfinite(loss):
-            status, step = "nan", k - 1
-            _log(
-                f"ERROR: non-finite loss ({loss}) at step {k}; stopping. The last "
-                f"good checkpoint (step {ckpt.manager.latest_step()}) is kept; this "
-                "state is not saved."
-            )
+            self.bad_step, self.bad_loss = k, loss
             return False
-        history.append((k, loss))
-        bar.update(1)
-        steps_window += 1
-        acc_window = (
-            metrics if acc_window is None else jax.tree_util.tree_map(np.add, acc_window, metrics)
+        self.history.append((k, loss))
+        self.bar.update(1)
+        self.steps += 1
+        self.acc = (
+            metrics if self.acc is None else jax.tree_util.tree_map(np.add, self.acc, metrics)
         )
-        if k % config.log_every == 0 or k == stop_at:
-            dt = time.time() - t_window
-            rate = steps_window * tokens_per_step / max(dt, 1e-9)
-            elapsed = time.time() - t_start
-            eta = elapsed / max(k - step_start, 1) * (total - k)
-            rec = {
-                "loss": acc_window["loss"] / steps_window,
-                "grad_norm": acc_window["grad_norm"] / steps_window,
-                "learning_rate": float(schedule(k - 1)),
-                "tokens_per_s": rate,
-            }
-            if exp.mode == "drafter":
-                per_k = acc_window["correct_k"] / np.maximum(acc_window["count_k"], 1)
-                rec["acc_k01"] = float(per_k[1])
-                rec["block_accept_len"] = float(
-                    acc_window["accept_sum"] / max(acc_window["num_blocks"], 1)
-                )
-            ul_msg = ""
-            if "rep_frac" in acc_window:
-                rec.update(
-                    {
-                        key: float(acc_window[key]) / steps_window
-                        for key in ("ul_loss", "ul_p", "rep_frac")
-                    }
-                )
-                ul_msg = (
-                    f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
-                    f"repeated {100 * rec['rep_frac']:.1f}% "
-                )
-            logger.write("train", k, rec)
-            bar.set_postfix_str(f"loss {rec['loss']:.4f}", refresh=False)
-            _log(
-                f"step {k}/{total} loss {rec['loss']:.4f} {ul_msg}"
-                f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
-                f"{rate:,.0f} tok/s ETA {format_eta(eta)}"
-            )
-            t_window, steps_window, acc_window = time.time(), 0, None
+        if k % self.config.log_every == 0 or k == self.run.stop_at:
+            self._write(k)
         return True
 
-    # Metrics are read one step late (as nanodo does): step k's are read after step k + 1 is
-    # dispatched, so the host never waits for the device before queueing the next step.
-    # Steps whose state is used (evaluation, checkpoint, the last) are read at once, so no
-    # state with a non-finite loss is evaluated or saved.
-    pending = None  # (step, metrics on device, rep_frac) not read yet
-    try:
-        while step < stop_at:
-            try:
-                batch = next(exp.train_iter)
-            except StopIteration:
-                status = "data_exhausted"
-                break
-            if config.profile_dir and step == config.profile_start_step:
-                jax.profiler.start_trace(config.profile_dir)
-                profiling = True
-            batch = {k: batch[k] for k in ("input_ids", "loss_mask", "segment_ids")}
-            rep_frac = None
-            if exp.repetition_sampler is not None:
-                ul_batch, rep_frac = exp.repetition_sampler(state.params, step, eval_mesh)
-                batch.update(ul_batch)
-            batch = distributed.put(batch, data_sh)
-            new_state, metrics = train_step(state, frozen, batch)
-            interrupts.release()  # a signal from here on: this step is saved, then exit 3
-            if pending is not None:
-                ok, pending = finish(*pending), None
-                if not ok:
-                    break
-            if profiling and step + 1 >= config.profile_start_step + config.profile_num_steps:
-                jax.block_until_ready(metrics)
-                jax.profiler.stop_trace()
-                profiling = False
-                _log(
-                    f"profile of steps {config.profile_start_step}.."
-                    f"{step} written to {config.profile_dir}"
-                )
-            state = new_state
-            step += 1
-            pending = (step, metrics, rep_frac)
-            evaluating = config.eval_every > 0 and (step % config.eval_every == 0 or step == total)
-            if evaluating or step % ckpt.every == 0 or step == stop_at:
-                ok, pending = finish(*pending), None
-                if not ok:
-                    break
-            if evaluating:
-                last_eval = evaluate(exp, state.params, eval_step, step, frozen, eval_mesh)
-                logger.write("eval", step, last_eval)
-                _log(
-                    f"eval step {step}: "
-                    + " ".join(
-                        f"{k} {v:.3f}"
-                        for k, v in last_eval.items()
-                        if not k.startswith("acc_k")
-                        or k in ("acc_k01", "acc_k02", "acc_k04", "acc_k08")
-                    )
-                )
-            if ckpt.maybe_save(step, state, exp.train_iter.get_state):
-                _log(f"checkpoint step {step} -> {ckpt.directory}")
-            # A signal to any one process stops all of them after the same step.
-            if distributed.any_process(flag.signum is not None):
-                if pending is not None and not finish(*pending):
-                    break  # (a non-finite loss: stopped, nothing saved)
-                pending = None
-                status = "preempted"
-                _log(
-                    f"signal {flag.signum or 'to another process'}: saving step {step} and stopping"
-                )
-                break
-        if pending is not None:  # the data ran out before the last step's read
-            finish(*pending)
-        if status != "nan" and ckpt.maybe_save(step, state, exp.train_iter.get_state, force=True):
-            _log(f"checkpoint step {step} -> {ckpt.directory}")
-        if status == "done" and step < total:
-            status = "stopped"
-    finally:
-        bar.close()
-        if profiling:
-            jax.profiler.stop_trace()
-        ckpt.close()
-        flag.uninstall()
-        logger.close()
+    def _write(self, k) -> None:
+        acc, n, run = self.acc, self.steps, self.run
+        dt = time.time() - self.t_window
+        rate = n * self.tokens_per_step / max(dt, 1e-9)
+        eta = (time.time() - self.t_start) / max(k - self.step_start, 1) * (run.total - k)
+        rec = {
+            "loss": acc["loss"] / n,
+            "grad_norm": acc["grad_norm"] / n,
+            "learning_rate": float(run.schedule(k - 1)),
+            "tokens_per_s": rate,
+        }
+        if run.exp.mode == "drafter":
+            per_k = acc["correct_k"] / np.maximum(acc["count_k"], 1)
+            rec["acc_k01"] = float(per_k[1])
+            rec["block_accept_len"] = float(acc["accept_sum"] / max(acc["num_blocks"], 1))
+        ul_msg = ""
+        if "rep_frac" in acc:
+            rec.update({key: float(acc[key]) / n for key in ("ul_loss", "ul_p", "rep_frac")})
+            ul_msg = (
+                f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
+                f"repeated {100 * rec['rep_frac']:.1f}% "
+            )
+        self.logger.write("train", k, rec)
+        self.bar.set_postfix_str(f"loss {rec['loss']:.4f}", refresh=False)
+        _log(
+            f"step {k}/{run.total} loss {rec['loss']:.4f} {ul_msg}"
+            f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
+            f"{rate:,.0f} tok/s ETA {format_eta(eta)}"
+        )
+        self.t_window, self.steps, self.acc = time.time(), 0, None
 
-    export_path = None
-    # A time-sliced stage (stop_at_step) exports too: the drafter so far, usable at once.
-    if config.export and status in ("done", "stopped"):
-        export_path = export(exp, state.params, os.path.join(workdir, "export"))
-        _log(f"exported to {export_path}")
-    return {
-        "status": status,
-        "step": step,
-        "losses": history,
-        "eval": last_eval,
-        "export": export_path,
-        "total_steps": total,
-    }
+
+class _Profiler:
+    """config.profile_dir: a trace of steps [profile_start_step, + profile_num_steps)."""
+
+    def __init__(self, config):
+        self.config, self.active = config, False
+
+    def maybe_start(self, step) -> None:
+        c = self.config
+        if c.profile_dir and step == c.profile_start_step:
+            jax.profiler.start_trace(c.profile_dir)
+            self.active = True
+
+    def maybe_stop(self, step, metrics) -> None:
+        c = self.config
+        if self.active and step + 1 >= c.profile_start_step + c.profile_num_steps:
+            jax.block_until_ready(metrics)
+            jax.profiler.stop_trace()
+            self.active = False
+            _log(f"profile of steps {c.profile_start_step}..{step} written to {c.profile_dir}")
+
+    def close(self) -> None:
+        if self.active:
+            jax.profiler.stop_trace()
+            self.active = False
