@@ -40,6 +40,42 @@ if not os.environ.get("DFLASH_TEST_NO_COMPILE_CACHE") and not os.environ.get(
     os.environ["JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES"] = "0"
     atexit.register(shutil.rmtree, _cache_dir, True)
 
+
+def _xla_accepts(flag):
+    """Whether this jaxlib's XLA knows `flag` (it aborts the process on an unknown one, so ask
+    a throwaway subprocess)."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
+    probe = "import jax.numpy as jnp; (jnp.zeros(2) + 1).block_until_ready()"
+    try:
+        return (
+            subprocess.run(
+                [sys.executable, "-c", probe], env=env, capture_output=True, timeout=120
+            ).returncode
+            == 0
+        )
+    except subprocess.TimeoutExpired:
+        return False
+
+
+# Cheap compiles. The suite's programs are tiny and each runs a few times, so XLA's CPU
+# compiler is most of its time (measured: 72% of test_tree.py's seconds); its optimizations are
+# not what the tests check. jax's own switch (`jax_disable_most_optimizations`: LLVM at -O0, no
+# expensive LLVM passes) halves the CPU compile of the decode programs on the newest jax; on the
+# oldest, XLA's loop-fusion emitters must also be off for the same gain (on alone they cost
+# more). Set in the controller before workers start, so workers and subprocesses inherit it
+# (the probe runs once). The TPU and GPU ahead-of-time compiles are not affected (the Qwen3-8B
+# v5e dry run's figures are the same with and without; see tests/README.md).
+# DFLASH_TEST_FULL_OPTIMIZATION=1 compiles as users do.
+_CHEAP_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
+if not os.environ.get("DFLASH_TEST_FULL_OPTIMIZATION") and not os.environ.get(
+    "JAX_DISABLE_MOST_OPTIMIZATIONS"
+):
+    os.environ["JAX_DISABLE_MOST_OPTIMIZATIONS"] = "1"
+    if _xla_accepts(_CHEAP_COMPILE_FLAG):
+        os.environ["XLA_FLAGS"] = (
+            os.environ.get("XLA_FLAGS", "") + " " + _CHEAP_COMPILE_FLAG
+        ).strip()
+
 # The directories derived from GGUF files (dflash_jax/models/gguf_io.py) go to a session temp dir,
 # not the user's ~/.cache (shared by workers and subprocesses, removed at the end).
 if not os.environ.get("DFLASH_JAX_CACHE"):

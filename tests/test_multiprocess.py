@@ -34,7 +34,12 @@ LAUNCH = [sys.executable, "-m", "dflash_jax.launch"]
 
 
 def _env(**extra):
-    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    """This session's environment without an inherited device count (the launcher sets its
+    own); the suite's other XLA flags (conftest's cheap compiles) stay."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = re.sub(
+        r"--xla_force_host_platform_device_count=\S+", "", env.get("XLA_FLAGS", "")
+    ).strip()
     env.update(JAX_PLATFORMS="cpu", **extra)
     return env
 

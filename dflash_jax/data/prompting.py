@@ -12,6 +12,8 @@ import json
 import os
 from typing import Iterator, List, Optional, Sequence, Tuple
 
+from dflash_jax.support import checks
+
 _PROMPT_KEYS = ("prompt", "text", "messages", "ids")
 
 
@@ -110,14 +112,7 @@ def _tokenizer_config(model_dir: Optional[str]) -> dict:
     path = os.path.join(model_dir, "tokenizer_config.json")
     if not os.path.exists(path):
         return {}
-    try:
-        with open(path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except (ValueError, UnicodeDecodeError) as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise ValueError(f"{path}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return checks.json_object_file(path)
 
 
 def chat_template(model_dir: Optional[str]) -> Optional[str]:

@@ -17,6 +17,7 @@ from typing import Callable, List, Optional, Sequence
 
 from dflash_jax.decoding.request import GenerationResult
 from dflash_jax.decoding.generation import generate
+from dflash_jax.support import checks
 
 # `generate` arguments that only a drafter uses: left out of the autoregressive runs.
 DRAFTER_ONLY = (
@@ -38,13 +39,7 @@ def stop_token_ids(model_dir: Optional[str], tokenizer=None) -> List[int]:
         ids.add(tokenizer.eos_id)
     gen_cfg = os.path.join(model_dir, "generation_config.json") if model_dir else None
     if gen_cfg and os.path.exists(gen_cfg):
-        try:
-            with open(gen_cfg, encoding="utf-8") as f:
-                cfg = json.load(f)
-        except (ValueError, UnicodeDecodeError) as e:
-            raise ValueError(f"{gen_cfg}: not valid JSON ({e})") from None
-        if not isinstance(cfg, dict):
-            raise ValueError(f"{gen_cfg}: expected a JSON object, got {type(cfg).__name__}")
+        cfg = checks.json_object_file(gen_cfg)
         eos = cfg.get("eos_token_id")
         eos = [] if eos is None else eos if isinstance(eos, list) else [eos]
         for i in eos:

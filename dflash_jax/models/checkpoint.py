@@ -44,7 +44,7 @@ from flax import traverse_util
 from dflash_jax.models import quantization
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
-from dflash_jax.support import console
+from dflash_jax.support import checks, console
 
 log = logging.getLogger(__name__)
 
@@ -93,14 +93,7 @@ def _read_config(path: str) -> dict:
         raise CheckpointError(f"{path}: not a directory")
     if not os.path.exists(cfg_path):
         raise CheckpointError(f"{cfg_path}: missing (is {path} a Hugging Face model directory?)")
-    try:
-        with open(cfg_path, encoding="utf-8") as f:
-            cfg = json.load(f)
-    except ValueError as e:  # UnicodeDecodeError included
-        raise CheckpointError(f"{cfg_path}: invalid JSON ({e})") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{cfg_path}: expected a JSON object, got {type(cfg).__name__}")
-    return cfg
+    return checks.json_object_file(cfg_path, error=CheckpointError)
 
 
 read_config = _read_config  # config.json of a model directory, as a dict (CheckpointError)

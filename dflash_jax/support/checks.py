@@ -17,6 +17,7 @@ or results lost at the end of a run.
 from __future__ import annotations
 
 import difflib
+import json
 import math
 import numbers
 import os
@@ -195,6 +196,19 @@ def confidence_threshold(value) -> Optional[float]:
 
 
 # ----------------------------------------------------------------------------- output paths
+
+
+def json_object_file(path: str, error=ValueError) -> dict:
+    """The JSON object in the file at `path`; a file that is not JSON or holds another JSON
+    value is an `error` naming the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise error(f"{path}: not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    return obj
 
 
 def _nearest_existing(path: str) -> str:
