@@ -63,9 +63,9 @@ def _xla_accepts(flag):
 # expensive LLVM passes) halves the CPU compile of the decode programs on the newest jax; on the
 # oldest, XLA's loop-fusion emitters must also be off for the same gain (on alone they cost
 # more). Set in the controller before workers start, so workers and subprocesses inherit it
-# (the probe runs once). The TPU and GPU ahead-of-time compiles are not affected (the Qwen3-8B
-# v5e dry run's figures are the same with and without; see tests/README.md).
-# DFLASH_TEST_FULL_OPTIMIZATION=1 compiles as users do.
+# (the probe runs once). The files that check TPU and GPU ahead-of-time compiles (bytes,
+# collectives, HBM) turn jax's switch off for their tests (`_production_compiles` below): they
+# check the programs users get. DFLASH_TEST_FULL_OPTIMIZATION=1 compiles everything as users do.
 _CHEAP_COMPILE_FLAG = "--xla_cpu_use_fusion_emitters=false"
 if not os.environ.get("DFLASH_TEST_FULL_OPTIMIZATION") and not os.environ.get(
     "JAX_DISABLE_MOST_OPTIMIZATIONS"
@@ -247,6 +247,27 @@ def bundled_pair():
     drafter = dj.load_drafter(os.path.join(_pair.PAIR, "drafter"), target=target)
     tok = load_tokenizer(os.path.join(_pair.PAIR, "target"))
     return target, drafter, [tok.encode(c) for c in _pair.CODE]
+
+
+# The test files whose subject is what the TPU / GPU compiler makes of a program.
+PRODUCTION_COMPILE_FILES = ("test_tpu_compile.py", "test_gpu_compile.py", "test_hbm_model.py")
+
+
+@pytest.fixture(autouse=True)
+def _production_compiles(request):
+    """Full compiler optimization for the tests of PRODUCTION_COMPILE_FILES (see the cheap
+    compiles above)."""
+    if os.path.basename(str(request.path)) not in PRODUCTION_COMPILE_FILES:
+        yield
+        return
+    import jax
+
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)
+    try:
+        yield
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
 
 
 @pytest.fixture(scope="session")

@@ -433,3 +433,13 @@ def test_bad_topology_mesh_and_missing_libtpu_are_one_line_errors(monkeypatch):
     monkeypatch.setattr(dry_run.topology, "libtpu_missing", lambda: True)
     with pytest.raises(dry_run.UsageError, match=r'pip install "jax\[tpu\]=='):
         dry_run.topology_devices("v5e:2x4")
+
+
+def test_these_compiles_are_the_ones_users_get():
+    """conftest compiles the suite's CPU programs cheaply (jax_disable_most_optimizations); the
+    compiler checks of this file run with jax's default, full optimization."""
+    import os
+
+    assert jax.config.values["jax_disable_most_optimizations"] is False
+    if not os.environ.get("DFLASH_TEST_FULL_OPTIMIZATION"):
+        assert os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
