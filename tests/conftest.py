@@ -58,7 +58,8 @@ def _xla_accepts(flag):
 
 
 # Cheap compiles. The suite's programs are tiny and each runs a few times, so XLA's CPU
-# compiler is most of its time (measured: 72% of test_tree.py's seconds); its optimizations are
+# compiler is most of its time (measured: 72% of test_tree.py's seconds, tests/_compile_report.py;
+# the settings compared by benchmarks/compile_flags.py); its optimizations are
 # not what the tests check. jax's own switch (`jax_disable_most_optimizations`: LLVM at -O0, no
 # expensive LLVM passes) halves the CPU compile of the decode programs on the newest jax; on the
 # oldest, XLA's loop-fusion emitters must also be off for the same gain (on alone they cost
