@@ -63,6 +63,9 @@ def get_config() -> ml_collections.ConfigDict:
             # that no massive activation dimension dominates the context at step 0 (tried on
             # SmolLM2-135M: no faster start, benchmarks/results/smollm2/README.md).
             fc_init="normal",
+            # > 0: every drafter layer is sliding_attention with this window (a query at p
+            # sees positions j with |p - j| < window), as DFlash 2 drafters are; 0: full.
+            sliding_window=0,
         )
     )  # a z-lab drafter directory to continue from
     c.num_anchors = 512  # per sequence (per document of a packed row), as SpecForge

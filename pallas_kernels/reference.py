@@ -72,6 +72,7 @@ def training_mask(
     ctx_len: int,
     segment_ids_BS: Optional[jnp.ndarray] = None,
     ctx_start_BN: Optional[jnp.ndarray] = None,
+    window: Optional[int] = None,
 ):
     """The DFlash training attention mask, [B, N*bs, ctx_len + N*bs] bool (True = may attend).
     The one reference of it: the library's "xla" training attention uses it
@@ -85,7 +86,9 @@ def training_mask(
                       and, with `ctx_start_BN` (the kernels' form of the same rule: the first
                       position of the anchor's document), j >= ctx_start[b, n];
       block key r' iff r' // bs == n (its own block, bidirectional);
-    and nothing at all when the block is invalid.
+    and nothing at all when the block is invalid. A sliding layer's `window` also requires
+    (p + i) - j < window for context j and |i - i'| < window for block key r' (i = r % bs, the
+    row's position in its block, i' = r' % bs).
     """
     b, n = anchors_BN.shape
     rows = n * block_size
@@ -99,7 +102,12 @@ def training_mask(
         ctx &= segment_ids_BS[:, None, :ctx_len] == anchor_seg[:, :, None]
     if ctx_start_BN is not None:
         ctx &= j[None, None, :] >= ctx_start_BN[:, blk_of_row][:, :, None]
-    own = jnp.broadcast_to(blk_of_row[:, None] == blk_of_row[None, :], (b, rows, rows))
+    own = blk_of_row[:, None] == blk_of_row[None, :]
+    if window is not None:
+        i = jnp.arange(rows, dtype=jnp.int32) % block_size
+        ctx &= (row_anchor + i[None])[:, :, None] - j[None, None, :] < window
+        own &= jnp.abs(i[:, None] - i[None, :]) < window
+    own = jnp.broadcast_to(own, (b, rows, rows))
     return jnp.concatenate([ctx, own], axis=2) & row_valid[:, :, None]
 
 

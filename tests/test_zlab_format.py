@@ -279,30 +279,51 @@ def test_loader_reads_the_published_config_fields(loaded, published, target, tmp
     assert variant(taps).target_layer_ids == (2, 10, 18, 26, 34)
     assert variant(rope_parameters).body.rope_theta == 5e6
 
-    # layer_types is read: a layer this code does not implement (z-lab's newer drafters
-    # have sliding-window layers) or a list that does not match the layer count is refused,
-    # not loaded as full attention.
+    # layer_types is read: sliding layers with their window (z-lab's newer drafters), as
+    # transformers reads a Qwen3 config; a layer kind this code does not implement, a sliding
+    # layer without a positive window or a list that does not match the layer count is
+    # refused, never loaded as full attention.
     def sliding(hf):
         hf["layer_types"][3] = "sliding_attention"
+        hf["sliding_window"] = 2048
+
+    def sliding_no_window(hf):
+        hf["layer_types"][3] = "sliding_attention"
+
+    def sliding_zero(hf):
+        hf["layer_types"] = ["sliding_attention"] * 5
+        hf["sliding_window"] = 0
+
+    def chunked(hf):
+        hf["layer_types"][1] = "chunked_attention"
 
     def short(hf):
         hf["layer_types"] = hf["layer_types"][:4]
 
-    with pytest.raises(dj.CheckpointError, match=r"layer_types\[3\] is 'sliding_attention'"):
-        variant(sliding)
+    got = variant(sliding)
+    assert got.layer_windows == (None, None, None, 2048, None) and got.context_window is None
+    with pytest.raises(dj.CheckpointError, match="sliding_window must be a positive integer"):
+        variant(sliding_no_window)
+    with pytest.raises(dj.CheckpointError, match="got 0"):
+        variant(sliding_zero)
+    with pytest.raises(dj.CheckpointError, match=r"layer_types\[1\] is 'chunked_attention'"):
+        variant(chunked)
     with pytest.raises(dj.CheckpointError, match="layer_types has 4 entries"):
         variant(short)
 
     def no_layer_types(hf):  # older files: no layer_types, only use_sliding_window
         del hf["layer_types"]
 
-    def no_layer_types_sliding(hf):
+    def no_layer_types_sliding(hf):  # Qwen3's rule: layers >= max_window_layers slide
         del hf["layer_types"]
-        hf["use_sliding_window"] = True
+        hf.update(use_sliding_window=True, max_window_layers=2, sliding_window=64)
 
-    assert variant(no_layer_types).body.num_layers == 5
-    with pytest.raises(dj.CheckpointError, match="use_sliding_window is true"):
-        variant(no_layer_types_sliding)
+    def sliding_but_unused(hf):  # use_sliding_window false: the window is not read
+        hf["sliding_window"] = 4096
+
+    assert variant(no_layer_types).layer_windows == (None,) * 5
+    assert variant(no_layer_types_sliding).layer_windows == (None, None, 64, 64, 64)
+    assert variant(sliding_but_unused).layer_windows == (None,) * 5
 
 
 def test_writer_writes_the_published_names_shapes_and_config_keys(

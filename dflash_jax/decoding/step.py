@@ -186,7 +186,15 @@ class Decoder:
         ck, cv = self.dmod.apply(
             {"params": self.dparams}, taps, positions, method=DFlashDrafter.context_kv
         )
-        if starts is None:
+        if self.dmod.cfg.context_window is not None:
+            # A ring (every layer slides): position j in slot j % slots, written only when it
+            # is among the last `slots` committed positions (so no write lands on a slot that a
+            # later position of the same write, or a position still in the window, holds).
+            slots = ctx.capacity
+            keep = (positions < lengths[:, None]) & (positions >= lengths[:, None] - slots)
+            ring = jnp.where(keep, jnp.mod(positions, slots), slots)  # `slots`: dropped
+            write = lambda old, new: write_kv(old, flat_heads(new), ring)
+        elif starts is None:
             write = lambda old, new: write_kv(old, flat_heads(new), positions)
         else:
             write = lambda old, new: attn_lib.write_block(
@@ -458,7 +466,11 @@ class Decoder:
         b, p = prompts.shape
         tap_layers = self.dmod.cfg.target_layer_ids if self.dmod is not None else ()
         cache = KVCache.create(self.tmod.cfg, b, capacity)
-        ctx = None if self.dmod is None else KVCache.create(self.dmod.cfg, b, capacity)
+        ctx = (
+            None
+            if self.dmod is None
+            else KVCache.create(self.dmod.cfg, b, self.dmod.cfg.context_capacity(capacity))
+        )
         chunk = self.plan.prefill_chunk
         if not chunk or p <= chunk or p % chunk:
             chunk = p  # one pass

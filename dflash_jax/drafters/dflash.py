@@ -47,6 +47,9 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> Tuple[int
     return ids
 
 
+LAYER_TYPES = ("full_attention", "sliding_attention")
+
+
 @dataclasses.dataclass(frozen=True)
 class DrafterConfig:
     """body: the drafter's transformer hyper-parameters (vocab = the target's vocabulary).
@@ -64,10 +67,72 @@ class DrafterConfig:
     target_layer_ids: Tuple[int, ...]
     target_hidden_size: int
     num_target_layers: int
+    # Per layer "full_attention" or "sliding_attention" (None: all full); a sliding layer's
+    # queries at position p see keys at positions j with |p - j| < sliding_window.
+    layer_types: Optional[Tuple[str, ...]] = None
+    sliding_window: Optional[int] = None
+
+    def __post_init__(self):
+        types = self.layer_types
+        if types is not None:
+            types = tuple(types)
+            object.__setattr__(self, "layer_types", types)
+        self._check_layers(self.body, types, self.sliding_window)
+        if types is None or "sliding_attention" not in types:  # all full: one spelling
+            object.__setattr__(self, "layer_types", None)
+            object.__setattr__(self, "sliding_window", None)
+
+    @staticmethod
+    def _check_layers(body, layer_types, sliding_window):
+        """One-line ValueError for layer types or a window that cannot be run."""
+        if layer_types is not None:
+            if len(layer_types) != body.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(layer_types)} entries for "
+                    f"num_hidden_layers={body.num_layers}"
+                )
+            for j, kind in enumerate(layer_types):
+                if kind not in LAYER_TYPES:
+                    raise ValueError(
+                        f"layer_types[{j}] is {repr(kind)[:60]}; expected one of "
+                        f"{list(LAYER_TYPES)}"
+                    )
+        if (
+            layer_types is not None
+            and "sliding_attention" in layer_types
+            and (
+                isinstance(sliding_window, bool)
+                or not isinstance(sliding_window, int)
+                or sliding_window < 1
+            )
+        ):
+            raise ValueError(
+                "sliding_window must be a positive integer for sliding_attention layers, got "
+                f"{sliding_window!r}"[:160]
+            )
 
     @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
+
+    @property
+    def layer_windows(self) -> Tuple[Optional[int], ...]:
+        """Per layer: its attention window (None: full attention)."""
+        types = self.layer_types or ("full_attention",) * self.body.num_layers
+        return tuple(self.sliding_window if t == "sliding_attention" else None for t in types)
+
+    @property
+    def context_window(self) -> Optional[int]:
+        """The context every layer needs when all of them slide (the largest window; the
+        context cache is then a ring of that many slots), else None (the whole context)."""
+        w = self.layer_windows
+        return None if any(x is None for x in w) else max(w)
+
+    def context_capacity(self, capacity: int) -> int:
+        """Slots of the drafter's context cache for a decode of `capacity` positions: bounded
+        by `context_window` (a ring: position j in slot j % slots)."""
+        w = self.context_window
+        return capacity if w is None else min(capacity, w)
 
     def replace(self, **kw) -> "DrafterConfig":
         return dataclasses.replace(self, **kw)
@@ -146,31 +211,32 @@ class DrafterConfig:
         )
         if num_target_layers is None:
             num_target_layers = max(ids) + 1
-        # Every layer here is full (non-causal) attention over context and block. Newer z-lab
-        # drafters declare sliding-window layers; loading one as full attention would draft
-        # from the wrong context without any error, so anything else is refused.
+        # Sliding-window layers (the DFlash 2 and Qwen3.6 drafters): `layer_types`, or, as
+        # Qwen3's config has it, use_sliding_window with layers >= max_window_layers sliding.
         layer_types = hf.get("layer_types")
+        window = hf.get("sliding_window")
+        if layer_types is None and hf.get("use_sliding_window") is True:
+            first = hf.get("max_window_layers", body.num_layers)
+            first = check(int_param, f"{source}: max_window_layers", first, lo=0)
+            layer_types = [
+                "sliding_attention" if i >= first else "full_attention"
+                for i in range(body.num_layers)
+            ]
         if layer_types is not None:
             if not isinstance(layer_types, list):
                 raise CheckpointError(
                     f"{source}: layer_types must be a list, got {type(layer_types).__name__}"
                 )
-            if len(layer_types) != body.num_layers:
-                raise CheckpointError(
-                    f"{source}: layer_types has {len(layer_types)} entries for "
-                    f"num_hidden_layers={body.num_layers}"
-                )
-            for j, kind in enumerate(layer_types):
-                if kind != "full_attention":
-                    raise CheckpointError(
-                        f"{source}: layer_types[{j}] is {repr(kind)[:60]}; only "
-                        "'full_attention' drafter layers are supported"
-                    )
-        elif hf.get("use_sliding_window") is True:
-            raise CheckpointError(
-                f"{source}: use_sliding_window is true; only full-attention drafter layers "
-                "are supported"
-            )
+            layer_types = tuple(layer_types)
+            if "sliding_attention" not in layer_types:
+                window = None  # stored for the readers' sake, unused
+        else:  # as transformers reads a Qwen3 config: no layer slides
+            window = None
+        typed = dict(layer_types=layer_types, sliding_window=window)
+        try:
+            cls._check_layers(body, **typed)
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
         return cls(
             body=body,
             block_size=block_size,
@@ -178,6 +244,7 @@ class DrafterConfig:
             target_layer_ids=ids,
             target_hidden_size=int(target_hidden_size or body.hidden_size),
             num_target_layers=num_target_layers,
+            **typed,
         )
 
     def to_hf(self, torch_dtype="bfloat16") -> dict:
@@ -192,7 +259,9 @@ class DrafterConfig:
                 "initializer_range": INITIALIZER_RANGE,
                 "block_size": self.block_size,
                 "num_target_layers": self.num_target_layers,
-                "layer_types": ["full_attention"] * self.body.num_layers,
+                "layer_types": [
+                    "sliding_attention" if w else "full_attention" for w in self.layer_windows
+                ],
                 "dflash_config": {
                     "mask_token_id": self.mask_token_id,
                     "target_layer_ids": list(self.target_layer_ids),
@@ -200,6 +269,8 @@ class DrafterConfig:
                 },
             }
         )
+        if self.layer_types is not None:
+            out.update(use_sliding_window=True, sliding_window=self.sliding_window)
         return out
 
 
@@ -208,12 +279,14 @@ class DrafterConfig:
 ContextCache = KVCache
 
 
-# attend(q [B,T,N,D], k_blk [B,T,K,D], v_blk [B,T,K,D], ctx_k [B,C,K*D], ctx_v) -> [B,T,N,D]
+# attend(q [B,T,N,D], k_blk [B,T,K,D], v_blk [B,T,K,D], ctx_k [B,C,K*D], ctx_v, window)
+# -> [B,T,N,D]; window: the layer's sliding window (None: full attention).
 AttendFn = Callable[..., jnp.ndarray]
 
 
 class DrafterLayer(nn.Module):
     cfg: ModelConfig
+    window: Optional[int] = None  # sliding_attention: |query - key position| < window
 
     def setup(self):
         c = self.cfg
@@ -230,7 +303,7 @@ class DrafterLayer(nn.Module):
         h = self.input_layernorm(x_BTH)
         q = self.self_attn.queries(h, positions_BT, inv_freq)
         k, v = self.self_attn.keys_values(h, positions_BT, inv_freq)
-        x_BTH = x_BTH + self.self_attn.output(attend(q, k, v, ctx_k, ctx_v))
+        x_BTH = x_BTH + self.self_attn.output(attend(q, k, v, ctx_k, ctx_v, self.window))
         return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
 
 
@@ -243,7 +316,9 @@ class DFlashDrafter(nn.Module):
         b = self.cfg.body
         self.fc = nn.Dense(b.hidden_size, use_bias=False, dtype=b.dtype, param_dtype=b.param_dtype)
         self.hidden_norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
-        self.layers = [DrafterLayer(b, name=f"layers_{i}") for i in range(b.num_layers)]
+        self.layers = [
+            DrafterLayer(b, w, name=f"layers_{i}") for i, w in enumerate(self.cfg.layer_windows)
+        ]
         self.norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
 
     def context_features(self, taps_BCF):
@@ -281,10 +356,12 @@ class DFlashDrafter(nn.Module):
 
 
 def decode_attend(ctx_len_B, impl: str = "xla") -> AttendFn:
-    """Decode-time attention: context slots j < ctx_len plus the whole block, non-causal."""
+    """Decode-time attention: the committed context (positions j < ctx_len) plus the whole
+    block at positions ctx_len .. ctx_len + T - 1, non-causal; a sliding layer's within its
+    window, from a context cache that may be a ring (`attention.draft_attention`)."""
 
-    def attend(q, k, v, ctx_k, ctx_v):
-        return attn_lib.draft_attention(q, ctx_k, ctx_v, ctx_len_B, k, v, impl=impl)
+    def attend(q, k, v, ctx_k, ctx_v, window=None):
+        return attn_lib.draft_attention(q, ctx_k, ctx_v, ctx_len_B, k, v, impl=impl, window=window)
 
     return attend
 
@@ -339,9 +416,11 @@ def make_drafter_config(
     block_size: int = 16,
     mask_token_id: Optional[int] = None,
     target_layer_ids: Optional[Sequence[int]] = None,
+    sliding_window: Optional[int] = None,
     **body_overrides,
 ) -> DrafterConfig:
-    """A drafter config matched to a target: same width, heads and vocabulary by default."""
+    """A drafter config matched to a target: same width, heads and vocabulary by default.
+    sliding_window: every layer slides with this window (None: full attention)."""
     body = target_config.dense().replace(  # a MoE target's drafter is dense
         num_layers=num_layers,
         arch="qwen3",
@@ -365,7 +444,16 @@ def make_drafter_config(
         target_layer_ids=ids,
         target_hidden_size=target_config.hidden_size,
         num_target_layers=target_config.num_layers,
+        **sliding_layers(num_layers, sliding_window),
     )
+
+
+def sliding_layers(num_layers: int, window: Optional[int]) -> dict:
+    """DrafterConfig fields for `num_layers` layers that all slide with `window` (None: the
+    fields of full attention)."""
+    if window is None:
+        return dict(layer_types=None, sliding_window=None)
+    return dict(layer_types=("sliding_attention",) * num_layers, sliding_window=window)
 
 
 def validate_pair(drafter_cfg: DrafterConfig, target_cfg: ModelConfig) -> None:

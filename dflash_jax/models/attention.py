@@ -231,13 +231,43 @@ def tree_verify_attention(
     return _per_shard(kernel, args, (0,) * 7, (2, 2, 2, None, 2, 2, None))
 
 
-def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla"):
+def ring_positions(lengths_B, slots: int):
+    """[B, slots]: the absolute position held by each slot of a ring cache in which position
+    j lives in slot j % slots and positions < lengths were written in order (the latest
+    `slots` of them remain); negative where the slot holds nothing yet. With lengths <= slots
+    slot s holds position s: a ring that never wrapped is a plain cache."""
+    last = lengths_B[:, None].astype(jnp.int32) - 1
+    s = jnp.arange(slots, dtype=jnp.int32)[None]
+    return last - jnp.mod(last - s, slots)
+
+
+def window_draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window: int):
+    """A sliding-window drafter layer's decode attention (XLA): the block's query t sits at
+    position p = ctx_len + t and sees context position j when p - j < window, block position
+    r when |t - r| < window. The context cache is a ring (`ring_positions`: a plain cache whose
+    capacity covers the context is one), so it may hold only the last `window` positions."""
+    b, t = q_BTND.shape[:2]
+    pos = ring_positions(ctx_len_B, ctx_k.shape[1])  # [B, C]
+    qpos = ctx_len_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
+    ctx_mask = (pos[:, None, :] >= 0) & (qpos[:, :, None] - pos[:, None, :] < window)
+    r = jnp.arange(t)
+    blk_mask = jnp.abs(r[:, None] - r[None, :]) < window
+    mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, t, t))], axis=-1)
+    k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1)
+    v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1)
+    return masked_attention(q_BTND, k, v, mask)
+
+
+def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla", window=None):
     """Drafter block queries against [context (j < ctx_len) ; block (all)], non-causal.
     ctx_k / ctx_v: [B,C,K*D] (the context cache's storage) or [B,C,K,D]; blk_k / blk_v
-    [B,T,K,D]."""
+    [B,T,K,D]. window: a sliding layer's window (`window_draft_attention`, XLA under every
+    impl: the kernels take the full context)."""
     impl = resolve_impl(impl)
     d = q_BTND.shape[-1]
     ctx_k, ctx_v = _heads(ctx_k, d), _heads(ctx_v, d)
+    if window is not None:
+        return window_draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window)
     if impl == "xla":
         b, t = q_BTND.shape[:2]
         c = ctx_k.shape[1]

@@ -354,6 +354,7 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     int_param("drafter.num_taps", c.drafter.num_taps, lo=1, error=E)
     int_param("drafter.mask_token_id", c.drafter.mask_token_id, lo=-1, error=E)
     int_param("drafter.intermediate_size", c.drafter.intermediate_size, lo=0, error=E)
+    int_param("drafter.sliding_window", c.drafter.get("sliding_window", 0), lo=0, error=E)
     for i, t in enumerate(c.drafter.target_layer_ids):
         int_param(f"drafter.target_layer_ids[{i}]", t, lo=0, error=E)
     int_param("num_anchors", c.num_anchors, lo=1, error=E)

@@ -28,6 +28,7 @@ from dflash_jax.drafters.dflash import (
     Drafter,
     init_drafter_params,
     make_drafter_config,
+    sliding_layers,
 )
 from dflash_jax.models import hub
 from dflash_jax.models.config import ModelConfig, as_dtype
@@ -392,6 +393,7 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
         block_size=dc.block_size,
         mask_token_id=mask_id,
         target_layer_ids=tuple(dc.target_layer_ids) or None,
+        sliding_window=dc.get("sliding_window", 0) or None,
         **overrides,
     )
     if dc.init_path:
@@ -403,6 +405,8 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
             param_dtype=dc.get("param_dtype") or None,
         )
         dcfg, init = loaded.config, loaded.params
+        if dc.get("sliding_window", 0):  # continue a drafter with (another) window
+            dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, dc.sliding_window))
     else:
         init = init_drafter_params(dcfg, seed=config.seed)
         if dc.get("fc_init", "normal") == "tap_rms":

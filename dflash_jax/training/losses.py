@@ -84,12 +84,14 @@ def blockwise_training_attention(
     block_size: int,
     segment_ids_BS=None,
     chunk_anchors: int = 0,
+    window=None,
 ):
     """`masks.training_mask` attention without the dense [N*bs, S + N*bs] mask: each block's
     queries score the S context keys (j < anchor, same document) and only their own bs block
     keys (the other N*bs - bs keys are masked anyway), `chunk_anchors` blocks at a time in a
     rematerialized `lax.map` (0: all at once). Invalid blocks give zeros. Values and gradients
-    are those of the dense form."""
+    are those of the dense form. window: a sliding layer's (block position i at anchor + i sees
+    context j when anchor + i - j < window and block position r when |i - r| < window)."""
     b, rows, nh, d = q.shape
     n, bs, s = anchors_BN.shape[1], block_size, ctx_k.shape[1]
     kh = ctx_k.shape[2]
@@ -111,7 +113,14 @@ def blockwise_training_attention(
             (jnp.arange(s)[None, None] < anc[:, :, None])
             & (seg[:, None] == aseg[:, :, None])
             & val[:, :, None]
-        )  # [B,c,S]
+        )[:, :, None, :]  # [B,c,1,S]
+        blk_ok = None
+        if window is not None:
+            i = jnp.arange(bs)
+            qpos = anc[:, :, None] + i[None, None]  # [B,c,bs]
+            ctx_ok = ctx_ok & (qpos[..., None] - jnp.arange(s)[None, None, None] < window)
+            if window < bs:
+                blk_ok = jnp.abs(i[:, None] - i[None, :]) < window  # [bs,bs]
         lc = (
             jnp.einsum("bcqkgd,bskd->bckgqs", qc, ctx_k, preferred_element_type=jnp.float32)
             * d**-0.5
@@ -126,10 +135,15 @@ def blockwise_training_attention(
             * d**-0.5
         )
         neg = jnp.float32(-0.7 * float(jnp.finfo(jnp.float32).max))
-        lc = jnp.where(ctx_ok[:, :, None, None, None, :], lc, neg)
+        ok = ctx_ok[:, :, None, None]  # [B,c,1,1,bs|1,S] against [B,c,K,g,bs,S]
+        lc = jnp.where(ok, lc, neg)
+        if blk_ok is not None:
+            lb = jnp.where(blk_ok, lb, neg)
         mx = jnp.maximum(jnp.max(lc, -1, keepdims=True), jnp.max(lb, -1, keepdims=True))
         pc, pb = jnp.exp(lc - mx), jnp.exp(lb - mx)
-        pc = jnp.where(ctx_ok[:, :, None, None, None, :], pc, 0.0)
+        pc = jnp.where(ok, pc, 0.0)
+        if blk_ok is not None:
+            pb = jnp.where(blk_ok, pb, 0.0)
         z = jnp.sum(pc, -1, keepdims=True) + jnp.sum(pb, -1, keepdims=True)
         pc, pb = (pc / z).astype(ctx_v.dtype), (pb / z).astype(ctx_v.dtype)
         out = jnp.einsum(
@@ -164,31 +178,36 @@ def training_attend(
     impl: str = "xla",
     chunk_anchors: int = 0,
 ):
-    """An `attend(q, k_blk, v_blk, ctx_k, ctx_v)` for `DFlashDrafter` implementing
-    `masks.training_mask` over N blocks of `block_size` query rows ("xla": blockwise, see
-    `blockwise_training_attention`, `chunk_anchors` blocks at a time)."""
+    """An `attend(q, k_blk, v_blk, ctx_k, ctx_v, window=None)` for `DFlashDrafter`
+    implementing `masks.training_mask` over N blocks of `block_size` query rows ("xla":
+    blockwise, see `blockwise_training_attention`, `chunk_anchors` blocks at a time). A
+    sliding layer (window) runs the blockwise form under every impl (the Pallas kernel masks
+    by anchor, not by query position)."""
+
+    def blockwise(q, k, v, ctx_k, ctx_v, window=None):
+        return blockwise_training_attention(
+            q,
+            k,
+            v,
+            ctx_k,
+            ctx_v,
+            anchors_BN,
+            valid_BN,
+            block_size,
+            segment_ids_BS,
+            chunk_anchors,
+            window,
+        )
+
     if impl == "xla":
-
-        def attend(q, k, v, ctx_k, ctx_v):
-            return blockwise_training_attention(
-                q,
-                k,
-                v,
-                ctx_k,
-                ctx_v,
-                anchors_BN,
-                valid_BN,
-                block_size,
-                segment_ids_BS,
-                chunk_anchors,
-            )
-
-        return attend
+        return blockwise
 
     if impl == "xla_dense":
-        mask = masks.training_mask(anchors_BN, valid_BN, block_size, ctx_len, segment_ids_BS)
 
-        def attend(q, k, v, ctx_k, ctx_v):
+        def attend(q, k, v, ctx_k, ctx_v, window=None):
+            mask = masks.training_mask(
+                anchors_BN, valid_BN, block_size, ctx_len, segment_ids_BS, window=window
+            )
             return masked_attention(
                 q,
                 jnp.concatenate([ctx_k, k.astype(ctx_k.dtype)], 1),
@@ -206,7 +225,9 @@ def training_attend(
             axis=1,
         )
 
-    def attend(q, k, v, ctx_k, ctx_v):  # per shard on a sharded mesh (GSPMD cannot split it)
+    def attend(q, k, v, ctx_k, ctx_v, window=None):  # per shard (GSPMD cannot split it)
+        if window is not None:
+            return blockwise(q, k, v, ctx_k, ctx_v, window)
         return attention.training_attention(
             q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN, block_size, ctx_start, impl
         )
