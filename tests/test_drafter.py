@@ -43,7 +43,9 @@ def pair(hf_checkpoints):
 
 
 def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
-    """DFlash drafter forward written plainly from ../shared/docs/dflash.md, in PyTorch."""
+    """DFlash drafter forward written plainly from ../shared/docs/dflash.md, in PyTorch; a
+    layer that config.json's layer_types calls sliding_attention lets a block query at
+    position p see keys at positions j with |p - j| < sliding_window."""
     eps = hf_cfg["rms_norm_eps"]
     n, kh, d = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"], hf_cfg["head_dim"]
     theta = hf_cfg["rope_theta"]
@@ -74,7 +76,12 @@ def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
         v = (kv_in @ p("self_attn.v_proj.weight").T).view(c + t, kh, d)
         q, k = rope(q, blk_pos), rope(k, torch.cat([ctx_pos, blk_pos]))
         k, v = k.repeat_interleave(n // kh, 1), v.repeat_interleave(n // kh, 1)
-        att = torch.softmax(torch.einsum("qhd,khd->hqk", q, k) / d**0.5, -1)  # non-causal
+        scores = torch.einsum("qhd,khd->hqk", q, k) / d**0.5  # non-causal
+        if hf_cfg.get("layer_types", [None] * (i + 1))[i] == "sliding_attention":
+            key_pos = torch.cat([ctx_pos, blk_pos])
+            far = (blk_pos[:, None] - key_pos[None, :]).abs() >= hf_cfg["sliding_window"]
+            scores = scores.masked_fill(far[None], float("-inf"))
+        att = torch.softmax(scores, -1)
         o = torch.einsum("hqk,khd->qhd", att, v).reshape(t, n * d)
         h = h + o @ p("self_attn.o_proj.weight").T
         x = rms(h, p("post_attention_layernorm.weight"))
@@ -112,6 +119,58 @@ def test_drafter_forward_matches_independent_torch_implementation(pair, tmp_path
         decode_attend(ctx.lengths),
     )
     with torch.no_grad():  # the reference in float64: no float32 rounding on its side
+        ref = _torch_drafter(
+            {k: v.double() for k, v in state.items()},
+            hf_cfg,
+            torch.tensor(taps[0]).double(),
+            torch.tensor(np.asarray(emb)[0]).double(),
+            torch.arange(c),
+            c + torch.arange(t),
+        )
+    np.testing.assert_allclose(np.asarray(ours)[0], ref.numpy(), atol=2e-4)
+
+
+@pytest.mark.parametrize(
+    "layer_types, window",
+    [(("sliding_attention",) * 2, 6), (("sliding_attention", "full_attention"), 4)],
+)
+def test_sliding_drafter_forward_matches_independent_torch_implementation(
+    pair, tmp_path, layer_types, window
+):
+    """Sliding layers against the reference: every layer sliding (the context in a ring of
+    `window` slots, written in two parts as prefill and a commit write it) and one of two."""
+    target, drafter = pair
+    drafter = dj.Drafter(
+        drafter.config.replace(layer_types=layer_types, sliding_window=window), drafter.params
+    )
+    dj.save_drafter(drafter, tmp_path / "d")
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    hf_cfg = json.load(open(tmp_path / "d" / "config.json"))
+
+    rs = np.random.RandomState(1)
+    c, t = 13, drafter.config.block_size
+    taps = rs.randn(1, c, drafter.config.num_taps * 64).astype(np.float32)
+    block_ids = np.array([[17] + [drafter.config.mask_token_id] * (t - 1)])
+    emb = target.module.apply(
+        {"params": target.params}, jnp.asarray(block_ids), method=dj.Transformer.embed
+    )
+    dmod = DFlashDrafter(drafter.config)
+    ctx = ContextCache.create(drafter.config, 1, drafter.config.context_capacity(32))
+    assert ctx.capacity == (window if drafter.config.context_window else 32)
+    decoder = Decoder(None, drafter.params, None, dmod, Plan(block_size=drafter.config.block_size))
+    for lo, hi in ((0, 9), (9, c)):
+        ctx = decoder.write_context(
+            ctx, jnp.asarray(taps[:, lo:hi]), jnp.arange(lo, hi)[None], jnp.array([hi])
+        )
+    ours = dmod.apply(
+        {"params": drafter.params},
+        emb,
+        c + jnp.arange(t)[None],
+        ctx.k,
+        ctx.v,
+        decode_attend(ctx.lengths),
+    )
+    with torch.no_grad():
         ref = _torch_drafter(
             {k: v.double() for k, v in state.items()},
             hf_cfg,

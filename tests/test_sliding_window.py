@@ -276,3 +276,46 @@ def test_ring_writes_keep_the_last_window_positions(bundled_pair):
                     np.testing.assert_array_equal(
                         np.asarray(ring.v[layer][x, s]), np.asarray(plain.v[layer][x, p])
                     )
+
+
+def test_the_training_loss_of_a_windowed_drafter(hf_checkpoints):
+    """drafter_loss through sliding layers: a window wider than the rows is the full drafter's
+    loss, a narrow one another loss (with finite gradients)."""
+    from dflash_jax.training import losses
+
+    target = dj.load_target(hf_checkpoints["qwen3_tied"][0])
+    base = dj.make_drafter_config(target.config, num_layers=2, num_taps=2, block_size=8)
+    params = dj.init_drafter_params(base, seed=3)
+    recipe = losses.DrafterRecipe(
+        block_size=8,
+        mask_token_id=base.mask_token_id,
+        tap_layers=base.target_layer_ids,
+        num_anchors=4,
+        gamma=4.0,
+    )
+    rng = np.random.RandomState(0)
+    batch = {
+        "input_ids": jnp.asarray(rng.randint(0, 100, (2, 40)), jnp.int32),
+        "loss_mask": jnp.ones((2, 40), jnp.int32),
+        "segment_ids": jnp.ones((2, 40), jnp.int32),
+    }
+
+    def loss(window):
+        cfg = base.replace(**sliding_layers(2, window))
+        fn = lambda p: losses.drafter_loss(
+            target.module,
+            DFlashDrafter(cfg),
+            recipe,
+            p,
+            target.params,
+            batch,
+            jax.random.PRNGKey(1),
+        )[0]
+        return jax.jit(jax.value_and_grad(fn))(params)
+
+    full, _ = loss(None)
+    wide, _ = loss(64)
+    narrow, g = loss(4)
+    np.testing.assert_allclose(float(wide), float(full), rtol=1e-6)
+    assert abs(float(narrow) - float(full)) > 1e-4
+    assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g))
