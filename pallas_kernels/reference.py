@@ -73,6 +73,7 @@ def training_mask(
     segment_ids_BS: Optional[jnp.ndarray] = None,
     ctx_start_BN: Optional[jnp.ndarray] = None,
     window: Optional[int] = None,
+    causal: bool = False,
 ):
     """The DFlash training attention mask, [B, N*bs, ctx_len + N*bs] bool (True = may attend).
     The one reference of it: the library's "xla" training attention uses it
@@ -88,7 +89,7 @@ def training_mask(
       block key r' iff r' // bs == n (its own block, bidirectional);
     and nothing at all when the block is invalid. A sliding layer's `window` also requires
     (p + i) - j < window for context j and |i - i'| < window for block key r' (i = r % bs, the
-    row's position in its block, i' = r' % bs).
+    row's position in its block, i' = r' % bs); `causal` requires i' <= i.
     """
     b, n = anchors_BN.shape
     rows = n * block_size
@@ -107,6 +108,9 @@ def training_mask(
         i = jnp.arange(rows, dtype=jnp.int32) % block_size
         ctx &= (row_anchor + i[None])[:, :, None] - j[None, None, :] < window
         own &= jnp.abs(i[:, None] - i[None, :]) < window
+    if causal:
+        i = jnp.arange(rows, dtype=jnp.int32) % block_size
+        own &= i[None, :] <= i[:, None]
     own = jnp.broadcast_to(own, (b, rows, rows))
     return jnp.concatenate([ctx, own], axis=2) & row_valid[:, :, None]
 

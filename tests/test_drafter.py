@@ -45,7 +45,11 @@ def pair(hf_checkpoints):
 def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
     """DFlash drafter forward written plainly from ../shared/docs/dflash.md, in PyTorch; a
     layer that config.json's layer_types calls sliding_attention lets a block query at
-    position p see keys at positions j with |p - j| < sliding_window."""
+    position p see keys at positions j with |p - j| < sliding_window. DFlash 2
+    (DFlash2DraftModel): block embeddings x input_embedding_scale; around attention and the
+    MLP the grouped dynamic causal convolution of ../shared/docs/dflash.md, its dynamic taps
+    from kernel_projection of the sublayer's normed input (the first set convolves that input
+    with base_kernel[0], the second the sublayer's output with base_kernel[1])."""
     eps = hf_cfg["rms_norm_eps"]
     n, kh, d = hf_cfg["num_attention_heads"], hf_cfg["num_key_value_heads"], hf_cfg["head_dim"]
     theta = hf_cfg["rope_theta"]
@@ -62,11 +66,32 @@ def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
         return x * cos + rot * sin
 
     ctx = rms(taps @ state["fc.weight"].T, state["hidden_norm.weight"])
-    h = block_emb
+    dcfg = hf_cfg["dflash_config"]
+    v2 = hf_cfg["architectures"] == ["DFlash2DraftModel"]
+    h = block_emb * (dcfg.get("input_embedding_scale", 1.0) if v2 else 1.0)
     t, c = h.shape[0], ctx.shape[0]
+
+    def conv(which, x, dyn, side):  # x [t, H], dyn [t, 2, taps, groups]
+        base = state[f"{which}.base_kernel"][side]  # [taps, H]
+        gs = dcfg["conv_group_size"]
+        out = torch.zeros_like(x)
+        for tt in range(t):
+            for o in range(base.shape[0]):
+                if tt - o >= 0:
+                    w = base[o] + dyn[tt, side, o].repeat_interleave(gs)
+                    out[tt] += w * x[tt - o]
+        return out
+
+    def taps_of(which, x):
+        k = dcfg["conv_kernel_size"]
+        return (x @ state[f"{which}.kernel_projection.weight"].T).view(t, 2, k, -1)
+
     for i in range(hf_cfg["num_hidden_layers"]):
         p = lambda name: state[f"layers.{i}.{name}"]
         x = rms(h, p("input_layernorm.weight"))
+        if v2:
+            dyn = taps_of(f"layers.{i}.attention_conv", x)
+            x = conv(f"layers.{i}.attention_conv", x, dyn, 0)
         q = rms((x @ p("self_attn.q_proj.weight").T).view(t, n, d), p("self_attn.q_norm.weight"))
         kv_in = torch.cat([ctx, x], 0)
         k = rms(
@@ -82,11 +107,19 @@ def _torch_drafter(state, hf_cfg, taps, block_emb, ctx_pos, blk_pos):
             far = (blk_pos[:, None] - key_pos[None, :]).abs() >= hf_cfg["sliding_window"]
             scores = scores.masked_fill(far[None], float("-inf"))
         att = torch.softmax(scores, -1)
-        o = torch.einsum("hqk,khd->qhd", att, v).reshape(t, n * d)
-        h = h + o @ p("self_attn.o_proj.weight").T
+        o = torch.einsum("hqk,khd->qhd", att, v).reshape(t, n * d) @ p("self_attn.o_proj.weight").T
+        if v2:
+            o = conv(f"layers.{i}.attention_conv", o, dyn, 1)
+        h = h + o
         x = rms(h, p("post_attention_layernorm.weight"))
+        if v2:
+            dyn = taps_of(f"layers.{i}.mlp_conv", x)
+            x = conv(f"layers.{i}.mlp_conv", x, dyn, 0)
         gate = torch.nn.functional.silu(x @ p("mlp.gate_proj.weight").T)
-        h = h + (gate * (x @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        m = (gate * (x @ p("mlp.up_proj.weight").T)) @ p("mlp.down_proj.weight").T
+        if v2:
+            m = conv(f"layers.{i}.mlp_conv", m, dyn, 1)
+        h = h + m
     return rms(h, state["norm.weight"])
 
 
@@ -180,6 +213,59 @@ def test_sliding_drafter_forward_matches_independent_torch_implementation(
             c + torch.arange(t),
         )
     np.testing.assert_allclose(np.asarray(ours)[0], ref.numpy(), atol=2e-4)
+
+
+def test_dflash2_drafter_forward_matches_independent_torch_implementation(pair, tmp_path):
+    """DFlash 2's layers (convolutions with random kernels and dynamic taps, an embedding
+    scale, one sliding layer) against the reference, through the written file."""
+    target, drafter = pair
+    cfg = drafter.config.replace(
+        conv_kernel_size=3,
+        conv_group_size=16,
+        selector_rank=8,
+        selector_top_k=4,
+        input_embedding_scale=1.5,
+        layer_types=("sliding_attention", "full_attention"),
+        sliding_window=9,
+        is_causal=False,
+    )
+    params = dj.init_drafter_params(cfg, seed=7)
+    rs = np.random.RandomState(2)
+    for i in range(cfg.body.num_layers):
+        for c in ("attention_conv", "mlp_conv"):
+            layer = params[f"layers_{i}"][c]
+            layer["base_kernel"] = jnp.asarray(rs.randn(*layer["base_kernel"].shape) * 0.5)
+            k = layer["kernel_projection"]["kernel"]
+            layer["kernel_projection"]["kernel"] = jnp.asarray(rs.randn(*k.shape) * 0.1)
+    params = jax.tree_util.tree_map(lambda x: jnp.asarray(x, jnp.float32), params)
+    d2 = dj.Drafter(cfg, params)
+    dj.save_drafter(d2, tmp_path / "d", dtype="float32")
+    state = load_file(str(tmp_path / "d" / "model.safetensors"))
+    hf_cfg = json.load(open(tmp_path / "d" / "config.json"))
+
+    c, t = 13, cfg.block_size
+    taps = rs.randn(1, c, cfg.num_taps * 64).astype(np.float32)
+    block_ids = np.array([[17] + [cfg.mask_token_id] * (t - 1)])
+    emb = target.module.apply(
+        {"params": target.params}, jnp.asarray(block_ids), method=dj.Transformer.embed
+    )
+    dmod = DFlashDrafter(cfg)
+    ctx = ContextCache.create(cfg, 1, 32)
+    decoder = Decoder(None, params, None, dmod, Plan(block_size=t))
+    ctx = decoder.write_context(ctx, jnp.asarray(taps), jnp.arange(c)[None], jnp.array([c]))
+    ours = dmod.apply(
+        {"params": params}, emb, c + jnp.arange(t)[None], ctx.k, ctx.v, decode_attend(ctx.lengths)
+    )
+    with torch.no_grad():
+        ref = _torch_drafter(
+            {k: torch.tensor(np.asarray(v)).double() for k, v in state.items()},
+            hf_cfg,
+            torch.tensor(taps[0]).double(),
+            torch.tensor(np.asarray(emb)[0]).double(),
+            torch.arange(c),
+            c + torch.arange(t),
+        )
+    np.testing.assert_allclose(np.asarray(ours)[0], ref.numpy(), atol=5e-4)
 
 
 def test_zlab_round_trip_and_config_variants(pair, tmp_path):

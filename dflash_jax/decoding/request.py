@@ -102,6 +102,17 @@ class Request:
                 raise ValueError(
                     f"denoise_steps must be in [1, {bs - 1}] (block_size - 1), got {steps}"
                 )
+            if getattr(drafter_config, "dflash2", False):
+                for name, given in (
+                    ("denoise_steps", steps != 1),
+                    ("tree_budget", tree_budget is not None),
+                    ("remask", bool(remask)),
+                ):
+                    if given:
+                        raise ValueError(
+                            f"{name} is not implemented for DFlash 2 drafters yet (its candidate "
+                            "selector drafts one chain in one pass)"
+                        )
         else:
             bs = 1
             for name, given in (

@@ -43,7 +43,7 @@ import numpy as np
 
 from dflash_jax.decoding.sampling import greedy_argmax, pick_tokens
 from dflash_jax.decoding.tree import Tree, accept_path, build_tree
-from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend
+from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
 
@@ -204,16 +204,32 @@ class Decoder:
         v = tuple(write(old, new) for old, new in zip(ctx.v, cv))
         return ctx.replace(k=k, v=v, lengths=lengths)
 
-    def draft_logits(self, ctx: KVCache, x_last, tokens, start):
+    def draft_logits(self, ctx: KVCache, x_last, tokens, start, with_hidden: bool = False):
         """One drafter pass over [x_last, tokens] (tokens [B, bs-1]: MASK where not yet drafted) at
-        positions start + arange(bs): the logits [B, bs-1, V] of the block positions after x_last."""
+        positions start + arange(bs): the logits [B, bs-1, V] of the block positions after x_last
+        (as the drafter scores them: DFlash 2's scaled and capped), with their hidden states
+        [B, bs-1, H] when `with_hidden`."""
         positions = start[:, None] + jnp.arange(self.plan.block_size, dtype=jnp.int32)[None]
         attend = decode_attend(ctx.lengths, self.plan.attention_impl)
         block = jnp.concatenate([x_last[:, None], tokens], axis=1)
         hidden = self.dmod.apply(
             {"params": self.dparams}, self.embed(block), positions, ctx.k, ctx.v, attend
         )
-        return self.lm_logits(hidden[:, 1:])
+        logits = drafter_logits(self.dmod.cfg, self.lm_logits(hidden[:, 1:]))
+        return (logits, hidden[:, 1:]) if with_hidden else logits
+
+    def select_block(self, ctx: KVCache, x_last, start):
+        """DFlash 2: one drafter pass, then the candidate selector's walk over the bs-1 slots
+        from x_last (greedy). Returns (drafts [B, bs-1], confidence [B, bs-1]: the drafter's
+        probability of each draft)."""
+        b = x_last.shape[0]
+        masks = jnp.full((b, self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32)
+        logits, hidden = self.draft_logits(ctx, x_last, masks, start, with_hidden=True)
+        tokens, _, _ = self.dmod.apply(
+            {"params": self.dparams}, hidden, logits, x_last, method=DFlashDrafter.select
+        )
+        p = jax.nn.softmax(logits, axis=-1)
+        return tokens, jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
 
     def denoise(self, ctx: KVCache, x_last, start, logp=False):
         """The K = `self.plan.denoise_steps` drafter passes over one block: (drafts [B, bs-1],
@@ -281,7 +297,10 @@ class Decoder:
 
         denoise_steps = 1: DFlash's single pass. K > 1: K masked-diffusion passes (`denoise`: the
         positions fixed after each pass by confidence or left to right, optionally remasked).
+        DFlash 2: its single pass and candidate selector (`select_block`).
         """
+        if self.dmod.cfg.dflash2:
+            return self.select_block(ctx, x_last, start)
         tokens, conf, _ = self.denoise(ctx, x_last, start)
         return tokens, conf
 

@@ -25,6 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.drafters.dflash2 import CandidateSelector, GroupedDynamicCausalConv, adjust_logits
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models import checkpoint, hub
 from dflash_jax.models.config import ModelConfig, as_dtype
@@ -48,6 +49,34 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> Tuple[int
 
 
 LAYER_TYPES = ("full_attention", "sliding_attention")
+# DFlash 2's dflash_config keys (read there first, then at the top level, as the reference does).
+DFLASH2_FIELDS = (
+    "conv_kernel_size",
+    "conv_group_size",
+    "selector_rank",
+    "selector_top_k",
+    "output_multiplier",
+    "final_logit_softcapping",
+    "input_embedding_scale",
+)
+
+
+def _dflash2_fields(hf: dict, dcfg: dict, source: str) -> dict:
+    """The DrafterConfig fields of a DFlash 2 config.json (one-line CheckpointError for a
+    missing required key)."""
+    out = {}
+    for key in DFLASH2_FIELDS:
+        value = dcfg.get(key, hf.get(key))
+        if value is None:
+            if key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+                raise CheckpointError(f"{source}: a DFlash 2 drafter needs {key!r}")
+            continue
+        out[key] = value
+    causal = dcfg.get("is_causal", hf.get("is_causal"))
+    if causal is not None and not isinstance(causal, bool):
+        raise CheckpointError(f"{source}: is_causal must be true or false, got {causal!r}")
+    out["is_causal"] = causal
+    return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +100,19 @@ class DrafterConfig:
     # queries at position p see keys at positions j with |p - j| < sliding_window.
     layer_types: Optional[Tuple[str, ...]] = None
     sliding_window: Optional[int] = None
+    # DFlash 2 (`DFlash2DraftModel`, `drafters.dflash2`): conv_kernel_size > 0 taps of the
+    # grouped dynamic causal convolutions (channels in groups of conv_group_size), the
+    # candidate selector (selector_rank, selector_top_k), logits x output_multiplier then
+    # soft-capped at final_logit_softcapping, block embeddings x input_embedding_scale, and
+    # is_causal (block attention causal; None: the sliding layers are). 0: DFlash 1.
+    conv_kernel_size: int = 0
+    conv_group_size: int = 16
+    selector_rank: int = 0
+    selector_top_k: int = 0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: Optional[float] = None
+    input_embedding_scale: float = 1.0
+    is_causal: Optional[bool] = None
 
     def __post_init__(self):
         types = self.layer_types
@@ -81,6 +123,43 @@ class DrafterConfig:
         if types is None or "sliding_attention" not in types:  # all full: one spelling
             object.__setattr__(self, "layer_types", None)
             object.__setattr__(self, "sliding_window", None)
+        if self.dflash2:
+            self._check_dflash2()
+
+    @property
+    def dflash2(self) -> bool:
+        return self.conv_kernel_size > 0
+
+    def _check_dflash2(self):
+        h, v = self.body.hidden_size, self.body.vocab_size
+        for name, lo in (("conv_kernel_size", 1), ("conv_group_size", 1), ("selector_rank", 1)):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+                raise ValueError(f"{name} must be an integer >= {lo}, got {value!r}"[:160])
+        if h % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} does not divide the hidden size {h}"
+            )
+        k = self.selector_top_k
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
+            raise ValueError(f"selector_top_k must be an integer in [1, {v}], got {k!r}"[:160])
+        for name in ("output_multiplier", "input_embedding_scale"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+                raise ValueError(f"{name} must be a positive number, got {value!r}"[:160])
+        cap = self.final_logit_softcapping
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
+            raise ValueError(f"final_logit_softcapping must be a number, got {cap!r}"[:160])
+
+    @property
+    def layer_causal(self) -> Tuple[bool, ...]:
+        """Per layer: whether the block attends causally within itself (DFlash 2's is_causal;
+        unset, its sliding layers do). DFlash 1 blocks are bidirectional."""
+        if not self.dflash2:
+            return (False,) * self.body.num_layers
+        if self.is_causal is not None:
+            return (bool(self.is_causal),) * self.body.num_layers
+        return tuple(w is not None for w in self.layer_windows)
 
     @staticmethod
     def _check_layers(body, layer_types, sliding_window):
@@ -150,10 +229,10 @@ class DrafterConfig:
         source="config.json",
     ) -> "DrafterConfig":
         archs = hf.get("architectures") or []
-        if "DFlashDraftModel" not in archs:
+        if "DFlashDraftModel" not in archs and "DFlash2DraftModel" not in archs:
             raise CheckpointError(
                 f"{source}: not a DFlash drafter (architectures={archs!r}, expected "
-                "['DFlashDraftModel'])"
+                "['DFlashDraftModel'] or ['DFlash2DraftModel'])"
             )
         try:
             body = ModelConfig._from_hf_fields(
@@ -237,22 +316,28 @@ class DrafterConfig:
             cls._check_layers(body, **typed)
         except ValueError as e:
             raise CheckpointError(f"{source}: {e}") from None
-        return cls(
-            body=body,
-            block_size=block_size,
-            mask_token_id=mask,
-            target_layer_ids=ids,
-            target_hidden_size=int(target_hidden_size or body.hidden_size),
-            num_target_layers=num_target_layers,
-            **typed,
-        )
+        if "DFlash2DraftModel" in archs:
+            typed.update(_dflash2_fields(hf, dcfg, source))
+        try:
+            return cls(
+                body=body,
+                block_size=block_size,
+                mask_token_id=mask,
+                target_layer_ids=ids,
+                target_hidden_size=int(target_hidden_size or body.hidden_size),
+                num_target_layers=num_target_layers,
+                **typed,
+            )
+        except ValueError as e:
+            raise CheckpointError(f"{source}: {e}") from None
 
     def to_hf(self, torch_dtype="bfloat16") -> dict:
         out = self.body.replace(arch="qwen3", qk_norm=True).to_hf(torch_dtype)
+        arch = "DFlash2DraftModel" if self.dflash2 else "DFlashDraftModel"
         out.update(
             {
-                "architectures": ["DFlashDraftModel"],
-                "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+                "architectures": [arch],
+                "auto_map": {"AutoModel": f"dflash.{arch}"},
                 # The published files' spelling (transformers >= 4.56); torch_dtype stays
                 # for older readers.
                 "dtype": torch_dtype,
@@ -271,6 +356,10 @@ class DrafterConfig:
         )
         if self.layer_types is not None:
             out.update(use_sliding_window=True, sliding_window=self.sliding_window)
+        if self.dflash2:
+            out["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_FIELDS})
+            if self.is_causal is not None:
+                out["is_causal"] = self.is_causal
         return out
 
 
@@ -287,6 +376,8 @@ AttendFn = Callable[..., jnp.ndarray]
 class DrafterLayer(nn.Module):
     cfg: ModelConfig
     window: Optional[int] = None  # sliding_attention: |query - key position| < window
+    causal: bool = False  # the block attends causally within itself (DFlash 2's is_causal)
+    conv: Optional[Tuple[int, int]] = None  # DFlash 2: (conv_kernel_size, conv_group_size)
 
     def setup(self):
         c = self.cfg
@@ -294,17 +385,32 @@ class DrafterLayer(nn.Module):
         self.input_layernorm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype)
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype)
         self.mlp = MLP(c)
+        if self.conv is not None:
+            conv = lambda: GroupedDynamicCausalConv(
+                c.hidden_size, self.conv[0], self.conv[1], c.dtype, c.param_dtype
+            )
+            self.attention_conv, self.mlp_conv = conv(), conv()
 
     def context_kv(self, ctx_BCH, positions_BC, inv_freq):
         """K/V of context features (no input norm: hidden_norm already normalized them)."""
         return self.self_attn.keys_values(ctx_BCH, positions_BC, inv_freq)
 
-    def __call__(self, x_BTH, positions_BT, inv_freq, ctx_k, ctx_v, attend: AttendFn):
+    def __call__(self, x_BTH, positions_BT, inv_freq, ctx_k, ctx_v, attend: AttendFn, block_len):
         h = self.input_layernorm(x_BTH)
+        if self.conv is not None:
+            h, post = self.attention_conv.prepare(h, block_len)
         q = self.self_attn.queries(h, positions_BT, inv_freq)
         k, v = self.self_attn.keys_values(h, positions_BT, inv_freq)
-        x_BTH = x_BTH + self.self_attn.output(attend(q, k, v, ctx_k, ctx_v, self.window))
-        return x_BTH + self.mlp(self.post_attention_layernorm(x_BTH))
+        kw = dict(causal=True) if self.causal else {}
+        a = self.self_attn.output(attend(q, k, v, ctx_k, ctx_v, self.window, **kw))
+        if self.conv is not None:
+            a = self.attention_conv.finish(a, post, block_len)
+        x_BTH = x_BTH + a
+        h = self.post_attention_layernorm(x_BTH)
+        if self.conv is None:
+            return x_BTH + self.mlp(h)
+        h, post = self.mlp_conv.prepare(h, block_len)
+        return x_BTH + self.mlp_conv.finish(self.mlp(h), post, block_len)
 
 
 class DFlashDrafter(nn.Module):
@@ -316,10 +422,22 @@ class DFlashDrafter(nn.Module):
         b = self.cfg.body
         self.fc = nn.Dense(b.hidden_size, use_bias=False, dtype=b.dtype, param_dtype=b.param_dtype)
         self.hidden_norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
+        c = self.cfg
+        conv = (c.conv_kernel_size, c.conv_group_size) if c.dflash2 else None
         self.layers = [
-            DrafterLayer(b, w, name=f"layers_{i}") for i, w in enumerate(self.cfg.layer_windows)
+            DrafterLayer(b, w, causal, conv, name=f"layers_{i}")
+            for i, (w, causal) in enumerate(zip(c.layer_windows, c.layer_causal))
         ]
         self.norm = RMSNorm(b.rms_norm_eps, b.dtype, b.param_dtype)
+        if c.dflash2:
+            self.candidate_selector = CandidateSelector(
+                b.hidden_size,
+                b.vocab_size,
+                c.selector_rank,
+                c.selector_top_k,
+                b.dtype,
+                b.param_dtype,
+            )
 
     def context_features(self, taps_BCF):
         """hidden_norm(fc(taps)): [B, C, n*H_target] -> [B, C, H]."""
@@ -332,13 +450,22 @@ class DFlashDrafter(nn.Module):
         kvs = [layer.context_kv(feats, positions_BC, inv_freq) for layer in self.layers]
         return tuple(k for k, _ in kvs), tuple(v for _, v in kvs)
 
-    def __call__(self, block_emb_BTH, positions_BT, ctx_k, ctx_v, attend: AttendFn):
-        """Final-normed hidden states [B, T, H] of the block."""
+    def __call__(self, block_emb_BTH, positions_BT, ctx_k, ctx_v, attend: AttendFn, block_len=None):
+        """Final-normed hidden states [B, T, H] of the T block positions: one block, or (in
+        training) T / block_len blocks side by side (DFlash 2's convolutions stay inside
+        each)."""
         inv_freq = rope_inv_freq(self.cfg.body)
         x = block_emb_BTH.astype(self.cfg.body.dtype)
+        if self.cfg.input_embedding_scale != 1.0:
+            x = x * jnp.asarray(self.cfg.input_embedding_scale, x.dtype)
+        block_len = x.shape[1] if block_len is None else block_len
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions_BT, inv_freq, ctx_k[i], ctx_v[i], attend)
+            x = layer(x, positions_BT, inv_freq, ctx_k[i], ctx_v[i], attend, block_len)
         return self.norm(x)
+
+    def select(self, hidden_BTH, logits_BTV, x_last_B, temperature: float = 0.0, key=None):
+        """DFlash 2's candidate selector over the drafted slots (`dflash2.CandidateSelector`)."""
+        return self.candidate_selector.select(hidden_BTH, logits_BTV, x_last_B, temperature, key)
 
     def init_all(self, taps_BCF, block_emb_BTH):
         """Touches every parameter (used by `init`)."""
@@ -346,6 +473,8 @@ class DFlashDrafter(nn.Module):
         t = block_emb_BTH.shape[1]
         ctx_pos = jnp.broadcast_to(jnp.arange(c), (b, c))
         ck, cv = self.context_kv(taps_BCF, ctx_pos)
+        if self.cfg.dflash2:
+            self.candidate_selector(block_emb_BTH)
         return self(
             block_emb_BTH,
             c + jnp.broadcast_to(jnp.arange(t), (b, t)),
@@ -355,13 +484,22 @@ class DFlashDrafter(nn.Module):
         )
 
 
+def drafter_logits(cfg: DrafterConfig, logits):
+    """The LM head's logits as this drafter scores them (DFlash 2: scaled, soft-capped)."""
+    if not cfg.dflash2:
+        return logits
+    return adjust_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping)
+
+
 def decode_attend(ctx_len_B, impl: str = "xla") -> AttendFn:
     """Decode-time attention: the committed context (positions j < ctx_len) plus the whole
     block at positions ctx_len .. ctx_len + T - 1, non-causal; a sliding layer's within its
     window, from a context cache that may be a ring (`attention.draft_attention`)."""
 
-    def attend(q, k, v, ctx_k, ctx_v, window=None):
-        return attn_lib.draft_attention(q, ctx_k, ctx_v, ctx_len_B, k, v, impl=impl, window=window)
+    def attend(q, k, v, ctx_k, ctx_v, window=None, causal=False):
+        return attn_lib.draft_attention(
+            q, ctx_k, ctx_v, ctx_len_B, k, v, impl=impl, window=window, causal=causal
+        )
 
     return attend
 

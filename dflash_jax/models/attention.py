@@ -241,24 +241,34 @@ def ring_positions(lengths_B, slots: int):
     return last - jnp.mod(last - s, slots)
 
 
-def window_draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window: int):
-    """A sliding-window drafter layer's decode attention (XLA): the block's query t sits at
-    position p = ctx_len + t and sees context position j when p - j < window, block position
-    r when |t - r| < window. The context cache is a ring (`ring_positions`: a plain cache whose
-    capacity covers the context is one), so it may hold only the last `window` positions."""
+def window_draft_attention(
+    q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window=None, causal: bool = False
+):
+    """A sliding-window (or block-causal) drafter layer's decode attention (XLA): the block's
+    query t sits at position p = ctx_len + t and sees context position j when p - j < window,
+    block position r when |t - r| < window (and r <= t when causal). The context cache is a
+    ring (`ring_positions`: a plain cache whose capacity covers the context is one), so it may
+    hold only the last `window` positions."""
     b, t = q_BTND.shape[:2]
     pos = ring_positions(ctx_len_B, ctx_k.shape[1])  # [B, C]
     qpos = ctx_len_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]  # [B, T]
-    ctx_mask = (pos[:, None, :] >= 0) & (qpos[:, :, None] - pos[:, None, :] < window)
+    ctx_mask = jnp.broadcast_to(pos[:, None, :] >= 0, (b, t, pos.shape[1]))
     r = jnp.arange(t)
-    blk_mask = jnp.abs(r[:, None] - r[None, :]) < window
+    blk_mask = jnp.ones((t, t), bool)
+    if window is not None:
+        ctx_mask &= qpos[:, :, None] - pos[:, None, :] < window
+        blk_mask &= jnp.abs(r[:, None] - r[None, :]) < window
+    if causal:
+        blk_mask &= r[None, :] <= r[:, None]
     mask = jnp.concatenate([ctx_mask, jnp.broadcast_to(blk_mask, (b, t, t))], axis=-1)
     k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1)
     v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1)
     return masked_attention(q_BTND, k, v, mask)
 
 
-def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla", window=None):
+def draft_attention(
+    q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla", window=None, causal=False
+):
     """Drafter block queries against [context (j < ctx_len) ; block (all)], non-causal.
     ctx_k / ctx_v: [B,C,K*D] (the context cache's storage) or [B,C,K,D]; blk_k / blk_v
     [B,T,K,D]. window: a sliding layer's window (`window_draft_attention`, XLA under every
@@ -266,8 +276,8 @@ def draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "
     impl = resolve_impl(impl)
     d = q_BTND.shape[-1]
     ctx_k, ctx_v = _heads(ctx_k, d), _heads(ctx_v, d)
-    if window is not None:
-        return window_draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window)
+    if window is not None or causal:
+        return window_draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window, causal)
     if impl == "xla":
         b, t = q_BTND.shape[:2]
         c = ctx_k.shape[1]

@@ -55,6 +55,9 @@ _LEAF_NAMES = {
     "bias": "bias",
     "kernel_scale": "weight_scale",  # an int8 kernel's per-output-channel scale
 }
+# Parameters stored under their own name, as they are (DFlash 2's convolution kernels and
+# selector codebooks: `...attention_conv.base_kernel`, `candidate_selector.successor_codebook`).
+_RAW_LEAVES = ("base_kernel", "predecessor_codebook", "successor_codebook")
 _FP8_SCALE = "_scale_inv"  # `<linear>.weight_scale_inv` of a block-FP8 checkpoint
 # Tensors that Hugging Face checkpoints may carry but the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -68,7 +71,7 @@ def flax_path_to_hf(path: Tuple[str, ...], prefix: str = "") -> str:
             parts += ["layers", p[len("layers_") :]]
         else:
             parts.append(p)
-    parts.append(_LEAF_NAMES[path[-1]])
+    parts.append(path[-1] if path[-1] in _RAW_LEAVES else _LEAF_NAMES[path[-1]])
     name = ".".join(parts)
     if path[0] == "lm_head":
         return name  # lm_head lives outside the `model.` prefix

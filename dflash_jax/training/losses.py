@@ -85,13 +85,15 @@ def blockwise_training_attention(
     segment_ids_BS=None,
     chunk_anchors: int = 0,
     window=None,
+    causal: bool = False,
 ):
     """`masks.training_mask` attention without the dense [N*bs, S + N*bs] mask: each block's
     queries score the S context keys (j < anchor, same document) and only their own bs block
     keys (the other N*bs - bs keys are masked anyway), `chunk_anchors` blocks at a time in a
     rematerialized `lax.map` (0: all at once). Invalid blocks give zeros. Values and gradients
     are those of the dense form. window: a sliding layer's (block position i at anchor + i sees
-    context j when anchor + i - j < window and block position r when |i - r| < window)."""
+    context j when anchor + i - j < window and block position r when |i - r| < window); causal:
+    block position i sees block positions r <= i only (DFlash 2's is_causal)."""
     b, rows, nh, d = q.shape
     n, bs, s = anchors_BN.shape[1], block_size, ctx_k.shape[1]
     kh = ctx_k.shape[2]
@@ -115,12 +117,15 @@ def blockwise_training_attention(
             & val[:, :, None]
         )[:, :, None, :]  # [B,c,1,S]
         blk_ok = None
+        i = jnp.arange(bs)
         if window is not None:
-            i = jnp.arange(bs)
             qpos = anc[:, :, None] + i[None, None]  # [B,c,bs]
             ctx_ok = ctx_ok & (qpos[..., None] - jnp.arange(s)[None, None, None] < window)
             if window < bs:
                 blk_ok = jnp.abs(i[:, None] - i[None, :]) < window  # [bs,bs]
+        if causal:
+            tri = i[None, :] <= i[:, None]
+            blk_ok = tri if blk_ok is None else blk_ok & tri
         lc = (
             jnp.einsum("bcqkgd,bskd->bckgqs", qc, ctx_k, preferred_element_type=jnp.float32)
             * d**-0.5
@@ -184,7 +189,7 @@ def training_attend(
     sliding layer (window) runs the blockwise form under every impl (the Pallas kernel masks
     by anchor, not by query position)."""
 
-    def blockwise(q, k, v, ctx_k, ctx_v, window=None):
+    def blockwise(q, k, v, ctx_k, ctx_v, window=None, causal=False):
         return blockwise_training_attention(
             q,
             k,
@@ -197,6 +202,7 @@ def training_attend(
             segment_ids_BS,
             chunk_anchors,
             window,
+            causal,
         )
 
     if impl == "xla":
@@ -204,9 +210,15 @@ def training_attend(
 
     if impl == "xla_dense":
 
-        def attend(q, k, v, ctx_k, ctx_v, window=None):
+        def attend(q, k, v, ctx_k, ctx_v, window=None, causal=False):
             mask = masks.training_mask(
-                anchors_BN, valid_BN, block_size, ctx_len, segment_ids_BS, window=window
+                anchors_BN,
+                valid_BN,
+                block_size,
+                ctx_len,
+                segment_ids_BS,
+                window=window,
+                causal=causal,
             )
             return masked_attention(
                 q,
@@ -225,9 +237,11 @@ def training_attend(
             axis=1,
         )
 
-    def attend(q, k, v, ctx_k, ctx_v, window=None):  # per shard (GSPMD cannot split it)
-        if window is not None:
-            return blockwise(q, k, v, ctx_k, ctx_v, window)
+    def attend(
+        q, k, v, ctx_k, ctx_v, window=None, causal=False
+    ):  # per shard: GSPMD cannot split it
+        if window is not None or causal:
+            return blockwise(q, k, v, ctx_k, ctx_v, window, causal)
         return attention.training_attention(
             q, ctx_k, ctx_v, k, v, anchors_BN, valid_BN, block_size, ctx_start, impl
         )
@@ -410,7 +424,7 @@ def drafter_loss(
     attend = training_attend(
         anchors, valid, bs, s, seg, recipe.attention_impl, chunk_anchors=recipe.loss_chunk_anchors
     )
-    hidden = dmod.apply({"params": dparams}, emb, positions, ctx_k, ctx_v, attend)
+    hidden = dmod.apply({"params": dparams}, emb, positions, ctx_k, ctx_v, attend, bs)
     t_hidden = None
     if recipe.loss == "kl":
         # Target hidden states at p+k-1, whose next-token distribution is the soft label of
