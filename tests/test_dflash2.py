@@ -303,3 +303,16 @@ def test_what_dflash2_does_not_do_yet_is_one_line(bundled_pair):
     for kw in (dict(denoise_steps=2), dict(tree_budget=16)):
         with pytest.raises(ValueError, match="not implemented for DFlash 2 drafters yet"):
             dj.generate(target, d2, prompts, 8, **kw)
+
+
+def test_sampled_dflash2_runs_the_selector_and_is_accepted(bundled_pair):
+    """At T > 0 the live selector samples its drafts and the verify rejection-samples against
+    its q (the distribution is checked in test_sampled_lossless.py with a selector oracle):
+    here the compiled path runs on the real drafter, drafts are accepted, and a seed repeats."""
+    target, drafter, prompts = bundled_pair
+    d2 = _as_dflash2(drafter, silent=False)
+    a = dj.generate(target, d2, prompts, 24, temperature=0.7, seed=3)
+    b = dj.generate(target, d2, prompts, 24, temperature=0.7, seed=3)
+    assert [list(x) for x in a.tokens] == [list(x) for x in b.tokens]
+    assert all(0 <= t < target.config.vocab_size for x in a.tokens for t in x)
+    assert a.tau > 1.2, a.tau

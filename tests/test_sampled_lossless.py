@@ -369,3 +369,71 @@ def test_a_wrong_rule_in_the_implementation_is_rejected(control, tiny, enumerate
     bound = tv_bound(exact, N)
     assert tv(counts, exact) > bound, (tv(counts, exact), bound)
     assert bool(np.any((counts > 0) & (exact == 0))) == leaves_support
+
+
+def _q_oracle(flat: bool):
+    """A DFlash 2 selector stand-in for `Decoder.select_block`: at each slot the candidates are
+    the 3 largest logits of the target after x_last and the drafts before (its greedy walk's
+    view), q = softmax(their logits / 1.2) over them (the target's temperature without its
+    top-p: q has mass where the target has none, so drafts are also rejected and resampled
+    from the residual), a draft is sampled from q. `flat`: the same drafts, but q reported as
+    uniform over the candidates (a selector that ignores the q it sampled from)."""
+
+    def oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, key, plan):
+        seq, drafts, cands, qs = [x_last], [], [], []
+        for k in jax.random.split(key, plan.block_size - 1):
+            h, _, _ = tmod.apply({"params": tparams}, jnp.stack(seq, 1))
+            lg = tmod.apply({"params": tparams}, h[:, -1:], method=dj.Transformer.logits)[:, 0]
+            vals, cand = jax.lax.top_k(lg, 3)
+            q = jax.nn.softmax(vals / 1.2, axis=-1)
+            d = jnp.take_along_axis(cand, jax.random.categorical(k, jnp.log(q))[:, None], 1)[:, 0]
+            seq.append(d.astype(jnp.int32))
+            drafts.append(d.astype(jnp.int32))
+            cands.append(cand.astype(jnp.int32))
+            qs.append(jnp.full_like(q, 1 / 3) if flat else q)
+        d = jnp.stack(drafts, 1)
+        return d, jnp.ones(d.shape, jnp.float32), jnp.stack(cands, 1), jnp.stack(qs, 1)
+
+    return oracle
+
+
+@pytest.mark.parametrize("flat", (False, True), ids=("q", "control_q_ignored"))
+def test_dflash2_sampled_drafts_follow_the_exact_joint(flat, tiny, enumerated, monkeypatch):
+    """DFlash 2 at T > 0: drafts sampled from the selector's q (two a step) and verified by
+    rejection sampling against q (the residual on the whole vocabulary) follow the exact
+    joint; reporting another q than the one sampled from (control) does not."""
+    case = "temperature_1.2_top_k_3_top_p_0.9"
+    temperature, top_k, top_p = CASES[case]
+    t, drafter = tiny
+    cfg = drafter.config.replace(
+        block_size=3, conv_kernel_size=2, conv_group_size=16, selector_rank=2, selector_top_k=3
+    )
+    d2 = dj.Drafter(cfg, jax.jit(lambda: dj.init_drafter_params(cfg, 0))())
+    monkeypatch.setattr(Decoder, "select_block", as_decoder_method(_q_oracle(flat)))
+    _forget_compiled(monkeypatch)
+    res = dj.generate(
+        t,
+        d2,
+        [PROMPT] * N,
+        max_new_tokens=N_TOKENS,
+        block_size=3,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=11,
+    )
+    tokens = np.asarray(res.tokens)
+    counts = np.bincount(np.ravel_multi_index(tokens.T, (V,) * N_TOKENS), minlength=V**N_TOKENS)
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    bound = tv_bound(exact, N)
+    if flat:
+        assert tv(counts, exact) > bound, (tv(counts, exact), bound)
+        return
+    # Each sample's 2 tokens after prefill take 1 step (a draft accepted) or 2: tau = 2 / (1 +
+    # the fraction of first drafts rejected); 1.2 means over a third of them accepted.
+    assert res.tau > 1.2, res.tau
+    assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
+    assert tv(counts, exact) < bound, (tv(counts, exact), bound)
+    for rule in NEIGHBOURS[case]:
+        wrong = exact_joint(enumerated, *rule)
+        assert tv(counts, wrong) > tv_bound(wrong, N), (rule, tv(counts, wrong))

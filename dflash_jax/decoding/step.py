@@ -41,7 +41,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding.sampling import greedy_argmax, pick_tokens
+from dflash_jax.decoding.sampling import (
+    adjusted_logits,
+    greedy_argmax,
+    pick_tokens,
+    sample_categorical,
+)
 from dflash_jax.decoding.tree import Tree, accept_path, build_tree
 from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
 from dflash_jax.models import attention as attn_lib
@@ -110,6 +115,12 @@ class Proposal:
     drafts: Optional[jnp.ndarray] = None  # [B, bs-1] a chain's drafts (None: AR or a tree)
     conf: Optional[jnp.ndarray] = None  # [B, bs-1] their confidence
     tree: Optional[Tree] = None  # a draft tree (its mask is the verify's), None: a chain
+    # The proposal distribution of each sampled draft given the drafts before it, over its
+    # candidates ([B, bs-1, K] token ids and probabilities; DFlash 2 at T > 0): verified by
+    # rejection sampling against it (`Decoder.rejection_tokens`). None: drafts verified as
+    # one-hot proposals (a draft is accepted iff the target's own sample names it).
+    q_ids: Optional[jnp.ndarray] = None
+    q_probs: Optional[jnp.ndarray] = None
 
 
 @flax.struct.dataclass
@@ -218,18 +229,26 @@ class Decoder:
         logits = drafter_logits(self.dmod.cfg, self.lm_logits(hidden[:, 1:]))
         return (logits, hidden[:, 1:]) if with_hidden else logits
 
-    def select_block(self, ctx: KVCache, x_last, start):
+    def select_block(self, ctx: KVCache, x_last, start, key=None):
         """DFlash 2: one drafter pass, then the candidate selector's walk over the bs-1 slots
-        from x_last (greedy). Returns (drafts [B, bs-1], confidence [B, bs-1]: the drafter's
-        probability of each draft)."""
+        from x_last: greedy at temperature 0, sampled from softmax(scores / T) over each
+        slot's candidates at T > 0. Returns (drafts [B, bs-1], confidence [B, bs-1]: the
+        drafter's probability of each draft, candidates [B, bs-1, K], q [B, bs-1, K]: each
+        slot's proposal distribution given the drafts before it)."""
         b = x_last.shape[0]
         masks = jnp.full((b, self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32)
         logits, hidden = self.draft_logits(ctx, x_last, masks, start, with_hidden=True)
-        tokens, _, _ = self.dmod.apply(
-            {"params": self.dparams}, hidden, logits, x_last, method=DFlashDrafter.select
+        tokens, cand, q = self.dmod.apply(
+            {"params": self.dparams},
+            hidden,
+            logits,
+            x_last,
+            self.plan.temperature,
+            key,
+            method=DFlashDrafter.select,
         )
         p = jax.nn.softmax(logits, axis=-1)
-        return tokens, jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0]
+        return tokens, jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0], cand, q
 
     def denoise(self, ctx: KVCache, x_last, start, logp=False):
         """The K = `self.plan.denoise_steps` drafter passes over one block: (drafts [B, bs-1],
@@ -300,7 +319,7 @@ class Decoder:
         DFlash 2: its single pass and candidate selector (`select_block`).
         """
         if self.dmod.cfg.dflash2:
-            return self.select_block(ctx, x_last, start)
+            return self.select_block(ctx, x_last, start)[:2]
         tokens, conf, _ = self.denoise(ctx, x_last, start)
         return tokens, conf
 
@@ -317,9 +336,16 @@ class Decoder:
             return jax.nn.log_softmax(logits, axis=-1)
         return self.denoise(ctx, x_last, start, logp=True)[2]
 
-    def propose(self, state: DecodeState, x_last, start) -> Proposal:
+    @property
+    def samples_drafts(self) -> bool:
+        """The drafter samples its drafts (DFlash 2 at T > 0): they are verified against their
+        proposal distribution (`rejection_tokens`)."""
+        return self.dmod is not None and self.dmod.cfg.dflash2 and self.plan.temperature > 0
+
+    def propose(self, state: DecodeState, x_last, start, key=None) -> Proposal:
         """Draft: nothing (autoregressive: a drafter that drafts nothing), a chain of bs-1 tokens,
-        or a tree of `self.plan.tree_budget` nodes from the same drafter pass(es)."""
+        or a tree of `self.plan.tree_budget` nodes from the same drafter pass(es); DFlash 2: the
+        candidate selector's chain (sampled with `key` at T > 0, with its proposal q)."""
         b = x_last.shape[0]
         if self.dmod is None:
             return Proposal(tokens=x_last[:, None], depths=jnp.zeros((b, 1), jnp.int32))
@@ -327,11 +353,49 @@ class Decoder:
             logp = self.draft_logprobs(state.ctx, x_last, start)
             tree = build_tree(x_last, logp, self.plan.tree_budget)
             return Proposal(tokens=tree.tokens, depths=tree.depths, tree=tree)
-        drafts, conf = self.draft_block(state.ctx, x_last, start)
+        q_ids = q_probs = None
+        if self.samples_drafts:
+            drafts, conf, q_ids, q_probs = self.select_block(state.ctx, x_last, start, key)
+        else:
+            drafts, conf = self.draft_block(state.ctx, x_last, start)
         bs = self.plan.block_size
         depths = jnp.broadcast_to(jnp.arange(bs, dtype=jnp.int32)[None], (b, bs))
         tokens = jnp.concatenate([x_last[:, None], drafts], axis=1)
-        return Proposal(tokens=tokens, depths=depths, drafts=drafts, conf=conf)
+        return Proposal(
+            tokens=tokens, depths=depths, drafts=drafts, conf=conf, q_ids=q_ids, q_probs=q_probs
+        )
+
+    def rejection_tokens(self, logits, prop: Proposal, key):
+        """y [B, T] for drafts sampled from a proposal q (speculative sampling): draft d_i is
+        accepted with probability min(1, p_i(d_i) / q_i(d_i)), p_i the target's adjusted
+        distribution after the prefix ending at d_{i-1} (logits[:, i-1]); y[:, i-1] is d_i if
+        accepted, else a sample of the residual norm(max(p_i - q_i, 0)) (over the whole
+        vocabulary), which never names d_i; y[:, T-1] is a sample of p_T. `accept` then takes
+        the longest prefix with y[:, i-1] == d_i, so each step emits target samples exactly."""
+        t = logits.shape[1]
+        n = t - 1
+        drafts = prop.drafts[:, :n]
+        q_ids, q_probs = prop.q_ids[:, :n], prop.q_probs[:, :n]
+        plan = self.plan
+        logp = adjusted_logits(logits[:, :n], plan.temperature, plan.top_k, plan.top_p)
+        p = jax.nn.softmax(logp, axis=-1)  # [B, n, V]
+        p_d = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+        q_d = jnp.sum(jnp.where(q_ids == drafts[..., None], q_probs, 0.0), axis=-1)
+        k_u, k_res, k_bonus = jax.random.split(key, 3)
+        u = jax.random.uniform(k_u, drafts.shape, jnp.float32)
+        accept = u * q_d < p_d
+        b = drafts.shape[0]
+        q_dense = (
+            jnp.zeros(p.shape, jnp.float32)
+            .at[jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None], q_ids]
+            .add(q_probs.astype(jnp.float32))
+        )
+        res = jnp.maximum(p - q_dense, 0.0)
+        has = jnp.sum(res, axis=-1, keepdims=True) > 0
+        res_log = jnp.where(has, jnp.log(res), logp)  # p == q exactly: never rejected anyway
+        resampled = sample_categorical(k_res, res_log)
+        bonus = pick_tokens(logits[:, n], k_bonus, plan.temperature, plan.top_k, plan.top_p)
+        return jnp.concatenate([jnp.where(accept, drafts, resampled), bonus[:, None]], axis=1)
 
     def _verify_tokens(self, state: DecodeState, prop: Proposal, start, key) -> Verdict:
         tap_layers = self.dmod.cfg.target_layer_ids if self.dmod is not None else ()
@@ -352,7 +416,10 @@ class Decoder:
                 method=Transformer.verify_tree,
             )
         logits = self.lm_logits(hidden)  # [B, T, V]
-        y = pick_tokens(logits, key, self.plan.temperature, self.plan.top_k, self.plan.top_p)
+        if prop.q_ids is not None:
+            y = self.rejection_tokens(logits, prop, key)
+        else:
+            y = pick_tokens(logits, key, self.plan.temperature, self.plan.top_k, self.plan.top_p)
         return Verdict(y=y, cache=cache, taps=taps)
 
     def verify(self, state: DecodeState, prop: Proposal, start, key) -> Verdict:
@@ -469,8 +536,11 @@ class Decoder:
         start = state.cache.lengths  # position of x_last, the last committed token
         x_last = state.tokens[jnp.arange(state.tokens.shape[0]), state.num_out - 1]
         key, sub = jax.random.split(state.key)
+        draft_key = None
+        if self.samples_drafts:
+            sub, draft_key = jax.random.split(sub)
         with jax.named_scope("draft"):
-            prop = self.propose(state, x_last, start)
+            prop = self.propose(state, x_last, start, draft_key)
         with jax.named_scope("verify"):
             verdict = self.verify(state, prop, start, sub)
         with jax.named_scope("accept"):
