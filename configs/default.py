@@ -66,6 +66,22 @@ def get_config() -> ml_collections.ConfigDict:
             # > 0: every drafter layer is sliding_attention with this window (a query at p
             # sees positions j with |p - j| < window), as DFlash 2 drafters are; 0: full.
             sliding_window=0,
+            # DFlash 2 (enabled): grouped dynamic causal convolutions around every sublayer,
+            # logits x output_multiplier soft-capped at final_logit_softcapping (0: none), and
+            # the candidate selector, trained by its cross-entropy over the top-k candidates
+            # (weight selector_weight) beside the drafter's own loss.
+            dflash2=ml_collections.ConfigDict(
+                dict(
+                    enabled=False,
+                    conv_kernel_size=2,
+                    conv_group_size=16,
+                    selector_rank=256,
+                    selector_top_k=16,
+                    output_multiplier=1.0,
+                    final_logit_softcapping=0.0,
+                    selector_weight=1.0,
+                )
+            ),
         )
     )  # a z-lab drafter directory to continue from
     c.num_anchors = 512  # per sequence (per document of a packed row), as SpecForge

@@ -316,3 +316,55 @@ def test_sampled_dflash2_runs_the_selector_and_is_accepted(bundled_pair):
     assert [list(x) for x in a.tokens] == [list(x) for x in b.tokens]
     assert all(0 <= t < target.config.vocab_size for x in a.tokens for t in x)
     assert a.tau > 1.2, a.tau
+
+
+def test_selector_training_terms_follow_the_rule(bundled_pair):
+    """The selector's objective at a block position, stated here: candidates = the K largest
+    logits; with the true previous token p, scores = logits[c] + <pred[p] * proj(h),
+    succ[c]>; where the label is a candidate, the cross-entropy of softmax(scores) at it,
+    else 0 (not covered); its gradient reaches the selector's parameters only."""
+    _, drafter, _ = bundled_pair
+    d2 = _as_dflash2(drafter, silent=False, top_k=4)
+    cfg, params = d2.config, d2.params
+    rs = np.random.RandomState(5)
+    b, t, h, v = 2, 6, cfg.body.hidden_size, cfg.body.vocab_size
+    hidden = rs.randn(b, t, h).astype(np.float32)
+    logits = rs.randn(b, t, v).astype(np.float32) * 3
+    top = np.argsort(-logits, axis=-1, kind="stable")[..., :4]
+    labels = np.where(rs.rand(b, t) < 0.7, top[..., 2], rs.randint(0, v, (b, t)))
+    prev = rs.randint(0, v, (b, t))
+    dmod = dj.DFlashDrafter(cfg)
+
+    def terms(p):
+        return dmod.apply(
+            {"params": p},
+            jnp.asarray(hidden),
+            jnp.asarray(logits),
+            jnp.asarray(labels),
+            jnp.asarray(prev),
+            method=dj.DFlashDrafter.selector_terms,
+        )
+
+    ce, correct, covered = (np.asarray(x) for x in terms(params))
+    sel = params["candidate_selector"]
+    pred, succ = np.asarray(sel["predecessor_codebook"]), np.asarray(sel["successor_codebook"])
+    proj = hidden @ np.asarray(sel["hidden_projection"]["kernel"])
+    for i in range(b):
+        for s in range(t):
+            c = top[i, s]
+            scores = logits[i, s, c] + (pred[prev[i, s]] * proj[i, s]) @ succ[c].T
+            hit = c == labels[i, s]
+            assert covered[i, s] == hit.any()
+            if hit.any():
+                logq = scores - scores.max() - np.log(np.exp(scores - scores.max()).sum())
+                np.testing.assert_allclose(ce[i, s], -logq[hit][0], rtol=1e-4, atol=1e-5)
+                assert correct[i, s] == (np.argmax(scores) == np.argmax(hit))
+            else:
+                assert ce[i, s] == 0 and not correct[i, s]
+    g = jax.grad(lambda p: jnp.sum(terms(p)[0]))(params)
+    nonzero = {
+        k
+        for k, x in g.items()
+        if any(np.any(np.asarray(y) != 0) for y in jax.tree_util.tree_leaves(x))
+    }
+    assert nonzero == {"candidate_selector"}, nonzero

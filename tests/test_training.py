@@ -284,6 +284,34 @@ def test_export_load_generate(trained, regen_file):
     assert spec.stats["tau"] >= 2.0
 
 
+def test_a_dflash2_drafter_trains_exports_and_is_lossless(regen_file, trained, tmp_path):
+    """drafter.dflash2: the convolutions, logit rule and candidate selector trained with the
+    selector's objective beside the drafter's loss; the export is a DFlash 2 drafter whose
+    drafts are accepted and whose output equals autoregressive decoding."""
+    kw = {
+        "num_train_steps": 300,
+        "eval_every": 300,
+        "log_every": 50,
+        "drafter.dflash2.enabled": True,
+        "drafter.dflash2.conv_group_size": 8,
+        "drafter.dflash2.selector_rank": 16,
+        "drafter.dflash2.selector_top_k": 4,
+    }
+    out = trainer.train_and_evaluate(tiny_config(regen_file, **kw), str(tmp_path / "w"))
+    assert out["status"] == "done"
+    recs = [json.loads(l) for l in open(tmp_path / "w" / "metrics.jsonl")]
+    last = [r for r in recs if r["split"] == "train"][-1]
+    assert last["selector_coverage"] > 0.7 and last["selector_acc"] > 0.8, last
+    cfg = trained[0]
+    target = _tiny_target(cfg)
+    drafter = dj.load_drafter(out["export"], target=target)
+    assert drafter.config.dflash2 and drafter.config.selector_top_k == 4
+    prompts = [r["prompt_ids"] for r in map(json.loads, open(regen_file))][-6:]
+    spec = dj.generate(target, drafter, prompts, 40)
+    assert spec.tokens == dj.generate(target, None, prompts, 40).tokens
+    assert spec.stats["tau"] >= 2.0, spec.stats["tau"]
+
+
 def test_teacher_positions_predict_the_labels_on_greedy_data(regen_file, trained):
     """On the target's own greedy text, the target's argmax at p+k-1 is x_{p+k}: the KL soft
     labels line up with the same-position hard labels (no off-by-one)."""

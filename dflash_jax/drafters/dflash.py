@@ -463,6 +463,25 @@ class DFlashDrafter(nn.Module):
             x = layer(x, positions_BT, inv_freq, ctx_k[i], ctx_v[i], attend, block_len)
         return self.norm(x)
 
+    def selector_terms(self, hidden, logits, labels, prev):
+        """DFlash 2's selector objective at block positions (any leading shape, [..., H] /
+        [..., V] / [...]): the K candidates are the top-K of the (drafter's) logits; with the
+        true previous token `prev` as predecessor, the cross-entropy of softmax(scores) over
+        them at the label where the label is a candidate ("covered"; 0 elsewhere). Trains the
+        selector alone (its inputs are stopped). Returns (ce, correct, covered)."""
+        sel = self.candidate_selector
+        unary, cand = jax.lax.top_k(jax.lax.stop_gradient(logits).astype(jnp.float32), sel.top_k)
+        proj = sel.hidden_projection(jax.lax.stop_gradient(hidden)).astype(jnp.float32)
+        pred = jnp.take(sel.predecessor_codebook, prev, axis=0).astype(jnp.float32)
+        succ = jnp.take(sel.successor_codebook, cand, axis=0).astype(jnp.float32)
+        scores = unary + jnp.einsum("...r,...kr->...k", pred * proj, succ)
+        hit = cand == labels[..., None]
+        covered = jnp.any(hit, axis=-1)
+        logq = jax.nn.log_softmax(scores, axis=-1)
+        ce = -jnp.sum(jnp.where(hit, logq, 0.0), axis=-1)
+        correct = covered & (jnp.argmax(scores, axis=-1) == jnp.argmax(hit, axis=-1))
+        return ce, correct, covered
+
     def select(self, hidden_BTH, logits_BTV, x_last_B, temperature: float = 0.0, key=None):
         """DFlash 2's candidate selector over the drafted slots (`dflash2.CandidateSelector`)."""
         return self.candidate_selector.select(hidden_BTH, logits_BTV, x_last_B, temperature, key)

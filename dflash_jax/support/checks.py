@@ -355,6 +355,21 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     int_param("drafter.mask_token_id", c.drafter.mask_token_id, lo=-1, error=E)
     int_param("drafter.intermediate_size", c.drafter.intermediate_size, lo=0, error=E)
     int_param("drafter.sliding_window", c.drafter.get("sliding_window", 0), lo=0, error=E)
+    v2 = c.drafter.get("dflash2", None)
+    if v2 is not None and v2.get("enabled", False):
+        for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            int_param(f"drafter.dflash2.{name}", v2.get(name), lo=1, error=E)
+        float_param(
+            "drafter.dflash2.output_multiplier",
+            v2.output_multiplier,
+            lo=0.0,
+            lo_open=True,
+            error=E,
+        )
+        float_param(
+            "drafter.dflash2.final_logit_softcapping", v2.final_logit_softcapping, lo=0.0, error=E
+        )
+        float_param("drafter.dflash2.selector_weight", v2.selector_weight, lo=0.0, error=E)
     for i, t in enumerate(c.drafter.target_layer_ids):
         int_param(f"drafter.target_layer_ids[{i}]", t, lo=0, error=E)
     int_param("num_anchors", c.num_anchors, lo=1, error=E)

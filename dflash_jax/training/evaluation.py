@@ -12,6 +12,20 @@ if TYPE_CHECKING:
     from dflash_jax.training.experiment import Experiment
 
 
+def selector_figures(acc) -> dict:
+    """DFlash 2's selector from summed step metrics: its accuracy where the label is among its
+    candidates, how often it is (coverage), and its mean cross-entropy; {} for DFlash 1."""
+    if "selector_covered" not in acc:
+        return {}
+    scored = max(float(np.sum(acc["count_k"])), 1.0)
+    covered = max(float(acc["selector_covered"]), 1.0)
+    return {
+        "selector_acc": float(acc["selector_correct"]) / covered,
+        "selector_coverage": float(acc["selector_covered"]) / scored,
+        "selector_loss": float(acc["selector_loss_sum"]) / max(float(acc["weight_sum"]), 1e-9),
+    }
+
+
 def evaluate(exp: Experiment, params, eval_step, step: int, frozen=None, mesh=None) -> dict:
     """Held-out loss and per-position draft accuracy; tau with the real `generate` (on `mesh`
     when given). `frozen`: the target parameters as placed for training (default exp.frozen)."""
@@ -29,6 +43,7 @@ def evaluate(exp: Experiment, params, eval_step, step: int, frozen=None, mesh=No
             for k in range(1, len(per_k)):
                 out[f"acc_k{k:02d}"] = float(per_k[k])
             out["block_accept_len"] = float(acc["accept_sum"] / max(acc["num_blocks"], 1))
+            out.update(selector_figures(acc))
         else:
             out["accuracy"] = float(acc["correct"] / max(acc["weight_sum"], 1))
             out["perplexity"] = float(np.exp(min(out["loss"], 50.0)))

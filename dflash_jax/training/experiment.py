@@ -173,6 +173,7 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
         use_segments=config.use_segments,
         loss_chunk_anchors=config.loss_chunk_anchors,
         anchors_per_row=config.get("anchors_per_row", 0),
+        selector_weight=float(config.drafter.get("dflash2", {}).get("selector_weight", 1.0)),
     )
 
     def loss_fn(params, frozen, batch, key):
@@ -396,6 +397,17 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
         sliding_window=dc.get("sliding_window", 0) or None,
         **overrides,
     )
+    v2 = dc.get("dflash2", {})
+    if v2.get("enabled", False):  # DFlash 2: convolutions, logit rule, candidate selector
+        cap = v2.get("final_logit_softcapping", 0.0)
+        dcfg = dcfg.replace(
+            conv_kernel_size=v2.conv_kernel_size,
+            conv_group_size=v2.conv_group_size,
+            selector_rank=v2.selector_rank,
+            selector_top_k=v2.selector_top_k,
+            output_multiplier=v2.output_multiplier,
+            final_logit_softcapping=cap if cap > 0 else None,
+        )
     if dc.init_path:
         from dflash_jax.drafters.dflash import load_drafter
 

@@ -22,7 +22,7 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.drafters.dflash import DFlashDrafter
+from dflash_jax.drafters.dflash import DFlashDrafter, drafter_logits
 from dflash_jax.models import attention
 from dflash_jax.models.layers import masked_attention
 from dflash_jax.models.transformer import Transformer
@@ -53,6 +53,7 @@ class DrafterRecipe:
     attention_impl: str = "xla"
     use_segments: bool = True
     loss_chunk_anchors: int = 0  # > 0: logits for this many anchors at a time (block_scores)
+    selector_weight: float = 1.0  # DFlash 2: the selector's cross-entropy weight in the loss
     anchors_per_row: int = (
         0  # blocks per packed row (static); 0: num_anchors (masks.sample_anchors)
     )
@@ -271,10 +272,17 @@ def block_scores(
     t_hidden_BNKH=None,
     loss: str = "ce",
     chunk_anchors: int = 0,
+    adjust=None,
+    selector=None,
+    prev_BNK=None,
 ):
     """Per block position: the loss term ([B,N,bs] f32: CE against the label, or KL(target ||
     drafter) from the target's hidden states at the teacher positions) and whether the drafter's
     argmax equals the label ([B,N,bs] bool).
+
+    DFlash 2: `adjust(logits)` gives the drafter's logits (scaled, capped) from the LM head's,
+    and `selector(h, logits, labels, prev)` its selector terms (`DFlashDrafter.selector_terms`,
+    `prev_BNK` the true previous tokens); then a third value (ce, correct, covered) [B,N,bs].
 
     The [B, N*bs, V] logits dominate training memory at real sizes (512 anchors x 16 x 151,936
     float32 is 5 GB per sequence, twice with "kl"). chunk_anchors > 0 computes them for that many
@@ -283,9 +291,11 @@ def block_scores(
     """
     tvars = {"params": tparams}
 
-    def scores(h, lab, th):
+    def scores(h, lab, th, prev):
         c, k = h.shape[1], h.shape[2]
         logits = tmod.apply(tvars, h.reshape(h.shape[0], c * k, -1), method=Transformer.logits)
+        if adjust is not None:
+            logits = adjust(logits)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(h.shape[0], c, k, -1)
         if th is None:
             per_pos = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
@@ -295,13 +305,18 @@ def block_scores(
             )
             t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1).reshape(logp.shape)
             per_pos = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
-        return per_pos, jnp.argmax(logp, axis=-1) == lab
+        out = (per_pos, jnp.argmax(logp, axis=-1) == lab)
+        if selector is not None:
+            # log-probabilities as the unary term: the logits less a per-slot constant, which
+            # the softmax over a slot's candidates does not see
+            out += (selector(h, logp, lab, prev),)
+        return out
 
     if loss == "ce":
         t_hidden_BNKH = None
     b, n = labels_BNK.shape[:2]
     if chunk_anchors <= 0 or chunk_anchors >= n:
-        return scores(hidden_BNKH, labels_BNK, t_hidden_BNKH)
+        return scores(hidden_BNKH, labels_BNK, t_hidden_BNKH, prev_BNK)
 
     m = -(-n // chunk_anchors)
     pad = m * chunk_anchors - n
@@ -315,13 +330,14 @@ def block_scores(
         chunked(hidden_BNKH),
         chunked(labels_BNK),
         None if t_hidden_BNKH is None else chunked(t_hidden_BNKH),
+        None if prev_BNK is None else chunked(prev_BNK),
     )
-    per_pos, correct = jax.lax.map(jax.checkpoint(lambda a: scores(*a)), xs)
+    out = jax.lax.map(jax.checkpoint(lambda a: scores(*a)), xs)
 
     def unchunked(y):  # [m, B, chunk, bs] -> [B, N, bs]
         return jnp.moveaxis(y, 0, 1).reshape((b, m * chunk_anchors) + y.shape[3:])[:, :n]
 
-    return unchunked(per_pos), unchunked(correct)
+    return jax.tree_util.tree_map(unchunked, out)
 
 
 def row_keys(key, batch_size: int):
@@ -434,7 +450,14 @@ def drafter_loss(
         t_hidden = jax.lax.stop_gradient(
             jnp.take_along_axis(hidden_t, src[..., None], axis=1)
         ).reshape(b, n, bs, -1)
-    per_pos, correct = block_scores(
+    dflash2 = dmod.cfg.dflash2
+    selector = prev = None
+    if dflash2:  # the selector's terms, the true previous token as each slot's predecessor
+        prev = jnp.concatenate([labels[..., :1], labels[..., :-1]], axis=-1)
+        selector = lambda h, logits, lab, pv: dmod.apply(
+            {"params": dparams}, h, logits, lab, pv, method=DFlashDrafter.selector_terms
+        )
+    scored_out = block_scores(
         tmod,
         tparams,
         hidden.reshape(b, n, bs, -1),
@@ -442,10 +465,26 @@ def drafter_loss(
         t_hidden,
         recipe.loss,
         recipe.loss_chunk_anchors,
+        adjust=(lambda lg: drafter_logits(dmod.cfg, lg)) if dflash2 else None,
+        selector=selector,
+        prev_BNK=prev,
     )
+    per_pos, correct = scored_out[:2]
 
     weight_sum = jnp.sum(weights)
-    loss = jnp.sum(weights * per_pos) / jnp.maximum(weight_sum, 1e-9)
+    total = jnp.sum(weights * per_pos)
+    extra = {}
+    if dflash2:
+        sel_ce, sel_correct, covered = scored_out[2]
+        sel_sum = jnp.sum(weights * sel_ce)
+        total = total + recipe.selector_weight * sel_sum
+        on = weights > 0
+        extra = {
+            "selector_loss_sum": sel_sum.astype(jnp.float32),
+            "selector_correct": jnp.sum(sel_correct & on).astype(jnp.float32),
+            "selector_covered": jnp.sum(covered & on).astype(jnp.float32),
+        }
+    loss = total / jnp.maximum(weight_sum, 1e-9)
 
     scored = weights > 0
     # Acceptance length of each block if it were drafted: 1 + correct prefix of k >= 1, where a
@@ -458,6 +497,7 @@ def drafter_loss(
         "count_k": jnp.sum(scored, axis=(0, 1)).astype(jnp.float32),
         "accept_sum": jnp.sum((1 + jnp.sum(prefix, axis=-1)) * valid).astype(jnp.float32),
         "num_blocks": jnp.sum(valid).astype(jnp.float32),
+        **extra,
     }
     return loss, metrics
 

@@ -46,7 +46,7 @@ from jax.sharding import PartitionSpec as P
 from dflash_jax.parallel import distributed
 from dflash_jax.support import console, interrupts
 from dflash_jax.training.checkpointing import Checkpointer
-from dflash_jax.training.evaluation import evaluate
+from dflash_jax.training.evaluation import evaluate, selector_figures
 from dflash_jax.training.experiment import build_experiment
 from dflash_jax.training.experiment import log as _log
 from dflash_jax.training.export import export
@@ -587,6 +587,7 @@ class _LogWindow:
             per_k = acc["correct_k"] / np.maximum(acc["count_k"], 1)
             rec["acc_k01"] = float(per_k[1])
             rec["block_accept_len"] = float(acc["accept_sum"] / max(acc["num_blocks"], 1))
+            rec.update(selector_figures(acc))
         ul_msg = ""
         if "rep_frac" in acc:
             rec.update({key: float(acc[key]) / n for key in ("ul_loss", "ul_p", "rep_frac")})
