@@ -319,3 +319,30 @@ def test_the_training_loss_of_a_windowed_drafter(hf_checkpoints):
     np.testing.assert_allclose(float(wide), float(full), rtol=1e-6)
     assert abs(float(narrow) - float(full)) > 1e-4
     assert all(np.all(np.isfinite(np.asarray(x))) for x in jax.tree_util.tree_leaves(g))
+
+
+def test_the_dry_run_takes_a_window_and_its_context_bytes_stay_flat():
+    """`dry_run_infer(drafter_window=...)`: the compiled DFlash loop's drafter context cache is
+    a ring of the window (the same bytes at 256 and 1024 prompt tokens) while a full-attention
+    drafter's grows with the context; the target's cache is not windowed."""
+    from dflash_jax.dry_run.programs import dry_run_infer
+
+    def sizes(context, window, drafter="dflash"):
+        r = dry_run_infer(
+            model="tiny",
+            mesh="tensor=1",
+            context=context,
+            max_new_tokens=32,
+            attention=("xla",),
+            step_costs=False,
+            only=("dflash_decode",),
+            drafter=drafter,
+            drafter_window=window,
+        )
+        return r["sizes"]
+
+    short, long = sizes(256, 64, "dflash2"), sizes(1024, 64, "dflash2")
+    assert short["dflash_context_cache_bytes"] == long["dflash_context_cache_bytes"]
+    assert long["dflash_cache_bytes"] > 2 * short["dflash_cache_bytes"]
+    full = sizes(1024, None)
+    assert full["dflash_context_cache_bytes"] > 8 * long["dflash_context_cache_bytes"]

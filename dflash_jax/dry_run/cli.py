@@ -253,6 +253,12 @@ def _check_sizes(args) -> None:
             checks.int_param(
                 "--tree_budget", args.tree_budget, lo=1, hi=checks.MAX_TREE_BUDGET, error=E
             )
+        checks.int_param("--drafter_window", getattr(args, "drafter_window", 0), lo=0, error=E)
+        if getattr(args, "drafter", "dflash") == "dflash2":
+            if getattr(args, "tree_budget", None) is not None:
+                raise E("--tree_budget is not implemented for --drafter=dflash2 yet")
+            if getattr(args, "denoise_steps", 1) != 1:
+                raise E("--denoise_steps is not implemented for --drafter=dflash2 yet")
         denoise = getattr(args, "denoise_steps", 1)
         checks.int_param("--denoise_steps", denoise, lo=1, error=E)
         if denoise != 1:
@@ -318,6 +324,21 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "denoise_steps",
         1,
         "infer: drafter passes per DFlash step (masked-diffusion denoising; 1: DFlash's one pass)",
+        **fv,
+    )
+    flags.DEFINE_enum(
+        "drafter",
+        "dflash",
+        ["dflash", "dflash2"],
+        "infer: the drafter (dflash2: DFlash 2's convolutions and candidate selector at the "
+        "published sizes, conv 2 taps / groups of 16, selector rank 256, top-16)",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "drafter_window",
+        0,
+        "infer: every drafter layer slides with this window (its context cache a ring of this "
+        "many slots); 0: full attention",
         **fv,
     )
     flags.DEFINE_string(
@@ -393,6 +414,8 @@ def run_flags(args):
             block_size=args.block_size,
             tree_budget=getattr(args, "tree_budget", None),
             denoise_steps=getattr(args, "denoise_steps", 1),
+            drafter=getattr(args, "drafter", "dflash"),
+            drafter_window=getattr(args, "drafter_window", 0) or None,
             attention=tuple(a.strip() for a in attention.split(",")),
             taus=tuple(_floats(args.tau)),
             prefill_chunk=args.prefill_chunk,
@@ -413,6 +436,8 @@ def run_flags(args):
     else:
         if getattr(args, "quantize", ""):
             raise UsageError("--quantize is for --mode=infer")
+        if getattr(args, "drafter", "dflash") != "dflash" or getattr(args, "drafter_window", 0):
+            raise UsageError("--drafter and --drafter_window are for --mode=infer")
         if args.hlo_dir:
             raise UsageError("--hlo_dir is for --mode=infer (the decode and prefill programs)")
         impl = attention.split(",")[0].strip()

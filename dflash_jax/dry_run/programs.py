@@ -78,6 +78,27 @@ def _floor(tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, contex
     )
 
 
+# DFlash 2's sizes in the published drafters (../shared/docs/dflash.md).
+DFLASH2_PUBLISHED = dict(
+    conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16
+)
+
+
+def drafter_variant(dcfg, drafter: str = "dflash", window: Optional[int] = None):
+    """The preset's drafter as `drafter` ("dflash": as is; "dflash2": with DFlash 2's
+    convolutions and candidate selector at the published sizes), every layer sliding with
+    `window` when given."""
+    from dflash_jax.drafters.dflash import sliding_layers
+
+    if drafter == "dflash2":
+        dcfg = dcfg.replace(**DFLASH2_PUBLISHED)
+    elif drafter != "dflash":
+        raise ValueError(f"drafter must be dflash or dflash2, got {drafter!r}")
+    if window:
+        dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, window))
+    return dcfg
+
+
 def dry_run_infer(
     model: str = "qwen3_8b",
     mesh: Union[str, dict, Any] = "tensor=8",
@@ -99,6 +120,8 @@ def dry_run_infer(
     denoise_steps: int = 1,
     quantize: Optional[str] = None,
     quantize_lm_head: bool = False,
+    drafter: str = "dflash",
+    drafter_window: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
@@ -114,6 +137,8 @@ def dry_run_infer(
     denoise_steps: drafter passes per DFlash step (`Plan.denoise_steps`).
     quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
     its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.
+    drafter: "dflash" or "dflash2" (`drafter_variant`: the published DFlash 2 sizes);
+    drafter_window: every drafter layer slides with this window (its context cache a ring).
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
@@ -125,6 +150,7 @@ def dry_run_infer(
     from dflash_jax.parallel import sharding
 
     tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
+    dcfg = drafter_variant(dcfg, drafter, drafter_window)
     m = resolve_mesh(mesh, devices)
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     gpu = chip is not None and chip.get("chip") in GPU_CHIPS
@@ -284,7 +310,17 @@ def _size_figures(kind, sh, tparams, dp, tcfg, m, capacity, context, width, pass
 
     st = sh["state_shape"]
     caches = [st.cache] + ([st.ctx] if st.ctx is not None else [])
+    ctx_bytes = (
+        {}
+        if st.ctx is None
+        else {  # the drafter's context cache alone (a ring of its window when it slides)
+            f"{kind}_context_cache_bytes": tree_bytes_per_device(
+                st.ctx, sharding.cache_sharding(st.ctx, m)
+            )
+        }
+    )
     return {
+        **ctx_bytes,
         f"{kind}_cache_bytes": sum(
             tree_bytes_per_device(c, sharding.cache_sharding(c, m)) for c in caches
         ),
