@@ -368,3 +368,16 @@ def test_selector_training_terms_follow_the_rule(bundled_pair):
         if any(np.any(np.asarray(y) != 0) for y in jax.tree_util.tree_leaves(x))
     }
     assert nonzero == {"candidate_selector"}, nonzero
+
+
+def test_blocked_top_k_is_the_top_k():
+    rs = np.random.RandomState(9)
+    x = rs.randn(3, 5, 4096).astype(np.float32)
+    x[0, 0, 100:140] = 10 + rs.rand(40)  # many of the largest in one block
+    for k in (1, 4, 16):
+        vals, ids = dflash2.blocked_top_k(jnp.asarray(x), k)
+        want = -np.sort(-x, axis=-1)[..., :k]
+        np.testing.assert_array_equal(np.asarray(vals), want)
+        np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), -1), want)
+    vals, _ = dflash2.blocked_top_k(jnp.asarray(x[..., :100]), 8)  # 16 does not divide 100
+    np.testing.assert_array_equal(np.asarray(vals), -np.sort(-x[..., :100], axis=-1)[..., :8])

@@ -25,7 +25,12 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.drafters.dflash2 import CandidateSelector, GroupedDynamicCausalConv, adjust_logits
+from dflash_jax.drafters.dflash2 import (
+    CandidateSelector,
+    GroupedDynamicCausalConv,
+    adjust_logits,
+    blocked_top_k,
+)
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models import checkpoint, hub
 from dflash_jax.models.config import ModelConfig, as_dtype
@@ -470,7 +475,7 @@ class DFlashDrafter(nn.Module):
         them at the label where the label is a candidate ("covered"; 0 elsewhere). Trains the
         selector alone (its inputs are stopped). Returns (ce, correct, covered)."""
         sel = self.candidate_selector
-        unary, cand = jax.lax.top_k(jax.lax.stop_gradient(logits).astype(jnp.float32), sel.top_k)
+        unary, cand = blocked_top_k(jax.lax.stop_gradient(logits).astype(jnp.float32), sel.top_k)
         proj = sel.hidden_projection(jax.lax.stop_gradient(hidden)).astype(jnp.float32)
         pred = jnp.take(sel.predecessor_codebook, prev, axis=0).astype(jnp.float32)
         succ = jnp.take(sel.successor_codebook, cand, axis=0).astype(jnp.float32)

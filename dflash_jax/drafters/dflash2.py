@@ -107,6 +107,30 @@ def adjust_logits(logits, output_multiplier: float, softcap: Optional[float]):
     return logits
 
 
+# Vocabulary blocks of the selector's top-K: a tensor-parallel LM head leaves the logits split
+# over the vocabulary in contiguous shards, and a top-K per block (each inside one shard when
+# the shard count divides this) followed by a top-K of the blocks' candidates gathers
+# TOPK_BLOCKS x K values instead of the whole logits row.
+TOPK_BLOCKS = 16
+
+
+def blocked_top_k(x, k: int, blocks: int = TOPK_BLOCKS):
+    """(values, ids) of the k largest entries of x [..., V], descending: the top-k of each of
+    `blocks` contiguous vocabulary blocks, then the top-k of those (the same k entries as
+    `lax.top_k`: each of them is among its block's k largest). One block when `blocks` does
+    not divide V or a block would hold fewer than k entries."""
+    v = x.shape[-1]
+    if blocks <= 1 or v % blocks or v // blocks < k:
+        return jax.lax.top_k(x, k)
+    width = v // blocks
+    vals, ids = jax.lax.top_k(x.reshape(x.shape[:-1] + (blocks, width)), k)
+    ids = ids + (jnp.arange(blocks, dtype=ids.dtype) * width)[:, None]
+    vals = vals.reshape(x.shape[:-1] + (blocks * k,))
+    ids = ids.reshape(x.shape[:-1] + (blocks * k,))
+    top, where = jax.lax.top_k(vals, k)
+    return top, jnp.take_along_axis(ids, where, axis=-1)
+
+
 class CandidateSelector(nn.Module):
     """The selector's parameters and its walk (`select`)."""
 
@@ -135,7 +159,7 @@ class CandidateSelector(nn.Module):
         """Walks the T slots from x_last (`walk`). Returns (tokens [B, T], candidates [B, T, K],
         q [B, T, K]: the probability of each candidate given the slot's chosen predecessor,
         one-hot on the argmax at temperature 0)."""
-        unary, cand = jax.lax.top_k(logits_BTV.astype(jnp.float32), self.top_k)
+        unary, cand = blocked_top_k(logits_BTV.astype(jnp.float32), self.top_k)
         proj = self.hidden_projection(hidden_BTH).astype(jnp.float32)
         return walk(
             unary,

@@ -191,6 +191,8 @@ def _rules(fsdp: bool) -> Tuple[Rule, ...]:
         (r"(gate_proj|up_proj)/kernel$", P(f, "tensor"), ()),
         (r"down_proj/kernel$", P("tensor", f), ()),
         (r"embed_tokens/embedding$", P("tensor", f), ()),
+        # DFlash 2's selector codebooks [V, rank]: over the vocabulary like the embedding.
+        (r"(predecessor|successor)_codebook$", P("tensor", f), ()),
         (r"lm_head/kernel$", P(f, "tensor"), ()),
         (r"(^|/)fc/kernel$", P(f, "tensor"), ()),
         (r"(norm|layernorm)/scale$", P(), ()),
