@@ -47,7 +47,9 @@ from dflash_jax.decoding.sampling import (
     pick_tokens,
     sample_categorical,
 )
-from dflash_jax.decoding.tree import Tree, accept_path, build_tree
+from dflash_jax.decoding import drafting
+from dflash_jax.decoding.drafting import Proposal
+from dflash_jax.decoding.tree import accept_path
 from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
@@ -103,24 +105,6 @@ def accepted_prefix(drafts, y, trusted=None):
     if trusted is not None:
         match &= trusted
     return jnp.sum(jnp.cumprod(match.astype(jnp.int32), axis=1), axis=1)
-
-
-@flax.struct.dataclass
-class Proposal:
-    """What one step gives the target to verify: T tokens at positions start + depths (the
-    last committed token x_last first, at depth 0), and how they were drafted."""
-
-    tokens: jnp.ndarray  # [B, T]
-    depths: jnp.ndarray  # [B, T]
-    drafts: Optional[jnp.ndarray] = None  # [B, bs-1] a chain's drafts (None: AR or a tree)
-    conf: Optional[jnp.ndarray] = None  # [B, bs-1] their confidence
-    tree: Optional[Tree] = None  # a draft tree (its mask is the verify's), None: a chain
-    # The proposal distribution of each sampled draft given the drafts before it, over its
-    # candidates ([B, bs-1, K] token ids and probabilities; DFlash 2 at T > 0): verified by
-    # rejection sampling against it (`Decoder.rejection_tokens`). None: drafts verified as
-    # one-hot proposals (a draft is accepted iff the target's own sample names it).
-    q_ids: Optional[jnp.ndarray] = None
-    q_probs: Optional[jnp.ndarray] = None
 
 
 @flax.struct.dataclass
@@ -337,33 +321,23 @@ class Decoder:
         return self.denoise(ctx, x_last, start, logp=True)[2]
 
     @property
+    def kind(self):
+        """The kind of drafter (`drafting`: autoregressive, DFlash, DFlash 2): what it keeps
+        of the target and how it proposes."""
+        return drafting.kind_of(self.dmod)
+
+    @property
     def samples_drafts(self) -> bool:
-        """The drafter samples its drafts (DFlash 2 at T > 0): they are verified against their
-        proposal distribution (`rejection_tokens`)."""
-        return self.dmod is not None and self.dmod.cfg.dflash2 and self.plan.temperature > 0
+        """The drafter samples its drafts (DFlash 2 at T > 0): `propose` takes a key and the
+        drafts are verified against their proposal distribution (`rejection_tokens`)."""
+        return self.kind.samples_drafts(self)
 
     def propose(self, state: DecodeState, x_last, start, key=None) -> Proposal:
-        """Draft: nothing (autoregressive: a drafter that drafts nothing), a chain of bs-1 tokens,
-        or a tree of `self.plan.tree_budget` nodes from the same drafter pass(es); DFlash 2: the
-        candidate selector's chain (sampled with `key` at T > 0, with its proposal q)."""
-        b = x_last.shape[0]
-        if self.dmod is None:
-            return Proposal(tokens=x_last[:, None], depths=jnp.zeros((b, 1), jnp.int32))
-        if self.plan.tree_budget:
-            logp = self.draft_logprobs(state.ctx, x_last, start)
-            tree = build_tree(x_last, logp, self.plan.tree_budget)
-            return Proposal(tokens=tree.tokens, depths=tree.depths, tree=tree)
-        q_ids = q_probs = None
-        if self.samples_drafts:
-            drafts, conf, q_ids, q_probs = self.select_block(state.ctx, x_last, start, key)
-        else:
-            drafts, conf = self.draft_block(state.ctx, x_last, start)
-        bs = self.plan.block_size
-        depths = jnp.broadcast_to(jnp.arange(bs, dtype=jnp.int32)[None], (b, bs))
-        tokens = jnp.concatenate([x_last[:, None], drafts], axis=1)
-        return Proposal(
-            tokens=tokens, depths=depths, drafts=drafts, conf=conf, q_ids=q_ids, q_probs=q_probs
-        )
+        """What this step verifies, as the drafter's kind proposes it (`drafting`): nothing but
+        x_last (autoregressive), a chain of bs-1 tokens or a tree of `plan.tree_budget` nodes
+        (DFlash), the candidate selector's chain (DFlash 2; sampled with `key` at T > 0, with
+        its proposal q)."""
+        return self.kind.propose(self, state, x_last, start, key)
 
     def rejection_tokens(self, logits, prop: Proposal, key):
         """y [B, T] for drafts sampled from a proposal q (speculative sampling): draft d_i is
@@ -398,7 +372,7 @@ class Decoder:
         return jnp.concatenate([jnp.where(accept, drafts, resampled), bonus[:, None]], axis=1)
 
     def _verify_tokens(self, state: DecodeState, prop: Proposal, start, key) -> Verdict:
-        tap_layers = self.dmod.cfg.target_layer_ids if self.dmod is not None else ()
+        tap_layers = self.kind.taps(self)
         variables = {"params": self.tparams}
         if prop.tree is None:
             hidden, cache, taps = self.tmod.apply(
@@ -505,10 +479,7 @@ class Decoder:
         tokens = state.tokens.at[bidx[:, None], write_at].set(y, mode="drop")
         new_len = start + n
         cache = cache.rollback(new_len)
-        ctx = state.ctx
-        if self.dmod is not None:
-            positions = start[:, None] + idx
-            ctx = self.write_context(ctx, taps, positions, new_len, start)
+        ctx = self.kind.write_context(self, state.ctx, taps, start[:, None] + idx, new_len, start)
         num_out = state.num_out + n
         if self.plan.stream is not None:
             # Optional host callback (only when streaming was asked for): committed tokens
@@ -553,13 +524,9 @@ class Decoder:
         into a cache of `capacity` slots, the drafter's context filled from the taps, the first
         token sampled: the state the decode loop starts from (`n_buf` output slots)."""
         b, p = prompts.shape
-        tap_layers = self.dmod.cfg.target_layer_ids if self.dmod is not None else ()
+        tap_layers = self.kind.taps(self)
         cache = KVCache.create(self.tmod.cfg, b, capacity)
-        ctx = (
-            None
-            if self.dmod is None
-            else KVCache.create(self.dmod.cfg, b, self.dmod.cfg.context_capacity(capacity))
-        )
+        ctx = self.kind.init_context(self, b, capacity)
         chunk = self.plan.prefill_chunk
         if not chunk or p <= chunk or p % chunk:
             chunk = p  # one pass
@@ -574,11 +541,10 @@ class Decoder:
             hidden, cache, taps = self.tmod.apply(
                 {"params": self.tparams}, ids, cache=cache, tap_layers=tap_layers
             )
-            if self.dmod is not None:
-                positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
-                ctx = self.write_context(
-                    ctx, taps, positions, prompt_lens, jnp.full((b,), start, jnp.int32)
-                )
+            positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
+            ctx = self.kind.write_context(
+                self, ctx, taps, positions, prompt_lens, jnp.full((b,), start, jnp.int32)
+            )
             at = prompt_lens - 1 - start
             here = (at >= 0) & (at < chunk)
             last = jnp.where(here[:, None], hidden[bidx, jnp.clip(at, 0, chunk - 1)], last)
