@@ -193,6 +193,8 @@ def _rules(fsdp: bool) -> Tuple[Rule, ...]:
         (r"embed_tokens/embedding$", P("tensor", f), ()),
         # DFlash 2's selector codebooks [V, rank]: over the vocabulary like the embedding.
         (r"(predecessor|successor)_codebook$", P("tensor", f), ()),
+        # Its convolutions' dynamic-tap projections [H, 2 * taps * groups]: over their outputs.
+        (r"kernel_projection/kernel$", P(f, "tensor"), ()),
         (r"lm_head/kernel$", P(f, "tensor"), ()),
         (r"(^|/)fc/kernel$", P(f, "tensor"), ()),
         (r"(norm|layernorm)/scale$", P(), ()),
