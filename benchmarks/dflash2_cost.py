@@ -8,6 +8,8 @@ device at growing contexts, full attention against every layer sliding with a wi
 
     python benchmarks/dflash2_cost.py --topology=v5e:2x4 --model=qwen3_8b \\
         --out=benchmarks/results/dflash2/v5e_8.json
+    CUDA_VISIBLE_DEVICES=-1 JAX_PLATFORMS=cpu .venv312/bin/python benchmarks/dflash2_cost.py \\
+        --topology=h200 --model=qwen3_8b --out=benchmarks/results/dflash2/h200.json
 
 Writes the JSON (the dry runs' figures) and a Markdown table beside it (.md).
 """
@@ -70,7 +72,15 @@ def main(argv):
     del argv
     if not FLAGS.out:
         raise app.UsageError("--out is required")
-    out = {"topology": FLAGS.topology, "model": FLAGS.model, "steps": {}, "context_bytes": {}}
+    from dflash_jax.support import provenance
+
+    out = {
+        **provenance.record(),
+        "topology": FLAGS.topology,
+        "model": FLAGS.model,
+        "steps": {},
+        "context_bytes": {},
+    }
     for drafter in ("dflash", "dflash2"):
         r = _run(FLAGS.model, FLAGS.topology, FLAGS.context, drafter)
         out["steps"][drafter] = {"roofline": _step(r), "sizes": r["sizes"]}
