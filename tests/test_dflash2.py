@@ -17,6 +17,7 @@ from safetensors.numpy import load_file, save_file
 
 import dflash_jax as dj
 from dflash_jax.drafters import dflash2
+from dflash_jax.drafters.dflash import upgrade_to_dflash2
 
 
 def _select_numpy(logits, proj, pred, succ, x_last, k, temperature=0.0, u=None):
@@ -122,22 +123,16 @@ def _as_dflash2(drafter, rank=8, top_k=4, silent=True, seed=1):
     """The bundled DFlash drafter as a DFlash 2 one: its layers kept, convolutions the identity
     (base taps 1 at offset 0, no dynamic taps); the selector silent (zero codebooks: it picks
     each slot's argmax, so the drafts are the DFlash drafter's) or live (random codebooks)."""
-    cfg = drafter.config.replace(
-        conv_kernel_size=2, conv_group_size=16, selector_rank=rank, selector_top_k=top_k
+    cfg, params = upgrade_to_dflash2(
+        drafter.config,
+        drafter.params,
+        seed=seed,
+        conv_kernel_size=2,
+        conv_group_size=16,
+        selector_rank=rank,
+        selector_top_k=top_k,
     )
-    params = dj.init_drafter_params(cfg, seed=seed)
-
-    def merge(new, old):
-        if isinstance(new, dict):
-            return {k: merge(v, old[k]) if k in old else v for k, v in new.items()}
-        return old
-
-    params = merge(params, drafter.params)
     zero = lambda t: jax.tree_util.tree_map(jnp.zeros_like, t)
-    for i in range(cfg.body.num_layers):
-        for c in ("attention_conv", "mlp_conv"):
-            layer = params[f"layers_{i}"][c]
-            layer["kernel_projection"] = zero(layer["kernel_projection"])
     sel = params["candidate_selector"]
     if silent:
         params["candidate_selector"] = zero(sel)
@@ -158,6 +153,35 @@ def dflash1_run(bundled_pair):
 def ar_run(bundled_pair):
     target, _, prompts = bundled_pair
     return dj.generate(target, None, prompts, 40)
+
+
+def test_a_dflash_drafter_upgrades_to_dflash2_keeping_what_it_computes(bundled_pair):
+    """The warm start of DFlash 2 from a DFlash drafter (train.py with drafter.init_path and
+    drafter.dflash2.enabled): every old parameter kept bit-exact, the convolutions the identity
+    (base taps [1, 0] per channel, zero dynamic-tap projections), the selector new; and refused
+    on a DFlash 2 drafter or without convolution taps."""
+    _, drafter, _ = bundled_pair
+    fields = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    cfg, params = upgrade_to_dflash2(drafter.config, drafter.params, **fields)
+    assert cfg.dflash2 and not drafter.config.dflash2
+    old = dict(jax.tree_util.tree_flatten_with_path(drafter.params)[0])
+    new = dict(jax.tree_util.tree_flatten_with_path(params)[0])
+    for path, x in old.items():
+        np.testing.assert_array_equal(np.asarray(new[path]), np.asarray(x))
+    added = {jax.tree_util.keystr(p) for p in set(new) - set(old)}
+    assert any("candidate_selector" in k for k in added)
+    for i in range(cfg.body.num_layers):
+        for c in ("attention_conv", "mlp_conv"):
+            conv = params[f"layers_{i}"][c]
+            base = np.asarray(conv["base_kernel"])  # [2 halves, taps, H]
+            np.testing.assert_array_equal(base[:, 0], 1.0)
+            np.testing.assert_array_equal(base[:, 1:], 0.0)
+            for leaf in jax.tree_util.tree_leaves(conv["kernel_projection"]):
+                assert not np.any(np.asarray(leaf))
+    with pytest.raises(ValueError, match="already DFlash 2"):
+        upgrade_to_dflash2(cfg, params, **fields)
+    with pytest.raises(ValueError, match="conv_kernel_size must be > 0"):
+        upgrade_to_dflash2(drafter.config, drafter.params, selector_rank=8)
 
 
 def test_identity_convolutions_and_a_silent_selector_draft_as_dflash(bundled_pair, dflash1_run):

@@ -556,6 +556,38 @@ def init_drafter_params(
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+def upgrade_to_dflash2(cfg: DrafterConfig, params, seed: int = 0, **fields):
+    """A DFlash drafter (config, params) continued as DFlash 2: `fields` (conv_kernel_size > 0,
+    conv_group_size, selector_rank, selector_top_k, output_multiplier,
+    final_logit_softcapping) set on the config, every parameter the two share kept, the new
+    ones initialised as `init_drafter_params` does, except that the convolutions' dynamic-tap
+    projections start at zero. The convolutions then start as the identity (their base kernel's
+    offset-0 taps are 1), so with output_multiplier 1 and no cap the upgraded drafter's logits
+    are the DFlash drafter's, and the selector's codebooks start small (N(0, 0.02)): a warm
+    start for training, never a change of what the old parameters compute."""
+    if cfg.dflash2:
+        raise ValueError("upgrade_to_dflash2: the drafter is already DFlash 2")
+    new_cfg = cfg.replace(**fields)
+    if not new_cfg.dflash2:
+        raise ValueError("upgrade_to_dflash2: conv_kernel_size must be > 0")
+    fresh = init_drafter_params(new_cfg, seed=seed)
+    old = {jax.tree_util.keystr(p): x for p, x in jax.tree_util.tree_flatten_with_path(params)[0]}
+    leaves, tree = jax.tree_util.tree_flatten_with_path(fresh)
+    out, kept = [], 0
+    for path, x in leaves:
+        key = jax.tree_util.keystr(path)
+        if key in old:
+            if old[key].shape != x.shape:
+                raise ValueError(f"upgrade_to_dflash2: {key} is {old[key].shape}, not {x.shape}")
+            x, kept = old[key], kept + 1
+        elif "kernel_projection" in key:
+            x = jnp.zeros_like(x)
+        out.append(x)
+    if kept != len(old):
+        raise ValueError(f"upgrade_to_dflash2: {len(old) - kept} parameters have no place")
+    return new_cfg, jax.tree_util.tree_unflatten(tree, out)
+
+
 # ---------------------------------------------------------------------------- user object
 
 

@@ -29,6 +29,7 @@ from dflash_jax.drafters.dflash import (
     init_drafter_params,
     make_drafter_config,
     sliding_layers,
+    upgrade_to_dflash2,
 )
 from dflash_jax.models import hub
 from dflash_jax.models.config import ModelConfig, as_dtype
@@ -398,9 +399,10 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
         **overrides,
     )
     v2 = dc.get("dflash2", {})
+    v2_fields = {}
     if v2.get("enabled", False):  # DFlash 2: convolutions, logit rule, candidate selector
         cap = v2.get("final_logit_softcapping", 0.0)
-        dcfg = dcfg.replace(
+        v2_fields = dict(
             conv_kernel_size=v2.conv_kernel_size,
             conv_group_size=v2.conv_group_size,
             selector_rank=v2.selector_rank,
@@ -408,6 +410,7 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
             output_multiplier=v2.output_multiplier,
             final_logit_softcapping=cap if cap > 0 else None,
         )
+        dcfg = dcfg.replace(**v2_fields)
     if dc.init_path:
         from dflash_jax.drafters.dflash import load_drafter
 
@@ -417,6 +420,8 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
             param_dtype=dc.get("param_dtype") or None,
         )
         dcfg, init = loaded.config, loaded.params
+        if v2_fields and not dcfg.dflash2:  # a DFlash drafter continued as DFlash 2
+            dcfg, init = upgrade_to_dflash2(dcfg, init, seed=config.seed, **v2_fields)
         if dc.get("sliding_window", 0):  # continue a drafter with (another) window
             dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, dc.sliding_window))
     else:
