@@ -5,6 +5,7 @@ Public API:
   save_target(target, path)
   quantize_target(target, "int8") -> Target          int8 weight-only (load_target(quantize=))
   load_drafter(path, target=...) -> Drafter          a z-lab DFlash drafter
+  PromptLookup(block_size=8, max_ngram=3)            n-gram drafting from the context
   save_drafter(drafter, path)
   generate(target, drafter_or_None, prompts, max_new_tokens, ...) -> GenerationResult
 
@@ -13,7 +14,7 @@ Subpackages, lowest first (each imports only those before it; tests/test_layerin
   models     config, transformer, attention, MoE, quantization, Target, checkpoint formats
   data       tokenizers, packing, TFDS builders, prompt files and chat templates
   parallel   partition rules, process groups, the multi-process launcher
-  drafters   the drafter families (DFlash)
+  drafters   the drafter families (DFlash, DFlash 2, prompt lookup)
   decoding   the speculative step and its programs, sampling, trees, request checks
   training   the drafter trainer (Optax, Orbax)
   frontend   the pieces of infer.py: batch runner, report, text generation, flag checks
@@ -36,6 +37,7 @@ _EXPORTS = {
     "load_drafter": "drafters.dflash",
     "make_drafter_config": "drafters.dflash",
     "save_drafter": "drafters.dflash",
+    "PromptLookup": "drafters.prompt_lookup",
     "GenerationResult": "decoding.generation",
     "generate": "decoding.generation",
     "KVCache": "models.transformer",
@@ -69,6 +71,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
         make_drafter_config,
         save_drafter,
     )
+    from dflash_jax.drafters.prompt_lookup import PromptLookup  # noqa: F401
     from dflash_jax.models.config import ModelConfig  # noqa: F401
     from dflash_jax.models.safetensors_io import CheckpointError  # noqa: F401
     from dflash_jax.models.target import (  # noqa: F401
@@ -94,6 +97,7 @@ __all__ = [
     "ForwardOutput",
     "KVCache",
     "ModelConfig",
+    "PromptLookup",
     "Target",
     "Transformer",
     "load_target",

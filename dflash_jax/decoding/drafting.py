@@ -6,8 +6,9 @@ drafter implements:
 
   taps(dec)                        the target layers whose outputs it reads (the verify taps)
   init_context(dec, b, capacity)   its context cache for a decode of `capacity` positions
-  write_context(dec, ctx, taps, positions, lengths, starts)
-                                   the committed positions' taps into that cache
+  write_context(dec, ctx, taps, ids, positions, lengths, starts)
+                                   the committed positions (their taps [B, T, F] and token
+                                   ids [B, T]) into that cache
   propose(dec, state, x_last, start, key) -> Proposal
                                    the tokens to verify: x_last and the drafts (a chain, or a
                                    tree with its mask), with, where the drafts were sampled,
@@ -15,7 +16,9 @@ drafter implements:
   samples_drafts(dec)              whether `propose` needs a random key
 
 and `kind_of(dmod)` picks the kind from the drafter module: autoregressive decoding is the
-kind that drafts nothing (no context, the proposal is x_last alone); DFlash and DFlash 2 keep
+kind that drafts nothing (no context, the proposal is x_last alone); prompt lookup keeps the
+token ids and drafts what followed an earlier occurrence of the last n-gram
+(`drafters.prompt_lookup`); DFlash and DFlash 2 keep
 per-layer K/V of the tapped features (`Decoder.write_context`, a ring when every layer
 slides) and draft a block in one pass (DFlash: a chain, a tree or K denoising passes over
 the same pass's log-probabilities; DFlash 2: its candidate selector's chain). The next kind
@@ -32,6 +35,7 @@ import flax.struct
 import jax.numpy as jnp
 
 from dflash_jax.decoding.tree import Tree, build_tree
+from dflash_jax.drafters import prompt_lookup as lookup_lib
 from dflash_jax.models.transformer import KVCache
 
 
@@ -64,7 +68,7 @@ class Autoregressive:
     def init_context(self, dec, b, capacity):
         return None
 
-    def write_context(self, dec, ctx, taps, positions, lengths, starts=None):
+    def write_context(self, dec, ctx, taps, ids, positions, lengths, starts=None):
         return ctx
 
     def samples_drafts(self, dec) -> bool:
@@ -87,7 +91,7 @@ class DFlash:
         cfg = dec.dmod.cfg
         return KVCache.create(cfg, b, cfg.context_capacity(capacity))
 
-    def write_context(self, dec, ctx, taps, positions, lengths, starts=None):
+    def write_context(self, dec, ctx, taps, ids, positions, lengths, starts=None):
         return dec.write_context(ctx, taps, positions, lengths, starts)
 
     def samples_drafts(self, dec) -> bool:
@@ -130,11 +134,46 @@ class DFlash2(DFlash):
         return dec.select_block(ctx, x_last, start, key)
 
 
+class PromptLookup:
+    """Prompt lookup: the context is the token ids by position; the drafts continue the most
+    useful earlier occurrence of the last n-gram (`drafters.prompt_lookup.lookup`), with
+    confidence 1 where looked up and 0 where not (a confidence threshold then narrows the
+    verify to them)."""
+
+    name = "prompt_lookup"
+
+    def taps(self, dec):
+        return ()
+
+    def init_context(self, dec, b, capacity):
+        return lookup_lib.TokenHistory.create(b, capacity)
+
+    def write_context(self, dec, ctx, taps, ids, positions, lengths, starts=None):
+        return ctx.write(ids, positions, lengths)
+
+    def samples_drafts(self, dec) -> bool:
+        return False
+
+    def propose(self, dec, state, x_last, start, key=None):
+        cfg = dec.dmod.cfg
+        bs = dec.plan.block_size
+        drafts, conf = lookup_lib.lookup(
+            state.ctx.tokens, x_last, start, bs - 1, cfg.min_ngram, cfg.max_ngram
+        )
+        b = x_last.shape[0]
+        depths = jnp.broadcast_to(jnp.arange(bs, dtype=jnp.int32)[None], (b, bs))
+        tokens = jnp.concatenate([x_last[:, None], drafts], axis=1)
+        return Proposal(tokens=tokens, depths=depths, drafts=drafts, conf=conf)
+
+
 AUTOREGRESSIVE, DFLASH, DFLASH2 = Autoregressive(), DFlash(), DFlash2()
+PROMPT_LOOKUP = PromptLookup()
 
 
 def kind_of(dmod):
     """The kind of drafter module `dmod` (None: autoregressive decoding)."""
     if dmod is None:
         return AUTOREGRESSIVE
+    if isinstance(dmod, lookup_lib.PromptLookupModule):
+        return PROMPT_LOOKUP
     return DFLASH2 if dmod.cfg.dflash2 else DFLASH

@@ -19,7 +19,7 @@ from dflash_jax.decoding.request import (
     gather_multiprocess,
 )
 from dflash_jax.decoding.step import Plan
-from dflash_jax.drafters.dflash import DFlashDrafter, Drafter
+from dflash_jax.drafters.dflash import Drafter
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.parallel import sharding
@@ -143,7 +143,7 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
     (target, drafter, input) shardings the sharded programs take their arguments in."""
     b, p_pad, n_buf, capacity = shape
     tmod = Transformer(target.config, plan.attention_impl)
-    dmod = DFlashDrafter(drafter.config) if drafter is not None else None
+    dmod = drafter.module if drafter is not None else None
     tparams = target.params
     dparams = drafter.params if drafter is not None else None
     key = (

@@ -13,6 +13,7 @@ import numpy as np
 
 from dflash_jax.decoding.step import Plan
 from dflash_jax.drafters.dflash import validate_pair
+from dflash_jax.drafters.prompt_lookup import PromptLookupConfig
 from dflash_jax.support import checks
 from dflash_jax.support.checks import MAX_TREE_BUDGET, check_denoise
 
@@ -85,7 +86,8 @@ class Request:
         setting, or a bad prompt by its label (`labels[i]`, e.g. "file.jsonl:3"; default
         "prompt i")."""
         drafted = drafter_config is not None
-        if drafted:
+        looked_up = isinstance(drafter_config, PromptLookupConfig)
+        if drafted and not looked_up:
             validate_pair(drafter_config, target_config)
         vocab = target_config.vocab_size
         prompts = checks.prompt_ids(prompts, vocab, labels=labels)
@@ -97,22 +99,30 @@ class Request:
         threshold = checks.confidence_threshold(confidence_threshold)
         if drafted:
             bs = drafter_config.block_size if block_size is None else block_size
-            bs = checks.block_size_for(bs, drafter_config.block_size)
+            if looked_up:  # nothing trained: any block in range
+                bs = checks.int_param(
+                    "block_size", bs, lo=checks.BLOCK_SIZE_MIN, hi=checks.BLOCK_SIZE_MAX
+                )
+            else:
+                bs = checks.block_size_for(bs, drafter_config.block_size)
             if steps > bs - 1:
                 raise ValueError(
                     f"denoise_steps must be in [1, {bs - 1}] (block_size - 1), got {steps}"
                 )
-            if getattr(drafter_config, "dflash2", False):
-                for name, given in (
-                    ("denoise_steps", steps != 1),
-                    ("tree_budget", tree_budget is not None),
-                    ("remask", bool(remask)),
-                ):
-                    if given:
-                        raise ValueError(
-                            f"{name} is not implemented for DFlash 2 drafters yet (its candidate "
-                            "selector drafts one chain in one pass)"
-                        )
+            why = (
+                "prompt lookup drafts (one chain of looked-up tokens, no model pass)"
+                if looked_up
+                else "DFlash 2 drafters yet (its candidate selector drafts one chain in one pass)"
+                if drafter_config.dflash2
+                else None
+            )
+            for name, given in (
+                ("denoise_steps", steps != 1),
+                ("tree_budget", tree_budget is not None),
+                ("remask", bool(remask)),
+            ):
+                if why and given:
+                    raise ValueError(f"{name} is not implemented for {why}")
         else:
             bs = 1
             for name, given in (

@@ -416,7 +416,8 @@ class Decoder:
                 v = self._verify_tokens(state, cut, start, key)
                 pad = ((0, 0), (0, bs - w))
                 y = jnp.pad(v.y, pad, constant_values=-1)
-                return Verdict(y=y, cache=v.cache, taps=jnp.pad(v.taps, pad + ((0, 0),)))
+                taps = None if v.taps is None else jnp.pad(v.taps, pad + ((0, 0),))
+                return Verdict(y=y, cache=v.cache, taps=taps)
 
             return run
 
@@ -479,7 +480,10 @@ class Decoder:
         tokens = state.tokens.at[bidx[:, None], write_at].set(y, mode="drop")
         new_len = start + n
         cache = cache.rollback(new_len)
-        ctx = self.kind.write_context(self, state.ctx, taps, start[:, None] + idx, new_len, start)
+        ids = jnp.take_along_axis(prop.tokens, nodes, axis=1)  # the committed positions' tokens
+        ctx = self.kind.write_context(
+            self, state.ctx, taps, ids, start[:, None] + idx, new_len, start
+        )
         num_out = state.num_out + n
         if self.plan.stream is not None:
             # Optional host callback (only when streaming was asked for): committed tokens
@@ -543,7 +547,7 @@ class Decoder:
             )
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
             ctx = self.kind.write_context(
-                self, ctx, taps, positions, prompt_lens, jnp.full((b,), start, jnp.int32)
+                self, ctx, taps, ids, positions, prompt_lens, jnp.full((b,), start, jnp.int32)
             )
             at = prompt_lens - 1 - start
             here = (at >= 0) & (at < chunk)

@@ -347,7 +347,12 @@ def decode_state_sharding(state, mesh):
     the batch axes, scalars and the PRNG key replicated."""
     ns = lambda s: NamedSharding(mesh, s)
     cache = cache_sharding(state.cache, mesh)
-    ctx = None if state.ctx is None else cache_sharding(state.ctx, mesh)
+    if state.ctx is None:
+        ctx = None
+    elif hasattr(state.ctx, "k"):  # a KVCache (DFlash's context)
+        ctx = cache_sharding(state.ctx, mesh)
+    else:  # per-sequence arrays (prompt lookup's token ids): over the batch axes
+        ctx = jax.tree_util.tree_map(lambda x: ns(batch_spec(x.shape, mesh)), state.ctx)
     return state.replace(
         cache=cache,
         ctx=ctx,
