@@ -56,7 +56,8 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "drafter",
     None,
-    "z-lab DFlash drafter directory or hub id; default: the "
+    "z-lab DFlash / DFlash 2 drafter directory or hub id, or prompt_lookup[:N | :MIN-MAX] "
+    "(n-gram drafting from the context, no model; n-grams 1-3 by default); default: the "
     "bundled drafter when the target is the bundled one (tiny-code, or "
     "smollm2-135m-instruct), else none (autoregressive).",
 )
@@ -226,7 +227,7 @@ def main(argv):
         shipped = gguf_io.DEFAULT_DRAFTERS.get(gguf_io.known_name(target_dir) or "")
         if shipped and os.path.isfile(os.path.join(ROOT, shipped, "config.json")):
             drafter_dir = os.path.join(ROOT, shipped)
-    if drafter_dir:
+    if drafter_dir and not drafter_dir.startswith("prompt_lookup"):
         drafter_dir = hub.resolve_or_exit(drafter_dir, what="drafter")
     elif FLAGS.compare_ar:  # refused, like --tree_budget without a drafter: never ignored
         raise ValueError(

@@ -135,3 +135,32 @@ def test_what_prompt_lookup_does_not_do_is_one_line(bundled_pair, kw, name):
     target, _, prompts = bundled_pair
     with pytest.raises(ValueError, match=f"{name} is not implemented for prompt lookup"):
         dj.generate(target, dj.PromptLookup(), prompts, 8, **kw)
+
+
+def test_infer_drafter_spec_and_the_check_before_loading(bundled_pair):
+    """infer.py's --drafter=prompt_lookup[:N | :MIN-MAX] reads as a PromptLookup (a directory
+    or hub id does not), a bad range is one line, and the batch runner's config-only check
+    refuses what generate refuses."""
+    import os
+
+    from _pair import PAIR
+
+    from dflash_jax.drafters.prompt_lookup import from_spec
+    from dflash_jax.frontend.batch_runner import check_before_loading
+
+    assert from_spec("prompt_lookup").config == dj.PromptLookup().config
+    assert (
+        from_spec("prompt_lookup:2-4").config.min_ngram,
+        from_spec("prompt_lookup:4").config.max_ngram,
+    ) == (2, 4)
+    assert from_spec("assets/tiny-code/drafter") is None and from_spec(None) is None
+    for bad, message in (("prompt_lookup:x", "MIN-MAX"), ("prompt_lookup:3-2", "max_ngram")):
+        with pytest.raises(ValueError, match=message):
+            from_spec(bad)
+    _, _, prompts = bundled_pair
+    target_dir = os.path.join(PAIR, "target")
+    check_before_loading(target_dir, "prompt_lookup", prompts, dict(max_new_tokens=8))
+    with pytest.raises(ValueError, match="tree_budget is not implemented for prompt lookup"):
+        check_before_loading(
+            target_dir, "prompt_lookup", prompts, dict(max_new_tokens=8, tree_budget=4)
+        )

@@ -80,6 +80,28 @@ class PromptLookup:
         return PromptLookupModule(self.config)
 
 
+SPEC = "prompt_lookup"
+
+
+def from_spec(spec):
+    """infer.py's --drafter=prompt_lookup[:N | :MIN-MAX] (n-gram sizes; default 1-3) as a
+    `PromptLookup`; None for anything else (a drafter directory or hub id). A bad range is one
+    line (ValueError)."""
+    if not isinstance(spec, str) or not (spec == SPEC or spec.startswith(SPEC + ":")):
+        return None
+    sizes = spec[len(SPEC) + 1 :]
+    if not sizes:
+        return PromptLookup()
+    lo, _, hi = sizes.partition("-")
+    try:
+        lo, hi = int(lo), int(hi or lo)
+    except ValueError:
+        raise ValueError(
+            f"--drafter={spec}: n-gram sizes must be N or MIN-MAX (e.g. prompt_lookup:2-4)"
+        ) from None
+    return PromptLookup(min_ngram=lo, max_ngram=hi)
+
+
 @flax.struct.dataclass
 class TokenHistory:
     """The drafter's context: every sequence's tokens by position ([B, capacity]; positions at

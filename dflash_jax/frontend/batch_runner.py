@@ -42,6 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dflash_jax.decoding.generation import generate
+from dflash_jax.drafters import prompt_lookup
 from dflash_jax.frontend import infer_flags, textgen
 from dflash_jax.support import checks, console, interrupts
 
@@ -443,7 +444,10 @@ def check_before_loading(
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
     dcfg = None
-    if drafter_dir:
+    looked_up = prompt_lookup.from_spec(drafter_dir)
+    if looked_up is not None:
+        dcfg = looked_up.config
+    elif drafter_dir:
         dcfg = DrafterConfig.from_hf(
             checkpoint.read_config(drafter_dir),
             target_hidden_size=tcfg.hidden_size,
@@ -521,7 +525,8 @@ def run_and_report(
     else:
         mesh = None
     text = textgen.load_text(target_dir)  # config, tokenizer, stop ids, vocabulary size
-    if drafter_dir:  # the drafter's config.json checked, and against the target, before loading
+    looked_up = prompt_lookup.from_spec(drafter_dir)  # --drafter=prompt_lookup[:N-M]
+    if drafter_dir and looked_up is None:  # its config.json checked against the target first
         from dflash_jax.drafters.dflash import read_drafter_config
 
         read_drafter_config(drafter_dir, text.config)
@@ -566,7 +571,9 @@ def run_and_report(
         quantize=quantize,
         quantize_lm_head=quantize_lm_head,
     )
-    drafter = load_drafter(drafter_dir, target=target) if drafter_dir else None
+    drafter = looked_up
+    if drafter_dir and looked_up is None:
+        drafter = load_drafter(drafter_dir, target=target)
     print(
         report.model_line(target_name, target.config, drafter_name, jax.default_backend()),
         flush=True,
