@@ -1,9 +1,14 @@
-"""tau of one target / drafter pair over a grid of decoding settings, by real decoding.
+"""tau of one target and its drafters over a grid of decoding settings, by real decoding.
 
   python benchmarks/drafter_grid.py --target=smollm2-135m-instruct \
       --drafter=assets/smollm2-135m-instruct/drafter --datasets=mt_bench,humaneval \
       --num_prompts=8 --max_new_tokens=128 --batch_size=8 \
       --json_out=benchmarks/results/smollm2/grid.json
+
+`--drafter` takes several, comma-separated (drafter directories, or `prompt_lookup[:N-M]`),
+measured side by side on the same prompts against the same autoregressive runs: rows are then
+`<drafter>:<setting>` (the directory's base name), and a second table gives each drafter's tau
+over the first one's, per setting and dataset.
 
 Settings (`--settings`, comma-separated): `t0` / `t1` (temperature 0 or 1), `b16` / `b8` (block
 size), then optionally `tree16` / `tree64` (verify a draft tree of that many nodes) or
@@ -36,7 +41,11 @@ from benchmarks import eval_tau  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "smollm2-135m-instruct", "Target directory, GGUF or name.")
-flags.DEFINE_string("drafter", "assets/smollm2-135m-instruct/drafter", "Drafter directory.")
+flags.DEFINE_list(
+    "drafter",
+    ["assets/smollm2-135m-instruct/drafter"],
+    "Drafter directories (or prompt_lookup[:N-M]), compared side by side.",
+)
 flags.DEFINE_list("datasets", ["mt_bench", "humaneval"], "Datasets (eval_tau's sources).")
 flags.DEFINE_list(
     "settings",
@@ -70,34 +79,67 @@ def parse_setting(name: str) -> dict:
 
 def run_grid(target, drafter, prompts, settings, max_new_tokens, batch_size, stop, seed=0):
     """{setting: {"acceptance": [[...] per prompt], "identical": n or None}} for token-id
-    `prompts`, every setting against one autoregressive run per temperature and batch."""
+    `prompts`, every setting against one autoregressive run per temperature and batch.
+    `drafter`: one drafter, or {label: drafter} (then {label: {setting: ...}}, every drafter
+    against the same autoregressive runs)."""
     from dflash_jax.decoding.generation import generate
 
-    out = {name: {"acceptance": [], "identical": 0} for name in settings}
+    many = isinstance(drafter, dict)
+    drafters = drafter if many else {"": drafter}
+    out = {
+        label: {name: {"acceptance": [], "identical": 0} for name in settings} for label in drafters
+    }
     for b0 in range(0, len(prompts), batch_size):
         batch = prompts[b0 : b0 + batch_size]
         padded = batch + [batch[-1]] * (batch_size - len(batch))  # one program per shape
         ar = {}
+        for label, d in drafters.items():
+            for name, s in settings.items():
+                t = s["temperature"]
+                if t not in ar:
+                    ar[t] = generate(target, None, padded, max_new_tokens, temperature=t,
+                                     seed=seed + b0, stop_token_ids=stop)  # fmt: skip
+                res = generate(
+                    target, d, padded, max_new_tokens, temperature=t, seed=seed + b0,
+                    stop_token_ids=stop, block_size=s["block_size"],
+                    tree_budget=s["tree_budget"], denoise_steps=s["denoise_steps"],
+                )  # fmt: skip
+                n = len(batch)
+                got = out[label][name]
+                got["acceptance"] += [list(map(int, a)) for a in res.acceptance_lengths[:n]]
+                same = sum(a == b for a, b in zip(res.tokens[:n], ar[t].tokens[:n]))
+                got["identical"] += same
+                if t == 0 and same != n:
+                    raise AssertionError(
+                        f"{label or 'drafter'} {name}: greedy decoding differs from AR "
+                        f"({same}/{n} equal)"
+                    )
+    for label in drafters:
         for name, s in settings.items():
-            t = s["temperature"]
-            if t not in ar:
-                ar[t] = generate(target, None, padded, max_new_tokens, temperature=t,
-                                 seed=seed + b0, stop_token_ids=stop)  # fmt: skip
-            res = generate(
-                target, drafter, padded, max_new_tokens, temperature=t, seed=seed + b0,
-                stop_token_ids=stop, block_size=s["block_size"], tree_budget=s["tree_budget"],
-                denoise_steps=s["denoise_steps"],
-            )  # fmt: skip
-            n = len(batch)
-            out[name]["acceptance"] += [list(map(int, a)) for a in res.acceptance_lengths[:n]]
-            same = sum(a == b for a, b in zip(res.tokens[:n], ar[t].tokens[:n]))
-            out[name]["identical"] += same
-            if t == 0 and same != n:
-                raise AssertionError(f"{name}: greedy DFlash differs from AR ({same}/{n} equal)")
-    for name, s in settings.items():
-        if s["temperature"] > 0:
-            out[name]["identical"] = None  # not expected token for token
-    return out
+            if s["temperature"] > 0:
+                out[label][name]["identical"] = None  # not expected token for token
+    return out if many else out[""]
+
+
+def drafter_label(spec: str) -> str:
+    """A drafter's name in the tables: its directory's base name, or the prompt-lookup spec."""
+    return spec if spec.startswith("prompt_lookup") else os.path.basename(os.path.normpath(spec))
+
+
+def ratios(results, labels, settings, datasets) -> str:
+    """Markdown: per setting and dataset, each drafter's tau over the first drafter's."""
+    head = labels[0]
+    lines = [
+        "| setting | drafter | " + " | ".join(f"{d} tau / {head}'s" for d in datasets) + " |",
+        "|---|---|" + "---|" * len(datasets),
+    ]
+    for name in settings:
+        base = results[f"{head}:{name}"]
+        for label in labels[1:]:
+            per = results[f"{label}:{name}"]
+            cells = " | ".join(f"{per[d]['tau'] / base[d]['tau']:.3f}" for d in datasets)
+            lines.append(f"| {name} | {label} | {cells} |")
+    return "\n".join(lines) + "\n"
 
 
 def summarize(acceptance):
@@ -162,40 +204,61 @@ def main(argv):
         checks.writable_file(FLAGS.json_out, "--json_out")
     rows = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
     target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
-    drafter_dir = hub.resolve_or_exit(FLAGS.drafter, what="--drafter")
+    specs = [d.strip() for d in FLAGS.drafter]
+    labels = [drafter_label(d) for d in specs]
+    if not specs or len(set(labels)) != len(labels):
+        raise ValueError(f"--drafter: give one or more drafters with distinct names, got {specs}")
+    dirs = [
+        d if d.startswith("prompt_lookup") else hub.resolve_or_exit(d, what="--drafter")
+        for d in specs
+    ]
 
     from dflash_jax.data import load_tokenizer
     from dflash_jax.data.chat import template_renderer
+    from dflash_jax.drafters import prompt_lookup
     from dflash_jax.drafters.dflash import load_drafter
     from dflash_jax.models.target import load_target
     from dflash_jax.support import console
 
+    looked_up = [prompt_lookup.from_spec(d) for d in dirs]  # a bad n-gram range: one line
     console.cli_startup()
     target = load_target(target_dir)
-    drafter = load_drafter(drafter_dir, target=target)
+    drafters = {
+        label: pl if pl is not None else load_drafter(d, target=target)
+        for label, d, pl in zip(labels, dirs, looked_up)
+    }
+    many = len(drafters) > 1
     tok = load_tokenizer(target_dir)
     render, how = template_renderer(target_dir, True)
     stop = eval_tau._stop_ids(target_dir, tok)
-    results = {name: {} for name in settings}
+    row = lambda label, name: f"{label}:{name}" if many else name
+    results = {row(label, name): {} for label in labels for name in settings}
     for d, (turns, source) in rows.items():
         prompts = [
             list(tok.encode(render([{"role": "user", "content": t[0]}], True))) for t in turns
         ]
         got = run_grid(
-            target, drafter, prompts, settings, FLAGS.max_new_tokens, FLAGS.batch_size, stop,
+            target, drafters, prompts, settings, FLAGS.max_new_tokens, FLAGS.batch_size, stop,
             FLAGS.seed,
         )  # fmt: skip
-        for name in settings:
-            r = dict(summarize(got[name]["acceptance"]), identical=got[name]["identical"])
-            results[name][d] = dict(r, responses=len(prompts), source=source)
-            print(f"{d} {name}: tau {r['tau']:.3f} (steps {r['tau_steps']:.3f})", flush=True)
+        for label in labels:
+            for name in settings:
+                g = got[label][name]
+                r = dict(summarize(g["acceptance"]), identical=g["identical"])
+                results[row(label, name)][d] = dict(r, responses=len(prompts), source=source)
+                print(
+                    f"{d} {row(label, name)}: tau {r['tau']:.3f} (steps {r['tau_steps']:.3f})",
+                    flush=True,
+                )
     table = markdown(results, list(rows))
+    if many:
+        table += "\n" + ratios(results, labels, settings, list(rows))
     print("\n" + table)
     if FLAGS.json_out:
         rec = dict(
             provenance.record(),
             target=FLAGS.target,
-            drafter=FLAGS.drafter,
+            drafter=FLAGS.drafter if many else FLAGS.drafter[0],
             prompts=how,
             num_prompts=FLAGS.num_prompts,
             max_new_tokens=FLAGS.max_new_tokens,

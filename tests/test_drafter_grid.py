@@ -32,3 +32,24 @@ def test_grid_on_the_bundled_pair(bundled_pair):
         {n: {"d": dict(s[n], identical=got[n]["identical"], responses=3)} for n in names}, ["d"]
     )
     assert "| t0_b16 |" in table and "3/3" in table and "n/a (T=1)" in table
+
+
+def test_drafters_side_by_side_share_the_autoregressive_runs(bundled_pair):
+    """Several drafters (a trained one and prompt lookup) over the same prompts: each greedy
+    output equal to the same AR run, and the ratio table is each one's tau over the first's."""
+    import dflash_jax as dj
+
+    target, drafter, prompts = bundled_pair
+    settings = {"t0_b8": drafter_grid.parse_setting("t0_b8")}
+    drafters = {"drafter": drafter, "prompt_lookup": dj.PromptLookup()}
+    got = drafter_grid.run_grid(target, drafters, prompts[:2], settings, 24, 2, ())
+    assert set(got) == set(drafters)
+    assert all(got[label]["t0_b8"]["identical"] == 2 for label in drafters)
+    results = {
+        f"{label}:t0_b8": {"d": drafter_grid.summarize(got[label]["t0_b8"]["acceptance"])}
+        for label in drafters
+    }
+    table = drafter_grid.ratios(results, list(drafters), settings, ["d"])
+    want = results["prompt_lookup:t0_b8"]["d"]["tau"] / results["drafter:t0_b8"]["d"]["tau"]
+    assert f"| t0_b8 | prompt_lookup | {want:.3f} |" in table
+    assert drafter_grid.drafter_label("assets/x/drafter_dflash2/") == "drafter_dflash2"
