@@ -65,15 +65,18 @@ def tiny():
     return t, dj.Drafter(dcfg, jax.jit(lambda: dj.init_drafter_params(dcfg, 0))())
 
 
-@pytest.fixture(scope="module")
-def enumerated(tiny):
+def _enumerate(t, prompt):
     """Every continuation of N_TOKENS tokens [M, N_TOKENS] (M = V ** N_TOKENS, in the order of
     np.ravel_multi_index) and the target's logits before each of its tokens [M, N_TOKENS, V]."""
-    t, _ = tiny
     seqs = np.indices((V,) * N_TOKENS).reshape(N_TOKENS, -1).T
-    ids = np.concatenate([np.tile(PROMPT, (len(seqs), 1)), seqs], axis=1)
-    logits = np.asarray(t.forward(ids).logits, np.float64)[:, len(PROMPT) - 1 : -1]
+    ids = np.concatenate([np.tile(prompt, (len(seqs), 1)), seqs], axis=1)
+    logits = np.asarray(t.forward(ids).logits, np.float64)[:, len(prompt) - 1 : -1]
     return seqs, logits
+
+
+@pytest.fixture(scope="module")
+def enumerated(tiny):
+    return _enumerate(tiny[0], PROMPT)
 
 
 def exact_joint(enumerated, temperature, top_k=None, top_p=None, widen=0):
@@ -437,3 +440,44 @@ def test_dflash2_sampled_drafts_follow_the_exact_joint(flat, tiny, enumerated, m
     for rule in NEIGHBOURS[case]:
         wrong = exact_joint(enumerated, *rule)
         assert tv(counts, wrong) > tv_bound(wrong, N), (rule, tv(counts, wrong))
+
+
+@pytest.mark.parametrize("control", (False, True), ids=("lookup", "control_every_draft_accepted"))
+def test_prompt_lookup_samples_follow_the_exact_joint(control, tiny, monkeypatch):
+    """Prompt lookup at T > 0: its drafts (what followed the last n-gram where it occurred
+    before) are a function of the committed tokens, verified by the one-hot rule. The prompt
+    repeats itself (PROMPT, the target's greedy continuation of it, PROMPT again), so the
+    lookup drafts that continuation and the target's samples often take it: the joint is
+    exact with drafts accepted. Control: accepting every draft, on PROMPT alone (where the
+    lookup's drafts are mostly not the target's samples), is rejected by the same bound (on the
+    repeating prompt the drafts are so often right that accepting them all moves the joint
+    less than the bound)."""
+    t, _ = tiny
+    prompt = list(PROMPT)
+    if not control:
+        for _ in range(N_TOKENS):
+            logits = np.asarray(t.forward(np.asarray([prompt])).logits)
+            prompt.append(int(np.argmax(logits[0, -1])))
+        prompt += PROMPT
+    temperature, top_k, top_p = CASES["temperature_1"]
+    if control:
+        _accept_every_draft(monkeypatch)
+    _forget_compiled(monkeypatch)
+    res = dj.generate(
+        t,
+        dj.PromptLookup(block_size=3, min_ngram=1, max_ngram=3),
+        [prompt] * N,
+        max_new_tokens=N_TOKENS,
+        temperature=temperature,
+        seed=5,
+    )
+    tokens = np.asarray(res.tokens)
+    counts = np.bincount(np.ravel_multi_index(tokens.T, (V,) * N_TOKENS), minlength=V**N_TOKENS)
+    exact = exact_joint(_enumerate(t, prompt), temperature, top_k, top_p)
+    bound = tv_bound(exact, N)
+    if control:
+        assert tv(counts, exact) > bound, (tv(counts, exact), bound)
+        return
+    assert res.tau > 1.2, res.tau  # looked-up drafts accepted
+    assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
+    assert tv(counts, exact) < bound, (tv(counts, exact), bound)
