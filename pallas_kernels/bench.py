@@ -1,6 +1,6 @@
 """Benchmark the DFlash attention kernels against XLA baselines.
 
-    python pallas_kernels/bench.py [--kernel verify|draft|training|all] [--quick]
+    python pallas_kernels/bench.py [--kernel verify|draft|training|gmm|all] [--quick]
         [--impl all|pallas|pallas_tpu|pallas_triton|cudnn[,...]] [--interpret]
         [--peak_hbm_gbps 4800] [--repeats 20] [--contexts 1024,8192]
         [--batches 1,8] [--json_out results.json]
@@ -23,6 +23,15 @@ Shapes (default): Qwen3-8B attention -- 32 query heads, 8 kv heads, head_dim
 128, bfloat16; contexts 1K/4K/8K/16K/32K; block 16; batch 1 and 8.
 --quick: contexts 1K/8K, batch 1.  --interpret (CPU): tiny shapes, kernels
 in Pallas interpret mode -- only proves the script runs.
+
+--kernel gmm: the MoE grouped matmul of few rows (pallas_kernels/grouped_matmul.py) at
+Qwen3-30B-A3B expert shapes (K 2048, N 768, 128 experts, bfloat16): rows 8/16/64/256 spread
+over 1, 8 or as many experts as can have rows (min(E, rows), "all"); the baseline xla_ref is
+jax.lax.ragged_dot, against the routed Pallas kernel (pallas_tpu / pallas) and the gather
+dispatch (gather_dispatch, every backend), both checked against it. In its rows B is the
+number of rows and ctx the number of experts with rows; the bytes are those the product
+needs (the weights of the experts with rows, the rows, the output), the flops 2 x rows x K x
+N. --quick: rows 16/64 over 1 or all experts; --batches overrides the rows.
 """
 
 from __future__ import annotations
@@ -55,6 +64,7 @@ def shape_grid(args):
             batches=[1, 2],
             n_blocks=4,
             dtype=jnp.float32,
+            gmm=dict(k=32, n=256, experts=16, rows=[8, 16], active=[1, 4, "all"]),
         )
     if args.quick:
         return dict(
@@ -66,6 +76,7 @@ def shape_grid(args):
             batches=[1],
             n_blocks=32,
             dtype=jnp.bfloat16,
+            gmm=dict(GMM_SHAPE, rows=[16, 64], active=[1, "all"]),
         )
     return dict(
         hq=32,
@@ -76,7 +87,12 @@ def shape_grid(args):
         batches=[1, 8],
         n_blocks=32,
         dtype=jnp.bfloat16,
+        gmm=dict(GMM_SHAPE, rows=[8, 16, 64, 256], active=[1, 8, "all"]),
     )
+
+
+# Qwen3-30B-A3B's experts: hidden 2048, expert width 768, 128 experts (gate / up projections).
+GMM_SHAPE = dict(k=2048, n=768, experts=128)
 
 
 # ------------------------------------------------------------------ timing --
@@ -248,6 +264,66 @@ def cases_training(g, rng, args):
             )
 
 
+def _gmm_sizes(rows, active, experts, key):
+    """Group sizes [experts] int32: `rows` rows spread as evenly as possible over `active`
+    experts drawn at random (the others empty)."""
+    chosen = jax.random.choice(key, experts, (active,), replace=False)
+    per = jnp.full((active,), rows // active, jnp.int32).at[: rows % active].add(1)
+    return jnp.zeros((experts,), jnp.int32).at[chosen].set(per)
+
+
+def _gmm_kernel_runs(variant, args):
+    """Whether the routed Pallas kernel stands for `variant` (the TPU kernel; no GPU one)."""
+    if variant == "pallas_tpu":
+        return True
+    return variant == "pallas" and (args.interpret or jax.default_backend() == "tpu")
+
+
+def cases_gmm(g, rng, args):
+    from pallas_kernels import grouped_matmul as gm
+
+    s = g["gmm"]
+    k, n, e = s["k"], s["n"], s["experts"]
+    w = rng((e, k, n))
+    item = jnp.dtype(g["dtype"]).itemsize
+    key = jax.random.PRNGKey(1)
+    for m in s["rows"]:
+        x = rng((m, k))
+        counts = sorted({min(e, m) if a == "all" else min(a, e, m) for a in s["active"]})
+        for a in counts:
+            key, sub = jax.random.split(key)
+            sizes = _gmm_sizes(m, a, e, sub)
+            impls = {
+                v: jax.jit(lambda x, w, gs: gm.routed_gmm(x, w, gs, interpret=args.interpret))
+                for v in args.variants
+                if _gmm_kernel_runs(v, args)
+            }
+            impls.update(
+                {
+                    "xla_ref": jax.jit(lambda x, w, gs: jax.lax.ragged_dot(x, w, gs)),
+                    "gather_dispatch": jax.jit(gm.gather_gmm),
+                }
+            )
+            yield (
+                dict(
+                    kernel="gmm",
+                    batch=m,
+                    context=a,
+                    experts=e,
+                    k=k,
+                    n=n,
+                    bytes=item * (a * k * n + m * k + m * n),
+                    flops=2 * m * k * n,
+                ),
+                impls,
+                (x, w, sizes),
+            )
+
+
+# Timed beside the variants and checked against the reference like them.
+ALSO_CHECKED = ("gather_dispatch",)
+
+
 # ------------------------------------------------------------------- main --
 PROG = "pallas_kernels/bench.py"
 VARIANTS = ("pallas", "pallas_tpu", "pallas_triton", "cudnn")
@@ -269,7 +345,7 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     """The flags (FLAG_NAMES), on `flag_values`: on the global FLAGS only when run as a script,
     else on `main`'s own FlagValues (no clash with other modules' flags in one process)."""
     fv = dict(flag_values=flag_values)
-    flags.DEFINE_enum("kernel", "all", ["verify", "draft", "training", "all"], None, **fv)
+    flags.DEFINE_enum("kernel", "all", ["verify", "draft", "training", "gmm", "all"], None, **fv)
     flags.DEFINE_bool("quick", False, None, **fv)
     flags.DEFINE_bool(
         "interpret", False, "run the Pallas kernels in interpret mode (CPU smoke test)", **fv
@@ -356,14 +432,20 @@ def run(args):
         g["contexts"] = args.contexts
     if args.batches:
         g["batches"] = args.batches
+        g["gmm"] = dict(g["gmm"], rows=args.batches)
     key = [jax.random.PRNGKey(0)]
 
     def rng(shape):
         key[0], sub = jax.random.split(key[0])
         return jax.random.normal(sub, shape, jnp.float32).astype(g["dtype"])
 
-    kernels = ["verify", "draft", "training"] if args.kernel == "all" else [args.kernel]
-    gens = {"verify": cases_verify, "draft": cases_draft, "training": cases_training}
+    kernels = ["verify", "draft", "training", "gmm"] if args.kernel == "all" else [args.kernel]
+    gens = {
+        "verify": cases_verify,
+        "draft": cases_draft,
+        "training": cases_training,
+        "gmm": cases_gmm,
+    }
     print(
         f"backend={jax.default_backend()} devices={jax.devices()[0].device_kind} "
         f"jax={jax.__version__} variants={','.join(args.variants) or 'none'} interpret={args.interpret} repeats={repeats} "
@@ -375,6 +457,12 @@ def run(args):
     )
     print(header)
     print("-" * len(header))
+    if "gmm" in kernels:
+        s = g["gmm"]
+        print(
+            f"gmm: B = rows, ctx = experts with rows (of E={s['experts']}, K={s['k']}, "
+            f"N={s['n']}); xla_ref = jax.lax.ragged_dot"
+        )
     rows = []
     for name in kernels:
         for meta, impls, inputs in gens[name](g, rng, args):
@@ -382,8 +470,8 @@ def run(args):
             errs = {}
             if not args.no_check:
                 want = impls["xla_ref"](*inputs)
-                for v in args.variants:
-                    if v not in impls:
+                for v in list(args.variants) + list(ALSO_CHECKED):
+                    if v not in impls or v in errs:
                         continue
                     try:
                         got = impls[v](*inputs)

@@ -23,15 +23,47 @@ dropless, at the price of every device sorting all of its data shard's pairs. Th
 step and held-out loss are traced under their mesh too (`training.step.make_train_step`,
 `training.trainer`), so training runs this path; a program traced without a context mesh gets
 plain `expert_ffn`, which the GSPMD partitioner places.
+
+Few rows (`gmm_method`): a decode step has batch x block tokens x top-k rows per device, so most
+experts have none, yet `ragged_dot` reads every expert's weights. Up to ROUTED_MAX_ROWS rows
+(per device: under the expert-parallel `shard_map`, all the data shard's pairs, those of other
+devices' experts sorted past the last group) the expert matmuls read only the experts with
+rows (`pallas_kernels/grouped_matmul.py`, both equal to `ragged_dot`): under a TPU Pallas
+`impl` the routed kernel (`routed_gmm`: its DMAs fetch the weights of the experts with rows
+only, at most min(E, rows) of them, so it never reads more than `ragged_dot`; interpret mode
+under "pallas_interpret"); elsewhere, when 3 x rows < E, the gather dispatch (`gather_gmm`:
+the weights of the min(E, rows) experts that can have rows gathered, one `ragged_dot` over
+them). XLA materializes that gather (compiled for an H200: a [rows, K, N] copy, then the
+gemm), so it moves about 3 x rows expert matrices (read, written, read again) against the E
+that `ragged_dot` reads (XLA:GPU and XLA:CPU lower it dense over every group): a saving only
+when 3 x rows < E (GATHER_FACTOR). More rows
+(prefill chunks, training) keep `ragged_dot`: every expert is busy, and the kernel holds all
+rows in VMEM. DFLASH_MOE_GMM=ragged (read once per process) keeps `ragged_dot` everywhere,
+=gather the gather dispatch also on TPU.
 """
 
 from __future__ import annotations
+
+import os
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.config import ModelConfig
+
+# Up to this many rows (token-expert pairs per device) the expert matmuls skip the experts
+# without rows (module docstring): Qwen3-30B-A3B's top-8 gives 512 rows at a batch of 4 blocks
+# of 16 tokens. The routed kernel holds all rows [<= 512, K] in VMEM (2 MiB at K = 2048 in
+# bfloat16, double-buffered 4 MiB of a 16 MiB scoped VMEM); past it most experts are busy.
+ROUTED_MAX_ROWS = 512
+# "auto" (the rule of `gmm_method`), "ragged" (ragged_dot everywhere) or "gather" (the gather
+# dispatch on TPU too): DFLASH_MOE_GMM.
+MOE_GMM = os.environ.get("DFLASH_MOE_GMM", "auto")
+# The gather dispatch moves ~GATHER_FACTOR x rows expert matrices (module docstring); it runs
+# when that is fewer than the E experts ragged_dot reads.
+GATHER_FACTOR = 3
 
 
 def route(x_NH, router_HE, top_k: int, norm_topk_prob: bool):
@@ -45,11 +77,45 @@ def route(x_NH, router_HE, top_k: int, norm_topk_prob: bool):
     return weights.astype(logits.dtype), experts.astype(jnp.int32)
 
 
-def expert_ffn(x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0):
+def gmm_method(rows: int, experts: int, impl: str = "xla") -> str:
+    """How `expert_ffn` multiplies `rows` sorted token-expert pairs by `experts` stacked experts
+    under the attention `impl` (module docstring): "ragged" (`jax.lax.ragged_dot`), "routed"
+    (the Pallas TPU kernel `routed_gmm`), "routed_interpret" (it in interpret mode) or "gather"
+    (`gather_gmm`)."""
+    if MOE_GMM not in ("auto", "ragged", "gather"):
+        raise ValueError(f"DFLASH_MOE_GMM must be auto, ragged or gather, got {MOE_GMM!r}")
+    if MOE_GMM == "ragged" or rows == 0 or rows > ROUTED_MAX_ROWS:
+        return "ragged"
+    impl = attn_lib.resolve_impl(impl)
+    if MOE_GMM == "auto":
+        if impl == "pallas_interpret":
+            return "routed_interpret"
+        if impl == "pallas_tpu" or (impl == "pallas" and attn_lib._compile_platform() == "tpu"):
+            return "routed"
+    return "gather" if GATHER_FACTOR * rows < experts else "ragged"
+
+
+def _grouped_matmul(method: str, sizes):
+    """(rows [M, K], weights [E, K, N]) -> [M, N] in rows' dtype: the rows of group e (sorted,
+    `sizes` [E] of them) times weights[e], rows past the groups 0, by `method`
+    (`gmm_method`)."""
+    if method == "ragged":
+        return lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
+    from pallas_kernels import grouped_matmul as gm  # the kernels folder, imported when used
+
+    if method == "gather":
+        return lambda x, w: gm.gather_gmm(x, w, sizes)
+    interpret = method == "routed_interpret"
+    return lambda x, w: gm.routed_gmm(x, w, sizes, interpret=interpret)
+
+
+def expert_ffn(x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0, impl="xla"):
     """Dropless mixture of SwiGLU experts over tokens x [N, H] (module docstring).
 
     `first`: the global id of expert 0 of the stacked weights (an expert-parallel shard holds
     experts first .. first + E - 1); pairs routed to other experts contribute nothing here.
+    `impl`: the attention impl, which with the number of pairs picks the grouped matmul
+    (`gmm_method`).
     """
     k = experts_Nk.shape[1]
     num_local = gate_EHI.shape[0]
@@ -61,9 +127,10 @@ def expert_ffn(x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0
     token = order // k
     rows = x_NH[token]
     dt = x_NH.dtype
-    gate = jax.lax.ragged_dot(rows, gate_EHI.astype(dt), sizes)
-    up = jax.lax.ragged_dot(rows, up_EHI.astype(dt), sizes)
-    y = jax.lax.ragged_dot(nn.silu(gate) * up, down_EIH.astype(dt), sizes)
+    gmm = _grouped_matmul(gmm_method(rows.shape[0], num_local, impl), sizes)
+    gate = gmm(rows, gate_EHI)
+    up = gmm(rows, up_EHI)
+    y = gmm(nn.silu(gate) * up, down_EIH)
     w = jnp.where(mine[order], weights_Nk.reshape(-1)[order], 0).astype(dt)
     return jnp.zeros_like(x_NH).at[token].add(y * w[:, None])
 
@@ -73,11 +140,12 @@ def _mesh_shape():
     return mesh, ({} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)))
 
 
-def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH):
+def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="xla"):
     """`expert_ffn` over [B, T, H] tokens: on one device, or per shard of the context mesh
     (`jax.sharding.set_mesh`) when it has several devices: tokens over the data axes (where
     the batch divides), experts over `expert` and their width over `tensor` (where those
-    divide), one psum over the axes that split the experts (module docstring)."""
+    divide), one psum over the axes that split the experts (module docstring). `impl`: the
+    attention impl (`gmm_method`)."""
     b, t, h = x_BTH.shape
     k = experts_BTk.shape[-1]
     mesh, shape = _mesh_shape()
@@ -90,6 +158,7 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH):
             gate_EHI,
             up_EHI,
             down_EIH,
+            impl=impl,
         )
         return out.reshape(b, t, h)
     from jax.sharding import PartitionSpec as P
@@ -108,7 +177,7 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH):
     def local(x, w, ids, g, u, d):
         first = jax.lax.axis_index("expert") * per_shard if expert else 0
         out = expert_ffn(
-            x.reshape(-1, h), w.reshape(-1, k), ids.reshape(-1, k), g, u, d, first=first
+            x.reshape(-1, h), w.reshape(-1, k), ids.reshape(-1, k), g, u, d, first, impl
         )
         out = out.reshape(x.shape)
         return jax.lax.psum(out, reduce_axes) if reduce_axes else out
@@ -132,9 +201,11 @@ class SparseMoE(nn.Module):
     (Hugging Face `mlp.gate.weight` [E, H]) and the experts stacked on a leading axis,
     `experts/{gate_proj,up_proj}/kernel` [E, H, I] and `experts/down_proj/kernel` [E, I, H]
     (Hugging Face stores one expert at a time, `mlp.experts.e.{gate,up,down}_proj.weight`;
-    `checkpoint.py` stacks them at load and splits them at save)."""
+    `checkpoint.py` stacks them at load and splits them at save). `impl`: the attention impl
+    (it picks the grouped matmul of few rows, `gmm_method`)."""
 
     cfg: ModelConfig
+    impl: str = "xla"
 
     @nn.compact
     def __call__(self, x_BTH):
@@ -154,6 +225,7 @@ class SparseMoE(nn.Module):
             experts["gate_proj"],
             experts["up_proj"],
             experts["down_proj"],
+            self.impl,
         )
         return out.astype(c.dtype)
 

@@ -166,7 +166,7 @@ class DecoderLayer(nn.Module):
         x_BTH = x_BTH + attn.output(out)
         h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm")(x_BTH)
         if self.moe:
-            x_BTH = x_BTH + SparseMoE(c, name="mlp")(h)
+            x_BTH = x_BTH + SparseMoE(c, self.attention_impl, name="mlp")(h)
         else:
             x_BTH = x_BTH + MLP(c, name="mlp")(h)
         return x_BTH, new_cache
