@@ -174,3 +174,17 @@ def test_smollm2_reproduction_script_stages_in_order(tmp_path):
     assert at == sorted(at), at
     assert sum("dflash_jax.training.regenerate" in ln for ln in lines) == 3
     assert _load("configs/smollm2/drafter.py").target_path == "smollm2-135m-instruct"
+
+
+def test_smollm2_dflash2_config_is_the_dflash_one_continued_as_dflash2():
+    """configs/smollm2/drafter_dflash2.py: the DFlash drafter's config (target, data, model)
+    with DFlash 2 on and the continuation's schedule; the DFlash control is the same command
+    with dflash2 off, so everything else must match."""
+    base = _load("configs/smollm2/drafter.py")
+    v2 = _load("configs/smollm2/drafter_dflash2.py")
+    assert v2.drafter.dflash2.enabled and not base.drafter.dflash2.enabled
+    assert (v2.learning_rate, v2.num_train_steps) == (5e-4, 60)
+    for key in ("target_path", "data", "regen", "num_anchors", "gamma"):
+        assert v2[key] == base[key], key
+    v2.drafter.dflash2.enabled = False
+    assert v2.drafter == base.drafter
