@@ -6,6 +6,7 @@ Public API:
   quantize_target(target, "int8") -> Target          int8 weight-only (load_target(quantize=))
   load_drafter(path, target=...) -> Drafter          a z-lab DFlash drafter
   PromptLookup(block_size=8, max_ngram=3)            n-gram drafting from the context
+  load_eagle3(path, target=...) -> Eagle3            an EAGLE-3 drafter (save_eagle3)
   save_drafter(drafter, path)
   generate(target, drafter_or_None, prompts, max_new_tokens, ...) -> GenerationResult
 
@@ -38,6 +39,9 @@ _EXPORTS = {
     "make_drafter_config": "drafters.dflash",
     "save_drafter": "drafters.dflash",
     "PromptLookup": "drafters.prompt_lookup",
+    "Eagle3": "drafters.eagle3",
+    "load_eagle3": "drafters.eagle3",
+    "save_eagle3": "drafters.eagle3",
     "GenerationResult": "decoding.generation",
     "generate": "decoding.generation",
     "KVCache": "models.transformer",
@@ -71,6 +75,7 @@ if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
         make_drafter_config,
         save_drafter,
     )
+    from dflash_jax.drafters.eagle3 import Eagle3, load_eagle3, save_eagle3  # noqa: F401
     from dflash_jax.drafters.prompt_lookup import PromptLookup  # noqa: F401
     from dflash_jax.models.config import ModelConfig  # noqa: F401
     from dflash_jax.models.safetensors_io import CheckpointError  # noqa: F401
@@ -88,12 +93,15 @@ __all__ = [
     "DFlashDrafter",
     "Drafter",
     "DrafterConfig",
+    "Eagle3",
     "GenerationResult",
     "generate",
     "init_drafter_params",
     "load_drafter",
+    "load_eagle3",
     "make_drafter_config",
     "save_drafter",
+    "save_eagle3",
     "ForwardOutput",
     "KVCache",
     "ModelConfig",

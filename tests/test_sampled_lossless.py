@@ -481,3 +481,92 @@ def test_prompt_lookup_samples_follow_the_exact_joint(control, tiny, monkeypatch
     assert res.tau > 1.2, res.tau  # looked-up drafts accepted
     assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
     assert tv(counts, exact) < bound, (tv(counts, exact), bound)
+
+
+@pytest.fixture(scope="module")
+def tiny3():
+    """`tiny`'s target with 3 layers (an EAGLE-3 drafter taps three), and its enumeration."""
+    cfg = dj.ModelConfig(
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    params = jax.jit(
+        lambda: jax.tree_util.tree_map(
+            lambda x: x * 6.0 if x.ndim == 2 else x, dj.models.transformer.init_params(cfg, seed=3)
+        )
+    )()
+    t = dj.Target(cfg, params)
+    return t, _enumerate(t, PROMPT)
+
+
+def _eagle3_oracle_step(self, dec, state, cache, feature, token, position, chain, i):
+    """An EAGLE-3 step (`drafting.Eagle3.draft_step`) whose logits are the target's after the
+    committed context and the block so far (at the draft vocabulary's target ids): q =
+    softmax(them / T) lacks the target's top-k and top-p, so drafts are also rejected."""
+    h, _, _ = dec.tmod.apply({"params": dec.tparams}, chain, cache=state.cache)
+    logits = jnp.take(dec.lm_logits(h), i - 1, axis=1)
+    d2t = dec.dparams["vocab"]["d2t"]
+    return feature, logits[:, jnp.arange(d2t.shape[0]) + d2t], cache
+
+
+@pytest.mark.parametrize(
+    "mode",
+    ("oracle", "real_module", "control_greedy_drafts"),
+    ids=("oracle", "real", "control_drafts_not_from_q"),
+)
+def test_eagle3_sampled_drafts_follow_the_exact_joint(mode, tiny3, monkeypatch):
+    """EAGLE-3 at T > 0: drafts sampled token by token from the drafter's softmax(logits / T)
+    and verified by rejection sampling against it follow the exact joint, with an accepted
+    oracle step and with the real (random-weight) module; drafts other than samples of the
+    q reported (control: each draft the argmax of q, q reported as if sampled from) are
+    rejected by the same bound."""
+    from dflash_jax.decoding import drafting
+    from dflash_jax.drafters import eagle3 as e3
+
+    case = "temperature_1.2_top_k_3_top_p_0.9"
+    temperature, top_k, top_p = CASES[case]
+    t, enumerated = tiny3
+    cfg = e3.make_eagle3_config(t.config, target_layer_ids=(0, 1, 2))
+    d2t = (np.arange(V)[::-1] - np.arange(V)).astype(np.int32)  # draft id i is target id V-1-i
+    drafter = dj.Eagle3(config=cfg, params=e3.init_eagle3_params(cfg, seed=1), d2t=d2t)
+    if mode != "real_module":
+        monkeypatch.setattr(drafting.Eagle3, "draft_step", _eagle3_oracle_step)
+    if mode == "control_greedy_drafts":
+        propose = drafting.Eagle3.propose
+
+        def greedy(self, *a, **kw):
+            prop = propose(self, *a, **kw)
+            best = jnp.argmax(prop.q_probs, axis=-1)[..., None]
+            drafts = jnp.take_along_axis(prop.q_ids, best, axis=-1)[..., 0]
+            tokens = prop.tokens.at[:, 1:].set(drafts)
+            return prop.replace(drafts=drafts, tokens=tokens)
+
+        monkeypatch.setattr(drafting.Eagle3, "propose", greedy)
+    _forget_compiled(monkeypatch)
+    res = dj.generate(
+        t,
+        drafter,
+        [PROMPT] * N,
+        max_new_tokens=N_TOKENS,
+        block_size=3,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=11,
+    )
+    tokens = np.asarray(res.tokens)
+    counts = np.bincount(np.ravel_multi_index(tokens.T, (V,) * N_TOKENS), minlength=V**N_TOKENS)
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    bound = tv_bound(exact, N)
+    if mode == "control_greedy_drafts":
+        assert tv(counts, exact) > bound, (tv(counts, exact), bound)
+        return
+    assert res.tau > (1.2 if mode == "oracle" else 1.05), res.tau  # drafts accepted
+    assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
+    assert tv(counts, exact) < bound, (tv(counts, exact), bound)

@@ -20,6 +20,7 @@ from dflash_jax.decoding.request import (
 )
 from dflash_jax.decoding.step import Plan
 from dflash_jax.drafters.dflash import Drafter
+from dflash_jax.drafters.eagle3 import Eagle3, validate_eagle3_pair
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.parallel import sharding
@@ -47,8 +48,8 @@ def generate(
     denoise_schedule: str = "confidence",
     remask: bool = False,
 ) -> GenerationResult:
-    """Generates continuations of `prompts` (lists of token ids) with DFlash, or
-    autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
+    """Generates continuations of `prompts` (lists of token ids) with DFlash (or another
+    drafter: `PromptLookup`, an EAGLE-3 `Eagle3`), or autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
 
     stream_callback: called on the host with, per sequence, the token ids just committed: once
     after prefill (the first token), then after every decode step. Concatenated, the calls give
@@ -86,6 +87,8 @@ def generate(
         remask=remask,
         prefill_chunk=prefill_chunk,
     )
+    if isinstance(drafter, Eagle3):  # the width check needs to know of its own embedding
+        validate_eagle3_pair(drafter.config, target.config, drafter.embedding is not None)
     if mesh is not None:
         sharding.check_expert_axis(mesh.shape.get("expert", 1), target.config.num_experts)
     # "pallas" / "auto" made concrete for the devices compiled for (the mesh's).
@@ -96,7 +99,7 @@ def generate(
         target, drafter, plan, args, shape, mesh
     )
     tparams = target.params
-    dparams = drafter.params if drafter is not None else None
+    dparams = _drafter_params(drafter)
     if placement is not None:  # put parameters and inputs where the sharded programs want them
         from dflash_jax.parallel import distributed  # put: also across processes (pod hosts)
 
@@ -115,6 +118,14 @@ def generate(
             mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
         )
     return result
+
+
+def _drafter_params(drafter):
+    """What the programs take as the drafter's parameters (`Decoder.dparams`): an EAGLE-3
+    drafter's `decode_params` (its parameters, d2t and own embedding), else `params`."""
+    if drafter is None:
+        return None
+    return getattr(drafter, "decode_params", drafter.params)
 
 
 def _inputs(request: Request):
@@ -145,7 +156,7 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
     tmod = Transformer(target.config, plan.attention_impl)
     dmod = drafter.module if drafter is not None else None
     tparams = target.params
-    dparams = drafter.params if drafter is not None else None
+    dparams = _drafter_params(drafter)
     key = (
         tmod,
         dmod,

@@ -13,9 +13,14 @@ import numpy as np
 
 from dflash_jax.decoding.step import Plan
 from dflash_jax.drafters.dflash import validate_pair
+from dflash_jax.drafters.eagle3 import Eagle3Config, validate_eagle3_pair
 from dflash_jax.drafters.prompt_lookup import PromptLookupConfig
 from dflash_jax.support import checks
 from dflash_jax.support.checks import MAX_TREE_BUDGET, check_denoise
+
+
+# An EAGLE-3 drafter's verify block when none is asked for: x_last and 7 drafts.
+EAGLE3_BLOCK_SIZE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,7 +92,10 @@ class Request:
         "prompt i")."""
         drafted = drafter_config is not None
         looked_up = isinstance(drafter_config, PromptLookupConfig)
-        if drafted and not looked_up:
+        eagle = isinstance(drafter_config, Eagle3Config)
+        if eagle:  # (its width against the target's: `generate`, which sees its embedding)
+            validate_eagle3_pair(drafter_config, target_config, own_embedding=True)
+        elif drafted and not looked_up:
             validate_pair(drafter_config, target_config)
         vocab = target_config.vocab_size
         prompts = checks.prompt_ids(prompts, vocab, labels=labels)
@@ -98,8 +106,11 @@ class Request:
         steps = checks.int_param("denoise_steps", denoise_steps, lo=1)
         threshold = checks.confidence_threshold(confidence_threshold)
         if drafted:
-            bs = drafter_config.block_size if block_size is None else block_size
-            if looked_up:  # nothing trained: any block in range
+            if eagle:
+                bs = EAGLE3_BLOCK_SIZE if block_size is None else block_size
+            else:
+                bs = drafter_config.block_size if block_size is None else block_size
+            if looked_up or eagle:  # no trained block: any block in range
                 bs = checks.int_param(
                     "block_size", bs, lo=checks.BLOCK_SIZE_MIN, hi=checks.BLOCK_SIZE_MAX
                 )
@@ -112,6 +123,8 @@ class Request:
             why = (
                 "prompt lookup drafts (one chain of looked-up tokens, no model pass)"
                 if looked_up
+                else "EAGLE-3 drafters (one chain, drafted token by token)"
+                if eagle
                 else "DFlash 2 drafters yet (its candidate selector drafts one chain in one pass)"
                 if drafter_config.dflash2
                 else None

@@ -328,7 +328,7 @@ class Decoder:
 
     @property
     def samples_drafts(self) -> bool:
-        """The drafter samples its drafts (DFlash 2 at T > 0): `propose` takes a key and the
+        """The drafter samples its drafts (DFlash 2 and EAGLE-3 at T > 0): `propose` takes a key and the
         drafts are verified against their proposal distribution (`rejection_tokens`)."""
         return self.kind.samples_drafts(self)
 
@@ -336,7 +336,7 @@ class Decoder:
         """What this step verifies, as the drafter's kind proposes it (`drafting`): nothing but
         x_last (autoregressive), a chain of bs-1 tokens or a tree of `plan.tree_budget` nodes
         (DFlash), the candidate selector's chain (DFlash 2; sampled with `key` at T > 0, with
-        its proposal q)."""
+        its proposal q), a chain drafted token by token (EAGLE-3; sampled at T > 0 likewise)."""
         return self.kind.propose(self, state, x_last, start, key)
 
     def rejection_tokens(self, logits, prop: Proposal, key):

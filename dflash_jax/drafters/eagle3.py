@@ -388,6 +388,11 @@ class Eagle3Layer(nn.Module):
         h = (g if self.norm_before_residual else feature_BTH) + self.self_attn.output(a)
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
+    def keys_values(self, emb_BTH, feature_BTH, positions_BT, inv_freq):
+        """The rows' K/V alone (what `__call__` writes to the cache), no attention or MLP."""
+        x = jnp.concatenate([self.input_layernorm(emb_BTH), self.hidden_norm(feature_BTH)], axis=-1)
+        return self.self_attn.keys_values(x, positions_BT, inv_freq)
+
 
 class Eagle3Drafter(nn.Module):
     """Parameters: fc, midlayer/..., norm, lm_head (the published names, Flax layout). The
@@ -431,6 +436,15 @@ class Eagle3Drafter(nn.Module):
             cache_lengths,
         )
         return out, self.logits(out), k, v
+
+    def row_kv(self, emb_BTH, feature_BTH, positions_BT):
+        """The K/V [B, T, K, D] of rows whose output is not needed (committed rows: the decode
+        loop writes them into the cache and drafts from the last one only): `step`'s k, v
+        without its attention, MLP and logits."""
+        dt = self.cfg.body.dtype
+        return self.midlayer.keys_values(
+            emb_BTH.astype(dt), feature_BTH.astype(dt), positions_BT, rope_inv_freq(self.cfg.body)
+        )
 
     def to_target_ids(self, draft_ids):
         """Target token ids of draft ids: i -> i + d2t[i], d2t read from the `vocab` collection
@@ -522,6 +536,16 @@ class Eagle3:
     def variables(self) -> dict:
         """What `module.apply` takes: the parameters and the `vocab` collection."""
         return {"params": self.params, "vocab": {"d2t": jnp.asarray(self.d2t, jnp.int32)}}
+
+    @property
+    def decode_params(self) -> dict:
+        """What the decode programs take as the drafter's parameters (`decoding.drafting.
+        Eagle3`): `variables`, plus the drafter's own embedding under "embedding" when it has
+        one (absent: the target's embedding is shared)."""
+        out = dict(self.variables)
+        if self.embedding is not None:
+            out["embedding"] = jnp.asarray(self.embedding)
+        return out
 
     @property
     def t2d(self) -> np.ndarray:

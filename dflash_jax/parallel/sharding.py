@@ -351,8 +351,15 @@ def decode_state_sharding(state, mesh):
         ctx = None
     elif hasattr(state.ctx, "k"):  # a KVCache (DFlash's context)
         ctx = cache_sharding(state.ctx, mesh)
-    else:  # per-sequence arrays (prompt lookup's token ids): over the batch axes
-        ctx = jax.tree_util.tree_map(lambda x: ns(batch_spec(x.shape, mesh)), state.ctx)
+    else:
+        # Per-sequence arrays (prompt lookup's token ids, EAGLE-3's pending feature) over the
+        # batch axes; a KVCache among them (EAGLE-3's own cache) as a cache.
+        is_cache = lambda x: hasattr(x, "k") and hasattr(x, "lengths")
+        ctx = jax.tree_util.tree_map(
+            lambda x: cache_sharding(x, mesh) if is_cache(x) else ns(batch_spec(x.shape, mesh)),
+            state.ctx,
+            is_leaf=is_cache,
+        )
     return state.replace(
         cache=cache,
         ctx=ctx,
