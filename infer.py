@@ -56,7 +56,8 @@ flags.DEFINE_string(
 flags.DEFINE_string(
     "drafter",
     None,
-    "z-lab DFlash / DFlash 2 drafter directory or hub id, or prompt_lookup[:N | :MIN-MAX] "
+    "z-lab DFlash / DFlash 2 or EAGLE-3 drafter directory or hub id, or "
+    "prompt_lookup[:N | :MIN-MAX] "
     "(n-gram drafting from the context, no model; n-grams 1-3 by default); default: the "
     "bundled drafter when the target is the bundled one (tiny-code, or "
     "smollm2-135m-instruct), else none (autoregressive).",

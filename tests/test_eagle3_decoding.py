@@ -300,3 +300,31 @@ def test_proposal_equals_the_rows_computed_at_once(bundled_pair):
             feats = jnp.concatenate([feats, hidden[:, -1:]], axis=1)
         assert np.asarray(prop.drafts[i]).tolist() == drafts, i
         np.testing.assert_allclose(np.asarray(prop.conf[i]), confs, rtol=1e-4, atol=1e-6)
+
+
+def test_infer_takes_an_eagle3_directory(bundled_pair, tmp_path):
+    """The batch runner (infer.py) tells an EAGLE-3 directory by its config.json, checks it
+    from the config alone (refusing what generate refuses) and runs it: greedy output equal
+    to autoregressive decoding."""
+    import os
+
+    from _pair import PAIR
+
+    from dflash_jax.frontend import batch_runner
+
+    target, _, prompts = bundled_pair
+    out = tmp_path / "eagle3"
+    dj.save_eagle3(_drafter(target, draft_vocab=64), str(out))
+    target_dir = os.path.join(PAIR, "target")
+    assert batch_runner.is_eagle3(str(out))
+    assert not batch_runner.is_eagle3(os.path.join(PAIR, "drafter"))
+    batch_runner.check_before_loading(target_dir, str(out), prompts, dict(max_new_tokens=8))
+    with pytest.raises(ValueError, match="tree_budget is not implemented for EAGLE-3"):
+        batch_runner.check_before_loading(
+            target_dir, str(out), prompts, dict(max_new_tokens=8, tree_budget=4)
+        )
+    report = batch_runner.run_and_report(
+        target_dir, str(out), [{"prompt": "def f(x):"}], max_new_tokens=16, compare_ar=True,
+        stream=False,
+    )  # fmt: skip
+    assert report.totals["identical_to_ar"] is True

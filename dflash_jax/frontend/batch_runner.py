@@ -394,6 +394,18 @@ def model_identity(name: Optional[str]) -> Optional[str]:
     return os.path.realpath(name) if os.path.isdir(name) else str(name)
 
 
+def is_eagle3(drafter_dir: str) -> bool:
+    """The drafter directory holds an EAGLE-3 drafter (its config.json's architectures)."""
+    from dflash_jax.drafters.eagle3 import ARCHITECTURES
+    from dflash_jax.models import checkpoint
+
+    try:
+        archs = checkpoint.read_config(drafter_dir).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return False  # the DFlash path reports what is wrong with it
+    return isinstance(archs, list) and any(a in ARCHITECTURES for a in archs)
+
+
 def check_before_loading(
     target_dir: str,
     drafter_dir: Optional[str],
@@ -447,6 +459,14 @@ def check_before_loading(
     looked_up = prompt_lookup.from_spec(drafter_dir)
     if looked_up is not None:
         dcfg = looked_up.config
+    elif drafter_dir and is_eagle3(drafter_dir):
+        from dflash_jax.drafters.eagle3 import Eagle3Config
+
+        dcfg = Eagle3Config.from_hf(
+            checkpoint.read_config(drafter_dir),
+            dtype=dtype,
+            source=os.path.join(drafter_dir, "config.json"),
+        )
     elif drafter_dir:
         dcfg = DrafterConfig.from_hf(
             checkpoint.read_config(drafter_dir),
@@ -526,7 +546,8 @@ def run_and_report(
         mesh = None
     text = textgen.load_text(target_dir)  # config, tokenizer, stop ids, vocabulary size
     looked_up = prompt_lookup.from_spec(drafter_dir)  # --drafter=prompt_lookup[:N-M]
-    if drafter_dir and looked_up is None:  # its config.json checked against the target first
+    eagle3 = bool(drafter_dir) and looked_up is None and is_eagle3(drafter_dir)
+    if drafter_dir and looked_up is None and not eagle3:  # config.json checked against the target
         from dflash_jax.drafters.dflash import read_drafter_config
 
         read_drafter_config(drafter_dir, text.config)
@@ -572,7 +593,11 @@ def run_and_report(
         quantize_lm_head=quantize_lm_head,
     )
     drafter = looked_up
-    if drafter_dir and looked_up is None:
+    if eagle3:
+        from dflash_jax.drafters.eagle3 import load_eagle3
+
+        drafter = load_eagle3(drafter_dir, target=target)
+    elif drafter_dir and looked_up is None:
         drafter = load_drafter(drafter_dir, target=target)
     print(
         report.model_line(target_name, target.config, drafter_name, jax.default_backend()),
