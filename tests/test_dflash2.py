@@ -405,3 +405,23 @@ def test_blocked_top_k_is_the_top_k():
         np.testing.assert_array_equal(np.take_along_axis(x, np.asarray(ids), -1), want)
     vals, _ = dflash2.blocked_top_k(jnp.asarray(x[..., :100]), 8)  # 16 does not divide 100
     np.testing.assert_array_equal(np.asarray(vals), -np.sort(-x[..., :100], axis=-1)[..., :8])
+
+
+def test_silence_selector_zeroes_the_codebooks_only(bundled_pair):
+    """benchmarks/silence_selector.py: a live selector's codebooks zeroed (its walk then takes
+    each slot's argmax), everything else kept; a DFlash drafter refused."""
+    from benchmarks.silence_selector import silenced
+
+    _, drafter, _ = bundled_pair
+    live = _as_dflash2(drafter, silent=False)
+    quiet = silenced(live)
+    sel = quiet.params["candidate_selector"]
+    assert not np.any(np.asarray(sel["predecessor_codebook"]))
+    assert not np.any(np.asarray(sel["successor_codebook"]))
+    assert np.any(np.asarray(live.params["candidate_selector"]["successor_codebook"]))
+    np.testing.assert_array_equal(
+        np.asarray(sel["hidden_projection"]["kernel"]),
+        np.asarray(live.params["candidate_selector"]["hidden_projection"]["kernel"]),
+    )
+    with pytest.raises(ValueError, match="not a DFlash 2 drafter"):
+        silenced(drafter)
