@@ -40,23 +40,28 @@ sys.path.insert(0, ROOT)
 from benchmarks import eval_tau  # noqa: E402
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("target", "smollm2-135m-instruct", "Target directory, GGUF or name.")
-flags.DEFINE_list(
-    "drafter",
-    ["assets/smollm2-135m-instruct/drafter"],
-    "Drafter directories (or prompt_lookup[:N-M]), compared side by side.",
-)
-flags.DEFINE_list("datasets", ["mt_bench", "humaneval"], "Datasets (eval_tau's sources).")
-flags.DEFINE_list(
-    "settings",
-    ["t0_b16", "t0_b8", "t0_b16_tree16", "t0_b16_tree64", "t0_b16_denoise2", "t1_b16", "t1_b8"],
-    "Decoding settings: t{0,1}_b{N}[_tree{B}|_denoise{K}].",
-)
-flags.DEFINE_integer("num_prompts", 8, "Rows per dataset (the first ones).")
-flags.DEFINE_integer("max_new_tokens", 128, "Tokens per response.")
-flags.DEFINE_integer("batch_size", 8, "Prompts per generate call.")
-flags.DEFINE_integer("seed", 0, "Sampling seed (temperature 1).")
-flags.DEFINE_string("json_out", None, "Write the results here (.md and .png beside it).")
+
+
+def define_flags():
+    """The flags (defined when run as a script, so tests can import this module)."""
+    flags.DEFINE_string("target", "smollm2-135m-instruct", "Target directory, GGUF or name.")
+    flags.DEFINE_list(
+        "drafter",
+        ["assets/smollm2-135m-instruct/drafter"],
+        "Drafter directories (or prompt_lookup[:N-M]), compared side by side.",
+    )
+    flags.DEFINE_list("datasets", ["mt_bench", "humaneval"], "Datasets (eval_tau's sources).")
+    flags.DEFINE_list(
+        "settings",
+        ["t0_b16", "t0_b8", "t0_b16_tree16", "t0_b16_tree64", "t0_b16_denoise2", "t1_b16", "t1_b8"],
+        "Decoding settings: t{0,1}_b{N}[_tree{B}|_denoise{K}].",
+    )
+    flags.DEFINE_integer("num_prompts", 8, "Rows per dataset (the first ones).")
+    flags.DEFINE_integer("max_new_tokens", 128, "Tokens per response.")
+    flags.DEFINE_integer("batch_size", 8, "Prompts per generate call.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed (temperature 1).")
+    flags.DEFINE_string("json_out", None, "Write the results here (.md and .png beside it).")
+
 
 SETTING = re.compile(r"t(?P<t>[01])_b(?P<b>\d+)(?:_tree(?P<tree>\d+)|_denoise(?P<k>\d+))?")
 
@@ -278,4 +283,5 @@ def main(argv):
 if __name__ == "__main__":
     from dflash_jax.support import cli
 
+    define_flags()
     cli.run(main)

@@ -15,26 +15,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 FLAGS = flags.FLAGS
-flags.DEFINE_string("drafter", None, "A DFlash 2 drafter directory.")
-flags.DEFINE_string("target", "smollm2-135m-instruct", "Its target (directory, GGUF or name).")
-flags.DEFINE_string("out", None, "Where to write the silenced drafter (a new directory).")
 
 
-def silenced(drafter):
-    """The drafter with zero selector codebooks (ValueError: not a DFlash 2 drafter)."""
-    import jax
-    import jax.numpy as jnp
-
-    import dflash_jax as dj
-
-    if not drafter.config.dflash2:
-        raise ValueError("--drafter: not a DFlash 2 drafter (it has no candidate selector)")
-    params = dict(drafter.params)
-    sel = dict(params["candidate_selector"])
-    for name in ("predecessor_codebook", "successor_codebook"):
-        sel[name] = jax.tree_util.tree_map(jnp.zeros_like, sel[name])
-    params["candidate_selector"] = sel
-    return dj.Drafter(drafter.config, params)
+def define_flags():
+    """The flags (defined when run as a script, so tests can import this module)."""
+    flags.DEFINE_string("drafter", None, "A DFlash 2 drafter directory.")
+    flags.DEFINE_string("target", "smollm2-135m-instruct", "Its target (directory, GGUF or name).")
+    flags.DEFINE_string("out", None, "Where to write the silenced drafter (a new directory).")
 
 
 def main(argv):
@@ -45,13 +32,19 @@ def main(argv):
         raise ValueError(f"--out {FLAGS.out} exists; choose a new directory")
     import dflash_jax as dj
 
+    from dflash_jax.drafters.dflash import silence_selector
+
     target = dj.load_target(FLAGS.target)
-    drafter = silenced(dj.load_drafter(FLAGS.drafter, target=target))
-    dj.save_drafter(drafter, FLAGS.out, dtype="bfloat16")
+    drafter = dj.load_drafter(FLAGS.drafter, target=target)
+    if not drafter.config.dflash2:
+        raise ValueError("--drafter: not a DFlash 2 drafter (it has no candidate selector)")
+    quiet = dj.Drafter(drafter.config, silence_selector(drafter.params))
+    dj.save_drafter(quiet, FLAGS.out, dtype="bfloat16")
     print(f"wrote {FLAGS.out}")
 
 
 if __name__ == "__main__":
     from dflash_jax.support import cli
 
+    define_flags()
     cli.run(main)

@@ -408,13 +408,14 @@ def test_blocked_top_k_is_the_top_k():
 
 
 def test_silence_selector_zeroes_the_codebooks_only(bundled_pair):
-    """benchmarks/silence_selector.py: a live selector's codebooks zeroed (its walk then takes
-    each slot's argmax), everything else kept; a DFlash drafter refused."""
-    from benchmarks.silence_selector import silenced
+    """silence_selector (benchmarks/silence_selector.py's rule): a live selector's codebooks
+    zeroed (its walk then takes each slot's argmax), everything else kept; a DFlash drafter
+    refused."""
+    from dflash_jax.drafters.dflash import silence_selector
 
     _, drafter, _ = bundled_pair
     live = _as_dflash2(drafter, silent=False)
-    quiet = silenced(live)
+    quiet = dj.Drafter(live.config, silence_selector(live.params))
     sel = quiet.params["candidate_selector"]
     assert not np.any(np.asarray(sel["predecessor_codebook"]))
     assert not np.any(np.asarray(sel["successor_codebook"]))
@@ -424,4 +425,4 @@ def test_silence_selector_zeroes_the_codebooks_only(bundled_pair):
         np.asarray(live.params["candidate_selector"]["hidden_projection"]["kernel"]),
     )
     with pytest.raises(ValueError, match="not a DFlash 2 drafter"):
-        silenced(drafter)
+        silence_selector(drafter.params)

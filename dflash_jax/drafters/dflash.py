@@ -588,6 +588,21 @@ def upgrade_to_dflash2(cfg: DrafterConfig, params, seed: int = 0, **fields):
     return new_cfg, jax.tree_util.tree_unflatten(tree, out)
 
 
+def silence_selector(params):
+    """DFlash 2 params with the candidate selector's codebooks zeroed: every candidate's pair
+    score is then 0, so the selector's walk takes each slot's largest logit (the drafter's own
+    argmax chain, as a DFlash drafter drafts). Beside the trained drafter it measures what the
+    selector adds. ValueError for params without a selector."""
+    if "candidate_selector" not in params:
+        raise ValueError("not a DFlash 2 drafter (it has no candidate selector)")
+    params = dict(params)
+    sel = dict(params["candidate_selector"])
+    for name in ("predecessor_codebook", "successor_codebook"):
+        sel[name] = jax.tree_util.tree_map(jnp.zeros_like, sel[name])
+    params["candidate_selector"] = sel
+    return params
+
+
 # ---------------------------------------------------------------------------- user object
 
 
