@@ -78,6 +78,38 @@ def test_a_pad_of_a_cache_costs_a_read_and_a_write_of_it(chip):
     assert t["top_ops"][0]["bytes"] >= cache  # the largest instruction is a cache-sized one
 
 
+@pytest.mark.slow  # a libtpu compile (Mosaic)
+def test_a_routed_grouped_matmul_is_charged_its_routed_experts(chip):
+    """A loop step through Qwen3-30B-A3B's expert shapes (up [128, 2048, 768], down [128, 768,
+    2048], bfloat16) with 8 rows: the routed kernel (pallas_kernels/grouped_matmul.py) is
+    charged the 8 experts its grid can fetch (its declared bytes), ragged_dot all 128."""
+    from pallas_kernels import backend
+    from pallas_kernels.grouped_matmul import routed_gmm
+
+    k, n, e, m = 2048, 768, 128, 8
+    expert = 2 * k * n * 2  # an expert's up and down projections
+
+    def loop(fn):
+        def run(x, up, down, sizes, steps):
+            step = lambda i, c: fn(fn(c, up, sizes), down, sizes).astype(c.dtype)
+            return jax.lax.fori_loop(0, steps, step, x)
+
+        return run
+
+    shapes = (
+        ((m, k), jnp.bfloat16),
+        ((e, k, n), jnp.bfloat16),
+        ((e, n, k), jnp.bfloat16),
+        ((e,), jnp.int32),
+    )
+    with backend.compiling_for(chip.mesh):
+        routed = _traffic(chip, loop(routed_gmm), *shapes)
+    ragged = _traffic(chip, loop(jax.lax.ragged_dot), *shapes)
+    assert m * expert <= routed["hbm_bytes"] < (m + 1) * expert, routed
+    assert routed["by_op"].get("kernel (declared bytes)", 0) >= m * expert
+    assert ragged["hbm_bytes"] >= e * expert, ragged
+
+
 def test_the_floor_by_hand():
     """Per chip: body weights once, the LM head per verify and per drafter pass, the drafter's
     weights per pass, the KV cache over the filled prefix plus the new rows, the drafter's

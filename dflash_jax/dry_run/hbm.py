@@ -22,6 +22,11 @@ layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
   its new rows into the aliased cache): that pair is charged nothing and the kernel's other
   operands (the rows) are charged once. So a decode-attention kernel's cache operand is charged
   at the cache's capacity, an upper bound on what it reads (the filled prefix);
+- except a kernel named in `DECLARED_BYTES_KERNELS`, which reads only part of an operand by
+  design (the routed grouped matmul: the weights of at most min(E, M) experts of [E, K, N]) and
+  declares the bytes of the grid it runs in its cost estimate (derived from that grid, held
+  against its index maps' DMAs in tests/test_grouped_matmul.py): it is charged the declared
+  `bytes_accessed` (never more than its operands and results);
 - `copy-start` (an asynchronous copy: HBM <-> VMEM) is charged its source and destination
   where they are in HBM: a prefetch of a whole cache into VMEM shows here at the cache's size;
   `slice-start` (an asynchronous slice: weights streamed into VMEM piece by piece) its slice.
@@ -72,6 +77,9 @@ _NO_TRAFFIC = {
     "call",
 }
 _SLICING = ("slice", "dynamic-slice", "gather")
+# Pallas kernels charged the bytes their cost estimate declares (module doc).
+DECLARED_BYTES_KERNELS = ("dflash_routed_gmm",)
+_DECLARED = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"?(\d+)')
 _IN_PLACE = ("dynamic-update-slice", "scatter")
 
 
@@ -189,6 +197,10 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
                     if i < len(reads) and reads[i]:
                         writes = max(0, writes - reads[i])
                         reads[i] = 0
+                declared = _DECLARED.search(rest)
+                if declared and any(k in name or k in _scope(rest) for k in DECLARED_BYTES_KERNELS):
+                    total = min(sum(reads) + writes, int(declared.group(1)))
+                    reads, writes, kind = [total], 0, "kernel (declared bytes)"
             elif op == "copy-start":
                 # Result (destination, source, context): the destination's write if in HBM.
                 parts = re.findall(r"\w+\[[\d,]*\](?:\{[^}]*\})?", rtype)
