@@ -124,6 +124,19 @@ def test_the_floor_by_hand():
     assert two - dflash == 100 + 50 + 300  # one more pass: LM head, drafter, context read
 
 
+def test_routed_fraction_is_the_share_of_experts_tokens_touch():
+    """A MoE floor's expert share: 1 token reads exactly its top-k of E; T tokens the expected
+    distinct experts of T independent uniform top-k draws, against a NumPy simulation."""
+    assert hbm.routed_fraction(128, 8, 1) == 8 / 128
+    assert hbm.routed_fraction(128, 8, 0) == 0.0
+    assert hbm.routed_fraction(0, 0, 16) == 1.0  # dense: everything
+    rng = np.random.default_rng(0)
+    for e, k, t in ((128, 8, 16), (128, 8, 4), (64, 6, 64)):
+        picks = np.argsort(rng.random((2000, t, e)), axis=-1)[..., :k]  # uniform top-k sets
+        touched = np.array([np.unique(p).size for p in picks.reshape(2000, -1)]) / e
+        assert abs(hbm.routed_fraction(e, k, t) - touched.mean()) < 0.01, (e, k, t)
+
+
 def test_collective_hops_on_a_ring():
     assert hbm._hops("all-reduce", 8) == 8  # reduce-scatter then all-gather, 4 hops each way
     assert hbm._hops("all-gather-start", 8) == 4

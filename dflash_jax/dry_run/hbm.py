@@ -37,7 +37,8 @@ programs with each other and with the floor; tested on single-op programs whose 
 known (tests/test_tpu_compile.py).
 
 **The floor** (`floor_bytes`), per chip per step: the target's weights once (the embedding
-table, read by row, excluded; the LM head counted separately), the LM head once for the verify
+table, read by row, excluded; the LM head counted separately; a MoE target's experts at the
+share its step's tokens route to, `routed_fraction`), the LM head once for the verify
 plus once per drafter pass, the drafter's weights once per pass, the KV cache read over the
 filled prefix (context tokens, not the capacity) and the new rows written, and the drafter's
 context K/V likewise (read per pass, block rows written).
@@ -270,6 +271,16 @@ def loop_collective_latency(hlo_text: str, hop_s: float = ICI_HOP_LATENCY_S) -> 
                 count += 1
                 latency += _hops(m.group(4), _group_size(line)) * hop_s
     return count, latency
+
+
+def routed_fraction(num_experts: int, top_k: int, tokens: int) -> float:
+    """The expected share of a MoE layer's experts that `tokens` tokens route to, each token
+    to top_k distinct experts, tokens independent and uniform over the experts:
+    1 - (1 - top_k / E)^tokens (1 token: exactly top_k / E). Real routers are skewed, so a
+    batch touches fewer on average; this is the floor's assumption, stated."""
+    if num_experts <= 0 or top_k <= 0:
+        return 1.0
+    return 1.0 - (1.0 - min(top_k, num_experts) / num_experts) ** max(tokens, 0)
 
 
 def floor_bytes(

@@ -41,16 +41,19 @@ def _loop_program(tmod, dmod, plan, reps: int):
     return run
 
 
-def _floor(tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, context, rows, passes):
+def _floor(
+    tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, context, rows, passes, batch=1
+):
     """The analytic per-chip floor of one decode step (`hbm.floor_bytes`) from the per-chip
-    sizes of the weights and caches as sharded."""
+    sizes of the weights and caches as sharded; a MoE target's experts at the share its
+    batch x rows tokens route to (`hbm.routed_fraction`)."""
     import jax
 
     from dflash_jax.parallel import sharding
 
     flat = jax.tree_util.tree_flatten_with_path(tparams)[0]
     shards = jax.tree_util.tree_leaves(tshard)
-    embed = head = 0
+    embed = head = experts = 0
     for (path, x), s in zip(flat, shards):
         keys = "/".join(str(getattr(k, "key", k)) for k in path)
         nbytes = tree_bytes_per_device(x, s)
@@ -58,10 +61,15 @@ def _floor(tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, contex
             embed += nbytes
         elif "lm_head" in keys:
             head += nbytes
+        elif "/experts/" in f"/{keys}/":
+            experts += nbytes
     total = tree_bytes_per_device(tparams, tshard)
     if tcfg.tie_word_embeddings:
         head = embed  # the LM head is the embedding table, read whole at each LM-head pass
     body = total - embed - (0 if tcfg.tie_word_embeddings else head)
+    if tcfg.num_experts:  # the experts the step's tokens route to, not all of them
+        share = hbm.routed_fraction(tcfg.num_experts, tcfg.num_experts_per_tok, batch * rows)
+        body -= experts - int(experts * share)
     ctx = 0
     if state.ctx is not None:
         ctx = tree_bytes_per_device(state.ctx, sharding.cache_sharding(state.ctx, mesh))
@@ -223,7 +231,7 @@ def dry_run_infer(
                 sizes.update(
                     _size_figures(
                         kind, sh, tparams, dp, tcfg, m, capacity, context, width,
-                        plan.denoise_steps if dmod is not None else 0,
+                        plan.denoise_steps if dmod is not None else 0, batch,
                     )
                 )  # fmt: skip
     result = {
@@ -303,7 +311,7 @@ def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
     return step
 
 
-def _size_figures(kind, sh, tparams, dp, tcfg, m, capacity, context, width, passes):
+def _size_figures(kind, sh, tparams, dp, tcfg, m, capacity, context, width, passes, batch=1):
     """Per-device bytes of the caches and parameters of one kind of decode ("dflash", "ar")
     and the analytic floor of its step (`_floor`)."""
     from dflash_jax.parallel import sharding
@@ -328,7 +336,7 @@ def _size_figures(kind, sh, tparams, dp, tcfg, m, capacity, context, width, pass
         + (0 if dp is None else tree_bytes_per_device(dp, sh["dparams"])),
         f"{kind}_floor_bytes": _floor(
             tcfg, tparams, sh["tparams"], dp, sh["dparams"], st, m, capacity, context, width,
-            passes,
+            passes, batch,
         ),
     }  # fmt: skip
 
