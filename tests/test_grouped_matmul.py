@@ -346,3 +346,36 @@ def test_routed_kernel_compiles_for_tpu_and_reads_min_e_m_experts():
             assert ragged >= e * expert, (m, ragged)
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.mark.slow  # three TPU compiles of a MoE decode loop
+def test_the_tpu_decode_loop_reads_the_routed_experts(monkeypatch):
+    """The AR decode loop of Qwen3-30B-A3B's layers (preset qwen3_30b_a3b_2l: 2 layers of 128
+    experts [2048 -> 768 -> 2048], top 8) compiled for a v5e chip with the Pallas kernels: by
+    the HBM model (the routed kernel charged its declared bytes), the expert matmuls of a step
+    read 8 of 128 experts at batch 1 and all 128 at batch 16 (128 routed rows); the control,
+    ragged_dot (DFLASH_MOE_GMM=ragged), reads all 128 at batch 1, which the batch-1 assertion
+    rejects."""
+    from dflash_jax import dry_run
+    from dflash_jax.models import moe
+
+    if dry_run.libtpu_missing():
+        pytest.skip('needs libtpu: pip install "jax[tpu]"')
+    devices, chip = dry_run.topology_devices("v5e:2x4")
+    kw = dict(context=128, max_new_tokens=16, devices=devices[:1], chip=chip)
+    kw.update(attention=("pallas",), only=("ar_decode",))
+
+    def expert_reads(batch):
+        r = dry_run.dry_run_infer("qwen3_30b_a3b_2l", "tensor=1", batch=batch, **kw)
+        by_op = r["roofline"]["steps"]["ar_step"]["hbm_by_op"]
+        return by_op.get("kernel (declared bytes)", 0) + by_op.get("kernel", 0), by_op
+
+    expert = 3 * 2048 * 768 * 2 * 2  # gate, up, down in bfloat16, x 2 layers
+    one, by_op = expert_reads(1)
+    assert 8 * expert <= one < 10 * expert, (one / expert, by_op)
+    sixteen, _ = expert_reads(16)
+    assert sixteen >= 128 * expert, sixteen / expert
+    monkeypatch.setattr(moe, "MOE_GMM", "ragged")
+    dense, _ = expert_reads(1)
+    assert dense >= 128 * expert, dense / expert
+    assert not 8 * expert <= dense < 10 * expert  # the control fails the routed assertion

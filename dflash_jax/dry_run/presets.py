@@ -134,6 +134,15 @@ def model_presets():
             ),
             dict(num_layers=2, num_taps=3, block_size=16, mask_token_id=49151),
         ),
+        # Qwen3-30B-A3B's layers (128 experts of 768, top 8), 2 of them and a 16K vocabulary:
+        # expert arrays too large to be staged in VMEM whole, as in the real model, for the
+        # compile tests of routed expert reads (tests/test_grouped_matmul.py).
+        "qwen3_30b_a3b_2l": (
+            qwen3_30b_a3b.replace(num_layers=2, vocab_size=16384),
+            dict(
+                moe_drafter, num_layers=1, num_taps=2, mask_token_id=16383, target_layer_ids=(0, 1)
+            ),
+        ),
         # A Qwen3-MoE shape scaled down (2 layers, 8 experts of 64, top 2) for compile tests.
         "tiny_moe": (
             ModelConfig(
