@@ -36,10 +36,10 @@ def define_flags():
 
 def row_of(run: dict) -> dict:
     """The figures of one dry run: its key (chip, mesh, batch, block) and steps."""
+    from dflash_jax.dry_run.chips import hbm_step_times
+
     s = run["settings"]
     steps = run["roofline"]["steps"]
-    proj = run["roofline"].get("projection", {})
-    proj = next(iter(proj.values())) if proj else {}
     out = {
         "chip": run["topology"],
         "mesh": run["mesh"],
@@ -48,11 +48,13 @@ def row_of(run: dict) -> dict:
         "commit": run.get("commit", "")[:7],
     }
     for kind in ("ar", "dflash"):
-        if kind in steps:
+        step = steps.get(f"{kind}_step")  # the compiled loop's figures (dry run's roofline)
+        if step is not None:
+            floor = run["sizes"][f"{kind}_floor_bytes"]
             out[kind] = {
-                "hbm_bytes": steps[kind]["hbm_bytes"],
-                "floor_bytes": steps[kind]["floor_bytes"],
-                "time_s": proj.get(kind, {}).get("time_s"),
+                "hbm_bytes": step["hbm_bytes"],
+                "floor_bytes": floor,
+                "time_s": hbm_step_times(step, floor, run["chip"])["time_s"],
             }
     return out
 
@@ -88,7 +90,7 @@ def table(rows, tau: float):
 def markdown(out, tau: float) -> str:
     lines = [
         "| chip (mesh) | batch | block | AR GB/step (x floor) | DFlash GB/step (x floor) "
-        f"| break-even tau (floor's) | PROJECTED speedup at tau {tau:g} | commit |",
+        f"| break-even tau (floor bytes ratio) | PROJECTED speedup at tau {tau:g} | commit |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in out:

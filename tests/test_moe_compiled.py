@@ -5,18 +5,27 @@ speedup's tau is capped at block + 1."""
 from benchmarks import moe_compiled
 
 
+CHIP = dict(bf16_flops=1e15, hbm_bw=1e9, ici_bw=1e9)  # 1 GB/s: time_s = GB read
+
+
+def _step(gb):
+    return dict(flops=0.0, hbm_bytes=gb * 1e9, collective_moved_bytes=0, collective_latency_s=0)
+
+
 def _run(batch, block, ar=True):
-    steps = {"dflash": {"hbm_bytes": 8e9 * block / 16, "floor_bytes": 6e9 * block / 16}}
-    proj = {"dflash": {"time_s": 4.0 * block / 16}}
+    steps = {"dflash_step": _step(4.0 * block / 16)}
+    sizes = {"dflash_floor_bytes": 3e9 * block / 16}
     if ar:
-        steps["ar"] = {"hbm_bytes": 1e9, "floor_bytes": 0.8e9}
-        proj["ar"] = {"time_s": 1.0}
+        steps["ar_step"] = _step(1.0)
+        sizes["ar_floor_bytes"] = 0.8e9
     return {
         "topology": "v5p:2x2x1",
         "mesh": "tensor=4",
         "commit": "abcdef0123",
+        "chip": CHIP,
+        "sizes": sizes,
         "settings": {"batch": batch, "block_size": block},
-        "roofline": {"steps": steps, "projection": {"pallas": proj}},
+        "roofline": {"steps": steps},
     }
 
 
@@ -26,7 +35,7 @@ def test_table_pairs_runs_and_computes_break_even():
     assert [(r["batch"], r["block"]) for r in out] == [(1, 16), (1, 4)]  # batch 4: no AR run
     b16, b4 = out
     assert b16["break_even_tau"] == 4.0 and b16["speedup"] == 6.1 / 4.0
-    assert b16["floor_break_even_tau"] == 6e9 / 0.8e9 and b16["ar_over_floor"] == 1.25
+    assert b16["floor_break_even_tau"] == 3e9 / 0.8e9 and b16["ar_over_floor"] == 1.25
     assert b4["tau"] == 5 and b4["speedup"] == 5 / 1.0  # tau capped at block + 1
     md = moe_compiled.markdown(out, 6.1)
     assert "| v5p:2x2x1 (tensor=4) | 1 | 4 |" in md and "(tau 5)" in md
