@@ -191,6 +191,33 @@ def test_dflash_equals_ar_over_a_moe_target(moe_pair, bundled_pair):
     assert_accepted(res, 8)
 
 
+@pytest.mark.parametrize("method", ["routed_interpret", "gather"])
+def test_dflash_equals_ar_through_the_routed_expert_matmuls(moe_pair, monkeypatch, method):
+    """Issue 42: the decode loop's expert matmuls through the routed Pallas kernel (interpret
+    mode) or the gather dispatch for every call of at most 512 rows: DFlash equals AR decoding
+    (through ragged_dot), with drafts accepted."""
+    import collections
+
+    from dflash_jax.decoding import programs
+    from dflash_jax.models import moe
+
+    target, drafter, prompts, ar = moe_pair
+    calls = []
+    # Programs compiled under another dispatch (a cache hit would not trace the one forced).
+    monkeypatch.setattr(programs._Compiled, "cache", collections.OrderedDict())
+
+    def forced(rows, experts, impl="xla"):
+        calls.append(rows)
+        return method if 0 < rows <= 512 else "ragged"
+
+    monkeypatch.setattr(moe, "gmm_method", forced)
+    prompts = prompts[:2]  # interpret mode is slow on a CPU
+    res = dj.generate(target, drafter, prompts, max_new_tokens=16, block_size=8)
+    assert any(0 < r <= 512 for r in calls), calls  # traced through the forced path
+    assert res.tokens == [t[:16] for t in ar[:2]]  # AR through ragged_dot
+    assert_accepted(res, 8)
+
+
 def test_drafter_training_step_against_a_frozen_moe_target(moe_models, tmp_path):
     from configs import tiny_test
     from dflash_jax.training import trainer
