@@ -122,8 +122,11 @@ def main(argv):
     if FLAGS.out:
         with open(FLAGS.out, "w") as f:
             f.write(text + "\n")
+        from dflash_jax.support import provenance
+
         with open(os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
-            json.dump({"tau": FLAGS.tau, "runs": paths, "rows": out}, f, indent=1)
+            record = {"tau": FLAGS.tau, "runs": paths, "rows": out}
+            json.dump({**provenance.record(), **record}, f, indent=1)
         print(f"wrote {FLAGS.out}")
 
 
