@@ -236,13 +236,15 @@ def test_a_real_template_renders_identically_within_the_bounds(tools, gen):
     )
     assert ours == theirs
     assert ("<tools>" in ours) == (tools is not None) and '"arguments": {\n  "a": 1' in ours
-    # ... and within small bounds too: the bounds cost a real template nothing.
+    # ... and within small bounds too: the bounds cost a real template nothing (the time
+    # bound with the loaded machine's margin: under two busy pytest workers a render once took
+    # more than 0.5 s).
     assert ours == prompting.render_chat(
         QWEN_TEMPLATE,
         CONVERSATION,
         WHERE,
         add_generation_prompt=gen,
-        time_limit_s=LIMIT_S,
+        time_limit_s=LIMIT_S + MARGIN_S,
         max_chars=MAX_CHARS,
         **variables,
     )
