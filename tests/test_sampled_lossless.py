@@ -41,14 +41,13 @@ N = 8_000  # samples per case: one batch of generate (one compile per rule setti
 DELTA = 1e-6  # the probability that an exact sampler exceeds the bound
 
 
-@pytest.fixture(scope="module")
-def tiny():
-    """A 6-token target with a sharp-ish distribution, and a drafter (replaced by the oracle)."""
+def _sharp_target(num_layers):
+    """A 6-token target of `num_layers` layers with a sharp-ish distribution."""
     cfg = dj.ModelConfig(
         vocab_size=V,
         hidden_size=32,
         intermediate_size=64,
-        num_layers=2,
+        num_layers=num_layers,
         num_heads=2,
         num_kv_heads=1,
         head_dim=16,
@@ -60,8 +59,16 @@ def tiny():
             lambda x: x * 6.0 if x.ndim == 2 else x, dj.models.transformer.init_params(cfg, seed=3)
         )
     )()
-    t = dj.Target(cfg, params)
-    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=BLOCK, mask_token_id=0)
+    return dj.Target(cfg, params)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    """A 6-token target with a sharp-ish distribution, and a drafter (replaced by the oracle)."""
+    t = _sharp_target(2)
+    dcfg = dj.make_drafter_config(
+        t.config, num_layers=1, num_taps=1, block_size=BLOCK, mask_token_id=0
+    )
     return t, dj.Drafter(dcfg, jax.jit(lambda: dj.init_drafter_params(dcfg, 0))())
 
 
@@ -486,22 +493,7 @@ def test_prompt_lookup_samples_follow_the_exact_joint(control, tiny, monkeypatch
 @pytest.fixture(scope="module")
 def tiny3():
     """`tiny`'s target with 3 layers (an EAGLE-3 drafter taps three), and its enumeration."""
-    cfg = dj.ModelConfig(
-        vocab_size=V,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=3,
-        num_heads=2,
-        num_kv_heads=1,
-        head_dim=16,
-        max_position_embeddings=64,
-    )
-    params = jax.jit(
-        lambda: jax.tree_util.tree_map(
-            lambda x: x * 6.0 if x.ndim == 2 else x, dj.models.transformer.init_params(cfg, seed=3)
-        )
-    )()
-    t = dj.Target(cfg, params)
+    t = _sharp_target(3)
     return t, _enumerate(t, PROMPT)
 
 
