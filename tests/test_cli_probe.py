@@ -6,7 +6,9 @@ Every case states what must happen: exit status, the one `error: ...` line on st
 expression), no traceback, and, where the case involves files the user gave, that their bytes
 are unchanged afterwards. New defects of this kind get a row here.
 
-Cases run concurrently (two at a time) to keep the suite's time; each must fail fast, before a
+Cases run two at a time, each in a child forked from one interpreter that imported jax and
+the library once (`tests/_probe_zygote.py`: importing jax was most of a refused case's time),
+cases that set environment variables in their own interpreter; each must fail fast, before a
 model is compiled (that is the rule being probed: bad input is refused before any compute).
 
 A row: Case(name, argv, want_rc, want_err, setup=None, env=None, unchanged=(), cwd=ROOT)
@@ -31,8 +33,9 @@ from typing import Callable, Dict, Optional, Sequence
 
 import pytest
 
-# Dozens of CLI subprocesses: `make test`, not `make test-fast`.
-pytestmark = pytest.mark.slow
+# Dozens of CLI subprocesses: `make test`, not `make test-fast`. Every case is refused in
+# argument checking, before jax computes anything: once, in the oldest jax's suite.
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = os.path.join(ROOT, "assets", "tiny-code")
@@ -55,17 +58,32 @@ def _fill(s: str, tmp: str) -> str:
     return s.replace("{tmp}", tmp).replace("{pair}", PAIR)
 
 
-def run_case(case: Case, tmp: str):
+def _prepare(case: Case, tmp: str):
+    """Runs the case's setup in tmp; the bytes of its `unchanged` files before the run."""
     os.makedirs(tmp, exist_ok=True)
     if case.setup is not None:
         case.setup(tmp)
-    before = {}
-    for p in case.unchanged:
-        p = _fill(p, tmp)
-        before[p] = open(p, "rb").read() if os.path.exists(p) else None
+    return {
+        p: (open(p, "rb").read() if os.path.exists(p) else None)
+        for p in (_fill(p, tmp) for p in case.unchanged)
+    }
+
+
+def _after(before):
+    return {p: (open(p, "rb").read() if os.path.exists(p) else None) for p in before}
+
+
+def _base_env():
     env = dict(os.environ, JAX_PLATFORMS="cpu", NO_COLOR="1")
     # The caller's device count (XLA_FLAGS forcing 8 host devices) must not change a case.
     env.pop("XLA_FLAGS", None)
+    return env
+
+
+def run_case(case: Case, tmp: str):
+    """The case in its own interpreter: (CompletedProcess, bytes before, bytes after)."""
+    before = _prepare(case, tmp)
+    env = _base_env()
     env.update({k: _fill(v, tmp) for k, v in (case.env or {}).items() if v is not None})
     for k in [k for k, v in (case.env or {}).items() if v is None]:  # None: unset
         env.pop(k, None)
@@ -78,8 +96,42 @@ def run_case(case: Case, tmp: str):
         timeout=case.timeout,
         stdin=subprocess.DEVNULL,
     )
-    after = {p: (open(p, "rb").read() if os.path.exists(p) else None) for p in before}
-    return proc, before, after
+    return proc, before, _after(before)
+
+
+def run_forked(cases: Sequence[Case], base: str):
+    """Cases without their own environment through tests/_probe_zygote.py (jax and the library
+    imported once, each case in a child forked from there, two at a time): {name: (
+    CompletedProcess, bytes before, bytes after)}, as `run_case` gives."""
+    import json
+
+    befores, jobs = {}, []
+    for c in cases:
+        tmp = os.path.join(base, c.name)
+        befores[c.name] = _prepare(c, tmp)
+        jobs.append({"argv": [_fill(a, tmp) for a in c.argv], "dir": tmp, "timeout": c.timeout})
+    path = os.path.join(base, "jobs.json")
+    with open(path, "w") as f:
+        json.dump(jobs, f)
+    zygote = os.path.join(ROOT, "tests", "_probe_zygote.py")
+    subprocess.run(
+        [sys.executable, zygote, path],
+        cwd=ROOT,
+        env=_base_env(),
+        check=True,
+        timeout=60 + sum(c.timeout for c in cases),
+        stdin=subprocess.DEVNULL,
+    )
+    out = {}
+    for c, job in zip(cases, jobs):
+
+        def read(name, d=job["dir"]):
+            with open(os.path.join(d, name)) as f:
+                return f.read()
+
+        proc = subprocess.CompletedProcess(c.argv, int(read("rc")), read("stdout"), read("stderr"))
+        out[c.name] = (proc, befores[c.name], _after(befores[c.name]))
+    return out
 
 
 def check(case: Case, proc, before, after):
@@ -636,9 +688,14 @@ CASES = [
 
 
 def _run_all(cases, base):
+    """Every case: those that set environment variables in their own interpreter (some are read
+    when jax is imported), two at a time; the rest forked from one that imported jax once."""
+    own = [c for c in cases if c.env]
+    out = run_forked([c for c in cases if not c.env], base)
     with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        futs = {c.name: pool.submit(run_case, c, os.path.join(base, c.name)) for c in cases}
-        return {name: f.result() for name, f in futs.items()}
+        futs = {c.name: pool.submit(run_case, c, os.path.join(base, c.name)) for c in own}
+        out.update({name: f.result() for name, f in futs.items()})
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -667,3 +724,18 @@ def test_the_checker_rejects_a_traceback_and_a_changed_file(tmp_path):
     crash = Case("crash", ["-c", "raise RuntimeError('x')"], want_rc=1)
     proc, before, after = run_case(crash, str(tmp_path / "d"))
     assert check(crash, proc, before, after) == ["traceback on stderr"]
+    # The fork server reports as the interpreter does: the same verdicts, exit statuses, and
+    # the error line of a refused run of a real CLI.
+    refused = Case("refused", ["infer.py", "--seed=1e30"], want_err=r"--seed")
+    forked = run_forked(
+        [dataclasses.replace(case, unchanged=(p,)), crash, refused], str(tmp_path / "z")
+    )
+    assert forked["control"][0].returncode == 1 and open(p).read() == "new"
+    assert check(crash, *forked["crash"]) == ["traceback on stderr"]
+    assert forked["crash"][0].returncode == 1 and "RuntimeError: x" in forked["crash"][0].stderr
+    assert check(refused, *forked["refused"]) == []
+    own = run_case(refused, str(tmp_path / "r"))[0]
+    assert (forked["refused"][0].returncode, forked["refused"][0].stderr) == (
+        own.returncode,
+        own.stderr,
+    )
