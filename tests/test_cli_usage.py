@@ -145,6 +145,7 @@ def _env(models, **extra):
     return env
 
 
+@pytest.mark.once
 def test_offline_unknown_hub_id_is_one_line_and_exit_2(models, tmp_path):
     for args in (
         [os.path.join(ROOT, "infer.py"), "--target=nobody/nothing"],
@@ -285,6 +286,7 @@ def test_sampled_batches_use_seed_plus_batch_number(models):
     assert len(samples) == 3, samples  # a random model at temperature 1: three different draws
 
 
+@pytest.mark.once
 def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
     models, one_at_a_time, tmp_path
 ):
@@ -339,6 +341,7 @@ def test_infer_cli_with_hub_ids_batches_a_prompt_file_and_resumes_quietly(
 # -------------------------------------------------------------------------- quiet output
 
 
+@pytest.mark.once
 def test_train_cli_prints_only_what_was_asked_and_logs_the_rest_to_a_file(tmp_path):
     work = tmp_path / "w"
     r = subprocess.run(

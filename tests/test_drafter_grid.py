@@ -16,6 +16,7 @@ def test_settings_parse_and_bad_ones_are_one_line():
             drafter_grid.parse_setting(bad)
 
 
+@pytest.mark.once
 def test_grid_on_the_bundled_pair(bundled_pair):
     target, drafter, prompts = bundled_pair
     names = ("t0_b16", "t0_b16_tree16", "t1_b16")

@@ -10,6 +10,10 @@ import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = os.path.join(ROOT, "benchmarks", "eval_tau.py")
+
+# A benchmark script end to end over the public API the other files test on both jax versions:
+# once, in the oldest jax's suite.
+pytestmark = pytest.mark.once
 PAIR = os.path.join(ROOT, "assets", "tiny-code")
 
 from benchmarks import eval_tau

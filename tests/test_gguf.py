@@ -304,6 +304,7 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), gguf_io.DEFAU
 
 
 @needs_smollm2
+@pytest.mark.once
 def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
     """The drafters trained here for SmolLM2 (assets/smollm2-135m-instruct/drafter, DFlash, and
     drafter_dflash2, DFlash 2, each 620 steps on 1,024 conversations, in-loop tau ~1.2-1.3):

@@ -55,6 +55,7 @@ def _run(*args):
     )
 
 
+@pytest.mark.once
 def test_infer_cli_compares_with_ar_and_writes_json_and_profile(tmp_path):
     """On the bundled pair (a drafter that is accepted: some step commits several tokens), the
     tokens --json_out holds are those of an autoregressive run made here, not just what the
@@ -103,6 +104,7 @@ def test_infer_cli_compares_with_ar_and_writes_json_and_profile(tmp_path):
         assert scope in blob, scope
 
 
+@pytest.mark.once
 def test_infer_cli_streams_the_completion_it_reports():
     """--stream with --tree_budget on the bundled pair (trees that are accepted): an extra run
     prints the prompt and the completion as steps commit it; the timed runs after it report
@@ -201,6 +203,7 @@ def test_stop_token_ids_join_the_tokenizer_eos_and_generation_config(tmp_path):
     assert textgen.stop_token_ids(str(tmp_path)) == [3]
 
 
+@pytest.mark.once
 def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
     """Bad input: exit status 2 and one `error:` line on stderr (README, dflash_jax/support/cli.py)."""
     for args, says in (
@@ -222,6 +225,7 @@ def test_infer_cli_rejects_bad_input_clearly(pair_dirs):
 
 
 @pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
+@pytest.mark.once
 def test_dry_run_clis_report_memory_and_flops():
     r = _run(
         "--dry_run",
@@ -276,6 +280,7 @@ def test_dry_run_on_a_cpu_topology_works_with_the_default_attention(tmp_path):
     assert "HloModule" in text and hlo.loop_body_computations(text)
 
 
+@pytest.mark.once
 def test_dry_run_cli_bad_input_is_one_line_exit_2():
     for args, says in (
         (["--topology=v9x:2x4"], "unknown topology"),
@@ -289,6 +294,7 @@ def test_dry_run_cli_bad_input_is_one_line_exit_2():
 
 
 @pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
+@pytest.mark.once
 def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
     """benchmarks/bench_dflash.py on the bundled pair (two prompts, one setting per temperature,
     16 tokens): JSON, Markdown and plots written; greedy DFlash matched AR (else it exits 1)."""
@@ -328,6 +334,7 @@ def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
     assert (out / "acceptance.png").stat().st_size > 0 and (out / "speedup.png").stat().st_size > 0
 
 
+@pytest.mark.once
 def test_op_costs_script_times_the_token_choosers():
     r = subprocess.run(
         [sys.executable, os.path.join(ROOT, "benchmarks", "op_costs.py")],
@@ -346,6 +353,7 @@ def test_op_costs_script_times_the_token_choosers():
     } and all(v > 0 for v in res.values())
 
 
+@pytest.mark.once
 def test_repetition_script_compares_greedy_completions_with_the_real_continuation(tmp_path):
     """benchmarks/repetition.py: the real continuation of a looping file scores low, a varied
     one high; the bundled target's completions are scored per prompt cut."""
@@ -383,6 +391,7 @@ def test_repetition_script_compares_greedy_completions_with_the_real_continuatio
 
 
 @pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
+@pytest.mark.once
 def test_scale_costs_script_times_both_loops_per_target_size(tmp_path):
     out = tmp_path / "scale.json"
     r = subprocess.run(
@@ -477,6 +486,7 @@ def test_plot_training_chains_stages_and_rejects_empty_files(tmp_path):
 
 
 @pytest.mark.slow  # a benchmark script end to end: `make test`, not `make test-fast`
+@pytest.mark.once
 def test_gpu_steps_tiny_configuration_times_ar_and_dflash_steps(tmp_path):
     """benchmarks/gpu_steps.py --preset=tiny on CPU (XLA attention only there): every row has
     AR and DFlash step times > 0 and their ratio; the JSON names the command, jax, the device

@@ -6,7 +6,9 @@ import nbformat
 import pytest
 
 # Minutes of subprocess launches: left out of `make test-fast` (the edit loop), run by `make test`.
-pytestmark = pytest.mark.slow
+# The notebook's cells call the public API that the other files test on both jax versions:
+# once, in the oldest jax's suite.
+pytestmark = [pytest.mark.slow, pytest.mark.once]
 from nbclient import NotebookClient
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

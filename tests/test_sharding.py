@@ -143,6 +143,18 @@ def test_expert_parallel_generate_equals_single_device(findings):
     _assert_replicated_trees(m["replicated_trees"], ("1", "2"))
 
 
+def test_expert_parallel_dflash_through_the_routed_kernel_equals_ar(findings):
+    """Issue 42: with the expert matmuls of the decode loop through the routed Pallas kernel
+    (interpret mode) inside the expert-parallel shard_map (expert=2,tensor=2,data=2: each device
+    its own 2 experts, their width halved), DFlash equals one-device AR decoding, accepted."""
+    m = findings["moe"]
+    got = m["routed"]
+    routed = [c for c in got["calls"] if c[2] == "routed_interpret"]
+    assert routed and all(experts == 2 for _, experts, _ in routed), got["calls"]
+    assert got["tokens"] == [t[:16] for t in m["ref_ar"]["tokens"][:2]]
+    assert max(a for seq in got["acceptance"] for a in seq) >= 3, got["acceptance"]
+
+
 def test_expert_parallel_train_step_matches_single_device(findings, run):
     """The trainer's step for a drafter against a frozen random MoE target: data=2,expert=2,
     tensor=2 (the frozen experts split over expert and tensor) gives the one-device losses and

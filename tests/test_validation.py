@@ -643,6 +643,7 @@ def test_sharded_index_naming_files_outside_the_directory_is_refused(tmp_path):
 # ---------------------------------------------------------------- CLIs: one line, exit 2
 
 
+@pytest.mark.once
 def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
     """Bad inputs to infer.py and train.py, run as a user would (all processes at once): each
     exits 2 with exactly one stderr line `error: ...`, prints nothing else, writes nothing,
