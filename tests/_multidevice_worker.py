@@ -161,6 +161,35 @@ def _replicated_batch_trees(target, drafter, prompts, spec, batches, n=24):
     return res
 
 
+def _routed_expert_parallel(target, drafter, prompts, n):
+    """Issue 42: DFlash on expert=2,tensor=2,data=2 with every expert matmul of at most 512 rows
+    through the routed Pallas kernel (interpret mode): inside the expert-parallel shard_map each
+    device runs it over its own 2 experts (their width halved by tensor). The calls' (rows,
+    local experts, method) show which path was traced."""
+    import collections
+
+    from dflash_jax.decoding import programs
+    from dflash_jax.models import moe
+
+    calls = []
+    saved = moe.gmm_method, programs._Compiled.cache
+
+    def forced(rows, experts, impl="xla"):
+        method = "routed_interpret" if 0 < rows <= 512 else "ragged"
+        calls.append((rows, experts, method))
+        return method
+
+    # Programs compiled under another dispatch (a cache hit would not trace the one forced).
+    moe.gmm_method, programs._Compiled.cache = forced, collections.OrderedDict()
+    try:
+        mesh = dry_run.resolve_mesh("expert=2,tensor=2,data=2")
+        res = _run(dj.generate(target, drafter, prompts, n, block_size=8, mesh=mesh))
+    finally:
+        moe.gmm_method, programs._Compiled.cache = saved
+    res["calls"] = sorted(set(calls))
+    return res
+
+
 def check_moe(out, workdir):
     """A Qwen3-MoE target (the bundled target turned MoE, `_pair.moe_from_dense`: 4 experts,
     top-2, layer 2 dense; the bundled drafter, accepted) decoded with DFlash on one device and
@@ -189,6 +218,7 @@ def check_moe(out, workdir):
         }
         res[spec]["mesh"] = dict(mesh.shape)
     res["replicated_trees"] = _replicated_batch_trees(target, drafter, prompts, "expert=2", (1, 2))
+    res["routed"] = _routed_expert_parallel(target, drafter, prompts[:2], 16)
     # The trainer's step against a frozen random MoE target (4 experts, top 2), one device
     # and data=2,expert=2,tensor=2 (the step partitioned by GSPMD).
     cfg = dj.ModelConfig(
