@@ -280,33 +280,43 @@ def rng():
 # `make test` runs two workers with --dist loadfile (a file's tests stay on one worker). xdist
 # would hand out files by their number of tests, which puts the few-test, minutes-long files
 # (subprocess launches) last, where one worker runs them while the other idles. Instead the
-# files go out longest first (the durations of `--durations`, all workers busy until near the
-# end); unlisted files follow in collection order.
+# files go out longest first (per-file seconds from `--durations=0`, 2026-12-03; the
+# subprocess launches first), so both workers stay busy until near the end; unlisted files
+# (seconds each) follow in collection order.
 LONGEST_FIRST = (
     "test_multiprocess.py",
-    "test_training.py",
     "test_sharding.py",
-    "test_decoding.py",
-    "test_tree.py",
-    "test_sampled_lossless.py",
-    "test_moe.py",
-    "test_pallas_kernels.py",
-    "test_infer.py",
-    "test_gguf.py",
+    "test_training.py",
     "test_tpu_compile.py",
+    "test_decoding.py",
+    "test_infer.py",
+    "test_sampled_lossless.py",
+    "test_gguf.py",
+    "test_tree.py",
     "test_notebook.py",
-    "test_cli_probe.py",
-    "test_gpu_compile.py",
+    "test_eagle3_decoding.py",
+    "test_pallas_kernels.py",
     "test_training_fidelity.py",
-    "test_grad_accum.py",
-    "test_target_flash.py",
+    "test_gpu_compile.py",
+    "test_moe.py",
+    "test_grouped_matmul.py",
+    "test_dflash2.py",
+    "test_sliding_window.py",
+    "test_prompt_lookup.py",
+    "test_eval_tau.py",
     "test_cli_usage.py",
+    "test_target_flash.py",
+    "test_quantized.py",
     "test_bf16_divergence.py",
     "test_chat_regen.py",
-    "test_model.py",
-    "test_eval_tau.py",
-    "test_drafter.py",
+    "test_cli_probe.py",
+    "test_drafter_grid.py",
+    "test_grad_accum.py",
     "test_validation.py",
+    "test_model.py",
+    "test_checkpoint.py",
+    "test_interrupts.py",
+    "test_drafter.py",
 )
 
 
