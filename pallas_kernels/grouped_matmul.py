@@ -162,8 +162,11 @@ def _kernel(offsets_ref, ids_ref, count_ref, rows_ref, w_ref, out_ref, *, tm, pr
 @functools.partial(jax.jit, static_argnames=("interpret", "tile_n"))
 def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None):
     """ragged_dot(rows [M, K], weights [E, K, N], group_sizes [E]) -> [M, N] in rows.dtype,
-    reading only the weights of the groups with rows (module docstring). interpret=True runs
-    the TPU kernel in interpret mode (`pltpu.InterpretParams()`, on CPU)."""
+    reading only the weights of the groups with rows (module docstring). On CPU: interpret=True
+    runs the TPU kernel in the TPU interpret mode (`pltpu.InterpretParams()`: TPU memory
+    semantics, one device), interpret="plain" in Pallas' generic interpreter, which also runs
+    inside a multi-device `shard_map` (where the TPU interpret mode's simulation of the devices
+    waited forever: an 8-device expert-parallel decode, jax 0.10.2)."""
     m, k = rows.shape
     e, kw, n = weights.shape
     if kw != k or group_sizes.shape != (e,):
@@ -200,10 +203,16 @@ def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None):
         ),
         compiler_params=pltpu.CompilerParams(**params),
         cost_estimate=cost(m, k, n, e, rows.dtype, weights.dtype),
-        interpret=pltpu.InterpretParams() if interpret else False,
+        interpret=_interpret_mode(interpret),
         name="dflash_routed_gmm",
     )(offsets, ids, count.reshape(1), C.pad_axis(rows, 0, mp), _in_hbm(weights, interpret))
     return out[:m]
+
+
+def _interpret_mode(interpret):
+    if interpret not in (False, True, "plain"):
+        raise ValueError(f"routed_gmm: interpret must be False, True or 'plain', got {interpret!r}")
+    return True if interpret == "plain" else (pltpu.InterpretParams() if interpret else False)
 
 
 def _in_hbm(weights, interpret):

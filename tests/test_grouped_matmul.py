@@ -56,11 +56,14 @@ TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-4), jnp.bfloat16: dict(rtol=2e-2, at
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
-@pytest.mark.parametrize("fn", ["routed", "gather"])
+@pytest.mark.parametrize("fn", ["routed", "routed_plain", "gather"])
 def test_grouped_matmul_equals_ragged_dot(fn, dtype):
+    """routed: the TPU interpret mode; routed_plain: Pallas' generic interpreter (what the
+    decode loop's interpret path runs, under shard_map too)."""
     rs = np.random.RandomState(0)
     run = {
         "routed": lambda x, w, s: gm.routed_gmm(x, w, s, interpret=True, tile_n=TILE_N),
+        "routed_plain": lambda x, w, s: gm.routed_gmm(x, w, s, interpret="plain", tile_n=TILE_N),
         "gather": gm.gather_gmm,
     }[fn]
     for name, (e, sizes) in PATTERNS.items():
@@ -379,3 +382,9 @@ def test_the_tpu_decode_loop_reads_the_routed_experts(monkeypatch):
     dense, _ = expert_reads(1)
     assert dense >= 128 * expert, dense / expert
     assert not 8 * expert <= dense < 10 * expert  # the control fails the routed assertion
+
+
+def test_an_unknown_interpret_mode_is_one_line():
+    x, w, s = jnp.ones((4, 8)), jnp.ones((2, 8, 128)), jnp.asarray([2, 2], jnp.int32)
+    with pytest.raises(ValueError, match=r"interpret must be False, True or 'plain', got 'tpu'"):
+        gm.routed_gmm(x, w, s, interpret="tpu")

@@ -105,7 +105,10 @@ def _grouped_matmul(method: str, sizes):
 
     if method == "gather":
         return lambda x, w: gm.gather_gmm(x, w, sizes)
-    interpret = method == "routed_interpret"
+    # Interpret mode (CPU): Pallas' generic interpreter, which runs under the expert-parallel
+    # shard_map too (the TPU interpret mode, single-device, is what tests/test_grouped_matmul.py
+    # holds the kernel to).
+    interpret = "plain" if method == "routed_interpret" else False
     return lambda x, w: gm.routed_gmm(x, w, sizes, interpret=interpret)
 
 
