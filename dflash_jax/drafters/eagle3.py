@@ -339,6 +339,25 @@ def check_d2t(d2t, cfg: Eagle3Config, source: str = "d2t") -> np.ndarray:
     return arr.astype(np.int32)
 
 
+def ttt_attention(q_BSND, k0_BSKD, v0_BSKD, mask_BSS, kj_BSJKD, vj_BSJKD):
+    """Attention of training-time test: query row p over the keys r of k0 / v0 with
+    mask_BSS[b, p, r] and over row p's own J keys kj / vj [B, S, J, K, D] (its own drafting
+    steps), one float32 softmax over both; grouped query heads (N = K x group). [B, S, N, D]
+    in q's dtype."""
+    b, s, n, d = q_BSND.shape
+    kh = k0_BSKD.shape[2]
+    f32 = jnp.float32
+    q = q_BSND.reshape(b, s, kh, n // kh, d).astype(f32) * d**-0.5
+    hi = jax.lax.Precision.HIGHEST
+    main = jnp.einsum("bskgd,brkd->bkgsr", q, k0_BSKD.astype(f32), precision=hi)
+    main = jnp.where(mask_BSS[:, None, None], main, -jnp.inf)
+    own = jnp.einsum("bskgd,bsjkd->bkgsj", q, kj_BSJKD.astype(f32), precision=hi)
+    p = jax.nn.softmax(jnp.concatenate([main, own], axis=-1), axis=-1)
+    out = jnp.einsum("bkgsr,brkd->bskgd", p[..., :s], v0_BSKD.astype(f32), precision=hi)
+    out = out + jnp.einsum("bkgsj,bsjkd->bskgd", p[..., s:], vj_BSJKD.astype(f32), precision=hi)
+    return out.reshape(b, s, n, d).astype(q_BSND.dtype)
+
+
 # ---------------------------------------------------------------------------- model
 
 
@@ -386,6 +405,25 @@ class Eagle3Layer(nn.Module):
         k, v = self.self_attn.keys_values(x, positions_BT, inv_freq)
         a = attn_lib.draft_attention(q, cache_k, cache_v, lengths_B, k, v, causal=True)
         h = (g if self.norm_before_residual else feature_BTH) + self.self_attn.output(a)
+        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+
+    def unrolled_step(self, emb_BSH, feature_BSH, positions_BS, inv_freq, k0, v0, mask_BSS, kj, vj):
+        """One training-time-test step over every row at once (`Eagle3Drafter.unrolled`).
+        k0, v0 None (the first step): the rows' own K/V are the first step's, row p seeing row r
+        where mask_BSS [B, S, S] allows. Later steps: row p sees the first step's k0, v0
+        [B, S, K, D] under the mask, its own earlier steps' kj, vj [B, S, j, K, D] and its own
+        new K/V. Returns (out [B, S, H] pre-norm, k, v [B, S, K, D])."""
+        g = self.hidden_norm(feature_BSH)
+        x = jnp.concatenate([self.input_layernorm(emb_BSH), g], axis=-1)
+        q = self.self_attn.queries(x, positions_BS, inv_freq)
+        k, v = self.self_attn.keys_values(x, positions_BS, inv_freq)
+        if k0 is None:
+            k0, v0 = k, v
+        else:
+            kj = jnp.concatenate([kj, k[:, :, None]], axis=2)
+            vj = jnp.concatenate([vj, v[:, :, None]], axis=2)
+        a = ttt_attention(q, k0, v0, mask_BSS, kj, vj)
+        h = (g if self.norm_before_residual else feature_BSH) + self.self_attn.output(a)
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
 
     def keys_values(self, emb_BTH, feature_BTH, positions_BT, inv_freq):
@@ -445,6 +483,44 @@ class Eagle3Drafter(nn.Module):
         return self.midlayer.keys_values(
             emb_BTH.astype(dt), feature_BTH.astype(dt), positions_BT, rope_inv_freq(self.cfg.body)
         )
+
+    def unrolled(self, taps_BS3F, embs_JBSH, positions_BS, mask_BSS):
+        """Training-time test (TTT): J drafting steps from every row of a sequence at once,
+        exactly as the decode loop drafts them (`step` over the committed rows' cache).
+
+        Step 0 runs every row p as a committed row: fuse(taps) at p, the embedding of the token
+        at p + 1 (embs_JBSH[0]), position p, attention over the rows r with mask_BSS[b, p, r]
+        (causal within p's sequence: what a cache filled up to p holds). Step j >= 1 runs row p
+        as the j-th draft after p: the feature is row p's own output of step j - 1, the
+        embedding is embs_JBSH[j] (the token at p + 1 + j), the position p + j, and it sees the
+        step-0 rows as step 0 did plus row p's own steps 1..j (the drafts the cache holds by
+        then). Logits [J, B, S, Vd] float32: step j at row p predicts the token at p + 2 + j."""
+        c = self.cfg.body
+        dt, inv_freq = c.dtype, rope_inv_freq(c)
+        b, s = positions_BS.shape
+        feature = self.fuse(taps_BS3F).astype(dt)
+        k0 = v0 = None
+        kj = vj = jnp.zeros((b, s, 0, c.num_kv_heads, c.head_dim), dt)
+        logits = []
+        for j in range(embs_JBSH.shape[0]):
+            feature, k, v = self.midlayer.unrolled_step(
+                embs_JBSH[j].astype(dt),
+                feature,
+                positions_BS + j,
+                inv_freq,
+                k0,
+                v0,
+                mask_BSS,
+                kj,
+                vj,
+            )
+            if j == 0:
+                k0, v0 = k, v
+            else:
+                kj = jnp.concatenate([kj, k[:, :, None]], axis=2)
+                vj = jnp.concatenate([vj, v[:, :, None]], axis=2)
+            logits.append(self.logits(feature))
+        return jnp.stack(logits)
 
     def to_target_ids(self, draft_ids):
         """Target token ids of draft ids: i -> i + d2t[i], d2t read from the `vocab` collection
