@@ -16,6 +16,7 @@ import pytest
 
 from dflash_jax.drafters import eagle3 as e3
 from dflash_jax.models.config import ModelConfig
+from dflash_jax.training import eagle3_ttt as ttt
 
 V, TH, H, D, FF = 96, 48, 32, 8, 64
 
@@ -105,3 +106,112 @@ def test_unrolled_ttt_logits_equal_the_decode_loops_drafting_steps(drafter):
     wrong = _by_the_decode_steps(cfg, params, taps, emb_table, ids, 3, steps, keep_drafts=False)
     np.testing.assert_allclose(wrong[0], np.asarray(got[0, :, 3]), rtol=2e-4, atol=2e-4)
     assert np.abs(wrong[1:] - np.asarray(got[1:, :, 3])).max(axis=(1, 2)).min() > 1e-2
+
+
+# ---------------------------------------------------------------- the loss and the vocabulary
+
+
+def test_draft_vocabulary_takes_the_most_frequent_ids_and_maps_both_ways():
+    counts = np.array([5, 0, 9, 9, 1, 7, 0, 3])
+    d2t = ttt.draft_vocabulary(counts, 4)
+    ids = np.arange(4) + d2t
+    assert ids.tolist() == [0, 2, 3, 5]  # counts 9, 9, 7, 5; in id order
+    t2d = ttt.target_to_draft(d2t, 8)
+    assert t2d.tolist() == [0, -1, 1, 2, -1, 3, -1, -1]
+    assert ttt.draft_vocabulary(np.array([2, 2, 2]), 2).tolist() == [0, 0]  # ties: smaller id
+    with pytest.raises(ValueError, match=r"draft_vocab_size must be in \[1, 8\]"):
+        ttt.draft_vocabulary(counts, 9)
+
+
+def _numpy_loss(logits, ids, loss_mask, seg, t2d, steps, decay):
+    """The loss rule written out: step j at row p is labelled with the token at p + 2 + j when
+    that token is in p's (non-padding) segment, on the loss mask and in the draft vocabulary."""
+    logits = np.asarray(logits, np.float64)
+    b, s = ids.shape
+    per_step, firsts, accept = [], set(), 0
+    for j in range(steps):
+        ces = []
+        for r in range(b):
+            for p in range(s):
+                t = p + 2 + j
+                if t >= s or seg[r, p] == 0 or seg[r, t] != seg[r, p] or not loss_mask[r, t]:
+                    continue
+                label = t2d[ids[r, t]]
+                if label < 0:
+                    continue
+                lg = logits[j, r, p]
+                ces.append(np.log(np.exp(lg - lg.max()).sum()) + lg.max() - lg[label])
+                if j == 0:
+                    firsts.add((r, p))
+        per_step.append(np.mean(ces) if ces else 0.0)
+    for r, p in firsts:
+        for j in range(steps):
+            t = p + 2 + j
+            ok = t < s and seg[r, t] == seg[r, p] and loss_mask[r, t] and t2d[ids[r, t]] >= 0
+            if not (ok and np.argmax(logits[j, r, p]) == t2d[ids[r, t]]):
+                break
+            accept += 1
+    w = decay ** np.arange(steps)
+    return float((w * per_step).sum() / w.sum()), np.array(per_step), accept, len(firsts)
+
+
+def test_ttt_loss_equals_the_rule_written_in_numpy_over_packed_rows(drafter):
+    cfg0, params0 = drafter
+    # A draft vocabulary of 40 of the 96 target ids, from skewed counts.
+    rng = np.random.default_rng(5)
+    d2t = ttt.draft_vocabulary(rng.integers(0, 100, V), 40)
+    cfg = cfg0.replace(draft_vocab_size=40)
+    params = dict(params0)
+    params["lm_head"] = {"kernel": params0["lm_head"]["kernel"][:, :40]}
+    t2d = ttt.target_to_draft(d2t, V)
+    b, s, steps = 2, 14, 3
+    taps, emb_table, ids = _inputs(cfg, b, s, seed=7)
+    ids[:, ::3] = d2t[0]  # draft id 0's target id: some labels in the vocabulary for sure
+    seg = np.array([[1] * 6 + [2] * 6 + [0] * 2, [1] * 14])
+    loss_mask = (rng.random((b, s)) < 0.8).astype(np.int32)
+    batch = dict(
+        input_ids=jnp.asarray(ids, jnp.int32),
+        loss_mask=jnp.asarray(loss_mask),
+        segment_ids=jnp.asarray(seg, jnp.int32),
+    )
+    dmod = e3.Eagle3Drafter(cfg)
+    loss, m = ttt.ttt_loss(dmod, params, emb_table, taps, batch, t2d, steps, 0.8)
+    positions = ttt._positions(batch["segment_ids"])
+    assert np.asarray(positions)[0].tolist() == list(range(6)) * 2 + [0, 1]
+    logits = dmod.apply(
+        {"params": params},
+        taps,
+        jnp.stack(
+            [emb_table[np.asarray(ttt.shifted(batch["input_ids"], 1 + j))] for j in range(steps)]
+        ),
+        positions,
+        ttt.ttt_mask(batch["segment_ids"]),
+        method=e3.Eagle3Drafter.unrolled,
+    )
+    want, per_step, accept, rows = _numpy_loss(logits, ids, loss_mask, seg, t2d, steps, 0.8)
+    assert rows > 5
+    np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(m["loss_k"]), per_step, rtol=1e-5)
+    assert int(m["accept_sum"]) == accept and int(m["accept_rows"]) == rows
+    assert np.asarray(m["count_k"]).min() > 0
+    # A row of the second packed sequence drafts what it drafts with that sequence alone.
+    alone = dmod.apply(
+        {"params": params},
+        taps[:1, 6:12],
+        jnp.stack(
+            [
+                emb_table[np.asarray(ttt.shifted(batch["input_ids"][:1, 6:12], 1 + j))]
+                for j in range(steps)
+            ]
+        ),
+        jnp.arange(6, dtype=jnp.int32)[None],
+        ttt.ttt_mask(jnp.ones((1, 6), jnp.int32)),
+        method=e3.Eagle3Drafter.unrolled,
+    )
+    for j in range(steps):  # rows whose step-j input token lies inside the segment
+        np.testing.assert_allclose(
+            np.asarray(logits[j, 0, 6 : 11 - j]),
+            np.asarray(alone[j, 0, : 5 - j]),
+            rtol=1e-4,
+            atol=1e-4,
+        )
