@@ -125,34 +125,42 @@ def test_draft_vocabulary_takes_the_most_frequent_ids_and_maps_both_ways():
 
 def _numpy_loss(logits, ids, loss_mask, seg, t2d, steps, decay):
     """The loss rule written out: step j at row p is labelled with the token at p + 2 + j when
-    that token is in p's (non-padding) segment, on the loss mask and in the draft vocabulary."""
+    that token is in p's (non-padding) segment, on the loss mask and in the draft vocabulary;
+    loss = sum(decay^j CE) / sum(decay^j) over the labels; the acceptance length at a row with
+    a first label is 1 + its leading correct steps."""
     logits = np.asarray(logits, np.float64)
     b, s = ids.shape
-    per_step, firsts, accept = [], set(), 0
+
+    def label(r, p, j):
+        t = p + 2 + j
+        if t >= s or seg[r, p] == 0 or seg[r, t] != seg[r, p] or not loss_mask[r, t]:
+            return None
+        return None if t2d[ids[r, t]] < 0 else t2d[ids[r, t]]
+
+    num = den = 0.0
+    count = [0] * (steps + 1)
     for j in range(steps):
-        ces = []
         for r in range(b):
             for p in range(s):
-                t = p + 2 + j
-                if t >= s or seg[r, p] == 0 or seg[r, t] != seg[r, p] or not loss_mask[r, t]:
-                    continue
-                label = t2d[ids[r, t]]
-                if label < 0:
-                    continue
-                lg = logits[j, r, p]
-                ces.append(np.log(np.exp(lg - lg.max()).sum()) + lg.max() - lg[label])
-                if j == 0:
-                    firsts.add((r, p))
-        per_step.append(np.mean(ces) if ces else 0.0)
-    for r, p in firsts:
-        for j in range(steps):
-            t = p + 2 + j
-            ok = t < s and seg[r, t] == seg[r, p] and loss_mask[r, t] and t2d[ids[r, t]] >= 0
-            if not (ok and np.argmax(logits[j, r, p]) == t2d[ids[r, t]]):
-                break
-            accept += 1
-    w = decay ** np.arange(steps)
-    return float((w * per_step).sum() / w.sum()), np.array(per_step), accept, len(firsts)
+                y = label(r, p, j)
+                if y is not None:
+                    lg = logits[j, r, p]
+                    num += decay**j * (np.log(np.exp(lg - lg.max()).sum()) + lg.max() - lg[y])
+                    den += decay**j
+                    count[j + 1] += 1
+    lengths = []
+    for r in range(b):
+        for p in range(s):
+            if label(r, p, 0) is None:
+                continue
+            n = 1
+            for j in range(steps):
+                y = label(r, p, j)
+                if y is None or np.argmax(logits[j, r, p]) != y:
+                    break
+                n += 1
+            lengths.append(n)
+    return num / den, den, count, lengths
 
 
 def test_ttt_loss_equals_the_rule_written_in_numpy_over_packed_rows(drafter):
@@ -188,12 +196,12 @@ def test_ttt_loss_equals_the_rule_written_in_numpy_over_packed_rows(drafter):
         ttt.ttt_mask(batch["segment_ids"]),
         method=e3.Eagle3Drafter.unrolled,
     )
-    want, per_step, accept, rows = _numpy_loss(logits, ids, loss_mask, seg, t2d, steps, 0.8)
-    assert rows > 5
+    want, weight_sum, count, lengths = _numpy_loss(logits, ids, loss_mask, seg, t2d, steps, 0.8)
+    assert len(lengths) > 5 and min(count[1:]) > 0
     np.testing.assert_allclose(float(loss), want, rtol=1e-5)
-    np.testing.assert_allclose(np.asarray(m["loss_k"]), per_step, rtol=1e-5)
-    assert int(m["accept_sum"]) == accept and int(m["accept_rows"]) == rows
-    assert np.asarray(m["count_k"]).min() > 0
+    np.testing.assert_allclose(float(m["weight_sum"]), weight_sum, rtol=1e-6)
+    assert np.asarray(m["count_k"]).tolist() == count
+    assert int(m["num_blocks"]) == len(lengths) and int(m["accept_sum"]) == sum(lengths)
     # A row of the second packed sequence drafts what it drafts with that sequence alone.
     alone = dmod.apply(
         {"params": params},

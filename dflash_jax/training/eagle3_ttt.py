@@ -69,13 +69,15 @@ def ttt_loss(dmod: Eagle3Drafter, dparams, embed_VH, taps_BS3F, batch, t2d_V, st
 
     batch: input_ids, loss_mask (1 on the tokens to learn: the assistant's), segment_ids [B, S]
     (0: padding); taps_BS3F the target's three tapped layers (frozen); embed_VH the target's
-    (frozen, shared) embedding; t2d_V `target_to_draft`. Step j's loss is the mean
-    cross-entropy over its valid labels (the token at p + 2 + j in p's segment, on the loss
-    mask, in the draft vocabulary); loss = sum_j decay^j loss_j / sum_j decay^j.
-    metrics: loss, per step `loss_k`, `correct_k`, `count_k` [steps], and `accept_sum` /
-    `accept_rows`: summed over rows p whose first label is valid, the number of leading steps
-    whose argmax equals its label (teacher forced), so accept_sum / accept_rows + 1 estimates
-    tokens per target pass for a chain of `steps` drafts."""
+    (frozen, shared) embedding; t2d_V `target_to_draft`. Step j (draft k = j + 1) has a label
+    at row p when the token at p + 2 + j is in p's segment, on the loss mask and in the draft
+    vocabulary; loss = sum(w * CE) / sum(w) over every step's labels, w = decay^j.
+    metrics (each a sum over the batch's rows but the loss, as `make_train_step`'s gradient
+    accumulation wants, and named as the DFlash loss names them): loss, weight_sum = sum(w),
+    per draft k [steps + 1] (k = 0 unused) `correct_k`, `count_k` and `ce_sum_k`; `accept_sum`
+    and `num_blocks`: over the rows whose first label exists, 1 + the number of leading steps
+    whose argmax is its label (teacher forced), the acceptance length of a chain of `steps`
+    drafts there."""
     ids, seg = batch["input_ids"], batch["segment_ids"]
     lmask = batch["loss_mask"].astype(bool)
     b, s = ids.shape
@@ -90,11 +92,12 @@ def ttt_loss(dmod: Eagle3Drafter, dparams, embed_VH, taps_BS3F, batch, t2d_V, st
         method=Eagle3Drafter.unrolled,
     )  # [J, B, S, Vd]
     t2d = jnp.asarray(t2d_V, jnp.int32)
-    losses, correct, count, hits = [], [], [], []
-    still = jnp.ones((b, s), bool)
+    zero = jnp.zeros((), jnp.float32)
+    correct, count, ce_sum = [zero], [zero], [zero]
+    total, weight_sum, accept = zero, zero, zero
+    first = still = None
     for j in range(steps):
-        label_t = shifted(ids, 2 + j)
-        label = t2d[label_t]
+        label = t2d[shifted(ids, 2 + j)]
         valid = (
             (shifted(seg, 2 + j) == seg)
             & (seg > 0)
@@ -103,29 +106,30 @@ def ttt_loss(dmod: Eagle3Drafter, dparams, embed_VH, taps_BS3F, batch, t2d_V, st
             & (jnp.arange(s)[None] + 2 + j < s)
         )
         lg = logits[j].astype(jnp.float32)
-        ce = (
-            jax.nn.logsumexp(lg, -1)
-            - jnp.take_along_axis(lg, jnp.maximum(label, 0)[..., None], -1)[..., 0]
-        )
-        n = jnp.sum(valid)
-        losses.append(jnp.sum(jnp.where(valid, ce, 0.0)) / jnp.maximum(n, 1))
+        picked = jnp.take_along_axis(lg, jnp.maximum(label, 0)[..., None], -1)[..., 0]
+        ce = jnp.where(valid, jax.nn.logsumexp(lg, -1) - picked, 0.0)
         right = valid & (jnp.argmax(lg, -1) == label)
-        correct.append(jnp.sum(right))
+        w = float(decay) ** j
+        n = jnp.sum(valid).astype(jnp.float32)
+        total, weight_sum = total + w * jnp.sum(ce), weight_sum + w * n
+        correct.append(jnp.sum(right).astype(jnp.float32))
         count.append(n)
+        ce_sum.append(jnp.sum(ce))
         if j == 0:
-            first = valid
-        still = still & right
-        hits.append(jnp.sum(still & first))
-    w = jnp.asarray([float(decay) ** j for j in range(steps)], jnp.float32)
-    per_step = jnp.stack(losses)
-    loss = jnp.sum(w * per_step) / jnp.sum(w)
+            first, still = valid, right
+        else:
+            still = still & right
+        accept = accept + jnp.sum(still).astype(jnp.float32)
+    num_blocks = jnp.sum(first).astype(jnp.float32)
+    loss = total / jnp.maximum(weight_sum, 1e-9)
     metrics = dict(
         loss=loss,
-        loss_k=per_step,
+        weight_sum=weight_sum,
         correct_k=jnp.stack(correct),
         count_k=jnp.stack(count),
-        accept_sum=jnp.sum(jnp.stack(hits)),
-        accept_rows=jnp.sum(first),
+        ce_sum_k=jnp.stack(ce_sum),
+        accept_sum=num_blocks + accept,
+        num_blocks=num_blocks,
     )
     return loss, metrics
 
