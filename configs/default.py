@@ -70,6 +70,13 @@ def get_config() -> ml_collections.ConfigDict:
             # logits x output_multiplier soft-capped at final_logit_softcapping (0: none), and
             # the candidate selector, trained by its cross-entropy over the top-k candidates
             # (weight selector_weight) beside the drafter's own loss.
+            # "dflash" (the block-diffusion drafter above) | "eagle3": an EAGLE-3 drafter (one
+            # layer over 3 taps, `target_layer_ids` empty: EAGLE-3's default layers) trained
+            # with training-time test (`dflash_jax/training/eagle3_ttt.py`): ttt_steps unrolled
+            # drafting steps, step j's loss weighted ttt_decay^j, over a draft vocabulary of
+            # the draft_vocab_size most frequent label tokens (0: the whole vocabulary).
+            kind="dflash",
+            eagle3=ml_collections.ConfigDict(dict(draft_vocab_size=0, ttt_steps=7, ttt_decay=0.8)),
             dflash2=ml_collections.ConfigDict(
                 dict(
                     enabled=False,

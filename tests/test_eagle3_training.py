@@ -183,7 +183,7 @@ def test_ttt_loss_equals_the_rule_written_in_numpy_over_packed_rows(drafter):
         segment_ids=jnp.asarray(seg, jnp.int32),
     )
     dmod = e3.Eagle3Drafter(cfg)
-    loss, m = ttt.ttt_loss(dmod, params, emb_table, taps, batch, t2d, steps, 0.8)
+    loss, m = ttt.ttt_loss(dmod, params, lambda i: emb_table[i], taps, batch, t2d, steps, 0.8)
     positions = ttt._positions(batch["segment_ids"])
     assert np.asarray(positions)[0].tolist() == list(range(6)) * 2 + [0, 1]
     logits = dmod.apply(

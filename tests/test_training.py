@@ -312,6 +312,40 @@ def test_a_dflash2_drafter_trains_exports_and_is_lossless(regen_file, trained, t
     assert spec.stats["tau"] >= 2.0, spec.stats["tau"]
 
 
+def test_an_eagle3_drafter_trains_with_ttt_exports_and_is_lossless(tmp_path):
+    """drafter.kind "eagle3" (issue 43): an EAGLE-3 drafter trained with training-time test over
+    a draft vocabulary of the most frequent label tokens (smaller than the target's), on a
+    3-layer tiny target's own greedy outputs (EAGLE-3 reads three distinct layers); the export
+    is a published-format EAGLE-3 directory whose drafts are accepted and whose output equals
+    autoregressive decoding, batched."""
+    regen = str(tmp_path / "regen.jsonl")
+    kw = {
+        "num_train_steps": 200,
+        "eval_every": 200,
+        "log_every": 50,
+        "target_model.num_layers": 3,
+        "drafter.kind": "eagle3",
+        "drafter.target_layer_ids": (0, 1, 2),
+        "drafter.eagle3.ttt_steps": 3,
+        "drafter.eagle3.draft_vocab_size": 48,
+    }
+    cfg = tiny_config(regen, **kw)
+    out = trainer.train_and_evaluate(cfg, str(tmp_path / "w"))
+    assert out["status"] == "done"
+    recs = [json.loads(l) for l in open(tmp_path / "w" / "metrics.jsonl")]
+    train = [r for r in recs if r["split"] == "train"]
+    assert train[-1]["loss"] < 0.5 * train[0]["loss"], (train[0], train[-1])
+    target = _tiny_target(cfg)
+    drafter = dj.load_eagle3(out["export"], target=target)
+    assert drafter.config.draft_vocab_size == 48 < target.config.vocab_size
+    assert drafter.embedding is None  # the target's embedding, shared
+    prompts = [r["prompt_ids"] for r in map(json.loads, open(regen))][-6:]
+    spec = dj.generate(target, drafter, prompts, 40, block_size=4)
+    assert spec.tokens == dj.generate(target, None, prompts, 40).tokens
+    assert spec.stats["tau"] >= 1.8, spec.stats["tau"]
+    assert max(a for acc in spec.acceptance_lengths for a in acc) == 4
+
+
 def test_teacher_positions_predict_the_labels_on_greedy_data(regen_file, trained):
     """On the target's own greedy text, the target's argmax at p+k-1 is x_{p+k}: the KL soft
     labels line up with the same-position hard labels (no off-by-one)."""

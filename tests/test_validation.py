@@ -126,6 +126,23 @@ CONFIG_CASES = [
     ({"num_train_steps": 0}, "num_train_steps must be >= 1"),
     ({"mask_schedule": "mdml"}, "did you mean 'mdlm'?"),
     ({"mask_full_fraction": 1.5}, "mask_full_fraction must be a number in [0, 1], got 1.5"),
+    ({"drafter.kind": "eagle"}, "did you mean 'eagle3'?"),
+    (
+        {"drafter.kind": "eagle3", "drafter.target_layer_ids": (0, 1)},
+        "an eagle3 drafter reads 3 target layers",
+    ),
+    (
+        {"drafter.kind": "eagle3", "drafter.target_layer_ids": (), "drafter.eagle3.ttt_steps": 0},
+        "drafter.eagle3.ttt_steps must be in [1, 32], got 0",
+    ),
+    (
+        {"drafter.kind": "eagle3", "drafter.target_layer_ids": (), "drafter.eagle3.ttt_decay": 0},
+        "drafter.eagle3.ttt_decay must be",
+    ),
+    (
+        {"drafter.kind": "eagle3", "drafter.target_layer_ids": (), "loss": "kl"},
+        "drafter.kind='eagle3' trains in mode 'drafter' with loss 'ce'",
+    ),
 ]
 
 

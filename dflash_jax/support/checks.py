@@ -372,6 +372,22 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
         float_param("drafter.dflash2.selector_weight", v2.selector_weight, lo=0.0, error=E)
     for i, t in enumerate(c.drafter.target_layer_ids):
         int_param(f"drafter.target_layer_ids[{i}]", t, lo=0, error=E)
+    choice("drafter.kind", c.drafter.get("kind", "dflash"), ("dflash", "eagle3"))
+    if c.drafter.get("kind", "dflash") == "eagle3":
+        e3 = c.drafter.eagle3
+        int_param("drafter.eagle3.ttt_steps", e3.ttt_steps, lo=1, hi=32, error=E)
+        int_param("drafter.eagle3.draft_vocab_size", e3.draft_vocab_size, lo=0, error=E)
+        float_param("drafter.eagle3.ttt_decay", e3.ttt_decay, lo=0.0, lo_open=True, hi=1.0, error=E)
+        if len(c.drafter.target_layer_ids) not in (0, 3):
+            raise E(
+                "an eagle3 drafter reads 3 target layers: drafter.target_layer_ids must name 3 "
+                f"(or none: EAGLE-3's default), got {tuple(c.drafter.target_layer_ids)}"
+            )
+        if c.mode != "drafter" or c.loss != "ce" or (v2 is not None and v2.get("enabled")):
+            raise E(
+                "drafter.kind='eagle3' trains in mode 'drafter' with loss 'ce' and without "
+                "drafter.dflash2"
+            )
     int_param("num_anchors", c.num_anchors, lo=1, error=E)
     float_param("gamma", c.gamma, lo=0.0, lo_open=True, error=E)
     int_param("loss_chunk_anchors", c.loss_chunk_anchors, lo=0, error=E)

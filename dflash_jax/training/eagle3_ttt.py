@@ -64,12 +64,12 @@ def shifted(x_BS, by: int, fill=0):
     return jnp.concatenate([x_BS[:, by:], pad], axis=1)
 
 
-def ttt_loss(dmod: Eagle3Drafter, dparams, embed_VH, taps_BS3F, batch, t2d_V, steps: int, decay):
+def ttt_loss(dmod: Eagle3Drafter, dparams, embed, taps_BS3F, batch, t2d_V, steps: int, decay):
     """(loss, metrics) of `steps` unrolled drafting steps (module doc).
 
     batch: input_ids, loss_mask (1 on the tokens to learn: the assistant's), segment_ids [B, S]
-    (0: padding); taps_BS3F the target's three tapped layers (frozen); embed_VH the target's
-    (frozen, shared) embedding; t2d_V `target_to_draft`. Step j (draft k = j + 1) has a label
+    (0: padding); taps_BS3F the target's three tapped layers (frozen); embed(ids [B, S]) the
+    target's (frozen, shared) embedding [B, S, H]; t2d_V `target_to_draft`. Step j (draft k = j + 1) has a label
     at row p when the token at p + 2 + j is in p's segment, on the loss mask and in the draft
     vocabulary; loss = sum(w * CE) / sum(w) over every step's labels, w = decay^j.
     metrics (each a sum over the batch's rows but the loss, as `make_train_step`'s gradient
@@ -82,7 +82,7 @@ def ttt_loss(dmod: Eagle3Drafter, dparams, embed_VH, taps_BS3F, batch, t2d_V, st
     lmask = batch["loss_mask"].astype(bool)
     b, s = ids.shape
     positions = _positions(seg)
-    embs = jnp.stack([embed_VH[shifted(ids, 1 + j)] for j in range(steps)])
+    embs = jnp.stack([embed(shifted(ids, 1 + j)) for j in range(steps)])
     logits = dmod.apply(
         {"params": dparams},
         taps_BS3F,
@@ -142,3 +142,42 @@ def _positions(segment_ids_BS):
     starts = jnp.concatenate([jnp.ones_like(seg[:, :1], bool), seg[:, 1:] != seg[:, :-1]], axis=1)
     start_idx = jax.lax.cummax(jnp.where(starts, idx, 0), axis=1)
     return (idx - start_idx).astype(jnp.int32)
+
+
+def label_counts(docs, tokenize_fn, vocab_size: int) -> np.ndarray:
+    """int64 [V]: how often each target id is a label (on the loss mask) in the training docs:
+    what the draft vocabulary is chosen from."""
+    counts = np.zeros((vocab_size,), np.int64)
+    for i in range(len(docs)):
+        ids, mask = tokenize_fn(docs[i])[:2]
+        ids = np.asarray(ids)[np.asarray(mask) > 0]
+        counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+    return counts
+
+
+def loss_fn_for(tmod, dmod: Eagle3Drafter, t2d_V, steps: int, decay):
+    """loss_fn(params, frozen, batch, key) for the trainer: the frozen target's taps of the
+    drafter's three layers (stopping at the last), then `ttt_loss` (each packed document its
+    own sequence, as the target sees it)."""
+    from dflash_jax.models.transformer import Transformer
+
+    tap_layers = dmod.cfg.tap_layers(tmod.cfg.num_layers)
+
+    def loss_fn(params, frozen, batch, key):
+        del key  # no random draws: every row drafts
+        tvars = {"params": frozen}
+        taps = tmod.apply(
+            tvars,
+            batch["input_ids"],
+            tap_layers,
+            segment_ids_BT=batch["segment_ids"],
+            method=Transformer.taps,
+        )
+        taps = jax.lax.stop_gradient(taps)
+
+        def embed(ids):
+            return jax.lax.stop_gradient(tmod.apply(tvars, ids, method=Transformer.embed))
+
+        return ttt_loss(dmod, params, embed, taps, batch, t2d_V, steps, decay)
+
+    return loss_fn

@@ -67,6 +67,7 @@ class Experiment:
     tokenizer_dir: Optional[str]
     stop_ids: tuple
     repetition_sampler: Any = None  # unlikelihood.RepetitionSampler (target mode, weight > 0)
+    d2t: Any = None  # an EAGLE-3 drafter's draft-to-target offsets (drafter.kind "eagle3")
 
     @property
     def frozen(self):
@@ -76,7 +77,13 @@ class Experiment:
         tp = params if self.mode == "target" else self.target_params
         return Target(self.target_cfg, tp, path=self.tokenizer_dir)
 
-    def drafter_for(self, params) -> Drafter:
+    def drafter_for(self, params):
+        """The user object of the trained drafter: a `Drafter`, or an `Eagle3` (sharing the
+        target's embedding)."""
+        if self.d2t is not None:
+            from dflash_jax.drafters.eagle3 import Eagle3
+
+            return Eagle3(self.drafter_cfg, params, self.d2t)
         return Drafter(self.drafter_cfg, params)
 
 
@@ -208,7 +215,13 @@ def build_experiment(config, workdir: str) -> Experiment:
     train_iter, steps_per_epoch, eval_batches = _batches(
         config, train_docs, eval_docs, tokenize_fn, pad_id
     )
-    dcfg, dmod, init, loss_fn = _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches)
+    d2t = None
+    if mode == "drafter" and config.drafter.get("kind", "dflash") == "eagle3":
+        dcfg, dmod, init, loss_fn, d2t = _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn)
+    else:
+        dcfg, dmod, init, loss_fn = _trained_model(
+            config, tcfg, tparams, tmod, tokenizer, eval_batches
+        )
     stop_ids = (eos_id,) if eos_id is not None else ()
     sampler = None
     if mode == "target" and config.unlikelihood.weight > 0:
@@ -233,7 +246,52 @@ def build_experiment(config, workdir: str) -> Experiment:
         tokenizer_dir=tok_dir,
         stop_ids=stop_ids,
         repetition_sampler=sampler,
+        d2t=d2t,
     )
+
+
+def _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn):
+    """(config, module, initial parameters, TTT loss function, d2t) of an EAGLE-3 drafter
+    (drafter.kind "eagle3"): continued from drafter.init_path (an EAGLE-3 directory, its own
+    draft vocabulary kept) or new, its draft vocabulary the drafter.eagle3.draft_vocab_size
+    most frequent label tokens of the training docs (0: the whole vocabulary)."""
+    from dflash_jax.drafters import eagle3 as e3
+    from dflash_jax.training import eagle3_ttt
+
+    dc, ec = config.drafter, config.drafter.eagle3
+    if dc.init_path:
+        loaded = e3.load_eagle3(
+            dc.init_path, target=Target(tcfg, None), param_dtype=dc.get("param_dtype") or None
+        )
+        if loaded.embedding is not None:
+            raise ValueError(
+                f"drafter.init_path {dc.init_path} has its own embedding; training keeps the "
+                "target's shared one (remove embed_tokens from the file to continue it)"
+            )
+        cfg, init, d2t = loaded.config, loaded.params, np.asarray(loaded.d2t, np.int64)
+    else:
+        vd = int(ec.draft_vocab_size) or tcfg.vocab_size
+        if vd > tcfg.vocab_size:
+            raise ValueError(
+                f"drafter.eagle3.draft_vocab_size {vd} exceeds the target's vocabulary "
+                f"{tcfg.vocab_size}"
+            )
+        overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
+        if dc.get("param_dtype"):
+            overrides["param_dtype"] = as_dtype(dc.param_dtype)
+        cfg = e3.make_eagle3_config(
+            tcfg,
+            draft_vocab_size=vd,
+            target_layer_ids=tuple(dc.target_layer_ids) or None,
+            **overrides,
+        )
+        counts = eagle3_ttt.label_counts(train_docs, tokenize_fn, tcfg.vocab_size)
+        d2t = eagle3_ttt.draft_vocabulary(counts, vd)
+        init = e3.init_eagle3_params(cfg, seed=config.seed)
+    dmod = e3.Eagle3Drafter(cfg)
+    t2d = eagle3_ttt.target_to_draft(d2t, tcfg.vocab_size)
+    loss_fn = eagle3_ttt.loss_fn_for(tmod, dmod, t2d, int(ec.ttt_steps), float(ec.ttt_decay))
+    return cfg, dmod, init, loss_fn, d2t
 
 
 def _tokenizer(config, workdir, target_path, train_src):

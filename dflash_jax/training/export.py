@@ -22,7 +22,13 @@ def export(exp: Experiment, params, directory: str) -> str:
         path = os.path.join(directory, "drafter")
         if not distributed.is_primary():
             return path
-        save_drafter(exp.drafter_for(params), path)
+        drafter = exp.drafter_for(params)
+        if exp.d2t is not None:  # EAGLE-3: its published format
+            from dflash_jax.drafters.eagle3 import save_eagle3
+
+            save_eagle3(drafter, path)
+        else:
+            save_drafter(drafter, path)
     else:
         path = os.path.join(directory, "target")
         if not distributed.is_primary():
