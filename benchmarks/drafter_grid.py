@@ -5,7 +5,8 @@
       --num_prompts=8 --max_new_tokens=128 --batch_size=8 \
       --json_out=benchmarks/results/smollm2/grid.json
 
-`--drafter` takes several, comma-separated (drafter directories, or `prompt_lookup[:N-M]`),
+`--drafter` takes several, comma-separated (DFlash or EAGLE-3 drafter directories, or
+`prompt_lookup[:N-M]`),
 measured side by side on the same prompts against the same autoregressive runs: rows are then
 `<drafter>:<setting>` (the directory's base name), and a second table gives each drafter's tau
 over the first one's, per setting and dataset.
@@ -196,6 +197,19 @@ def plot(results, datasets, path) -> None:
     fig.savefig(path, dpi=120)
 
 
+def load_drafters(dirs, looked_up, target):
+    """The drafters of --drafter in order: prompt lookup where `looked_up` has one, else the
+    directory as an EAGLE-3 drafter (its config's architectures) or a DFlash one."""
+    from dflash_jax.drafters.dflash import load_drafter
+    from dflash_jax.drafters.eagle3 import load_eagle3
+    from dflash_jax.frontend.batch_runner import is_eagle3
+
+    return [
+        pl if pl is not None else (load_eagle3 if is_eagle3(d) else load_drafter)(d, target=target)
+        for d, pl in zip(dirs, looked_up)
+    ]
+
+
 def main(argv):
     del argv
     from dflash_jax.models import hub
@@ -221,17 +235,13 @@ def main(argv):
     from dflash_jax.data import load_tokenizer
     from dflash_jax.data.chat import template_renderer
     from dflash_jax.drafters import prompt_lookup
-    from dflash_jax.drafters.dflash import load_drafter
     from dflash_jax.models.target import load_target
     from dflash_jax.support import console
 
     looked_up = [prompt_lookup.from_spec(d) for d in dirs]  # a bad n-gram range: one line
     console.cli_startup()
     target = load_target(target_dir)
-    drafters = {
-        label: pl if pl is not None else load_drafter(d, target=target)
-        for label, d, pl in zip(labels, dirs, looked_up)
-    }
+    drafters = dict(zip(labels, load_drafters(dirs, looked_up, target)))
     many = len(drafters) > 1
     tok = load_tokenizer(target_dir)
     render, how = template_renderer(target_dir, True)

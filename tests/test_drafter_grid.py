@@ -54,3 +54,25 @@ def test_drafters_side_by_side_share_the_autoregressive_runs(bundled_pair):
     want = results["prompt_lookup:t0_b8"]["d"]["tau"] / results["drafter:t0_b8"]["d"]["tau"]
     assert f"| t0_b8 | prompt_lookup | {want:.3f} |" in table
     assert drafter_grid.drafter_label("assets/x/drafter_dflash2/") == "drafter_dflash2"
+
+
+def test_drafter_directories_load_as_their_kind(bundled_pair, tmp_path):
+    """--drafter's directories: an EAGLE-3 directory loads as EAGLE-3, a z-lab one as DFlash,
+    prompt lookup as itself, in the order given."""
+    import os
+
+    import numpy as np
+
+    import dflash_jax as dj
+    from _pair import PAIR
+    from dflash_jax.drafters import eagle3 as e3
+    from dflash_jax.drafters import prompt_lookup
+
+    target = bundled_pair[0]
+    cfg = e3.make_eagle3_config(target.config, draft_vocab_size=64, target_layer_ids=(0, 1, 2))
+    d2t = np.zeros(64, np.int64)  # the first 64 ids
+    e3.save_eagle3(e3.Eagle3(cfg, e3.init_eagle3_params(cfg), d2t), str(tmp_path / "e3"))
+    dirs = [str(tmp_path / "e3"), os.path.join(PAIR, "drafter"), "prompt_lookup:2-3"]
+    got = drafter_grid.load_drafters(dirs, [prompt_lookup.from_spec(d) for d in dirs], target)
+    assert isinstance(got[0], dj.Eagle3) and got[0].config.draft_vocab_size == 64
+    assert isinstance(got[1], dj.Drafter) and isinstance(got[2], dj.PromptLookup)
