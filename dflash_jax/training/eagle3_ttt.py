@@ -140,3 +140,42 @@ def _positions(segment_ids_BS):
 
     idx = jnp.arange(segment_ids_BS.shape[1], dtype=jnp.int32)[None]
     return idx - _segment_starts(segment_ids_BS)
+
+
+def label_counts(docs, tokenize_fn, vocab_size: int) -> np.ndarray:
+    """int64 [V]: how often each target id is a label (on the loss mask) in the training docs:
+    what the draft vocabulary is chosen from."""
+    counts = np.zeros((vocab_size,), np.int64)
+    for i in range(len(docs)):
+        ids, mask = tokenize_fn(docs[i])[:2]
+        ids = np.asarray(ids)[np.asarray(mask) > 0]
+        counts += np.bincount(ids[(ids >= 0) & (ids < vocab_size)], minlength=vocab_size)
+    return counts
+
+
+def loss_fn_for(tmod, dmod: Eagle3Drafter, t2d_V, steps: int, decay):
+    """loss_fn(params, frozen, batch, key) for the trainer: the frozen target's taps of the
+    drafter's three layers (stopping at the last), then `ttt_loss` (each packed document its
+    own sequence, as the target sees it)."""
+    from dflash_jax.models.transformer import Transformer
+
+    tap_layers = dmod.cfg.tap_layers(tmod.cfg.num_layers)
+
+    def loss_fn(params, frozen, batch, key):
+        del key  # no random draws: every row drafts
+        tvars = {"params": frozen}
+        taps = tmod.apply(
+            tvars,
+            batch["input_ids"],
+            tap_layers,
+            segment_ids_BT=batch["segment_ids"],
+            method=Transformer.taps,
+        )
+        taps = jax.lax.stop_gradient(taps)
+
+        def embed(ids):
+            return jax.lax.stop_gradient(tmod.apply(tvars, ids, method=Transformer.embed))
+
+        return ttt_loss(dmod, params, embed, taps, batch, t2d_V, steps, decay)
+
+    return loss_fn
