@@ -558,6 +558,16 @@ CASES = [
                 r"--denoise_steps must be in \[1, 15\]",
             ),
             (
+                "dry_run_eagle3_tree",
+                ["--topology=cpu:2", "--model=small", "--drafter=eagle3", "--tree_budget=8"],
+                r"--tree_budget is for DFlash drafters; --drafter=eagle3 drafts a chain",
+            ),
+            (
+                "dry_run_draft_vocab_without_eagle3",
+                ["--topology=cpu:2", "--model=small", "--draft_vocab_size=100"],
+                r"--draft_vocab_size is for --drafter=eagle3",
+            ),
+            (
                 "dry_run_tau_nan",
                 ["--topology=cpu:2", "--model=small", "--tau=nan"],
                 r"--tau .*'nan'",

@@ -110,6 +110,54 @@ def test_a_routed_grouped_matmul_is_charged_its_routed_experts(chip):
     assert ragged["hbm_bytes"] >= e * expert, ragged
 
 
+@pytest.mark.slow  # a libtpu compile
+def test_a_scan_nested_in_the_step_is_charged_its_trip_count(chip):
+    """An EAGLE-3 step drafts its K tokens in a `lax.scan` inside the decode loop: the scan's
+    body runs K times a step, so K nested 1-row matmuls over weights too large for VMEM (8192^2
+    bfloat16, 128 MiB) read them K times (the trip count read from the compiled condition,
+    `hlo.trip_count`), not once."""
+    from dflash_jax.dry_run import hlo
+
+    def loop(w, x, n):
+        def step(i, c):
+            inner = lambda c, _: ((c @ w).astype(c.dtype), None)
+            return jax.lax.scan(inner, c, None, length=7)[0]
+
+        return jax.lax.fori_loop(0, n, step, x)
+
+    args = [
+        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=chip) for s in ((8192, 8192), (1, 8192))
+    ]
+    n = jax.ShapeDtypeStruct((), jnp.int32, sharding=chip)
+    text = jax.jit(loop).lower(*args, n).compile().as_text()
+    times = hlo.loop_body_multiplicity(text)
+    assert sorted(set(times.values())) == [1, 7], times  # the step's body once, the scan's 7
+    w = 8192 * 8192 * 2
+    t = hbm.hbm_traffic(text)
+    assert 7 * w <= t["hbm_bytes"] <= 7.1 * w, t
+
+
+def test_trip_counts_from_the_annotation_or_the_condition():
+    """`hlo.trip_count`: XLA's known_trip_count where given, else `counter < constant` read from
+    the loop's condition, else 1 (charged once, as an unknown loop always was)."""
+    from dflash_jax.dry_run import hlo
+
+    cond = [
+        "%c.1 = s32[] constant(0)",
+        "%constant.9 = s32[]{:T(128)} constant(15)",
+        "%p = (s32[], f32[4]) parameter(0)",
+        "%g = s32[]{:T(128)} get-tuple-element(%p), index=0",
+        "ROOT %lt.2 = pred[]{:T(512)} compare(%g, %constant.9), direction=LT, metadata={}",
+    ]
+    comps = {"cond": cond, "cond_ne": [*cond[:-1], cond[-1].replace("LT", "NE")]}
+    line = "%w = (s32[], f32[4]) while(%t), condition=%cond, body=%body"
+    assert hlo.trip_count(line, comps) == 15
+    assert hlo.trip_count(line.replace("%cond,", "%cond_ne,"), comps) == 1
+    known = line + ', backend_config={"known_trip_count":{"n":"7"}}'
+    assert hlo.trip_count(known, comps) == 7
+    assert hlo.trip_count(line.replace("%cond,", "%missing,"), comps) == 1
+
+
 def test_the_floor_by_hand():
     """Per chip: body weights once, the LM head per verify and per drafter pass, the drafter's
     weights per pass, the KV cache over the filled prefix plus the new rows, the drafter's
@@ -122,6 +170,10 @@ def test_the_floor_by_hand():
     assert dflash == 1000 + 200 + 50 + 10 * 316 + 1 * (300 + 16)
     two = hbm.floor_bytes(**kw, **caches, rows=16, passes=2)
     assert two - dflash == 100 + 50 + 300  # one more pass: LM head, drafter, context read
+    # EAGLE-3, K = 7 steps of its own layer and LM head (drafter_weight_bytes), the target's
+    # LM head at the verify only, its cache read per step:
+    eagle3 = hbm.floor_bytes(**kw, **caches, rows=8, passes=7, head_passes=0)
+    assert eagle3 == 1000 + 100 + 7 * 50 + 10 * 308 + 7 * 300 + 8
 
 
 def test_routed_fraction_is_the_share_of_experts_tokens_touch():

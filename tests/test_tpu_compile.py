@@ -443,3 +443,42 @@ def test_these_compiles_are_the_ones_users_get():
     assert jax.config.values["jax_disable_most_optimizations"] is False
     if not os.environ.get("DFLASH_TEST_FULL_OPTIMIZATION"):
         assert os.environ.get("JAX_DISABLE_MOST_OPTIMIZATIONS") == "1"
+
+
+@pytest.mark.slow  # two libtpu compiles of the tiny preset's loops
+def test_eagle3_and_prompt_lookup_compile_in_the_dflash_loops_place(monkeypatch, tmp_path):
+    """`dry_run_infer(drafter="eagle3" | "prompt_lookup")` (issue 43's projected speedups):
+    the drafter's own loop is compiled where DFlash's would be. EAGLE-3's parameter bytes are
+    those of its published layout counted here by hand (fc [3H, H], one Llama layer over
+    [emb; feature], its LM head over the draft vocabulary, d2t), its K = block - 1 drafting
+    steps a loop nested in the step that the HBM model charges K times; prompt lookup adds no
+    parameter byte and no nested loop."""
+    import dataclasses
+
+    from dflash_jax.dry_run import hlo, presets, programs
+
+    real = presets.build_configs
+
+    def three_layers(*a, **k):  # the tiny preset with room for EAGLE-3's three taps
+        tcfg, dcfg = real(*a, **k)
+        return dataclasses.replace(tcfg, num_layers=3), dcfg
+
+    monkeypatch.setattr(programs, "build_configs", three_layers)
+    devices, chip = dry_run.topology_devices("v5e:1x1")
+    kw = dict(batch=1, context=256, max_new_tokens=32, devices=devices, chip=chip)
+    kw.update(attention=("pallas",), block_size=8, only=("dflash_decode", "ar_decode"))
+    e3 = programs.dry_run_infer(
+        "tiny", "tensor=1", drafter="eagle3", draft_vocab_size=1024, hlo_dir=str(tmp_path), **kw
+    )
+    h, q, kv, f, vd = 256, 16 * 128, 8 * 128, 512, 1024  # the tiny preset's shapes
+    layer = 2 * h * (q + 2 * kv) + q * h + 3 * h * f + 3 * h  # [emb; feature] in, 3 norms
+    eagle3_bytes = 2 * (3 * h * h + layer + h + h * vd) + 4 * vd  # fc, final norm, head; d2t
+    sizes = e3["sizes"]
+    assert sizes["dflash_param_bytes"] - sizes["ar_param_bytes"] == eagle3_bytes
+    assert e3["settings"]["drafter"] == "eagle3"
+    text = open(tmp_path / "dflash_decode.hlo").read()
+    assert 7 in hlo.loop_body_multiplicity(text).values()  # the K drafting steps
+    assert e3["roofline"]["steps"]["dflash"]["hbm_bytes"] > 0
+    pl = programs.dry_run_infer("tiny", "tensor=1", drafter="prompt_lookup", **kw)
+    assert pl["sizes"]["dflash_param_bytes"] == pl["sizes"]["ar_param_bytes"]
+    assert pl["roofline"]["projection"]["pallas"]["hbm_step_ratio"] > 0

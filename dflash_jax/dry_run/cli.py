@@ -254,11 +254,24 @@ def _check_sizes(args) -> None:
                 "--tree_budget", args.tree_budget, lo=1, hi=checks.MAX_TREE_BUDGET, error=E
             )
         checks.int_param("--drafter_window", getattr(args, "drafter_window", 0), lo=0, error=E)
-        if getattr(args, "drafter", "dflash") == "dflash2":
+        drafter = getattr(args, "drafter", "dflash")
+        if drafter == "dflash2":
             if getattr(args, "tree_budget", None) is not None:
                 raise E("--tree_budget is not implemented for --drafter=dflash2 yet")
             if getattr(args, "denoise_steps", 1) != 1:
                 raise E("--denoise_steps is not implemented for --drafter=dflash2 yet")
+        if drafter in ("eagle3", "prompt_lookup"):
+            for flag, default in (
+                ("tree_budget", None),
+                ("denoise_steps", 1),
+                ("drafter_window", 0),
+            ):
+                if getattr(args, flag, default) not in (default, None):
+                    raise E(f"--{flag} is for DFlash drafters; --drafter={drafter} drafts a chain")
+        vocab = getattr(args, "draft_vocab_size", 0)
+        checks.int_param("--draft_vocab_size", vocab, lo=0, error=E)
+        if vocab and drafter != "eagle3":
+            raise E("--draft_vocab_size is for --drafter=eagle3")
         denoise = getattr(args, "denoise_steps", 1)
         checks.int_param("--denoise_steps", denoise, lo=1, error=E)
         if denoise != 1:
@@ -329,9 +342,18 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
     flags.DEFINE_enum(
         "drafter",
         "dflash",
-        ["dflash", "dflash2"],
+        ["dflash", "dflash2", "eagle3", "prompt_lookup"],
         "infer: the drafter (dflash2: DFlash 2's convolutions and candidate selector at the "
-        "published sizes, conv 2 taps / groups of 16, selector rank 256, top-16)",
+        "published sizes, conv 2 taps / groups of 16, selector rank 256, top-16; eagle3: one "
+        "layer at the target's width drafting block_size - 1 tokens one step at a time; "
+        "prompt_lookup: n-gram lookup, no parameters), compiled in the DFlash loop's place",
+        **fv,
+    )
+    flags.DEFINE_integer(
+        "draft_vocab_size",
+        0,
+        "infer, --drafter=eagle3: its draft vocabulary (0: 32000 as the published ones, at most "
+        "the target's vocabulary)",
         **fv,
     )
     flags.DEFINE_integer(
@@ -416,6 +438,7 @@ def run_flags(args):
             denoise_steps=getattr(args, "denoise_steps", 1),
             drafter=getattr(args, "drafter", "dflash"),
             drafter_window=getattr(args, "drafter_window", 0) or None,
+            draft_vocab_size=getattr(args, "draft_vocab_size", 0) or None,
             attention=tuple(a.strip() for a in attention.split(",")),
             taus=tuple(_floats(args.tau)),
             prefill_chunk=args.prefill_chunk,
@@ -436,8 +459,14 @@ def run_flags(args):
     else:
         if getattr(args, "quantize", ""):
             raise UsageError("--quantize is for --mode=infer")
-        if getattr(args, "drafter", "dflash") != "dflash" or getattr(args, "drafter_window", 0):
-            raise UsageError("--drafter and --drafter_window are for --mode=infer")
+        if (
+            getattr(args, "drafter", "dflash") != "dflash"
+            or getattr(args, "drafter_window", 0)
+            or getattr(args, "draft_vocab_size", 0)
+        ):
+            raise UsageError(
+                "--drafter, --drafter_window and --draft_vocab_size are for --mode=infer"
+            )
         if args.hlo_dir:
             raise UsageError("--hlo_dir is for --mode=infer (the decode and prefill programs)")
         impl = attention.split(",")[0].strip()

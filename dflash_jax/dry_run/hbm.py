@@ -7,8 +7,9 @@ counted once (issue 26), which inflates DFlash's 16-row draft and verify against
 
 **The compiled count** (`hbm_traffic`). The instructions run per iteration of the decode
 `while` loop (its body and the control flow it calls, not the inside of fusions, which runs
-out of registers and VMEM) are walked once: one iteration is one decode step. Each instruction
-is charged the bytes of its operands and results that live in HBM (memory space 0: a TPU
+out of registers and VMEM) are walked once: one iteration is one decode step; a loop nested in
+the step (an EAGLE-3 drafter's K drafting steps, a `lax.scan`) is walked once and charged its
+`known_trip_count` times (`hlo.loop_body_multiplicity`). Each instruction is charged the bytes of its operands and results that live in HBM (memory space 0: a TPU
 layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
 - no traffic: parameter, get-tuple-element, tuple, bitcast, constant, the `-done` halves of
   async pairs, and the control-flow ops themselves (their computations are walked instead);
@@ -51,7 +52,12 @@ import re
 from typing import Any, Dict, List, Optional, Tuple
 
 from dflash_jax.dry_run.compiled import _DTYPE_BYTES
-from dflash_jax.dry_run.hlo import _INSTR, computations, loop_body_computations
+from dflash_jax.dry_run.hlo import (
+    _INSTR,
+    computations,
+    loop_body_computations,
+    loop_body_multiplicity,
+)
 
 # One array type with its layout: bf16[1,34304,128]{2,1,0:T(8,128)(2,1)S(1)}
 _TYPED = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([\d,]*)\](\{[^}]*\})?")
@@ -162,7 +168,8 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
     comps = computations(hlo_text)
     fused: Dict[str, _Fused] = {}
     rows = []
-    for c in sorted(loop_body_computations(hlo_text, into_fusions=False)):
+    times = loop_body_multiplicity(hlo_text)
+    for c in sorted(times):
         types = _types(comps[c])
         for line in comps[c]:
             m = _INSTR.match(line)
@@ -215,7 +222,7 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
                 writes = sum(_array_bytes(dest))
             elif op.endswith("-start"):
                 writes = 0  # async collectives: the operands read; results land with -done
-            total = sum(reads) + writes
+            total = (sum(reads) + writes) * times[c]
             if total:
                 rows.append(
                     {
@@ -294,16 +301,20 @@ def floor_bytes(
     context: int,
     rows: int,
     passes: int,
+    head_passes: Optional[int] = None,
 ) -> int:
     """The analytic floor of one decode step per chip (module doc). *_bytes are per chip:
     the target's weights without embedding and LM head, its LM head, the drafter's weights, the
     target's KV cache and the drafter's context cache at `capacity` positions. rows: positions
-    a step writes (AR 1, DFlash the block); passes: drafter passes per step (0 for AR)."""
+    a step writes (AR 1, DFlash the block); passes: drafter passes per step (0 for AR; an
+    EAGLE-3 drafter: its K sequential steps); head_passes: of those, the passes that read the
+    target's LM head (default all: a DFlash drafter shares it; EAGLE-3 has its own, 0)."""
     per_pos = cache_bytes / capacity
     per_ctx = ctx_bytes / capacity
+    head_passes = passes if head_passes is None else head_passes
     return int(
         body_weight_bytes
-        + lm_head_bytes * (1 + passes)
+        + lm_head_bytes * (1 + head_passes)
         + drafter_weight_bytes * passes
         + per_pos * (context + rows)
         + (per_ctx * (context * passes + rows) if passes else 0)

@@ -95,6 +95,59 @@ def loop_body_computations(hlo_text: str, into_fusions: bool = True) -> Set[str]
     return seen
 
 
+_TRIP = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CONSTANT = re.compile(r"^\s*%?([\w.\-]+)\s*=\s*s32\[\][^ ]*\s+constant\((\d+)\)")
+
+
+def trip_count(while_line: str, comps: Dict[str, List[str]]) -> int:
+    """Iterations of a `while`: XLA's `known_trip_count`, else read from its condition when
+    that is `counter < constant` (a `lax.scan` / `fori_loop` from 0, the one pattern the
+    decode step's nested loops take), else 1."""
+    known = _TRIP.search(while_line)
+    if known:
+        return int(known.group(1))
+    cond = re.search(r"condition=%?([\w.\-]+)", while_line)
+    lines = comps.get(cond.group(1), []) if cond else []
+    consts = {m.group(1): int(m.group(2)) for m in map(_CONSTANT.match, lines) if m}
+    for line in lines:
+        root = re.match(r"^\s*ROOT\s.*\scompare\(([^)]*)\).*direction=LT", line)
+        if root:
+            operands = [o.strip().split()[-1].lstrip("%") for o in root.group(1).split(",")]
+            if len(operands) == 2 and operands[1] in consts:
+                return consts[operands[1]]
+    return 1
+
+
+def loop_body_multiplicity(hlo_text: str) -> Dict[str, int]:
+    """{computation: times it runs per iteration of the outermost loop} for the control-flow
+    computations of `loop_body_computations(into_fusions=False)`: an outermost `while`'s body
+    and condition 1, a `while` nested in it (a `lax.scan` in the step: an EAGLE-3 drafter's K
+    drafting steps) its parent's count x its `trip_count`, a
+    conditional's branches and called computations their caller's."""
+    comps = computations(hlo_text)
+    mult: Dict[str, int] = {}
+
+    def walk(c: str, m: int, inside: bool, stack=()) -> None:
+        if c in stack or c not in comps:
+            return
+        if inside:
+            mult[c] = max(mult.get(c, 0), m)
+        for line in comps[c]:
+            hit = _INSTR.match(line)
+            if not hit or hit.group(4) not in _CONTROL_FLOW:
+                continue
+            n = m
+            if hit.group(4) == "while":
+                n = m * trip_count(line, comps) if inside else 1
+            for callee in _called(line):
+                walk(callee, n, inside or hit.group(4) == "while", stack + (c,))
+
+    walk("__entry__", 1, False)
+    for c in loop_body_computations(hlo_text, into_fusions=False):
+        mult.setdefault(c, 1)  # loops not reached from the entry: once, as before
+    return mult
+
+
 def _elems(shape: str) -> int:
     n = 1
     for d in shape.split(","):

@@ -42,8 +42,9 @@ def _loop_program(tmod, dmod, plan, reps: int):
 
 
 def _floor(
-    tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, context, rows, passes, batch=1
-):
+    tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, context, rows, passes, batch=1,
+    head_passes=None,
+):  # fmt: skip
     """The analytic per-chip floor of one decode step (`hbm.floor_bytes`) from the per-chip
     sizes of the weights and caches as sharded; a MoE target's experts at the share its
     batch x rows tokens route to (`hbm.routed_fraction`)."""
@@ -72,7 +73,7 @@ def _floor(
         body -= experts - int(experts * share)
     ctx = 0
     if state.ctx is not None:
-        ctx = tree_bytes_per_device(state.ctx, sharding.cache_sharding(state.ctx, mesh))
+        ctx = tree_bytes_per_device(state.ctx, sharding.decode_state_sharding(state, mesh).ctx)
     return hbm.floor_bytes(
         body_weight_bytes=body,
         lm_head_bytes=head,
@@ -83,6 +84,7 @@ def _floor(
         context=context,
         rows=rows,
         passes=passes,
+        head_passes=head_passes,
     )
 
 
@@ -90,6 +92,40 @@ def _floor(
 DFLASH2_PUBLISHED = dict(
     conv_kernel_size=2, conv_group_size=16, selector_rank=256, selector_top_k=16
 )
+
+
+# The other drafters a dry run compiles in the DFlash loop's place (issue 43).
+OTHER_DRAFTERS = ("eagle3", "prompt_lookup")
+# The published EAGLE-3 drafters of Qwen3 / Llama 3.1 targets draft over 32,000 tokens.
+EAGLE3_DRAFT_VOCAB = 32000
+
+
+def other_drafter(tcfg, drafter: str, block_size: int, draft_vocab_size: Optional[int] = None):
+    """(module, abstract decode parameters or None, passes, target-LM-head passes) of a drafter
+    that is not DFlash, for a target config `tcfg`: "eagle3", one Llama layer at the target's
+    width over its default taps, the target's embedding shared, its own LM head over
+    `draft_vocab_size` tokens (default `EAGLE3_DRAFT_VOCAB`, at most the vocabulary), drafting
+    block_size - 1 tokens one step at a time; "prompt_lookup", no parameters, no pass."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.drafters import eagle3 as e3
+    from dflash_jax.drafters import prompt_lookup
+
+    if drafter == "prompt_lookup":
+        return prompt_lookup.PromptLookup(block_size).module, None, 0, 0
+    if drafter != "eagle3":
+        raise ValueError(f"drafter must be one of {OTHER_DRAFTERS}, got {drafter!r}")
+    vd = min(draft_vocab_size or EAGLE3_DRAFT_VOCAB, tcfg.vocab_size)
+    n = tcfg.num_layers
+    try:
+        taps = e3.default_eagle3_taps(n)
+    except ValueError:  # a target too shallow for the default (test shapes): first, middle, last
+        taps = (0, n // 2, n - 1)
+    cfg = e3.make_eagle3_config(tcfg, draft_vocab_size=vd, target_layer_ids=taps)
+    params = jax.eval_shape(lambda: e3.init_eagle3_params(cfg))
+    dparams = {"params": params, "vocab": {"d2t": jax.ShapeDtypeStruct((vd,), jnp.int32)}}
+    return e3.Eagle3Drafter(cfg), dparams, block_size - 1, 0
 
 
 def drafter_variant(dcfg, drafter: str = "dflash", window: Optional[int] = None):
@@ -130,6 +166,7 @@ def dry_run_infer(
     quantize_lm_head: bool = False,
     drafter: str = "dflash",
     drafter_window: Optional[int] = None,
+    draft_vocab_size: Optional[int] = None,
 ) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
@@ -145,7 +182,9 @@ def dry_run_infer(
     denoise_steps: drafter passes per DFlash step (`Plan.denoise_steps`).
     quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
     its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.
-    drafter: "dflash" or "dflash2" (`drafter_variant`: the published DFlash 2 sizes);
+    drafter: "dflash" or "dflash2" (`drafter_variant`: the published DFlash 2 sizes), or
+    "eagle3" / "prompt_lookup" (`other_drafter`: compiled in the DFlash loop's place, the JSON's
+    "dflash_*" entries then that drafter's loop; draft_vocab_size: EAGLE-3's draft vocabulary);
     drafter_window: every drafter layer slides with this window (its context cache a ring).
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
@@ -158,12 +197,18 @@ def dry_run_infer(
     from dflash_jax.parallel import sharding
 
     tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
-    dcfg = drafter_variant(dcfg, drafter, drafter_window)
+    other = drafter in OTHER_DRAFTERS
+    if other and (tree_budget is not None or denoise_steps != 1 or drafter_window):
+        raise ValueError(f"drafter={drafter!r} drafts a chain: no tree, denoising or window")
+    dcfg = dcfg if other else drafter_variant(dcfg, drafter, drafter_window)
     m = resolve_mesh(mesh, devices)
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     gpu = chip is not None and chip.get("chip") in GPU_CHIPS
     bs = block_size or dcfg.block_size
     tparams, dparams = abstract_params(tcfg, dcfg)
+    passes, head_passes = denoise_steps, None
+    if other:
+        draft_mod, dparams, passes, head_passes = other_drafter(tcfg, drafter, bs, draft_vocab_size)
     programs: Dict[str, Any] = {}
     steps: Dict[str, Any] = {}
     sizes: Dict[str, int] = {}
@@ -182,7 +227,7 @@ def dry_run_infer(
             width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
             p_pad, n_buf, capacity = buffer_sizes(context, max_new_tokens, width)
             tmod = Transformer(tcfg, impl)
-            dmod = DFlashDrafter(dcfg) if kind == "dflash" else None
+            dmod = (draft_mod if other else DFlashDrafter(dcfg)) if kind == "dflash" else None
             dp = dparams if kind == "dflash" else None
             prefill_jit, decode_jit, sh = generate_programs(
                 tmod, dmod, plan, capacity, n_buf, m, tparams, dp, batch, p_pad
@@ -231,7 +276,8 @@ def dry_run_infer(
                 sizes.update(
                     _size_figures(
                         kind, sh, tparams, dp, tcfg, m, capacity, context, width,
-                        plan.denoise_steps if dmod is not None else 0, batch,
+                        passes if dmod is not None else 0, batch,
+                        head_passes if dmod is not None else 0,
                     )
                 )  # fmt: skip
     result = {
@@ -249,6 +295,7 @@ def dry_run_infer(
             "block_size": bs,
             "tree_budget": tree_budget,
             "denoise_steps": denoise_steps,
+            "drafter": drafter,
             "quantize": quantize,
             "quantize_lm_head": bool(quantize_lm_head),
             "attention": list(attention),
@@ -311,32 +358,34 @@ def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
     return step
 
 
-def _size_figures(kind, sh, tparams, dp, tcfg, m, capacity, context, width, passes, batch=1):
+def _size_figures(
+    kind, sh, tparams, dp, tcfg, m, capacity, context, width, passes, batch=1, head_passes=None
+):
     """Per-device bytes of the caches and parameters of one kind of decode ("dflash", "ar")
     and the analytic floor of its step (`_floor`)."""
-    from dflash_jax.parallel import sharding
 
     st = sh["state_shape"]
     caches = [st.cache] + ([st.ctx] if st.ctx is not None else [])
+    shardings = [sh["state"].cache] + ([sh["state"].ctx] if st.ctx is not None else [])
     ctx_bytes = (
         {}
         if st.ctx is None
         else {  # the drafter's context cache alone (a ring of its window when it slides)
             f"{kind}_context_cache_bytes": tree_bytes_per_device(
-                st.ctx, sharding.cache_sharding(st.ctx, m)
+                st.ctx, sh["state"].ctx
             )
         }
     )
     return {
         **ctx_bytes,
         f"{kind}_cache_bytes": sum(
-            tree_bytes_per_device(c, sharding.cache_sharding(c, m)) for c in caches
+            tree_bytes_per_device(c, s) for c, s in zip(caches, shardings)
         ),
         f"{kind}_param_bytes": tree_bytes_per_device(tparams, sh["tparams"])
         + (0 if dp is None else tree_bytes_per_device(dp, sh["dparams"])),
         f"{kind}_floor_bytes": _floor(
             tcfg, tparams, sh["tparams"], dp, sh["dparams"], st, m, capacity, context, width,
-            passes, batch,
+            passes, batch, head_passes,
         ),
     }  # fmt: skip
 
