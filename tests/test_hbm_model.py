@@ -125,9 +125,7 @@ def test_a_scan_nested_in_the_step_is_charged_its_trip_count(chip):
 
         return jax.lax.fori_loop(0, n, step, x)
 
-    args = [
-        jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=chip) for s in ((8192, 8192), (1, 8192))
-    ]
+    args = [jax.ShapeDtypeStruct(s, jnp.bfloat16, sharding=chip) for s in ((8192, 8192), (1, 8192))]
     n = jax.ShapeDtypeStruct((), jnp.int32, sharding=chip)
     text = jax.jit(loop).lower(*args, n).compile().as_text()
     times = hlo.loop_body_multiplicity(text)

@@ -371,9 +371,7 @@ def _size_figures(
         {}
         if st.ctx is None
         else {  # the drafter's context cache alone (a ring of its window when it slides)
-            f"{kind}_context_cache_bytes": tree_bytes_per_device(
-                st.ctx, sh["state"].ctx
-            )
+            f"{kind}_context_cache_bytes": tree_bytes_per_device(st.ctx, sh["state"].ctx)
         }
     )
     return {
