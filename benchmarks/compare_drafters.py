@@ -1,0 +1,364 @@
+"""The paper's comparison on one target: DFlash, DFlash 2, EAGLE-3 and prompt lookup beside
+autoregressive decoding, by real decoding on the same prompts, and projected for accelerators
+from dry runs of each drafter's own decode loop (issue 43).
+
+  python benchmarks/compare_drafters.py --target=smollm2-135m-instruct \
+      --drafter=assets/smollm2-135m-instruct/drafter,assets/smollm2-135m-instruct/drafter_dflash2,assets/smollm2-135m-instruct/drafter_eagle3,prompt_lookup \
+      --block_sizes=16,16,8,8 --datasets=mt_bench,humaneval --temperatures=0,1 \
+      --num_prompts=4 --max_new_tokens=64 --batch_size=4 \
+      --dry_runs='benchmarks/results/smollm2/compare/dry_runs/*.json' \
+      --json_out=benchmarks/results/smollm2/compare/compare_drafters.json
+
+Per drafter, dataset and temperature (the first turn of each row through the target's chat
+template, `--batch_size` prompts per `generate` call, the same seed everywhere):
+- tau: tokens committed per target pass, the mean over responses (z-lab's) and over all steps;
+  target passes per token = 1 / tau over steps (autoregressive decoding: 1);
+- the CPU speedup, measured: autoregressive decode seconds per token over the drafter's, both
+  runs side by side in this process (compile time excluded; the drafter's own passes
+  included). Greedy outputs must equal autoregressive decoding token for token (a failure of
+  the run if not); at T=1 they are equal in distribution only;
+- projected speedups, one per topology in `--dry_runs` (JSONs of `python -m dflash_jax.dry_run
+  --mode=infer --drafter=KIND --block_size=N ...`, see the results README for the commands):
+  tau over steps x (AR step time / the drafter's step time) under the dry run's HBM model,
+  the drafter's step being its compiled loop's (K sequential EAGLE-3 steps, one DFlash pass, a
+  lookup), matched by drafter kind and block size. PROJECTED: compiled for abstract devices,
+  never run on them.
+
+Writes the JSON (provenance, every figure), a Markdown table (`.md`) and a plot (`.png`).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+from typing import Dict, List, Optional
+
+import numpy as np
+from absl import flags
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from benchmarks import drafter_grid, eval_tau  # noqa: E402
+
+FLAGS = flags.FLAGS
+AR = "autoregressive"
+
+
+def define_flags():
+    """The flags (defined when run as a script, so tests can import this module)."""
+    flags.DEFINE_string("target", "smollm2-135m-instruct", "Target directory, GGUF or name.")
+    flags.DEFINE_list(
+        "drafter",
+        [
+            "assets/smollm2-135m-instruct/drafter",
+            "assets/smollm2-135m-instruct/drafter_dflash2",
+            "assets/smollm2-135m-instruct/drafter_eagle3",
+            "prompt_lookup",
+        ],
+        "Drafters (DFlash / DFlash 2 / EAGLE-3 directories, prompt_lookup[:N-M]).",
+    )
+    flags.DEFINE_list(
+        "block_sizes",
+        ["16", "16", "8", "8"],
+        "Block size per drafter (tokens a step verifies: x_last + block - 1 drafts), or one "
+        "for all.",
+    )
+    flags.DEFINE_list("datasets", ["mt_bench", "humaneval"], "Datasets (eval_tau's sources).")
+    flags.DEFINE_list("temperatures", ["0", "1"], "Sampling temperatures.")
+    flags.DEFINE_integer("num_prompts", 4, "Rows per dataset (the first ones).")
+    flags.DEFINE_integer("max_new_tokens", 64, "Tokens per response.")
+    flags.DEFINE_integer("batch_size", 4, "Prompts per generate call.")
+    flags.DEFINE_integer("seed", 0, "Sampling seed.")
+    flags.DEFINE_string("dry_runs", "", "Glob of dry-run JSONs (projected speedups).")
+    flags.DEFINE_string("json_out", None, "Write the results here (.md and .png beside it).")
+
+
+def drafter_kind(drafter) -> str:
+    """ "dflash", "dflash2", "eagle3" or "prompt_lookup": what a dry run compiles for it."""
+    from dflash_jax.drafters.eagle3 import Eagle3
+    from dflash_jax.drafters.prompt_lookup import PromptLookup
+
+    if isinstance(drafter, Eagle3):
+        return "eagle3"
+    if isinstance(drafter, PromptLookup):
+        return "prompt_lookup"
+    return "dflash2" if drafter.config.dflash2 else "dflash"
+
+
+def block_sizes(values: List[str], n: int) -> List[int]:
+    """--block_sizes as n integers (one value: for every drafter); ValueError, one line."""
+    from dflash_jax.support import checks
+
+    if len(values) not in (1, n):
+        raise ValueError(f"--block_sizes: give 1 or {n} values (one per drafter), got {values}")
+    out = []
+    for v in values:
+        try:
+            size = int(str(v).strip())
+        except ValueError:
+            raise ValueError(f"--block_sizes: {v!r} is not an integer") from None
+        lo, hi = checks.BLOCK_SIZE_MIN, checks.BLOCK_SIZE_MAX
+        out.append(checks.int_param("--block_sizes", size, lo=lo, hi=hi))
+    return out * n if len(out) == 1 else out
+
+
+def measure(target, drafters, prompts, temperature, max_new_tokens, batch_size, stop, seed=0):
+    """{label: {"acceptance": [[...] per prompt] (None for AR), "decode_s", "tokens",
+    "identical"}} for token-id `prompts`: `drafters` {label: (drafter, block_size)} and
+    autoregressive decoding (label `AR`) on the same batches and seeds, one after another per
+    batch so that a load on the machine falls on all of them. decode_s: the decode loops'
+    seconds (compiles excluded); tokens: the tokens they produced (padding rows included, as
+    the loop runs them). Greedy: every output must equal AR's (AssertionError)."""
+    from dflash_jax.decoding.generation import generate
+
+    out = {AR: dict(acceptance=None, decode_s=0.0, tokens=0, identical=None)}
+    for label in drafters:
+        out[label] = dict(acceptance=[], decode_s=0.0, tokens=0, identical=0)
+    for b0 in range(0, len(prompts), batch_size):
+        batch = prompts[b0 : b0 + batch_size]
+        padded = batch + [batch[-1]] * (batch_size - len(batch))  # one program per shape
+        n = len(batch)
+        kw = dict(temperature=temperature, seed=seed + b0, stop_token_ids=stop)
+        ar = generate(target, None, padded, max_new_tokens, **kw)
+        out[AR]["decode_s"] += ar.stats["decode_s"]
+        out[AR]["tokens"] += sum(map(len, ar.tokens))
+        for label, (drafter, bs) in drafters.items():
+            res = generate(target, drafter, padded, max_new_tokens, block_size=bs, **kw)
+            got = out[label]
+            got["acceptance"] += [list(map(int, a)) for a in res.acceptance_lengths[:n]]
+            got["decode_s"] += res.stats["decode_s"]
+            got["tokens"] += sum(map(len, res.tokens))
+            same = sum(a == b for a, b in zip(res.tokens[:n], ar.tokens[:n]))
+            got["identical"] += same
+            if temperature == 0 and same != n:
+                raise AssertionError(f"{label}: greedy decoding differs from AR ({same}/{n} equal)")
+    if temperature > 0:
+        for label in drafters:
+            out[label]["identical"] = None  # equal in distribution, not token for token
+    return out
+
+
+def step_ratios(records: List[dict]) -> Dict[str, Dict[tuple, dict]]:
+    """{topology: {(drafter kind, block size): {"ratio", "floor_ratio", "ar_s", "step_s"}}}
+    from dry-run JSONs: the drafter's decode step time over the AR step's (the HBM model, the
+    first attention implementation), and the same under the analytic floor."""
+    out: Dict[str, Dict[tuple, dict]] = {}
+    for rec in records:
+        settings = rec.get("settings", {})
+        proj = rec.get("roofline", {}).get("projection", {})
+        impl = (settings.get("attention") or list(proj) or [None])[0]
+        p = proj.get(impl)
+        if not p or "hbm_step_ratio" not in p:
+            continue  # no AR and drafter loop side by side in this run
+        key = (settings.get("drafter", "dflash"), int(settings["block_size"]))
+        out.setdefault(rec["topology"], {})[key] = {
+            "ratio": p["hbm_step_ratio"],
+            "floor_ratio": p["dflash"]["floor_time_s"] / p["ar"]["floor_time_s"],
+            "ar_s": p["ar"]["time_s"],
+            "step_s": p["dflash"]["time_s"],
+            "batch": settings.get("batch"),
+            "mesh": rec.get("mesh"),
+        }
+    return out
+
+
+def rows_of(measured, kinds, sizes, ratios, dataset, temperature) -> List[dict]:
+    """One table row per decoder (AR first) for one dataset and temperature: tau, passes per
+    token, the measured CPU speedup and the projected ones (None where no dry run matches)."""
+    ar = measured[AR]
+    ar_tpt = ar["decode_s"] / max(ar["tokens"], 1)
+    rows = [
+        dict(
+            drafter=AR, kind="ar", block_size=1, dataset=dataset, temperature=temperature,
+            tau=1.0, tau_steps=1.0, passes_per_token=1.0, cpu_speedup=1.0, identical=None,
+            projected={topo: 1.0 for topo in ratios},
+        )
+    ]  # fmt: skip
+    for label, got in measured.items():
+        if label == AR:
+            continue
+        s = drafter_grid.summarize(got["acceptance"])
+        tpt = got["decode_s"] / max(got["tokens"], 1)
+        key = (kinds[label], sizes[label])
+        projected = {
+            topo: (s["tau_steps"] / by[key]["ratio"] if key in by else None)
+            for topo, by in ratios.items()
+        }
+        rows.append(
+            dict(
+                drafter=label, kind=kinds[label], block_size=sizes[label], dataset=dataset,
+                temperature=temperature, tau=s["tau"], tau_steps=s["tau_steps"],
+                passes_per_token=1.0 / s["tau_steps"], cpu_speedup=ar_tpt / tpt if tpt else None,
+                identical=got["identical"], steps=s["steps"],
+                acceptance_histogram=s["acceptance_histogram"], projected=projected,
+            )
+        )  # fmt: skip
+    return rows
+
+
+def _x(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:.2f}x"
+
+
+def markdown(rows: List[dict], topologies: List[str]) -> str:
+    head = "| T | dataset | drafter | block | tau | passes/token | CPU speedup (measured) | "
+    head += "".join(f"{t} (projected) | " for t in topologies) + "greedy == AR |"
+    lines = [head, "|" + "---|" * (8 + len(topologies))]
+    for r in rows:
+        same = "" if r["identical"] is None else f"{r['identical']}"
+        cells = [
+            f"{r['temperature']:g}", r["dataset"], r["drafter"], str(r["block_size"]),
+            f"{r['tau']:.3f}", f"{r['passes_per_token']:.3f}", _x(r["cpu_speedup"]),
+            *(_x(r["projected"].get(t)) for t in topologies), same,
+        ]  # fmt: skip
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(rows: List[dict], topologies: List[str], path: str) -> None:
+    """Bars per drafter: tau, the measured CPU speedup and each projected speedup, one colour
+    per dataset and temperature."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    drafters = list(dict.fromkeys(r["drafter"] for r in rows if r["drafter"] != AR))
+    groups = list(dict.fromkeys((r["dataset"], r["temperature"]) for r in rows))
+    panels = [("tau (tokens per target pass)", lambda r: r["tau"])]
+    panels.append(("CPU speedup over AR (measured)", lambda r: r["cpu_speedup"]))
+    for t in topologies:
+        panels.append((f"{t} speedup (PROJECTED)", lambda r, t=t: r["projected"].get(t)))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.6))
+    axes = np.atleast_1d(axes)
+    x = np.arange(len(drafters))
+    w = 0.8 / max(len(groups), 1)
+    for ax, (title, value) in zip(axes, panels):
+        for i, (d, t) in enumerate(groups):
+            got = {
+                r["drafter"]: value(r) for r in rows if (r["dataset"], r["temperature"]) == (d, t)
+            }
+            ys = [got.get(name) or 0.0 for name in drafters]
+            ax.bar(x + i * w, ys, w, label=f"{d}, T={t:g}")
+        ax.axhline(1.0, color="grey", lw=0.8)
+        ax.set_xticks(x + w * (len(groups) - 1) / 2, drafters, rotation=25, ha="right")
+        ax.set_title(title, fontsize=9)
+    axes[0].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv):
+    del argv
+    from dflash_jax.models import hub
+    from dflash_jax.support import checks, provenance
+
+    checks.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
+    checks.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
+    checks.int_param("--batch_size", FLAGS.batch_size, lo=1)
+    temps = []
+    for t in FLAGS.temperatures:
+        try:
+            temps.append(float(t))
+        except ValueError:
+            raise ValueError(f"--temperatures: {t!r} is not a number") from None
+        if not np.isfinite(temps[-1]) or temps[-1] < 0:
+            raise ValueError(f"--temperatures: {t!r} must be a finite number >= 0")
+    specs = [d.strip() for d in FLAGS.drafter]
+    labels = [drafter_grid.drafter_label(d) for d in specs]
+    if not specs or len(set(labels)) != len(labels):
+        raise ValueError(f"--drafter: give one or more drafters with distinct names, got {specs}")
+    sizes = dict(zip(labels, block_sizes(FLAGS.block_sizes, len(specs))))
+    dry_paths = sorted(glob.glob(FLAGS.dry_runs)) if FLAGS.dry_runs else []
+    if FLAGS.dry_runs and not dry_paths:
+        raise ValueError(f"--dry_runs: no file matches {FLAGS.dry_runs!r}")
+    records = []
+    for p in dry_paths:
+        try:
+            with open(p) as f:
+                records.append(json.load(f))
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--dry_runs: {p} is not a dry-run JSON ({e})") from None
+    ratios = step_ratios(records)
+    if FLAGS.json_out:
+        checks.writable_file(FLAGS.json_out, "--json_out")
+    rows_in = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
+    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
+    dirs = [
+        d if d.startswith("prompt_lookup") else hub.resolve_or_exit(d, what="--drafter")
+        for d in specs
+    ]
+
+    from dflash_jax.data import load_tokenizer
+    from dflash_jax.data.chat import template_renderer
+    from dflash_jax.drafters import prompt_lookup
+    from dflash_jax.models.target import load_target
+    from dflash_jax.support import console
+
+    looked_up = [prompt_lookup.from_spec(d) for d in dirs]  # a bad n-gram range: one line
+    console.cli_startup()
+    target = load_target(target_dir)
+    loaded = dict(zip(labels, drafter_grid.load_drafters(dirs, looked_up, target)))
+    kinds = {label: drafter_kind(d) for label, d in loaded.items()}
+    tok = load_tokenizer(target_dir)
+    render, how = template_renderer(target_dir, True)
+    stop = eval_tau._stop_ids(target_dir, tok)
+    table_rows = []
+    for t in temps:
+        for d, (turns, source) in rows_in.items():
+            prompts = [
+                list(tok.encode(render([{"role": "user", "content": x[0]}], True))) for x in turns
+            ]
+            got = measure(
+                target, {k: (loaded[k], sizes[k]) for k in labels}, prompts, t,
+                FLAGS.max_new_tokens, FLAGS.batch_size, stop, FLAGS.seed,
+            )  # fmt: skip
+            new = rows_of(got, kinds, sizes, ratios, d, t)
+            for r in new:
+                r.update(source=source, decode_s=got[r["drafter"]]["decode_s"])
+                print(
+                    f"T={t:g} {d} {r['drafter']}: tau {r['tau']:.3f}, CPU {_x(r['cpu_speedup'])}",
+                    flush=True,
+                )
+            table_rows += new
+    topologies = sorted(ratios)
+    table = markdown(table_rows, topologies)
+    print("\n" + table)
+    if FLAGS.json_out:
+        rec = dict(
+            provenance.record(),
+            target=FLAGS.target,
+            drafters=dict(zip(labels, specs)),
+            kinds=kinds,
+            block_sizes=sizes,
+            prompts=how,
+            num_prompts=FLAGS.num_prompts,
+            max_new_tokens=FLAGS.max_new_tokens,
+            batch_size=FLAGS.batch_size,
+            dry_runs={
+                p: {"topology": r["topology"], "command": r.get("command")}
+                for p, r in zip(dry_paths, records)
+            },
+            step_ratios={
+                t: {f"{k}@{b}": v for (k, b), v in by.items()} for t, by in ratios.items()
+            },
+            rows=table_rows,
+        )
+        with open(FLAGS.json_out, "w") as f:
+            json.dump(rec, f, indent=1)
+        base = os.path.splitext(FLAGS.json_out)[0]
+        with open(base + ".md", "w") as f:
+            f.write(table)
+        plot(table_rows, topologies, base + ".png")
+        print(f"wrote {FLAGS.json_out}, {base}.md, {base}.png")
+
+
+if __name__ == "__main__":
+    from dflash_jax.support import cli
+
+    define_flags()
+    cli.run(main)
