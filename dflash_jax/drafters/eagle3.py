@@ -397,34 +397,48 @@ class Eagle3Layer(nn.Module):
         self.post_attention_layernorm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype)
         self.mlp = MLP(c)
 
-    def __call__(self, emb_BTH, feature_BTH, positions_BT, inv_freq, cache_k, cache_v, lengths_B):
-        """(out [B, T, H] pre-norm, new k, new v [B, T, K, D])."""
+    def _layer(self, emb_BTH, feature_BTH, positions_BT, inv_freq, attend):
+        """The layer around an attention rule `attend(q, k, v) -> [B, T, N, D]` given the rows'
+        queries and their own new K/V: (out [B, T, H] pre-norm, k, v [B, T, K, D])."""
         g = self.hidden_norm(feature_BTH)
         x = jnp.concatenate([self.input_layernorm(emb_BTH), g], axis=-1)
         q = self.self_attn.queries(x, positions_BT, inv_freq)
         k, v = self.self_attn.keys_values(x, positions_BT, inv_freq)
-        a = attn_lib.draft_attention(q, cache_k, cache_v, lengths_B, k, v, causal=True)
+        a = attend(q, k, v)
         h = (g if self.norm_before_residual else feature_BTH) + self.self_attn.output(a)
         return h + self.mlp(self.post_attention_layernorm(h)), k, v
+
+    def __call__(self, emb_BTH, feature_BTH, positions_BT, inv_freq, cache_k, cache_v, lengths_B):
+        """(out [B, T, H] pre-norm, new k, new v [B, T, K, D]): the new rows over the cache's
+        slots < lengths_B and, causally, each other."""
+        attend = lambda q, k, v: attn_lib.draft_attention(
+            q, cache_k, cache_v, lengths_B, k, v, causal=True
+        )
+        return self._layer(emb_BTH, feature_BTH, positions_BT, inv_freq, attend)
 
     def unrolled_step(self, emb_BSH, feature_BSH, positions_BS, inv_freq, k0, v0, mask_BSS, kj, vj):
         """One training-time-test step over every row at once (`Eagle3Drafter.unrolled`).
         k0, v0 None (the first step): the rows' own K/V are the first step's, row p seeing row r
         where mask_BSS [B, S, S] allows. Later steps: row p sees the first step's k0, v0
         [B, S, K, D] under the mask, its own earlier steps' kj, vj [B, S, j, K, D] and its own
-        new K/V. Returns (out [B, S, H] pre-norm, k, v [B, S, K, D])."""
-        g = self.hidden_norm(feature_BSH)
-        x = jnp.concatenate([self.input_layernorm(emb_BSH), g], axis=-1)
-        q = self.self_attn.queries(x, positions_BS, inv_freq)
-        k, v = self.self_attn.keys_values(x, positions_BS, inv_freq)
-        if k0 is None:
-            k0, v0 = k, v
-        else:
-            kj = jnp.concatenate([kj, k[:, :, None]], axis=2)
-            vj = jnp.concatenate([vj, v[:, :, None]], axis=2)
-        a = ttt_attention(q, k0, v0, mask_BSS, kj, vj)
-        h = (g if self.norm_before_residual else feature_BSH) + self.self_attn.output(a)
-        return h + self.mlp(self.post_attention_layernorm(h)), k, v
+        new K/V. Returns (out [B, S, H] pre-norm, k0, v0, kj, vj): the keys and values the
+        next step sees (this step's appended to kj / vj, or k0 / v0 at the first step)."""
+        seen = {}
+
+        def attend(q, k, v):
+            if k0 is None:
+                seen.update(k0=k, v0=v, kj=kj, vj=vj)
+            else:
+                seen.update(
+                    k0=k0,
+                    v0=v0,
+                    kj=jnp.concatenate([kj, k[:, :, None]], axis=2),
+                    vj=jnp.concatenate([vj, v[:, :, None]], axis=2),
+                )
+            return ttt_attention(q, seen["k0"], seen["v0"], mask_BSS, seen["kj"], seen["vj"])
+
+        out, _, _ = self._layer(emb_BSH, feature_BSH, positions_BS, inv_freq, attend)
+        return out, seen["k0"], seen["v0"], seen["kj"], seen["vj"]
 
     def keys_values(self, emb_BTH, feature_BTH, positions_BT, inv_freq):
         """The rows' K/V alone (what `__call__` writes to the cache), no attention or MLP."""
@@ -503,22 +517,10 @@ class Eagle3Drafter(nn.Module):
         kj = vj = jnp.zeros((b, s, 0, c.num_kv_heads, c.head_dim), dt)
         logits = []
         for j in range(embs_JBSH.shape[0]):
-            feature, k, v = self.midlayer.unrolled_step(
-                embs_JBSH[j].astype(dt),
-                feature,
-                positions_BS + j,
-                inv_freq,
-                k0,
-                v0,
-                mask_BSS,
-                kj,
-                vj,
-            )
-            if j == 0:
-                k0, v0 = k, v
-            else:
-                kj = jnp.concatenate([kj, k[:, :, None]], axis=2)
-                vj = jnp.concatenate([vj, v[:, :, None]], axis=2)
+            feature, k0, v0, kj, vj = self.midlayer.unrolled_step(
+                embs_JBSH[j].astype(dt), feature, positions_BS + j, inv_freq, k0, v0, mask_BSS,
+                kj, vj,
+            )  # fmt: skip
             logits.append(self.logits(feature))
         return jnp.stack(logits)
 
