@@ -29,7 +29,7 @@ def _dry_run(topology, drafter, block, ar_s, step_s, ar_floor=1.0, floor=2.0):
 
 def test_projected_speedup_is_tau_over_steps_times_the_step_time_ratio():
     records = [
-        _dry_run("h200", None, 16, 1e-4, 1.5e-4),
+        _dry_run("h200", None, 16, 1e-4, 1.5e-4, floor=2.0),
         _dry_run("h200", "eagle3", 8, 1e-4, 2.5e-4, floor=3.0),
         _dry_run("v5e:2x4", "eagle3", 8, 2e-4, 3e-4),
         {"topology": "h200", "settings": {"block_size": 16}, "roofline": {}},  # no projection
@@ -51,10 +51,12 @@ def test_projected_speedup_is_tau_over_steps_times_the_step_time_ratio():
     assert d["tau_steps"] == pytest.approx(2.0) and d["passes_per_token"] == pytest.approx(0.5)
     assert d["tau"] == pytest.approx((2.0 + 2.0) / 2)  # z-lab's mean over responses
     assert d["cpu_speedup"] == pytest.approx(2.0) and e["cpu_speedup"] == pytest.approx(0.5)
-    assert d["projected"] == {"h200": pytest.approx(2.0 / 1.5), "v5e:2x4": None}
-    assert e["projected"]["v5e:2x4"] == pytest.approx(1.0 / 1.5)
+    assert d["projected"]["h200"] == {"compiled": pytest.approx(2.0 / 1.5), "floor": 1.0}
+    assert d["projected"]["v5e:2x4"] is None  # no DFlash dry run there
+    assert e["projected"]["v5e:2x4"]["compiled"] == pytest.approx(1.0 / 1.5)
+    assert e["projected"]["h200"]["floor"] == pytest.approx(1.0 / 3.0)
     table = cd.markdown(list(rows.values()), sorted(ratios))
-    assert "| 0 | x | d | 16 | 2.000 | 0.500 | 2.00x | 1.33x | n/a | 2 |" in table
+    assert "| 0 | x | d | 16 | 2.000 | 0.500 | 2.00x | 1.33x / 1.00x | n/a | 2 |" in table
 
 
 def test_block_sizes_one_for_all_or_one_each_and_bad_ones_are_one_line():
