@@ -311,6 +311,7 @@ LONGEST_FIRST = (
     "test_chat_regen.py",
     "test_cli_probe.py",
     "test_drafter_grid.py",
+    "test_compare_drafters.py",
     "test_grad_accum.py",
     "test_validation.py",
     "test_model.py",
