@@ -307,7 +307,8 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), gguf_io.DEFAU
 @pytest.mark.once
 def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
     """The drafters trained here for SmolLM2 (assets/smollm2-135m-instruct/drafter, DFlash, and
-    drafter_dflash2, DFlash 2, each 620 steps on 1,024 conversations, in-loop tau ~1.2-1.3):
+    drafter_dflash2, DFlash 2, each 620 steps on 1,024 conversations, in-loop tau ~1.2-1.3;
+    drafter_eagle3, EAGLE-3, 55 TTT steps on the same data, at block 8):
     each equals autoregressive decoding on real chat prompts (float32, greedy, a batch of three
     with ragged acceptance), with drafts accepted (steps of 3 tokens or more): the issue's
     steps of 4 or more wait for a longer-trained drafter."""
@@ -324,10 +325,16 @@ def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
     prompts = [tok.encode(render([{"role": "user", "content": q}], True)) for q in questions]
     stop = textgen.stop_token_ids(target.path, tok)
     ar = dj.generate(target, None, prompts, 48, stop_token_ids=stop)
-    for path, dflash2 in ((SHIPPED, False), (SHIPPED + "_dflash2", True)):
-        drafter = dj.load_drafter(path, target=target)
-        assert drafter.config.block_size == 16 and bool(drafter.config.dflash2) == dflash2
-        spec = dj.generate(target, drafter, prompts, 48, stop_token_ids=stop)
+    for path, kind in ((SHIPPED, "dflash"), (SHIPPED + "_dflash2", "dflash2"),
+                       (SHIPPED + "_eagle3", "eagle3")):  # fmt: skip
+        if kind == "eagle3":
+            drafter, block = dj.load_eagle3(path, target=target), 8
+            assert drafter.config.draft_vocab_size == 16384
+        else:
+            drafter, block = dj.load_drafter(path, target=target), 16
+            assert drafter.config.block_size == 16
+            assert bool(drafter.config.dflash2) == (kind == "dflash2")
+        spec = dj.generate(target, drafter, prompts, 48, stop_token_ids=stop, block_size=block)
         assert [list(t) for t in spec.tokens] == [list(t) for t in ar.tokens], path
         longest = max(max(a) for a in spec.acceptance_lengths if len(a))
         assert longest >= 3, (path, spec.acceptance_lengths)  # accepted, not only 1-token steps
