@@ -74,7 +74,9 @@ def define_flags():
     flags.DEFINE_integer("max_new_tokens", 64, "Tokens per response.")
     flags.DEFINE_integer("batch_size", 4, "Prompts per generate call.")
     flags.DEFINE_integer("seed", 0, "Sampling seed.")
-    flags.DEFINE_string("dry_runs", "", "Glob of dry-run JSONs (projected speedups).")
+    flags.DEFINE_string(
+        "dry_runs", "", "Glob of dry-run JSONs of the target's shapes (projected speedups)."
+    )
     flags.DEFINE_string("json_out", None, "Write the results here (.md and .png beside it).")
 
 
@@ -273,7 +275,6 @@ def plot(rows: List[dict], topologies: List[str], path: str) -> None:
 
 def main(argv):
     del argv
-    from dflash_jax.models import hub
     from dflash_jax.support import checks, provenance
 
     checks.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
@@ -287,11 +288,8 @@ def main(argv):
             raise ValueError(f"--temperatures: {t!r} is not a number") from None
         if not np.isfinite(temps[-1]) or temps[-1] < 0:
             raise ValueError(f"--temperatures: {t!r} must be a finite number >= 0")
-    specs = [d.strip() for d in FLAGS.drafter]
-    labels = [drafter_grid.drafter_label(d) for d in specs]
-    if not specs or len(set(labels)) != len(labels):
-        raise ValueError(f"--drafter: give one or more drafters with distinct names, got {specs}")
-    sizes = dict(zip(labels, block_sizes(FLAGS.block_sizes, len(specs))))
+    labels = [drafter_grid.drafter_label(d.strip()) for d in FLAGS.drafter]
+    sizes = dict(zip(labels, block_sizes(FLAGS.block_sizes, len(labels))))
     dry_paths = sorted(glob.glob(FLAGS.dry_runs)) if FLAGS.dry_runs else []
     if FLAGS.dry_runs and not dry_paths:
         raise ValueError(f"--dry_runs: no file matches {FLAGS.dry_runs!r}")
@@ -299,39 +297,24 @@ def main(argv):
     for p in dry_paths:
         try:
             with open(p) as f:
-                records.append(json.load(f))
+                data = json.load(f)
+            records += data if isinstance(data, list) else [data]  # a run of several meshes
         except (OSError, ValueError) as e:
             raise ValueError(f"--dry_runs: {p} is not a dry-run JSON ({e})") from None
+    models = sorted({str(r.get("model")) for r in records})
+    if len(models) > 1:  # a step ratio is one model's: tau of this target times another's
+        raise ValueError(f"--dry_runs: give the dry runs of one model (the target's), got {models}")
     ratios = step_ratios(records)
     if FLAGS.json_out:
         checks.writable_file(FLAGS.json_out, "--json_out")
     rows_in = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
-    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
-    dirs = [
-        d if d.startswith("prompt_lookup") else hub.resolve_or_exit(d, what="--drafter")
-        for d in specs
-    ]
-
-    from dflash_jax.data import load_tokenizer
-    from dflash_jax.data.chat import template_renderer
-    from dflash_jax.drafters import prompt_lookup
-    from dflash_jax.models.target import load_target
-    from dflash_jax.support import console
-
-    looked_up = [prompt_lookup.from_spec(d) for d in dirs]  # a bad n-gram range: one line
-    console.cli_startup()
-    target = load_target(target_dir)
-    loaded = dict(zip(labels, drafter_grid.load_drafters(dirs, looked_up, target)))
+    target_dir, specs, labels, dirs = drafter_grid.resolve_pair(FLAGS.target, FLAGS.drafter)
+    target, loaded, tok, render, how, stop = drafter_grid.load_pair(target_dir, labels, dirs)
     kinds = {label: drafter_kind(d) for label, d in loaded.items()}
-    tok = load_tokenizer(target_dir)
-    render, how = template_renderer(target_dir, True)
-    stop = eval_tau._stop_ids(target_dir, tok)
     table_rows = []
     for t in temps:
         for d, (turns, source) in rows_in.items():
-            prompts = [
-                list(tok.encode(render([{"role": "user", "content": x[0]}], True))) for x in turns
-            ]
+            prompts = drafter_grid.chat_prompts(tok, render, turns)
             got = measure(
                 target, {k: (loaded[k], sizes[k]) for k in labels}, prompts, t,
                 FLAGS.max_new_tokens, FLAGS.batch_size, stop, FLAGS.seed,
@@ -346,6 +329,8 @@ def main(argv):
             table_rows += new
     topologies = sorted(ratios)
     table = markdown(table_rows, topologies)
+    if models:
+        table += f"\nProjections: dry runs of `{models[0]}` (PROJECTED, not measured).\n"
     print("\n" + table)
     if FLAGS.json_out:
         rec = dict(
@@ -358,6 +343,7 @@ def main(argv):
             num_prompts=FLAGS.num_prompts,
             max_new_tokens=FLAGS.max_new_tokens,
             batch_size=FLAGS.batch_size,
+            dry_run_model=models[0] if models else None,
             dry_runs={
                 p: {"topology": r["topology"], "command": r.get("command")}
                 for p, r in zip(dry_paths, records)

@@ -210,20 +210,14 @@ def load_drafters(dirs, looked_up, target):
     ]
 
 
-def main(argv):
-    del argv
+def resolve_pair(target_flag, drafter_flag):
+    """(target directory, drafter specs, their labels, their directories or prompt-lookup
+    specs) of --target / --drafter, resolved before anything is loaded; one line for a bad
+    one or two drafters of one name."""
     from dflash_jax.models import hub
-    from dflash_jax.support import checks, provenance
 
-    settings = {name: parse_setting(name) for name in FLAGS.settings}
-    checks.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
-    checks.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
-    checks.int_param("--batch_size", FLAGS.batch_size, lo=1)
-    if FLAGS.json_out:
-        checks.writable_file(FLAGS.json_out, "--json_out")
-    rows = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
-    target_dir = hub.resolve_or_exit(FLAGS.target, what="--target")
-    specs = [d.strip() for d in FLAGS.drafter]
+    target_dir = hub.resolve_or_exit(target_flag, what="--target")
+    specs = [d.strip() for d in drafter_flag]
     labels = [drafter_label(d) for d in specs]
     if not specs or len(set(labels)) != len(labels):
         raise ValueError(f"--drafter: give one or more drafters with distinct names, got {specs}")
@@ -231,7 +225,12 @@ def main(argv):
         d if d.startswith("prompt_lookup") else hub.resolve_or_exit(d, what="--drafter")
         for d in specs
     ]
+    return target_dir, specs, labels, dirs
 
+
+def load_pair(target_dir, labels, dirs):
+    """(target, {label: drafter}, tokenizer, chat renderer, how prompts are rendered, stop
+    ids): the target and the drafters of `resolve_pair`, loaded."""
     from dflash_jax.data import load_tokenizer
     from dflash_jax.data.chat import template_renderer
     from dflash_jax.drafters import prompt_lookup
@@ -242,16 +241,34 @@ def main(argv):
     console.cli_startup()
     target = load_target(target_dir)
     drafters = dict(zip(labels, load_drafters(dirs, looked_up, target)))
-    many = len(drafters) > 1
     tok = load_tokenizer(target_dir)
     render, how = template_renderer(target_dir, True)
-    stop = eval_tau._stop_ids(target_dir, tok)
+    return target, drafters, tok, render, how, eval_tau._stop_ids(target_dir, tok)
+
+
+def chat_prompts(tok, render, turns):
+    """Token ids of each row's first user turn through the chat template."""
+    return [list(tok.encode(render([{"role": "user", "content": t[0]}], True))) for t in turns]
+
+
+def main(argv):
+    del argv
+    from dflash_jax.support import checks, provenance
+
+    settings = {name: parse_setting(name) for name in FLAGS.settings}
+    checks.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
+    checks.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
+    checks.int_param("--batch_size", FLAGS.batch_size, lo=1)
+    if FLAGS.json_out:
+        checks.writable_file(FLAGS.json_out, "--json_out")
+    rows = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
+    target_dir, specs, labels, dirs = resolve_pair(FLAGS.target, FLAGS.drafter)
+    target, drafters, tok, render, how, stop = load_pair(target_dir, labels, dirs)
+    many = len(drafters) > 1
     row = lambda label, name: f"{label}:{name}" if many else name
     results = {row(label, name): {} for label in labels for name in settings}
     for d, (turns, source) in rows.items():
-        prompts = [
-            list(tok.encode(render([{"role": "user", "content": t[0]}], True))) for t in turns
-        ]
+        prompts = chat_prompts(tok, render, turns)
         got = run_grid(
             target, drafters, prompts, settings, FLAGS.max_new_tokens, FLAGS.batch_size, stop,
             FLAGS.seed,
