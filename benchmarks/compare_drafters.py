@@ -293,12 +293,14 @@ def main(argv):
     dry_paths = sorted(glob.glob(FLAGS.dry_runs)) if FLAGS.dry_runs else []
     if FLAGS.dry_runs and not dry_paths:
         raise ValueError(f"--dry_runs: no file matches {FLAGS.dry_runs!r}")
-    records = []
+    records, sources = [], []  # every dry run and the file it came from
     for p in dry_paths:
         try:
             with open(p) as f:
                 data = json.load(f)
-            records += data if isinstance(data, list) else [data]  # a run of several meshes
+            for rec in data if isinstance(data, list) else [data]:  # a run of several meshes
+                records.append(rec)
+                sources.append(p)
         except (OSError, ValueError) as e:
             raise ValueError(f"--dry_runs: {p} is not a dry-run JSON ({e})") from None
     models = sorted({str(r.get("model")) for r in records})
@@ -344,10 +346,10 @@ def main(argv):
             max_new_tokens=FLAGS.max_new_tokens,
             batch_size=FLAGS.batch_size,
             dry_run_model=models[0] if models else None,
-            dry_runs={
-                p: {"topology": r["topology"], "command": r.get("command")}
-                for p, r in zip(dry_paths, records)
-            },
+            dry_runs=[
+                {"file": p, "topology": r["topology"], "command": r.get("command")}
+                for p, r in zip(sources, records)
+            ],
             step_ratios={
                 t: {f"{k}@{b}": v for (k, b), v in by.items()} for t, by in ratios.items()
             },
