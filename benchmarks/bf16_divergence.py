@@ -78,13 +78,11 @@ def _hidden_logits_head(target, ids):
 def _forward(module, params, ids):
     import jax
 
-    from dflash_jax.models.transformer import Transformer
-
     if module not in _FORWARD:
 
         def fwd(params, ids):
             hidden, _, _ = module.apply({"params": params}, ids)
-            return hidden, module.apply({"params": params}, hidden, method=Transformer.logits)
+            return hidden, module.apply({"params": params}, hidden, method="logits")
 
         _FORWARD[module] = jax.jit(fwd)
     return _FORWARD[module](params, ids)

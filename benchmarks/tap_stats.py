@@ -71,7 +71,7 @@ def main(argv):
     taps = []
     for r in rows[: FLAGS.rows]:
         ids = np.asarray([r["input_ids"][: FLAGS.tokens]], np.int32)
-        t = tmod.apply({"params": target.params}, ids, layers, method=Transformer.taps)
+        t = tmod.apply({"params": target.params}, ids, layers, method="taps")
         taps.append(np.asarray(t)[0, 1:])
     rec = {
         "data": data_stats(rows, FLAGS.max_new_tokens),

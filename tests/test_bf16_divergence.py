@@ -18,7 +18,7 @@ import pytest
 import dflash_jax as dj
 from benchmarks import bf16_divergence as bd
 from dflash_jax.data.tokenizer import load_tokenizer
-from dflash_jax.models.transformer import KVCache, Transformer
+from dflash_jax.models.transformer import KVCache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PAIR = os.path.join(ROOT, "assets", "tiny-code")
@@ -44,7 +44,7 @@ def _two_passes(target, prompt):
     @jax.jit
     def fwd(params, ids, cache):
         h, cache, _ = mod.apply({"params": params}, ids, cache=cache)
-        return h, mod.apply({"params": params}, h, method=Transformer.logits), cache
+        return h, mod.apply({"params": params}, h, method="logits"), cache
 
     f64 = lambda x: np.asarray(jnp.asarray(x).astype(jnp.float32), np.float64)
     ids = np.zeros((1, 128), np.int32)  # padded: one prefill program for every prompt

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dflash_jax as dj
-from dflash_jax.models.transformer import KVCache, Transformer
+from dflash_jax.models.transformer import KVCache
 
 KINDS = ("qwen3_tied", "qwen3_untied", "llama3")
 
@@ -47,7 +47,7 @@ def test_rope_scaling_matters(targets):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _cached_step(module, params, ids, cache):
     hidden, cache, taps = module.apply({"params": params}, ids, cache=cache, tap_layers=(1,))
-    return module.apply({"params": params}, hidden, method=Transformer.logits), cache, taps
+    return module.apply({"params": params}, hidden, method="logits"), cache, taps
 
 
 @pytest.mark.parametrize("kind", ("qwen3_untied", "llama3"))

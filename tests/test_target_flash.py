@@ -97,7 +97,7 @@ def test_taps_only_forward_is_the_same_with_splash_as_with_chunked_xla():
             (0, 2),
             segment_ids_BT=seg,
             attn_chunk=32,
-            method=Transformer.taps,
+            method="taps",
         )
 
     want, got = taps("xla"), taps("pallas_interpret")

@@ -283,14 +283,14 @@ def test_taps_only_pass_equals_the_full_forward_taps():
                 taps_at,
                 segment_ids_BT=segj,
                 attn_chunk=chunk,
-                method=Transformer.taps,
+                method="taps",
             )
             np.testing.assert_allclose(np.asarray(taps), np.asarray(full), rtol=2e-5, atol=2e-5)
     # Layers above the last tap are never computed: their parameters do not matter.
     broken = jax.tree_util.tree_map(lambda x: x, params)
     broken["layers_4"] = jax.tree_util.tree_map(lambda x: x * jnp.nan, params["layers_4"])
-    t1 = tmod.apply({"params": broken}, ids, (1, 3), method=Transformer.taps)
-    t2 = tmod.apply({"params": params}, ids, (1, 3), method=Transformer.taps)
+    t1 = tmod.apply({"params": broken}, ids, (1, 3), method="taps")
+    t2 = tmod.apply({"params": params}, ids, (1, 3), method="taps")
     np.testing.assert_array_equal(np.asarray(t1), np.asarray(t2))
 
 
@@ -303,9 +303,7 @@ def test_taps_only_pass_memory_grows_linearly_not_quadratically():
     def temp_bytes(t, taps_only):
         def run(p, ids):
             if taps_only:  # the taps entry point: chunked causal attention
-                return tmod.apply(
-                    {"params": p}, ids, (0, 1), attn_chunk=128, method=Transformer.taps
-                )
+                return tmod.apply({"params": p}, ids, (0, 1), attn_chunk=128, method="taps")
             return tmod.apply({"params": p}, ids, tap_layers=(0, 1))[2]  # the dense forward
 
         fn = jax.jit(run)

@@ -22,7 +22,7 @@ from dflash_jax.decoding.step import Plan
 from dflash_jax.drafters.dflash import Drafter
 from dflash_jax.drafters.eagle3 import Eagle3, validate_eagle3_pair
 from dflash_jax.models import attention as attn_lib
-from dflash_jax.models.transformer import Transformer
+from dflash_jax.models.hybrid import target_module
 from dflash_jax.parallel import sharding
 
 
@@ -153,7 +153,7 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
     plan and shape, found in `_Compiled` or built now. placement: None on one device, else the
     (target, drafter, input) shardings the sharded programs take their arguments in."""
     b, p_pad, n_buf, capacity = shape
-    tmod = Transformer(target.config, plan.attention_impl)
+    tmod = target_module(target.config, plan.attention_impl)
     dmod = drafter.module if drafter is not None else None
     tparams = target.params
     dparams = _drafter_params(drafter)

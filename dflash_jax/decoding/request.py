@@ -220,6 +220,11 @@ def _check_tree(target_config, drafted, block_size, tree_budget, threshold, retu
         raise ValueError("tree_budget needs a drafter (autoregressive decoding drafts nothing)")
     if not 1 <= tree_budget <= MAX_TREE_BUDGET:
         raise ValueError(f"tree_budget must be in [1, {MAX_TREE_BUDGET}], got {tree_budget}")
+    if getattr(target_config, "hybrid", None) is not None:
+        raise ValueError(
+            "tree_budget is not supported over a hybrid (Gated DeltaNet) target: a tree needs "
+            "its recurrent state per path (one per node); decode a chain (no tree_budget)"
+        )
     from dflash_jax.decoding.tree import max_nodes
 
     most = max_nodes(block_size - 1, min(tree_budget, target_config.vocab_size))

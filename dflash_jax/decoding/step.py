@@ -52,6 +52,7 @@ from dflash_jax.decoding.drafting import Proposal
 from dflash_jax.decoding.tree import accept_path
 from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
 from dflash_jax.models import attention as attn_lib
+from dflash_jax.models.hybrid import HybridCache, new_cache
 from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
 
 
@@ -169,10 +170,10 @@ class Decoder:
     plan: Plan = flax.struct.field(pytree_node=False)
 
     def embed(self, ids):
-        return self.tmod.apply({"params": self.tparams}, ids, method=Transformer.embed)
+        return self.tmod.apply({"params": self.tparams}, ids, method="embed")
 
     def lm_logits(self, hidden):
-        return self.tmod.apply({"params": self.tparams}, hidden, method=Transformer.logits)
+        return self.tmod.apply({"params": self.tparams}, hidden, method="logits")
 
     def write_context(self, ctx: KVCache, taps, positions, lengths, starts=None) -> KVCache:
         """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`; with
@@ -387,7 +388,7 @@ class Decoder:
                 state.cache,
                 prop.tree.mask,
                 tap_layers,
-                method=Transformer.verify_tree,
+                method="verify_tree",
             )
         logits = self.lm_logits(hidden)  # [B, T, V]
         if prop.q_ids is not None:
@@ -417,7 +418,10 @@ class Decoder:
                 pad = ((0, 0), (0, bs - w))
                 y = jnp.pad(v.y, pad, constant_values=-1)
                 taps = None if v.taps is None else jnp.pad(v.taps, pad + ((0, 0),))
-                return Verdict(y=y, cache=v.cache, taps=taps)
+                cache = v.cache
+                if isinstance(cache, HybridCache):  # one pending width for every branch
+                    cache = cache.pad_pending(bs)
+                return Verdict(y=y, cache=cache, taps=taps)
 
             return run
 
@@ -529,7 +533,7 @@ class Decoder:
         token sampled: the state the decode loop starts from (`n_buf` output slots)."""
         b, p = prompts.shape
         tap_layers = self.kind.taps(self)
-        cache = KVCache.create(self.tmod.cfg, b, capacity)
+        cache = new_cache(self.tmod.cfg, b, capacity)
         ctx = self.kind.init_context(self, b, capacity)
         chunk = self.plan.prefill_chunk
         if not chunk or p <= chunk or p % chunk:
@@ -545,6 +549,8 @@ class Decoder:
             hidden, cache, taps = self.tmod.apply(
                 {"params": self.tparams}, ids, cache=cache, tap_layers=tap_layers
             )
+            if isinstance(cache, HybridCache):  # the recurrent state settles after each chunk
+                cache = cache.rollback(jnp.minimum(prompt_lens, cache.lengths))
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
             ctx = self.kind.write_context(
                 self, ctx, taps, ids, positions, prompt_lens, jnp.full((b,), start, jnp.int32)

@@ -193,7 +193,7 @@ def dry_run_infer(
     from dflash_jax.decoding.step import Plan
     from dflash_jax.drafters.dflash import DFlashDrafter
     from dflash_jax.models import attention as attn_lib
-    from dflash_jax.models.transformer import Transformer
+    from dflash_jax.models.hybrid import target_module
     from dflash_jax.parallel import sharding
 
     tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
@@ -226,7 +226,7 @@ def dry_run_infer(
             plan = Plan(block_size=k_bs, attention_impl=impl, tree_budget=tree, **plan_kw)
             width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
             p_pad, n_buf, capacity = buffer_sizes(context, max_new_tokens, width)
-            tmod = Transformer(tcfg, impl)
+            tmod = target_module(tcfg, impl)
             dmod = (draft_mod if other else DFlashDrafter(dcfg)) if kind == "dflash" else None
             dp = dparams if kind == "dflash" else None
             prefill_jit, decode_jit, sh = generate_programs(
@@ -415,7 +415,7 @@ def dry_run_train(
 
     from dflash_jax.drafters.dflash import DFlashDrafter
     from dflash_jax.models.config import as_dtype
-    from dflash_jax.models.transformer import Transformer
+    from dflash_jax.models.hybrid import target_module
     from dflash_jax.parallel import sharding
     from dflash_jax.training.experiment import drafter_loss_fn
     from dflash_jax.training.step import (
@@ -444,7 +444,7 @@ def dry_run_train(
         raise UsageError(str(e)) from None
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     tparams, dparams = abstract_params(tcfg, dcfg)
-    tmod, dmod = Transformer(tcfg, config.attention_impl), DFlashDrafter(dcfg)
+    tmod, dmod = target_module(tcfg, config.attention_impl), DFlashDrafter(dcfg)
     optimizer = make_optimizer(config, 10000)[0]
     state = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),

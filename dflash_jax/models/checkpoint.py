@@ -57,7 +57,9 @@ _LEAF_NAMES = {
 }
 # Parameters stored under their own name, as they are (DFlash 2's convolution kernels and
 # selector codebooks: `...attention_conv.base_kernel`, `candidate_selector.successor_codebook`).
-_RAW_LEAVES = ("base_kernel", "predecessor_codebook", "successor_codebook")
+_RAW_LEAVES = ("base_kernel", "predecessor_codebook", "successor_codebook", "A_log", "dt_bias")
+# Leaves stored under another name, as they are (a hybrid target's depthwise convolution).
+_RENAMED_LEAVES = {"conv1d": "conv1d.weight"}
 _FP8_SCALE = "_scale_inv"  # `<linear>.weight_scale_inv` of a block-FP8 checkpoint
 # Tensors that Hugging Face checkpoints may carry but the model recomputes.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
@@ -71,7 +73,8 @@ def flax_path_to_hf(path: Tuple[str, ...], prefix: str = "") -> str:
             parts += ["layers", p[len("layers_") :]]
         else:
             parts.append(p)
-    parts.append(path[-1] if path[-1] in _RAW_LEAVES else _LEAF_NAMES[path[-1]])
+    leaf = path[-1]
+    parts.append(leaf if leaf in _RAW_LEAVES else _RENAMED_LEAVES.get(leaf) or _LEAF_NAMES[leaf])
     name = ".".join(parts)
     if path[0] == "lm_head":
         return name  # lm_head lives outside the `model.` prefix
@@ -309,7 +312,7 @@ def load_target_params(
     `quantize_lm_head`) quantized per output channel as they are read. Every setting and the
     config's quantization_config are checked before any weight is read.
     """
-    from dflash_jax.models.transformer import Transformer
+    from dflash_jax.models.hybrid import target_module
 
     quantize = quantization.check_quantize(quantize)
     cfg = read_target_config(path, dtype=dtype, param_dtype=param_dtype)
@@ -322,16 +325,27 @@ def load_target_params(
         cfg = cfg.replace(
             quantization="int8", quantize_lm_head=bool(quantize_lm_head or cfg.quantize_lm_head)
         )
-    model = Transformer(cfg)
+    model = target_module(cfg)
     abstract = jax.eval_shape(
         lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
     )
+    prefix, skip = "model.", ()
+    if cfg.is_hybrid:  # a published Qwen3.5 checkpoint is the vision-language model
+        store = _open_store(path)
+        try:
+            if "model.language_model.embed_tokens.weight" in store:
+                prefix = "model.language_model."
+        finally:
+            store.close()
+        skip = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction head
     params = load_params(
         path,
         abstract,
-        prefix="model.",
+        prefix=prefix,
         param_dtype=cfg.param_dtype,
-        optional=lambda n: cfg.tie_word_embeddings and n == "lm_head.weight",
+        optional=lambda n: (
+            (cfg.tie_word_embeddings and n == "lm_head.weight") or n.startswith(skip)
+        ),
         fp8_block=spec.block_size if spec is not None and spec.method == "fp8" else None,
     )
     return cfg, params

@@ -24,7 +24,15 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "LlamaForCausalLM": "llama",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    # Hybrid targets (`models/hybrid.py`): Gated DeltaNet and gated-attention layers. The
+    # published checkpoints are the vision-language models; their text model is what loads.
+    "Qwen3_5ForCausalLM": "qwen3_5",
+    "Qwen3_5ForConditionalGeneration": "qwen3_5",
+    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
+    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
 }
+HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")
+LINEAR, FULL = "linear_attention", "full_attention"
 # Mixture-of-experts fields of other families that this code does not implement: a config
 # that sets one (to a value that matters) is refused, one line naming the field.
 _UNSUPPORTED_MOE_FIELDS = (
@@ -48,6 +56,62 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
             raise ValueError(f"unknown dtype {name_or_dtype!r}; expected one of {sorted(_DTYPES)}")
         return jnp.dtype(_DTYPES[name_or_dtype])
     return jnp.dtype(name_or_dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridSpec:
+    """What a hybrid (Qwen3.5 / Qwen3.6) target adds to a transformer's config.
+
+    layer_types: per layer, "linear_attention" (a Gated DeltaNet) or "full_attention" (gated
+      attention: a sigmoid output gate from a doubled q_proj, QK-norm, partial rotary).
+    linear_*: the Gated DeltaNet's key / value heads and head widths and its depthwise causal
+      convolution's kernel (over the concatenated q, k, v channels).
+    partial_rotary_factor: the share of each full-attention head that is rotated.
+    shared_expert_intermediate_size: the MoE variant's shared expert (0: none).
+    """
+
+    layer_types: tuple
+    linear_num_key_heads: int = 16
+    linear_num_value_heads: int = 32
+    linear_key_head_dim: int = 128
+    linear_value_head_dim: int = 128
+    linear_conv_kernel_dim: int = 4
+    partial_rotary_factor: float = 0.25
+    shared_expert_intermediate_size: int = 0
+
+    def __post_init__(self):
+        bad = [t for t in self.layer_types if t not in (LINEAR, FULL)]
+        if bad:
+            raise ValueError(
+                f"layer_types: unknown layer type {bad[0]!r}; expected {LINEAR!r} or {FULL!r}"
+            )
+        if self.linear_num_value_heads % self.linear_num_key_heads:
+            raise ValueError(
+                f"linear_num_value_heads={self.linear_num_value_heads} is not a multiple of "
+                f"linear_num_key_heads={self.linear_num_key_heads}"
+            )
+        if self.linear_conv_kernel_dim < 1:
+            raise ValueError("linear_conv_kernel_dim must be >= 1")
+
+    def is_linear(self, i: int) -> bool:
+        return self.layer_types[i] == LINEAR
+
+    @property
+    def full_layers(self) -> tuple:
+        """The full-attention layers (the ones with a K/V cache), in order."""
+        return tuple(i for i, t in enumerate(self.layer_types) if t == FULL)
+
+    @property
+    def linear_layers(self) -> tuple:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == LINEAR)
+
+    @property
+    def conv_dim(self) -> int:
+        """Channels of the convolution: q and k (key heads x key width each) and v."""
+        return (
+            2 * self.linear_num_key_heads * self.linear_key_head_dim
+            + self.linear_num_value_heads * self.linear_value_head_dim
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,8 +172,26 @@ class ModelConfig:
     decoder_sparse_step: int = 1
     mlp_only_layers: tuple = ()
     norm_topk_prob: bool = False
+    hybrid: Optional[HybridSpec] = None  # a Qwen3.5-style hybrid target (`models/hybrid.py`)
 
     def __post_init__(self):
+        if self.hybrid is not None:
+            if len(self.hybrid.layer_types) != self.num_layers:
+                raise ValueError(
+                    f"layer_types has {len(self.hybrid.layer_types)} entries for "
+                    f"num_hidden_layers={self.num_layers}"
+                )
+            if self.quantization is not None:
+                raise ValueError(
+                    "int8 quantization of hybrid (Gated DeltaNet) targets is not supported yet "
+                    "(quantization_config / --quantize: load it unquantized)"
+                )
+            rot = int(self.head_dim * self.hybrid.partial_rotary_factor)
+            if rot < 2 or rot % 2:
+                raise ValueError(
+                    f"partial_rotary_factor={self.hybrid.partial_rotary_factor} x head_dim="
+                    f"{self.head_dim} gives {rot} rotary dims; it must be an even number >= 2"
+                )
         if self.num_experts:
             if not 1 <= self.num_experts_per_tok <= self.num_experts:
                 raise ValueError(
@@ -140,6 +222,22 @@ class ModelConfig:
             raise ValueError(f"head_dim must be even for RoPE, got {self.head_dim}")
 
     @property
+    def is_hybrid(self) -> bool:
+        return self.hybrid is not None
+
+    @property
+    def rotary_dim(self) -> int:
+        """The rotated width of each attention head (all of it but on hybrids)."""
+        if self.hybrid is None:
+            return self.head_dim
+        return int(self.head_dim * self.hybrid.partial_rotary_factor)
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers with a K/V cache: every layer, or a hybrid's full-attention ones."""
+        return self.num_layers if self.hybrid is None else len(self.hybrid.full_layers)
+
+    @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
@@ -161,6 +259,7 @@ class ModelConfig:
             decoder_sparse_step=1,
             mlp_only_layers=(),
             norm_topk_prob=False,
+            hybrid=None,
         )
 
     @property
@@ -191,14 +290,100 @@ class ModelConfig:
             model_type = hf.get("model_type")
             if model_type in ("qwen3", "llama", "qwen3_moe") and not archs:
                 arch = model_type
+            elif not archs and model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
+                arch = model_type[: -len("_text")]
             else:
                 raise ValueError(
                     f"{source}: unsupported architecture {archs or model_type!r}; supported: "
                     f"{sorted(SUPPORTED_ARCHITECTURES)}"
                 )
+        if arch in HYBRID_ARCHS:
+            return cls._from_hybrid_hf(
+                hf, arch=arch, dtype=dtype, param_dtype=param_dtype, source=source
+            )
         return cls._from_hf_fields(
             hf, arch=arch, dtype=dtype, param_dtype=param_dtype, source=source
         )
+
+    @classmethod
+    def _from_hybrid_hf(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
+        """A Qwen3.5 / Qwen3.6 config.json: the text model's fields (under `text_config` in
+        the published vision-language configs), each checked, plus the hybrid layout."""
+        text = hf.get("text_config", hf)
+        if not isinstance(text, dict):
+            raise ValueError(f"{source}: text_config must be an object, got {type(text).__name__}")
+        text = dict(text)
+        if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
+            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
+        text.setdefault("tie_word_embeddings", False)
+        if arch == "qwen3_5_moe":  # every layer is routed; the dense width is the shared expert's
+            text.setdefault("intermediate_size", text.get("shared_expert_intermediate_size"))
+        rope = text.get("rope_parameters") or {}
+        if not isinstance(rope, dict):
+            raise ValueError(f"{source}: rope_parameters must be an object")
+        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
+        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
+            raise ValueError(f"{source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
+        base = cls._from_hf_fields(
+            text, arch=arch, dtype=dtype, param_dtype=param_dtype, source=source
+        )
+        n = base.num_layers
+        types = text.get("layer_types")
+        if types is None:
+            every = text.get("full_attention_interval", 4)
+            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+                raise ValueError(f"{source}: full_attention_interval must be an integer >= 1")
+            types = [LINEAR if (i + 1) % every else FULL for i in range(n)]
+        if not isinstance(types, list) or len(types) != n:
+            raise ValueError(
+                f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), "
+                f"got {repr(types)[:80]}"
+            )
+        ints = {}
+        for key, default in (
+            ("linear_num_key_heads", 16),
+            ("linear_num_value_heads", 32),
+            ("linear_key_head_dim", 128),
+            ("linear_value_head_dim", 128),
+            ("linear_conv_kernel_dim", 4),
+        ):
+            value = text.get(key, default)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{source}: {key} must be an integer >= 1, got {value!r}")
+            ints[key] = value
+        moe = {}
+        shared = 0
+        if arch == "qwen3_5_moe":
+            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+                value = text.get(key)
+                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                    raise ValueError(f"{source}: {key} must be an integer >= 1, got {value!r}")
+            if text["num_experts_per_tok"] > text["num_experts"]:
+                raise ValueError(
+                    f"{source}: num_experts_per_tok={text['num_experts_per_tok']} > "
+                    f"num_experts={text['num_experts']}"
+                )
+            shared = text.get("shared_expert_intermediate_size") or 0
+            if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
+                raise ValueError(
+                    f"{source}: shared_expert_intermediate_size must be an integer >= 0"
+                )
+            moe = dict(
+                num_experts=text["num_experts"],
+                num_experts_per_tok=text["num_experts_per_tok"],
+                moe_intermediate_size=text["moe_intermediate_size"],
+                norm_topk_prob=True,  # the Qwen3.5 router always renormalizes its top-k
+            )
+        try:
+            spec = HybridSpec(
+                layer_types=tuple(types),
+                partial_rotary_factor=float(factor),
+                shared_expert_intermediate_size=shared,
+                **ints,
+            )
+            return base.replace(qk_norm=True, hybrid=spec, **moe)
+        except ValueError as e:
+            raise ValueError(f"{source}: {e}") from None
 
     @classmethod
     def _from_hf_fields(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
@@ -366,6 +551,8 @@ class ModelConfig:
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict:
         """The Hugging Face `config.json` dict for this model (transformers 4.x/5.x readable)."""
+        if self.hybrid is not None:
+            return self._hybrid_to_hf(torch_dtype)
         arch_name = {
             "qwen3": "Qwen3ForCausalLM",
             "llama": "LlamaForCausalLM",
@@ -411,4 +598,49 @@ class ModelConfig:
             )
         if self.quantization is not None:
             out["quantization_config"] = quantization_config(self.quantize_lm_head)
+        return out
+
+    def _hybrid_to_hf(self, torch_dtype: str) -> dict:
+        """A hybrid target's config.json, as transformers' `Qwen3_5ForCausalLM` /
+        `Qwen3_5MoeForCausalLM` (the text model) writes it."""
+        h = self.hybrid
+        moe = self.arch == "qwen3_5_moe"
+        out = {
+            "architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
+            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": self.rope_theta,
+                "partial_rotary_factor": h.partial_rotary_factor,
+            },
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "layer_types": list(h.layer_types),
+            "linear_num_key_heads": h.linear_num_key_heads,
+            "linear_num_value_heads": h.linear_num_value_heads,
+            "linear_key_head_dim": h.linear_key_head_dim,
+            "linear_value_head_dim": h.linear_value_head_dim,
+            "linear_conv_kernel_dim": h.linear_conv_kernel_dim,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+        }
+        if moe:
+            out.update(
+                num_experts=self.num_experts,
+                num_experts_per_tok=self.num_experts_per_tok,
+                moe_intermediate_size=self.moe_intermediate_size,
+                shared_expert_intermediate_size=h.shared_expert_intermediate_size,
+            )
+        else:
+            out["intermediate_size"] = self.intermediate_size
         return out

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.config import ModelConfig
+from dflash_jax.models.layers import MLP, linear
 
 # Up to this many rows (token-expert pairs per device) the expert matmuls skip the experts
 # without rows (module docstring): Qwen3-30B-A3B's top-8 gives 512 rows at a batch of 4 blocks
@@ -230,6 +231,11 @@ class SparseMoE(nn.Module):
             experts["down_proj"],
             self.impl,
         )
+        shared = 0 if c.hybrid is None else c.hybrid.shared_expert_intermediate_size
+        if shared:  # Qwen3.5-MoE: a shared expert for every token, scaled by its own gate
+            y = MLP(c.replace(intermediate_size=shared), name="shared_expert")(x)
+            gate = jax.nn.sigmoid(linear(c, 1, "shared_expert_gate")(x).astype(jnp.float32))
+            out = out.astype(jnp.float32) + gate * y.astype(jnp.float32)
         return out.astype(c.dtype)
 
 

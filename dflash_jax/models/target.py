@@ -13,7 +13,8 @@ import numpy as np
 
 from dflash_jax.models import checkpoint, hub
 from dflash_jax.models.config import ModelConfig
-from dflash_jax.models.transformer import KVCache, Transformer
+from dflash_jax.models.hybrid import new_cache, target_module
+from dflash_jax.models.transformer import Transformer
 
 
 @dataclasses.dataclass
@@ -39,7 +40,7 @@ class Target:
 
     @property
     def module(self) -> Transformer:
-        return Transformer(self.config, self.attention_impl)
+        return target_module(self.config, self.attention_impl)
 
     def forward(self, input_ids, tap_layers: Sequence[int] = ()) -> ForwardOutput:
         """Full causal forward over `input_ids` [B, T] (no cache). Returns float32 logits."""
@@ -50,8 +51,9 @@ class Target:
         logits, taps = _forward(self.module, self.params, ids, tuple(tap_layers))
         return ForwardOutput(logits=logits, taps=taps)
 
-    def init_cache(self, batch: int, capacity: int) -> KVCache:
-        return KVCache.create(self.config, batch, capacity)
+    def init_cache(self, batch: int, capacity: int):
+        """An empty decoding cache: a `KVCache`, or a `HybridCache` for a hybrid target."""
+        return new_cache(self.config, batch, capacity)
 
 
 def _check_ids(ids, vocab_size):
@@ -65,7 +67,7 @@ def _check_ids(ids, vocab_size):
 @functools.partial(jax.jit, static_argnums=(0, 3))
 def _forward(module, params, ids, tap_layers):
     hidden, _, taps = module.apply({"params": params}, ids, tap_layers=tap_layers)
-    logits = module.apply({"params": params}, hidden, method=Transformer.logits)
+    logits = module.apply({"params": params}, hidden, method="logits")
     return logits, taps
 
 

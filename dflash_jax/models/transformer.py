@@ -337,7 +337,9 @@ class Transformer(nn.Module):
 
 def init_params(cfg: ModelConfig, seed: int = 0):
     """Random parameters (normal, std 0.02 for matrices) as a plain pytree."""
-    model = Transformer(cfg)
+    from dflash_jax.models.hybrid import target_module
+
+    model = target_module(cfg)
     ids = jnp.zeros((1, 2), jnp.int32)
     params = model.init(jax.random.PRNGKey(seed), ids)["params"]
     return params

@@ -157,7 +157,6 @@ def loss_fn_for(tmod, dmod: Eagle3Drafter, t2d_V, steps: int, decay):
     """loss_fn(params, frozen, batch, key) for the trainer: the frozen target's taps of the
     drafter's three layers (stopping at the last), then `ttt_loss` (each packed document its
     own sequence, as the target sees it)."""
-    from dflash_jax.models.transformer import Transformer
 
     tap_layers = dmod.cfg.tap_layers(tmod.cfg.num_layers)
 
@@ -169,12 +168,12 @@ def loss_fn_for(tmod, dmod: Eagle3Drafter, t2d_V, steps: int, decay):
             batch["input_ids"],
             tap_layers,
             segment_ids_BT=batch["segment_ids"],
-            method=Transformer.taps,
+            method="taps",
         )
         taps = jax.lax.stop_gradient(taps)
 
         def embed(ids):
-            return jax.lax.stop_gradient(tmod.apply(tvars, ids, method=Transformer.embed))
+            return jax.lax.stop_gradient(tmod.apply(tvars, ids, method="embed"))
 
         return ttt_loss(dmod, params, embed, taps, batch, t2d_V, steps, decay)
 

@@ -34,6 +34,7 @@ from dflash_jax.drafters.dflash import (
 from dflash_jax.models import hub
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.target import Target, load_target
+from dflash_jax.models.hybrid import target_module
 from dflash_jax.models.transformer import Transformer, init_params
 from dflash_jax.parallel import distributed
 from dflash_jax.support import console
@@ -208,7 +209,7 @@ def build_experiment(config, workdir: str) -> Experiment:
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
     tcfg, tparams = _target(config, target_path, tokenizer)
-    tmod = Transformer(tcfg, config.attention_impl)  # the target pass: causal_attention
+    tmod = target_module(tcfg, config.attention_impl)  # the target pass: causal_attention
     train_docs, eval_docs, tokenize_fn, eval_prompts = _documents(
         config, workdir, tcfg, tparams, tokenizer, tok_dir, train_src, val_src, rng
     )
@@ -502,7 +503,7 @@ def tap_rms(tmod, tparams, dcfg, batches) -> np.ndarray:
             ids,
             tuple(dcfg.target_layer_ids),
             segment_ids_BT=jnp.asarray(batch["segment_ids"]),
-            method=Transformer.taps,
+            method="taps",
         )
         x = np.asarray(taps, np.float64)[:, 1:]
         mask = np.asarray(batch["segment_ids"])[:, 1:] > 0

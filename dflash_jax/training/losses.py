@@ -293,16 +293,14 @@ def block_scores(
 
     def scores(h, lab, th, prev):
         c, k = h.shape[1], h.shape[2]
-        logits = tmod.apply(tvars, h.reshape(h.shape[0], c * k, -1), method=Transformer.logits)
+        logits = tmod.apply(tvars, h.reshape(h.shape[0], c * k, -1), method="logits")
         if adjust is not None:
             logits = adjust(logits)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(h.shape[0], c, k, -1)
         if th is None:
             per_pos = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
         else:
-            t_logits = tmod.apply(
-                tvars, th.reshape(h.shape[0], c * k, -1), method=Transformer.logits
-            )
+            t_logits = tmod.apply(tvars, th.reshape(h.shape[0], c * k, -1), method="logits")
             t_logp = jax.nn.log_softmax(t_logits.astype(jnp.float32), axis=-1).reshape(logp.shape)
             per_pos = jnp.sum(jnp.exp(t_logp) * (t_logp - logp), axis=-1)
         out = (per_pos, jnp.argmax(logp, axis=-1) == lab)
@@ -408,7 +406,7 @@ def drafter_loss(
             ids,
             recipe.tap_layers,
             segment_ids_BT=batch["segment_ids"],
-            method=Transformer.taps,
+            method="taps",
         )
     else:
         hidden_t, _, taps = tmod.apply(
@@ -431,9 +429,7 @@ def drafter_loss(
         scale if recipe.mask_schedule == "mdlm" else None,
     )
 
-    emb = jax.lax.stop_gradient(
-        tmod.apply(tvars, tokens.reshape(b, n * bs), method=Transformer.embed)
-    )
+    emb = jax.lax.stop_gradient(tmod.apply(tvars, tokens.reshape(b, n * bs), method="embed"))
     positions = masks.block_positions(anchors, bs).reshape(b, n * bs)
     ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
     ctx_k, ctx_v = dmod.apply({"params": dparams}, taps, ctx_pos, method=DFlashDrafter.context_kv)
@@ -507,7 +503,7 @@ def target_loss(tmod: Transformer, params, batch):
     and both are in the same (non-padding) segment. Returns (loss, metrics)."""
     ids, loss_mask, seg = batch["input_ids"], batch["loss_mask"], batch["segment_ids"]
     hidden, _, _ = tmod.apply({"params": params}, ids, segment_ids_BT=seg)
-    logits = tmod.apply({"params": params}, hidden[:, :-1], method=Transformer.logits)
+    logits = tmod.apply({"params": params}, hidden[:, :-1], method="logits")
     logp = jax.nn.log_softmax(logits, axis=-1)
     labels = ids[:, 1:]
     w = ((loss_mask[:, 1:] > 0) & (seg[:, 1:] == seg[:, :-1]) & (seg[:, 1:] > 0)).astype(

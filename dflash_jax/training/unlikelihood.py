@@ -77,7 +77,7 @@ def unlikelihood_loss(tmod: Transformer, params, batch) -> Tuple[jnp.ndarray, Di
     """Mean of -log(1 - p(x_t | x_<t)) over positions t with ul_mask[t] (0 when none)."""
     ids, mask, seg = batch["ul_ids"], batch["ul_mask"], batch["ul_segment_ids"]
     hidden, _, _ = tmod.apply({"params": params}, ids, segment_ids_BT=seg)
-    logits = tmod.apply({"params": params}, hidden[:, :-1], method=Transformer.logits)
+    logits = tmod.apply({"params": params}, hidden[:, :-1], method="logits")
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
     logp_tok = jnp.take_along_axis(logp, ids[:, 1:, None], axis=-1)[..., 0]
     one_minus_p = jnp.clip(-jnp.expm1(logp_tok), 1e-5, 1.0)
