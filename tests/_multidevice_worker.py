@@ -242,6 +242,59 @@ def check_moe(out, workdir):
     out["moe"] = res
 
 
+def check_hybrid(out, workdir):
+    """A random Qwen3.5-style hybrid target (layers linear, full, linear, linear) decoded
+    autoregressively on one device, then with DFlash on one device, data=2,tensor=4 and data=4,
+    tensor=2 (the delta-rule states' value heads over tensor), its drafts read from the
+    autoregressive continuation (wrong at every 5th position: accepted, ragged over the batch)."""
+    from dflash_jax.decoding.step import Decoder
+    from dflash_jax.models.config import HybridSpec
+
+    types = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
+    cfg = dj.ModelConfig(
+        arch="qwen3_5",
+        vocab_size=128,
+        hidden_size=64,
+        intermediate_size=96,
+        num_layers=4,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+        hybrid=HybridSpec(
+            layer_types=types,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            linear_key_head_dim=8,
+            linear_value_head_dim=12,
+        ),
+    )
+    target = dj.Target(cfg, _scaled(init_params(cfg, 0)))
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=2, block_size=8, mask_token_id=127)
+    drafter = dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 1))
+    rs = np.random.RandomState(5)
+    prompts = [list(map(int, rs.randint(0, 127, n))) for n in (9, 26, 25, 7)]
+    n = 24
+    res = {"ref_ar": _run(dj.generate(target, None, prompts, n), drafts=False)}
+    table = np.zeros((4, 128), np.int32)
+    for i, (p, c) in enumerate(zip(prompts, res["ref_ar"]["tokens"])):
+        table[i, : len(p) + len(c)] = p + c
+    table = jnp.asarray(table)
+
+    def oracle(self, ctx, x_last, start):
+        pos = start[:, None] + 1 + jnp.arange(self.plan.block_size - 1)[None]
+        d = jnp.take_along_axis(table, jnp.minimum(pos, table.shape[1] - 1), axis=1)
+        d = jnp.where(pos % 5 == 0, (d + 1) % 128, d)
+        return d, jnp.ones(d.shape, jnp.float32)
+
+    Decoder.draft_block = oracle
+    for spec in ("one", "data=2,tensor=4", "data=4,tensor=2"):
+        mesh = None if spec == "one" else dry_run.resolve_mesh(spec)
+        res[spec] = _run(dj.generate(target, drafter, prompts, n, block_size=8, mesh=mesh))
+    out["hybrid"] = res
+
+
 def check_rules(out, workdir):
     target, drafter = small_pair()  # 4 query heads, 2 KV heads, head_dim 16, vocab 128
     res = {}

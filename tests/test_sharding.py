@@ -16,7 +16,7 @@ import pytest
 pytestmark = pytest.mark.slow
 
 # Balanced by their seconds (findings["seconds"]): generate ~150 and moe ~90 against the rest.
-GROUPS = (("generate", "moe"), ("rules", "dry_run", "train", "fsdp_training"))
+GROUPS = (("generate", "moe"), ("rules", "dry_run", "train", "fsdp_training", "hybrid"))
 
 
 @pytest.fixture(scope="module")
@@ -173,6 +173,17 @@ def test_expert_parallel_train_step_matches_single_device(findings, run):
     assert len(p1) == len(p8) > 0
     for a, b in zip(p1, p8):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_hybrid_target_sharded_equals_one_device_and_autoregressive(findings):
+    """A hybrid (Gated DeltaNet) target: DFlash with accepted drafts on one device and on two
+    meshes (the recurrent states' heads over tensor) gives the autoregressive tokens."""
+    res = findings["hybrid"]
+    ar = res["ref_ar"]["tokens"]
+    for spec in ("one", "data=2,tensor=4", "data=4,tensor=2"):
+        assert res[spec]["tokens"] == ar, spec
+        _assert_accepted(res[spec])
+        assert len({a[0] for a in res[spec]["acceptance"]}) > 1, spec  # ragged in one step
 
 
 def test_partition_rules_tensor_parallel(findings):

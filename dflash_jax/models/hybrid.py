@@ -206,6 +206,15 @@ class HybridCache:
     def head_dim(self) -> int:
         return self.kv.head_dim
 
+    @property
+    def k(self) -> tuple:
+        """The full-attention layers' keys (`KVCache.k`)."""
+        return self.kv.k
+
+    @property
+    def v(self) -> tuple:
+        return self.kv.v
+
     def rollback(self, lengths) -> "HybridCache":
         """Keeps the first `lengths - base` positions of the pending block (ragged over the
         batch): the recurrent state and the convolution window settle there, the K/V lengths

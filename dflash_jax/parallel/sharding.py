@@ -322,7 +322,16 @@ def batch_sharding(mesh, shape: Optional[Sequence[int]] = None, axis: int = 0):
 def cache_specs(cache, mesh):
     """Specs for a KVCache (the target's or the drafter's context cache; arrays or shapes):
     k/v [B,S,K*D] -> B over the batch axes, the K heads over tensor (each replicated when not
-    divisible, in whole heads); lengths [B] over batch."""
+    divisible, in whole heads); lengths [B] over batch. A hybrid target's `HybridCache`: its
+    full layers' KVCache as above, the convolution windows [B, K-1, C] over batch, the
+    delta-rule states [B, Hv, dk, dv] over batch and their value heads over tensor."""
+    if hasattr(cache, "kv"):  # a HybridCache (between steps: nothing pending)
+        state = lambda x: fit_spec(np.shape(x), P(BATCH, "tensor"), mesh)
+        return cache.replace(
+            kv=cache_specs(cache.kv, mesh),
+            conv=tuple(batch_spec(np.shape(x), mesh) for x in cache.conv),
+            state=tuple(state(x) for x in cache.state),
+        )
     kv = lambda x: fit_spec(
         np.shape(x), P(BATCH, None, "tensor"), mesh, head_dims=(2,), head_dim=cache.head_dim
     )
