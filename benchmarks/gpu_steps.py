@@ -130,7 +130,8 @@ def main(argv):
     from dflash_jax.decoding.step import Plan
     from dflash_jax.drafters.dflash import DFlashDrafter, init_drafter_params
     from dflash_jax.dry_run.presets import build_configs
-    from dflash_jax.models.transformer import Transformer, init_params
+    from dflash_jax.models.transformer import Transformer
+    from dflash_jax.models.verifier import init_params
     from dflash_jax.support import console
 
     t_start = time.perf_counter()

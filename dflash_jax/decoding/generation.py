@@ -22,7 +22,7 @@ from dflash_jax.decoding.step import Plan
 from dflash_jax.drafters.dflash import Drafter
 from dflash_jax.drafters.eagle3 import Eagle3, validate_eagle3_pair
 from dflash_jax.models import attention as attn_lib
-from dflash_jax.models.hybrid import target_module
+from dflash_jax.models.verifier import target_module
 from dflash_jax.parallel import sharding
 
 

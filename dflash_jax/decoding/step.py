@@ -52,7 +52,8 @@ from dflash_jax.decoding.drafting import Proposal
 from dflash_jax.decoding.tree import accept_path
 from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
 from dflash_jax.models import attention as attn_lib
-from dflash_jax.models.hybrid import HybridCache, new_cache
+from dflash_jax.models.hybrid import HybridCache
+from dflash_jax.models.verifier import new_cache
 from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
 
 

@@ -264,7 +264,7 @@ def abstract_params(tcfg, dcfg):
     import jax
 
     from dflash_jax.drafters.dflash import init_drafter_params
-    from dflash_jax.models.transformer import init_params
+    from dflash_jax.models.verifier import init_params
 
     return (
         jax.eval_shape(lambda: init_params(tcfg)),

@@ -193,7 +193,7 @@ def dry_run_infer(
     from dflash_jax.decoding.step import Plan
     from dflash_jax.drafters.dflash import DFlashDrafter
     from dflash_jax.models import attention as attn_lib
-    from dflash_jax.models.hybrid import target_module
+    from dflash_jax.models.verifier import target_module
     from dflash_jax.parallel import sharding
 
     tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
@@ -415,7 +415,7 @@ def dry_run_train(
 
     from dflash_jax.drafters.dflash import DFlashDrafter
     from dflash_jax.models.config import as_dtype
-    from dflash_jax.models.hybrid import target_module
+    from dflash_jax.models.verifier import target_module
     from dflash_jax.parallel import sharding
     from dflash_jax.training.experiment import drafter_loss_fn
     from dflash_jax.training.step import (

@@ -312,7 +312,7 @@ def load_target_params(
     `quantize_lm_head`) quantized per output channel as they are read. Every setting and the
     config's quantization_config are checked before any weight is read.
     """
-    from dflash_jax.models.hybrid import target_module
+    from dflash_jax.models.verifier import target_module
 
     quantize = quantization.check_quantize(quantize)
     cfg = read_target_config(path, dtype=dtype, param_dtype=param_dtype)

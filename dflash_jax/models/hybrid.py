@@ -239,19 +239,6 @@ class HybridCache:
         return self.replace(pending=tuple(tuple(padw(x) for x in p) for p in self.pending))
 
 
-def target_module(cfg: ModelConfig, attention_impl: str = "xla") -> Transformer:
-    """The verifier module of `cfg`: a `HybridTransformer` for a hybrid target."""
-    cls = HybridTransformer if cfg.hybrid is not None else Transformer
-    return cls(cfg, attention_impl)
-
-
-def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=None):
-    """A target's empty decoding cache: a `KVCache`, or a `HybridCache` for a hybrid target."""
-    if cfg.hybrid is not None:
-        return HybridCache.create(cfg, batch, capacity, dtype)
-    return KVCache.create(cfg, batch, capacity, dtype)
-
-
 # ---------------------------------------------------------------------------- layers
 
 

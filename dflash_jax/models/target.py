@@ -13,7 +13,7 @@ import numpy as np
 
 from dflash_jax.models import checkpoint, hub
 from dflash_jax.models.config import ModelConfig
-from dflash_jax.models.hybrid import new_cache, target_module
+from dflash_jax.models.verifier import new_cache, target_module
 from dflash_jax.models.transformer import Transformer
 
 

@@ -26,7 +26,6 @@ from typing import Optional, Sequence
 
 import flax.linen as nn
 import flax.struct
-import jax
 import jax.numpy as jnp
 
 from dflash_jax.models import attention as attn_lib
@@ -333,13 +332,3 @@ class Transformer(nn.Module):
             if i in tap_layers:
                 taps[i] = x
         return jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
-
-
-def init_params(cfg: ModelConfig, seed: int = 0):
-    """Random parameters (normal, std 0.02 for matrices) as a plain pytree."""
-    from dflash_jax.models.hybrid import target_module
-
-    model = target_module(cfg)
-    ids = jnp.zeros((1, 2), jnp.int32)
-    params = model.init(jax.random.PRNGKey(seed), ids)["params"]
-    return params

@@ -34,8 +34,9 @@ from dflash_jax.drafters.dflash import (
 from dflash_jax.models import hub
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.target import Target, load_target
-from dflash_jax.models.hybrid import target_module
-from dflash_jax.models.transformer import Transformer, init_params
+from dflash_jax.models.verifier import target_module
+from dflash_jax.models.transformer import Transformer
+from dflash_jax.models.verifier import init_params
 from dflash_jax.parallel import distributed
 from dflash_jax.support import console
 from dflash_jax.training import losses, unlikelihood
