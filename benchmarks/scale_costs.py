@@ -116,6 +116,7 @@ def main(argv):
         "  target | params | AR step ms | DFlash step ms | step/AR | speedup at tau | "
         "tau for 3x | ceiling"
     )
+    from dflash_jax.models.verifier import init_params
     from dflash_jax.support import console
 
     for width, layers in console.progress(sizes, desc="target sizes", unit="size"):
@@ -131,7 +132,7 @@ def main(argv):
             max_position_embeddings=FLAGS.context + FLAGS.tokens + 2 * bs,
             tie_word_embeddings=True,
         )
-        target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0))
+        target = dj.Target(cfg, init_params(cfg, 0))
         dcfg = dj.make_drafter_config(
             cfg,
             num_layers=FLAGS.drafter_layers,

@@ -10,6 +10,7 @@ import sys
 import pytest
 
 import dflash_jax as dj
+from dflash_jax.models.verifier import init_params
 from dflash_jax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 from dflash_jax.frontend import batch_runner, report, textgen
 
@@ -36,7 +37,7 @@ def pair_dirs(tmp_path_factory):
         head_dim=16,
         max_position_embeddings=512,
     )
-    target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0), path=str(root / "target"))
+    target = dj.Target(cfg, init_params(cfg, 0), path=str(root / "target"))
     dj.save_target(target, root / "target")
     dcfg = dj.make_drafter_config(
         cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=tok.mask_id

@@ -23,6 +23,7 @@ import types
 import pytest
 
 import dflash_jax as dj
+from dflash_jax.models.verifier import init_params
 from dflash_jax.frontend import batch_runner, infer_flags, report, textgen
 
 MAX_NEW = 3
@@ -43,7 +44,7 @@ def pair(tmp_path_factory):
         head_dim=16,
         max_position_embeddings=64,
     )
-    target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0), path=str(root / "target"))
+    target = dj.Target(cfg, init_params(cfg, 0), path=str(root / "target"))
     dj.save_target(target, root / "target")
     dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=95)
     drafter = dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))

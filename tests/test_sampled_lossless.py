@@ -28,6 +28,7 @@ from _pair import as_decoder_method
 from _sampling_reference import reference
 
 import dflash_jax as dj
+from dflash_jax.models.verifier import init_params
 from dflash_jax.decoding import sampling
 from dflash_jax.decoding import step as step_lib
 from dflash_jax.decoding.programs import _Compiled
@@ -56,7 +57,7 @@ def _sharp_target(num_layers):
     # Initialized under jit: one compile, not a dispatch per op (seconds less).
     params = jax.jit(
         lambda: jax.tree_util.tree_map(
-            lambda x: x * 6.0 if x.ndim == 2 else x, dj.models.transformer.init_params(cfg, seed=3)
+            lambda x: x * 6.0 if x.ndim == 2 else x, init_params(cfg, seed=3)
         )
     )()
     return dj.Target(cfg, params)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
+from dflash_jax.models.verifier import init_params
 from dflash_jax.data import prompting
 from dflash_jax.frontend import infer_flags
 from dflash_jax.support import checks
@@ -235,7 +236,7 @@ def small_pair():
         head_dim=16,
         max_position_embeddings=256,
     )
-    target = dj.Target(cfg, dj.models.transformer.init_params(cfg, 0))
+    target = dj.Target(cfg, init_params(cfg, 0))
     dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=4, mask_token_id=63)
     return target, dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 0))
 
