@@ -165,7 +165,16 @@ def _denoising_oracle(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, 
     return jnp.stack(out, 1)
 
 
-def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None, tree_budget=None, **denoise):
+def sample(
+    tiny,
+    monkeypatch,
+    temperature,
+    top_k=None,
+    top_p=None,
+    tree_budget=None,
+    oracle=_greedy_oracle,
+    **denoise,
+):
     """N speculative samples of N_TOKENS tokens after PROMPT with the oracle drafter (chain) or
     the oracle's tree of `tree_budget` nodes: (counts [M] of each continuation, tau). With
     `denoise` (generate's block_size, denoise_steps, denoise_schedule, remask) the chain is
@@ -176,7 +185,7 @@ def sample(tiny, monkeypatch, temperature, top_k=None, top_p=None, tree_budget=N
         cfg = drafter.config.replace(block_size=denoise["block_size"])
         drafter = dj.Drafter(cfg, drafter.params)
     else:
-        monkeypatch.setattr(Decoder, "draft_block", as_decoder_method(_greedy_oracle))
+        monkeypatch.setattr(Decoder, "draft_block", as_decoder_method(oracle))
         monkeypatch.setattr(Decoder, "draft_logprobs", as_decoder_method(_tree_oracle))
     _forget_compiled(monkeypatch)
     res = dj.generate(
@@ -563,3 +572,79 @@ def test_eagle3_sampled_drafts_follow_the_exact_joint(mode, tiny3, monkeypatch):
     assert res.tau > (1.2 if mode == "oracle" else 1.05), res.tau  # drafts accepted
     assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
     assert tv(counts, exact) < bound, (tv(counts, exact), bound)
+
+
+@pytest.fixture(scope="module")
+def tiny_hybrid():
+    """A 6-token hybrid target (Gated DeltaNet, gated attention, Gated DeltaNet) with a
+    sharp-ish distribution, a drafter (replaced by the oracle) and its enumerated joint."""
+    from dflash_jax.models.config import HybridSpec
+
+    cfg = dj.ModelConfig(
+        arch="qwen3_5",
+        vocab_size=V,
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=3,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=64,
+        hybrid=HybridSpec(
+            layer_types=("linear_attention", "full_attention", "linear_attention"),
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+        ),
+    )
+    params = jax.jit(
+        lambda: jax.tree_util.tree_map(
+            lambda x: x * 6.0 if x.ndim == 2 else x, init_params(cfg, seed=3)
+        )
+    )()
+    t = dj.Target(cfg, params)
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=1, block_size=BLOCK, mask_token_id=0)
+    drafter = dj.Drafter(dcfg, jax.jit(lambda: dj.init_drafter_params(dcfg, 0))())
+    return (t, drafter), _enumerate(t, PROMPT)
+
+
+@pytest.mark.parametrize("control", [False, True], ids=["settled", "control_whole_block_state"])
+def test_hybrid_target_samples_follow_the_exact_joint(control, tiny_hybrid, monkeypatch):
+    """Sampled DFlash over a hybrid target (its recurrent state settled at each step's accepted
+    prefix) follows the exact joint, within the bound, with accepted oracle drafts; a rollback
+    that keeps the whole verified block in the state (control) is rejected by the bound."""
+    from dflash_jax.models import hybrid
+
+    pair, enumerated = tiny_hybrid
+    if control:
+        honest = hybrid.HybridCache.rollback
+
+        def whole_block(self, lengths):
+            if self.pending is None or self.pending[0][0].shape[1] != BLOCK:
+                return honest(self, lengths)  # the prefill settles as it should
+            kept = honest(self, self.kv.lengths)
+            return kept.replace(kv=kept.kv.rollback(lengths.astype(jnp.int32)))
+
+        monkeypatch.setattr(hybrid.HybridCache, "rollback", whole_block)
+
+    def context_oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
+        """The target's greedy token after PROMPT + x_last: the first step's exact context
+        (a state-dependent target is rarely predicted from x_last alone)."""
+        ids = jnp.concatenate(
+            [jnp.broadcast_to(jnp.asarray(PROMPT), (x_last.shape[0], 3)), x_last[:, None]], 1
+        )
+        h, _, _ = tmod.apply({"params": tparams}, ids)
+        d = jnp.argmax(tmod.apply({"params": tparams}, h[:, -1:], method="logits"), -1)
+        return d.astype(jnp.int32), jnp.ones(d.shape, jnp.float32)
+
+    temperature, top_k, top_p = CASES["temperature_1.2_top_k_3_top_p_0.9"]
+    counts, tau = sample(pair, monkeypatch, temperature, top_k, top_p, oracle=context_oracle)
+    assert tau > 1.3, tau
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    if control:
+        assert tv(counts, exact) > tv_bound(exact, N), tv(counts, exact)
+        return
+    assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
+    assert tv(counts, exact) < tv_bound(exact, N), tv(counts, exact)
