@@ -41,6 +41,11 @@ from . import _common as C
 from .reference import default_scale
 
 
+# Query rows x lanes of one program above which the KV tile is halved (see decode_attention):
+# 2048 rows (512 queries x 4 per KV head) of 128 lanes, Qwen3-8B's prefill chunk, still fits.
+_BIG_QUERY_BLOCK = 2048 * 128
+
+
 def _choose_kv_tile(s: int, block_k: int, align: int):
     """Returns (tk, padded_S)."""
     if s <= block_k:
@@ -234,8 +239,12 @@ def decode_attention(
     scale = default_scale(d, sm_scale)
     align = C.sublane_multiple(k.dtype)
     rows = C.round_up(t * g, C.sublane_multiple(q.dtype))
-    tk, s_pad = _choose_kv_tile(s_len, block_k, align)
     hb = _heads_per_block(hkv, d)
+    if hb * rows * hb * d > _BIG_QUERY_BLOCK:
+        # Many query rows of wide heads (a 512-token prefill chunk at head_dim 256): the f32
+        # scores [rows, tk] and accumulator [rows, w] would outgrow the scoped VMEM at tk 512.
+        block_k = min(block_k, 256)
+    tk, s_pad = _choose_kv_tile(s_len, block_k, align)
     n_tiles = s_pad // tk
 
     lim = jnp.minimum(lim.astype(jnp.int32), s_len - 1)

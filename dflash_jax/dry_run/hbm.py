@@ -302,13 +302,17 @@ def floor_bytes(
     rows: int,
     passes: int,
     head_passes: Optional[int] = None,
+    recurrent_bytes: int = 0,
 ) -> int:
     """The analytic floor of one decode step per chip (module doc). *_bytes are per chip:
     the target's weights without embedding and LM head, its LM head, the drafter's weights, the
     target's KV cache and the drafter's context cache at `capacity` positions. rows: positions
     a step writes (AR 1, DFlash the block); passes: drafter passes per step (0 for AR; an
     EAGLE-3 drafter: its K sequential steps); head_passes: of those, the passes that read the
-    target's LM head (default all: a DFlash drafter shares it; EAGLE-3 has its own, 0)."""
+    target's LM head (default all: a DFlash drafter shares it; EAGLE-3 has its own, 0).
+    recurrent_bytes: a hybrid target's per-sequence recurrent states (delta-rule states and
+    convolution windows), read once and written once a step (`cache_bytes` then holds only its
+    full-attention layers' K/V)."""
     per_pos = cache_bytes / capacity
     per_ctx = ctx_bytes / capacity
     head_passes = passes if head_passes is None else head_passes
@@ -317,6 +321,7 @@ def floor_bytes(
         + lm_head_bytes * (1 + head_passes)
         + drafter_weight_bytes * passes
         + per_pos * (context + rows)
+        + 2 * recurrent_bytes
         + (per_ctx * (context * passes + rows) if passes else 0)
     )
 

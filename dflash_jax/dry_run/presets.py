@@ -1,5 +1,5 @@
 """Model presets of the dry run (Qwen3-8B/4B, Llama-3.1-8B, Qwen3-30B-A3B and
-Qwen3-Coder-30B-A3B (MoE), small test shapes) as abstract
+Qwen3-Coder-30B-A3B (MoE), Qwen3.5-9B and Qwen3.5-35B-A3B (hybrid), small test shapes) as abstract
 parameters, and the trainer config it compiles."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ def model_presets():
     """name -> (target ModelConfig, drafter kwargs for make_drafter_config), in bfloat16."""
     import jax.numpy as jnp
 
-    from dflash_jax.models.config import ModelConfig
+    from dflash_jax.models.config import HybridSpec, ModelConfig, hybrid_layers
 
     bf16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
     llama_scaling = tuple(
@@ -47,7 +47,60 @@ def model_presets():
         **bf16,
     )
     moe_drafter = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669)
+    # Qwen3.5 (issue 41): transformers 5's Qwen3_5TextConfig defaults, which it documents as
+    # the Qwen3.5-9B shape: 32 layers (3 Gated DeltaNet : 1 gated attention), hidden 4096, FFN
+    # 12288, 16 query / 4 KV heads of 256 (a quarter rotated), DeltaNet 16 key / 32 value heads
+    # of 128, convolution 4, vocabulary 248320, untied. Qwen3_5MoeTextConfig's defaults (its
+    # documented checkpoint: Qwen3.5-35B-A3B): 40 layers, hidden 2048, 16 / 2 heads of 256,
+    # 256 experts of 512, top 8, a shared expert of 512. The drafters' shapes are Qwen3-8B's
+    # (5 layers, 5 taps, block 16; the z-lab Qwen3.5 drafters' sizes were not found here), and
+    # the mask id a placeholder (it changes no shape or byte).
+    qwen3_5_9b = ModelConfig(
+        arch="qwen3_5",
+        vocab_size=248320,
+        hidden_size=4096,
+        intermediate_size=12288,
+        num_layers=32,
+        num_heads=16,
+        num_kv_heads=4,
+        head_dim=256,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        max_position_embeddings=32768,
+        hybrid=HybridSpec(layer_types=hybrid_layers(32)),
+        **bf16,
+    )
+    qwen3_5_35b_a3b = qwen3_5_9b.replace(
+        arch="qwen3_5_moe",
+        hidden_size=2048,
+        intermediate_size=512,
+        num_layers=40,
+        num_kv_heads=2,
+        num_experts=256,
+        num_experts_per_tok=8,
+        moe_intermediate_size=512,
+        norm_topk_prob=True,
+        hybrid=HybridSpec(layer_types=hybrid_layers(40), shared_expert_intermediate_size=512),
+    )
+    hybrid_drafter = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=248319)
     return {
+        "qwen3_5_9b": (qwen3_5_9b, hybrid_drafter),
+        "qwen3_5_35b_a3b": (qwen3_5_35b_a3b, hybrid_drafter),
+        # Qwen3.5-9B's layer kinds and head shapes, 4 layers and a 4K vocabulary: compile tests.
+        "tiny_hybrid": (
+            qwen3_5_9b.replace(
+                vocab_size=4096,
+                hidden_size=512,
+                intermediate_size=1024,
+                num_layers=4,
+                hybrid=HybridSpec(
+                    layer_types=hybrid_layers(4), linear_num_key_heads=4, linear_num_value_heads=8
+                ),
+            ),
+            dict(
+                num_layers=1, num_taps=2, block_size=16, mask_token_id=4000, target_layer_ids=(1, 3)
+            ),
+        ),
         "qwen3_8b": (
             ModelConfig(
                 vocab_size=151936,

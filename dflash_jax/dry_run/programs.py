@@ -74,11 +74,19 @@ def _floor(
     ctx = 0
     if state.ctx is not None:
         ctx = tree_bytes_per_device(state.ctx, sharding.decode_state_sharding(state, mesh).ctx)
+    cache, cache_sh = state.cache, sharding.cache_sharding(state.cache, mesh)
+    recurrent = 0
+    if hasattr(cache, "kv"):  # a hybrid target: K/V per position, recurrent states per sequence
+        recurrent = tree_bytes_per_device(
+            (cache.conv, cache.state), (cache_sh.conv, cache_sh.state)
+        )
+        cache, cache_sh = cache.kv, cache_sh.kv
     return hbm.floor_bytes(
         body_weight_bytes=body,
         lm_head_bytes=head,
         drafter_weight_bytes=0 if dparams is None else tree_bytes_per_device(dparams, dshard),
-        cache_bytes=tree_bytes_per_device(state.cache, sharding.cache_sharding(state.cache, mesh)),
+        cache_bytes=tree_bytes_per_device(cache, cache_sh),
+        recurrent_bytes=recurrent,
         ctx_bytes=ctx,
         capacity=capacity,
         context=context,

@@ -58,6 +58,12 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
     return jnp.dtype(name_or_dtype)
 
 
+def hybrid_layers(num_layers: int, full_every: int = 4) -> tuple:
+    """Qwen3.5's default layer kinds: every `full_every`-th layer full attention, the rest
+    Gated DeltaNets (transformers' `full_attention_interval`)."""
+    return tuple(LINEAR if (i + 1) % full_every else FULL for i in range(num_layers))
+
+
 @dataclasses.dataclass(frozen=True)
 class HybridSpec:
     """What a hybrid (Qwen3.5 / Qwen3.6) target adds to a transformer's config.
@@ -333,7 +339,7 @@ class ModelConfig:
             every = text.get("full_attention_interval", 4)
             if isinstance(every, bool) or not isinstance(every, int) or every < 1:
                 raise ValueError(f"{source}: full_attention_interval must be an integer >= 1")
-            types = [LINEAR if (i + 1) % every else FULL for i in range(n)]
+            types = list(hybrid_layers(n, every))
         if not isinstance(types, list) or len(types) != n:
             raise ValueError(
                 f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), "
