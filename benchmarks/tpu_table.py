@@ -31,6 +31,8 @@ MODEL_NAMES = {
     "qwen3_4b": "Qwen3-4B",
     "llama31_8b": "Llama-3.1-8B",
     "qwen3_30b_a3b": "Qwen3-30B-A3B",
+    "qwen3_5_9b": "Qwen3.5-9B (hybrid)",
+    "qwen3_5_35b_a3b": "Qwen3.5-35B-A3B (hybrid)",
     "qwen3_coder_30b_a3b": "Qwen3-Coder-30B-A3B",
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

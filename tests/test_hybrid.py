@@ -296,6 +296,14 @@ def test_bad_hybrid_requests_and_configs_get_one_line(dense_target, drafter, den
         dj.generate(dense_target, drafter, PROMPTS[:1], 4, block_size=8, tree_budget=8)
     with pytest.raises(ValueError, match="int8 quantization of hybrid"):
         dj.quantize_target(dense_target)
+    from configs.default import get_config
+    from dflash_jax.training import experiment
+
+    train = get_config()
+    train.target_path = dense_dir[0]
+    with pytest.raises(ValueError, match="training against a hybrid"):
+        experiment.build_experiment(train, str(tmp_path / "run"))
+    assert not (tmp_path / "run").exists()  # refused before anything is written
     cfg = json.load(open(os.path.join(dense_dir[0], "config.json")))
     for field, value, words in (
         ("layer_types", PATTERN[:3], "layer_types must be a list of 4"),

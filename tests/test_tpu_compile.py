@@ -4,6 +4,8 @@ kernels, the sharded decode program, the trainer's step, the dry-run JSON and it
 Skipped (with the reason) only where libtpu is not installed; `make test` installs it.
 """
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -482,3 +484,45 @@ def test_eagle3_and_prompt_lookup_compile_in_the_dflash_loops_place(monkeypatch,
     pl = programs.dry_run_infer("tiny", "tensor=1", drafter="prompt_lookup", **kw)
     assert pl["sizes"]["dflash_param_bytes"] == pl["sizes"]["ar_param_bytes"]
     assert pl["roofline"]["projection"]["pallas"]["hbm_step_ratio"] > 0
+
+
+@pytest.mark.slow  # libtpu compiles of a hybrid target's two decode loops
+def test_hybrid_decode_loops_compile_without_a_state_per_position(tmp_path):
+    """A Qwen3.5-shaped hybrid target (the tiny_hybrid preset: Gated DeltaNet and gated
+    attention layers, head_dim 256, 8 value heads of 128 x 128 states) compiles for TPU with
+    the Pallas kernels. In both decode loops the largest array with a state's trailing shape
+    [dk, dv] holds one state per sequence and value head, never one per block position (the
+    rollback settles from the block's deltas, `models/hybrid.py`), and the analytic floor
+    charges the recurrent states read and written once a step."""
+    from dflash_jax.dry_run import hlo, programs
+
+    devices, chip = dry_run.topology_devices("v5e:1x1")
+    kw = dict(batch=1, context=256, max_new_tokens=32, devices=devices, chip=chip)
+    kw.update(attention=("pallas",), only=("dflash_decode", "ar_decode"))
+    r = programs.dry_run_infer("tiny_hybrid", "tensor=1", hlo_dir=str(tmp_path), **kw)
+    tcfg = dry_run.build_configs("tiny_hybrid")[0]
+    h = tcfg.hybrid
+    state = h.linear_num_value_heads * h.linear_key_head_dim * h.linear_value_head_dim
+    trailing = f",{h.linear_key_head_dim},{h.linear_value_head_dim}]"
+    for name in ("dflash_decode", "ar_decode"):
+        text = open(tmp_path / f"{name}.hlo").read()
+        comps = hlo.computations(text)
+        sizes = [
+            hlo._elems(shape)
+            for c in hlo.loop_body_computations(text)
+            for _, result, _, _ in hlo.instructions(comps[c])
+            for shape in re.findall(r"\w+\[[\d,]*\]", result)
+            if shape.endswith(trailing)
+        ]
+        assert sizes and max(sizes) == state, (name, max(sizes or [0]), state)
+        assert r["programs"][name]["fits"], name
+    # The floor charges the states (bf16 windows and f32 states of the 3 linear layers, batch
+    # 1) twice, read and written, on top of the K/V prefix of the one full layer.
+    from dflash_jax.dry_run import hbm
+
+    recurrent = 3 * (4 * state + 2 * (h.linear_conv_kernel_dim - 1) * h.conv_dim)
+    base = dict(body_weight_bytes=1, lm_head_bytes=1, drafter_weight_bytes=1, cache_bytes=1024)
+    base.update(ctx_bytes=0, capacity=1024, context=100, rows=1, passes=0)
+    with_states = hbm.floor_bytes(**base, recurrent_bytes=recurrent)
+    assert with_states - hbm.floor_bytes(**base) == 2 * recurrent
+    assert r["sizes"]["ar_floor_bytes"] > 2 * recurrent

@@ -50,7 +50,8 @@ def model_presets():
     # Qwen3.5 (issue 41): transformers 5's Qwen3_5TextConfig defaults, which it documents as
     # the Qwen3.5-9B shape: 32 layers (3 Gated DeltaNet : 1 gated attention), hidden 4096, FFN
     # 12288, 16 query / 4 KV heads of 256 (a quarter rotated), DeltaNet 16 key / 32 value heads
-    # of 128, convolution 4, vocabulary 248320, untied. Qwen3_5MoeTextConfig's defaults (its
+    # of 128, convolution 4, vocabulary 248320, untied; the context is the 262,144 tokens the
+    # Qwen3.5 model cards state (transformers' default is 32,768). Qwen3_5MoeTextConfig's defaults (its
     # documented checkpoint: Qwen3.5-35B-A3B): 40 layers, hidden 2048, 16 / 2 heads of 256,
     # 256 experts of 512, top 8, a shared expert of 512. The drafters' shapes are Qwen3-8B's
     # (5 layers, 5 taps, block 16; the z-lab Qwen3.5 drafters' sizes were not found here), and
@@ -66,7 +67,7 @@ def model_presets():
         head_dim=256,
         rope_theta=10000.0,
         tie_word_embeddings=False,
-        max_position_embeddings=32768,
+        max_position_embeddings=262144,
         hybrid=HybridSpec(layer_types=hybrid_layers(32)),
         **bf16,
     )

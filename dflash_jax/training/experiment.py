@@ -31,7 +31,7 @@ from dflash_jax.drafters.dflash import (
     sliding_layers,
     upgrade_to_dflash2,
 )
-from dflash_jax.models import hub
+from dflash_jax.models import checkpoint, hub
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.target import Target, load_target
 from dflash_jax.models.verifier import target_module
@@ -192,6 +192,15 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
     return loss_fn
 
 
+def _refuse_hybrid(tcfg: ModelConfig, target_path: str) -> None:
+    if tcfg.is_hybrid:
+        raise ValueError(
+            f"target {target_path or '(random)'}: training against a hybrid (Gated DeltaNet) "
+            "target is not supported yet: the trainer packs several documents per row and the "
+            "recurrent state would run across them"
+        )
+
+
 def build_experiment(config, workdir: str) -> Experiment:
     """Tokenizer, data, target, drafter and loss for `config`."""
     mode = config.mode
@@ -200,6 +209,8 @@ def build_experiment(config, workdir: str) -> Experiment:
     rng = np.random.RandomState(config.seed)
     # Model locations may be hub ids (resolved to their cached snapshots).
     target_path = hub.local_path(config.target_path, what="target") if config.target_path else ""
+    if target_path and os.path.isfile(os.path.join(target_path, "config.json")):
+        _refuse_hybrid(checkpoint.read_target_config(target_path), target_path)
     train_src = val_src = None
     d = config.data
     if d.kind in ("stdlib", "files") or (
@@ -210,6 +221,7 @@ def build_experiment(config, workdir: str) -> Experiment:
     eos_id = tokenizer.eos_id if tokenizer is not None else None
     pad_id = tokenizer.pad_id if tokenizer is not None else 0
     tcfg, tparams = _target(config, target_path, tokenizer)
+    _refuse_hybrid(tcfg, target_path)
     tmod = target_module(tcfg, config.attention_impl)  # the target pass: causal_attention
     train_docs, eval_docs, tokenize_fn, eval_prompts = _documents(
         config, workdir, tcfg, tparams, tokenizer, tok_dir, train_src, val_src, rng
