@@ -293,6 +293,14 @@ def check_hybrid(out, workdir):
     for spec in ("one", "data=2,tensor=4", "data=4,tensor=2"):
         mesh = None if spec == "one" else dry_run.resolve_mesh(spec)
         res[spec] = _run(dj.generate(target, drafter, prompts, n, block_size=8, mesh=mesh))
+        if mesh is not None:
+            tp = sharding.param_specs(target.params, mesh, sharding.target_rules(), 16)
+            la = tp["layers_0"]["linear_attn"]
+            res[spec]["specs"] = {
+                "in_proj_qkv": str(la["in_proj_qkv"]["kernel"]),
+                "out_proj": str(la["out_proj"]["kernel"]),
+                "A_log": str(la["A_log"]),
+            }
     out["hybrid"] = res
 
 

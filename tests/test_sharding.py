@@ -184,6 +184,12 @@ def test_hybrid_target_sharded_equals_one_device_and_autoregressive(findings):
         assert res[spec]["tokens"] == ar, spec
         _assert_accepted(res[spec])
         assert len({a[0] for a in res[spec]["acceptance"]}) > 1, spec  # ragged in one step
+    # The DeltaNet's weights split over tensor (4 divides its 4 value heads; 2 as well).
+    for spec in ("data=2,tensor=4", "data=4,tensor=2"):
+        specs = res[spec]["specs"]
+        assert specs["in_proj_qkv"] == "P(None, 'tensor')", specs
+        assert specs["out_proj"] == "P('tensor',)", specs
+        assert specs["A_log"] == "P('tensor',)", specs
 
 
 def test_partition_rules_tensor_parallel(findings):

@@ -197,6 +197,13 @@ def _rules(fsdp: bool) -> Tuple[Rule, ...]:
         (r"kernel_projection/kernel$", P(f, "tensor"), ()),
         (r"lm_head/kernel$", P(f, "tensor"), ()),
         (r"(^|/)fc/kernel$", P(f, "tensor"), ()),
+        # A hybrid target's Gated DeltaNet (`models/hybrid.py`): its input projections over
+        # their outputs (q | k | v channels, value heads), out_proj over its input, the
+        # per-channel convolution and per-head decay parameters with them.
+        (r"linear_attn/in_proj_(qkv|z|a|b)/kernel$", P(f, "tensor"), ()),
+        (r"linear_attn/out_proj/kernel$", P("tensor", f), ()),
+        (r"linear_attn/conv1d$", P("tensor"), ()),
+        (r"linear_attn/(A_log|dt_bias)$", P("tensor"), ()),
         (r"(norm|layernorm)/scale$", P(), ()),
         # An int8 kernel's per-output-channel scale [out] follows its kernel's output axis.
         (r"(q_proj|k_proj|v_proj)/kernel_scale$", P("tensor"), (0,)),
