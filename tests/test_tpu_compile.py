@@ -508,11 +508,11 @@ def test_hybrid_decode_loops_compile_without_a_state_per_position(tmp_path):
         text = open(tmp_path / f"{name}.hlo").read()
         comps = hlo.computations(text)
         sizes = [
-            hlo._elems(shape)
+            hlo._elems(dims)
             for c in hlo.loop_body_computations(text)
             for _, result, _, _ in hlo.instructions(comps[c])
-            for shape in re.findall(r"\w+\[[\d,]*\]", result)
-            if shape.endswith(trailing)
+            for dims in re.findall(r"\w+\[([\d,]*)\]", result)
+            if (dims + "]").endswith(trailing)
         ]
         assert sizes and max(sizes) == state, (name, max(sizes or [0]), state)
         assert r["programs"][name]["fits"], name
