@@ -52,7 +52,6 @@ from dflash_jax.decoding.drafting import Proposal
 from dflash_jax.decoding.tree import accept_path
 from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
 from dflash_jax.models import attention as attn_lib
-from dflash_jax.models.hybrid import HybridCache
 from dflash_jax.models.verifier import new_cache
 from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
 
@@ -419,10 +418,8 @@ class Decoder:
                 pad = ((0, 0), (0, bs - w))
                 y = jnp.pad(v.y, pad, constant_values=-1)
                 taps = None if v.taps is None else jnp.pad(v.taps, pad + ((0, 0),))
-                cache = v.cache
-                if isinstance(cache, HybridCache):  # one pending width for every branch
-                    cache = cache.pad_pending(bs)
-                return Verdict(y=y, cache=cache, taps=taps)
+                # One pending width for every branch (a hybrid target's cache).
+                return Verdict(y=y, cache=v.cache.pad_pending(bs), taps=taps)
 
             return run
 
@@ -550,8 +547,7 @@ class Decoder:
             hidden, cache, taps = self.tmod.apply(
                 {"params": self.tparams}, ids, cache=cache, tap_layers=tap_layers
             )
-            if isinstance(cache, HybridCache):  # the recurrent state settles after each chunk
-                cache = cache.rollback(jnp.minimum(prompt_lens, cache.lengths))
+            cache = cache.settle(jnp.minimum(prompt_lens, cache.lengths))  # a recurrent state
             positions = start + jnp.broadcast_to(jnp.arange(chunk, dtype=jnp.int32), (b, chunk))
             ctx = self.kind.write_context(
                 self, ctx, taps, ids, positions, prompt_lens, jnp.full((b,), start, jnp.int32)

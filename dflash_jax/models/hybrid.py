@@ -229,6 +229,11 @@ class HybridCache:
             state.append(settle_state(s0, k, delta, g, n))
         return HybridCache(kv=self.kv.rollback(lengths), conv=tuple(conv), state=tuple(state))
 
+    def settle(self, lengths) -> "HybridCache":
+        """After a prefill chunk: the recurrent state at each prompt's end within it
+        (`rollback`); the K/V lengths are the prompts' there."""
+        return self.rollback(lengths)
+
     def pad_pending(self, width: int) -> "HybridCache":
         """The pending block padded to `width` positions (never settled: n <= its width), so
         verify passes of different widths return caches of one shape."""
@@ -436,27 +441,15 @@ class HybridTransformer(Transformer):
     """A Qwen3.5 / Qwen3.6 text model with the verifier's entry points (`Transformer`):
     __call__ (with a `HybridCache` or none), taps, embed, logits. Trees are refused."""
 
-    def setup(self):
+    def decoder_layers(self) -> list:
         c = self.cfg
-        self.embed_tokens = nn.Embed(
-            c.vocab_size,
-            c.hidden_size,
-            dtype=c.dtype,
-            param_dtype=c.param_dtype,
-            name="embed_tokens",
-        )
-        self.layers = [
+        return [
             HybridLayer(c, i, self.attention_impl, name=f"layers_{i}") for i in range(c.num_layers)
         ]
-        self.norm = CenteredRMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
-        if not c.tie_word_embeddings:
-            self.lm_head = nn.Dense(
-                c.vocab_size,
-                use_bias=False,
-                dtype=c.dtype,
-                param_dtype=c.param_dtype,
-                name="lm_head",
-            )
+
+    def final_norm(self) -> nn.Module:
+        c = self.cfg
+        return CenteredRMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
 
     def verify_tree(self, *args, **kwargs):
         raise ValueError(

@@ -84,6 +84,15 @@ class KVCache:
         """Forgets everything past `lengths` [B]: O(1) bookkeeping, the slots stay in place."""
         return self.replace(lengths=lengths.astype(jnp.int32))
 
+    def settle(self, lengths) -> "KVCache":
+        """After a prefill chunk: nothing to do (the prefill rolls back once at its end; a
+        `HybridCache` settles its recurrent state here)."""
+        return self
+
+    def pad_pending(self, width: int) -> "KVCache":
+        """No pending block to pad (`HybridCache.pad_pending`)."""
+        return self
+
 
 def flat_heads(x_BTKD):
     """[B, T, K, D] -> [B, T, K*D]: new keys or values in the caches' layout."""
@@ -203,11 +212,8 @@ class Transformer(nn.Module):
             param_dtype=c.param_dtype,
             name="embed_tokens",
         )
-        self.layers = [
-            DecoderLayer(c, self.attention_impl, c.layer_is_moe(i), name=f"layers_{i}")
-            for i in range(c.num_layers)
-        ]
-        self.norm = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
+        self.layers = self.decoder_layers()
+        self.norm = self.final_norm()
         if c.quantize_lm_head:
             self.lm_head = Int8Dense(c.vocab_size, False, c.dtype, c.param_dtype, name="lm_head")
         elif not c.tie_word_embeddings:
@@ -218,6 +224,18 @@ class Transformer(nn.Module):
                 param_dtype=c.param_dtype,
                 name="lm_head",
             )
+
+    def decoder_layers(self) -> list:
+        """The decoder layers, built in `setup` (a hybrid target builds its own)."""
+        c = self.cfg
+        return [
+            DecoderLayer(c, self.attention_impl, c.layer_is_moe(i), name=f"layers_{i}")
+            for i in range(c.num_layers)
+        ]
+
+    def final_norm(self) -> nn.Module:
+        c = self.cfg
+        return RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
 
     def embed(self, input_ids_BT):
         return self.embed_tokens(input_ids_BT)
