@@ -33,6 +33,7 @@ MODEL_NAMES = {
     "qwen3_30b_a3b": "Qwen3-30B-A3B",
     "qwen3_5_9b": "Qwen3.5-9B (hybrid)",
     "qwen3_5_35b_a3b": "Qwen3.5-35B-A3B (hybrid)",
+    "qwen3_6_27b": "Qwen3.6-27B (hybrid)",
     "qwen3_coder_30b_a3b": "Qwen3-Coder-30B-A3B",
 }
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

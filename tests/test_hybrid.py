@@ -315,3 +315,34 @@ def test_bad_hybrid_requests_and_configs_get_one_line(dense_target, drafter, den
         bad = dict(cfg, **{field: value})
         with pytest.raises(ValueError, match=words):
             dj.ModelConfig.from_hf(bad, source="config.json")
+
+
+def test_presets_hold_the_published_parameter_counts():
+    """The dry run's hybrid presets have the text models' published sizes: Qwen3.5-9B ~9B,
+    Qwen3.6-27B ~27B (its card: 64 layers, hidden 5120, 48 DeltaNet value heads) and
+    Qwen3.5-35B-A3B ~35B (also Qwen3.6-35B-A3B's shape), each 3 Gated DeltaNets : 1 gated
+    attention layer. Counted from the model's own parameter shapes (one and two 4-layer periods,
+    cheap to trace), not from the preset's fields."""
+    import dataclasses
+    import math
+
+    from dflash_jax import dry_run
+    from dflash_jax.dry_run.presets import abstract_params
+
+    for name, billions in (("qwen3_5_9b", 9), ("qwen3_6_27b", 27), ("qwen3_5_35b_a3b", 35)):
+        tcfg, dcfg = dry_run.build_configs(name)
+        kinds = tcfg.hybrid.layer_types
+        assert kinds[:4] == ("linear_attention",) * 3 + ("full_attention",) and kinds == kinds[:4] * (
+            len(kinds) // 4
+        ), name
+
+        def count(n):
+            cfg = tcfg.replace(
+                num_layers=n, hybrid=dataclasses.replace(tcfg.hybrid, layer_types=kinds[:n])
+            )
+            tparams, _ = abstract_params(cfg, dcfg)
+            return sum(math.prod(x.shape) for x in jax.tree_util.tree_leaves(tparams))
+
+        one, two = count(4), count(8)
+        total = one + (len(kinds) // 4 - 1) * (two - one)
+        assert round(total / 1e9) == billions, (name, total)

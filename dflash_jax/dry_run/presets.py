@@ -1,5 +1,5 @@
 """Model presets of the dry run (Qwen3-8B/4B, Llama-3.1-8B, Qwen3-30B-A3B and
-Qwen3-Coder-30B-A3B (MoE), Qwen3.5-9B and Qwen3.5-35B-A3B (hybrid), small test shapes) as abstract
+Qwen3-Coder-30B-A3B (MoE), Qwen3.5-9B, Qwen3.5-35B-A3B (= Qwen3.6-35B-A3B) and Qwen3.6-27B (hybrid), small test shapes) as abstract
 parameters, and the trainer config it compiles."""
 
 from __future__ import annotations
@@ -83,10 +83,24 @@ def model_presets():
         norm_topk_prob=True,
         hybrid=HybridSpec(layer_types=hybrid_layers(40), shared_expert_intermediate_size=512),
     )
+    # Qwen3.6 keeps Qwen3.5's model types (qwen3_5 / qwen3_5_moe) and code. Its 35B-A3B states
+    # the shape above (40 layers, hidden 2048, 256 + 1 shared experts of 512): the same preset.
+    # Its 27B (the Qwen3.6-27B model card) is a new shape: 64 layers (16 x (3 Gated DeltaNet,
+    # 1 gated attention)), hidden 5120, FFN 17408, 24 query / 4 KV heads of 256 (64 rotated),
+    # DeltaNet 16 key / 48 value heads of 128, vocabulary 248320, rope theta 1e7, 262,144 tokens.
+    qwen3_6_27b = qwen3_5_9b.replace(
+        hidden_size=5120,
+        intermediate_size=17408,
+        num_layers=64,
+        num_heads=24,
+        rope_theta=10_000_000.0,
+        hybrid=HybridSpec(layer_types=hybrid_layers(64), linear_num_value_heads=48),
+    )
     hybrid_drafter = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=248319)
     return {
         "qwen3_5_9b": (qwen3_5_9b, hybrid_drafter),
         "qwen3_5_35b_a3b": (qwen3_5_35b_a3b, hybrid_drafter),
+        "qwen3_6_27b": (qwen3_6_27b, hybrid_drafter),
         # Qwen3.5-9B's layer kinds and head shapes, 4 layers and a 4K vocabulary: compile tests.
         "tiny_hybrid": (
             qwen3_5_9b.replace(
