@@ -555,6 +555,32 @@ class ModelConfig:
             norm_topk_prob=flag("norm_topk_prob", False),
         )
 
+    def _hf_common(self, torch_dtype: str) -> dict:
+        """The config.json fields every target family writes the same way."""
+        return {
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "attention_bias": self.attention_bias,
+            "attention_dropout": 0.0,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": torch_dtype,
+            "use_cache": True,
+        }
+
+    def _moe_hf(self) -> dict:
+        return dict(
+            num_experts=self.num_experts,
+            num_experts_per_tok=self.num_experts_per_tok,
+            moe_intermediate_size=self.moe_intermediate_size,
+        )
+
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict:
         """The Hugging Face `config.json` dict for this model (transformers 4.x/5.x readable)."""
         if self.hybrid is not None:
@@ -567,23 +593,10 @@ class ModelConfig:
         out = {
             "architectures": [arch_name],
             "model_type": self.arch,
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
+            **self._hf_common(torch_dtype),
             "intermediate_size": self.intermediate_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
             "rope_scaling": self.rope_scaling_dict,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": torch_dtype,
-            "use_cache": True,
         }
         if self.arch == "llama":
             out["mlp_bias"] = False
@@ -594,9 +607,7 @@ class ModelConfig:
             out["max_window_layers"] = self.num_layers
         if self.arch == "qwen3_moe":
             out.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
+                **self._moe_hf(),
                 decoder_sparse_step=self.decoder_sparse_step,
                 mlp_only_layers=list(self.mlp_only_layers),
                 norm_topk_prob=self.norm_topk_prob,
@@ -614,37 +625,22 @@ class ModelConfig:
         out = {
             "architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
             "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
+            **self._hf_common(torch_dtype),
             "rope_parameters": {
                 "rope_type": "default",
                 "rope_theta": self.rope_theta,
                 "partial_rotary_factor": h.partial_rotary_factor,
             },
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
             "layer_types": list(h.layer_types),
             "linear_num_key_heads": h.linear_num_key_heads,
             "linear_num_value_heads": h.linear_num_value_heads,
             "linear_key_head_dim": h.linear_key_head_dim,
             "linear_value_head_dim": h.linear_value_head_dim,
             "linear_conv_kernel_dim": h.linear_conv_kernel_dim,
-            "torch_dtype": torch_dtype,
-            "use_cache": True,
         }
         if moe:
             out.update(
-                num_experts=self.num_experts,
-                num_experts_per_tok=self.num_experts_per_tok,
-                moe_intermediate_size=self.moe_intermediate_size,
+                **self._moe_hf(),
                 shared_expert_intermediate_size=h.shared_expert_intermediate_size,
             )
         else:
