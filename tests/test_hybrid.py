@@ -332,9 +332,9 @@ def test_presets_hold_the_published_parameter_counts():
     for name, billions in (("qwen3_5_9b", 9), ("qwen3_6_27b", 27), ("qwen3_5_35b_a3b", 35)):
         tcfg, dcfg = dry_run.build_configs(name)
         kinds = tcfg.hybrid.layer_types
-        assert kinds[:4] == ("linear_attention",) * 3 + ("full_attention",) and kinds == kinds[:4] * (
-            len(kinds) // 4
-        ), name
+        assert kinds[:4] == ("linear_attention",) * 3 + ("full_attention",) and kinds == kinds[
+            :4
+        ] * (len(kinds) // 4), name
 
         def count(n):
             cfg = tcfg.replace(
