@@ -6,9 +6,21 @@
 
 Reads the trainer's metrics.jsonl files (stages in order: a stage's steps continue after the
 previous one's last step) and draws, against the training tokens (steps x rows x row length,
-packed rows, so prompt tokens included): left, the training loss (moving average) and the
-held-out loss; right, the in-loop tau (real `generate` on held-out regenerated prompts, greedy).
-Also writes the points as JSON beside the PNG (same name, .json).
+packed rows, so prompt tokens included) or the training hours (`--x=hours`): left, the
+training loss (moving average) and the held-out loss; right, the in-loop tau (real `generate`
+on held-out regenerated prompts, greedy). Also writes the points as JSON beside the PNG (same
+name, .json).
+
+Several drafters on one figure (the same CPU budget, issue 43): `--groups` gives each run its
+drafter (runs of one group are its stages, in order; each group starts at 0), e.g. DFlash's
+four stages and EAGLE-3's two:
+
+  python benchmarks/plot_learning_curve.py --runs=d1,d2,d3,d4,e1,e2 --groups=0,0,0,0,1,1 \
+      --x=hours --out=...
+
+Hours are the trainer's own clock: each logged window's steps x tokens_per_step /
+tokens_per_s (the window's wall time: its steps, and any in-loop evaluation, checkpoint or
+first compile that fell in it), summed over the windows.
 """
 
 import json
@@ -20,18 +32,28 @@ from absl import app, flags
 FLAGS = flags.FLAGS
 flags.DEFINE_list("runs", None, "Trainer metrics.jsonl files, in stage order.")
 flags.DEFINE_list("labels", None, "A label per run (default: the file names).")
+flags.DEFINE_list(
+    "groups", None, "A drafter index per run (runs of one index are its stages; default: all 0)."
+)
+flags.DEFINE_enum("x", "tokens", ["tokens", "hours"], "The horizontal axis.")
 flags.DEFINE_integer("tokens_per_step", 4096, "Training tokens per step (batch x seq_len).")
 flags.DEFINE_integer("smooth", 10, "Moving-average window of the training loss (log points).")
 flags.DEFINE_string("title", "SmolLM2-135M-Instruct drafter", "Figure title.")
 flags.DEFINE_string("out", None, "PNG to write.")
 
 
-def read_runs(paths, tokens_per_step):
-    """[(train points, eval points)] per run, steps offset so that stages follow each other:
-    train = [(tokens, loss)], eval = [(tokens, loss, tau)]."""
-    out, offset = [], 0
-    for path in paths:
-        train, evals, last = [], [], 0
+def read_runs(paths, tokens_per_step, groups=None):
+    """[(train points, eval points)] per run, steps (and hours) offset so that the stages of a
+    group follow each other, each group from 0: train = [(tokens, hours, loss)], eval =
+    [(tokens, hours, loss, tau)]; hours summed from the train records' tokens_per_s (module
+    doc; an eval record takes the hours of the train record at its step or before it)."""
+    groups = [0] * len(paths) if groups is None else [int(g) for g in groups]
+    if len(groups) != len(paths):
+        raise ValueError(f"{len(groups)} groups for {len(paths)} runs: give one per run")
+    out, offset, hours0 = [], {}, {}
+    for path, g in zip(paths, groups):
+        train, evals, last, hours, prev = [], [], 0, hours0.get(g, 0.0), 0
+        off = offset.get(g, 0)
         with open(path) as f:
             for line in f:
                 if not line.strip():
@@ -39,13 +61,17 @@ def read_runs(paths, tokens_per_step):
                 r = json.loads(line)
                 step = int(r["step"])
                 last = max(last, step)
-                tokens = (offset + step) * tokens_per_step
+                tokens = (off + step) * tokens_per_step
                 if r.get("split") == "train" and "loss" in r:
-                    train.append((tokens, float(r["loss"])))
+                    rate = float(r.get("tokens_per_s") or 0.0)
+                    if rate > 0 and step > prev:
+                        hours += (step - prev) * tokens_per_step / rate / 3600.0
+                    prev = max(prev, step)
+                    train.append((tokens, hours, float(r["loss"])))
                 elif r.get("split") == "eval" and "tau" in r:
-                    evals.append((tokens, float(r["loss"]), float(r["tau"])))
+                    evals.append((tokens, hours, float(r["loss"]), float(r["tau"])))
         out.append((train, evals))
-        offset += last
+        offset[g], hours0[g] = off + last, hours
     return out
 
 
@@ -61,20 +87,27 @@ def main(argv):
     labels = FLAGS.labels or [os.path.basename(p) for p in FLAGS.runs]
     if len(labels) != len(FLAGS.runs):
         raise app.UsageError("--labels needs one label per run")
-    runs = read_runs(FLAGS.runs, FLAGS.tokens_per_step)
+    try:
+        runs = read_runs(FLAGS.runs, FLAGS.tokens_per_step, FLAGS.groups)
+    except (ValueError, OSError) as e:
+        raise app.UsageError(str(e)) from None
+    hours = FLAGS.x == "hours"
+    xlabel = "training hours (the trainer's clock)" if hours else "training tokens (M)"
     fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     for (train, evals), label in zip(runs, labels):
         if train:
-            x, y = np.array(train).T
+            tok, hrs, y = np.array(train).T
+            x = hrs if hours else tok / 1e6
             k = max(1, min(FLAGS.smooth, len(y)))
             ys = np.convolve(y, np.ones(k) / k, mode="valid")
-            ax_l.plot(x[k - 1 :] / 1e6, ys, label=f"{label}: train (avg of {k})")
+            ax_l.plot(x[k - 1 :], ys, label=f"{label}: train (avg of {k})")
         if evals:
-            x, loss, tau = np.array(evals).T
-            ax_l.plot(x / 1e6, loss, "o-", label=f"{label}: held-out")
-            ax_t.plot(x / 1e6, tau, "o-", label=label)
-    ax_l.set(xlabel="training tokens (M)", ylabel="loss (weighted CE)", yscale="log")
-    ax_t.set(xlabel="training tokens (M)", ylabel="tau (in-loop, greedy)")
+            tok, hrs, loss, tau = np.array(evals).T
+            x = hrs if hours else tok / 1e6
+            ax_l.plot(x, loss, "o-", label=f"{label}: held-out")
+            ax_t.plot(x, tau, "o-", label=label)
+    ax_l.set(xlabel=xlabel, ylabel="loss (weighted CE)", yscale="log")
+    ax_t.set(xlabel=xlabel, ylabel="tau (in-loop, greedy)")
     ax_t.axhline(1.0, color="grey", lw=0.5)
     for ax in (ax_l, ax_t):
         ax.grid(alpha=0.3)
@@ -84,14 +117,22 @@ def main(argv):
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
     fig.savefig(FLAGS.out, dpi=110)
     points = {
-        label: {"train": train, "eval": [dict(tokens=t, loss=l, tau=u) for t, l, u in evals]}
+        label: {
+            "train": [(t, round(h, 4), l) for t, h, l in train],
+            "eval": [dict(tokens=t, hours=round(h, 4), loss=l, tau=u) for t, h, l, u in evals],
+        }
         for (train, evals), label in zip(runs, labels)
     }
     from dflash_jax.support import provenance
 
     with open(os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
         json.dump(
-            {"tokens_per_step": FLAGS.tokens_per_step, "runs": points, **provenance.record()},
+            {
+                "tokens_per_step": FLAGS.tokens_per_step,
+                "groups": FLAGS.groups,
+                "runs": points,
+                **provenance.record(),
+            },
             f,
             indent=1,
         )
