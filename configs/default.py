@@ -118,6 +118,11 @@ def get_config() -> ml_collections.ConfigDict:
             shuffle=True,
             allow_split=True,
             num_shards=0,  # data streams the global batch is made of (0: one per JAX process)
+            # Drafter mode: keep the frozen target's taps of every document piece in host
+            # memory after its first epoch, so later epochs skip the target's pass (needs
+            # allow_split=False; dflash_jax/training/tap_cache.py). Storage dtype beside it.
+            cache_taps=False,
+            cache_taps_dtype="float32",
             num_docs=256,
             doc_len=64,
         )

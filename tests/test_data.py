@@ -657,3 +657,41 @@ def test_end_to_end_from_tfds_source(stdlib_builder, tok):
     fresh = D.make_batch_iterator(src, t, seq_len=128, batch_size=4, seed=0, include_positions=True)
     _collect(fresh, 5)
     _assert_batches_equal(_collect(again, 2), _collect(fresh, 2))
+
+
+@pytest.mark.parametrize("allow_split", [True, False])
+def test_doc_keys_name_each_position_s_document_and_offset(allow_split):
+    """include_doc_keys (the tap cache's keys): at every real position, the document named by
+    doc_key holds the row's token at doc_offset (NumPy statement over the source); padding is
+    -1; an epoch's positions reach every token of every document; the other fields are
+    those of an iterator without keys. Without allow_split, a piece starts at offset 0 or at a
+    multiple of seq_len (pieces repeat across epochs)."""
+    rng = np.random.default_rng(3)
+    source = _id_docs(23, rng)
+    kw = dict(seq_len=32, batch_size=3, seed=5, allow_split=allow_split, pad_id=0)
+
+    def tokenize(ex):  # each token names its document and offset
+        ids = np.array([100 * ex["id"] + 2 + j for j in range(ex["len"])] + [1], np.int32)
+        return ids, np.ones(len(ids), np.int32)
+
+    keyed = D.PackedBatchIterator(source, tokenize, include_doc_keys=True, **kw)
+    plain = D.PackedBatchIterator(source, tokenize, **kw)
+    seen = {}
+    while keyed.epoch == 0:
+        batch, ref = next(keyed), next(plain)
+        for k in ref:
+            np.testing.assert_array_equal(batch[k], ref[k])
+        real = batch["segment_ids"] > 0
+        assert (batch["doc_key"][~real] == -1).all() and (batch["doc_key"][real] >= 0).all()
+        for b, t in zip(*np.nonzero(real)):
+            key, off = int(batch["doc_key"][b, t]), int(batch["doc_offset"][b, t])
+            assert tokenize(source[key])[0][off] == batch["input_ids"][b, t]
+            seen.setdefault(key, []).append(off)
+            if not allow_split and (
+                t == 0 or batch["segment_ids"][b, t - 1] != batch["segment_ids"][b, t]
+            ):
+                assert off % 32 == 0, (key, off)
+    # (the last batch may run into the second epoch: count the first epoch's offsets once)
+    for key in range(len(source)):
+        n = len(tokenize(source[key])[0])
+        assert sorted(set(seen[key])) == list(range(n)), key

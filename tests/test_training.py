@@ -774,3 +774,97 @@ def test_fc_init_tap_rms_equalizes_the_tapped_features(regen_file):
     assert per_feature.max() < 3 * np.median(per_feature)
     with pytest.raises(ValueError, match="fc_init='tap_rms' needs held-out batches"):
         experiment.scale_fc_by_tap_rms(params, tmod, big, dcfg, [])
+
+
+@pytest.mark.parametrize("kind", ("dflash", "eagle3"))
+def test_tap_cache_skips_the_target_after_an_epoch_and_trains_the_same(
+    regen_file, trained, tmp_path, monkeypatch, kind
+):
+    """data.cache_taps: from the second epoch the batches' taps come from host memory (the
+    target's pass runs once per document piece, not once per step), and training is the same:
+    every step's loss equals a run without the cache (both with allow_split=False) to float
+    rounding, and a kept batch's taps equal the target's pass over it."""
+    from dflash_jax.training import tap_cache
+
+    made, calls = [], []
+    real_fn, real_cache = tap_cache.make_taps_fn, tap_cache.TapCache
+
+    def counting_fn(tmod, layers):
+        fn = real_fn(tmod, layers)
+        made.append(fn)
+
+        def call(*a):
+            calls.append(a[1].shape)
+            return fn(*a)
+
+        return call
+
+    def keeping_cache(*a, **k):
+        made.append(real_cache(*a, **k))
+        return made[-1]
+
+    kw = {"eval_every": 0, "log_every": 1, "data.allow_split": False}
+    if kind == "eagle3":
+        kw.update(
+            {
+                "target_model.num_layers": 3,
+                "drafter.kind": "eagle3",
+                "drafter.target_layer_ids": (0, 1, 2),
+                "drafter.eagle3.ttt_steps": 2,
+                "drafter.eagle3.draft_vocab_size": 48,
+            }
+        )
+    it = experiment.build_experiment(tiny_config(regen_file, **kw), str(tmp_path / "x")).train_iter
+    per_epoch = 0  # batches until the first epoch's last piece is read (padded rows included)
+    while it.epoch == 0:
+        next(it)
+        per_epoch += 1
+    steps = per_epoch + 6  # into the second epoch
+    kw["num_train_steps"] = steps
+    monkeypatch.setattr(tap_cache, "make_taps_fn", counting_fn)
+    monkeypatch.setattr(tap_cache, "TapCache", keeping_cache)
+    plain = trainer.train_and_evaluate(tiny_config(regen_file, **kw), str(tmp_path / "plain"))
+    assert not calls  # no cache: the loss runs the target itself
+    cached = trainer.train_and_evaluate(
+        tiny_config(regen_file, **{**kw, "data.cache_taps": True}), str(tmp_path / "cached")
+    )
+    cache = next(m for m in made if isinstance(m, real_cache))
+    assert cache.hits >= 5 and len(calls) == steps - cache.hits <= per_epoch + 1, (
+        cache.hits,
+        len(calls),
+        per_epoch,
+    )
+    assert [s for s, _ in cached["losses"]] == [s for s, _ in plain["losses"]]
+    np.testing.assert_allclose(
+        [l for _, l in cached["losses"]], [l for _, l in plain["losses"]], rtol=2e-5
+    )
+    # A kept batch against the target's pass over it (NumPy: what was kept is what it computes).
+    cfg = tiny_config(regen_file, **{**kw, "data.cache_taps": True})
+    exp = experiment.build_experiment(cfg, str(tmp_path / "y"))
+    for _ in range(steps):
+        batch = next(exp.train_iter)
+    want = np.asarray(
+        real_fn(exp.tmod, exp.tap_layers)(exp.frozen, batch["input_ids"], batch["segment_ids"])
+    )
+    got = cache.lookup(batch, want.shape, np.float32)
+    assert got is not None
+    real = batch["segment_ids"] > 0
+    np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=1e-5)
+
+
+def test_tap_cache_settings_are_refused_in_one_line(regen_file, tmp_path):
+    from dflash_jax.support.checks import ConfigError
+    from dflash_jax.training import tap_cache
+
+    ok = {"data.cache_taps": True, "data.allow_split": False}
+    tap_cache.check_tap_cache(tiny_config(regen_file, **ok))
+    for bad, words in (
+        ({"data.allow_split": True}, "data.allow_split=True"),
+        ({"loss": "kl"}, "loss='kl'"),
+        ({"mode": "target"}, "mode='target'"),
+        ({"data.num_shards": 2}, "several processes"),
+        ({"data.cache_taps_dtype": "int8"}, "cache_taps_dtype"),
+    ):
+        with pytest.raises(ConfigError, match=re.escape(words)) as e:
+            trainer.preflight(tiny_config(regen_file, **{**ok, **bad}), str(tmp_path / "w"))
+        assert str(e.value).startswith("data.cache_taps: ") and "\n" not in str(e.value)

@@ -110,11 +110,17 @@ class _Cursor(Protocol):
         ...
 
 
-def _fill_row(cursor: _Cursor, seq_len: int, pad_id: int, allow_split: bool):
-    """Fill one row from ``cursor``; ``None`` if the stream had no tokens left."""
+def _fill_row(cursor: _Cursor, seq_len: int, pad_id: int, allow_split: bool, keys: bool = False):
+    """Fill one row from ``cursor``; ``None`` if the stream had no tokens left. With ``keys``
+    (a cursor with ``key()``: its document's index in the source) the row also carries
+    ``doc_key`` (that index at each position, -1 in the padding) and ``doc_offset`` (the
+    position's index within its document)."""
     ids = np.full(seq_len, pad_id, dtype=np.int32)
     mask = np.zeros(seq_len, dtype=np.int32)
     seg = np.zeros(seq_len, dtype=np.int32)
+    if keys:
+        doc_key = np.full(seq_len, -1, dtype=np.int32)
+        doc_off = np.zeros(seq_len, dtype=np.int32)
     pos = 0
     nseg = 0
     while pos < seq_len:
@@ -136,13 +142,19 @@ def _fill_row(cursor: _Cursor, seq_len: int, pad_id: int, allow_split: bool):
         mask[pos : pos + take] = doc_mask[off : off + take]
         nseg += 1
         seg[pos : pos + take] = nseg
+        if keys:
+            doc_key[pos : pos + take] = cursor.key()
+            doc_off[pos : pos + take] = np.arange(off, off + take, dtype=np.int32)
         pos += take
         cursor.offset = off + take
         if cursor.offset >= n:
             cursor.advance()
     if pos == 0:
         return None
-    return {"input_ids": ids, "loss_mask": mask, "segment_ids": seg}
+    row = {"input_ids": ids, "loss_mask": mask, "segment_ids": seg}
+    if keys:
+        row.update(doc_key=doc_key, doc_offset=doc_off)
+    return row
 
 
 class _IterCursor:
@@ -203,7 +215,9 @@ class PackedBatchIterator:
     ``num_epochs=None`` the stream is infinite.
 
     ``next(it)`` returns ``{"input_ids", "loss_mask", "segment_ids"}`` (plus
-    ``"positions"`` if ``include_positions``), int32 ``[batch_size, seq_len]``.
+    ``"positions"`` if ``include_positions``, and ``"doc_key"`` / ``"doc_offset"``, each
+    position's source index and offset within it, if ``include_doc_keys``), int32
+    ``[batch_size, seq_len]``.
     ``get_state()`` is a small dict of ints (``epoch``, ``index``,
     ``offset``: the next unread token) that can go into a checkpoint;
     ``set_state`` / the ``state=`` argument continue exactly from there.
@@ -229,6 +243,7 @@ class PackedBatchIterator:
         allow_split: bool = True,
         drop_remainder: bool = True,
         include_positions: bool = False,
+        include_doc_keys: bool = False,
         state: Mapping[str, int] | None = None,
     ):
         if seq_len <= 0 or batch_size <= 0:
@@ -250,6 +265,7 @@ class PackedBatchIterator:
         self.allow_split = bool(allow_split)
         self.drop_remainder = bool(drop_remainder)
         self.include_positions = bool(include_positions)
+        self.include_doc_keys = bool(include_doc_keys)
         self._num_source = len(source)
         self.docs_per_epoch = len(range(self.host_id, self._num_source, self.num_hosts))
         if self.docs_per_epoch == 0:
@@ -295,6 +311,10 @@ class PackedBatchIterator:
             self._cur = (ids, mask)
         return self._cur
 
+    def key(self) -> int:
+        """The source index of the current document."""
+        return int(self.epoch_order(self.epoch)[self.index])
+
     def advance(self) -> None:
         self._cur = None
         self.offset = 0
@@ -323,7 +343,7 @@ class PackedBatchIterator:
     # -- iteration ----------------------------------------------------------
     def next_row(self) -> dict[str, np.ndarray] | None:
         """One packed row, or ``None`` when a finite stream is exhausted."""
-        return _fill_row(self, self.seq_len, self.pad_id, self.allow_split)
+        return _fill_row(self, self.seq_len, self.pad_id, self.allow_split, self.include_doc_keys)
 
     def __iter__(self) -> PackedBatchIterator:
         return self
@@ -338,13 +358,17 @@ class PackedBatchIterator:
         if not rows or (len(rows) < self.batch_size and self.drop_remainder):
             raise StopIteration
         while len(rows) < self.batch_size:  # pad the final partial batch
-            rows.append(
-                {
-                    "input_ids": np.full(self.seq_len, self.pad_id, dtype=np.int32),
-                    "loss_mask": np.zeros(self.seq_len, dtype=np.int32),
-                    "segment_ids": np.zeros(self.seq_len, dtype=np.int32),
-                }
-            )
+            pad = {
+                "input_ids": np.full(self.seq_len, self.pad_id, dtype=np.int32),
+                "loss_mask": np.zeros(self.seq_len, dtype=np.int32),
+                "segment_ids": np.zeros(self.seq_len, dtype=np.int32),
+            }
+            if self.include_doc_keys:
+                pad.update(
+                    doc_key=np.full(self.seq_len, -1, dtype=np.int32),
+                    doc_offset=np.zeros(self.seq_len, dtype=np.int32),
+                )
+            rows.append(pad)
         batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
         if self.include_positions:
             batch["positions"] = segment_positions(batch["segment_ids"])

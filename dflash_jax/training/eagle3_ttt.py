@@ -155,21 +155,25 @@ def label_counts(docs, tokenize_fn, vocab_size: int) -> np.ndarray:
 
 def loss_fn_for(tmod, dmod: Eagle3Drafter, t2d_V, steps: int, decay):
     """loss_fn(params, frozen, batch, key) for the trainer: the frozen target's taps of the
-    drafter's three layers (stopping at the last), then `ttt_loss` (each packed document its
-    own sequence, as the target sees it)."""
+    drafter's three layers (stopping at the last; `batch["taps"]` instead where the batch
+    brings them), then `ttt_loss` (each packed document its own sequence, as the target sees
+    it)."""
 
     tap_layers = dmod.cfg.tap_layers(tmod.cfg.num_layers)
 
     def loss_fn(params, frozen, batch, key):
         del key  # no random draws: every row drafts
         tvars = {"params": frozen}
-        taps = tmod.apply(
-            tvars,
-            batch["input_ids"],
-            tap_layers,
-            segment_ids_BT=batch["segment_ids"],
-            method="taps",
-        )
+        if "taps" in batch:  # kept from an earlier epoch (`tap_cache`)
+            taps = batch["taps"]
+        else:
+            taps = tmod.apply(
+                tvars,
+                batch["input_ids"],
+                tap_layers,
+                segment_ids_BT=batch["segment_ids"],
+                method="taps",
+            )
         taps = jax.lax.stop_gradient(taps)
 
         def embed(ids):

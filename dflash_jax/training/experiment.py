@@ -70,6 +70,7 @@ class Experiment:
     stop_ids: tuple
     repetition_sampler: Any = None  # unlikelihood.RepetitionSampler (target mode, weight > 0)
     d2t: Any = None  # an EAGLE-3 drafter's draft-to-target offsets (drafter.kind "eagle3")
+    tap_layers: tuple = ()  # drafter mode: the target layers the loss taps (`tap_cache`)
 
     @property
     def frozen(self):
@@ -236,6 +237,11 @@ def build_experiment(config, workdir: str) -> Experiment:
         dcfg, dmod, init, loss_fn = _trained_model(
             config, tcfg, tparams, tmod, tokenizer, eval_batches
         )
+    tap_layers = ()
+    if mode == "drafter":
+        tap_layers = tuple(
+            dmod.cfg.tap_layers(tcfg.num_layers) if d2t is not None else dcfg.target_layer_ids
+        )
     stop_ids = (eos_id,) if eos_id is not None else ()
     sampler = None
     if mode == "target" and config.unlikelihood.weight > 0:
@@ -261,6 +267,7 @@ def build_experiment(config, workdir: str) -> Experiment:
         stop_ids=stop_ids,
         repetition_sampler=sampler,
         d2t=d2t,
+        tap_layers=tap_layers,
     )
 
 
@@ -416,6 +423,7 @@ def _batches(config, train_docs, eval_docs, tokenize_fn, pad_id):
         shuffle=d.shuffle,
         pad_id=pad_id,
         allow_split=d.allow_split,
+        include_doc_keys=bool(d.get("cache_taps", False)),
     )
     eval_batches = []
     if len(eval_docs) and config.eval_batches > 0:

@@ -398,8 +398,11 @@ def drafter_loss(
     tvars = {"params": tparams}
 
     # "ce" needs only the taps: the target stops at the last tapped layer, with chunked causal
-    # attention (no [B, N, S, S] scores). "kl" needs the final hidden states: full forward.
-    if recipe.loss == "ce":
+    # attention (no [B, N, S, S] scores), or none runs when the batch brings them (kept from an
+    # earlier epoch: `tap_cache`). "kl" needs the final hidden states: full forward.
+    if recipe.loss == "ce" and "taps" in batch:
+        hidden_t, taps = None, batch["taps"]
+    elif recipe.loss == "ce":
         hidden_t = None
         taps = tmod.apply(
             tvars,

@@ -51,6 +51,7 @@ from dflash_jax.training.experiment import build_experiment
 from dflash_jax.training.experiment import log as _log
 from dflash_jax.training.export import export
 from dflash_jax.training.metrics import MetricsLogger, format_eta
+from dflash_jax.training import tap_cache
 from dflash_jax.training.step import (
     TrainState,
     check_grad_accum,
@@ -164,6 +165,7 @@ def preflight(config, workdir: str) -> int:
                     f"data.paths[{i}] {path}: the data file named by config.data.paths {what}"
                 )
     _check_taps(config)
+    tap_cache.check_tap_cache(config)
     if config.regen.get("only", False):
         return accum  # no training: no mesh
     # The mesh: its spec, and that the devices hold it (before regeneration, not after).
@@ -314,7 +316,10 @@ def _loop(config, run: "_Run", window: "_LogWindow", flag, logger, profiler):
             status = "data_exhausted"
             break
         profiler.maybe_start(step)
+        keys = batch
         batch = {k: batch[k] for k in ("input_ids", "loss_mask", "segment_ids")}
+        if run.taps is not None:
+            batch["taps"] = run.taps(keys)
         rep_frac = None
         if exp.repetition_sampler is not None:
             ul_batch, rep_frac = exp.repetition_sampler(state.params, step, run.eval_mesh)
@@ -460,6 +465,7 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
             return exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1]
 
     eval_jit = jax.jit(eval_loss, out_shardings=NamedSharding(mesh, P()))
+    taps = _tap_source(config, exp, frozen) if config.data.get("cache_taps", False) else None
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
     _log(
         f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
@@ -481,7 +487,50 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
         eval_step=lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh)),
         eval_mesh=mesh if n_dev > 1 else None,
         ckpt=ckpt,
+        taps=taps,
     )
+
+
+def _tap_source(config, exp, frozen):
+    """batch (with doc_key / doc_offset) -> the target's taps [B, T, F] as a host array: kept
+    ones from the tap cache, else the target's pass (then kept). One line when the first
+    epoch is kept, with its size."""
+    import ml_dtypes  # noqa: F401  (bfloat16 as a NumPy dtype)
+
+    from dflash_jax.models.config import as_dtype
+    from dflash_jax.training import tap_cache as tc
+
+    cache = tc.TapCache(as_dtype(config.data.get("cache_taps_dtype", "float32")))
+    taps_fn = tc.make_taps_fn(exp.tmod, exp.tap_layers)
+    shape = jax.eval_shape(
+        lambda f: exp.tmod.apply(
+            {"params": f},
+            jnp.zeros((1, 8), jnp.int32),
+            exp.tap_layers,
+            segment_ids_BT=jnp.ones((1, 8), jnp.int32),
+            method="taps",
+        ),
+        frozen,
+    )
+    said = [False]
+
+    def taps(batch):
+        b, t = batch["input_ids"].shape
+        out = cache.lookup(batch, (b, t, shape.shape[-1]), shape.dtype)
+        if out is not None:
+            if not said[0]:
+                said[0] = True
+                _log(
+                    f"tap cache: {len(cache)} document pieces kept "
+                    f"({cache.nbytes / 2**30:.2f} GiB); batches of kept pieces skip the target's pass"
+                )
+            return out
+        out = np.asarray(taps_fn(frozen, batch["input_ids"], batch["segment_ids"]))
+        cache.store(batch, out)
+        return out
+
+    taps.cache = cache
+    return taps
 
 
 def _restore(ckpt, exp, state, state_sh):
