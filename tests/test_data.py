@@ -695,3 +695,19 @@ def test_doc_keys_name_each_position_s_document_and_offset(allow_split):
     for key in range(len(source)):
         n = len(tokenize(source[key])[0])
         assert sorted(set(seen[key])) == list(range(n)), key
+
+
+@pytest.mark.parametrize("allow_split", [True, False])
+def test_rows_for_counts_the_rows_the_packer_fills(allow_split):
+    """rows_for(lengths) (steps per epoch) equals the rows PackedBatchIterator fills with the
+    same documents in the same order, padding included, long documents too."""
+    rng = np.random.default_rng(11)
+    source = [{"id": i, "len": int(rng.integers(1, 80))} for i in range(41)]
+    it = D.PackedBatchIterator(
+        source, _id_tokenize, seq_len=32, batch_size=1, shuffle=False, num_epochs=1,
+        allow_split=allow_split, drop_remainder=False,
+    )  # fmt: skip
+    rows = sum(1 for _ in it)
+    lengths = [len(_id_tokenize(ex)[0]) for ex in source]
+    assert D.packing.rows_for(lengths, 32, allow_split) == rows
+    assert allow_split or rows > -(-sum(lengths) // 32)  # the padding showed

@@ -868,3 +868,32 @@ def test_tap_cache_settings_are_refused_in_one_line(regen_file, tmp_path):
         with pytest.raises(ConfigError, match=re.escape(words)) as e:
             trainer.preflight(tiny_config(regen_file, **{**ok, **bad}), str(tmp_path / "w"))
         assert str(e.value).startswith("data.cache_taps: ") and "\n" not in str(e.value)
+
+
+def test_logged_throughput_is_the_wall_time_between_log_lines(monkeypatch):
+    """tokens_per_s is steps x tokens over the wall time since the last log line, waits inside
+    writing a line included (the learning rate is a jnp computation queued behind the step just
+    dispatched): on a fake clock, steps of 1 s and lines that wait 10 s, the windows' times sum
+    to the clock's. (Resetting the window after the line read a 5-step window as 4 steps.)"""
+    from types import SimpleNamespace as NS
+
+    clock = [100.0]
+    monkeypatch.setattr(trainer.time, "time", lambda: clock[0])
+
+    class Logger:
+        recs = []
+
+        def write(self, split, step, rec):
+            self.recs.append(rec)
+            clock[0] += 10.0  # the line waits
+
+    cfg = NS(data=NS(batch_size=2, seq_len=8), log_every=1)
+    run = NS(state=NS(step=0), total=4, stop_at=4, schedule=lambda k: 0.1, exp=NS(mode="target"))
+    bar = NS(update=lambda n: None, set_postfix_str=lambda *a, **k: None)
+    window = trainer._LogWindow(cfg, run, Logger(), bar)
+    for k in range(1, 5):
+        clock[0] += 1.0  # the step
+        assert window.finish(k, {"loss": np.float32(1.0), "grad_norm": np.float32(0.5)}, None)
+    seconds = [16 / r["tokens_per_s"] for r in Logger.recs]
+    np.testing.assert_allclose(seconds, [1.0, 11.0, 11.0, 11.0])
+    assert sum(seconds) == pytest.approx(clock[0] - 10.0 - 100.0)  # to the last line's start

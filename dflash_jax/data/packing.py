@@ -203,6 +203,27 @@ def pack_documents(
         yield row
 
 
+def rows_for(lengths, seq_len: int, allow_split: bool = True) -> int:
+    """Rows that documents of these lengths (eos included), read in this order, fill: the
+    packing rule of `_fill_row` on lengths alone. With allow_split it is the tokens over
+    seq_len, rounded up; without, a document that does not fit the rest of a row starts the
+    next one (the padding counts)."""
+    if allow_split:
+        return -(-int(sum(lengths)) // seq_len)
+    rows, used = 0, seq_len  # `used` of the current row; none open yet
+    for n in lengths:
+        n = int(n)
+        if n <= 0:
+            continue
+        if used + n <= seq_len:
+            used += n
+            continue
+        # a fresh row (a longer document fills whole rows, its tail opens the last one)
+        rows += -(-n // seq_len)
+        used = n - (-(-n // seq_len) - 1) * seq_len
+    return rows
+
+
 class PackedBatchIterator:
     """Deterministic, resumable, host-sharded iterator of packed batches.
 

@@ -410,10 +410,16 @@ def _batches(config, train_docs, eval_docs, tokenize_fn, pad_id):
     """(the packed training batch iterator, steps per epoch, the first config.eval_batches
     packed eval batches)."""
     from dflash_jax.data import PackedBatchIterator
+    from dflash_jax.data.packing import rows_for
 
     d = config.data
-    epoch_tokens = sum(len(tokenize_fn(train_docs[i])[0]) for i in range(len(train_docs)))
-    steps_per_epoch = max(1, math.ceil(epoch_tokens / (d.seq_len * d.batch_size)))
+    lengths = [len(tokenize_fn(train_docs[i])[0]) for i in range(len(train_docs))]
+    if d.shuffle:  # the first epoch's order (padding without allow_split depends on it)
+        lengths = [
+            lengths[i] for i in np.random.default_rng([config.seed, 0]).permutation(len(lengths))
+        ]
+    rows = rows_for(lengths, d.seq_len, d.allow_split)
+    steps_per_epoch = max(1, math.ceil(rows / d.batch_size))
     train_iter = PackedBatchIterator(
         train_docs,
         tokenize_fn,
