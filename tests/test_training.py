@@ -897,3 +897,42 @@ def test_logged_throughput_is_the_wall_time_between_log_lines(monkeypatch):
     seconds = [16 / r["tokens_per_s"] for r in Logger.recs]
     np.testing.assert_allclose(seconds, [1.0, 11.0, 11.0, 11.0])
     assert sum(seconds) == pytest.approx(clock[0] - 10.0 - 100.0)  # to the last line's start
+
+
+def test_tap_cache_finds_each_piece_wherever_it_is_packed():
+    """TapCache: pieces kept by (document, offset) come back at any row and position of another
+    batch (bfloat16 storage: rounded once, half the bytes), zeros in the padding; a batch with
+    a piece not kept is a miss."""
+    import ml_dtypes
+
+    from dflash_jax.training.tap_cache import TapCache
+
+    rng = np.random.default_rng(0)
+    f = 6
+
+    def batch(rows):  # rows: [(doc, offset, length), ...] per row, padded to 8
+        out = {k: np.zeros((len(rows), 8), np.int32) for k in ("segment_ids", "doc_offset")}
+        out["doc_key"] = np.full((len(rows), 8), -1, np.int32)
+        for b, pieces in enumerate(rows):
+            t = 0
+            for i, (doc, off, n) in enumerate(pieces):
+                out["segment_ids"][b, t : t + n] = i + 1
+                out["doc_key"][b, t : t + n] = doc
+                out["doc_offset"][b, t : t + n] = np.arange(off, off + n)
+                t += n
+        return out
+
+    first = batch([[(3, 0, 5), (7, 0, 2)], [(9, 8, 8)]])
+    taps = rng.normal(size=(2, 8, f)).astype(np.float32)
+    cache = TapCache(ml_dtypes.bfloat16)
+    cache.store(first, taps)
+    assert len(cache) == 3 and cache.nbytes == (5 + 2 + 8) * f * 2
+    again = batch([[(9, 8, 8)], [(7, 0, 2), (3, 0, 5)]])
+    got = cache.lookup(again, (2, 8, f), np.float32)
+    bf = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
+    np.testing.assert_array_equal(got[0], bf(taps[1]))
+    np.testing.assert_array_equal(got[1, :2], bf(taps[0, 5:7]))
+    np.testing.assert_array_equal(got[1, 2:7], bf(taps[0, :5]))
+    assert (got[1, 7] == 0).all() and cache.hits == 1
+    assert cache.lookup(batch([[(3, 0, 5), (4, 0, 3)]]), (1, 8, f), np.float32) is None
+    assert cache.misses == 1
