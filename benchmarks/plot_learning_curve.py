@@ -97,18 +97,26 @@ def main(argv):
     hours = FLAGS.x == "hours"
     xlabel = "training hours (the trainer's clock)" if hours else "training tokens (M)"
     fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
-    for (train, evals), label in zip(runs, labels):
+    groups = [int(g) for g in FLAGS.groups] if FLAGS.groups else None
+    for i, ((train, evals), label) in enumerate(zip(runs, labels)):
+        # one colour per drafter when there are groups (its stages differ in shade), else per run
+        color = None
+        if groups:
+            stage = groups[:i].count(groups[i])
+            color = plt.get_cmap(("Blues", "Oranges", "Greens", "Purples")[groups[i] % 4])(
+                0.45 + 0.5 * stage / max(1, groups.count(groups[i]) - 1)
+            )
         if train:
             tok, hrs, y = np.array(train).T
             x = hrs if hours else tok / 1e6
             k = max(1, min(FLAGS.smooth, len(y)))
             ys = np.convolve(y, np.ones(k) / k, mode="valid")
-            ax_l.plot(x[k - 1 :], ys, label=f"{label}: train (avg of {k})")
+            ax_l.plot(x[k - 1 :], ys, color=color, label=f"{label}: train (avg of {k})")
         if evals:
             tok, hrs, loss, tau = np.array(evals).T
             x = hrs if hours else tok / 1e6
-            ax_l.plot(x, loss, "o-", label=f"{label}: held-out")
-            ax_t.plot(x, tau, "o-", label=label)
+            ax_l.plot(x, loss, "o--", color=color, label=f"{label}: held-out")
+            ax_t.plot(x, tau, "o-", color=color, label=label)
     ax_l.set(xlabel=xlabel, ylabel="loss (weighted CE)", yscale="log")
     ax_t.set(xlabel=xlabel, ylabel="tau (in-loop, greedy)")
     ax_t.axhline(1.0, color="grey", lw=0.5)
