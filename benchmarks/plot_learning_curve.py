@@ -33,16 +33,24 @@ import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
-flags.DEFINE_list("runs", None, "Trainer metrics.jsonl files, in stage order.")
-flags.DEFINE_list("labels", None, "A label per run (default: the file names).")
-flags.DEFINE_list(
-    "groups", None, "A drafter index per run (runs of one index are its stages; default: all 0)."
-)
-flags.DEFINE_enum("x", "tokens", ["tokens", "hours"], "The horizontal axis.")
-flags.DEFINE_integer("tokens_per_step", 4096, "Training tokens per step (batch x seq_len).")
-flags.DEFINE_integer("smooth", 10, "Moving-average window of the training loss (log points).")
-flags.DEFINE_string("title", "SmolLM2-135M-Instruct drafter", "Figure title.")
-flags.DEFINE_string("out", None, "PNG to write.")
+
+
+def _define_flags():
+    """The CLI's flags, defined when run as a script (importing `read_runs` defines none: absl
+    flags are global, and other scripts imported beside it in one process, e.g.
+    benchmarks/plot_training.py in the tests, define some of the same names)."""
+    flags.DEFINE_list("runs", None, "Trainer metrics.jsonl files, in stage order.")
+    flags.DEFINE_list("labels", None, "A label per run (default: the file names).")
+    flags.DEFINE_list(
+        "groups",
+        None,
+        "A drafter index per run (runs of one index are its stages; default: all 0).",
+    )
+    flags.DEFINE_enum("x", "tokens", ["tokens", "hours"], "The horizontal axis.")
+    flags.DEFINE_integer("tokens_per_step", 4096, "Training tokens per step (batch x seq_len).")
+    flags.DEFINE_integer("smooth", 10, "Moving-average window of the training loss (log points).")
+    flags.DEFINE_string("title", "SmolLM2-135M-Instruct drafter", "Figure title.")
+    flags.DEFINE_string("out", None, "PNG to write.")
 
 
 def read_runs(paths, tokens_per_step, groups=None):
@@ -151,4 +159,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    _define_flags()
     app.run(main)
