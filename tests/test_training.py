@@ -846,7 +846,7 @@ def test_tap_cache_skips_the_target_after_an_epoch_and_trains_the_same(
     want = np.asarray(
         real_fn(exp.tmod, exp.tap_layers)(exp.frozen, batch["input_ids"], batch["segment_ids"])
     )
-    got = cache.lookup(batch, want.shape, np.float32)
+    got = cache.lookup(batch)
     assert got is not None
     real = batch["segment_ids"] > 0
     np.testing.assert_allclose(got[real], want[real], rtol=1e-5, atol=1e-5)
@@ -928,11 +928,11 @@ def test_tap_cache_finds_each_piece_wherever_it_is_packed():
     cache.store(first, taps)
     assert len(cache) == 3 and cache.nbytes == (5 + 2 + 8) * f * 2
     again = batch([[(9, 8, 8)], [(7, 0, 2), (3, 0, 5)]])
-    got = cache.lookup(again, (2, 8, f), np.float32)
+    got = cache.lookup(again)
     bf = lambda x: x.astype(ml_dtypes.bfloat16).astype(np.float32)  # noqa: E731
     np.testing.assert_array_equal(got[0], bf(taps[1]))
     np.testing.assert_array_equal(got[1, :2], bf(taps[0, 5:7]))
     np.testing.assert_array_equal(got[1, 2:7], bf(taps[0, :5]))
     assert (got[1, 7] == 0).all() and cache.hits == 1
-    assert cache.lookup(batch([[(3, 0, 5), (4, 0, 3)]]), (1, 8, f), np.float32) is None
+    assert cache.lookup(batch([[(3, 0, 5), (4, 0, 3)]])) is None
     assert cache.misses == 1

@@ -219,8 +219,8 @@ def rows_for(lengths, seq_len: int, allow_split: bool = True) -> int:
             used += n
             continue
         # a fresh row (a longer document fills whole rows, its tail opens the last one)
-        rows += -(-n // seq_len)
-        used = n - (-(-n // seq_len) - 1) * seq_len
+        k = -(-n // seq_len)
+        rows, used = rows + k, n - (k - 1) * seq_len
     return rows
 
 

@@ -51,6 +51,7 @@ class TapCache:
     def __init__(self, dtype=np.float32):
         self.dtype = np.dtype(dtype)
         self._pieces: dict = {}
+        self._out = None  # (width, dtype) of the taps stored: what lookup returns
         self.hits = self.misses = 0
         self.nbytes = 0
 
@@ -65,9 +66,14 @@ class TapCache:
                 if row[s] != 0:
                     yield b, int(s), int(e), int(key[b, s]), int(off[b, s])
 
-    def lookup(self, batch, shape_BTF, dtype):
-        """The batch's taps [B, T, F] (zeros in the padding) if every piece is kept, else None."""
-        out = np.zeros(shape_BTF, dtype)
+    def lookup(self, batch):
+        """The batch's taps [B, T, F] in the dtype they were stored from (zeros in the padding)
+        if every piece is kept, else None."""
+        if self._out is None:  # nothing kept yet
+            self.misses += 1
+            return None
+        width, dtype = self._out
+        out = np.zeros(batch["segment_ids"].shape + (width,), dtype)
         for b, s, e, k, o in self._segments(batch):
             piece = self._pieces.get((k, o))
             if piece is None or piece.shape[0] < e - s:
@@ -81,6 +87,7 @@ class TapCache:
         """Keeps the pieces of `batch` from its computed taps (the longest seen per key: a
         causal pass's prefix is the shorter piece's taps)."""
         taps_BTF = np.asarray(taps_BTF)
+        self._out = (taps_BTF.shape[-1], taps_BTF.dtype)
         for b, s, e, k, o in self._segments(batch):
             kept = self._pieces.get((k, o))
             if kept is None or kept.shape[0] < e - s:

@@ -495,28 +495,15 @@ def _tap_source(config, exp, frozen):
     """batch (with doc_key / doc_offset) -> the target's taps [B, T, F] as a host array: kept
     ones from the tap cache, else the target's pass (then kept). One line when the first
     epoch is kept, with its size."""
-    import ml_dtypes  # noqa: F401  (bfloat16 as a NumPy dtype)
-
     from dflash_jax.models.config import as_dtype
     from dflash_jax.training import tap_cache as tc
 
     cache = tc.TapCache(as_dtype(config.data.get("cache_taps_dtype", "float32")))
     taps_fn = tc.make_taps_fn(exp.tmod, exp.tap_layers)
-    shape = jax.eval_shape(
-        lambda f: exp.tmod.apply(
-            {"params": f},
-            jnp.zeros((1, 8), jnp.int32),
-            exp.tap_layers,
-            segment_ids_BT=jnp.ones((1, 8), jnp.int32),
-            method="taps",
-        ),
-        frozen,
-    )
     said = [False]
 
     def taps(batch):
-        b, t = batch["input_ids"].shape
-        out = cache.lookup(batch, (b, t, shape.shape[-1]), shape.dtype)
+        out = cache.lookup(batch)
         if out is not None:
             if not said[0]:
                 said[0] = True
@@ -529,7 +516,6 @@ def _tap_source(config, exp, frozen):
         cache.store(batch, out)
         return out
 
-    taps.cache = cache
     return taps
 
 
