@@ -9,6 +9,10 @@ out of both).
       --config.regen.output=/tmp/resp48.jsonl --steps=14 \\
       --json_out=benchmarks/results/smollm2/tap_cache.json
 
+What not splitting documents costs in padding, on a regenerated-responses file (no training):
+
+  python benchmarks/tap_cache.py --padding_of=runs/smollm2/responses.jsonl --seq_len=512
+
 Prints the tokens/s of each run's steps past the first epoch (median of the logged windows),
 their ratio and the losses (they must agree: the cache changes where the taps come from, not
 what they are).
@@ -28,6 +32,18 @@ config_flags.DEFINE_config_file("config", None, "The training config (as train.p
 flags.DEFINE_integer("steps", 14, "Steps of each run (past the first epoch's).")
 flags.DEFINE_string("workdir", None, "Where the two runs go (default: a temp dir, removed).")
 flags.DEFINE_string("json_out", None, "Write the figures as JSON here.")
+flags.DEFINE_string("padding_of", None, "Only count rows with and without splits of this JSONL.")
+flags.DEFINE_integer("seq_len", 512, "Row length for --padding_of.")
+
+
+def padding(path, seq_len):
+    """(rows with splits, rows without) of the file's records (input_ids + eos), in its order:
+    `packing.rows_for`, the packer's rule."""
+    from dflash_jax.data.packing import rows_for
+
+    with open(path) as f:
+        lengths = [len(json.loads(line)["input_ids"]) + 1 for line in f if line.strip()]
+    return len(lengths), sum(lengths), rows_for(lengths, seq_len), rows_for(lengths, seq_len, False)
 
 
 def _epoch_batches(config, workdir):
@@ -47,6 +63,13 @@ def main(argv):
     from dflash_jax.support import provenance
     from dflash_jax.training import trainer
 
+    if FLAGS.padding_of:
+        n, tokens, split, whole = padding(FLAGS.padding_of, FLAGS.seq_len)
+        print(
+            f"{n} records, {tokens} tokens: {split} rows of {FLAGS.seq_len} with splits, "
+            f"{whole} without ({1 - split / whole:.0%} of them padding)"
+        )
+        return
     base = FLAGS.config
     if base is None:
         raise app.UsageError("--config is required")
