@@ -872,7 +872,7 @@ def test_tap_cache_settings_are_refused_in_one_line(regen_file, tmp_path):
 
 def test_logged_throughput_is_the_wall_time_between_log_lines(monkeypatch):
     """tokens_per_s is steps x tokens over the wall time since the last log line, waits inside
-    writing a line included (the learning rate is a jnp computation queued behind the step just
+    writing a line included (a device value fetched for the line waits for the step just
     dispatched): on a fake clock, steps of 1 s and lines that wait 10 s, the windows' times sum
     to the clock's. (Resetting the window after the line read a 5-step window as 4 steps.)"""
     from types import SimpleNamespace as NS
@@ -897,6 +897,42 @@ def test_logged_throughput_is_the_wall_time_between_log_lines(monkeypatch):
     seconds = [16 / r["tokens_per_s"] for r in Logger.recs]
     np.testing.assert_allclose(seconds, [1.0, 11.0, 11.0, 11.0])
     assert sum(seconds) == pytest.approx(clock[0] - 10.0 - 100.0)  # to the last line's start
+
+
+def test_logged_learning_rate_is_the_schedule_computed_on_the_host():
+    """The learning rate a log line records is make_optimizer's warmup-cosine schedule (NumPy
+    statement: linear from 0 to the peak over the warmup, then a half cosine to the end value),
+    computed on the host's CPU device, not queued on the device running the steps."""
+    from types import SimpleNamespace as NS
+
+    from dflash_jax.training.step import make_optimizer
+
+    cfg = NS(
+        learning_rate=6e-4,
+        warmup_ratio=0.1,
+        end_lr_ratio=0.1,
+        grad_clip=1.0,
+        b1=0.9,
+        b2=0.95,
+        weight_decay=0.0,
+    )
+    _, schedule = make_optimizer(cfg, 100)
+    seen = []
+
+    def watched(k):
+        seen.append(jax.config.jax_default_device)  # None unless set around the call
+        return schedule(k)
+
+    warm, peak, end = 10, 6e-4, 6e-5
+    for k in (0, 5, 10, 55, 99):
+        want = (
+            peak * k / warm
+            if k < warm
+            else (end + (peak - end) * 0.5 * (1 + math.cos(math.pi * (k - warm) / (100 - warm))))
+        )
+        got = trainer._host_value(watched, k)
+        assert isinstance(got, float) and got == pytest.approx(want, rel=1e-6), k
+    assert seen == [jax.local_devices(backend="cpu")[0]] * 5
 
 
 def test_tap_cache_finds_each_piece_wherever_it_is_packed():

@@ -609,10 +609,9 @@ class _LogWindow:
 
     def _write(self, k) -> None:
         acc, n, run = self.acc, self.steps, self.run
-        # The window is wall time from this write's start to the last one's: what follows may
-        # wait on the device (the schedule is a jnp computation, queued behind the step just
-        # dispatched), and that wait is the next window's (reset at the end, a window of 5
-        # steps read as 4 steps' time: rates 25% too high, as logged before 2026-12-04).
+        # The window is wall time from this write's start to the last one's: anything below
+        # that waits is the next window's (reset at the end, a window of 5 steps read as 4
+        # steps' time: rates 25% too high, as logged before 2026-12-04).
         now = time.time()
         dt = now - self.t_window
         rate = n * self.tokens_per_step / max(dt, 1e-9)
@@ -620,7 +619,7 @@ class _LogWindow:
         rec = {
             "loss": acc["loss"] / n,
             "grad_norm": acc["grad_norm"] / n,
-            "learning_rate": float(run.schedule(k - 1)),
+            "learning_rate": _host_value(run.schedule, k - 1),
             "tokens_per_s": rate,
         }
         if run.exp.mode == "drafter":
@@ -643,6 +642,17 @@ class _LogWindow:
             f"{rate:,.0f} tok/s ETA {format_eta(eta)}"
         )
         self.t_window, self.steps, self.acc = now, 0, None
+
+
+def _host_value(schedule, step: int) -> float:
+    """An optax schedule (jnp arithmetic) at `step`, computed on the host's CPU device: on the
+    default device it would queue behind the train step just dispatched and wait for it."""
+    try:
+        cpu = jax.local_devices(backend="cpu")[0]
+    except RuntimeError:  # JAX_PLATFORMS without cpu
+        return float(schedule(step))
+    with jax.default_device(cpu):
+        return float(schedule(step))
 
 
 class _Profiler:
