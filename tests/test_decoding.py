@@ -153,6 +153,48 @@ def test_compiled_program_cache_is_bounded_least_recently_used(monkeypatch):
     assert [k[3] for k in _Compiled.cache] == ["c", "b"]
 
 
+def test_plans_differing_in_decode_settings_share_one_prefill(target, drafter, monkeypatch):
+    """The prefill's lowered program is the same for every change of a `Plan.DECODE_ONLY`
+    field (and differs for a field it reads: the control), so `generate` compiles one prefill
+    for plans that differ only there: a sweep over denoise steps or confidence thresholds
+    builds a decode loop per setting and shares the prefill executable."""
+    tmod, dmod = dj.Transformer(target.config), dj.DFlashDrafter(drafter.config)
+    p_pad, n_buf, cap = buffer_sizes(23, 8, 8)
+    args = (jnp.zeros((2, p_pad), jnp.int32), jnp.array([5, 23], jnp.int32), jnp.int32(8),
+            jax.random.PRNGKey(0))  # fmt: skip
+
+    def prefill_hlo(plan):
+        prefill, _, _ = generate_programs(
+            tmod, dmod, plan, cap, n_buf, None, target.params, drafter.params, 2, p_pad
+        )
+        return prefill.lower(target.params, drafter.params, *args).as_text()
+
+    base = Plan(block_size=8)
+    changed = dict(
+        denoise_steps=3, denoise_schedule="fixed", remask=True, confidence_threshold=0.5,
+        tree_budget=6, stream=lambda commits: None,
+    )  # fmt: skip
+    assert set(changed) == set(Plan.DECODE_ONLY)
+    want = prefill_hlo(base)
+    for name, value in changed.items():
+        plan = Plan(block_size=8, **{name: value})
+        assert plan != base and plan.prefill_plan() == base, name
+        assert prefill_hlo(plan) == want, name
+    assert prefill_hlo(Plan(block_size=8, temperature=1.0)) != want  # a field it reads
+
+    monkeypatch.setattr(_Compiled, "cache", collections.OrderedDict())
+    runs = [
+        dj.generate(target, drafter, MIXED[:2], 8, block_size=8, **kw)
+        for kw in ({}, {"denoise_steps": 2}, {"confidence_threshold": 0.5})
+    ]
+    is_prefill = lambda k: isinstance(k[-1], str)  # noqa: E731  (a whole key ends in a treedef)
+    whole = [v for k, v in _Compiled.cache.items() if not is_prefill(k)]
+    prefills = [v for k, v in _Compiled.cache.items() if is_prefill(k)]
+    assert len(whole) == 3 and len(prefills) == 1
+    assert all(built[0] is prefills[0] for built in whole)
+    assert all(r.tokens == runs[0].tokens for r in runs)
+
+
 def _oracle_draft(full_seqs, wrong_every):
     """A draft_block replacement reading the true greedy continuation from a table, with the
     draft at absolute positions p where p % wrong_every == 0 corrupted."""

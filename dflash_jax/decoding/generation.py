@@ -170,17 +170,20 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
         jax.tree_util.tree_structure(dparams),
     )
 
+    # Plans differing only in what the decode loop reads share one prefill executable: its own
+    # entry in `_Compiled`, keyed by `Plan.prefill_plan()` (so every reset of the table drops it).
+    prefill_key = key[:2] + (plan.prefill_plan(),) + key[3:] + ("prefill",)
+
     def build():
         prefill_jit, decode_jit, sh = generate_programs(
             tmod, dmod, plan, capacity, n_buf, mesh, tparams, dparams, b, p_pad
         )
         if sh is None:  # one device: lowered on the arrays as they are placed
             state = jax.eval_shape(prefill_jit, tparams, dparams, *args)
-            return (
-                prefill_jit.lower(tparams, dparams, *args).compile(),
-                decode_jit.lower(tparams, dparams, state).compile(),
-                None,
+            prefill_x, _ = _Compiled.get(
+                prefill_key, lambda: prefill_jit.lower(tparams, dparams, *args).compile()
             )
+            return prefill_x, decode_jit.lower(tparams, dparams, state).compile(), None
         repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         arg_sh = (sh["ids"], sh["lens"], repl, repl)
         # Lowered on shapes: the arrays may be placed otherwise (e.g. a trainer's FSDP
@@ -190,8 +193,11 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
         )
         tp_s, dp_s = shapes(tparams), shapes(dparams)
         with sharding.compiling_for(mesh):  # kernels for the mesh's platform
+            prefill_x, _ = _Compiled.get(
+                prefill_key, lambda: prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile()
+            )
             return (
-                prefill_jit.lower(tp_s, dp_s, *shapes(args)).compile(),
+                prefill_x,
                 decode_jit.lower(tp_s, dp_s, sh["state_shape"]).compile(),
                 (sh["tparams"], sh["dparams"], arg_sh),
             )

@@ -111,14 +111,17 @@ def generate_programs(
 class _Compiled:
     """AOT-compiled (prefill, decode) executables keyed by their static configuration, so
     compile time is measured apart and new prompt lengths within a bucket never recompile.
-    Bounded: at most `max_entries` configurations stay compiled (least recently used goes
-    first), so a long-lived process (a server, a notebook sweeping settings) does not keep
-    every program it ever built; `DFLASH_COMPILED_PROGRAMS` sets the bound (default 16).
+    A prefill is an entry of its own too (key ending "prefill", its Plan reduced by
+    `Plan.prefill_plan`), shared by the configurations that differ only in decode settings.
+    Bounded: at most `max_entries` entries stay (least recently used goes first), so a
+    long-lived process (a server, a notebook sweeping settings) does not keep every program it
+    ever built; `DFLASH_COMPILED_PROGRAMS` sets the bound (default 32: 16 configurations with
+    prefills of their own).
     Programs that stream keep only the latest callback's (a new function each call would
     otherwise keep every program alive)."""
 
     cache: "collections.OrderedDict" = collections.OrderedDict()
-    max_entries: int = int(os.environ.get("DFLASH_COMPILED_PROGRAMS", "16"))
+    max_entries: int = int(os.environ.get("DFLASH_COMPILED_PROGRAMS", "32"))
 
     @classmethod
     def get(cls, key, build):

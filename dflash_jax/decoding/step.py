@@ -84,6 +84,22 @@ class Plan:
     # each chunk's scores are [chunk, capacity]. 0: one pass (dense [prompt, capacity] scores).
     prefill_chunk: int = 512
 
+    # The fields only the decode loop reads: plans that differ in these alone share one prefill
+    # program (`prefill_plan`; tests/test_decoding.py checks that the prefill's HLO is the same).
+    DECODE_ONLY = (
+        "denoise_steps",
+        "denoise_schedule",
+        "remask",
+        "confidence_threshold",
+        "tree_budget",
+        "stream",
+    )
+
+    def prefill_plan(self) -> "Plan":
+        """This plan with the decode-only fields at their defaults: the prefill's jit key."""
+        defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
+        return dataclasses.replace(self, **{k: defaults[k] for k in Plan.DECODE_ONLY})
+
 
 @flax.struct.dataclass
 class DecodeState:
