@@ -308,7 +308,7 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), gguf_io.DEFAU
 def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
     """The drafters trained here for SmolLM2 (assets/smollm2-135m-instruct/drafter, DFlash, and
     drafter_dflash2, DFlash 2, each 620 steps on 1,024 conversations, in-loop tau ~1.2-1.3;
-    drafter_eagle3, EAGLE-3, 143 TTT steps on the same data, at block 8):
+    drafter_eagle3, EAGLE-3, 275 TTT steps on the same data, at block 8):
     each equals autoregressive decoding on real chat prompts (float32, greedy, a batch of three
     with ragged acceptance), with drafts accepted (steps of 3 tokens or more): the issue's
     steps of 4 or more wait for a longer-trained drafter."""
