@@ -18,6 +18,12 @@ four stages and EAGLE-3's two:
   python benchmarks/plot_learning_curve.py --runs=d1,d2,d3,d4,e1,e2 --groups=0,0,0,0,1,1 \
       --x=hours --out=...
 
+`--project=2.5,3` adds a third panel: a power law tau - 1 = c * tokens^alpha fitted (least
+squares in log-log) to the in-loop tau of the first drafter (group 0), drawn on log axes out to
+the training tokens at which it would reach each given tau, and written to the JSON
+(`projection`: c, alpha, the tokens per target tau, and the hours at the drafter's mean rate).
+An extrapolation, not a measurement: it says how far the curve so far would have to run.
+
 Hours are the trainer's own clock: each logged window's steps x tokens_per_step /
 tokens_per_s (the window's wall time: its steps, and any in-loop evaluation, checkpoint or
 first compile that fell in it), summed over the windows. (Before 2026-12-04 a window could
@@ -51,6 +57,9 @@ def _define_flags():
     flags.DEFINE_integer("smooth", 10, "Moving-average window of the training loss (log points).")
     flags.DEFINE_string("title", "SmolLM2-135M-Instruct drafter", "Figure title.")
     flags.DEFINE_string("out", None, "PNG to write.")
+    flags.DEFINE_list(
+        "project", None, "Target taus to project the first drafter's power-law fit to."
+    )
 
 
 def read_runs(paths, tokens_per_step, groups=None):
@@ -86,6 +95,31 @@ def read_runs(paths, tokens_per_step, groups=None):
     return out
 
 
+def project(evals, targets, hours=None):
+    """Fit tau - 1 = c * tokens^alpha to eval points [(tokens, hours, loss, tau)] (least squares
+    of log(tau - 1) on log(tokens), points with tau <= 1 left out) and give the tokens at which
+    the fit reaches each target tau, and the hours at `hours` (training hours per token, the
+    drafter's mean so far) if given. Raises ValueError with fewer than two usable points or a
+    curve that does not rise (alpha <= 0: it never gets there)."""
+    pts = [(t, u) for t, _, _, u in evals if u > 1.0 and t > 0]
+    if len({t for t, _ in pts}) < 2:
+        raise ValueError(f"{len(pts)} eval points with tau > 1: the fit needs two")
+    x = np.log([t for t, _ in pts])
+    y = np.log([u - 1.0 for _, u in pts])
+    alpha, logc = np.polyfit(x, y, 1)
+    if alpha <= 0:
+        raise ValueError(f"tau does not rise with tokens (alpha {alpha:.3f}): nothing to project")
+    c = float(np.exp(logc))
+    out = {"c": c, "alpha": float(alpha), "points": len(pts), "targets": {}}
+    for target in targets:
+        tokens = ((float(target) - 1.0) / c) ** (1.0 / alpha)
+        row = {"tokens": tokens}
+        if hours is not None:
+            row["hours"] = tokens * hours
+        out["targets"][str(target)] = row
+    return out
+
+
 def main(argv):
     del argv
     import matplotlib
@@ -104,8 +138,24 @@ def main(argv):
         raise app.UsageError(str(e)) from None
     hours = FLAGS.x == "hours"
     xlabel = "training hours (the trainer's clock)" if hours else "training tokens (M)"
-    fig, (ax_l, ax_t) = plt.subplots(1, 2, figsize=(11, 4))
     groups = [int(g) for g in FLAGS.groups] if FLAGS.groups else None
+    projection = None
+    if FLAGS.project:
+        try:
+            targets = [float(t) for t in FLAGS.project]
+        except ValueError:
+            raise app.UsageError(f"--project takes taus, got {FLAGS.project}") from None
+        first = [r for r, g in zip(runs, groups or [0] * len(runs)) if g == 0]
+        evals = [e for _, ev in first for e in ev]
+        last = max((tr[-1] for tr, _ in first if tr), default=None)
+        per_token = last[1] / last[0] if last and last[0] > 0 and last[1] > 0 else None
+        try:
+            projection = project(evals, targets, per_token)
+        except ValueError as e:
+            raise app.UsageError(f"--project: {e}") from None
+    ncol = 3 if projection else 2
+    fig, axes = plt.subplots(1, ncol, figsize=(5.5 * ncol, 4))
+    ax_l, ax_t = axes[0], axes[1]
     for i, ((train, evals), label) in enumerate(zip(runs, labels)):
         # one colour per drafter when there are groups (its stages differ in shade), else per run
         color = None
@@ -128,7 +178,36 @@ def main(argv):
     ax_l.set(xlabel=xlabel, ylabel="loss (weighted CE)", yscale="log")
     ax_t.set(xlabel=xlabel, ylabel="tau (in-loop, greedy)")
     ax_t.axhline(1.0, color="grey", lw=0.5)
-    for ax in (ax_l, ax_t):
+    if projection:
+        ax_p = axes[2]
+        tok = np.array([e[0] for _, ev in first for e in ev], float)
+        tau = np.array([e[3] for _, ev in first for e in ev], float)
+        ax_p.plot(tok / 1e6, tau - 1.0, "o", label="in-loop tau (first drafter)")
+        far = max(r["tokens"] for r in projection["targets"].values())
+        xs = np.geomspace(tok[tok > 0].min(), max(far, tok.max()), 100)
+        c, a = projection["c"], projection["alpha"]
+        ax_p.plot(xs / 1e6, c * xs**a, "--", label=f"fit: tau-1 = {c:.2g} T^{a:.2f}")
+        for target, row in projection["targets"].items():
+            when = f"{row['tokens'] / 1e6:,.0f}M tokens"
+            if "hours" in row:
+                when += f", ~{row['hours']:,.0f} h here"
+            ax_p.axhline(float(target) - 1.0, color="grey", lw=0.6, ls=":")
+            ax_p.plot([row["tokens"] / 1e6], [float(target) - 1.0], "x", color="black")
+            ax_p.annotate(
+                f"tau {target}: {when}",
+                (row["tokens"] / 1e6, float(target) - 1.0),
+                fontsize=7,
+                ha="right",
+                va="bottom",
+            )
+        ax_p.set(
+            xscale="log",
+            yscale="log",
+            xlabel="training tokens (M), log",
+            ylabel="tau - 1",
+            title="extrapolated (a fit, not a measurement)",
+        )
+    for ax in axes:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.suptitle(FLAGS.title)
@@ -150,6 +229,7 @@ def main(argv):
                 "tokens_per_step": FLAGS.tokens_per_step,
                 "groups": FLAGS.groups,
                 "runs": points,
+                "projection": projection,
                 **provenance.record(),
             },
             f,

@@ -96,3 +96,47 @@ def test_a_group_per_run_or_one_line(files, tmp_path):
         {"tokens": 300, "hours": round(30 / 3600, 4), "loss": 6.5, "tau": 1.05}
     ]
     assert out.stat().st_size > 1000
+
+
+def test_projection_recovers_a_power_law_and_refuses_a_flat_curve(tmp_path):
+    # tau - 1 = 0.002 * T^0.5 at T = 1e4, 4e4, 1.6e5 tokens: 1.2, 1.4, 1.8
+    evals = [(t, 0.0, 5.0, 1.0 + 0.002 * t**0.5) for t in (1e4, 4e4, 1.6e5)]
+    evals.append((2e4, 0.0, 5.0, 0.9))  # below 1: left out of the fit
+    p = plc.project(evals, [3.0], hours=1e-4)
+    assert p["alpha"] == pytest.approx(0.5) and p["c"] == pytest.approx(0.002)
+    assert p["points"] == 3
+    # (3 - 1) / 0.002 = 1000 = T^0.5: T = 1e6 tokens, 100 hours at 1e-4 h a token
+    assert p["targets"]["3.0"]["tokens"] == pytest.approx(1e6)
+    assert p["targets"]["3.0"]["hours"] == pytest.approx(100.0)
+    with pytest.raises(ValueError, match="does not rise"):
+        plc.project([(1e4, 0, 5, 1.5), (1e5, 0, 5, 1.2)], [3.0])
+    with pytest.raises(ValueError, match="needs two"):
+        plc.project([(1e4, 0, 5, 1.5), (1e5, 0, 5, 0.99)], [3.0])
+    # the CLI: a third panel and the projection in the JSON
+    run = _write(
+        tmp_path / "r.jsonl",
+        [{"split": "train", "step": 100, "loss": 4.0, "tokens_per_s": 100.0}]
+        + [
+            {"split": "eval", "step": s, "loss": 4.0, "tau": 1.0 + 0.002 * (s * TOKENS) ** 0.5}
+            for s in (100, 400, 1600)
+        ],
+    )
+    out = tmp_path / "p.png"
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "benchmarks/plot_learning_curve.py",
+            f"--runs={run}",
+            f"--tokens_per_step={TOKENS}",
+            "--project=3",
+            f"--out={out}",
+        ],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert ok.returncode == 0, ok.stderr
+    proj = json.loads(out.with_suffix(".json").read_text())["projection"]
+    assert proj["targets"]["3.0"]["tokens"] == pytest.approx(1e6)
+    # 100 steps x 100 tokens in 100 s: 1e6 tokens are 1e4 s
+    assert proj["targets"]["3.0"]["hours"] == pytest.approx(1e4 / 3600)
