@@ -44,6 +44,20 @@ from .reference import default_scale
 # Query rows x lanes of one program above which the KV tile is halved (see decode_attention):
 # 2048 rows (512 queries x 4 per KV head) of 128 lanes, Qwen3-8B's prefill chunk, still fits.
 _BIG_QUERY_BLOCK = 2048 * 128
+# ... and above which the queries are split into chunks, one kernel call each (twice the above:
+# 2048 rows of 256 lanes at a KV tile of 256 fit). SmolLM2's 512-token prefill chunk (9 query /
+# 3 KV heads of 64: hb = 3, 4608 rows of 192 lanes) ran out of v5e's scoped VMEM in one call.
+_MAX_QUERY_BLOCK = 2 * _BIG_QUERY_BLOCK
+
+
+def _query_chunk(t: int, g: int, hb: int, d: int, sub: int) -> int:
+    """Queries per call so that one program's block, hb * round_up(tc * g, sub) rows of hb * d
+    lanes, stays within _MAX_QUERY_BLOCK: the fewest calls, of equal length (the last one
+    shorter only by the remainder)."""
+    most = max(1, _MAX_QUERY_BLOCK // (hb * hb * d) // g)
+    while most > 1 and hb * C.round_up(most * g, sub) * hb * d > _MAX_QUERY_BLOCK:
+        most -= 1
+    return C.cdiv(t, C.cdiv(t, most))
 
 
 def _choose_kv_tile(s: int, block_k: int, align: int):
@@ -240,6 +254,32 @@ def decode_attention(
     align = C.sublane_multiple(k.dtype)
     rows = C.round_up(t * g, C.sublane_multiple(q.dtype))
     hb = _heads_per_block(hkv, d)
+    if t > 1 and hb * rows * hb * d > _MAX_QUERY_BLOCK:
+        # Too many query rows for one program's VMEM: the queries in chunks (each row's
+        # attention depends on its own limit only), one call each, the same keys.
+        tc = _query_chunk(t, g, hb, d, C.sublane_multiple(q.dtype))
+        call = functools.partial(
+            decode_attention,
+            k=k,
+            v=v,
+            blk_k=blk_k,
+            blk_v=blk_v,
+            sm_scale=sm_scale,
+            block_k=block_k,
+            num_splits=num_splits,
+            interpret=interpret,
+        )
+        return jnp.concatenate(
+            [
+                call(
+                    q[:, i : i + tc],
+                    lim=lim[:, i : i + tc],
+                    blk_mask=None if blk_mask is None else blk_mask[:, i : i + tc],
+                )
+                for i in range(0, t, tc)
+            ],
+            axis=1,
+        )
     if hb * rows * hb * d > _BIG_QUERY_BLOCK:
         # Many query rows of wide heads (a 512-token prefill chunk at head_dim 256): the f32
         # scores [rows, tk] and accumulator [rows, w] would outgrow the scoped VMEM at tk 512.

@@ -347,6 +347,59 @@ def test_auto_on_cpu_is_reference():
     )
 
 
+def test_tpu_kernel_runs_a_long_block_in_query_chunks(monkeypatch):
+    """Too many query rows for one program (SmolLM2's 512-token prefill chunk, 9 query / 3 KV
+    heads of 64: 4608 rows of 192 lanes, out of v5e's scoped VMEM in one call,
+    test_tpu_compile.py): the TPU kernel runs the queries in equal chunks, one call each, and
+    equals the brute-force rule, verify and a tree's masked block alike. Here (interpret mode) a
+    lowered limit makes 10 queries at 3 KV heads of 16 take 5 calls of 2."""
+    import pallas_kernels
+    from pallas_kernels import tpu_decode
+
+    pallas_kernels._attend.clear_cache()  # traced again under the patched limit
+    monkeypatch.setattr(tpu_decode, "_MAX_QUERY_BLOCK", 1500)
+    monkeypatch.setattr(tpu_decode, "_BIG_QUERY_BLOCK", 1500)
+    rng = np.random.default_rng(7)
+    q, k, v = _rand(rng, 2, 10, 9, 16), _rand(rng, 2, 37, 3, 16), _rand(rng, 2, 37, 3, 16)
+    pos = jnp.asarray(np.array([3, 26])[:, None] + np.arange(10)[None], jnp.int32)
+
+    def calls(fn, *args):
+        return str(jax.make_jaxpr(fn)(*args)).count("pallas_call")
+
+    verify = lambda *a: pk.verify_attention(*a, impl="pallas_tpu", interpret=True)
+    assert calls(verify, q, k, v, pos) == 5
+    np.testing.assert_allclose(verify(q, k, v, pos), _np_verify(q, k, v, pos), atol=ATOL)
+    # a tree of 10 nodes after prefixes of 5 and 30 slots, each node seeing itself, its
+    # parent chain (node u's parent: u // 2) and the prefix
+    bk, bv = _rand(rng, 2, 10, 3, 16), _rand(rng, 2, 10, 3, 16)
+    anc = np.zeros((10, 10), bool)
+    for u in range(10):
+        w = u
+        while True:
+            anc[u, w] = True
+            if w == 0:
+                break
+            w //= 2
+    mask = jnp.asarray(np.broadcast_to(anc, (2, 10, 10)))
+    pre = jnp.asarray([5, 30], jnp.int32)
+    tree = lambda *a: pk.tree_attention(*a, impl="pallas_tpu", interpret=True)
+    got = tree(q, k, v, pre, bk, bv, mask)
+    pallas_kernels._attend.clear_cache()
+    want = np.stack(
+        [
+            _np_attend(
+                np.asarray(q[b]),
+                np.concatenate([np.asarray(k[b]), np.asarray(bk[b])]),
+                np.concatenate([np.asarray(v[b]), np.asarray(bv[b])]),
+                lambda t, j, b=b: j < int(pre[b]) if j < 37 else anc[t, j - 37],
+                16**-0.5,
+            )
+            for b in range(2)
+        ]
+    )
+    np.testing.assert_allclose(got, want, atol=ATOL)
+
+
 # ------------------------------------------------- kernels vs reference -----
 # The b1g1 cases use head_dim 128 (TPU kernels: lane-dense views of the
 # [B, S, Hkv*D] cache, one kv head per program); the b3g4 cases use head_dim

@@ -92,6 +92,24 @@ def test_pallas_tpu_kernels_compile_with_mosaic(topology):
             assert 0 < mem.argument_size_in_bytes < chip["hbm_bytes"], (name, shape)
 
 
+def test_a_512_token_prefill_chunk_at_smollm2_heads_compiles_for_v5e(v5e):
+    """SmolLM2-135M's heads (9 query / 3 KV heads of 64) over a 512-token prefill chunk: one
+    kernel call would hold 4608 query rows of 192 lanes and ran out of v5e's scoped VMEM
+    (RESOURCE_EXHAUSTED at compile); the kernel splits the queries (two calls of 256)."""
+    from pallas_kernels import backend
+
+    devices, chip = v5e
+    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+    one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    (fn, args) = _kernel_programs(b=1, t=512, s=1024, n_blocks=1, bs=1, hkv=3, g=3, d=64)["verify"]
+    args = [SD(a.shape, a.dtype, sharding=one) for a in args]
+    with backend.compiling_for(mesh):
+        lowered = jax.jit(fn).lower(*args)
+        compiled = lowered.compile()
+    assert lowered.as_text().count("tpu_custom_call") == 2
+    assert 0 < compiled.memory_analysis().temp_size_in_bytes < chip["hbm_bytes"]
+
+
 @pytest.mark.parametrize("mesh", ["tensor=8", "data=2,tensor=4"])
 def test_dflash_decode_compiles_sharded_with_pallas_kernels(v5e, mesh):
     devices, chip = v5e
