@@ -30,6 +30,7 @@ flags.DEFINE_string("regenerated", None, "Regenerated records for the draft-cons
 flags.DEFINE_integer("num_records", 8, "Records checked.")
 flags.DEFINE_integer("max_new_tokens", 96, "Tokens generated per record.")
 flags.DEFINE_string("json_out", None, "Also write the result (with its provenance) here.")
+flags.DEFINE_integer("iters", 1000, "Calls per chooser inside the compiled loop.", lower_bound=1)
 
 
 def per_call_us(fn, x, keyed=False, iters=1000):
@@ -47,7 +48,7 @@ def per_call_us(fn, x, keyed=False, iters=1000):
     return 1e6 * (time.perf_counter() - t0) / iters
 
 
-def choosers(vocab):
+def choosers(vocab, iters=1000):
     import jax
     import jax.numpy as jnp
 
@@ -55,13 +56,15 @@ def choosers(vocab):
 
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, vocab)) * 3
     rows = {
-        "jnp.argmax": per_call_us(lambda l, k: jnp.argmax(l, -1).astype(jnp.int32), x),
-        "sampling.greedy_argmax": per_call_us(lambda l, k: sampling.greedy_argmax(l), x),
+        "jnp.argmax": per_call_us(lambda l, k: jnp.argmax(l, -1).astype(jnp.int32), x, iters=iters),
+        "sampling.greedy_argmax": per_call_us(
+            lambda l, k: sampling.greedy_argmax(l), x, iters=iters
+        ),
         "jax.random.categorical": per_call_us(
-            lambda l, k: jax.random.categorical(k, l, axis=-1).astype(jnp.int32), x, True
+            lambda l, k: jax.random.categorical(k, l, axis=-1).astype(jnp.int32), x, True, iters
         ),
         "sampling.sample_categorical": per_call_us(
-            lambda l, k: sampling.sample_categorical(k, l), x, True
+            lambda l, k: sampling.sample_categorical(k, l), x, True, iters
         ),
     }
     for name, us in rows.items():
@@ -144,7 +147,7 @@ def main(argv):
     console.cli_startup()
     target = dj.load_target(hub.resolve_or_exit(FLAGS.target, what="--target"))
     print(f"backend {jax.default_backend()}: token choosers inside a compiled loop")
-    result = {"choosers_us": choosers(target.config.vocab_size)}
+    result = {"choosers_us": choosers(target.config.vocab_size, FLAGS.iters)}
     result["ratios"] = ratios(result["choosers_us"])
     print(
         "  jax.random.categorical / sampling.sample_categorical: "

@@ -338,7 +338,8 @@ def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
 @pytest.mark.once
 def test_op_costs_script_times_the_token_choosers():
     r = subprocess.run(
-        [sys.executable, os.path.join(ROOT, "benchmarks", "op_costs.py")],
+        # A few calls per chooser: the script end to end, not its figures (1000 by default).
+        [sys.executable, os.path.join(ROOT, "benchmarks", "op_costs.py"), "--iters=5"],
         capture_output=True,
         text=True,
         timeout=300,
