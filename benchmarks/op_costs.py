@@ -48,7 +48,7 @@ def per_call_us(fn, x, keyed=False, iters=1000):
     return 1e6 * (time.perf_counter() - t0) / iters
 
 
-def choosers(vocab, iters=1000):
+def choosers(vocab, iters):
     import jax
     import jax.numpy as jnp
 

@@ -9,6 +9,8 @@ fake CPU devices. Each `check_NAME(out, workdir)` adds its findings under out[NA
 large for JSON go to .npz files in WORKDIR); the tests assert on them. One JSON line is
 printed, prefixed RESULT."""
 
+import collections
+import contextlib
 import json
 import os
 import sys
@@ -72,6 +74,23 @@ def bundled_pair():
     drafter = dj.load_drafter(os.path.join(ASSETS, "drafter"), target=target)
     tok = load_tokenizer(os.path.join(ASSETS, "target"))
     return target, drafter, [tok.encode(c) for c in CODE]
+
+
+@contextlib.contextmanager
+def _patched(owner, name, value):
+    """`owner.name = value` for the block, with a compiled-program table of its own: the other
+    checks share this process, and a program traced under the patch must not serve them (nor
+    one of theirs the patched run)."""
+    from dflash_jax.decoding import programs
+
+    saved = getattr(owner, name), programs._Compiled.cache
+    setattr(owner, name, value)
+    programs._Compiled.cache = collections.OrderedDict()
+    try:
+        yield
+    finally:
+        setattr(owner, name, saved[0])
+        programs._Compiled.cache = saved[1]
 
 
 def _run(r, drafts=True):
@@ -170,13 +189,9 @@ def _routed_expert_parallel(target, drafter, prompts, n):
     through the routed Pallas kernel (interpret mode): inside the expert-parallel shard_map each
     device runs it over its own 2 experts (their width halved by tensor). The calls' (rows,
     local experts, method) show which path was traced."""
-    import collections
-
-    from dflash_jax.decoding import programs
     from dflash_jax.models import moe
 
     calls = []
-    saved = moe.gmm_method, programs._Compiled.cache
 
     def forced(rows, experts, impl="xla"):
         method = "routed_interpret" if 0 < rows <= 512 else "ragged"
@@ -184,12 +199,9 @@ def _routed_expert_parallel(target, drafter, prompts, n):
         return method
 
     # Programs compiled under another dispatch (a cache hit would not trace the one forced).
-    moe.gmm_method, programs._Compiled.cache = forced, collections.OrderedDict()
-    try:
+    with _patched(moe, "gmm_method", forced):
         mesh = dry_run.resolve_mesh("expert=2,tensor=2,data=2")
         res = _run(dj.generate(target, drafter, prompts, n, block_size=8, mesh=mesh))
-    finally:
-        moe.gmm_method, programs._Compiled.cache = saved
     res["calls"] = sorted(set(calls))
     return res
 
@@ -253,9 +265,6 @@ def check_hybrid(out, workdir):
     autoregressively on one device, then with DFlash on one device, data=2,tensor=4 and data=4,
     tensor=2 (the delta-rule states' value heads over tensor), its drafts read from the
     autoregressive continuation (wrong at every 5th position: accepted, ragged over the batch)."""
-    import collections
-
-    from dflash_jax.decoding import programs
     from dflash_jax.decoding.step import Decoder
     from dflash_jax.models.config import HybridSpec
 
@@ -297,10 +306,7 @@ def check_hybrid(out, workdir):
         d = jnp.where(pos % 5 == 0, (d + 1) % 128, d)
         return d, jnp.ones(d.shape, jnp.float32)
 
-    # The oracle for this check only: the other checks share this process (and its programs).
-    saved = Decoder.draft_block, programs._Compiled.cache
-    Decoder.draft_block, programs._Compiled.cache = oracle, collections.OrderedDict()
-    try:
+    with _patched(Decoder, "draft_block", oracle):  # this check's drafts only
         for spec in ("one", "data=2,tensor=4", "data=4,tensor=2"):
             mesh = None if spec == "one" else dry_run.resolve_mesh(spec)
             res[spec] = _run(dj.generate(target, drafter, prompts, n, block_size=8, mesh=mesh))
@@ -312,8 +318,6 @@ def check_hybrid(out, workdir):
                     "out_proj": str(la["out_proj"]["kernel"]),
                     "A_log": str(la["A_log"]),
                 }
-    finally:
-        Decoder.draft_block, programs._Compiled.cache = saved
     out["hybrid"] = res
 
 

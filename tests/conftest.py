@@ -101,39 +101,25 @@ def eight_device_env(**extra):
     return env
 
 
-def run_multidevice_checks(workdir, *groups, timeout=1800, env=None):
-    """The one mechanism of the 8-device tests: runs each group (a tuple of check names of
-    tests/_multidevice_worker.py) in its own 8-device subprocess, the groups concurrently, and
-    returns their merged findings (a dict: check name -> findings, "num_devices", "seconds")."""
-    workdir = str(workdir)
-    procs = [
-        subprocess.Popen(
-            [sys.executable, MULTIDEVICE_WORKER, workdir, *g],
-            cwd=ROOT,
-            env=eight_device_env(**(env or {})),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        for g in groups
-    ]
-    out = {"seconds": {}}
-    for g, p in zip(groups, procs):
-        try:
-            stdout, stderr = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            raise
-        lines = [l for l in stdout.splitlines() if l.startswith("RESULT ")]
-        assert p.returncode == 0 and lines, (
-            f"checks {g} failed:\n{stdout[-3000:]}\n{stderr[-6000:]}"
-        )
-        found = json.loads(lines[-1][len("RESULT ") :])
-        assert found["num_devices"] == 8, found["num_devices"]
-        out["seconds"].update(found.pop("seconds"))
-        out.update(found)
-    return out
+def run_multidevice_checks(workdir, checks, timeout=1800, env=None):
+    """The one mechanism of the 8-device tests: runs `checks` (check names of
+    tests/_multidevice_worker.py) in one 8-device subprocess and returns its findings (a dict:
+    check name -> findings, "num_devices", "seconds")."""
+    proc = subprocess.run(
+        [sys.executable, MULTIDEVICE_WORKER, str(workdir), *checks],
+        cwd=ROOT,
+        env=eight_device_env(**(env or {})),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (
+        f"checks {checks} failed:\n{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    )
+    found = json.loads(lines[-1][len("RESULT ") :])
+    assert found["num_devices"] == 8, found["num_devices"]
+    return found
 
 
 @pytest.fixture(scope="session")
@@ -157,12 +143,12 @@ def compile_cache(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def eight_devices(compile_cache):
-    """`.checks(workdir, *groups, timeout=1800)`: run_multidevice_checks; `.env(**extra)`:
+    """`.checks(workdir, checks, timeout=1800)`: run_multidevice_checks; `.env(**extra)`:
     eight_device_env, for running another program (e.g. train.py) on 8 devices. Both with
     the session's compile_cache."""
     return types.SimpleNamespace(
-        checks=lambda workdir, *groups, timeout=1800: run_multidevice_checks(
-            workdir, *groups, timeout=timeout, env=compile_cache
+        checks=lambda workdir, checks, timeout=1800: run_multidevice_checks(
+            workdir, checks, timeout=timeout, env=compile_cache
         ),
         env=lambda **extra: eight_device_env(**{**compile_cache, **extra}),
     )

@@ -31,7 +31,7 @@ def test_notebook_runs_top_to_bottom(tmp_path):
         idx + 1,
         nbformat.v4.new_code_cell(
             # 3 training steps (an evaluation each) on 8 regenerated prompts: every cell runs;
-            # what training does is test_training.py's (12 steps took 10 s more).
+            # what training does is test_training.py's (12 steps on 16 took 9 s more).
             f"INSTALL = False\nRUN_ONLINE = False\nMAX_NEW_TOKENS = 32\nTRAIN_STEPS = 3\n"
             f"TRAIN_REGEN_PROMPTS = 8\nWORKDIR = {str(tmp_path)!r}"
         ),
