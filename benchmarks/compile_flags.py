@@ -1,25 +1,49 @@
 """Seconds of XLA backend compile for the bundled pair's first `generate` calls (autoregressive,
-then DFlash at block 8), under the compiler settings the test suite could use.
+then DFlash at block 8), under the compiler settings the test suite could use; and, with
+--layers, how those seconds grow with the target's depth.
 
     python benchmarks/compile_flags.py                      # every setting, one process each
+    python benchmarks/compile_flags.py --layers=4,8,16,30   # compile vs target depth
 
 Each setting runs in a fresh process (XLA reads its flags once, and aborts on one it does not
 know: such a setting is reported as unknown). Compile seconds are jax's own backend-compile
 events (`jax.monitoring`); `run` is a third, compiled call. tests/conftest.py picks its cheap
 compiles from these figures.
+
+--layers: a random target shaped like the bundled one (hidden 256, 4 query / 2 KV heads, vocab
+4096) at each depth, with a 2-layer drafter, under the suite's settings (jax's
+`jax_disable_most_optimizations`, and XLA:CPU's fusion emitters off where this jaxlib knows the
+flag): trace, lowering and backend-compile seconds of one DFlash `generate` (its prefill and
+decode programs), and the backend seconds per target layer fitted over the depths. What a layer
+costs there is what a scanned layer stack (one traced and compiled layer body) could save.
 """
 
 import os
 import subprocess
 import sys
 
+import numpy as np
+from absl import app, flags
+
+FLAGS = flags.FLAGS
+flags.DEFINE_list("layers", [], "Target depths to compile at (e.g. 4,8,16,30); empty: settings.")
+
+FUSION_OFF = "--xla_cpu_use_fusion_emitters=false"
 SETTINGS = {
     "default": {},
     "jax_disable_most_optimizations": {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1"},
-    "fusion emitters off": {"XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false"},
-    "both": {
-        "JAX_DISABLE_MOST_OPTIMIZATIONS": "1",
-        "XLA_FLAGS": "--xla_cpu_use_fusion_emitters=false",
+    "fusion emitters off": {"XLA_FLAGS": FUSION_OFF},
+    "both (the suite's)": {"JAX_DISABLE_MOST_OPTIMIZATIONS": "1", "XLA_FLAGS": FUSION_OFF},
+}
+# Tried on top of the suite's settings (those of "both" that this jaxlib knows; 2026-12-05): none
+# moved the compile seconds by more than the run-to-run spread on this machine.
+ON_TOP = {
+    "suite's + codegen split 1": {"XLA_FLAGS": "--xla_cpu_parallel_codegen_split_count=1"},
+    "suite's + thunk runtime off": {"XLA_FLAGS": "--xla_cpu_use_thunk_runtime=false"},
+    "suite's + jax effort levels O0/-1": {
+        "JAX_OPTIMIZATION_LEVEL": "O0",
+        "JAX_MEMORY_FITTING_LEVEL": "O0",
+        "JAX_EXEC_TIME_OPTIMIZATION_EFFORT": "-1",
     },
 }
 
@@ -47,28 +71,98 @@ assert spec.tokens == ar.tokens
 print(f"RESULT {{total[0]:.1f}} {{run:.2f}}")
 """
 
+DEPTH_CHILD = r"""
+import collections
+import jax.monitoring
+seconds = collections.Counter()
+def on_event(event, secs, **_):
+    seconds[event.rsplit("/", 1)[-1]] += secs
+jax.monitoring.register_event_duration_secs_listener(on_event)
+import dflash_jax as dj
+from dflash_jax.models.verifier import init_params
+cfg = dj.ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers={depth},
+                     num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
+target = dj.Target(cfg, init_params(cfg, 0))
+dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=16, mask_token_id=1)
+drafter = dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 1))
+seconds.clear()
+dj.generate(target, drafter, [[5, 6, 7, 8] * 4] * 4, 40)
+keys = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
+print("RESULT " + " ".join(f"{{seconds[k]:.2f}}" for k in keys))
+"""
 
-def main():
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    print(f"{'setting':<32} {'compile s':>9} {'run s':>6}")
+
+def _child(code, env):
+    """(RESULT fields, None) or (None, why) for `code` run in a fresh process."""
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        return None, "unknown flag" if "Unknown flag" in proc.stderr else "failed"
+    return lines[-1].split()[1:], None
+
+
+def _suite_env():
+    """This environment with the test suite's compiler settings (tests/conftest.py)."""
+    env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+    env.update(JAX_PLATFORMS="cpu", JAX_DISABLE_MOST_OPTIMIZATIONS="1", XLA_FLAGS=FUSION_OFF)
+    probe = "import jax.numpy as jnp; (jnp.zeros(2) + 1).block_until_ready()"
+    if subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True).returncode:
+        env.pop("XLA_FLAGS")  # a jaxlib whose XLA no longer knows the flag
+    return env
+
+
+def settings(root):
+    print(f"{'setting':<34} {'compile s':>9} {'run s':>6}")
+    runs = []
     for name, extra in SETTINGS.items():
         env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS",)}
         env.pop("JAX_DISABLE_MOST_OPTIMIZATIONS", None)
         env.update(JAX_PLATFORMS="cpu", **extra)
-        proc = subprocess.run(
-            [sys.executable, "-c", CHILD.format(root=root)],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not lines:
-            unknown = "Unknown flag" in proc.stderr
-            print(f"{name:<32} {'unknown flag' if unknown else 'failed':>9}")
+        runs.append((name, env))
+    suite = _suite_env()
+    for name, extra in ON_TOP.items():
+        env = dict(suite)
+        flags_ = (env.get("XLA_FLAGS", "") + " " + extra.get("XLA_FLAGS", "")).strip()
+        env.update({k: v for k, v in extra.items() if k != "XLA_FLAGS"}, XLA_FLAGS=flags_)
+        runs.append((name, env))
+    for name, env in runs:
+        fields, why = _child(CHILD.format(root=root), env)
+        if why:
+            print(f"{name:<34} {why:>9}")
             continue
-        compile_s, run_s = lines[-1].split()[1:]
-        print(f"{name:<32} {compile_s:>9} {run_s:>6}")
+        print(f"{name:<34} {fields[0]:>9} {fields[1]:>6}")
+
+
+def depths(layers):
+    env = _suite_env()
+    print(f"{'target layers':>13} {'trace s':>8} {'lower s':>8} {'compile s':>9}")
+    points = []
+    for depth in layers:
+        fields, why = _child(DEPTH_CHILD.format(depth=depth), env)
+        if why:
+            print(f"{depth:>13} {why:>8}")
+            continue
+        print(f"{depth:>13} {fields[0]:>8} {fields[1]:>8} {fields[2]:>9}")
+        points.append((depth, float(fields[2])))
+    if len(points) >= 2:
+        slope, intercept = np.polyfit(*zip(*points), 1)
+        print(f"backend compile: {slope:.3f} s per target layer + {intercept:.2f} s")
+
+
+def main(argv):
+    if len(argv) > 1:
+        raise app.UsageError(f"unexpected arguments: {' '.join(argv[1:])}")
+    try:
+        layers = [int(x) for x in FLAGS.layers]
+    except ValueError:
+        raise app.UsageError(f"--layers takes whole numbers, got {','.join(FLAGS.layers)}")
+    if any(d < 3 for d in layers):
+        raise app.UsageError(f"--layers: at least 3 (the drafter taps 3 layers), got {layers}")
+    if layers:
+        depths(layers)
+    else:
+        settings(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 if __name__ == "__main__":
-    main()
+    app.run(main)

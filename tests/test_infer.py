@@ -356,6 +356,22 @@ def test_op_costs_script_times_the_token_choosers():
 
 
 @pytest.mark.once
+def test_compile_flags_script_refuses_a_bad_depth_before_any_compile():
+    """`benchmarks/compile_flags.py --layers` (compile seconds per target depth): a depth the
+    drafter's 3 taps do not fit, or not a number, is refused in one line, nothing compiled."""
+    script = os.path.join(ROOT, "benchmarks", "compile_flags.py")
+    for value, message in (("2", "--layers: at least 3"), ("4,x", "whole numbers, got 4,x")):
+        bad = subprocess.run(
+            [sys.executable, script, f"--layers={value}"],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
+        assert bad.returncode != 0 and message in bad.stderr and not bad.stdout, bad.stderr
+
+
+@pytest.mark.once
 def test_repetition_script_compares_greedy_completions_with_the_real_continuation(tmp_path):
     """benchmarks/repetition.py: the real continuation of a looping file scores low, a varied
     one high; the bundled target's completions are scored per prompt cut."""
