@@ -51,6 +51,7 @@ from dflash_jax.decoding import drafting
 from dflash_jax.decoding.drafting import Proposal
 from dflash_jax.decoding.tree import accept_path
 from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
+from dflash_jax.drafters.draft_vocab import full_logits
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.verifier import new_cache
 from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
@@ -191,13 +192,26 @@ class Decoder:
     def lm_logits(self, hidden):
         return self.tmod.apply({"params": self.tparams}, hidden, method="logits")
 
+    @property
+    def draft_vocab(self):
+        """A DFlash drafter's draft vocabulary (int32 [K]) when its parameters carry one."""
+        d = self.dparams
+        return d.get("draft_vocab") if isinstance(d, dict) else None
+
+    @property
+    def dvars(self):
+        """The DFlash drafter's variables for `dmod.apply` (its parameters, without the draft
+        vocabulary)."""
+        d = self.dparams
+        if isinstance(d, dict) and "draft_vocab" in d:
+            d = {k: v for k, v in d.items() if k != "draft_vocab"}
+        return {"params": d}
+
     def write_context(self, ctx: KVCache, taps, positions, lengths, starts=None) -> KVCache:
         """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`; with
         `starts` [B] (positions = starts[b] + arange(T)) through `attention.write_block` (the
         Pallas DMA kernel under a TPU Pallas attention implementation)."""
-        ck, cv = self.dmod.apply(
-            {"params": self.dparams}, taps, positions, method=DFlashDrafter.context_kv
-        )
+        ck, cv = self.dmod.apply(self.dvars, taps, positions, method=DFlashDrafter.context_kv)
         if self.dmod.cfg.context_window is not None:
             # A ring (every layer slides): position j in slot j % slots, written only when it
             # is among the last `slots` committed positions (so no write lands on a slot that a
@@ -224,10 +238,16 @@ class Decoder:
         positions = start[:, None] + jnp.arange(self.plan.block_size, dtype=jnp.int32)[None]
         attend = decode_attend(ctx.lengths, self.plan.attention_impl)
         block = jnp.concatenate([x_last[:, None], tokens], axis=1)
-        hidden = self.dmod.apply(
-            {"params": self.dparams}, self.embed(block), positions, ctx.k, ctx.v, attend
-        )
-        logits = drafter_logits(self.dmod.cfg, self.lm_logits(hidden[:, 1:]))
+        hidden = self.dmod.apply(self.dvars, self.embed(block), positions, ctx.k, ctx.v, attend)
+        vocab = self.draft_vocab
+        if vocab is None:
+            logits = drafter_logits(self.dmod.cfg, self.lm_logits(hidden[:, 1:]))
+        else:  # the head's draft-vocabulary rows only, -inf elsewhere (`drafters.draft_vocab`)
+            logits = drafter_logits(
+                self.dmod.cfg,
+                self.tmod.apply({"params": self.tparams}, hidden[:, 1:], vocab, method="logits"),
+            )
+            logits = full_logits(logits, vocab, self.tmod.cfg.vocab_size)
         return (logits, hidden[:, 1:]) if with_hidden else logits
 
     def select_block(self, ctx: KVCache, x_last, start, key=None):
@@ -240,7 +260,7 @@ class Decoder:
         masks = jnp.full((b, self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32)
         logits, hidden = self.draft_logits(ctx, x_last, masks, start, with_hidden=True)
         tokens, cand, q = self.dmod.apply(
-            {"params": self.dparams},
+            self.dvars,
             hidden,
             logits,
             x_last,

@@ -24,7 +24,9 @@ from typing import Callable, Optional, Sequence, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from dflash_jax.drafters import draft_vocab as dv
 from dflash_jax.drafters.dflash2 import (
     CandidateSelector,
     GroupedDynamicCausalConv,
@@ -608,13 +610,25 @@ def silence_selector(params):
 
 @dataclasses.dataclass(eq=False)
 class Drafter:
+    """A loaded DFlash (or DFlash 2) drafter. `draft_vocab` (int32 [K], optional): the target
+    ids its head is restricted to when drafting (`drafters.draft_vocab`)."""
+
     config: DrafterConfig
     params: dict
     path: Optional[str] = None
+    draft_vocab: Optional[np.ndarray] = None
 
     @property
     def module(self) -> DFlashDrafter:
         return DFlashDrafter(self.config)
+
+    @property
+    def decode_params(self) -> dict:
+        """What the decode programs take (`Decoder.dparams`): the parameters, and the draft
+        vocabulary under `draft_vocab` when it has one."""
+        if self.draft_vocab is None:
+            return self.params
+        return dict(self.params, draft_vocab=jnp.asarray(self.draft_vocab, jnp.int32))
 
 
 def make_drafter_config(
@@ -719,13 +733,19 @@ def read_drafter_config(
 
 
 def load_drafter(
-    path: str, target=None, dtype: Optional[str] = None, param_dtype: Optional[str] = None
+    path: str,
+    target=None,
+    dtype: Optional[str] = None,
+    param_dtype: Optional[str] = None,
+    draft_vocab: bool = True,
 ) -> Drafter:
     """Loads a z-lab DFlash drafter directory (config.json + safetensors), or hub id
     (`z-lab/Qwen3-8B-DFlash-b16`, fetched into the Hugging Face cache by `dflash_jax.models.hub`).
 
     With `target`, checks that the pair fits (taps, widths, vocabulary, mask token) and
-    defaults the compute dtype to the target's.
+    defaults the compute dtype to the target's. A drafter saved with a draft vocabulary (a
+    `draft_vocab` tensor, `drafters.draft_vocab`) drafts over it unless `draft_vocab=False`
+    (then over the full vocabulary, as loaders that do not know the tensor do).
     """
     path = hub.local_path(str(path), what="drafter")
     if dtype is None:
@@ -734,8 +754,36 @@ def load_drafter(
         path, target.config if target is not None else None, dtype=dtype, param_dtype=param_dtype
     )
     abstract = jax.eval_shape(lambda: init_drafter_params(cfg))
-    params = checkpoint.load_params(path, abstract, prefix="", param_dtype=cfg.body.param_dtype)
-    return Drafter(config=cfg, params=params, path=path)
+    params = checkpoint.load_params(
+        path,
+        abstract,
+        prefix="",
+        param_dtype=cfg.body.param_dtype,
+        optional=lambda name: name == dv.TENSOR,
+    )
+    vocab = _read_draft_vocab(path, cfg) if draft_vocab else None
+    return Drafter(config=cfg, params=params, path=path, draft_vocab=vocab)
+
+
+def _read_draft_vocab(path: str, cfg: DrafterConfig):
+    """The checked `draft_vocab` tensor of a drafter directory, or None when it has none."""
+    from dflash_jax.models.safetensors_io import SafetensorsDir
+
+    with open(os.path.join(path, "config.json")) as f:
+        size = json.load(f).get("draft_vocab_size")
+    store = SafetensorsDir(path)
+    try:
+        if dv.TENSOR not in store.names():
+            if size:
+                raise CheckpointError(
+                    f"{path}: config.json says draft_vocab_size {size} but no "
+                    f"{dv.TENSOR!r} tensor is stored"
+                )
+            return None
+        arr = store.get(dv.TENSOR)
+    finally:
+        store.close()
+    return dv.check(arr, cfg.body.vocab_size, f"{path}: {dv.TENSOR}", size)
 
 
 def save_drafter(drafter: Drafter, path: str, dtype: Optional[str] = None) -> None:
@@ -746,6 +794,11 @@ def save_drafter(drafter: Drafter, path: str, dtype: Optional[str] = None) -> No
     tensors = checkpoint.params_to_hf(drafter.params, prefix="", dtype=dtype)
     from dflash_jax.models.safetensors_io import save_sharded
 
+    hf = drafter.config.to_hf(torch_dtype=checkpoint.dtype_name(dtype))
+    if drafter.draft_vocab is not None:  # beside the z-lab tensors: `drafters.draft_vocab`
+        vocab = dv.check(drafter.draft_vocab, drafter.config.body.vocab_size)
+        tensors[dv.TENSOR] = vocab
+        hf["draft_vocab_size"] = int(vocab.shape[0])
     save_sharded(path, tensors)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(drafter.config.to_hf(torch_dtype=checkpoint.dtype_name(dtype)), f, indent=2)
+        json.dump(hf, f, indent=2)

@@ -240,10 +240,12 @@ class Transformer(nn.Module):
     def embed(self, input_ids_BT):
         return self.embed_tokens(input_ids_BT)
 
-    def logits(self, hidden_BTH):
-        """Float32 logits [B,T,V] from final-normed hidden states."""
+    def logits(self, hidden_BTH, rows=None):
+        """Float32 logits [B,T,V] from final-normed hidden states; with `rows` (int [K]) only
+        those rows of the head, [B,T,K] (a drafter's draft vocabulary)."""
         if self.cfg.tie_word_embeddings:
-            w = self.embed_tokens.embedding.astype(self.cfg.dtype)
+            w = self.embed_tokens.embedding
+            w = (w if rows is None else jnp.take(w, rows, axis=0)).astype(self.cfg.dtype)
             return jnp.einsum(
                 "bth,vh->btv",
                 hidden_BTH.astype(self.cfg.dtype),
@@ -251,12 +253,16 @@ class Transformer(nn.Module):
                 preferred_element_type=jnp.float32,
             )
         head = self.lm_head.variables["params"]
-        w = head["kernel"].astype(self.cfg.dtype)  # an int8 head: converted inside the dot
+        w = head["kernel"]
+        if rows is not None:
+            w = jnp.take(w, rows, axis=1)
+        w = w.astype(self.cfg.dtype)  # an int8 head: converted inside the dot
         out = jnp.einsum(
             "bth,hv->btv", hidden_BTH.astype(self.cfg.dtype), w, preferred_element_type=jnp.float32
         )
         if "kernel_scale" in head:  # an int8 head: its float32 dot times the per-column scale
-            out = out * head["kernel_scale"]
+            scale = head["kernel_scale"]
+            out = out * (scale if rows is None else jnp.take(scale, rows, axis=-1))
         return out
 
     def __call__(
