@@ -30,15 +30,46 @@ first compile that fell in it), summed over the windows. (Before 2026-12-04 a wi
 leave out a wait on the device inside the previous log line, overstating the rate; the
 SmolLM2 DFlash stage 1 sums to 26.4 minutes for 80 steps against its wall clock's 27 for 82,
 so its logs did not.)
+
+The ledger (`--ledger`): every drafter training run of a project in one JSON file, e.g.
+benchmarks/results/smollm2/ledger.json, drawn as one figure and one table, so that the CPU
+each run cost sits beside the tau it bought:
+
+  python benchmarks/plot_learning_curve.py --ledger=benchmarks/results/smollm2/ledger.json \
+      --project=2.5,3 --out=benchmarks/results/smollm2/ledger.png \
+      --json_out=benchmarks/results/smollm2/ledger_curve.json \
+      --table_out=benchmarks/results/smollm2/ledger.md
+
+The file is a list of runs, or an object whose "runs" is that list (its other keys are notes).
+A run: `name`, `label`, `drafter_kind` (dflash, dflash2, eagle3, ...: one colour family per
+kind), `metrics` (the trainer's metrics.jsonl, relative to the repository root),
+`tokens_per_step`, `command` (what ran it), `status` ("shipped", "superseded", "lost": a losing
+variant, drawn dashed); optional: `continues` (the name of an earlier run this one started
+from: its end gives `start_tokens` and `start_cpu_hours`, which, when also written, must agree
+with it), else `start_tokens` / `start_cpu_hours` (default 0: what the run stands on, e.g. a
+from-scratch run's reused data), `data_cpu_hours` (data generation first used by this run,
+default 0), `steps` (the steps trained when the log stops short of them: the hours are then
+extrapolated at the run's own rate), `x_hours_field` (a record field holding the seconds since
+the run began), `train_cpu_hours` (used only when the metrics have no clock: neither that
+field nor `tokens_per_s`; spread linearly over the steps), `main_line` (true on the runs whose
+in-loop tau `--project` fits), `notes`. CPU-hours are wall hours of the machine the ledger
+names. A run's points sit at cumulative CPU-hours start + data + its training hours so far
+(left), and at cumulative training tokens start + steps x tokens_per_step (right); with
+`--project` a power law tau - 1 = c * x^alpha is fitted to the main line against each, and the
+hours (and tokens) at which it would reach each target tau are written to the JSON and table.
+Bad input (a missing ledger or metrics file, a missing key, a start that disagrees with the run
+it continues) is one line, `error: ...`, exit status 2, before anything is written.
 """
 
 import json
 import os
+import sys
 
 import numpy as np
 from absl import app, flags
 
 FLAGS = flags.FLAGS
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def _define_flags():
@@ -58,8 +89,16 @@ def _define_flags():
     flags.DEFINE_string("title", "SmolLM2-135M-Instruct drafter", "Figure title.")
     flags.DEFINE_string("out", None, "PNG to write.")
     flags.DEFINE_list(
-        "project", None, "Target taus to project the first drafter's power-law fit to."
+        "project",
+        None,
+        "Target taus to project the first drafter's (with --ledger: the main line's) "
+        "power-law fit to.",
     )
+    flags.DEFINE_string(
+        "ledger", None, "A ledger of runs (JSON, module doc): draws all of them, not --runs."
+    )
+    flags.DEFINE_string("json_out", None, "The points as JSON (default: --out with .json).")
+    flags.DEFINE_string("table_out", None, "With --ledger: the table as markdown.")
 
 
 def read_runs(paths, tokens_per_step, groups=None):
@@ -120,15 +159,414 @@ def project(evals, targets, hours=None):
     return out
 
 
-def main(argv):
-    del argv
+# The ledger (module doc). Keys every run must have; statuses drawn dashed (losing variants).
+LEDGER_KEYS = ("name", "label", "drafter_kind", "metrics", "tokens_per_step", "command", "status")
+LOSING = ("lost",)
+# Tolerance of a written start_cpu_hours against the end of the run it continues (18 s).
+START_HOURS_TOL = 0.005
+
+
+def _read_clocked(path, tokens_per_step, hours_field=None):
+    """One metrics file: (evals {step: (hours or None, loss, tau)}, last step, hours at the
+    last step or None, the clock's name or None). Hours: `hours_field` (seconds since the run
+    began) where given, else the trainer's clock (summed windows of tokens_per_s, as
+    `read_runs`); None where the file has neither. An eval record takes the hours of the record
+    before it (or its own field); a step evaluated twice keeps its last record."""
+    evals, last, hours, prev, clock, field_h = {}, 0, 0.0, 0, None, None
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+                step = int(r["step"])
+            except (ValueError, KeyError, TypeError):
+                raise ValueError(f"{path}:{n}: not a metrics record with a step") from None
+            last = max(last, step)
+            if hours_field:
+                if r.get(hours_field) is not None:
+                    field_h, clock = float(r[hours_field]) / 3600.0, f"{hours_field} (seconds)"
+            elif r.get("split") == "train" and "loss" in r:
+                rate = float(r.get("tokens_per_s") or 0.0)
+                if rate > 0 and step > prev:
+                    hours += (step - prev) * tokens_per_step / rate / 3600.0
+                    clock = "trainer clock (tokens_per_s windows)"
+                prev = max(prev, step)
+            if r.get("split") == "eval" and "tau" in r:
+                now = (field_h or 0.0) if hours_field else hours
+                evals[step] = (now, float(r.get("loss", "nan")), float(r["tau"]))
+    if clock is None:
+        return {s: (None, l, u) for s, (_, l, u) in evals.items()}, last, None, None
+    return evals, last, (field_h if hours_field else hours), clock
+
+
+def read_ledger(path, root=ROOT):
+    """The ledger at `path` read and checked: (its notes: the top-level keys but "runs", [run]),
+    each run its entry plus steps, start_tokens, end_tokens, start_cpu_hours, data_cpu_hours,
+    train_cpu_hours, end_cpu_hours (cumulative: start + data + training), hours_source,
+    last_tau, best_tau, `evals` [dict(step, tokens, cpu_hours, loss, tau)] (cumulative
+    tokens and hours) and `origin` (the continued run's last eval point, or None). Raises
+    ValueError (one line) on any bad input, before anything is drawn."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except FileNotFoundError:
+        raise ValueError(f"ledger {path} not found") from None
+    except json.JSONDecodeError as e:
+        raise ValueError(f"ledger {path} is not JSON: {e}") from None
+    meta, entries = ({}, data) if isinstance(data, list) else (dict(data), data.get("runs"))
+    meta.pop("runs", None)
+    if not isinstance(entries, list) or not entries:
+        raise ValueError(f'ledger {path}: no runs (a list of runs, or {{"runs": [...]}})')
+    runs, by_name = [], {}
+    for i, e in enumerate(entries):
+        if not isinstance(e, dict):
+            raise ValueError(f"ledger {path}, run {i + 1}: not an object")
+        who = f"ledger {path}, run {i + 1} ({e.get('name', 'no name')})"
+        missing = [k for k in LEDGER_KEYS if k not in e]
+        if missing:
+            raise ValueError(f"{who}: missing key(s) {', '.join(missing)}")
+        if e["name"] in by_name:
+            raise ValueError(f"{who}: a second run named {e['name']!r}")
+        if not isinstance(e["metrics"], str):
+            raise ValueError(f"{who}: metrics is {e['metrics']!r}, not a path")
+        metrics = os.path.join(root, e["metrics"])  # an absolute path stays itself
+        if not os.path.isfile(metrics):
+            raise ValueError(f"{who}: metrics file {e['metrics']} not found")
+        try:
+            tps = int(e["tokens_per_step"])
+            data_h = float(e.get("data_cpu_hours", 0.0))
+            evals, last, last_h, clock = _read_clocked(metrics, tps, e.get("x_hours_field"))
+            steps = int(e.get("steps", last))
+            train_cpu_h = e.get("train_cpu_hours")
+            train_cpu_h = None if train_cpu_h is None else float(train_cpu_h)
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"{who}: {err}") from None
+        if last <= 0:
+            raise ValueError(f"{who}: its metrics file {e['metrics']} logs no step")
+        if steps < last:
+            raise ValueError(f"{who}: steps {steps}, but its metrics log step {last}")
+        if clock is None:
+            if train_cpu_h is None:
+                raise ValueError(
+                    f"{who}: its metrics have no clock (no tokens_per_s"
+                    + (f", no {e['x_hours_field']}" if e.get("x_hours_field") else "")
+                    + "): give train_cpu_hours"
+                )
+            train_h = train_cpu_h
+            evals = {s: (train_h * s / steps, l, u) for s, (_, l, u) in evals.items()}
+            source = "ledger train_cpu_hours, linear in steps"
+        else:
+            # steps trained past the last log line: at the run's own mean rate
+            train_h = last_h * steps / last
+            source = clock + (f", extrapolated from step {last}" if steps > last else "")
+        origin = None
+        if e.get("continues") is not None:
+            prev = by_name.get(e["continues"])
+            if prev is None:
+                raise ValueError(f"{who}: continues {e['continues']!r}, not an earlier run")
+            start_t, start_h = prev["end_tokens"], prev["end_cpu_hours"]
+            for key, have, tol in (
+                ("start_tokens", start_t, 0),
+                ("start_cpu_hours", start_h, START_HOURS_TOL),
+            ):
+                if key in e and abs(float(e[key]) - have) > tol:
+                    raise ValueError(
+                        f"{who}: {key} {e[key]}, but {prev['name']}, which it continues, "
+                        f"ends at {have:.4g}: fix one (or drop {key})"
+                    )
+            if prev["evals"]:
+                origin = prev["evals"][-1]
+        else:
+            start_t = int(e.get("start_tokens", 0))
+            start_h = float(e.get("start_cpu_hours", 0.0))
+        points = [
+            dict(
+                step=s,
+                tokens=start_t + s * tps,
+                cpu_hours=start_h + data_h + h,
+                loss=l,
+                tau=u,
+            )
+            for s, (h, l, u) in sorted(evals.items())
+        ]
+        run = dict(
+            e,
+            steps=steps,
+            tokens=steps * tps,
+            start_tokens=start_t,
+            end_tokens=start_t + steps * tps,
+            start_cpu_hours=start_h,
+            data_cpu_hours=data_h,
+            train_cpu_hours=train_h,
+            end_cpu_hours=start_h + data_h + train_h,
+            hours_source=source,
+            last_tau=points[-1]["tau"] if points else None,
+            best_tau=max(p["tau"] for p in points) if points else None,
+            evals=points,
+            origin=origin,
+        )
+        runs.append(run)
+        by_name[e["name"]] = run
+    return meta, runs
+
+
+def project_ledger(runs, targets):
+    """The power law tau - 1 = c * x^alpha fitted to the in-loop tau of the runs marked
+    `main_line`, once against cumulative CPU-hours and once against cumulative training tokens
+    (`project`), with the x at which each fit reaches each target; the tokens fit also gives
+    the hours at the main line's mean cumulative CPU-hours per token."""
+    main = [r for r in runs if r.get("main_line")]
+    if not main:
+        raise ValueError("no run of the ledger has main_line: true: nothing to fit")
+    pts = [p for r in main for p in r["evals"]]
+    end = main[-1]
+    per_token = end["end_cpu_hours"] / end["end_tokens"] if end["end_tokens"] else None
+    by_tokens = project(
+        [(p["tokens"], p["cpu_hours"], p["loss"], p["tau"]) for p in pts], targets, per_token
+    )
+    by_hours = project([(p["cpu_hours"], 0.0, p["loss"], p["tau"]) for p in pts], targets)
+    by_hours["targets"] = {
+        t: {"cpu_hours": row["tokens"]} for t, row in by_hours["targets"].items()
+    }
+    for row in by_tokens["targets"].values():
+        if "hours" in row:
+            row["cpu_hours"] = row.pop("hours")
+    return {
+        "runs": [r["name"] for r in main],
+        "against_cpu_hours": by_hours,
+        "against_tokens": by_tokens,
+        "now": {"cpu_hours": end["end_cpu_hours"], "tokens": end["end_tokens"]},
+    }
+
+
+def _f(x, fmt):
+    return "-" if x is None else format(x, fmt)
+
+
+def ledger_table(runs, meta=None, projection=None):
+    """The ledger as a markdown table (one row per run), its totals and the projection."""
+    rows = [
+        "| run | kind | steps | tokens (M) | cum. tokens (M) | data h | train h | cum. h "
+        "| last tau | best tau | status |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in runs:
+        rows.append(
+            f"| {r['label']} | {r['drafter_kind']} | {r['steps']} | {r['tokens'] / 1e6:.2f} "
+            f"| {r['end_tokens'] / 1e6:.2f} | {r['data_cpu_hours']:.2f} "
+            f"| {r['train_cpu_hours']:.2f} | {r['end_cpu_hours']:.2f} "
+            f"| {_f(r['last_tau'], '.3f')} | {_f(r['best_tau'], '.3f')} | {r['status']} |"
+        )
+    data = sum(r["data_cpu_hours"] for r in runs)
+    train = sum(r["train_cpu_hours"] for r in runs)
+    out = rows + [
+        "",
+        "CPU-hours (h): "
+        + ((meta or {}).get("cpu_hours") or "wall hours of the machine that ran them").rstrip(".")
+        + ". cum. h = start (what the run continued from) + data + train: the x of its last "
+        "point; cum. tokens likewise.",
+        "",
+        f"Spent over the ledger: {data + train:.2f} h ({data:.2f} h data generation, "
+        f"{train:.2f} h training, {len(runs)} runs).",
+    ]
+    for u in (meta or {}).get("unattributed_data", []):
+        out.append(f"Not yet attributed to a run: {u.get('what')}, {u.get('cpu_hours')} h.")
+    if projection:
+        h, t, now = projection["against_cpu_hours"], projection["against_tokens"], projection["now"]
+        out += [
+            "",
+            f"Extrapolated (a fit, not a measurement) over the in-loop tau of "
+            f"{', '.join(projection['runs'])}, now at {now['cpu_hours']:.2f} h and "
+            f"{now['tokens'] / 1e6:.2f}M tokens: tau - 1 = {h['c']:.3g} x hours^{h['alpha']:.2f}"
+            f" and = {t['c']:.3g} x tokens^{t['alpha']:.2f} ({h['points']} points).",
+            "",
+            "| target tau | CPU-hours (hours fit) | tokens (tokens fit) | CPU-hours at the "
+            "line's mean h/token |",
+            "|---|---|---|---|",
+        ]
+        for target in h["targets"]:
+            th, tt = h["targets"][target], t["targets"][target]
+            out.append(
+                f"| {target} | {th['cpu_hours']:,.0f} | {tt['tokens'] / 1e6:,.0f}M "
+                f"| {_f(tt.get('cpu_hours'), ',.0f')} |"
+            )
+    return "\n".join(out) + "\n"
+
+
+def _ledger_colors(runs, plt):
+    """A colour per run: a family per drafter kind, a shade per run of the kind in order."""
+    families = {"dflash": "Blues", "dflash2": "Greens", "eagle3": "Oranges"}
+    spare = iter(["Purples", "Reds", "Greys", "YlOrBr"] * 4)
+    kinds = {}
+    for r in runs:
+        kinds.setdefault(r["drafter_kind"], []).append(r["name"])
+    for k in kinds:
+        if k not in families:
+            families[k] = next(spare)
+    out = {}
+    for k, names in kinds.items():
+        for i, name in enumerate(names):
+            shade = 0.75 if len(names) == 1 else 0.45 + 0.5 * i / (len(names) - 1)
+            out[name] = plt.get_cmap(families[k])(shade)
+    return out
+
+
+def _main_ledger():
+    if FLAGS.runs or FLAGS.groups or FLAGS.labels:
+        raise app.UsageError("--ledger draws the ledger's runs: leave out --runs/--groups/--labels")
+    if not FLAGS.out:
+        raise app.UsageError("--out is required")
+    meta, runs = read_ledger(FLAGS.ledger)
+    projection = None
+    if FLAGS.project:
+        try:
+            targets = [float(t) for t in FLAGS.project]
+        except ValueError:
+            raise app.UsageError(f"--project takes taus, got {FLAGS.project}") from None
+        try:
+            projection = project_ledger(runs, targets)
+        except ValueError as e:
+            raise app.UsageError(f"--project: {e}") from None
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from matplotlib.lines import Line2D
+
+    colors = _ledger_colors(runs, plt)
+    handles, labels = [], []  # the legend: a line per run, in its style
+    nrow = 2 if projection else 1
+    fig, axes = plt.subplots(nrow, 2, figsize=(16, 4.6 * nrow), squeeze=False)
+    ax_h, ax_t = axes[0]
+    spans = sorted(
+        {(r["start_cpu_hours"], r["data_cpu_hours"]) for r in runs if r["data_cpu_hours"] > 0}
+    )
+    for j, (x0, w) in enumerate(spans):
+        ax_h.axvspan(
+            x0, x0 + w, color="grey", alpha=0.12, lw=0, label=None if j else "data generation"
+        )
+    for r in runs:
+        pts = ([r["origin"]] if r["origin"] else []) + r["evals"]
+        if not pts:
+            continue
+        style = "--" if r["status"] in LOSING else "-"
+        kw = dict(color=colors[r["name"]], ls=style, lw=1.6)
+        label = f"{r['label']} [{r['status']}]"
+        ax_h.plot([p["cpu_hours"] for p in pts], [p["tau"] for p in pts], **kw)
+        ax_t.plot([p["tokens"] / 1e6 for p in pts], [p["tau"] for p in pts], **kw)
+        for ax, key, scale in ((ax_h, "cpu_hours", 1), (ax_t, "tokens", 1e6)):
+            ev = r["evals"]
+            ax.plot(
+                [p[key] / scale for p in ev],
+                [p["tau"] for p in ev],
+                "o",
+                ms=4,
+                color=colors[r["name"]],
+                mfc="white" if r["status"] in LOSING else colors[r["name"]],
+            )
+        handles.append(
+            Line2D([], [], marker="o", ms=4, **kw, mfc="white" if style == "--" else kw["color"])
+        )
+        labels.append(label)
+        # the run's end (its CPU spent), where its last eval stops short of it
+        ax_h.plot([r["end_cpu_hours"]], [pts[-1]["tau"]], "|", ms=9, color=colors[r["name"]])
+    ax_h.set(
+        xlabel="cumulative CPU-hours (data generation + training; | marks a run's end)",
+        ylabel="in-loop tau (held-out, greedy)",
+    )
+    ax_t.set(xlabel="cumulative training tokens (M)", ylabel="in-loop tau (held-out, greedy)")
+    for ax in (ax_h, ax_t):
+        ax.axhline(1.0, color="grey", lw=0.5)
+        ax.grid(alpha=0.3)
+    span = ax_h.get_legend_handles_labels()  # the data-generation band, if any
+    handles, labels = span[0] + handles, span[1] + labels
+    ax_t.legend(handles, labels, fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
+    if projection:
+        main = [p for r in runs if r.get("main_line") for p in r["evals"]]
+        for ax, key, scale, fit, unit in (
+            (axes[1][0], "cpu_hours", 1, projection["against_cpu_hours"], "h"),
+            (axes[1][1], "tokens", 1e6, projection["against_tokens"], "M tokens"),
+        ):
+            xs = np.array([p[key] for p in main], float)
+            ax.plot(xs / scale, [p["tau"] - 1.0 for p in main], "o", color="C0", ms=4)
+            c, a = fit["c"], fit["alpha"]
+            tkey = "cpu_hours" if key == "cpu_hours" else "tokens"
+            far = max(row[tkey] for row in fit["targets"].values())
+            grid = np.geomspace(xs[xs > 0].min(), max(far, xs.max()), 100)
+            ax.set_xlim(xs[xs > 0].min() / 1.5 / scale, max(far, xs.max()) * 1.5 / scale)
+            ax.plot(grid / scale, c * grid**a, "--", color="C0", label=f"tau-1 = {c:.2g} x^{a:.2f}")
+            for target, row in fit["targets"].items():
+                y = float(target) - 1.0
+                ax.axhline(y, color="grey", lw=0.6, ls=":")
+                ax.plot([row[tkey] / scale], [y], "x", color="black")
+                ax.annotate(
+                    f"tau {target}: {row[tkey] / scale:,.0f} {unit}",
+                    (row[tkey] / scale, y),
+                    fontsize=7,
+                    ha="right",
+                    va="bottom",
+                )
+            ax.set(
+                xscale="log",
+                yscale="log",
+                ylabel="tau - 1 (main line)",
+                xlabel=("cumulative CPU-hours, log" if key == "cpu_hours" else "tokens (M), log"),
+                title="extrapolated (a fit, not a measurement)",
+            )
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=8)
+    fig.suptitle(f"{FLAGS.title}: every training run, tau against what it cost")
+    fig.tight_layout()
+    json_out = FLAGS.json_out or os.path.splitext(FLAGS.out)[0] + ".json"
+    for path in (FLAGS.out, json_out, FLAGS.table_out):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(FLAGS.out, dpi=110)
+    table = ledger_table(runs, meta, projection)
+    if FLAGS.table_out:
+        with open(FLAGS.table_out, "w") as f:
+            f.write(table)
+    from dflash_jax.support import provenance
+
+    keep = [
+        "name", "label", "drafter_kind", "status", "continues", "main_line", "steps", "tokens",
+        "start_tokens", "end_tokens", "start_cpu_hours", "data_cpu_hours", "train_cpu_hours",
+        "end_cpu_hours", "hours_source", "last_tau", "best_tau", "evals",
+    ]  # fmt: skip
+    with open(json_out, "w") as f:
+        json.dump(
+            {
+                "ledger": FLAGS.ledger,
+                "cpu_hours": meta.get("cpu_hours"),
+                "runs": [{k: r[k] for k in keep if k in r} for r in runs],
+                "totals": {
+                    "data_cpu_hours": sum(r["data_cpu_hours"] for r in runs),
+                    "train_cpu_hours": sum(r["train_cpu_hours"] for r in runs),
+                },
+                "projection": projection,
+                "table": table,
+                **provenance.record(),
+            },
+            f,
+            indent=1,
+        )
+    sys.stdout.write(table)
+    print(f"wrote {FLAGS.out}, {json_out}" + (f", {FLAGS.table_out}" if FLAGS.table_out else ""))
+
+
+def main(argv):
+    del argv
+    import matplotlib
+
+    if FLAGS.ledger:
+        return _main_ledger()
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     if not FLAGS.runs or not FLAGS.out:
-        raise app.UsageError("--runs and --out are required")
+        raise app.UsageError("--runs (or --ledger) and --out are required")
     labels = FLAGS.labels or [os.path.basename(p) for p in FLAGS.runs]
     if len(labels) != len(FLAGS.runs):
         raise app.UsageError("--labels needs one label per run")
@@ -223,7 +661,7 @@ def main(argv):
     }
     from dflash_jax.support import provenance
 
-    with open(os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
+    with open(FLAGS.json_out or os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
         json.dump(
             {
                 "tokens_per_step": FLAGS.tokens_per_step,
@@ -239,5 +677,8 @@ def main(argv):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, ROOT)  # dflash_jax from this checkout
+    from dflash_jax.support import cli
+
     _define_flags()
-    app.run(main)
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

@@ -4,9 +4,11 @@ comparison of issue 43)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 from benchmarks import plot_learning_curve as plc
@@ -140,3 +142,131 @@ def test_projection_recovers_a_power_law_and_refuses_a_flat_curve(tmp_path):
     assert proj["targets"]["3.0"]["tokens"] == pytest.approx(1e6)
     # 100 steps x 100 tokens in 100 s: 1e6 tokens are 1e4 s
     assert proj["targets"]["3.0"]["hours"] == pytest.approx(1e4 / 3600)
+
+
+# The ledger (--ledger): every run of a project on cumulative CPU-hours (start + data +
+# training) and cumulative training tokens, with a table.
+
+
+def _ledger_file(tmp_path, files, edit=None):
+    a1, a2, b1 = files
+    # a run whose metrics have no clock (no tokens_per_s): the ledger gives its hours
+    c1 = _write(
+        tmp_path / "c1.jsonl",
+        [
+            {"split": "train", "step": 5, "loss": 7.0},
+            {"split": "eval", "step": 5, "loss": 7.5, "tau": 1.02},
+        ],
+    )
+    common = dict(tokens_per_step=TOKENS, command="python train.py ...")
+    runs = [
+        dict(common, name="a1", label="a 1", drafter_kind="dflash", metrics=a1,
+             data_cpu_hours=0.5, status="superseded", main_line=True),
+        dict(common, name="a2", label="a 2", drafter_kind="dflash", metrics=a2, continues="a1",
+             data_cpu_hours=0.25, steps=3, status="shipped", main_line=True),
+        dict(common, name="b1", label="b", drafter_kind="eagle3", metrics=b1, start_tokens=0,
+             start_cpu_hours=0.5, status="shipped"),
+        dict(common, name="c1", label="c", drafter_kind="dflash", metrics=c1, steps=10,
+             start_cpu_hours=0.5, train_cpu_hours=2.0, status="lost"),
+    ]  # fmt: skip
+    ledger = {"cpu_hours": "hours of the test", "runs": runs}
+    if edit:
+        edit(runs)
+    path = tmp_path / "ledger.json"
+    path.write_text(json.dumps(ledger))
+    return str(path)
+
+
+def _plot(*args):
+    return subprocess.run(
+        [sys.executable, "benchmarks/plot_learning_curve.py", *args],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+
+
+def test_ledger_cumulative_hours_tokens_table_and_projection(files, tmp_path):
+    ledger = _ledger_file(tmp_path, files)
+    out, js, md = tmp_path / "l.png", tmp_path / "l.json", tmp_path / "l.md"
+    ok = _plot(f"--ledger={ledger}", "--project=2", f"--out={out}", f"--json_out={js}",
+               f"--table_out={md}")  # fmt: skip
+    assert ok.returncode == 0, ok.stderr
+    assert out.stat().st_size > 1000 and md.exists()
+    runs = {r["name"]: r for r in json.loads(js.read_text())["runs"]}
+    s = 1 / 3600
+    # a1: data 0.5 h, then its trainer's clock: 4 s + 10 s to step 4 (400 tokens)
+    a1_end = 0.5 + 14 * s
+    assert runs["a1"]["evals"][0]["cpu_hours"] == pytest.approx(a1_end)
+    assert runs["a1"]["evals"][0]["tokens"] == 400
+    # a2 continues a1: + 0.25 h of data + 2 s to step 2; 3 steps trained (log ends at 2), so
+    # its end is 3 s of training at its own rate
+    assert runs["a2"]["evals"][0]["cpu_hours"] == pytest.approx(a1_end + 0.25 + 2 * s)
+    assert runs["a2"]["evals"][0]["tokens"] == 400 + 200
+    assert runs["a2"]["end_cpu_hours"] == pytest.approx(a1_end + 0.25 + 3 * s)
+    assert runs["a2"]["end_tokens"] == 700
+    # b1, another drafter from scratch on reused data: 0.5 h + 30 s, 300 tokens
+    assert runs["b1"]["evals"][0]["cpu_hours"] == pytest.approx(0.5 + 30 * s)
+    assert runs["b1"]["evals"][0]["tokens"] == 300
+    # c1 has no clock: the ledger's 2 h over 10 steps, so step 5 is at 0.5 + 1 h
+    assert runs["c1"]["evals"][0]["cpu_hours"] == pytest.approx(1.5)
+    assert runs["c1"]["end_cpu_hours"] == pytest.approx(2.5) and runs["c1"]["end_tokens"] == 1000
+    table = md.read_text()
+    row = next(line for line in table.splitlines() if line.startswith("| a 2 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells == ["a 2", "dflash", "3", "0.00", "0.00", "0.25", "0.00", "0.75", "1.300",
+                     "1.300", "shipped"]  # fmt: skip
+    assert sum(line.startswith("| ") for line in table.splitlines()) >= 4 + 1 + 1
+    # two main-line points: the power law through them, against hours and against tokens
+    proj = json.loads(js.read_text())["projection"]
+    alpha_t = np.log(0.3 / 0.1) / np.log(600 / 400)
+    assert proj["against_tokens"]["targets"]["2.0"]["tokens"] == pytest.approx(
+        400 * 10 ** (1 / alpha_t)
+    )
+    h1, h2 = a1_end, a1_end + 0.25 + 2 * s
+    alpha_h = np.log(0.3 / 0.1) / np.log(h2 / h1)
+    assert proj["against_cpu_hours"]["targets"]["2.0"]["cpu_hours"] == pytest.approx(
+        h1 * 10 ** (1 / alpha_h)
+    )
+
+
+def _drop_command(runs):
+    del runs[1]["command"]
+
+
+def _wrong_start(runs):
+    runs[1]["start_cpu_hours"] = 9.0
+
+
+def _no_clock(runs):
+    del runs[3]["train_cpu_hours"]
+
+
+@pytest.mark.parametrize(
+    "edit, message",
+    [
+        (_drop_command, "run 2 (a2): missing key(s) command"),
+        (_wrong_start, "start_cpu_hours 9.0, but a1, which it continues, ends at"),
+        (_no_clock, "no clock"),
+    ],
+)
+def test_ledger_refuses_inconsistent_entries(files, tmp_path, edit, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        plc.read_ledger(_ledger_file(tmp_path, files, edit))
+
+
+def test_ledger_bad_input_is_one_line_and_exit_2(files, tmp_path):
+    out = tmp_path / "l.png"
+    missing = str(tmp_path / "gone.jsonl")
+
+    def _gone(runs):
+        runs[2]["metrics"] = missing
+
+    for ledger, words in (
+        (_ledger_file(tmp_path, files, _gone), f"metrics file {missing} not found"),
+        (str(tmp_path / "no_ledger.json"), "no_ledger.json not found"),
+    ):
+        bad = _plot(f"--ledger={ledger}", f"--out={out}")
+        assert bad.returncode == 2, bad.stderr
+        assert bad.stderr.startswith("error: ") and words in bad.stderr
+        assert len(bad.stderr.strip().splitlines()) == 1 and not out.exists()
