@@ -63,6 +63,11 @@ def get_config() -> ml_collections.ConfigDict:
             # that no massive activation dimension dominates the context at step 0 (tried on
             # SmolLM2-135M: no faster start, benchmarks/results/smollm2/README.md).
             fc_init="normal",
+            # > 0: a DFlash drafter's head is restricted to the draft_vocab_size most frequent
+            # answer tokens of the training data (frozen rows of the target's head; labels
+            # outside them weigh 0), saved with the drafter and used when drafting
+            # (`dflash_jax/drafters/draft_vocab.py`); 0: the whole vocabulary.
+            draft_vocab_size=0,
             # > 0: every drafter layer is sliding_attention with this window (a query at p
             # sees positions j with |p - j| < window), as DFlash 2 drafters are; 0: full.
             sliding_window=0,
@@ -94,7 +99,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.num_anchors = 512  # per sequence (per document of a packed row), as SpecForge
     c.anchors_per_row = 0  # static blocks per packed row, shared by its documents; 0: num_anchors
     c.gamma = 7.0
-    c.loss = "ce"  # "ce" | "kl"
+    # "ce" | "kl" (the target's full distribution, its logits computed each step) | "topk_kl"
+    # (the target's top-k distribution read from data.tap_store: soft labels, no target pass;
+    # batches without it, e.g. the held-out ones, score CE)
+    c.loss = "ce"
     # "all" | "random" | "mdlm" (dflash_jax.training.masks.mask_draw): "mdlm" mixes fully masked
     # blocks (a mask_full_fraction of them) with masked-diffusion blocks (ratio t ~ U(0,1], loss on
     # the masked positions weighted 1/t): a drafter for multi-pass denoising (denoise_steps > 1).
@@ -123,6 +131,10 @@ def get_config() -> ml_collections.ConfigDict:
             # allow_split=False; dflash_jax/training/tap_cache.py). Storage dtype beside it.
             cache_taps=False,
             cache_taps_dtype="float32",
+            # Drafter mode: a tap store directory (`dflash_jax/training/tap_store.py`) built for
+            # this data, target, taps and seq_len: every batch's taps (and top-k) are read from
+            # disk and the target never runs in training (needs allow_split=False).
+            tap_store="",
             num_docs=256,
             doc_len=64,
         )

@@ -308,7 +308,7 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
 
     c = config
     choice("mode", c.mode, ("drafter", "target"))
-    choice("loss", c.loss, ("ce", "kl"))
+    choice("loss", c.loss, ("ce", "kl", "topk_kl"))
     choice("mask_schedule", c.mask_schedule, ("all", "random", "mdlm"))
     choice("drafter.fc_init", c.drafter.get("fc_init", "normal"), ("normal", "tap_rms"))
     mff = c.get("mask_full_fraction", 0.5)
@@ -355,6 +355,33 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     int_param("drafter.mask_token_id", c.drafter.mask_token_id, lo=-1, error=E)
     int_param("drafter.intermediate_size", c.drafter.intermediate_size, lo=0, error=E)
     int_param("drafter.sliding_window", c.drafter.get("sliding_window", 0), lo=0, error=E)
+    dvs = c.drafter.get("draft_vocab_size", 0)
+    int_param("drafter.draft_vocab_size", dvs, lo=0, error=E)
+    store = c.data.get("tap_store", "")
+    if dvs and (
+        c.drafter.get("kind", "dflash") != "dflash"
+        or c.drafter.get("dflash2", {}).get("enabled", False)
+    ):
+        raise E(
+            "drafter.draft_vocab_size is for DFlash drafters (EAGLE-3: "
+            "drafter.eagle3.draft_vocab_size; DFlash 2's selector scores the full vocabulary)"
+        )
+    if c.loss == "topk_kl" and not store:
+        raise E("loss='topk_kl' reads the target's top-k from data.tap_store: set it")
+    if store:
+        if c.mode != "drafter" or c.drafter.get("kind", "dflash") != "dflash":
+            raise E("data.tap_store is for training DFlash drafters (mode='drafter')")
+        if c.data.allow_split:
+            raise E(
+                "data.tap_store: data.allow_split=True packs other pieces of a document than "
+                "the store holds; set --config.data.allow_split=False"
+            )
+        if c.loss == "kl":
+            raise E("data.tap_store keeps the target's top-k, not its logits: use loss='topk_kl'")
+        if c.data.get("cache_taps", False):
+            raise E("data.tap_store and data.cache_taps: choose one")
+        if not os.path.isfile(os.path.join(store, "manifest.json")):
+            raise E(f"data.tap_store {store}: not a tap store (no manifest.json)")
     v2 = c.drafter.get("dflash2", None)
     if v2 is not None and v2.get("enabled", False):
         for name in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):

@@ -70,6 +70,7 @@ class Experiment:
     stop_ids: tuple
     repetition_sampler: Any = None  # unlikelihood.RepetitionSampler (target mode, weight > 0)
     d2t: Any = None  # an EAGLE-3 drafter's draft-to-target offsets (drafter.kind "eagle3")
+    draft_vocab: Any = None  # a DFlash drafter's draft vocabulary (drafter.draft_vocab_size)
     tap_layers: tuple = ()  # drafter mode: the target layers the loss taps (`tap_cache`)
 
     @property
@@ -87,7 +88,7 @@ class Experiment:
             from dflash_jax.drafters.eagle3 import Eagle3
 
             return Eagle3(self.drafter_cfg, params, self.d2t)
-        return Drafter(self.drafter_cfg, params)
+        return Drafter(self.drafter_cfg, params, draft_vocab=self.draft_vocab)
 
 
 def model_config_from(config, vocab_size: int) -> ModelConfig:
@@ -167,9 +168,10 @@ def _tfds_sources(config, workdir):
     return load_split(builder, "train"), val
 
 
-def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
+def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter, draft_vocab=None) -> Callable:
     """The drafter objective of `config` (the DFlash recipe) as loss_fn(params, frozen, batch,
-    key) -> (loss, metrics) for `make_train_step` (also what `dflash_jax.dry_run` compiles)."""
+    key) -> (loss, metrics) for `make_train_step` (also what `dflash_jax.dry_run` compiles);
+    `draft_vocab` (int32 [K]): the head restricted to those rows (`drafters.draft_vocab`)."""
     dcfg = dmod.cfg
     recipe = losses.DrafterRecipe(
         block_size=dcfg.block_size,
@@ -188,7 +190,7 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter) -> Callable:
     )
 
     def loss_fn(params, frozen, batch, key):
-        return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key)
+        return losses.drafter_loss(tmod, dmod, recipe, params, frozen, batch, key, draft_vocab)
 
     return loss_fn
 
@@ -230,13 +232,17 @@ def build_experiment(config, workdir: str) -> Experiment:
     train_iter, steps_per_epoch, eval_batches = _batches(
         config, train_docs, eval_docs, tokenize_fn, pad_id
     )
-    d2t = None
+    d2t = draft_vocab = None
     if mode == "drafter" and config.drafter.get("kind", "dflash") == "eagle3":
         dcfg, dmod, init, loss_fn, d2t = _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn)
     else:
         dcfg, dmod, init, loss_fn = _trained_model(
             config, tcfg, tparams, tmod, tokenizer, eval_batches
         )
+        k = int(config.drafter.get("draft_vocab_size", 0)) if mode == "drafter" else 0
+        if k:
+            draft_vocab = _draft_vocab(config, tcfg, train_docs, tokenize_fn, k)
+            loss_fn = drafter_loss_fn(config, tmod, dmod, draft_vocab)
     tap_layers = ()
     if mode == "drafter":
         tap_layers = tuple(
@@ -267,8 +273,35 @@ def build_experiment(config, workdir: str) -> Experiment:
         stop_ids=stop_ids,
         repetition_sampler=sampler,
         d2t=d2t,
+        draft_vocab=draft_vocab,
         tap_layers=tap_layers,
     )
+
+
+def _draft_vocab(config, tcfg, train_docs, tokenize_fn, k: int) -> np.ndarray:
+    """The draft vocabulary of a DFlash drafter: the init drafter's own when it has one of
+    size k (a continued run keeps its head), else the k most frequent answer (loss-masked)
+    tokens of the training documents (`drafters.draft_vocab`)."""
+    from dflash_jax.drafters import draft_vocab as dv
+
+    path = config.drafter.init_path
+    if path:
+        from dflash_jax.drafters.dflash import _read_draft_vocab, read_drafter_config
+
+        path = hub.local_path(path, what="drafter")
+        have = _read_draft_vocab(path, read_drafter_config(path, tcfg))
+        if have is not None and len(have) == k:
+            log(f"draft vocabulary: the {k} tokens of {path}")
+            return have
+    counts = dv.token_counts(
+        (train_docs[i] for i in range(len(train_docs))), tokenize_fn, tcfg.vocab_size
+    )
+    vocab = dv.top_tokens(counts, k)
+    log(
+        f"draft vocabulary: the {k} most frequent answer tokens, "
+        f"{100 * dv.coverage(counts, vocab):.2f}% of the training answers' tokens"
+    )
+    return vocab
 
 
 def _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn):
@@ -429,7 +462,7 @@ def _batches(config, train_docs, eval_docs, tokenize_fn, pad_id):
         shuffle=d.shuffle,
         pad_id=pad_id,
         allow_split=d.allow_split,
-        include_doc_keys=bool(d.get("cache_taps", False)),
+        include_doc_keys=bool(d.get("cache_taps", False) or d.get("tap_store", "")),
     )
     eval_batches = []
     if len(eval_docs) and config.eval_batches > 0:

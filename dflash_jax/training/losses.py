@@ -34,7 +34,9 @@ class DrafterRecipe:
     """Static settings of the drafter objective (hashable: part of the jit key).
 
     loss: "ce" (hard same-position labels) or "kl" (distill the target: block position k gets
-      the target's next-token distribution at position p+k-1, the one that predicts x_{p+k}).
+      the target's next-token distribution at position p+k-1, the one that predicts x_{p+k}),
+      or "topk_kl" (the same from the top-k of that distribution that the batch brings from a
+      tap store, renormalized over the drafter's vocabulary; CE on batches without it).
     mask_schedule: "all" (paper), "random" (partially revealed blocks, loss on masked only) or
       "mdlm" (fully masked blocks with probability mask_full_fraction, else masked-diffusion
       blocks at ratio t weighted 1/t: `masks.mask_draw`).
@@ -59,8 +61,8 @@ class DrafterRecipe:
     )
 
     def __post_init__(self):
-        if self.loss not in ("ce", "kl"):
-            raise ValueError(f"loss must be 'ce' or 'kl', got {self.loss!r}")
+        if self.loss not in ("ce", "kl", "topk_kl"):
+            raise ValueError(f"loss must be 'ce', 'kl' or 'topk_kl', got {self.loss!r}")
         if self.mask_schedule not in masks.MASK_SCHEDULES:
             raise ValueError(
                 f"mask_schedule must be one of {masks.MASK_SCHEDULES}, got {self.mask_schedule!r}"
@@ -275,6 +277,8 @@ def block_scores(
     adjust=None,
     selector=None,
     prev_BNK=None,
+    rows=None,
+    soft=None,
 ):
     """Per block position: the loss term ([B,N,bs] f32: CE against the label, or KL(target ||
     drafter) from the target's hidden states at the teacher positions) and whether the drafter's
@@ -288,16 +292,27 @@ def block_scores(
     float32 is 5 GB per sequence, twice with "kl"). chunk_anchors > 0 computes them for that many
     anchors at a time in a `lax.map` whose body is rematerialized in the backward pass, so only
     one chunk's logits are ever live; the values and gradients are those of the one-shot form.
+
+    `rows` (int32 [K]): the drafter's draft vocabulary, its logits only those rows of the head
+    (labels, and `soft` ids, are then draft-vocabulary indices). `soft` = (ids [B,N,bs,k],
+    probs [B,N,bs,k]): soft labels, the loss their cross-entropy against the drafter.
     """
     tvars = {"params": tparams}
 
-    def scores(h, lab, th, prev):
+    def scores(h, lab, th, prev, sft=None):
         c, k = h.shape[1], h.shape[2]
-        logits = tmod.apply(tvars, h.reshape(h.shape[0], c * k, -1), method="logits")
+        flat = h.reshape(h.shape[0], c * k, -1)
+        if rows is None:
+            logits = tmod.apply(tvars, flat, method="logits")
+        else:
+            logits = tmod.apply(tvars, flat, rows, method="logits")
         if adjust is not None:
             logits = adjust(logits)
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(h.shape[0], c, k, -1)
-        if th is None:
+        if sft is not None:
+            s_ids, s_p = sft
+            per_pos = -jnp.sum(s_p * jnp.take_along_axis(logp, s_ids, axis=-1), axis=-1)
+        elif th is None:
             per_pos = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
         else:
             t_logits = tmod.apply(tvars, th.reshape(h.shape[0], c * k, -1), method="logits")
@@ -314,7 +329,7 @@ def block_scores(
         t_hidden_BNKH = None
     b, n = labels_BNK.shape[:2]
     if chunk_anchors <= 0 or chunk_anchors >= n:
-        return scores(hidden_BNKH, labels_BNK, t_hidden_BNKH, prev_BNK)
+        return scores(hidden_BNKH, labels_BNK, t_hidden_BNKH, prev_BNK, soft)
 
     m = -(-n // chunk_anchors)
     pad = m * chunk_anchors - n
@@ -329,6 +344,7 @@ def block_scores(
         chunked(labels_BNK),
         None if t_hidden_BNKH is None else chunked(t_hidden_BNKH),
         None if prev_BNK is None else chunked(prev_BNK),
+        None if soft is None else tuple(chunked(x) for x in soft),
     )
     out = jax.lax.map(jax.checkpoint(lambda a: scores(*a)), xs)
 
@@ -379,7 +395,14 @@ def drafter_draws(recipe: DrafterRecipe, loss_mask_BS, segment_ids_BS, keys_B):
 
 
 def drafter_loss(
-    tmod: Transformer, dmod: DFlashDrafter, recipe: DrafterRecipe, dparams, tparams, batch, key
+    tmod: Transformer,
+    dmod: DFlashDrafter,
+    recipe: DrafterRecipe,
+    dparams,
+    tparams,
+    batch,
+    key,
+    draft_vocab=None,
 ):
     """The DFlash objective for one batch. Returns (loss, metrics).
 
@@ -390,6 +413,11 @@ def drafter_loss(
     metrics: loss, weight_sum, per-position `correct_k` / `count_k` [bs] (k = 0 unused) and
     `accept_sum` (sum over valid blocks of the acceptance length the block would get: 1 + the
     length of the correct prefix of k = 1..bs-1), `num_blocks`.
+
+    `draft_vocab` (int32 [K], a constant): the head restricted to those rows of the target's;
+    a label outside them weighs 0 (and is never "correct"), soft labels keep their mass inside.
+    The batch may bring "taps" (a tap cache or store: no target pass) and, for "topk_kl",
+    "topk_ids" / "topk_logp" [B,S,k] (the target's top-k next-token distribution).
     """
     ids, loss_mask = batch["input_ids"], batch["loss_mask"]
     seg = batch["segment_ids"] if recipe.use_segments else None
@@ -400,9 +428,9 @@ def drafter_loss(
     # "ce" needs only the taps: the target stops at the last tapped layer, with chunked causal
     # attention (no [B, N, S, S] scores), or none runs when the batch brings them (kept from an
     # earlier epoch: `tap_cache`). "kl" needs the final hidden states: full forward.
-    if recipe.loss == "ce" and "taps" in batch:
+    if recipe.loss != "kl" and "taps" in batch:
         hidden_t, taps = None, batch["taps"]
-    elif recipe.loss == "ce":
+    elif recipe.loss != "kl":
         hidden_t = None
         taps = tmod.apply(
             tvars,
@@ -431,6 +459,28 @@ def drafter_loss(
         None if recipe.mask_schedule == "all" else masked,
         scale if recipe.mask_schedule == "mdlm" else None,
     )
+
+    rows = soft = None
+    if draft_vocab is not None:  # labels as draft-vocabulary indices; outside it: weight 0
+        rows = jnp.asarray(draft_vocab, jnp.int32)
+        t2d = (
+            jnp.full((tmod.cfg.vocab_size,), -1, jnp.int32)
+            .at[rows]
+            .set(jnp.arange(rows.shape[0], dtype=jnp.int32))
+        )
+        labels_d = t2d[labels]
+        weights = weights * (labels_d >= 0)
+        labels = jnp.maximum(labels_d, 0)
+    if recipe.loss == "topk_kl" and "topk_ids" in batch:
+        # the soft label of block position k: the target's top-k at p+k-1 (masks.teacher_positions)
+        src = masks.teacher_positions(anchors, bs, s).reshape(b, n * bs)
+        take = lambda x: jnp.take_along_axis(x, src[..., None], axis=1).reshape(b, n, bs, -1)
+        s_ids, s_p = take(batch["topk_ids"]), jnp.exp(take(batch["topk_logp"]))
+        if rows is not None:
+            s_d = t2d[s_ids]
+            s_p, s_ids = jnp.where(s_d >= 0, s_p, 0.0), jnp.maximum(s_d, 0)
+        s_p = s_p / jnp.maximum(jnp.sum(s_p, axis=-1, keepdims=True), 1e-9)
+        soft = (s_ids, jax.lax.stop_gradient(s_p))
 
     emb = jax.lax.stop_gradient(tmod.apply(tvars, tokens.reshape(b, n * bs), method="embed"))
     positions = masks.block_positions(anchors, bs).reshape(b, n * bs)
@@ -467,6 +517,8 @@ def drafter_loss(
         adjust=(lambda lg: drafter_logits(dmod.cfg, lg)) if dflash2 else None,
         selector=selector,
         prev_BNK=prev,
+        rows=rows,
+        soft=soft,
     )
     per_pos, correct = scored_out[:2]
 

@@ -319,7 +319,8 @@ def _loop(config, run: "_Run", window: "_LogWindow", flag, logger, profiler):
         keys = batch
         batch = {k: batch[k] for k in ("input_ids", "loss_mask", "segment_ids")}
         if run.taps is not None:
-            batch["taps"] = run.taps(keys)
+            got = run.taps(keys)  # a tap cache's taps, or a tap store's taps and top-k
+            batch.update(got if isinstance(got, dict) else {"taps": got})
         rep_frac = None
         if exp.repetition_sampler is not None:
             ul_batch, rep_frac = exp.repetition_sampler(state.params, step, run.eval_mesh)
@@ -466,6 +467,8 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
 
     eval_jit = jax.jit(eval_loss, out_shardings=NamedSharding(mesh, P()))
     taps = _tap_source(config, exp, frozen) if config.data.get("cache_taps", False) else None
+    if config.data.get("tap_store", ""):
+        taps = _store_source(config, exp)
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
     _log(
         f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
@@ -517,6 +520,35 @@ def _tap_source(config, exp, frozen):
         return out
 
     return taps
+
+
+def _store_source(config, exp):
+    """The tap store of `config.data.tap_store`, checked against this run's target (its
+    fingerprint), taps, piece length and every training record's tokens (one line each), as
+    the batch -> {"taps", "topk_ids", "topk_logp"} function of the loop: the target never runs."""
+    from dflash_jax.training import tap_store as ts
+
+    path = config.data.tap_store
+    store = ts.TapStore(
+        path,
+        expect={
+            "target": ts.target_fingerprint(exp.target_cfg, exp.target_params),
+            "tap_layers": list(exp.tap_layers),
+            "seq_len": int(config.data.seq_len),
+        },
+    )
+    it = exp.train_iter
+    if not hasattr(it, "source"):
+        raise ts.StoreError("data.tap_store: one data stream only (no data.num_shards > 1)")
+    store.check_records(it.source, it.tokenize_fn)
+    _log(
+        f"tap store {path}: {len(store)} records ({store.dtype} taps of layers "
+        f"{store.manifest['tap_layers']}, top-{store.k}); the target's pass is skipped"
+    )
+    source = ts.StoreSource(store, exp.tap_layers)
+    if config.loss == "topk_kl":
+        return source
+    return lambda batch: {"taps": source(batch)["taps"]}
 
 
 def _restore(ckpt, exp, state, state_sh):
