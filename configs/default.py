@@ -100,9 +100,14 @@ def get_config() -> ml_collections.ConfigDict:
     c.anchors_per_row = 0  # static blocks per packed row, shared by its documents; 0: num_anchors
     c.gamma = 7.0
     # "ce" | "kl" (the target's full distribution, its logits computed each step) | "topk_kl"
-    # (the target's top-k distribution read from data.tap_store: soft labels, no target pass;
-    # batches without it, e.g. the held-out ones, score CE)
+    # (the target's top-k read from data.tap_store: soft labels, no target pass; batches without
+    # it, e.g. the held-out ones, score CE) | "topk_lk": -log of the sampled acceptance rate
+    # sum_x min(p, q) against the same top-k (LK's negative log acceptance)
     c.loss = "ce"
+    # Block-position weights: "decay" (exp(-(k-1)/gamma), the paper's) | "dpace": each position
+    # by its share of the expected accepted length's gradient (training/losses.dpace_weights)
+    c.position_weights = "decay"
+    c.loss_positions = 0  # > 0: score only block positions 1..loss_positions
     # "all" | "random" | "mdlm" (dflash_jax.training.masks.mask_draw): "mdlm" mixes fully masked
     # blocks (a mask_full_fraction of them) with masked-diffusion blocks (ratio t ~ U(0,1], loss on
     # the masked positions weighted 1/t): a drafter for multi-pass denoising (denoise_steps > 1).

@@ -204,3 +204,60 @@ def test_topk_kl_with_a_draft_vocabulary_trains_and_exports_it(setup, tmp_path):
     res = dj.generate(target, d, prompts, 32, block_size=8)
     assert res.tokens == ar
     assert max(max(a) for a in res.acceptance_lengths) >= 3, res.acceptance_lengths
+
+
+def test_dpace_weights_follow_the_expected_accepted_length():
+    """NumPy statement: w_k = sum_{m>=k} prod_{j=1..m} a_j over the scored positions of a
+    block (a_j = exp(-loss_j); an unscored position ends the block), 0 where unscored; and
+    w_k is d E[L] / d log a_k, checked by finite differences of E[L] = sum_m prod_{j<=m} a_j."""
+    from dflash_jax.training.losses import dpace_weights
+
+    rng = np.random.default_rng(0)
+    loss = rng.uniform(0.1, 3.0, (2, 3, 6)).astype(np.float32)
+    w0 = (rng.uniform(size=(2, 3, 6)) > 0.2).astype(np.float32)
+    w0[..., 0] = 0.0
+    got = np.asarray(dpace_weights(jnp.asarray(loss), jnp.asarray(w0)))
+    for b in range(2):
+        for n in range(3):
+            a = np.where(w0[b, n] > 0, np.exp(-loss[b, n].astype(np.float64)), 0.0)
+            a[0] = 1.0
+            el = lambda a: sum(np.prod(a[1 : m + 1]) for m in range(1, 6))
+            for k in range(6):
+                if w0[b, n, k] == 0:
+                    assert got[b, n, k] == 0
+                    continue
+                want = sum(np.prod(a[1 : m + 1]) for m in range(k, 6))
+                assert got[b, n, k] == pytest.approx(want, rel=1e-5)
+                eps = 1e-6  # d E[L] / d log a_k
+                up = a.copy()
+                up[k] *= np.exp(eps)
+                assert got[b, n, k] == pytest.approx((el(up) - el(a)) / eps, rel=1e-4, abs=1e-7)
+
+
+@pytest.mark.parametrize("loss", ["topk_kl", "topk_lk"])
+def test_soft_label_losses_match_their_numpy_statement(setup, loss):
+    """block_scores with soft labels over a draft vocabulary: topk_kl = -sum p log q, topk_lk =
+    -log(sum min(p, q) + 1e-6), q the softmax of the head's draft-vocabulary rows (NumPy)."""
+    from dflash_jax.training.losses import block_scores
+
+    _, exp, _ = setup
+    rng = np.random.default_rng(1)
+    h = rng.standard_normal((1, 2, 3, exp.target_cfg.hidden_size)).astype(np.float32)
+    rows = np.array([5, 9, 2, 40, 33, 7, 11, 60], np.int32)
+    ids = rng.integers(0, len(rows), (1, 2, 3, 4)).astype(np.int32)
+    p = rng.dirichlet(np.ones(4), (1, 2, 3)).astype(np.float32)
+    labels = rng.integers(0, len(rows), (1, 2, 3)).astype(np.int32)
+    per_pos, _ = block_scores(
+        exp.tmod, exp.target_params, jnp.asarray(h), jnp.asarray(labels), loss=loss,
+        rows=jnp.asarray(rows), soft=(jnp.asarray(ids), jnp.asarray(p)),
+    )  # fmt: skip
+    w = np.asarray(exp.target_params["lm_head"]["kernel"], np.float64)[:, rows]
+    logits = h.astype(np.float64) @ w
+    logq = logits - logits.max(-1, keepdims=True)
+    logq -= np.log(np.exp(logq).sum(-1, keepdims=True))
+    lq = np.take_along_axis(logq, ids, -1)
+    if loss == "topk_kl":
+        want = -(p * lq).sum(-1)
+    else:
+        want = -np.log(np.minimum(p, np.exp(lq)).sum(-1) + 1e-6)
+    np.testing.assert_allclose(np.asarray(per_pos), want, rtol=1e-4, atol=1e-5)

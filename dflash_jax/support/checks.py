@@ -308,7 +308,9 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
 
     c = config
     choice("mode", c.mode, ("drafter", "target"))
-    choice("loss", c.loss, ("ce", "kl", "topk_kl"))
+    choice("loss", c.loss, ("ce", "kl", "topk_kl", "topk_lk"))
+    choice("position_weights", c.get("position_weights", "decay"), ("decay", "dpace"))
+    int_param("loss_positions", c.get("loss_positions", 0), lo=0, error=E)
     choice("mask_schedule", c.mask_schedule, ("all", "random", "mdlm"))
     choice("drafter.fc_init", c.drafter.get("fc_init", "normal"), ("normal", "tap_rms"))
     mff = c.get("mask_full_fraction", 0.5)
@@ -366,8 +368,8 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
             "drafter.draft_vocab_size is for DFlash drafters (EAGLE-3: "
             "drafter.eagle3.draft_vocab_size; DFlash 2's selector scores the full vocabulary)"
         )
-    if c.loss == "topk_kl" and not store:
-        raise E("loss='topk_kl' reads the target's top-k from data.tap_store: set it")
+    if c.loss.startswith("topk_") and not store:
+        raise E(f"loss={c.loss!r} reads the target's top-k from data.tap_store: set it")
     if store:
         if c.mode != "drafter" or c.drafter.get("kind", "dflash") != "dflash":
             raise E("data.tap_store is for training DFlash drafters (mode='drafter')")

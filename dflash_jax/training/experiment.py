@@ -187,6 +187,8 @@ def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter, draft_vocab=
         loss_chunk_anchors=config.loss_chunk_anchors,
         anchors_per_row=config.get("anchors_per_row", 0),
         selector_weight=float(config.drafter.get("dflash2", {}).get("selector_weight", 1.0)),
+        position_weights=config.get("position_weights", "decay"),
+        loss_positions=int(config.get("loss_positions", 0)),
     )
 
     def loss_fn(params, frozen, batch, key):

@@ -36,7 +36,9 @@ class DrafterRecipe:
     loss: "ce" (hard same-position labels) or "kl" (distill the target: block position k gets
       the target's next-token distribution at position p+k-1, the one that predicts x_{p+k}),
       or "topk_kl" (the same from the top-k of that distribution that the batch brings from a
-      tap store, renormalized over the drafter's vocabulary; CE on batches without it).
+      tap store, renormalized over the drafter's vocabulary; CE on batches without it), or
+      "topk_lk" (the negative log of the acceptance rate of sampled drafting against that
+      distribution, -log sum_x min(p(x), q(x)) over its top-k; CE without it).
     mask_schedule: "all" (paper), "random" (partially revealed blocks, loss on masked only) or
       "mdlm" (fully masked blocks with probability mask_full_fraction, else masked-diffusion
       blocks at ratio t weighted 1/t: `masks.mask_draw`).
@@ -59,10 +61,19 @@ class DrafterRecipe:
     anchors_per_row: int = (
         0  # blocks per packed row (static); 0: num_anchors (masks.sample_anchors)
     )
+    # "decay": the recipe's exp(-(k-1)/gamma); "dpace": each position weighted by how much the
+    # expected accepted length sum_m prod_{j<=m} a_j grows with its log-probability,
+    # sum_{m>=k} prod_{j<=m} a_j, a_j = exp(-loss_j) held constant (`dpace_weights`)
+    position_weights: str = "decay"
+    loss_positions: int = 0  # > 0: only block positions 1..loss_positions are scored
 
     def __post_init__(self):
-        if self.loss not in ("ce", "kl", "topk_kl"):
-            raise ValueError(f"loss must be 'ce', 'kl' or 'topk_kl', got {self.loss!r}")
+        if self.loss not in ("ce", "kl", "topk_kl", "topk_lk"):
+            raise ValueError(f"loss must be 'ce', 'kl', 'topk_kl' or 'topk_lk', got {self.loss!r}")
+        if self.position_weights not in ("decay", "dpace"):
+            raise ValueError(
+                f"position_weights must be 'decay' or 'dpace', got {self.position_weights!r}"
+            )
         if self.mask_schedule not in masks.MASK_SCHEDULES:
             raise ValueError(
                 f"mask_schedule must be one of {masks.MASK_SCHEDULES}, got {self.mask_schedule!r}"
@@ -311,7 +322,11 @@ def block_scores(
         logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1).reshape(h.shape[0], c, k, -1)
         if sft is not None:
             s_ids, s_p = sft
-            per_pos = -jnp.sum(s_p * jnp.take_along_axis(logp, s_ids, axis=-1), axis=-1)
+            lq = jnp.take_along_axis(logp, s_ids, axis=-1)
+            if loss == "topk_lk":  # -log of sum_x min(p, q): the sampled acceptance rate
+                per_pos = -jnp.log(jnp.sum(jnp.minimum(s_p, jnp.exp(lq)), axis=-1) + 1e-6)
+            else:
+                per_pos = -jnp.sum(s_p * lq, axis=-1)
         elif th is None:
             per_pos = -jnp.take_along_axis(logp, lab[..., None], axis=-1)[..., 0]
         else:
@@ -471,7 +486,7 @@ def drafter_loss(
         labels_d = t2d[labels]
         weights = weights * (labels_d >= 0)
         labels = jnp.maximum(labels_d, 0)
-    if recipe.loss == "topk_kl" and "topk_ids" in batch:
+    if recipe.loss.startswith("topk_") and "topk_ids" in batch:
         # the soft label of block position k: the target's top-k at p+k-1 (masks.teacher_positions)
         src = masks.teacher_positions(anchors, bs, s).reshape(b, n * bs)
         take = lambda x: jnp.take_along_axis(x, src[..., None], axis=1).reshape(b, n, bs, -1)
@@ -521,6 +536,11 @@ def drafter_loss(
         soft=soft,
     )
     per_pos, correct = scored_out[:2]
+    if recipe.loss_positions > 0:
+        k = jnp.arange(bs)
+        weights = weights * (k <= recipe.loss_positions)[None, None]
+    if recipe.position_weights == "dpace":
+        weights = dpace_weights(per_pos, weights)
 
     weight_sum = jnp.sum(weights)
     total = jnp.sum(weights * per_pos)
@@ -551,6 +571,21 @@ def drafter_loss(
         **extra,
     }
     return loss, metrics
+
+
+def dpace_weights(per_pos_BNK, weights_BNK):
+    """Position weights from the expected accepted length of each block (D-PACE's idea; the
+    rule here is this module's): with a_k = exp(-loss_k) the drafter's chance at position k
+    (0 where the position is not scored, which ends the block), E[L] = sum_m prod_{j<=m} a_j
+    and d E[L] / d log a_k = sum_{m>=k} prod_{j<=m} a_j, held constant (no gradient). Weights
+    keep the input's zeros; a block's weights fall where its earlier positions are unlikely,
+    so while the drafter is weak the loss sits on its first positions."""
+    scored = weights_BNK > 0
+    a = jnp.where(scored, jnp.exp(-jax.lax.stop_gradient(per_pos_BNK)), 0.0)
+    a = a.at[..., 0].set(1.0)  # k = 0 holds the real token: not drafted
+    prefix = jnp.cumprod(a, axis=-1)
+    tail = jnp.flip(jnp.cumsum(jnp.flip(prefix, -1), axis=-1), -1)
+    return jnp.where(scored, tail, 0.0)
 
 
 def target_loss(tmod: Transformer, params, batch):

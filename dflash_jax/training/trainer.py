@@ -546,7 +546,7 @@ def _store_source(config, exp):
         f"{store.manifest['tap_layers']}, top-{store.k}); the target's pass is skipped"
     )
     source = ts.StoreSource(store, exp.tap_layers)
-    if config.loss == "topk_kl":
+    if config.loss.startswith("topk_"):
         return source
     return lambda batch: {"taps": source(batch)["taps"]}
 
