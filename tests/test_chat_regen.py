@@ -332,3 +332,31 @@ def test_an_interrupted_regeneration_resumes_from_its_finished_batches(
     assert got == ref and [json.loads(l) for l in open(out)] == ref
     assert len(calls) == 6 - 3  # 6 turns in batches of 1: the 3 recorded ones are not redone
     assert not os.path.exists(partial)
+
+
+def test_rows_as_given_keep_the_conversations_own_answers(chat_target, tmp_path):
+    """Teacher-forced data (`regenerate --as_given`): the conversation with its own assistant
+    answers (each cut to max_new_tokens, then the stop id) through the template, the loss mask
+    exactly on those answers, the first turn's generation prompt as prompt_ids; no target."""
+    d, _, tok = chat_target
+    data = tmp_path / "chats.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in ROWS) + "\n")
+    convs = regen.given_conversations(str(data))
+    assert [m["role"] for m in convs[0]] == ["system", "user", "assistant", "user", "assistant"]
+    render = lambda msgs, gen: prompting.render_chat(TEMPLATE, msgs, add_generation_prompt=gen)
+    eos = tok.eos_id
+    out = str(tmp_path / "given.jsonl")
+    recs = regen.rows_as_given(
+        convs, out, render=render, encode=tok.encode, max_new_tokens=5, stop_token_ids=(eos,)
+    )
+    assert [json.loads(l) for l in open(out)] == recs
+    assert len(recs) == 2  # the plain prompt has no answer to learn
+    answers = [["old answer", "4"], ["x", "y"]]
+    for rec, conv, given in zip(recs, convs, answers):
+        want = [tok.encode(a)[:5] + [eos] for a in given]
+        assert _runs(rec["input_ids"], rec["loss_mask"]) == want
+        kept = [m for m in conv if m["role"] != "assistant"][: 1 + (conv[0]["role"] == "system")]
+        assert tok.decode(rec["prompt_ids"]) == render(kept, True)
+    with pytest.raises(ValueError, match=r"given.jsonl:1: no 'messages'"):
+        (tmp_path / "given.jsonl").write_text('{"text": "x"}\n')
+        regen.given_conversations(str(tmp_path / "given.jsonl"))

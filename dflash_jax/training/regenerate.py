@@ -409,6 +409,88 @@ def read_records(
     return out
 
 
+def rows_as_given(
+    conversations: Sequence[Sequence[dict]],
+    out_path: str,
+    *,
+    render: Callable,
+    encode: Callable,
+    max_new_tokens: int = 256,
+    stop_token_ids: Sequence[int] = (),
+    context: int = 0,
+) -> List[dict]:
+    """Training rows of `conversations` with their own assistant answers (no generation):
+    the cheap data of teacher-forced distillation, where a tap store gives the target's
+    next-token distribution at every position and the drafter learns that (loss "topk_kl").
+    Each answer is its text encoded, cut to `max_new_tokens` tokens, then the first stop id;
+    a conversation is cut before the first turn that would pass `context` tokens (> 0). The
+    records are chat rows as `regenerate_chat` writes them (input_ids, loss_mask on the
+    answers, prompt_ids of turn 1); written to `out_path`."""
+    from dflash_jax.data.chat import chat_ids
+
+    stop = tuple(int(t) for t in stop_token_ids)
+    records = []
+    for conv in conversations:
+        msgs, answers, prompt = [], [], None
+        for m in conv:
+            if m["role"] != "assistant":
+                msgs.append(dict(m))
+                continue
+            if not msgs or msgs[-1]["role"] != "user":
+                continue
+            ans = list(encode(m["content"]))[:max_new_tokens] + list(stop[:1])
+            trial = msgs + [{"role": "assistant", "content": m["content"]}]
+            ids, mask = chat_ids(render, encode, trial, answers + [ans], False, stop)
+            if context and len(ids) > context:
+                break
+            if prompt is None:
+                prompt = chat_ids(render, encode, msgs, answers, True, stop)[0]
+            msgs, answers = trial, answers + [ans]
+        if answers:
+            ids, mask = chat_ids(render, encode, msgs, answers, False, stop)
+            records.append({"input_ids": ids, "loss_mask": mask, "prompt_ids": prompt})
+    _write_records(records, out_path)
+    return records
+
+
+_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "bard": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+
+
+def given_conversations(path: str) -> List[List[dict]]:
+    """The conversations of a JSONL file with their assistant turns kept ("messages" with
+    role / content, ShareGPT "conversations" with from / value, or a "prompt" alone);
+    `chat.read_conversations`
+    keeps only the system and user turns, for regeneration. ValueError naming file:line."""
+    out = []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            obj = json.loads(line)
+            msgs = obj.get("messages") or obj.get("conversations")
+            if isinstance(obj.get("prompt"), str) and msgs is None:  # a prompt: no answer
+                msgs = [{"role": "user", "content": obj["prompt"]}]
+            if not isinstance(msgs, list):
+                raise ValueError(f"{path}:{n}: no 'messages' or 'conversations' list")
+            conv = []
+            for m in msgs:
+                role = _ROLES.get(str(m.get("role", m.get("from", ""))).lower())
+                text = m.get("content", m.get("value"))
+                if role is None or not isinstance(text, str):
+                    raise ValueError(f"{path}:{n}: a message without a known role and text")
+                conv.append({"role": role, "content": text})
+            out.append(conv)
+    return out
+
+
 def regenerate_from_file(
     target,
     tokenizer,
@@ -463,7 +545,30 @@ def main(argv):
     console.cli_startup()
     from dflash_jax.data.chat import read_conversations
 
-    read_conversations(F.prompts)  # a bad row is an error before the target loads
+    if not F.as_given:
+        read_conversations(F.prompts)  # a bad row is an error before the target loads
+    else:  # the conversations' own answers: no target pass here
+        from dflash_jax.data.chat import template_renderer
+        from dflash_jax.models.checkpoint import read_target_config
+
+        tok = load_tokenizer(target_dir)
+        render, how = template_renderer(target_dir, True)
+        convs = given_conversations(F.prompts)
+        recs = rows_as_given(
+            convs,
+            F.out,
+            render=render,
+            encode=tok.encode,
+            max_new_tokens=F.max_new_tokens,
+            stop_token_ids=(tok.eos_id,),
+            context=read_target_config(target_dir).max_position_embeddings,
+        )
+        n = sum(int(sum(r["loss_mask"])) for r in recs)
+        console.say(
+            f"{len(recs)} rows of {len(convs)} conversations as given ({how}): "
+            f"{n} answer tokens -> {F.out}"
+        )
+        return
     target = load_target(target_dir)
     tok = load_tokenizer(target_dir)
     regenerate_from_file(
@@ -506,4 +611,9 @@ if __name__ == "__main__":
     flags.DEFINE_integer("batch_size", 32, "prompts per generate call")
     flags.DEFINE_float("temperature", 0.0, "0 = greedy")
     flags.DEFINE_integer("seed", 0, "sampling seed")
+    flags.DEFINE_bool(
+        "as_given",
+        False,
+        "write the conversations with their own answers (cut to max_new_tokens), no generation",
+    )
     cli.run(main)
