@@ -56,7 +56,6 @@ def parse_variant(name: str):
 def run_variant(config, store: str, name: str, steps: int) -> dict:
     import jax
     import jax.numpy as jnp
-    import numpy as np
 
     from dflash_jax.training import experiment, tap_store
     from dflash_jax.training.step import TrainState, make_optimizer, make_train_step
