@@ -153,3 +153,34 @@ def test_a_bad_vocabulary_tensor_is_one_line(pair, vocab, tmp_path, bad, message
     with pytest.raises(CheckpointError, match=message) as e:
         dj.load_drafter(path, target=target)
     assert "\n" not in str(e.value)
+
+
+def test_widened_taps_draft_what_the_drafter_drafted(pair, ar):
+    """`widen_taps`: a drafter continued with more taps (5 instead of 3 in the SmolLM2
+    recipe) starts as the same function: the new taps' fc rows are zero, so it drafts the
+    same tokens and is accepted the same (and the output is AR's)."""
+    from dflash_jax.drafters.dflash import widen_taps
+
+    target, drafter, prompts = pair
+    old = list(drafter.config.target_layer_ids)
+    extra = [i for i in range(target.config.num_layers) if i not in old][:2]
+    assert extra
+    new_ids = sorted(old + extra)
+    cfg, params = widen_taps(drafter.config, drafter.params, new_ids)
+    assert list(cfg.target_layer_ids) == new_ids
+    w = np.asarray(params["fc"]["kernel"])
+    h = cfg.target_hidden_size
+    for j, i in enumerate(new_ids):
+        block = w[j * h : (j + 1) * h]
+        if i in old:
+            k = old.index(i)
+            np.testing.assert_array_equal(
+                block, np.asarray(drafter.params["fc"]["kernel"])[k * h : (k + 1) * h]
+            )
+        else:
+            assert not block.any()
+    a = dj.generate(target, drafter, prompts, NEW, block_size=8)
+    b = dj.generate(target, dj.Drafter(cfg, params), prompts, NEW, block_size=8)
+    assert b.tokens == ar and b.acceptance_lengths == a.acceptance_lengths
+    with pytest.raises(ValueError, match="must be distinct and hold"):
+        widen_taps(drafter.config, drafter.params, old[1:])

@@ -558,6 +558,27 @@ def init_drafter_params(
     return jax.tree_util.tree_unflatten(tree, out)
 
 
+def widen_taps(cfg: DrafterConfig, params, target_layer_ids: Sequence[int]):
+    """A drafter (config, params) continued with more taps: `target_layer_ids` must hold the
+    old ones; fc's input rows of an old tap are kept, those of a new tap start at zero, so the
+    widened drafter computes what the old one did (a warm start for training the new rows)."""
+    old_ids, new_ids = list(cfg.target_layer_ids), [int(i) for i in target_layer_ids]
+    if not set(old_ids) <= set(new_ids) or len(set(new_ids)) != len(new_ids):
+        raise ValueError(
+            f"widen_taps: the taps {new_ids} must be distinct and hold the drafter's {old_ids}"
+        )
+    h = cfg.target_hidden_size
+    w = params["fc"]["kernel"]  # [n_taps * H, width]
+    rows = [
+        w[old_ids.index(i) * h : (old_ids.index(i) + 1) * h]
+        if i in old_ids
+        else jnp.zeros((h, w.shape[1]), w.dtype)
+        for i in new_ids
+    ]
+    params = dict(params, fc=dict(params["fc"], kernel=jnp.concatenate(rows, axis=0)))
+    return cfg.replace(target_layer_ids=tuple(new_ids)), params
+
+
 def upgrade_to_dflash2(cfg: DrafterConfig, params, seed: int = 0, **fields):
     """A DFlash drafter (config, params) continued as DFlash 2: `fields` (conv_kernel_size > 0,
     conv_group_size, selector_rank, selector_top_k, output_multiplier,

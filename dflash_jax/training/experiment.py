@@ -541,6 +541,12 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
             param_dtype=dc.get("param_dtype") or None,
         )
         dcfg, init = loaded.config, loaded.params
+        want = tuple(dc.target_layer_ids)
+        if want and want != tuple(dcfg.target_layer_ids):  # more taps: new fc rows at zero
+            from dflash_jax.drafters.dflash import validate_pair, widen_taps
+
+            dcfg, init = widen_taps(dcfg, init, want)
+            validate_pair(dcfg, tcfg)
         if v2_fields and not dcfg.dflash2:  # a DFlash drafter continued as DFlash 2
             dcfg, init = upgrade_to_dflash2(dcfg, init, seed=config.seed, **v2_fields)
         if dc.get("sliding_window", 0):  # continue a drafter with (another) window
