@@ -261,3 +261,31 @@ def test_soft_label_losses_match_their_numpy_statement(setup, loss):
     else:
         want = -np.log(np.minimum(p, np.exp(lq)).sum(-1) + 1e-6)
     np.testing.assert_allclose(np.asarray(per_pos), want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--variants=target,store_kx"], "variant 'store_kx'"),
+        (["--variants=target_k8"], "variant 'target_k8'"),
+        (["--variants=store", "--store=/nonexistent"], "not a tap store"),
+        (["--variants=target", "--steps=0"], "--steps must be >= 1"),
+    ],
+)
+def test_store_step_benchmark_refuses_bad_input_in_one_line(args, words, tmp_path):
+    """benchmarks/store_step.py: a bad variant, store or step count is one line, exit 2,
+    before any model is loaded (no child process, no JSON written)."""
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = tmp_path / "x.json"
+    p = subprocess.run(
+        [sys.executable, os.path.join(root, "benchmarks", "store_step.py"),
+         "--config=" + os.path.join(root, "configs", "tiny_test.py"), f"--json_out={out}", *args],
+        capture_output=True, text=True, cwd=root, timeout=120,
+    )  # fmt: skip
+    assert p.returncode == 2, p.stderr[-2000:]
+    lines = [l for l in p.stderr.splitlines() if l.startswith("error:")]
+    assert len(lines) == 1 and words in lines[0], p.stderr[-2000:]
+    assert not out.exists()
