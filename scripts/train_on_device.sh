@@ -22,7 +22,7 @@
 #
 # Environment (defaults in brackets):
 #   OUT [runs/smollm2/device]    TARGET [smollm2-135m-instruct]    CONFIG [configs/smollm2/drafter.py]
-#   INIT [assets/smollm2-135m-instruct/drafter; empty: a new drafter]   K [16384]   LOSS [topk_kl]
+#   INIT [assets/smollm2-135m-instruct/drafter; empty: a new drafter]   K [8192]   LOSS [topk_kl]
 #   TAPS [1,8,14,20,27: the store's layers; the drafter's taps must be among them]
 #   BATCH [the config's data.batch_size (8); raise it on a GPU]   SEQ_LEN [the config's data.seq_len]
 #   STORE_ROWS [8: rows per target pass while building the store]   PYTHON [python]
@@ -71,7 +71,7 @@ elif [[ "$TINY" == 0 ]]; then
   TARGET="${TARGET-smollm2-135m-instruct}"
   CONFIG="${CONFIG:-configs/smollm2/drafter.py}"
   INIT="${INIT-assets/smollm2-135m-instruct/drafter}"
-  K="${K:-16384}"
+  K="${K:-8192}"
   TAPS="${TAPS:-1,8,14,20,27}"
   BATCH="${BATCH:-}"
   SEQ_LEN="${SEQ_LEN:-}"
