@@ -306,12 +306,12 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), gguf_io.DEFAU
 @needs_smollm2
 @pytest.mark.once
 def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
-    """The drafters trained here for SmolLM2 (assets/smollm2-135m-instruct/drafter, DFlash, 760
-    steps on 2,048 conversations; drafter_dflash2, DFlash 2, 620 steps on 1,024; in-loop tau
-    ~1.2-1.3; drafter_eagle3, EAGLE-3, 275 TTT steps on the 1,024, at block 8): each equals
-    autoregressive decoding on real chat prompts (float32, greedy, a batch of three with ragged
-    acceptance), with drafts accepted (steps of 3 tokens or more; the issue's steps of 4 or
-    more wait for a longer-trained drafter: the stage-5 DFlash drafter's longest here is 3)."""
+    """The drafters trained here for SmolLM2 (assets/smollm2-135m-instruct/drafter, DFlash,
+    stage 6: 5 taps, an 8,192-token draft vocabulary, top-k KL on the tap store; drafter_dflash2,
+    DFlash 2, 620 steps on 1,024 conversations; drafter_eagle3, EAGLE-3, 275 TTT steps on the
+    1,024, at block 8): each equals autoregressive decoding on real chat prompts (float32,
+    greedy, a batch of three with ragged acceptance), with drafts accepted (steps of 3 tokens or
+    more), the DFlash drafter drafting from its draft vocabulary."""
     from dflash_jax.data.chat import template_renderer
 
     _, target = smollm2
@@ -333,6 +333,9 @@ def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
         else:
             drafter, block = dj.load_drafter(path, target=target), 16
             assert drafter.config.block_size == 16
+            if kind == "dflash":
+                assert len(drafter.draft_vocab) == 8192
+                assert list(drafter.config.target_layer_ids) == [1, 8, 14, 20, 27]
             assert bool(drafter.config.dflash2) == (kind == "dflash2")
         spec = dj.generate(target, drafter, prompts, 48, stop_token_ids=stop, block_size=block)
         assert [list(t) for t in spec.tokens] == [list(t) for t in ar.tokens], path
