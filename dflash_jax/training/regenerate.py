@@ -545,13 +545,6 @@ def main(argv):
     console.cli_startup()
     from dflash_jax.data.chat import read_conversations
 
-    if F.tap_store:  # the store's settings checked before hours of regeneration
-        try:
-            [int(x) for x in F.tap_layers.split(",")]
-        except ValueError:
-            raise ValueError(f"--tap_layers {F.tap_layers!r}: integers, comma-separated")
-        if F.store_seq_len < 1 or F.store_top_k < 1:
-            raise ValueError("--store_seq_len and --store_top_k must be >= 1")
     if not F.as_given:
         read_conversations(F.prompts)  # a bad row is an error before the target loads
     else:  # the conversations' own answers: no target pass here
@@ -575,8 +568,6 @@ def main(argv):
             f"{len(recs)} rows of {len(convs)} conversations as given ({how}): "
             f"{n} answer tokens -> {F.out}"
         )
-        if F.tap_store:
-            _store_beside(load_target(target_dir), F, target_dir)
         return
     target = load_target(target_dir)
     tok = load_tokenizer(target_dir)
@@ -593,27 +584,6 @@ def main(argv):
         temperature=F.temperature,
         seed=F.seed,
         stop_token_ids=(tok.eos_id,),
-    )
-    if F.tap_store:
-        _store_beside(target, F, target_dir)
-
-
-def _store_beside(target, F, target_dir):
-    """--tap_store: the written records' taps and top-k (`tap_store.build`, one teacher-forced
-    pass of the target over each record: the decode loop's own passes are not kept)."""
-    from dflash_jax.training import tap_store
-
-    layers = [int(x) for x in F.tap_layers.split(",")]
-    tap_store.build(
-        target,
-        read_records(F.out, vocab_size=target.config.vocab_size),
-        record_tokens,
-        F.tap_store,
-        layers,
-        F.store_seq_len,
-        F.store_top_k,
-        target_name=target_dir,
-        log=console.say,
     )
 
 
@@ -646,10 +616,4 @@ if __name__ == "__main__":
         False,
         "write the conversations with their own answers (cut to max_new_tokens), no generation",
     )
-    flags.DEFINE_string(
-        "tap_store", "", "then write the records' taps and top-k here (training/tap_store.py)"
-    )
-    flags.DEFINE_string("tap_layers", "1,8,14,20,27", "--tap_store: the tapped target layers")
-    flags.DEFINE_integer("store_seq_len", 512, "--tap_store: the trainer's data.seq_len")
-    flags.DEFINE_integer("store_top_k", 16, "--tap_store: next-token entries kept per position")
     cli.run(main)
