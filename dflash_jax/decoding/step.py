@@ -161,10 +161,11 @@ def _compact(cache: KVCache, path, start, impl: str = "xla") -> KVCache:
     the committed tokens would have written. The rows are written back as one block
     (`attention.write_block`: the Pallas DMA kernel under a TPU Pallas impl)."""
     src = (start[:, None] + path)[..., None]
+    impl = "xla" if cache.stacked else impl  # the kernel takes one layer's cache, not a stack
     move = lambda x: attn_lib.write_block(
         x, jnp.take_along_axis(x, src, axis=1), start + 1, impl, cache.head_dim
     )
-    return cache.replace(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
+    return cache.map_layers(move)
 
 
 def _emit_stream(sink, y, n):

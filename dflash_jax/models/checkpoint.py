@@ -41,7 +41,7 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
-from dflash_jax.models import quantization
+from dflash_jax.models import layer_stack, quantization
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
 from dflash_jax.support import checks, console
@@ -357,7 +357,7 @@ def save_target_params(
     """Writes `config.json` + safetensors that transformers' `from_pretrained` loads."""
     dtype = cfg.param_dtype if dtype is None else dtype
     os.makedirs(path, exist_ok=True)
-    tensors = params_to_hf(params, prefix="model.", dtype=dtype)
+    tensors = params_to_hf(layer_stack.unstack_layers(params), prefix="model.", dtype=dtype)
     save_sharded(path, tensors)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg.to_hf(torch_dtype=dtype_name(as_dtype(dtype))), f, indent=2)

@@ -179,6 +179,11 @@ class ModelConfig:
     mlp_only_layers: tuple = ()
     norm_topk_prob: bool = False
     hybrid: Optional[HybridSpec] = None  # a Qwen3.5-style hybrid target (`models/hybrid.py`)
+    # The layer stack's layout (`models/layer_stack.py`), not part of the model: the decoder
+    # layers' parameters stacked on a leading layer axis and run by one `lax.scan`, so a
+    # program compiles one layer body whatever the depth. Honoured where every layer has the
+    # same structure (`scans_layers`); checkpoints keep their per-layer names either way.
+    scan_layers: bool = False
 
     def __post_init__(self):
         if self.hybrid is not None:
@@ -247,6 +252,15 @@ class ModelConfig:
     def is_moe(self) -> bool:
         return self.num_experts > 0
 
+    @property
+    def scans_layers(self) -> bool:
+        """The decoder layers run as one scanned, stacked group: `scan_layers` asked for it
+        and every layer has the same parameters (dense, or experts in every layer); hybrid
+        targets and irregular expert patterns run their loop."""
+        if not self.scan_layers or self.hybrid is not None or self.num_layers < 2:
+            return False
+        return len({self.layer_is_moe(i) for i in range(self.num_layers)}) == 1
+
     def layer_is_moe(self, i: int) -> bool:
         """Layer i's feed-forward is a mixture of experts (transformers' Qwen3-MoE rule)."""
         return (
@@ -266,6 +280,7 @@ class ModelConfig:
             mlp_only_layers=(),
             norm_topk_prob=False,
             hybrid=None,
+            scan_layers=False,
         )
 
     @property

@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models import checkpoint, hub
+from dflash_jax.models import checkpoint, hub, layer_stack
 from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.verifier import new_cache, target_module
 from dflash_jax.models.transformer import Transformer
@@ -78,6 +78,7 @@ def load_target(
     attention_impl: str = "auto",
     quantize: Optional[str] = None,
     quantize_lm_head: bool = False,
+    scan_layers: bool = False,
 ) -> Target:
     """Loads a Hugging Face `Qwen3ForCausalLM` / `LlamaForCausalLM` directory, or hub id
     (`Qwen/Qwen3-8B`, fetched into the Hugging Face cache by `dflash_jax.models.hub`).
@@ -87,6 +88,10 @@ def load_target(
     dequantized at load; int8 ones written by `save_target` stay int8. quantize="int8": the
     decoder linears quantized to int8 per output channel at load (weight-only; the LM head too
     with `quantize_lm_head`, for an untied head). See `dflash_jax/models/quantization.py`.
+    scan_layers: the decoder layers stacked and run as one `lax.scan` (one layer body to
+    compile whatever the depth; `dflash_jax/models/layer_stack.py`), where the layers are
+    uniform (dense, or experts in every layer); the file's per-layer tensors are stacked as
+    they are placed.
     """
     from dflash_jax.models import quantization
 
@@ -99,6 +104,9 @@ def load_target(
         quantize=quantize,
         quantize_lm_head=quantize_lm_head,
     )
+    if scan_layers:
+        cfg = cfg.replace(scan_layers=True)
+        params = layer_stack.to_layout(params, cfg)
     return Target(config=cfg, params=params, path=str(path), attention_impl=attention_impl)
 
 
@@ -116,13 +124,15 @@ def quantize_target(target: Target, quantize: str = "int8", lm_head: bool = Fals
     cfg = target.config.replace(quantization="int8", quantize_lm_head=bool(lm_head))
     names = set(quantization.LINEAR_NAMES) | ({"lm_head"} if lm_head else set())
     out = {}
-    for key, value in traverse_util.flatten_dict(target.params).items():
+    params = layer_stack.unstack_layers(target.params)  # quantized per layer, as at load
+    for key, value in traverse_util.flatten_dict(params).items():
         if key[-1] == "kernel" and key[-2] in names:
             q, s = quantization.quantize_int8(np.asarray(jax.device_get(value), np.float32))
             out[key], out[key[:-1] + ("kernel_scale",)] = jnp.asarray(q), jnp.asarray(s)
         else:
             out[key] = value
-    return Target(cfg, traverse_util.unflatten_dict(out), target.path, target.attention_impl)
+    params = layer_stack.to_layout(traverse_util.unflatten_dict(out), cfg)
+    return Target(cfg, params, target.path, target.attention_impl)
 
 
 def save_target(target: Target, path: str, dtype: Optional[str] = None) -> None:

@@ -26,9 +26,12 @@ from typing import Optional, Sequence
 
 import flax.linen as nn
 import flax.struct
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from dflash_jax.models import attention as attn_lib
+from dflash_jax.models import layer_stack
 from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.layers import (
     MLP,
@@ -56,17 +59,31 @@ class KVCache:
     head_dim: int = flax.struct.field(pytree_node=False)
 
     @classmethod
-    def create(cls, cfg, batch: int, capacity: int, dtype=None) -> "KVCache":
-        """Zeros for `cfg`: a ModelConfig (a target) or a DrafterConfig (its body's layers)."""
+    def create(cls, cfg, batch: int, capacity: int, dtype=None, stacked: bool = False) -> "KVCache":
+        """Zeros for `cfg`: a ModelConfig (a target) or a DrafterConfig (its body's layers).
+        `stacked`: k and v are single arrays [L, B, S, K*D] (a scanned layer stack,
+        `models/layer_stack.py`) instead of L-tuples."""
         cfg = getattr(cfg, "body", cfg)
         shape = (batch, capacity, cfg.num_kv_heads * cfg.head_dim)
         dtype = cfg.dtype if dtype is None else dtype
-        return cls(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
-            lengths=jnp.zeros((batch,), jnp.int32),
-            head_dim=cfg.head_dim,
-        )
+        if stacked:
+            k = jnp.zeros((cfg.num_layers,) + shape, dtype)
+            v = jnp.zeros((cfg.num_layers,) + shape, dtype)
+        else:
+            k = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+            v = tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers))
+        return cls(k=k, v=v, lengths=jnp.zeros((batch,), jnp.int32), head_dim=cfg.head_dim)
+
+    @property
+    def stacked(self) -> bool:
+        """k and v are stacked arrays [L, B, S, K*D], not per-layer tuples."""
+        return not isinstance(self.k, (tuple, list))
+
+    def map_layers(self, fn) -> "KVCache":
+        """`fn` applied to every layer's k and v ([B, S, K*D] each; vmapped over a stack)."""
+        if self.stacked:
+            return self.replace(k=jax.vmap(fn)(self.k), v=jax.vmap(fn)(self.v))
+        return self.replace(k=tuple(fn(x) for x in self.k), v=tuple(fn(x) for x in self.v))
 
     @property
     def capacity(self) -> int:
@@ -107,6 +124,13 @@ def write_kv(cache_BSF, new_BTF, positions_BT):
     """
     b = jnp.arange(new_BTF.shape[0])[:, None]
     return cache_BSF.at[b, positions_BT].set(new_BTF.astype(cache_BSF.dtype), mode="drop")
+
+
+def write_kv_layer(stack_LBSF, new_BTF, positions_BT, layer):
+    """`write_kv` into layer `layer` (a traced index) of a stacked cache [L, B, S, ...]: one
+    scatter into the stack where it lies (no copy of the layer's slice)."""
+    b = jnp.arange(new_BTF.shape[0])[:, None]
+    return stack_LBSF.at[layer, b, positions_BT].set(new_BTF.astype(stack_LBSF.dtype), mode="drop")
 
 
 class DecoderLayer(nn.Module):
@@ -155,13 +179,22 @@ class DecoderLayer(nn.Module):
             out = masked_attention(q, k, v, mask_BTT)
             new_cache = None
         else:
-            ck, cv = layer_cache
             k4, v4 = k, v
             k, v = flat_heads(k), flat_heads(v)
-            if cache_starts_B is None:
+            if len(layer_cache) == 3:  # a stacked cache [L, B, S, K*D] and this layer's index
+                ks, vs, li = layer_cache
+                slots = positions_BT
+                if cache_starts_B is not None:  # a block at starts[b] (a tree's nodes: not at
+                    # their positions)
+                    slots = cache_starts_B[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)
+                ks, vs = write_kv_layer(ks, k, slots, li), write_kv_layer(vs, v, slots, li)
+                ck, cv = ks[li], vs[li]
+            elif cache_starts_B is None:
+                ck, cv = layer_cache
                 ck = write_kv(ck, k, positions_BT)
                 cv = write_kv(cv, v, positions_BT)
             else:
+                ck, cv = layer_cache
                 ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl, c.head_dim)
                 cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl, c.head_dim)
             if tree_mask_BTT is not None:
@@ -170,7 +203,7 @@ class DecoderLayer(nn.Module):
                 )
             else:
                 out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
-            new_cache = (ck, cv)
+            new_cache = (ks, vs) if len(layer_cache) == 3 else (ck, cv)
         x_BTH = x_BTH + attn.output(out)
         h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm")(x_BTH)
         if self.moe:
@@ -212,7 +245,11 @@ class Transformer(nn.Module):
             param_dtype=c.param_dtype,
             name="embed_tokens",
         )
-        self.layers = self.decoder_layers()
+        if c.scans_layers:
+            self.layers = None
+            self.stack = self.param(layer_stack.STACKED, self._init_stack)
+        else:
+            self.layers = self.decoder_layers()
         self.norm = self.final_norm()
         if c.quantize_lm_head:
             self.lm_head = Int8Dense(c.vocab_size, False, c.dtype, c.param_dtype, name="lm_head")
@@ -232,6 +269,78 @@ class Transformer(nn.Module):
             DecoderLayer(c, self.attention_impl, c.layer_is_moe(i), name=f"layers_{i}")
             for i in range(c.num_layers)
         ]
+
+    def layer_module(self) -> "DecoderLayer":
+        """The one layer body of a stacked group (unbound: applied to each layer's slice)."""
+        c = self.cfg
+        return DecoderLayer(c, self.attention_impl, c.layer_is_moe(0), parent=None)
+
+    def _init_stack(self, rng):
+        """Random parameters of every layer, stacked [L, ...] (`layer_stack`)."""
+        c = self.cfg
+        x = jnp.zeros((1, 1, c.hidden_size), c.dtype)
+        pos = jnp.zeros((1, 1), jnp.int32)
+        mask = jnp.ones((1, 1, 1), bool)
+        init = lambda r: self.layer_module().init(r, x, pos, rope_inv_freq(c), None, mask)
+        return jax.vmap(lambda r: init(r)["params"])(jax.random.split(rng, c.num_layers))
+
+    def _scan(
+        self,
+        x,
+        positions_BT,
+        inv_freq,
+        cache,
+        tap_layers,
+        mask,
+        starts,
+        tree_mask_BTT,
+        depth=None,
+        attn_chunk=0,
+        segment_ids_BT=None,
+    ):
+        """The stacked layers 0 .. depth-1 (all by default) as one `lax.scan`. Returns the
+        residual stream, the new (k, v) stacks or None, and the taps {layer: x}."""
+        c = self.cfg
+        n = c.num_layers if depth is None else depth
+        params = self.stack
+        if n < c.num_layers:
+            params = jax.tree_util.tree_map(lambda a: a[:n], params)
+        layer = self.layer_module()
+        tap_layers = tuple(tap_layers)
+        slot_of = np.full((n,), -1, np.int32)
+        for j, i in enumerate(tap_layers):
+            if i < n:
+                slot_of[i] = j
+        tapbuf = jnp.zeros((max(len(tap_layers), 1),) + x.shape, x.dtype)
+
+        def body(carry, xs):
+            x, kv, tapbuf = carry
+            p, i, slot = xs
+            layer_cache = None if kv is None else (kv[0], kv[1], i)
+            x, kv = layer.apply(
+                {"params": p},
+                x,
+                positions_BT,
+                inv_freq,
+                layer_cache,
+                mask,
+                attn_chunk,
+                segment_ids_BT,
+                cache_starts_B=starts,
+                tree_mask_BTT=tree_mask_BTT,
+            )
+            if tap_layers:
+                at = jnp.maximum(slot, 0)
+                keep = jax.lax.dynamic_index_in_dim(tapbuf, at, 0, keepdims=False)
+                tapbuf = jax.lax.dynamic_update_index_in_dim(
+                    tapbuf, jnp.where(slot >= 0, x, keep), at, 0
+                )
+            return (x, kv, tapbuf), None
+
+        kv = None if cache is None else (cache.k, cache.v)
+        xs = (params, jnp.arange(n, dtype=jnp.int32), jnp.asarray(slot_of))
+        (x, kv, tapbuf), _ = jax.lax.scan(body, (x, kv, tapbuf), xs)
+        return x, kv, {i: tapbuf[j] for j, i in enumerate(tap_layers)}
 
     def final_norm(self) -> nn.Module:
         c = self.cfg
@@ -303,6 +412,11 @@ class Transformer(nn.Module):
         t = ids_BT.shape[1]
         inv_freq = rope_inv_freq(c)
         x = self.embed(ids_BT)
+        if c.scans_layers:
+            x, kv, by_layer = self._scan(
+                x, positions_BT, inv_freq, cache, tap_layers, mask, starts, tree_mask_BTT
+            )
+            return self._finish(x, cache, kv, t, tap_layers, by_layer)
         taps = []
         new_k, new_v = [], []
         for i, layer in enumerate(self.layers):
@@ -321,15 +435,19 @@ class Transformer(nn.Module):
                 new_v.append(layer_cache[1])
             if i in tap_layers:
                 taps.append((i, x))
-        if self.is_initializing() and not c.tie_word_embeddings:
+        kv = None if cache is None else (tuple(new_k), tuple(new_v))
+        return self._finish(x, cache, kv, t, tap_layers, dict(taps))
+
+    def _finish(self, x, cache, kv, t, tap_layers, by_layer):
+        """The final norm, the cache with its new K/V and lengths, the concatenated taps."""
+        if self.is_initializing() and not self.cfg.tie_word_embeddings:
             self.lm_head(x)  # create lm_head params
         hidden = self.norm(x)
         new_cache = None
         if cache is not None:
-            new_cache = cache.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + t)
+            new_cache = cache.replace(k=kv[0], v=kv[1], lengths=cache.lengths + t)
         tap_out = None
         if tap_layers:
-            by_layer = dict(taps)
             tap_out = jnp.concatenate([by_layer[i] for i in tap_layers], axis=-1)
         return hidden, new_cache, tap_out
 
@@ -350,6 +468,21 @@ class Transformer(nn.Module):
             positions_BT = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None, :], (b, t))
         inv_freq = rope_inv_freq(self.cfg)
         x = self.embed(input_ids_BT)
+        if self.cfg.scans_layers:  # the stack up to the last tap
+            _, _, taps = self._scan(
+                x,
+                positions_BT,
+                inv_freq,
+                None,
+                tap_layers,
+                None,
+                None,
+                None,
+                depth=max(tap_layers) + 1,
+                attn_chunk=attn_chunk,
+                segment_ids_BT=segment_ids_BT,
+            )
+            return jnp.concatenate([taps[i] for i in tap_layers], axis=-1)
         taps = {}
         for i in range(max(tap_layers) + 1):
             x, _ = self.layers[i](x, positions_BT, inv_freq, None, None, attn_chunk, segment_ids_BT)

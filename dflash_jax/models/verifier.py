@@ -21,7 +21,7 @@ def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=None):
     """A target's empty decoding cache: a `KVCache`, or a `HybridCache` for a hybrid target."""
     if cfg.hybrid is not None:
         return HybridCache.create(cfg, batch, capacity, dtype)
-    return KVCache.create(cfg, batch, capacity, dtype)
+    return KVCache.create(cfg, batch, capacity, dtype, stacked=cfg.scans_layers)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):

@@ -281,9 +281,16 @@ def param_specs(params, mesh, rules: Sequence[Rule], head_dim: Optional[int] = N
 
     def one(path, leaf):
         name = path_str(path)
+        shape = np.shape(leaf)
+        # A stacked layer group (`models/layer_stack.py`): the rules speak of one layer; the
+        # leading layer axis is never split.
+        stacked = re.search(r"(^|/)layers/", name) is not None
         for pat, spec, hd in compiled:
             if pat.search(name):
-                return fit_spec(np.shape(leaf), spec, mesh, hd, head_dim)
+                if stacked:
+                    inner = fit_spec(shape[1:], spec, mesh, hd, head_dim)
+                    return P(None, *inner) if tuple(inner) else P()
+                return fit_spec(shape, spec, mesh, hd, head_dim)
         return P()
 
     return jax.tree_util.tree_map_with_path(one, params)
@@ -342,6 +349,11 @@ def cache_specs(cache, mesh):
     kv = lambda x: fit_spec(
         np.shape(x), P(BATCH, None, "tensor"), mesh, head_dims=(2,), head_dim=cache.head_dim
     )
+    if getattr(cache, "stacked", False):  # [L, B, S, K*D]: the layer axis unsplit
+        one = lambda x: P(None, *kv(np.shape(x)[1:]))
+        return cache.replace(
+            k=one(cache.k), v=one(cache.v), lengths=batch_spec(np.shape(cache.lengths), mesh)
+        )
     return cache.replace(
         k=tuple(kv(x) for x in cache.k),
         v=tuple(kv(x) for x in cache.v),

@@ -67,13 +67,18 @@ def ids_crc(ids) -> int:
 
 
 def target_fingerprint(config, params) -> str:
-    """sha256 (16 hex digits) of the target's config and every parameter's bytes (as stored)."""
+    """sha256 (16 hex digits) of the target's config and every parameter's bytes (as stored),
+    whatever the layer stack's layout (the looped names and config without `scan_layers`)."""
     import dataclasses
 
     import jax
 
+    from dflash_jax.models import layer_stack
+
     h = hashlib.sha256()
     cfg = dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)
+    cfg.pop("scan_layers", None)
+    params = layer_stack.unstack_layers(params)
     h.update(json.dumps(cfg, sort_keys=True, default=str).encode())
     leaves = jax.tree_util.tree_flatten_with_path(params)[0]
     for path, leaf in leaves:
