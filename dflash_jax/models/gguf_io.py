@@ -14,9 +14,15 @@ train.py, infer.py, the benchmarks) takes a GGUF target as it is:
     dj.load_target("smollm2-135m-instruct")    # a known name: the GGUF of an installed package
 
 Architectures: llama, qwen3, qwen3moe. Every GGML type the `gguf` package dequantizes (F32, F16,
-BF16, Q4_0 ... Q8_0, the K-quants, the IQ types). What is wrong with a file (bad magic, a
-truncated file, another architecture, a tensor type nothing dequantizes) is one `GGUFError` line
-before any weight is read.
+BF16, Q4_0 ... Q8_0, the K-quants, the IQ types). What is wrong with a file is one `GGUFError`
+line naming the .gguf, before any weight is read and before the sidecar is written
+(`check_file`): bad magic, a truncated file, another architecture, a tensor type this reader
+cannot dequantize (the integer types among them), metadata that is missing, of the wrong kind or
+out of range (a head count of 0, a rotary dimension other than the head size), metadata that
+contradicts the tensors' shapes (head counts, head size, widths, layers, vocabulary), a token id
+outside the vocabulary, a malformed merge. A NaN or infinite weight is refused as its tensor is
+dequantized (a float32 sum per tensor, the exact test only when that sum is not finite: about
+2% of the dequantization's time on SmolLM2).
 
 The sidecar cache lives in $DFLASH_JAX_CACHE/gguf (default ~/.cache/dflash_jax/gguf), one
 directory per (file, size, mtime); it is written atomically and rebuilt when the file changes.
@@ -54,7 +60,7 @@ KNOWN_MODELS = {
 }
 # The drafter shipped for a known model (relative to the repository root).
 DEFAULT_DRAFTERS = {"smollm2-135m-instruct": "assets/smollm2-135m-instruct/drafter"}
-SIDECAR_VERSION = 2  # bump when what the sidecar holds changes (old caches are then rebuilt)
+SIDECAR_VERSION = 3  # bump when what the sidecar holds, or the checks before it, change
 
 # Pre-tokenizer split patterns of the byte-level vocabularies (`tokenizer.ggml.pre`), as the
 # models' own tokenizer.json files state them. "smollm" splits every digit, then GPT-2's rule.
@@ -213,9 +219,12 @@ def _field(reader, key: str, default=None):
         raise GGUFError(f"{reader.dj_path}: metadata {key!r} cannot be read") from None
 
 
-def _f32(value) -> float:
+def _f32(value):
     """A float32 metadata value as the decimal it was written from (1e-05, not
-    9.999999747378752e-06): the shortest repr that round-trips in float32."""
+    9.999999747378752e-06): the shortest repr that round-trips in float32. Anything else is
+    returned as it is (`ModelConfig.from_hf` then refuses it, naming the file)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return value
     return float(str(np.float32(value)))
 
 
@@ -229,15 +238,33 @@ def architecture(reader) -> str:
     return arch
 
 
+def _int_field(reader, key: str, default=None, lo: int = 1):
+    """An integer metadata value >= `lo` (GGUFError naming the file and key otherwise: a
+    float, a string, a list, a bool, a value below `lo`); `default` when the key is absent."""
+    v = _field(reader, key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, np.integer)):
+        raise GGUFError(
+            f"{reader.dj_path}: metadata {key} must be an integer, got {repr(v)[:60]} "
+            f"({type(v).__name__})"
+        )
+    if int(v) < lo:
+        raise GGUFError(f"{reader.dj_path}: metadata {key} must be >= {lo}, got {int(v)}")
+    return int(v)
+
+
 def hf_config(reader) -> dict:
-    """The Hugging Face config.json dict of a GGUF file's metadata (checked by
-    `ModelConfig.from_hf` afterwards, as any config.json is)."""
+    """The Hugging Face config.json dict of a GGUF file's metadata, each number checked as
+    llama.cpp reads it (head counts >= 1, the rotary dimension equal to the head size: these
+    architectures rotate whole heads); `check_file` then checks it against the tensors' shapes
+    and `ModelConfig.from_hf`'s rules, naming the .gguf."""
     arch = architecture(reader)
     cls, model_type = ARCHITECTURES[arch]
     path = reader.dj_path
 
-    def need(key):
-        v = _field(reader, f"{arch}.{key}")
+    def need(key, lo=1):
+        v = _int_field(reader, f"{arch}.{key}", lo=lo)
         if v is None:
             raise GGUFError(f"{path}: missing metadata {arch}.{key}")
         return v
@@ -245,60 +272,91 @@ def hf_config(reader) -> dict:
     def opt(key, default=None):
         return _field(reader, f"{arch}.{key}", default)
 
+    def opt_int(key, default=None, lo=1):
+        return _int_field(reader, f"{arch}.{key}", default, lo=lo)
+
     names = {t.name for t in reader.tensors}
     emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if emb is None:
         raise GGUFError(f"{path}: no token_embd.weight tensor")
-    vocab = opt("vocab_size") or int(emb.shape[1])
-    hidden = int(need("embedding_length"))
-    heads = int(need("attention.head_count"))
-    kv = opt("attention.head_count_kv", heads)
-    if isinstance(kv, (list, tuple)):  # per-layer counts (not in these architectures)
-        raise GGUFError(f"{path}: per-layer attention.head_count_kv is not supported")
-    head_dim = opt("attention.key_length") or hidden // heads
-    if opt("attention.value_length", head_dim) != head_dim:
-        raise GGUFError(f"{path}: attention.value_length differs from key_length")
+    if len(emb.shape) != 2:
+        raise GGUFError(
+            f"{path}: tensor 'token_embd.weight' has {len(emb.shape)} dimensions, expected 2"
+        )
+    vocab = opt_int("vocab_size") or int(emb.shape[1])
+    hidden = need("embedding_length")
+    for key in ("attention.head_count", "attention.head_count_kv"):
+        if isinstance(opt(key), (list, tuple)):  # per-layer counts (not in these architectures)
+            raise GGUFError(f"{path}: per-layer {arch}.{key} is not supported")
+    heads = need("attention.head_count")
+    kv = opt_int("attention.head_count_kv", heads)
+    key_length = opt_int("attention.key_length")
+    if key_length is None and hidden % heads:
+        raise GGUFError(
+            f"{path}: {arch}.embedding_length={hidden} is not a multiple of "
+            f"{arch}.attention.head_count={heads} (and there is no attention.key_length)"
+        )
+    head_dim = key_length or hidden // heads
+    value_length = opt_int("attention.value_length", head_dim)
+    if value_length != head_dim:
+        raise GGUFError(
+            f"{path}: {arch}.attention.value_length={value_length} differs from the key "
+            f"length {head_dim}; these architectures need equal key and value sizes"
+        )
+    rot = opt_int("rope.dimension_count")
+    if rot is not None and rot != head_dim:
+        raise GGUFError(
+            f"{path}: {arch}.rope.dimension_count={rot} differs from the head size {head_dim} "
+            f"({'attention.key_length' if key_length else 'embedding_length / head_count'}); "
+            f"{arch} rotates whole heads (llama.cpp refuses this too: invalid n_rot)"
+        )
     scaling = opt("rope.scaling.type")
     rope_scaling = None
     if scaling not in (None, "none"):
         if scaling != "linear":
             raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (linear only)")
-        rope_scaling = {"rope_type": "linear", "factor": _f32(need("rope.scaling.factor"))}
+        factor = opt("rope.scaling.factor")
+        if factor is None:
+            raise GGUFError(f"{path}: missing metadata {arch}.rope.scaling.factor")
+        rope_scaling = {"rope_type": "linear", "factor": _f32(factor)}
     if "rope_freqs.weight" in names:
         raise GGUFError(
             f"{path}: a rope_freqs tensor (llama.cpp's form of Llama-3.1 rope scaling) is not "
             "supported; load the Hugging Face checkpoint instead"
         )
-    bos = _field(reader, "tokenizer.ggml.bos_token_id")
-    eos = _field(reader, "tokenizer.ggml.eos_token_id")
+    eps = opt("attention.layer_norm_rms_epsilon")
+    if eps is None:
+        raise GGUFError(f"{path}: missing metadata {arch}.attention.layer_norm_rms_epsilon")
+    bos = _int_field(reader, "tokenizer.ggml.bos_token_id", lo=0)
+    eos = _int_field(reader, "tokenizer.ggml.eos_token_id", lo=0)
     cfg = {
         "architectures": [cls],
         "model_type": model_type,
         "vocab_size": int(vocab),
         "hidden_size": hidden,
-        "intermediate_size": int(opt("feed_forward_length", 0) or 0),
-        "num_hidden_layers": int(need("block_count")),
+        "intermediate_size": opt_int("feed_forward_length", 0, lo=0),
+        "num_hidden_layers": need("block_count"),
         "num_attention_heads": heads,
-        "num_key_value_heads": int(kv),
+        "num_key_value_heads": kv,
         "head_dim": int(head_dim),
-        "rms_norm_eps": _f32(need("attention.layer_norm_rms_epsilon")),
+        "rms_norm_eps": _f32(eps),
         "rope_theta": _f32(opt("rope.freq_base", 10000.0)),
         "rope_scaling": rope_scaling,
-        "max_position_embeddings": int(opt("context_length", 2048)),
+        "max_position_embeddings": opt_int("context_length", 2048),
         "tie_word_embeddings": "output.weight" not in names,
         "attention_bias": "blk.0.attn_q.bias" in names,
         "hidden_act": "silu",
         "torch_dtype": "float32",
     }
     if bos is not None:
-        cfg["bos_token_id"] = int(bos)
+        cfg["bos_token_id"] = bos
     if eos is not None:
-        cfg["eos_token_id"] = int(eos)
+        cfg["eos_token_id"] = eos
     if arch == "qwen3moe":
         cfg.update(
-            num_experts=int(need("expert_count")),
-            num_experts_per_tok=int(need("expert_used_count")),
-            moe_intermediate_size=int(need("expert_feed_forward_length")),
+            num_experts=need("expert_count"),
+            num_experts_per_tok=need("expert_used_count"),
+            moe_intermediate_size=need("expert_feed_forward_length"),
             norm_topk_prob=True,
             decoder_sparse_step=1,
             mlp_only_layers=[],
@@ -345,6 +403,106 @@ def unpermute_rows(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def expected_shapes(cfg: dict) -> Dict[str, Tuple[Tuple[int, ...], str]]:
+    """{GGUF tensor name: (shape in Hugging Face order, [out, in] for a linear; what metadata
+    says so)} for every tensor a model of `hf_config`'s `cfg` has."""
+    arch = {v[1]: k for k, v in ARCHITECTURES.items()}[cfg["model_type"]]
+    V, D, L = cfg["vocab_size"], cfg["hidden_size"], cfg["num_hidden_layers"]
+    H, KV, hd = cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["head_dim"]
+    q, kv = H * hd, KV * hd
+    q_why = f"{arch}.attention.head_count {H} x head size {hd}"
+    kv_why = f"{arch}.attention.head_count_kv {KV} x head size {hd}"
+    d_why = f"{arch}.embedding_length {D}"
+    out = {
+        "token_embd.weight": ((V, D), f"vocab_size {V} x {d_why}"),
+        "output_norm.weight": ((D,), d_why),
+    }
+    if not cfg["tie_word_embeddings"]:
+        out["output.weight"] = ((V, D), f"vocab_size {V} x {d_why}")
+    for i in range(L):
+        p = f"blk.{i}."
+        out[p + "attn_norm.weight"] = ((D,), d_why)
+        out[p + "ffn_norm.weight"] = ((D,), d_why)
+        out[p + "attn_q.weight"] = ((q, D), f"{q_why}, {d_why}")
+        out[p + "attn_k.weight"] = ((kv, D), f"{kv_why}, {d_why}")
+        out[p + "attn_v.weight"] = ((kv, D), f"{kv_why}, {d_why}")
+        out[p + "attn_output.weight"] = ((D, q), f"{d_why}, {q_why}")
+        if cfg["attention_bias"]:
+            out[p + "attn_q.bias"] = ((q,), q_why)
+            out[p + "attn_k.bias"] = ((kv,), kv_why)
+            out[p + "attn_v.bias"] = ((kv,), kv_why)
+        if arch in ("qwen3", "qwen3moe"):
+            out[p + "attn_q_norm.weight"] = ((hd,), f"head size {hd}")
+            out[p + "attn_k_norm.weight"] = ((hd,), f"head size {hd}")
+        if arch == "qwen3moe":
+            E, F = cfg["num_experts"], cfg["moe_intermediate_size"]
+            e_why = f"{arch}.expert_count {E}"
+            f_why = f"{arch}.expert_feed_forward_length {F}"
+            out[p + "ffn_gate_inp.weight"] = ((E, D), f"{e_why}, {d_why}")
+            out[p + "ffn_gate_exps.weight"] = ((E, F, D), f"{e_why}, {f_why}, {d_why}")
+            out[p + "ffn_up_exps.weight"] = ((E, F, D), f"{e_why}, {f_why}, {d_why}")
+            out[p + "ffn_down_exps.weight"] = ((E, D, F), f"{e_why}, {d_why}, {f_why}")
+        else:
+            F = cfg["intermediate_size"]
+            f_why = f"{arch}.feed_forward_length {F}"
+            out[p + "ffn_gate.weight"] = ((F, D), f"{f_why}, {d_why}")
+            out[p + "ffn_up.weight"] = ((F, D), f"{f_why}, {d_why}")
+            out[p + "ffn_down.weight"] = ((D, F), f"{d_why}, {f_why}")
+    return out
+
+
+def check_tensors(reader, cfg: dict) -> None:
+    """Every tensor of the model present with the shape the metadata implies (head counts,
+    head size, widths, layer count, vocabulary), and no layer past `block_count`: a GGUFError
+    naming the .gguf, the tensor and the metadata it contradicts. (A head count that divides
+    the width another way would otherwise load a different model without a word.)"""
+    path = reader.dj_path
+    want = expected_shapes(cfg)
+    have = {t.name: tuple(int(x) for x in reversed(list(t.shape))) for t in reader.tensors}
+    L = cfg["num_hidden_layers"]
+    for name in have:
+        parts = name.split(".", 2)
+        if len(parts) == 3 and parts[0] == "blk" and parts[1].isdigit() and int(parts[1]) >= L:
+            raise GGUFError(
+                f"{path}: tensor {name!r} is past the {L} layers of "
+                f"{architecture(reader)}.block_count={L}"
+            )
+    for name, (shape, why) in want.items():
+        if name not in have:
+            raise GGUFError(f"{path}: missing tensor {name!r}")
+        if have[name] != shape:
+            raise GGUFError(
+                f"{path}: tensor {name!r} has shape {list(have[name])}, the metadata "
+                f"({why}) says {list(shape)}"
+            )
+
+
+def readable_types(gguf) -> set:
+    """The GGML types `GGUFStore` turns into float32 weights: F32, F16, F64 as stored, and
+    every type with a dequantizer in the gguf package (BF16, Q4_0 ... Q8_0, the K-quants, the
+    IQ types). The integer types (I8 ... I64) and the activation-only ones (Q8_1, Q8_K) are
+    not weights these architectures can hold."""
+    q = gguf.GGMLQuantizationType
+    return {q.F32, q.F16, q.F64} | set(getattr(gguf.quants, "_type_traits", {}))
+
+
+def check_finite(arr: np.ndarray, path: str, name: str) -> None:
+    """GGUFError naming the file and tensor when `arr` holds a NaN or an infinity (a model
+    that would decode to EOS or garbage without a word). One float32 sum decides the common
+    case (it is finite whenever every value is and their total does not overflow); the exact
+    elementwise test runs only when it is not."""
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(np.add.reduce(arr, axis=None)):
+            return
+    bad = ~np.isfinite(arr)
+    if bad.any():
+        first = np.unravel_index(int(np.argmax(bad)), arr.shape)
+        raise GGUFError(
+            f"{path}: tensor {name!r} holds {int(bad.sum())} non-finite values (NaN or "
+            f"infinity), the first at index {list(map(int, first))}"
+        )
+
+
 class GGUFStore:
     """The tensors of a GGUF file under their Hugging Face names, with the interface of
     `safetensors_io.SafetensorsDir` (`names`, `in`, `info`, `get`, `file_of`, `close`):
@@ -371,13 +529,11 @@ class GGUFStore:
                 self._map[name] = (t, expert, permute)
 
     def _check_type(self, t):
-        q = self._gguf.GGMLQuantizationType
-        plain = (q.F32, q.F16, q.F64, q.I8, q.I16, q.I32)
-        traits = getattr(self._gguf.quants, "_type_traits", {})
-        if t.tensor_type not in plain and t.tensor_type not in traits:
+        if t.tensor_type not in readable_types(self._gguf):
             raise GGUFError(
-                f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which the gguf "
-                "package cannot dequantize"
+                f"{self.path}: tensor {t.name!r} has type {t.tensor_type.name}, which this "
+                "reader cannot dequantize to weights (it reads F32, F16, F64, BF16 and the "
+                "quantized types the gguf package dequantizes)"
             )
 
     def _hf_names(self, t) -> Iterable[Tuple[str, Optional[int]]]:
@@ -421,6 +577,7 @@ class GGUFStore:
             arr = self._gguf.quants.dequantize(np.asarray(t.data), t.tensor_type)
         shape = tuple(int(s) for s in reversed(list(t.shape)))
         arr = np.asarray(arr, dtype=np.float32).reshape(shape)
+        check_finite(arr, self.path, t.name)
         self._last = (t.name, arr)
         return arr
 
@@ -518,6 +675,83 @@ def build_tokenizer(reader):
     return tok, None
 
 
+# Token ids of `tokenizer.ggml.*` (llama.cpp's spelling, "seperator" included).
+_TOKEN_ID_KEYS = (
+    "bos_token_id",
+    "eos_token_id",
+    "eot_token_id",
+    "eom_token_id",
+    "unknown_token_id",
+    "padding_token_id",
+    "seperator_token_id",
+    "cls_token_id",
+    "mask_token_id",
+)
+
+
+def check_tokenizer(reader, vocab_rows: int) -> None:
+    """The tokenizer metadata checked before anything is derived from it: the token list (no
+    more tokens than embedding rows; one type per token), every special token id inside the
+    vocabulary, a BOS id when add_bos_token asks for one, and every merge of a byte-level BPE
+    two tokens of the vocabulary separated by one space whose concatenation is a token too
+    (what Hugging Face tokenizers requires). GGUFError naming the file and the entry."""
+    path = reader.dj_path
+    tokens = _field(reader, "tokenizer.ggml.tokens")
+    if tokens is not None and not (
+        isinstance(tokens, list) and all(isinstance(t, str) for t in tokens)
+    ):
+        raise GGUFError(f"{path}: tokenizer.ggml.tokens must be an array of strings")
+    tokens = tokens or []
+    if len(tokens) > vocab_rows:
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.tokens holds {len(tokens)} tokens, more than the "
+            f"{vocab_rows} rows of token_embd.weight"
+        )
+    types = _field(reader, "tokenizer.ggml.token_type")
+    if tokens and types is not None and (not isinstance(types, list) or len(types) != len(tokens)):
+        n = len(types) if isinstance(types, list) else type(types).__name__
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.token_type holds {n} entries for {len(tokens)} tokens"
+        )
+    size = len(tokens) or vocab_rows
+    where = "tokenizer.ggml.tokens" if tokens else "token_embd.weight's rows"
+    for key in _TOKEN_ID_KEYS:
+        i = _int_field(reader, f"tokenizer.ggml.{key}", lo=0)
+        if i is not None and i >= size:
+            raise GGUFError(
+                f"{path}: tokenizer.ggml.{key}={i} is outside the vocabulary "
+                f"({size} entries in {where})"
+            )
+    add_bos = _field(reader, "tokenizer.ggml.add_bos_token", False)
+    if not isinstance(add_bos, bool):
+        raise GGUFError(f"{path}: tokenizer.ggml.add_bos_token must be true or false")
+    if add_bos and tokens and _field(reader, "tokenizer.ggml.bos_token_id") is None:
+        raise GGUFError(
+            f"{path}: tokenizer.ggml.add_bos_token is true but there is no bos_token_id"
+        )
+    if _field(reader, "tokenizer.ggml.model") != "gpt2" or not tokens:
+        return  # no byte-level BPE is built from it (`build_tokenizer` says why)
+    merges = _field(reader, "tokenizer.ggml.merges")
+    if merges is None:
+        return
+    if not isinstance(merges, list) or not all(isinstance(m, str) for m in merges):
+        raise GGUFError(f"{path}: tokenizer.ggml.merges must be an array of strings")
+    vocab = set(tokens)
+    for i, m in enumerate(merges):
+        parts = m.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise GGUFError(
+                f"{path}: tokenizer.ggml.merges[{i}] = {m[:60]!r} is not two tokens "
+                "separated by one space"
+            )
+        for part in (parts[0], parts[1], parts[0] + parts[1]):
+            if part not in vocab:
+                raise GGUFError(
+                    f"{path}: tokenizer.ggml.merges[{i}] = {m[:60]!r}: {part[:40]!r} is not "
+                    "in tokenizer.ggml.tokens"
+                )
+
+
 def tokenizer_files(reader) -> Tuple[Dict[str, dict], Optional[str]]:
     """{file name: JSON object} of the tokenizer files derived from the metadata, and the
     reason the tokenizer itself could not be built (None when it was)."""
@@ -556,7 +790,13 @@ def tokenizer_files(reader) -> Tuple[Dict[str, dict], Optional[str]]:
         if v is not None:
             gen[hf_key] = int(v)
     files = {"tokenizer_config.json": tok_cfg, "generation_config.json": gen}
-    tok, why = build_tokenizer(reader) if tokens else (None, "no tokenizer in the metadata")
+    try:
+        tok, why = build_tokenizer(reader) if tokens else (None, "no tokenizer in the metadata")
+    except GGUFError:
+        raise
+    except Exception as e:  # noqa: BLE001 - what `check_tokenizer` did not foresee: one line
+        msg = (str(e).strip().splitlines() or [type(e).__name__])[0][:160]
+        raise GGUFError(f"{reader.dj_path}: the tokenizer cannot be built ({msg})") from None
     if tok is not None:
         files["tokenizer.json"] = json.loads(tok.to_str())
     return files, why
@@ -584,10 +824,9 @@ def model_dir(path: str) -> str:
     out = os.path.join(cache_root(), f"{stem}-{key}")
     if os.path.exists(os.path.join(out, "config.json")):
         return out
+    cfg = check_file(path)  # every check, before anything is written
     reader = open_reader(path)
-    cfg = hf_config(reader)
     cfg.update(ident)
-    GGUFStore(path, cfg)  # every tensor's type is checked here, before anything is written
     files, why = tokenizer_files(reader)
     files["config.json"] = cfg
     os.makedirs(cache_root(), exist_ok=True)
@@ -609,6 +848,27 @@ def model_dir(path: str) -> str:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def check_file(path: str) -> dict:
+    """Every check of GGUF file `path` that needs no weight read, in order: the header
+    (`open_reader`), the metadata (`hf_config`), the config's rules (`ModelConfig.from_hf`,
+    as for any config.json), the tensors' types and shapes against the metadata
+    (`check_tensors`), the tokenizer metadata (`check_tokenizer`). Returns the config dict;
+    every failure is one GGUFError line naming `path` (never the derived directory). The
+    weights' values (NaN, infinity) are checked as they are dequantized (`GGUFStore.get`)."""
+    from dflash_jax.models.config import ModelConfig
+
+    reader = open_reader(path)
+    cfg = hf_config(reader)
+    try:
+        ModelConfig.from_hf(cfg, source=f"{path} (metadata)")
+    except ValueError as e:
+        raise GGUFError(str(e)) from None
+    GGUFStore(path, cfg)  # every tensor's type
+    check_tensors(reader, cfg)
+    check_tokenizer(reader, cfg["vocab_size"])
+    return cfg
 
 
 def as_model_dir(name_or_path) -> Optional[str]:
