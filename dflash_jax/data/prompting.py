@@ -16,6 +16,62 @@ from dflash_jax.support import checks
 
 _PROMPT_KEYS = ("prompt", "text", "messages", "ids")
 
+# The bounds on prompt text, checked before anything is tokenized or parsed. A prompt is at most
+# MAX_PROMPT_CHARS characters: 16 per token of the largest context a supported model states
+# (Qwen3.5's 262,144 tokens), well past what fits any context (text averages 3 to 5 characters a
+# token), so a refusal costs no usable prompt and a 12 MB line is not tokenized for a minute to be
+# refused by the context check afterwards. A JSON Lines line is at most MAX_LINE_BYTES (a prompt
+# of MAX_PROMPT_CHARS as \uXXXX escapes is 6 bytes a character, 24 MiB) and nested at most
+# MAX_JSON_DEPTH levels (a prompt line needs 3: {"messages": [{...}]}).
+LARGEST_CONTEXT = 262_144
+MAX_PROMPT_CHARS = 16 * LARGEST_CONTEXT
+MAX_LINE_BYTES = 32 * 1024 * 1024
+MAX_JSON_DEPTH = 64
+
+
+def check_text(
+    where: str, text: str, limit: int = MAX_PROMPT_CHARS, from_bytes: bool = False
+) -> str:
+    """`text` when it is Unicode text a tokenizer takes, else a ValueError naming `where`:
+    more than `limit` characters, or a lone surrogate (half of a UTF-16 pair, e.g. a JSON
+    "\ud800" escape without its pair). `from_bytes`: `text` was decoded from bytes with
+    Python's surrogateescape (argv), so U+DC80..U+DCFF stand for bytes that were not UTF-8
+    (e.g. "café" in Latin-1, whose é is the byte 0xE9) and the message names the byte. Nothing
+    is replaced or dropped: the prompt is used as given or refused."""
+    if len(text) > limit:
+        raise ValueError(
+            f"{where}: {len(text):,} characters, over the limit of {limit:,} for one prompt "
+            f"(16 characters per token of a {LARGEST_CONTEXT:,}-token context); refused "
+            "before tokenizing"
+        )
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        if from_bytes and 0xDC80 <= c <= 0xDCFF:
+            raise ValueError(
+                f"{where}: not UTF-8 text: byte 0x{c - 0xDC00:02X} at character {e.start} "
+                "(text in another encoding, e.g. Latin-1; convert it to UTF-8, e.g. with "
+                "iconv -f latin1 -t utf-8)"
+            ) from None
+        raise ValueError(
+            f"{where}: a lone surrogate U+{c:04X} at character {e.start} (half of a UTF-16 "
+            "pair, not a character; a JSON \\uD800-\\uDFFF escape needs its pair)"
+        ) from None
+    return text
+
+
+def _depth(obj) -> int:
+    """How deeply lists and objects nest in a parsed JSON value (an explicit stack: no
+    recursion, whatever the depth)."""
+    deepest, stack = 0, [(obj, 1)]
+    while stack:
+        value, d = stack.pop()
+        if isinstance(value, (list, dict)):
+            deepest = max(deepest, d)
+            stack.extend((v, d + 1) for v in (value.values() if isinstance(value, dict) else value))
+    return deepest
+
 
 def check_prompt_item(obj, where: str) -> dict:
     """One prompt item checked: a JSON object with exactly one of "prompt"/"text" (a string),
@@ -38,7 +94,9 @@ def check_prompt_item(obj, where: str) -> dict:
     key = given[0]
     value = obj[key]
     if key in ("prompt", "text") and not isinstance(value, str):
-        raise ValueError(f"{where}: {key!r} must be a string, got {json.dumps(value)[:40]}")
+        raise ValueError(f"{where}: {key!r} must be a string, got {_short(value)}")
+    if key in ("prompt", "text"):
+        check_text(f"{where}: {key!r}", value)
     if key == "messages":
         if not isinstance(value, list) or not value:
             raise ValueError(
@@ -53,8 +111,17 @@ def check_prompt_item(obj, where: str) -> dict:
             ):
                 raise ValueError(
                     f"{where}: messages[{j}] must be an object with string 'role' "
-                    f"and 'content', got {json.dumps(m)[:60]}"
+                    f"and 'content', got {_short(m)}"
                 )
+            check_text(f"{where}: messages[{j}].role", m["role"])
+            check_text(f"{where}: messages[{j}].content", m["content"])
+        total = sum(len(m["role"]) + len(m["content"]) for m in value)
+        if total > MAX_PROMPT_CHARS:
+            raise ValueError(
+                f"{where}: the messages hold {total:,} characters, over the limit of "
+                f"{MAX_PROMPT_CHARS:,} for one prompt (16 characters per token of a "
+                f"{LARGEST_CONTEXT:,}-token context); refused before tokenizing"
+            )
     if key == "ids":
         from dflash_jax.support.checks import token_id_list
 
@@ -65,27 +132,63 @@ def check_prompt_item(obj, where: str) -> dict:
     return obj
 
 
-def iter_jsonl(path: str, what: str = "JSONL file") -> Iterator[Tuple[int, object]]:
+def _short(value, n: int = 60) -> str:
+    """A bounded description of a JSON value for an error line (no recursion limit reached,
+    however deep or long the value)."""
+    import reprlib
+
+    r = reprlib.Repr()
+    r.maxlevel, r.maxstring, r.maxother = 3, n, n
+    return r.repr(value)[:n]
+
+
+def iter_jsonl(
+    path: str,
+    what: str = "JSONL file",
+    max_line_bytes: int = MAX_LINE_BYTES,
+    max_depth: int = MAX_JSON_DEPTH,
+) -> Iterator[Tuple[int, object]]:
     """(line number, parsed JSON value) for every non-blank line of a JSON Lines file. Every
     error is a ValueError naming the file (and line): a directory, a missing file (`what` names
-    the kind of file expected), text that is not UTF-8, a line that is not JSON."""
+    the kind of file expected), text that is not UTF-8 (the first bad byte and its offset), a
+    line over `max_line_bytes` (refused before it is read whole or parsed), a line that is not
+    JSON, JSON nested more than `max_depth` levels."""
     path = os.fspath(path)
     if os.path.isdir(path):
         raise ValueError(f"{path}: is a directory, not a {what}")
     if not os.path.exists(path):
         raise ValueError(f"{path}: no such {what}")
     with open(path, "rb") as f:
-        for n, raw in enumerate(f, 1):
+        n = 0
+        while True:
+            raw = f.readline(max_line_bytes + 2)  # the line and its end, or enough to refuse it
+            if not raw:
+                break
+            n += 1
+            if len(raw.rstrip(b"\r\n")) > max_line_bytes:
+                raise ValueError(
+                    f"{path}:{n}: a line over the limit of {max_line_bytes:,} bytes; refused "
+                    f"before parsing (one prompt is at most {MAX_PROMPT_CHARS:,} characters)"
+                )
             try:
                 line = raw.decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise ValueError(f"{path}:{n}: not UTF-8 text (expected JSON Lines)") from None
+            except UnicodeDecodeError as e:
+                raise ValueError(
+                    f"{path}:{n}: not UTF-8 text: byte 0x{raw[e.start]:02X} at byte {e.start} "
+                    "of the line (expected JSON Lines in UTF-8)"
+                ) from None
             if not line:
                 continue
+            deep = f"{path}:{n}: JSON nested more than {max_depth} levels deep; refused"
             try:
-                yield n, json.loads(line)
+                value = json.loads(line)
+            except RecursionError:
+                raise ValueError(deep) from None
             except ValueError as e:
                 raise ValueError(f"{path}:{n}: not valid JSON ({e})") from None
+            if _depth(value) > max_depth:
+                raise ValueError(deep)
+            yield n, value
 
 
 def iter_prompt_file(path: str) -> Iterator[Tuple[int, dict]]:

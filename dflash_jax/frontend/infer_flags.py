@@ -76,6 +76,10 @@ def check_infer_flags(f: Mapping) -> None:
             "--prompt and --prompt_file were both given; pass one (a prompt file can hold "
             'the prompt as a line {"prompt": ...})'
         )
+    if f.get("prompt") is not None:  # bytes that were not UTF-8, lone surrogates, its length
+        from dflash_jax.data.prompting import check_text
+
+        check_text("--prompt", f["prompt"], from_bytes=True)  # argv: surrogateescape'd
     if f["batch_size"] is not None:
         int_param("--batch_size", f["batch_size"], lo=1)
     if f["json_out"]:
