@@ -26,13 +26,18 @@ template, `--batch_size` prompts per `generate` call, the same seed everywhere):
   matmul emitted as products written then reduced), and "floor", the bytes each step must read
   at least. PROJECTED: compiled for abstract devices, never run on them.
 
-Writes the JSON (provenance, every figure), a Markdown table (`.md`) and a plot (`.png`).
+Writes the JSON (provenance, every figure), a Markdown table (`.md`) and a plot (`.png`), whole
+(all three or none; Ctrl-C / SIGTERM: one line, exit 130 / 143). Flags, every dry-run record
+(`read_dry_runs`) and the output paths are checked before any model loads (one line, exit 2);
+no drafter steps or no decode time is "no data" / "n/a", never a division by zero.
 """
 
 from __future__ import annotations
 
 import glob
+import io
 import json
+import math
 import os
 import sys
 from typing import Dict, List, Optional
@@ -42,6 +47,10 @@ from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # Ctrl-C / SIGTERM from here on: one line, exit 130 / 143
+    from dflash_jax.support import interrupts
+
+    interrupts.guard("interrupted: nothing was written")
 
 from benchmarks import drafter_grid, eval_tau  # noqa: E402
 
@@ -145,6 +154,89 @@ def measure(target, drafters, prompts, temperature, max_new_tokens, batch_size, 
     return out
 
 
+def _positive(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+
+
+def dry_run_problem(rec) -> Optional[str]:
+    """What keeps `rec` from being a dry run `step_ratios` can read (None: it is one). A
+    record without the AR and drafter loops side by side (no hbm_step_ratio) is one, unused."""
+    if not isinstance(rec, dict):
+        return "not a JSON object"
+    if not isinstance(rec.get("topology"), str) or not rec["topology"]:
+        return "no topology"
+    settings = rec.get("settings")
+    if not isinstance(settings, dict):
+        return "no settings"
+    attention = settings.get("attention")
+    if attention is not None and not (
+        isinstance(attention, list) and all(isinstance(a, str) for a in attention)
+    ):
+        return f"settings.attention {attention!r} is not a list of names"
+    roofline = rec.get("roofline", {})
+    proj = roofline.get("projection", {}) if isinstance(roofline, dict) else None
+    if not isinstance(proj, dict):
+        return "roofline.projection is not an object"
+    impl = (attention or list(proj) or [None])[0]
+    p = proj.get(impl)
+    if not isinstance(p, dict) or "hbm_step_ratio" not in p:
+        return None
+    block = settings.get("block_size")
+    if isinstance(block, bool) or not isinstance(block, int) or block < 1:
+        return f"settings.block_size {block!r} is not a block size"
+    if not isinstance(settings.get("drafter", "dflash"), str):
+        return f"settings.drafter {settings['drafter']!r} is not a drafter kind"
+    where = f"roofline.projection.{impl}"
+    if not _positive(p["hbm_step_ratio"]):
+        return f"{where}.hbm_step_ratio {p['hbm_step_ratio']!r} is not a finite number > 0"
+    for loop in ("ar", "dflash"):
+        for key in ("time_s", "floor_time_s"):
+            v = p.get(loop, {}).get(key) if isinstance(p.get(loop), dict) else None
+            if not _positive(v):
+                return f"{where}.{loop}.{key} {v!r} is not a finite number > 0"
+    return None
+
+
+def read_dry_runs(pattern: str):
+    """(records, the file of each) of the dry-run JSONs matching the glob `pattern` (a file may
+    hold a list: a run of several meshes), every record checked (`dry_run_problem`) before
+    anything is measured; ValueError (one line) for no match, a file that is not JSON, a bad
+    record, records of two models, or none with the loops side by side."""
+    paths = sorted(glob.glob(pattern))
+    if not paths:
+        raise ValueError(f"--dry_runs: no file matches {pattern!r}")
+    records, sources = [], []
+    for p in paths:
+        try:
+            with open(p, encoding="utf-8") as f:
+                data = json.load(f)
+        except (OSError, ValueError) as e:
+            raise ValueError(f"--dry_runs: {p} is not a dry-run JSON ({e})") from None
+        recs = data if isinstance(data, list) else [data]
+        if not recs:
+            raise ValueError(f"--dry_runs: {p} is an empty list: no dry run")
+        for i, rec in enumerate(recs):
+            problem = dry_run_problem(rec)
+            if problem:
+                where = p if len(recs) == 1 else f"{p} (record {i + 1})"
+                raise ValueError(
+                    f"--dry_runs: {where} is not a dry-run JSON of `python -m dflash_jax.dry_run "
+                    f"--mode=infer`: {problem}"
+                )
+            records.append(rec)
+            sources.append(p)
+    models = sorted({str(r.get("model")) for r in records})
+    if len(models) > 1:  # a step ratio is one model's: tau of this target times another's
+        raise ValueError(f"--dry_runs: give the dry runs of one model (the target's), got {models}")
+    if not step_ratios(records):
+        raise ValueError(
+            f"--dry_runs: none of the {len(records)} dry runs of {pattern!r} has the AR and "
+            "drafter loops side by side (roofline.projection.*.hbm_step_ratio: run dry_run "
+            "--mode=infer --drafter=KIND): nothing to project"
+        )
+    return records, sources
+
+
 def step_ratios(records: List[dict]) -> Dict[str, Dict[tuple, dict]]:
     """{topology: {(drafter kind, block size): {"ratio", "floor_ratio", "ar_s", "step_s"}}}
     from dry-run JSONs: the drafter's decode step time over the AR step's (the HBM model, the
@@ -173,7 +265,7 @@ def rows_of(measured, kinds, sizes, ratios, dataset, temperature) -> List[dict]:
     """One table row per decoder (AR first) for one dataset and temperature: tau, passes per
     token, the measured CPU speedup and the projected ones (None where no dry run matches)."""
     ar = measured[AR]
-    ar_tpt = ar["decode_s"] / max(ar["tokens"], 1)
+    ar_tpt = ar["decode_s"] / ar["tokens"] if ar["tokens"] and ar["decode_s"] > 0 else None
     rows = [
         dict(
             drafter=AR, kind="ar", block_size=1, dataset=dataset, temperature=temperature,
@@ -184,8 +276,8 @@ def rows_of(measured, kinds, sizes, ratios, dataset, temperature) -> List[dict]:
     for label, got in measured.items():
         if label == AR:
             continue
-        s = drafter_grid.summarize(got["acceptance"])
-        tpt = got["decode_s"] / max(got["tokens"], 1)
+        s = drafter_grid.summarize(got["acceptance"])  # taus None: no steps, no data
+        tpt = got["decode_s"] / got["tokens"] if got["tokens"] and got["decode_s"] > 0 else None
         key = (kinds[label], sizes[label])
         projected = {
             topo: (
@@ -193,7 +285,7 @@ def rows_of(measured, kinds, sizes, ratios, dataset, temperature) -> List[dict]:
                     m: s["tau_steps"] / by[key][r]
                     for m, r in (("compiled", "ratio"), ("floor", "floor_ratio"))
                 }
-                if key in by
+                if key in by and s["tau_steps"]
                 else None
             )
             for topo, by in ratios.items()
@@ -202,7 +294,8 @@ def rows_of(measured, kinds, sizes, ratios, dataset, temperature) -> List[dict]:
             dict(
                 drafter=label, kind=kinds[label], block_size=sizes[label], dataset=dataset,
                 temperature=temperature, tau=s["tau"], tau_steps=s["tau_steps"],
-                passes_per_token=1.0 / s["tau_steps"], cpu_speedup=ar_tpt / tpt if tpt else None,
+                passes_per_token=1.0 / s["tau_steps"] if s["tau_steps"] else None,
+                cpu_speedup=ar_tpt / tpt if ar_tpt and tpt else None,
                 identical=got["identical"], steps=s["steps"],
                 acceptance_histogram=s["acceptance_histogram"], projected=projected,
             )
@@ -227,7 +320,8 @@ def markdown(rows: List[dict], topologies: List[str]) -> str:
         same = "" if r["identical"] is None else f"{r['identical']}"
         cells = [
             f"{r['temperature']:g}", r["dataset"], r["drafter"], str(r["block_size"]),
-            f"{r['tau']:.3f}", f"{r['passes_per_token']:.3f}", _x(r["cpu_speedup"]),
+            drafter_grid.fmt_tau(r["tau"]), drafter_grid.fmt_tau(r["passes_per_token"]),
+            _x(r["cpu_speedup"]),
             *(_proj(r["projected"].get(t)) for t in topologies), same,
         ]  # fmt: skip
         lines.append("| " + " | ".join(cells) + " |")
@@ -275,7 +369,7 @@ def plot(rows: List[dict], topologies: List[str], path: str) -> None:
 
 def main(argv):
     del argv
-    from dflash_jax.support import checks, provenance
+    from dflash_jax.support import checks, outputs, provenance
 
     checks.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
     checks.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
@@ -288,28 +382,22 @@ def main(argv):
             raise ValueError(f"--temperatures: {t!r} is not a number") from None
         if not np.isfinite(temps[-1]) or temps[-1] < 0:
             raise ValueError(f"--temperatures: {t!r} must be a finite number >= 0")
-    labels = [drafter_grid.drafter_label(d.strip()) for d in FLAGS.drafter]
+    checks.seed_param("--seed", FLAGS.seed)
+    if not temps:
+        raise ValueError("--temperatures: give one or more")
+    datasets = drafter_grid.nonempty("--datasets", FLAGS.datasets)
+    labels = [
+        drafter_grid.drafter_label(d) for d in drafter_grid.nonempty("--drafter", FLAGS.drafter)
+    ]
     sizes = dict(zip(labels, block_sizes(FLAGS.block_sizes, len(labels))))
-    dry_paths = sorted(glob.glob(FLAGS.dry_runs)) if FLAGS.dry_runs else []
-    if FLAGS.dry_runs and not dry_paths:
-        raise ValueError(f"--dry_runs: no file matches {FLAGS.dry_runs!r}")
-    records, sources = [], []  # every dry run and the file it came from
-    for p in dry_paths:
-        try:
-            with open(p) as f:
-                data = json.load(f)
-            for rec in data if isinstance(data, list) else [data]:  # a run of several meshes
-                records.append(rec)
-                sources.append(p)
-        except (OSError, ValueError) as e:
-            raise ValueError(f"--dry_runs: {p} is not a dry-run JSON ({e})") from None
+    records, sources = read_dry_runs(FLAGS.dry_runs) if FLAGS.dry_runs else ([], [])
     models = sorted({str(r.get("model")) for r in records})
-    if len(models) > 1:  # a step ratio is one model's: tau of this target times another's
-        raise ValueError(f"--dry_runs: give the dry runs of one model (the target's), got {models}")
     ratios = step_ratios(records)
-    if FLAGS.json_out:
-        checks.writable_file(FLAGS.json_out, "--json_out")
-    rows_in = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
+    files = drafter_grid.output_files(FLAGS.json_out, sorted(set(sources)))
+    rows_in = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in datasets}
+    for d, (turns, source) in rows_in.items():
+        if not turns:
+            raise ValueError(f"dataset {d} ({source}): no rows, no prompts to decode")
     target_dir, specs, labels, dirs = drafter_grid.resolve_pair(FLAGS.target, FLAGS.drafter)
     target, loaded, tok, render, how, stop = drafter_grid.load_pair(target_dir, labels, dirs)
     kinds = {label: drafter_kind(d) for label, d in loaded.items()}
@@ -325,7 +413,8 @@ def main(argv):
             for r in new:
                 r.update(source=source, decode_s=got[r["drafter"]]["decode_s"])
                 print(
-                    f"T={t:g} {d} {r['drafter']}: tau {r['tau']:.3f}, CPU {_x(r['cpu_speedup'])}",
+                    f"T={t:g} {d} {r['drafter']}: tau {drafter_grid.fmt_tau(r['tau'])}, "
+                    f"CPU {_x(r['cpu_speedup'])}",
                     flush=True,
                 )
             table_rows += new
@@ -355,13 +444,11 @@ def main(argv):
             },
             rows=table_rows,
         )
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(rec, f, indent=1)
-        base = os.path.splitext(FLAGS.json_out)[0]
-        with open(base + ".md", "w") as f:
-            f.write(table)
-        plot(table_rows, topologies, base + ".png")
-        print(f"wrote {FLAGS.json_out}, {base}.md, {base}.png")
+        png = io.BytesIO()
+        plot(table_rows, topologies, png)
+        j, md, pic = files.values()
+        outputs.write_all({j: json.dumps(rec, indent=1), md: table, pic: png.getvalue()})
+        print(f"wrote {j}, {md}, {pic}")
 
 
 if __name__ == "__main__":

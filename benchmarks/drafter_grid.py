@@ -22,11 +22,14 @@ reported. No timing (on a CPU the verify is compute-bound: `benchmarks/step_cost
 
 Writes the JSON (provenance, per setting and dataset: tau per response (z-lab's mean), tau over
 steps, the acceptance-length histogram, identical outputs), a Markdown table (`.md`) and a bar
-chart (`.png`) beside it.
+chart (`.png`) beside it, whole (all three or none; Ctrl-C / SIGTERM: one line, exit 130 /
+143). Flags, datasets and output paths are checked before any model loads (one line, exit 2); a
+setting with no drafter steps reports "no data", not a tau of 0.
 """
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import re
@@ -37,6 +40,10 @@ from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+if __name__ == "__main__":  # Ctrl-C / SIGTERM from here on: one line, exit 130 / 143
+    from dflash_jax.support import interrupts
+
+    interrupts.guard("interrupted: nothing was written")
 
 from benchmarks import eval_tau  # noqa: E402
 
@@ -132,8 +139,17 @@ def drafter_label(spec: str) -> str:
     return spec if spec.startswith("prompt_lookup") else os.path.basename(os.path.normpath(spec))
 
 
+NO_DATA = "no data (no drafter steps)"
+
+
+def fmt_tau(tau) -> str:
+    """A tau for the tables, or `NO_DATA` where there were no steps to average."""
+    return NO_DATA if tau is None else f"{tau:.3f}"
+
+
 def ratios(results, labels, settings, datasets) -> str:
-    """Markdown: per setting and dataset, each drafter's tau over the first drafter's."""
+    """Markdown: per setting and dataset, each drafter's tau over the first drafter's ("no data"
+    where either had no steps)."""
     head = labels[0]
     lines = [
         "| setting | drafter | " + " | ".join(f"{d} tau / {head}'s" for d in datasets) + " |",
@@ -143,17 +159,25 @@ def ratios(results, labels, settings, datasets) -> str:
         base = results[f"{head}:{name}"]
         for label in labels[1:]:
             per = results[f"{label}:{name}"]
-            cells = " | ".join(f"{per[d]['tau'] / base[d]['tau']:.3f}" for d in datasets)
+            cells = " | ".join(
+                NO_DATA
+                if per[d]["tau"] is None or not base[d]["tau"]
+                else f"{per[d]['tau'] / base[d]['tau']:.3f}"
+                for d in datasets
+            )
             lines.append(f"| {name} | {label} | {cells} |")
     return "\n".join(lines) + "\n"
 
 
 def summarize(acceptance):
+    """tau (z-lab's mean over responses), tau over steps, the steps and their histogram of
+    acceptance lengths [[...] per prompt]; the taus None where there was no step (no data:
+    not a tau of 0)."""
     flat = [a for seq in acceptance for a in seq]
     hist = np.bincount(flat).tolist() if flat else []
     return {
-        "tau": eval_tau.tau_per_prompt(acceptance),
-        "tau_steps": eval_tau.tau_all_steps(acceptance),
+        "tau": eval_tau.tau_per_prompt(acceptance) if flat else None,
+        "tau_steps": eval_tau.tau_all_steps(acceptance) if flat else None,
         "steps": len(flat),
         "longest_step": max(flat) if flat else 0,
         "acceptance_histogram": hist,  # index: tokens committed by a step
@@ -172,7 +196,7 @@ def markdown(results, datasets) -> str:
             if any(i is None for i in ident)
             else f"{sum(ident)}/{sum(per[d]['responses'] for d in datasets)}"
         )
-        taus = " | ".join(f"{per[d]['tau']:.3f}" for d in datasets)
+        taus = " | ".join(fmt_tau(per[d]["tau"]) for d in datasets)
         lines.append(f"| {name} | {taus} | {shown} |")
     return "\n".join(lines) + "\n"
 
@@ -188,7 +212,7 @@ def plot(results, datasets, path) -> None:
     w = 0.8 / len(datasets)
     fig, ax = plt.subplots(figsize=(1.2 * len(names) + 2, 3.5))
     for i, d in enumerate(datasets):
-        ax.bar(x + i * w, [results[n][d]["tau"] for n in names], w, label=d)
+        ax.bar(x + i * w, [results[n][d]["tau"] or 0.0 for n in names], w, label=d)
     ax.axhline(1.0, color="grey", lw=0.8)
     ax.set_xticks(x + w * (len(datasets) - 1) / 2, names, rotation=20)
     ax.set_ylabel("tau (tokens per target pass)")
@@ -251,17 +275,54 @@ def chat_prompts(tok, render, turns):
     return [list(tok.encode(render([{"role": "user", "content": t[0]}], True))) for t in turns]
 
 
+def output_files(json_out, inputs=()) -> dict:
+    """{path: what} of the files a run with --json_out writes (the JSON, the table `.md` and
+    the plot `.png` beside it), checked before any model loads (`outputs.check_outputs`: no
+    two the same, none an input); {} without --json_out. ValueError, one line."""
+    from dflash_jax.support import outputs
+
+    if not json_out:
+        return {}
+    base, ext = os.path.splitext(json_out)
+    if ext.lower() in (".md", ".png"):
+        raise ValueError(
+            f"--json_out {json_out}: the table (.md) and the plot (.png) go beside it: give a "
+            ".json name"
+        )
+    files = {
+        "--json_out": json_out,
+        "the table beside --json_out": base + ".md",
+        "the plot beside --json_out": base + ".png",
+    }
+    outputs.check_outputs(files, inputs)
+    return files
+
+
+def nonempty(name: str, values) -> list:
+    """The comma-separated flag `name`'s values, stripped; ValueError (one line) when there are
+    none or one is empty."""
+    got = [str(v).strip() for v in values or []]
+    if not got or not all(got):
+        raise ValueError(f"{name}: give one or more values, got {','.join(got)!r}")
+    return got
+
+
 def main(argv):
     del argv
-    from dflash_jax.support import checks, provenance
+    from dflash_jax.support import checks, outputs, provenance
 
-    settings = {name: parse_setting(name) for name in FLAGS.settings}
+    settings = {name: parse_setting(name) for name in nonempty("--settings", FLAGS.settings)}
     checks.int_param("--num_prompts", FLAGS.num_prompts, lo=1)
     checks.int_param("--max_new_tokens", FLAGS.max_new_tokens, lo=1)
     checks.int_param("--batch_size", FLAGS.batch_size, lo=1)
-    if FLAGS.json_out:
-        checks.writable_file(FLAGS.json_out, "--json_out")
-    rows = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in FLAGS.datasets}
+    checks.seed_param("--seed", FLAGS.seed)
+    datasets = nonempty("--datasets", FLAGS.datasets)
+    nonempty("--drafter", FLAGS.drafter)
+    files = output_files(FLAGS.json_out)
+    rows = {d: eval_tau.load_prompts(d, None, "auto", FLAGS.num_prompts) for d in datasets}
+    for d, (turns, source) in rows.items():
+        if not turns:
+            raise ValueError(f"dataset {d} ({source}): no rows, no prompts to decode")
     target_dir, specs, labels, dirs = resolve_pair(FLAGS.target, FLAGS.drafter)
     target, drafters, tok, render, how, stop = load_pair(target_dir, labels, dirs)
     many = len(drafters) > 1
@@ -279,7 +340,8 @@ def main(argv):
                 r = dict(summarize(g["acceptance"]), identical=g["identical"])
                 results[row(label, name)][d] = dict(r, responses=len(prompts), source=source)
                 print(
-                    f"{d} {row(label, name)}: tau {r['tau']:.3f} (steps {r['tau_steps']:.3f})",
+                    f"{d} {row(label, name)}: tau {fmt_tau(r['tau'])} "
+                    f"(steps {fmt_tau(r['tau_steps'])})",
                     flush=True,
                 )
     table = markdown(results, list(rows))
@@ -298,13 +360,11 @@ def main(argv):
             settings=settings,
             results=results,
         )
-        with open(FLAGS.json_out, "w") as f:
-            json.dump(rec, f, indent=1)
-        base = os.path.splitext(FLAGS.json_out)[0]
-        with open(base + ".md", "w") as f:
-            f.write(table)
-        plot(results, list(rows), base + ".png")
-        print(f"wrote {FLAGS.json_out}, {base}.md, {base}.png")
+        png = io.BytesIO()
+        plot(results, list(rows), png)
+        j, md, pic = files.values()
+        outputs.write_all({j: json.dumps(rec, indent=1), md: table, pic: png.getvalue()})
+        print(f"wrote {j}, {md}, {pic}")
 
 
 if __name__ == "__main__":

@@ -59,17 +59,32 @@ names. A run's points sit at cumulative CPU-hours start + data + its training ho
 hours (and tokens) at which it would reach each target tau are written to the JSON and table.
 Bad input (a missing ledger or metrics file, a missing key, a start that disagrees with the run
 it continues) is one line, `error: ...`, exit status 2, before anything is written.
+
+Every flag, input and output path is checked before anything is read or drawn: an empty metrics
+file, a record without a step or with a loss, tau or rate that is not a finite number,
+`--tokens_per_step` 0, a `--project` goal at or below 1 (tau is 1 without a drafter), a fit that
+reaches a goal at no finite x, or an output that is an input (e.g. the JSON beside
+`--out=ledger.png` when the ledger is ledger.json) is one line, exit 2. Ctrl-C / SIGTERM: one
+line, exit 130 / 143; the outputs are written whole, all or none (dflash_jax/support/outputs.py).
 """
 
+import io
 import json
+import math
 import os
 import sys
 
-import numpy as np
-from absl import app, flags
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
+if __name__ == "__main__":  # Ctrl-C / SIGTERM from here on: one line, exit 130 / 143
+    sys.path.insert(0, ROOT)  # dflash_jax from this checkout
+    from dflash_jax.support import interrupts
+
+    interrupts.guard("interrupted: nothing was written")
+
+import numpy as np  # noqa: E402
+from absl import flags  # noqa: E402
 
 FLAGS = flags.FLAGS
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository root
 
 
 def _define_flags():
@@ -101,36 +116,117 @@ def _define_flags():
     flags.DEFINE_string("table_out", None, "With --ledger: the table as markdown.")
 
 
+def _number(r, key, where=None, lo=None):
+    """r[key] as a finite float (>= lo if given); ValueError naming `where` otherwise."""
+    v, at = r[key], f"{where}: " if where else ""
+    if isinstance(v, bool):
+        raise ValueError(f"{at}{key} {v!r} is not a number")
+    try:
+        x = float(v)
+    except (TypeError, ValueError):
+        raise ValueError(f"{at}{key} {v!r} is not a number") from None
+    if not math.isfinite(x) or (lo is not None and x < lo):
+        more = f" >= {lo:g}" if lo is not None else ""
+        raise ValueError(f"{at}{key} {v!r} is not a finite number{more}")
+    return x
+
+
+def _records(path):
+    """(line number, record) of a metrics.jsonl, each a JSON object with an integer step >= 0;
+    ValueError (one line naming the file and line) for a missing or empty file or a bad line."""
+    try:
+        f = open(path)
+    except FileNotFoundError:
+        raise ValueError(f"metrics file {path} not found") from None
+    except IsADirectoryError:
+        raise ValueError(f"metrics file {path} is a directory") from None
+    out = []
+    with f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                r = json.loads(line)
+            except ValueError:
+                raise ValueError(f"{path}:{n}: not JSON") from None
+            if not isinstance(r, dict) or "step" not in r:
+                raise ValueError(f"{path}:{n}: not a metrics record (a JSON object with a step)")
+            step = r["step"]
+            if isinstance(step, bool) or not isinstance(step, (int, float)) or step != int(step):
+                raise ValueError(f"{path}:{n}: step {step!r} is not an integer")
+            if step < 0:
+                raise ValueError(f"{path}:{n}: step {step} is negative")
+            out.append((n, dict(r, step=int(step))))
+    if not out:
+        raise ValueError(f"metrics file {path} has no records (empty): no data to draw")
+    return out
+
+
 def read_runs(paths, tokens_per_step, groups=None):
     """[(train points, eval points)] per run, steps (and hours) offset so that the stages of a
     group follow each other, each group from 0: train = [(tokens, hours, loss)], eval =
     [(tokens, hours, loss, tau)]; hours summed from the train records' tokens_per_s (module
-    doc; an eval record takes the hours of the train record at its step or before it)."""
-    groups = [0] * len(paths) if groups is None else [int(g) for g in groups]
+    doc; an eval record takes the hours of the train record at its step or before it).
+    ValueError (one line) for a missing or empty file, a bad record (no step, a loss, tau or
+    rate that is not a finite number) or a file with no train loss and no eval tau."""
+    if int(tokens_per_step) < 1:
+        raise ValueError(f"tokens per step must be >= 1, got {tokens_per_step}")
+    groups = [0] * len(paths) if groups is None else list(groups)
     if len(groups) != len(paths):
         raise ValueError(f"{len(groups)} groups for {len(paths)} runs: give one per run")
+    try:
+        groups = [int(g) for g in groups]
+    except ValueError:
+        raise ValueError(f"groups must be integers, got {groups}") from None
     out, offset, hours0 = [], {}, {}
     for path, g in zip(paths, groups):
         train, evals, last, hours, prev = [], [], 0, hours0.get(g, 0.0), 0
         off = offset.get(g, 0)
-        with open(path) as f:
-            for line in f:
-                if not line.strip():
-                    continue
-                r = json.loads(line)
-                step = int(r["step"])
-                last = max(last, step)
-                tokens = (off + step) * tokens_per_step
-                if r.get("split") == "train" and "loss" in r:
-                    rate = float(r.get("tokens_per_s") or 0.0)
-                    if rate > 0 and step > prev:
-                        hours += (step - prev) * tokens_per_step / rate / 3600.0
-                    prev = max(prev, step)
-                    train.append((tokens, hours, float(r["loss"])))
-                elif r.get("split") == "eval" and "tau" in r:
-                    evals.append((tokens, hours, float(r["loss"]), float(r["tau"])))
+        for n, r in _records(path):
+            where = f"{path}:{n}"
+            step = r["step"]
+            last = max(last, step)
+            tokens = (off + step) * tokens_per_step
+            if r.get("split") == "train" and "loss" in r:
+                rate = _number(r, "tokens_per_s", where, lo=0) if "tokens_per_s" in r else 0.0
+                if rate > 0 and step > prev:
+                    hours += (step - prev) * tokens_per_step / rate / 3600.0
+                prev = max(prev, step)
+                train.append((tokens, hours, _number(r, "loss", where)))
+            elif r.get("split") == "eval" and "tau" in r:
+                if "loss" not in r:
+                    raise ValueError(f"{where}: an eval record without a loss")
+                tau = _number(r, "tau", where, lo=0)
+                evals.append((tokens, hours, _number(r, "loss", where), tau))
+        if not train and not evals:
+            raise ValueError(
+                f"metrics file {path}: no train loss or eval tau records: no data to draw"
+            )
         out.append((train, evals))
         offset[g], hours0[g] = off + last, hours
+    return out
+
+
+def project_targets(values, what="--project"):
+    """The target taus of `values` (strings or numbers) as floats, each finite and above 1 (tau
+    counts the tokens a target pass commits: 1 without a drafter, so a goal at or below 1 is no
+    goal); ValueError, one line."""
+    out = []
+    for v in values:
+        try:
+            x = float(str(v).strip())
+        except ValueError:
+            raise ValueError(
+                f"{what}: {v!r} is not a number (give target taus, e.g. 2.5,3)"
+            ) from None
+        if not math.isfinite(x) or x <= 1.0:
+            raise ValueError(
+                f"{what}: target tau {v!r} must be a finite number above 1 (tau is at least 1 "
+                "with no drafter)"
+            )
+        out.append(x)
+    if not out:
+        raise ValueError(f"{what}: give one or more target taus above 1")
     return out
 
 
@@ -143,18 +239,33 @@ def project(evals, targets, hours=None):
     pts = [(t, u) for t, _, _, u in evals if u > 1.0 and t > 0]
     if len({t for t, _ in pts}) < 2:
         raise ValueError(f"{len(pts)} eval points with tau > 1: the fit needs two")
+    targets = project_targets(targets, "target")
     x = np.log([t for t, _ in pts])
     y = np.log([u - 1.0 for _, u in pts])
-    alpha, logc = np.polyfit(x, y, 1)
+    if not (np.isfinite(x).all() and np.isfinite(y).all()):
+        raise ValueError("an eval point is not a finite number: nothing to fit")
+    with np.errstate(all="ignore"):
+        alpha, logc = np.polyfit(x, y, 1)
+        c = float(np.exp(logc))
+    if not (math.isfinite(alpha) and math.isfinite(c) and c > 0):
+        raise ValueError(f"the fit is not finite (c {c}, alpha {alpha}): nothing to project")
     if alpha <= 0:
         raise ValueError(f"tau does not rise with tokens (alpha {alpha:.3f}): nothing to project")
-    c = float(np.exp(logc))
     out = {"c": c, "alpha": float(alpha), "points": len(pts), "targets": {}}
     for target in targets:
-        tokens = ((float(target) - 1.0) / c) ** (1.0 / alpha)
+        with np.errstate(all="ignore"):
+            try:
+                tokens = float(((target - 1.0) / c) ** (1.0 / alpha))
+            except OverflowError:
+                tokens = math.inf
         row = {"tokens": tokens}
         if hours is not None:
             row["hours"] = tokens * hours
+        if not (math.isfinite(tokens) and tokens > 0 and math.isfinite(row.get("hours", 0.0))):
+            raise ValueError(
+                f"the fit tau - 1 = {c:.3g} x^{alpha:.3g} reaches tau {target:g} at no finite "
+                "x: nothing to project"
+            )
         out["targets"][str(target)] = row
     return out
 
@@ -173,28 +284,24 @@ def _read_clocked(path, tokens_per_step, hours_field=None):
     `read_runs`); None where the file has neither. An eval record takes the hours of the record
     before it (or its own field); a step evaluated twice keeps its last record."""
     evals, last, hours, prev, clock, field_h = {}, 0, 0.0, 0, None, None
-    with open(path) as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                r = json.loads(line)
-                step = int(r["step"])
-            except (ValueError, KeyError, TypeError):
-                raise ValueError(f"{path}:{n}: not a metrics record with a step") from None
-            last = max(last, step)
-            if hours_field:
-                if r.get(hours_field) is not None:
-                    field_h, clock = float(r[hours_field]) / 3600.0, f"{hours_field} (seconds)"
-            elif r.get("split") == "train" and "loss" in r:
-                rate = float(r.get("tokens_per_s") or 0.0)
-                if rate > 0 and step > prev:
-                    hours += (step - prev) * tokens_per_step / rate / 3600.0
-                    clock = "trainer clock (tokens_per_s windows)"
-                prev = max(prev, step)
-            if r.get("split") == "eval" and "tau" in r:
-                now = (field_h or 0.0) if hours_field else hours
-                evals[step] = (now, float(r.get("loss", "nan")), float(r["tau"]))
+    for n, r in _records(path):
+        where = f"{path}:{n}"
+        step = r["step"]
+        last = max(last, step)
+        if hours_field:
+            if r.get(hours_field) is not None:
+                field_h = _number(r, hours_field, where, lo=0) / 3600.0
+                clock = f"{hours_field} (seconds)"
+        elif r.get("split") == "train" and "loss" in r:
+            rate = _number(r, "tokens_per_s", where, lo=0) if "tokens_per_s" in r else 0.0
+            if rate > 0 and step > prev:
+                hours += (step - prev) * tokens_per_step / rate / 3600.0
+                clock = "trainer clock (tokens_per_s windows)"
+            prev = max(prev, step)
+        if r.get("split") == "eval" and "tau" in r:
+            now = (field_h or 0.0) if hours_field else hours
+            loss = _number(r, "loss", where) if r.get("loss") is not None else None
+            evals[step] = (now, loss, _number(r, "tau", where, lo=0))
     if clock is None:
         return {s: (None, l, u) for s, (_, l, u) in evals.items()}, last, None, None
     return evals, last, (field_h if hours_field else hours), clock
@@ -212,12 +319,21 @@ def read_ledger(path, root=ROOT):
             data = json.load(f)
     except FileNotFoundError:
         raise ValueError(f"ledger {path} not found") from None
-    except json.JSONDecodeError as e:
+    except IsADirectoryError:
+        raise ValueError(f"ledger {path} is a directory") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise ValueError(f"ledger {path} is not JSON: {e}") from None
+    if not isinstance(data, (list, dict)):
+        raise ValueError(f'ledger {path}: a list of runs, or {{"runs": [...]}}, not {data!r:.40}')
     meta, entries = ({}, data) if isinstance(data, list) else (dict(data), data.get("runs"))
     meta.pop("runs", None)
     if not isinstance(entries, list) or not entries:
         raise ValueError(f'ledger {path}: no runs (a list of runs, or {{"runs": [...]}})')
+    if not isinstance(meta.get("cpu_hours", ""), str):
+        raise ValueError(f"ledger {path}: cpu_hours is {meta['cpu_hours']!r}, not a sentence")
+    spare = meta.get("unattributed_data", [])
+    if not isinstance(spare, list) or not all(isinstance(u, dict) for u in spare):
+        raise ValueError(f"ledger {path}: unattributed_data is not a list of objects")
     runs, by_name = [], {}
     for i, e in enumerate(entries):
         if not isinstance(e, dict):
@@ -226,6 +342,8 @@ def read_ledger(path, root=ROOT):
         missing = [k for k in LEDGER_KEYS if k not in e]
         if missing:
             raise ValueError(f"{who}: missing key(s) {', '.join(missing)}")
+        if not isinstance(e["name"], str) or not e["name"]:
+            raise ValueError(f"{who}: name {e['name']!r} is not a name")
         if e["name"] in by_name:
             raise ValueError(f"{who}: a second run named {e['name']!r}")
         if not isinstance(e["metrics"], str):
@@ -234,8 +352,19 @@ def read_ledger(path, root=ROOT):
         if not os.path.isfile(metrics):
             raise ValueError(f"{who}: metrics file {e['metrics']} not found")
         try:
-            tps = int(e["tokens_per_step"])
-            data_h = float(e.get("data_cpu_hours", 0.0))
+            for key in ("tokens_per_step", "steps", "start_tokens"):
+                v = e.get(key)
+                if key in e and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                    raise ValueError(f"{key} {v!r} is not an integer >= 0")
+            tps = e["tokens_per_step"]
+            if tps < 1:
+                raise ValueError(f"tokens_per_step {tps}: no tokens per step, no data")
+            for key in ("data_cpu_hours", "start_cpu_hours", "train_cpu_hours"):
+                if e.get(key) is not None:
+                    _number(e, key, lo=0)
+            if not isinstance(e.get("x_hours_field") or "", str):
+                raise ValueError(f"x_hours_field {e['x_hours_field']!r} is not a field name")
+            data_h = float(e.get("data_cpu_hours") or 0.0)
             evals, last, last_h, clock = _read_clocked(metrics, tps, e.get("x_hours_field"))
             steps = int(e.get("steps", last))
             train_cpu_h = e.get("train_cpu_hours")
@@ -412,22 +541,83 @@ def _ledger_colors(runs, plt):
     return out
 
 
-def _main_ledger():
-    if FLAGS.runs or FLAGS.groups or FLAGS.labels:
-        raise app.UsageError("--ledger draws the ledger's runs: leave out --runs/--groups/--labels")
+def check_flags():
+    """Every flag checked before anything is read, fitted, drawn or written: (target taus of
+    --project or None, {what: path} of the files to write). One line (ValueError) for a bad
+    one."""
+    from dflash_jax.support import checks, outputs
+
+    if FLAGS.ledger:
+        if FLAGS.runs or FLAGS.groups or FLAGS.labels:
+            raise ValueError("--ledger draws the ledger's runs: leave out --runs/--groups/--labels")
+        for name in ("tokens_per_step", "x", "smooth"):
+            if FLAGS[name].present:
+                raise ValueError(f"--{name} is for --runs (the ledger gives each run's own)")
+    else:
+        if not FLAGS.runs:
+            raise ValueError("--runs (or --ledger) is required")
+        if FLAGS.table_out:
+            raise ValueError("--table_out is written with --ledger only")
+        checks.int_param("--tokens_per_step", FLAGS.tokens_per_step, lo=1)
+        checks.int_param("--smooth", FLAGS.smooth, lo=1)
+        if FLAGS.labels and len(FLAGS.labels) != len(FLAGS.runs):
+            raise ValueError(
+                f"--labels: {len(FLAGS.labels)} labels for {len(FLAGS.runs)} runs: one per run"
+            )
+        if FLAGS.groups:
+            if len(FLAGS.groups) != len(FLAGS.runs):
+                raise ValueError(
+                    f"{len(FLAGS.groups)} groups for {len(FLAGS.runs)} runs: give one per run"
+                )
+            for g in FLAGS.groups:
+                if not g.strip().isdigit():
+                    raise ValueError(f"--groups: {g!r} is not a drafter index (0, 1, ...)")
     if not FLAGS.out:
-        raise app.UsageError("--out is required")
+        raise ValueError("--out (the figure to write) is required")
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    ext = os.path.splitext(FLAGS.out)[1].lstrip(".").lower()
+    if ext not in kinds:
+        raise ValueError(
+            f"--out {FLAGS.out}: not a figure file name (end it in .{', .'.join(sorted(kinds))})"
+        )
+    targets = project_targets(FLAGS.project) if FLAGS.project is not None else None
+    json_out = FLAGS.json_out or os.path.splitext(FLAGS.out)[0] + ".json"
+    files = {
+        "--out": FLAGS.out,
+        "--json_out" if FLAGS.json_out else "the JSON beside --out": json_out,
+        "--table_out": FLAGS.table_out,
+    }
+    outputs.check_outputs(files, [FLAGS.ledger] + list(FLAGS.runs or []), create_dirs=True)
+    return targets, {k: v for k, v in files.items() if v}
+
+
+def _write(files, figure, named):
+    """The figure (rendered in memory) and the texts in `named` {path: text} written whole, all
+    or none (dflash_jax.support.outputs), their directories made."""
+    from dflash_jax.support import outputs
+
+    buf = io.BytesIO()
+    figure.savefig(buf, format=os.path.splitext(FLAGS.out)[1].lstrip(".").lower(), dpi=110)
+    for path in files.values():
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    outputs.write_all({FLAGS.out: buf.getvalue(), **named})
+
+
+def _main_ledger(targets, files):
+    from dflash_jax.support import outputs
+
     meta, runs = read_ledger(FLAGS.ledger)
+    metrics = [os.path.join(ROOT, r["metrics"]) for r in runs]
+    outputs.check_outputs(files, metrics)  # an output that is a run's metrics file: refused
     projection = None
-    if FLAGS.project:
-        try:
-            targets = [float(t) for t in FLAGS.project]
-        except ValueError:
-            raise app.UsageError(f"--project takes taus, got {FLAGS.project}") from None
+    if targets:
         try:
             projection = project_ledger(runs, targets)
         except ValueError as e:
-            raise app.UsageError(f"--project: {e}") from None
+            raise ValueError(f"--project: {e}") from None
+    table = ledger_table(runs, meta, projection)
     import matplotlib
 
     matplotlib.use("Agg")
@@ -519,15 +709,7 @@ def _main_ledger():
             ax.legend(fontsize=8)
     fig.suptitle(f"{FLAGS.title}: every training run, tau against what it cost")
     fig.tight_layout()
-    json_out = FLAGS.json_out or os.path.splitext(FLAGS.out)[0] + ".json"
-    for path in (FLAGS.out, json_out, FLAGS.table_out):
-        if path:
-            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(FLAGS.out, dpi=110)
-    table = ledger_table(runs, meta, projection)
-    if FLAGS.table_out:
-        with open(FLAGS.table_out, "w") as f:
-            f.write(table)
+    json_out = [p for w, p in files.items() if w not in ("--out", "--table_out")][0]
     from dflash_jax.support import provenance
 
     keep = [
@@ -535,54 +717,47 @@ def _main_ledger():
         "start_tokens", "end_tokens", "start_cpu_hours", "data_cpu_hours", "train_cpu_hours",
         "end_cpu_hours", "hours_source", "last_tau", "best_tau", "evals",
     ]  # fmt: skip
-    with open(json_out, "w") as f:
-        json.dump(
-            {
-                "ledger": FLAGS.ledger,
-                "cpu_hours": meta.get("cpu_hours"),
-                "runs": [{k: r[k] for k in keep if k in r} for r in runs],
-                "totals": {
-                    "data_cpu_hours": sum(r["data_cpu_hours"] for r in runs),
-                    "train_cpu_hours": sum(r["train_cpu_hours"] for r in runs),
-                },
-                "projection": projection,
-                "table": table,
-                **provenance.record(),
+    record = json.dumps(
+        {
+            "ledger": FLAGS.ledger,
+            "cpu_hours": meta.get("cpu_hours"),
+            "runs": [{k: r[k] for k in keep if k in r} for r in runs],
+            "totals": {
+                "data_cpu_hours": sum(r["data_cpu_hours"] for r in runs),
+                "train_cpu_hours": sum(r["train_cpu_hours"] for r in runs),
             },
-            f,
-            indent=1,
-        )
+            "projection": projection,
+            "table": table,
+            **provenance.record(),
+        },
+        indent=1,
+        allow_nan=False,
+    )
+    texts = {json_out: record}
+    if FLAGS.table_out:
+        texts[FLAGS.table_out] = table
+    _write(files, fig, texts)
     sys.stdout.write(table)
     print(f"wrote {FLAGS.out}, {json_out}" + (f", {FLAGS.table_out}" if FLAGS.table_out else ""))
 
 
 def main(argv):
     del argv
+    targets, files = check_flags()
+    if FLAGS.ledger:
+        return _main_ledger(targets, files)
     import matplotlib
 
-    if FLAGS.ledger:
-        return _main_ledger()
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    if not FLAGS.runs or not FLAGS.out:
-        raise app.UsageError("--runs (or --ledger) and --out are required")
     labels = FLAGS.labels or [os.path.basename(p) for p in FLAGS.runs]
-    if len(labels) != len(FLAGS.runs):
-        raise app.UsageError("--labels needs one label per run")
-    try:
-        runs = read_runs(FLAGS.runs, FLAGS.tokens_per_step, FLAGS.groups)
-    except (ValueError, OSError) as e:
-        raise app.UsageError(str(e)) from None
+    runs = read_runs(FLAGS.runs, FLAGS.tokens_per_step, FLAGS.groups)
     hours = FLAGS.x == "hours"
     xlabel = "training hours (the trainer's clock)" if hours else "training tokens (M)"
     groups = [int(g) for g in FLAGS.groups] if FLAGS.groups else None
     projection = None
-    if FLAGS.project:
-        try:
-            targets = [float(t) for t in FLAGS.project]
-        except ValueError:
-            raise app.UsageError(f"--project takes taus, got {FLAGS.project}") from None
+    if targets:
         first = [r for r, g in zip(runs, groups or [0] * len(runs)) if g == 0]
         evals = [e for _, ev in first for e in ev]
         last = max((tr[-1] for tr, _ in first if tr), default=None)
@@ -590,7 +765,7 @@ def main(argv):
         try:
             projection = project(evals, targets, per_token)
         except ValueError as e:
-            raise app.UsageError(f"--project: {e}") from None
+            raise ValueError(f"--project: {e}") from None
     ncol = 3 if projection else 2
     fig, axes = plt.subplots(1, ncol, figsize=(5.5 * ncol, 4))
     ax_l, ax_t = axes[0], axes[1]
@@ -650,8 +825,6 @@ def main(argv):
         ax.legend(fontsize=8)
     fig.suptitle(FLAGS.title)
     fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.out)), exist_ok=True)
-    fig.savefig(FLAGS.out, dpi=110)
     points = {
         label: {
             "train": [(t, round(h, 4), l) for t, h, l in train],
@@ -661,23 +834,23 @@ def main(argv):
     }
     from dflash_jax.support import provenance
 
-    with open(FLAGS.json_out or os.path.splitext(FLAGS.out)[0] + ".json", "w") as f:
-        json.dump(
-            {
-                "tokens_per_step": FLAGS.tokens_per_step,
-                "groups": FLAGS.groups,
-                "runs": points,
-                "projection": projection,
-                **provenance.record(),
-            },
-            f,
-            indent=1,
-        )
-    print(f"wrote {FLAGS.out}")
+    record = json.dumps(
+        {
+            "tokens_per_step": FLAGS.tokens_per_step,
+            "groups": FLAGS.groups,
+            "runs": points,
+            "projection": projection,
+            **provenance.record(),
+        },
+        indent=1,
+        allow_nan=False,
+    )
+    json_out = [p for w, p in files.items() if w != "--out"][0]
+    _write(files, fig, {json_out: record})
+    print(f"wrote {FLAGS.out}, {json_out}")
 
 
 if __name__ == "__main__":
-    sys.path.insert(0, ROOT)  # dflash_jax from this checkout
     from dflash_jax.support import cli
 
     _define_flags()
