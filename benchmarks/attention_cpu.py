@@ -13,7 +13,7 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_integer("batch", 16, "Rows.")
@@ -74,4 +74,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

@@ -19,7 +19,7 @@ import json
 import os
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from benchmarks import text_quality  # noqa: E402
 from dflash_jax.support import provenance  # noqa: E402
@@ -280,4 +280,6 @@ def plot(rows, out_dir):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

@@ -27,7 +27,7 @@ import json
 import os
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -256,4 +256,6 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

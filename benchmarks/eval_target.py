@@ -16,7 +16,7 @@ import os
 import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 from benchmarks import text_quality  # noqa: E402
 from dflash_jax.support import provenance  # noqa: E402
@@ -129,4 +129,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

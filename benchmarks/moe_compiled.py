@@ -20,7 +20,7 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -132,4 +132,6 @@ def main(argv):
 
 if __name__ == "__main__":
     define_flags()
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

@@ -21,7 +21,7 @@ import json
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("target", "assets/tiny-code/target", "Target directory.")
@@ -168,4 +168,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

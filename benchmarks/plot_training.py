@@ -16,7 +16,7 @@ import json
 import os
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 R = "benchmarks/results/tiny-code/training"
 FLAGS = flags.FLAGS
@@ -142,4 +142,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

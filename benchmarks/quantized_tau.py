@@ -22,7 +22,7 @@ import os
 import sys
 
 import numpy as np
-from absl import app, flags
+from absl import flags
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FLAGS = flags.FLAGS
@@ -121,4 +121,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

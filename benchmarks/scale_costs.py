@@ -185,4 +185,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
-    app.run(main)
+    from dflash_jax.support import cli
+
+    cli.run(main)  # bad input: one line, `error: ...`, exit status 2

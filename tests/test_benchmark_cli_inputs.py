@@ -345,3 +345,21 @@ def test_a_signal_while_writing_waits_until_every_file_is_whole(tmp_path):
     assert "not reached" not in res.stdout
     assert open(a).read() == "A" * 100000 and open(b).read() == "B" * 100000
     assert sorted(os.listdir(tmp_path)) == ["a.json", "b.md"]  # no temporary file left
+
+
+# ------------------------------------------------ the other benchmark scripts: cli.run, not app.run
+
+
+@pytest.mark.parametrize(
+    "script, args, words",
+    [
+        ("scale_costs.py", ["--sizes=foo"], "--sizes entries look like 512x8"),
+        ("dflash2_cost.py", [], "--out is required"),
+        ("tap_cache.py", [], "--config is required"),
+        ("rerun_dry_runs.py", ["stray"], "unexpected arguments: ['stray']"),
+        ("plot_training.py", ["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
+    ],
+)
+def test_other_benchmarks_say_a_usage_error_in_one_line(script, args, words):
+    """absl's app.run printed the whole module doc (30-50 lines) before the one that matters."""
+    _one_line_refusal(_run(script, *args), words)
