@@ -4,6 +4,8 @@ then DFlash at block 8), under the compiler settings the test suite could use; a
 
     python benchmarks/compile_flags.py                      # every setting, one process each
     python benchmarks/compile_flags.py --layers=4,8,16,30   # compile vs target depth
+    python benchmarks/compile_flags.py --layers=4,32 --layouts=looped,scanned \
+        --compile_settings=default                          # the scanned stack's figure
 
 Each setting runs in a fresh process (XLA reads its flags once, and aborts on one it does not
 know: such a setting is reported as unknown). Compile seconds are jax's own backend-compile
@@ -14,8 +16,8 @@ compiles from these figures.
 4096) at each depth, with a 2-layer drafter, under the suite's settings (jax's
 `jax_disable_most_optimizations`, and XLA:CPU's fusion emitters off where this jaxlib knows the
 flag): trace, lowering and backend-compile seconds of one DFlash `generate` (its prefill and
-decode programs), and the backend seconds per target layer fitted over the depths. What a layer
-costs there is what a scanned layer stack (one traced and compiled layer body) could save.
+decode programs), and the backend seconds per target layer fitted over the depths; --layouts
+compares the looped stack with the scanned one (one traced and compiled layer body).
 """
 
 import os
@@ -27,6 +29,18 @@ from absl import app, flags
 
 FLAGS = flags.FLAGS
 flags.DEFINE_list("layers", [], "Target depths to compile at (e.g. 4,8,16,30); empty: settings.")
+flags.DEFINE_list(
+    "layouts",
+    ["looped"],
+    "With --layers: the layer stacks to compare, side by side at each depth: looped (one "
+    "program piece per layer) and/or scanned (`ModelConfig.scan_layers`: one layer body).",
+)
+flags.DEFINE_enum(
+    "compile_settings",
+    "suite",
+    ["suite", "default"],
+    "With --layers: the test suite's cheap compiles, or jax's defaults (what users wait for).",
+)
 
 FUSION_OFF = "--xla_cpu_use_fusion_emitters=false"
 SETTINGS = {
@@ -80,13 +94,17 @@ def on_event(event, secs, **_):
 jax.monitoring.register_event_duration_secs_listener(on_event)
 import dflash_jax as dj
 from dflash_jax.models.verifier import init_params
+from dflash_jax.models import layer_stack
 cfg = dj.ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers={depth},
                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096)
-target = dj.Target(cfg, init_params(cfg, 0))
 dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=16, mask_token_id=1)
 drafter = dj.Drafter(dcfg, dj.init_drafter_params(dcfg, 1))
+cfg = cfg.replace(scan_layers={scan})
+target = dj.Target(cfg, layer_stack.to_layout(init_params(cfg.replace(scan_layers=False), 0), cfg))
 seconds.clear()
-dj.generate(target, drafter, [[5, 6, 7, 8] * 4] * 4, 40)
+ar = dj.generate(target, None, [[5, 6, 7, 8] * 4] * 4, 40)
+spec = dj.generate(target, drafter, [[5, 6, 7, 8] * 4] * 4, 40)
+assert spec.tokens == ar.tokens
 keys = ("jaxpr_trace_duration", "jaxpr_to_mlir_module_duration", "backend_compile_duration")
 print("RESULT " + " ".join(f"{{seconds[k]:.2f}}" for k in keys))
 """
@@ -133,20 +151,45 @@ def settings(root):
         print(f"{name:<34} {fields[0]:>9} {fields[1]:>6}")
 
 
-def depths(layers):
-    env = _suite_env()
-    print(f"{'target layers':>13} {'trace s':>8} {'lower s':>8} {'compile s':>9}")
-    points = []
-    for depth in layers:
-        fields, why = _child(DEPTH_CHILD.format(depth=depth), env)
-        if why:
-            print(f"{depth:>13} {why:>8}")
-            continue
-        print(f"{depth:>13} {fields[0]:>8} {fields[1]:>8} {fields[2]:>9}")
-        points.append((depth, float(fields[2])))
-    if len(points) >= 2:
-        slope, intercept = np.polyfit(*zip(*points), 1)
-        print(f"backend compile: {slope:.3f} s per target layer + {intercept:.2f} s")
+def _default_env():
+    env = {
+        k: v
+        for k, v in os.environ.items()
+        if k not in ("XLA_FLAGS", "JAX_DISABLE_MOST_OPTIMIZATIONS")
+    }
+    env.update(JAX_PLATFORMS="cpu")
+    return env
+
+
+def depths(layers, layouts, env):
+    """One AR and one DFlash `generate` (its prefill and decode programs, tokens checked equal)
+    per depth and layout, each in a fresh process: trace, lowering, backend-compile seconds,
+    their total, and per layout the per-layer fit and the deepest / shallowest total."""
+    print(
+        f"{'layout':>7} {'target layers':>13} {'trace s':>8} {'lower s':>8} {'compile s':>9} "
+        f"{'total s':>8}"
+    )
+    for layout in layouts:
+        points = []
+        for depth in layers:
+            code = DEPTH_CHILD.format(depth=depth, scan=layout == "scanned")
+            fields, why = _child(code, env)
+            if why:
+                print(f"{layout:>7} {depth:>13} {why:>8}")
+                continue
+            total = sum(float(f) for f in fields)
+            print(
+                f"{layout:>7} {depth:>13} {fields[0]:>8} {fields[1]:>8} {fields[2]:>9} "
+                f"{total:>8.2f}"
+            )
+            points.append((depth, float(fields[2]), total))
+        if len(points) >= 2:
+            slope, intercept = np.polyfit([p[0] for p in points], [p[1] for p in points], 1)
+            (d0, _, t0), (d1, _, t1) = min(points), max(points)
+            print(
+                f"{layout}: backend compile {slope:.3f} s per target layer + {intercept:.2f} s; "
+                f"total at {d1} / at {d0} layers = {t1 / t0:.2f}"
+            )
 
 
 def main(argv):
@@ -158,8 +201,14 @@ def main(argv):
         raise app.UsageError(f"--layers takes whole numbers, got {','.join(FLAGS.layers)}")
     if any(d < 3 for d in layers):
         raise app.UsageError(f"--layers: at least 3 (the drafter taps 3 layers), got {layers}")
+    bad = [x for x in FLAGS.layouts if x not in ("looped", "scanned")]
+    if bad or not FLAGS.layouts:
+        raise app.UsageError(
+            f"--layouts takes looped and/or scanned, got {','.join(FLAGS.layouts)}"
+        )
     if layers:
-        depths(layers)
+        env = _suite_env() if FLAGS.compile_settings == "suite" else _default_env()
+        depths(layers, FLAGS.layouts, env)
     else:
         settings(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 

@@ -350,7 +350,7 @@ def cache_specs(cache, mesh):
         np.shape(x), P(BATCH, None, "tensor"), mesh, head_dims=(2,), head_dim=cache.head_dim
     )
     if getattr(cache, "stacked", False):  # [L, B, S, K*D]: the layer axis unsplit
-        one = lambda x: P(None, *kv(np.shape(x)[1:]))
+        one = lambda x: P(None, *kv(jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)))
         return cache.replace(
             k=one(cache.k), v=one(cache.v), lengths=batch_spec(np.shape(cache.lengths), mesh)
         )

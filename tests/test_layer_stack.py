@@ -1,0 +1,201 @@
+"""The scanned layer stack (`models/layer_stack.py`, `ModelConfig.scan_layers`): the same model
+as the per-layer loop, one compiled layer body.
+
+Each stacked result is compared with the looped model on the same numbers (the loop is the
+independent statement here: it is checked against transformers in float64 by test_model.py)."""
+
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _pair import PAIR, assert_accepted, moe_from_dense
+
+import dflash_jax as dj
+from dflash_jax.decoding.programs import buffer_sizes, generate_programs
+from dflash_jax.decoding.step import Plan
+from dflash_jax.dry_run import hlo
+from dflash_jax.models import layer_stack
+from dflash_jax.models.transformer import KVCache
+from dflash_jax.models.verifier import init_params, target_module
+from dflash_jax.parallel import sharding
+
+
+def _scanned(target):
+    cfg = target.config.replace(scan_layers=True)
+    return dj.Target(cfg, layer_stack.to_layout(target.params, cfg))
+
+
+def _close(a, b):
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def pair(bundled_pair):
+    target, drafter, prompts = bundled_pair
+    return target, _scanned(target), drafter, prompts
+
+
+def _tiny(**kw):
+    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5, num_heads=4,
+                num_kv_heads=2, head_dim=8)  # fmt: skip
+    base.update(kw)
+    cfg = dj.ModelConfig(**base)
+    return dj.Target(cfg, init_params(cfg, 3))
+
+
+def _families(bundled):
+    dense = bundled
+    llama = _tiny(arch="llama", qk_norm=False, tie_word_embeddings=False,
+                  rope_scaling=(("factor", 8.0), ("rope_type", "llama3")))  # fmt: skip
+    moe = moe_from_dense(bundled, mlp_only_layers=())  # experts in every layer: one group
+    return {"qwen3": dense, "llama3": llama, "moe": moe}
+
+
+def _forward_everything(target, ids, taps):
+    """Logits and taps of the forward without a cache, the training pass (`taps`), and a
+    cache's prefill, one block and a tree verify (logits, taps and the cache's K/V)."""
+    m, p = target_module(target.config), {"params": target.params}
+    out = {}
+    h, _, t = m.apply(p, ids, tap_layers=taps)
+    out["logits"], out["taps"] = m.apply(p, h, method="logits"), t
+    out["train_taps"] = m.apply(p, ids, taps[:2], method="taps")
+    cache = target.init_cache(ids.shape[0], 32)
+    h, cache, t = m.apply(p, ids[:, :7], cache=cache, tap_layers=taps)
+    out["prefill"], out["prefill_taps"] = m.apply(p, h, method="logits"), t
+    h, cache, _ = m.apply(p, ids[:, 7:11], cache=cache.rollback(cache.lengths - 1))
+    out["block"] = m.apply(p, h, method="logits")
+    tree = jnp.asarray(np.tril(np.ones((4, 4), bool))[None].repeat(ids.shape[0], 0))
+    tree = tree.at[:, 2, 1].set(False)  # node 2 is node 0's other child
+    pos = cache.lengths[:, None] + jnp.asarray([0, 1, 1, 2])[None]
+    h, cache, t = m.apply(p, ids[:, 11:15], pos, cache, tree, taps, method="verify_tree")
+    out["tree"], out["tree_taps"] = m.apply(p, h, method="logits"), t
+    k = cache.k if cache.stacked else jnp.stack(cache.k)
+    out["cache_k"], out["lengths"] = k, cache.lengths
+    return out
+
+
+@pytest.mark.parametrize("family", ("qwen3", "llama3", "moe"))
+def test_stacked_equals_looped(family, pair):
+    """Every entry point of the stacked target equals the looped one's (rtol 1e-5, float32):
+    dense Qwen3, Llama-3 with llama3 RoPE scaling and an untied head, Qwen3-MoE."""
+    looped = _families(pair[0])[family]
+    stacked = _scanned(looped)
+    assert stacked.config.scans_layers and not looped.config.scans_layers
+    assert "layers" in stacked.params and "layers_0" not in stacked.params
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, looped.config.vocab_size, (2, 15)))
+    taps = (1, 3, looped.config.num_layers - 2)
+    want, got = _forward_everything(looped, ids, taps), _forward_everything(stacked, ids, taps)
+    assert set(want) == set(got)
+    for key in want:
+        _close(got[key], want[key])
+    assert float(jnp.abs(got["cache_k"]).max()) > 0
+
+
+def test_irregular_layers_run_the_loop(pair):
+    """A MoE target with a dense layer among expert layers cannot be one stacked group: it
+    runs its loop (and its parameters stay per layer) even with scan_layers."""
+    moe = moe_from_dense(pair[0], mlp_only_layers=(2,))
+    cfg = moe.config.replace(scan_layers=True)
+    assert not cfg.scans_layers
+    assert "layers_0" in layer_stack.to_layout(moe.params, cfg)
+    with pytest.raises(ValueError, match="layers_2 differs"):
+        layer_stack.stack_layers(moe.params, cfg.num_layers)
+
+
+def test_stack_round_trip_and_files_are_bit_identical(pair, tmp_path):
+    """stack -> unstack gives every tensor back bit for bit; `load_target(scan_layers=True)`
+    holds the stacked file tensors; a stacked target saves the same safetensors as the looped
+    one (per-layer names), and quantizing it quantizes each layer as the loop does."""
+    target, stacked = pair[0], pair[1]
+    back = layer_stack.unstack_layers(stacked.params)
+    flat = lambda t: dict(jax.tree_util.tree_flatten_with_path(t)[0])  # noqa: E731
+    assert flat(back).keys() == flat(target.params).keys()
+    for k, v in flat(target.params).items():
+        assert np.array_equal(np.asarray(flat(back)[k]), np.asarray(v)), k
+    loaded = dj.load_target(os.path.join(PAIR, "target"), scan_layers=True)
+    assert loaded.config.scans_layers
+    for k, v in flat(stacked.params).items():
+        assert np.array_equal(np.asarray(flat(loaded.params)[k]), np.asarray(v)), k
+    from dflash_jax.models.safetensors_io import SafetensorsDir
+
+    dj.save_target(target, str(tmp_path / "looped"))
+    dj.save_target(stacked, str(tmp_path / "stacked"))
+    a, b = SafetensorsDir(str(tmp_path / "looped")), SafetensorsDir(str(tmp_path / "stacked"))
+    assert sorted(a.names()) == sorted(b.names()) and "model.layers.5.mlp.up_proj.weight" in a
+    for name in a.names():
+        assert np.array_equal(a.get(name), b.get(name)), name
+    q_loop, q_stack = dj.quantize_target(target), dj.quantize_target(stacked)
+    for k, v in flat(layer_stack.stack_layers(q_loop.params, 6)).items():
+        assert np.array_equal(np.asarray(flat(q_stack.params)[k]), np.asarray(v)), k
+
+
+def test_sharding_rules_see_one_layer():
+    """The partition rules speak of one layer; a stacked parameter gets the same spec behind
+    an unsplit layer axis, and a stacked cache [L, B, S, K*D] the per-layer cache's spec."""
+
+    class Mesh:  # what the rules read of a mesh: its axis sizes
+        shape = {"data": 2, "fsdp": 1, "tensor": 4}
+
+    target = _tiny(num_heads=8, num_kv_heads=4, head_dim=8, hidden_size=64)
+    stacked = _scanned(target)
+    rules = sharding.target_rules()
+    looped = sharding.param_specs(target.params, Mesh, rules, 8)
+    specs = sharding.param_specs(stacked.params, Mesh, rules, 8)
+    one, many = looped["layers_0"], specs["layers"]
+    assert jax.tree_util.tree_structure(one) == jax.tree_util.tree_structure(many)
+    pairs = zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(many))
+    for a, b in pairs:
+        assert tuple(b) == ((None, *a) if tuple(a) else ()), (a, b)
+    assert tuple(many["self_attn"]["q_proj"]["kernel"]) == (None, None, "tensor")
+    cache = KVCache.create(stacked.config, 4, 16, stacked=True)
+    spec = sharding.cache_specs(cache, Mesh)
+    flat = sharding.cache_specs(KVCache.create(target.config, 4, 16), Mesh)
+    assert tuple(spec.k) == (None, *flat.k[0]) == (None, "data", None, "tensor")
+
+
+def test_generate_is_lossless_with_the_stacked_target(pair):
+    """AR over the stacked target gives the looped target's tokens, and DFlash (a chain at
+    block 8, a draft tree) over it gives those tokens with its drafter accepted."""
+    target, stacked, drafter, prompts = pair
+    ar = dj.generate(target, None, prompts, 40).tokens
+    assert dj.generate(stacked, None, prompts, 40).tokens == ar
+    for kw in ({"block_size": 8}, {"block_size": 8, "tree_budget": 12}):
+        res = dj.generate(stacked, drafter, prompts, 40, **kw)
+        assert res.tokens == ar, kw
+        assert_accepted(res, kw["block_size"])
+
+
+def test_decode_loop_copies_no_stack(pair):
+    """The compiled DFlash decode loop over the stacked cache [L, B, S, K*D] writes each
+    layer's new K/V into the stack where it lies (one scatter): no instruction of a loop body
+    copies, pads, concatenates or transposes a buffer the size of the whole stack. (Per-layer slices are what the looped cache reads too: on CPU, XLA's attention
+    transposes each layer's cache in both layouts; the TPU / GPU kernels' no-copy checks are
+    the dry runs'.) Control: the same scan finds the copy of a loop that rotates the layers."""
+    _, stacked, drafter, prompts = pair
+    cfg = stacked.config
+    tmod, dmod = target_module(cfg), dj.DFlashDrafter(drafter.config)
+    p_pad, n_buf, cap = buffer_sizes(26, 16, 8)
+    ids = np.zeros((2, p_pad), np.int32)
+    for b, p in enumerate(prompts[:2]):
+        ids[b, : len(p)] = p
+    lens = jnp.asarray([len(p) for p in prompts[:2]], jnp.int32)
+    prefill, decode, _ = generate_programs(
+        tmod, dmod, Plan(block_size=8), cap, n_buf, None, stacked.params, drafter.params, 2, p_pad
+    )
+    state = prefill(stacked.params, drafter.params, jnp.asarray(ids), lens, jnp.int32(16),
+                    jax.random.PRNGKey(0))  # fmt: skip
+    assert state.cache.stacked and state.cache.k.shape[:2] == (cfg.num_layers, 2)
+    text = decode.lower(stacked.params, drafter.params, state).compile().as_text()
+    whole = cfg.num_layers * 2 * cap * cfg.num_kv_heads * cfg.head_dim
+    ops = ("copy", "pad", "concatenate", "transpose")  # an in-place update is no copy
+    assert hlo.loop_body_computations(text)
+    assert "scatter" in text
+    assert hlo.cache_sized_copies(text, cap, whole, ops) == []
+
+    def rotates(k):  # the control: every step copies the whole stack
+        return jax.lax.fori_loop(0, 3, lambda i, k: jnp.concatenate([k[1:], k[:1]]) + 1.0, k)
+
+    control = jax.jit(rotates).lower(state.cache.k).compile().as_text()
+    assert hlo.cache_sized_copies(control, cap, whole, ops) != []
