@@ -21,8 +21,9 @@ cannot dequantize (the integer types among them), metadata that is missing, of t
 out of range (a head count of 0, a rotary dimension other than the head size), metadata that
 contradicts the tensors' shapes (head counts, head size, widths, layers, vocabulary), a token id
 outside the vocabulary, a malformed merge. A NaN or infinite weight is refused as its tensor is
-dequantized (a float32 sum per tensor, the exact test only when that sum is not finite: about
-2% of the dequantization's time on SmolLM2).
+dequantized (a float32 sum per tensor, the exact test only when that sum is not finite): on
+SmolLM2-135M about 45 ms over its 134.5M values, against 0.8 s of dequantizing and 3 s of
+`load_target` (the exact test alone, np.isfinite(a).all(), takes 180 ms).
 
 The sidecar cache lives in $DFLASH_JAX_CACHE/gguf (default ~/.cache/dflash_jax/gguf), one
 directory per (file, size, mtime); it is written atomically and rebuilt when the file changes.
