@@ -371,6 +371,12 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         **fv,
     )
     flags.DEFINE_bool(
+        "scan_layers",
+        False,
+        "infer: the target's layers stacked and run as one lax.scan (one compiled layer body)",
+        **fv,
+    )
+    flags.DEFINE_bool(
         "quantize_lm_head", False, "infer: with --quantize=int8, the LM head int8 too", **fv
     )
     flags.DEFINE_string(
@@ -444,6 +450,7 @@ def run_flags(args):
             prefill_chunk=args.prefill_chunk,
             only=_programs(args.programs),
             hlo_dir=args.hlo_dir or None,
+            scan_layers=bool(getattr(args, "scan_layers", False)),
         )
         quantize = getattr(args, "quantize", "") or None
         if quantize is not None or getattr(args, "quantize_lm_head", False):
@@ -459,6 +466,8 @@ def run_flags(args):
     else:
         if getattr(args, "quantize", ""):
             raise UsageError("--quantize is for --mode=infer")
+        if getattr(args, "scan_layers", False):
+            raise UsageError("--scan_layers is for --mode=infer")
         if (
             getattr(args, "drafter", "dflash") != "dflash"
             or getattr(args, "drafter_window", 0)

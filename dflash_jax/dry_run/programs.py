@@ -175,6 +175,7 @@ def dry_run_infer(
     drafter: str = "dflash",
     drafter_window: Optional[int] = None,
     draft_vocab_size: Optional[int] = None,
+    scan_layers: bool = False,
 ) -> Dict[str, Any]:
     """Compiles the prefill, DFlash decode and autoregressive decode programs of `generate` for
     `model` on `mesh` (over `devices`: a topology's, default the first JAX devices) for each
@@ -194,6 +195,7 @@ def dry_run_infer(
     "eagle3" / "prompt_lookup" (`other_drafter`: compiled in the DFlash loop's place, the JSON's
     "dflash_*" entries then that drafter's loop; draft_vocab_size: EAGLE-3's draft vocabulary);
     drafter_window: every drafter layer slides with this window (its context cache a ring).
+    scan_layers: the target's layers stacked and scanned (`models/layer_stack.py`).
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
@@ -205,6 +207,7 @@ def dry_run_infer(
     from dflash_jax.parallel import sharding
 
     tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
+    tcfg = tcfg.replace(scan_layers=bool(scan_layers))
     other = drafter in OTHER_DRAFTERS
     if other and (tree_budget is not None or denoise_steps != 1 or drafter_window):
         raise ValueError(f"drafter={drafter!r} drafts a chain: no tree, denoising or window")
@@ -306,6 +309,7 @@ def dry_run_infer(
             "drafter": drafter,
             "quantize": quantize,
             "quantize_lm_head": bool(quantize_lm_head),
+            "scan_layers": tcfg.scans_layers,
             "attention": list(attention),
             # What each became for these devices (e.g. "pallas_cudnn" on an H200).
             "compiled_attention": {a: attn_lib.for_devices(a, m) for a in attention},
