@@ -11,11 +11,14 @@ python infer.py --target=DIR --drafter=DIR --profile_dir=/tmp/trace   # XProf / 
 import os
 import sys
 
-from dflash_jax.support import interrupts
+from dflash_jax.support import interrupts, locks
 
 # Ctrl-C from here until the first batch is saved: one line and exit 130 (no traceback from the
 # imports, no crash mid-compile); see dflash_jax/support/interrupts.py.
 interrupts.guard("interrupted: nothing was written")
+# SIGTERM after the first batch is saved: handled as Ctrl-C (a line saying what was kept and how
+# to resume, exit 143), not the default silent kill.
+interrupts.raise_on_sigterm()
 
 from absl import flags
 
@@ -205,6 +208,10 @@ def main(argv):
     # Every flag checked before any model is loaded or anything is computed or written.
 
     infer_flags.check_infer_flags(FLAGS.flag_values_dict())
+    # One run per --json_out (a second one is refused in one line naming the first); with
+    # --distributed the primary process takes it once the process group is known.
+    if FLAGS.json_out and not FLAGS.distributed:
+        locks.acquire(FLAGS.json_out, "--json_out")
     interrupts.guard(
         (report.interrupted_line(FLAGS.json_out, 0) or "interrupted: nothing was written").strip()
     )
@@ -241,6 +248,8 @@ def main(argv):
     from dflash_jax.parallel import distributed
 
     distributed.initialize(FLAGS.distributed)  # before any other JAX call
+    if FLAGS.json_out and FLAGS.distributed and distributed.is_primary():
+        locks.acquire(FLAGS.json_out, "--json_out")
     if not distributed.is_primary():  # every process computes; the first one reports
         sys.stdout = open(os.devnull, "w")
     compare = FLAGS.compare_ar
@@ -268,8 +277,8 @@ def main(argv):
         drafter_name=FLAGS.drafter or drafter_dir,
         **{name: FLAGS[name].value for name in GENERATE_FLAGS},
     )
-    if report is None:  # Ctrl-C: finished batches are in --json_out (a line on stderr says)
-        sys.exit(130)
+    if report is None:  # Ctrl-C / SIGTERM: finished batches are in --json_out (a line says)
+        sys.exit(interrupts.exit_status())
 
 
 if __name__ == "__main__":

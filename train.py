@@ -14,7 +14,7 @@ line on stderr); 3 stopped by SIGTERM/SIGINT after saving a checkpoint (rerun to
 import os
 import sys
 
-from dflash_jax.support import interrupts
+from dflash_jax.support import interrupts, locks
 
 # Ctrl-C / SIGTERM before the first training step: one line and exit 130 / 143 (no traceback,
 # no crash mid-compile); from the first step on, a checkpoint and exit 3 (the trainer's flag).
@@ -102,7 +102,11 @@ def main(argv):
     checks.check_train_config(config)
     checks.writable_dir(flags.FLAGS.workdir, "--workdir")
     if flags.FLAGS.profile_dir:
-        checks.writable_dir(flags.FLAGS.profile_dir, "--profile_dir")
+        checks.profile_dir(flags.FLAGS.profile_dir, "--profile_dir")
+    # One run per workdir (a second one is refused in one line naming the first); with
+    # --distributed the primary process takes it once the process group is known.
+    if not flags.FLAGS.distributed:
+        locks.acquire(flags.FLAGS.workdir, "--workdir", directory=True)
     # Then model locations (directories or hub ids): a bad one is one line, exit 2.
     from dflash_jax.models import hub
     from dflash_jax.support import console
@@ -119,14 +123,16 @@ def main(argv):
         )
     console.quiet_startup()  # before JAX starts: no TPU probe (and its log lines) on CPU hosts
     distributed.initialize(flags.FLAGS.distributed)  # before any other JAX call
+    if flags.FLAGS.distributed and distributed.is_primary():
+        locks.acquire(flags.FLAGS.workdir, "--workdir", directory=True)
     from dflash_jax.training import trainer
 
     trainer.preflight(config, flags.FLAGS.workdir)  # the devices are known from here on
     workdir = trainer.make_workdir(flags.FLAGS.workdir)
-    console.configure_logging(
-        flags.FLAGS.verbose,
-        log_file=os.path.join(workdir, "train.log") if distributed.is_primary() else None,
-    )
+    log_file = os.path.join(workdir, "train.log") if distributed.is_primary() else None
+    fresh_log = log_file is not None and not os.path.exists(log_file)
+    present = set(os.listdir(workdir)) | {"train.log", locks.DIR_LOCK}
+    console.configure_logging(flags.FLAGS.verbose, log_file=log_file)
     if flags.FLAGS.profile_dir:
         config.profile_dir = flags.FLAGS.profile_dir
     if profile_steps:
@@ -137,7 +143,15 @@ def main(argv):
         jax.process_count(),
         jax.local_devices(),
     )
-    summary = train_and_evaluate(config, workdir)
+    try:
+        summary = train_and_evaluate(config, workdir)
+    except cli.expected_errors():
+        # Refused (a model, data or checkpoint found unfit once read): a run that wrote nothing
+        # else leaves no train.log either (nor the workdir it created: `locks`).
+        if fresh_log and set(os.listdir(workdir)) <= present:
+            console.close_log_file()
+            os.remove(log_file)
+        raise
     if summary["status"] == "preempted":  # saved; a scheduler must not read this as success
         sys.exit(cli.EXIT_PREEMPTED)
     sys.exit(1 if summary["status"] == "nan" else 0)

@@ -21,6 +21,7 @@ import json
 import math
 import numbers
 import os
+import tempfile
 import warnings
 from typing import Iterable, List, Mapping, Optional, Sequence, Tuple
 
@@ -221,9 +222,54 @@ def _nearest_existing(path: str) -> str:
     return path
 
 
+def _short(name: str) -> str:
+    return name if len(name) <= 40 else name[:20] + "..." + name[-12:]
+
+
+def _fits_limits(path: str, name: str, shown: str) -> None:
+    """Every name in `path` within the file system's NAME_MAX, the whole within PATH_MAX (an
+    open or a mkdir fails with 'File name too long' otherwise, after the work)."""
+    full = os.path.abspath(path)
+    base = _nearest_existing(full)
+    if not os.path.isdir(base):
+        base = os.path.dirname(base)
+    try:
+        name_max = os.pathconf(base, "PC_NAME_MAX")
+        path_max = os.pathconf(base, "PC_PATH_MAX")
+    except (OSError, ValueError):
+        name_max, path_max = 255, 4096
+    size = len(os.fsencode(full))
+    if size >= path_max:
+        raise ValueError(
+            f"{name} {_short(shown)}: the path is {size} bytes long, over the system's limit of "
+            f"{path_max - 1}"
+        )
+    for part in full.split(os.sep):
+        n = len(os.fsencode(part))
+        if n > name_max:
+            raise ValueError(
+                f"{name} {_short(shown)}: the name {_short(part)!r} is {n} bytes long, over the "
+                f"file system's limit of {name_max}"
+            )
+
+
+def _can_create_in(folder: str, name: str, shown: str) -> None:
+    """A file can really be created in `folder` (created and removed at once): os.access reads
+    permission bits, which root passes even where nothing can be created (/proc, /sys)."""
+    try:
+        fd, probe = tempfile.mkstemp(dir=folder, prefix=".dflash-write-check-")
+    except OSError as e:
+        raise ValueError(
+            f"{name} {shown}: nothing can be created in {folder} ({e.strerror or e})"
+        ) from None
+    os.close(fd)
+    os.unlink(probe)
+
+
 def writable_file(path: str, name: str = "output file") -> str:
     """Checks that `path` can be written (without creating it): an existing writable file, or
-    a new name in an existing writable directory. Call before any compute."""
+    a new name (within the file system's name and path length limits) in an existing directory
+    where a file can be created. Call before any compute."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"{name} must be a path, got {_describe(path)}")
     path = os.fspath(path)
@@ -233,65 +279,53 @@ def writable_file(path: str, name: str = "output file") -> str:
         if not os.access(path, os.W_OK):
             raise ValueError(f"{name} {path} is not writable")
         return path
+    _fits_limits(path, name, path)
     parent = os.path.dirname(os.path.abspath(path))
     if not os.path.isdir(parent):
         raise ValueError(f"{name} {path}: directory {parent} does not exist")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ValueError(f"{name} {path}: directory {parent} is not writable")
+    _can_create_in(parent, name, path)
     return path
 
 
-def writable_dir(path: str, name: str = "output directory") -> str:
+def writable_dir(path: str, name: str = "output directory", below=(), files=()) -> str:
     """Checks that directory `path` exists and is writable, or can be created (its nearest
-    existing ancestor is a writable directory)."""
+    existing ancestor is a directory where something can be created), within the file system's
+    name and path length limits. `below`: relative paths the tool will create inside `path`
+    (e.g. the profiler's plugins/profile/RUN): none of their existing parts may be a file, and
+    they must fit the limits too. `files`: names the tool writes as files in `path`: none may
+    be a directory."""
     if not isinstance(path, (str, os.PathLike)) or not str(path):
         raise ValueError(f"{name} must be a path, got {_describe(path)}")
     path = os.fspath(path)
     base = _nearest_existing(path)
     if not os.path.isdir(base):
         raise ValueError(f"{name} {path}: {base} exists and is not a directory")
+    for rel in ("", *below):
+        inner = os.path.join(os.path.abspath(path), rel) if rel else os.path.abspath(path)
+        _fits_limits(inner, name, path)
+        blocked = _nearest_existing(inner)
+        if not os.path.isdir(blocked):
+            raise ValueError(f"{name} {path}: {blocked} is a file, where a directory goes")
+    for f in files:
+        target = os.path.join(path, f)
+        _fits_limits(target, name, path)
+        if os.path.isdir(target):
+            raise ValueError(f"{name} {path}: {target} is a directory, where a file goes")
     if not os.access(base, os.W_OK | os.X_OK):
         raise ValueError(f"{name} {path}: {base} is not writable")
+    _can_create_in(base, name, path)
     return path
 
 
-def output_not_input(
-    path: Optional[str],
-    name: str,
-    files: Optional[Mapping] = None,
-    dirs: Optional[Mapping] = None,
-    model_files: Sequence[str] = ("*",),
-) -> None:
-    """Raises ValueError when output `path` resolves (symbolic links, "..", relative paths) to
-    one of the inputs: `files` ({flag: path}) or a file the loaders read in one of `dirs`
-    ({flag: model directory}: the names matching the glob patterns `model_files`, e.g.
-    `hub.ALLOW_PATTERNS`, also through a link such as a hub snapshot's), e.g. an output
-    naming the prompt file or a config.json. Other files in a model directory may be written."""
-    import fnmatch
+def profile_dir(path: str, name: str = "--profile_dir") -> str:
+    """`writable_dir` for a jax.profiler trace: it goes to PATH/plugins/profile/<date_time>/
+    <host>.xplane.pb when the trace stops, after the work it traced."""
+    import socket
 
-    if not path:
-        return
-    real = os.path.realpath(path)
-    for flag, other in (files or {}).items():
-        if other and os.path.realpath(other) == real:
-            raise ValueError(f"{name} {path} is the {flag} (an input); choose another file")
-
-    def model_file(p):
-        return any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in model_files)
-
-    for flag, d in (dirs or {}).items():
-        if not d or not os.path.isdir(d):
-            continue
-        base = os.path.realpath(d)
-        inside = os.path.commonpath([base, real]) == base and model_file(real)
-        linked = any(
-            os.path.realpath(os.path.join(d, n)) == real for n in os.listdir(d) if model_file(n)
-        )
-        if inside or linked:
-            raise ValueError(
-                f"{name} {path} is a file of the {flag} model directory {d} (an input); "
-                "choose another file"
-            )
+    run = os.path.join("plugins", "profile", "2000_01_01_00_00_00")
+    return writable_dir(path, name, below=(os.path.join(run, socket.gethostname() + ".xplane.pb"),))
 
 
 # ------------------------------------------------------------------------- training configs

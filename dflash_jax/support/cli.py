@@ -12,7 +12,14 @@ stderr and exit with `EXIT_USAGE` (2). Anything else is a bug and keeps its trac
 
 Exit codes of the tools: 0 success; 1 a real bug (traceback) or, for `train.py`, a non-finite
 loss; 2 bad input (`EXIT_USAGE`); 3 `train.py` stopped by SIGTERM/SIGINT after saving a
-checkpoint (`EXIT_PREEMPTED`: rerun the same command to resume).
+checkpoint (`EXIT_PREEMPTED`: rerun the same command to resume); 130 / 143 stopped by Ctrl-C /
+SIGTERM (one line on stderr).
+
+Once main has ended (returned, failed, or was interrupted), the output locks it took are released
+(`locks`) and the interrupt guard is armed again (`interrupts.guard`): Ctrl-C or SIGTERM during
+the interpreter's shutdown is one line and an immediate exit, not a KeyboardInterrupt traceback
+from an atexit handler. A KeyboardInterrupt that reaches `run` (a signal after the tool released
+the guard, outside its own handling) is one line as well.
 """
 
 from __future__ import annotations
@@ -25,6 +32,8 @@ from absl import app, flags
 
 EXIT_USAGE = 2
 EXIT_PREEMPTED = 3
+# What Ctrl-C / SIGTERM prints once a tool's main has ended (its files are closed by then).
+SHUTDOWN_LINE = "interrupted while exiting: the run had already ended"
 
 
 def expected_errors() -> tuple:
@@ -110,8 +119,16 @@ def run(main: Callable, argv=None) -> None:
         flags.DEFINE_bool("verbose", False, "Print a traceback for every error.")
 
     def wrapped(args):
+        from dflash_jax.support import interrupts, locks
+
         try:
             return main(args)
+        except KeyboardInterrupt:
+            if flags.FLAGS["verbose"].value:
+                raise
+            sys.stdout.flush()
+            sys.stderr.write("interrupted\n")
+            sys.exit(interrupts.exit_status())
         except expected_errors() as e:
             if flags.FLAGS["verbose"].value:
                 raise
@@ -121,5 +138,8 @@ def run(main: Callable, argv=None) -> None:
             if line is None or flags.FLAGS["verbose"].value:
                 raise
             fail(line)
+        finally:
+            locks.release_all()
+            interrupts.guard(SHUTDOWN_LINE)
 
     app.run(wrapped, argv=argv, flags_parser=_parse_flags)

@@ -96,7 +96,19 @@ def configure_logging(verbose: bool = False, log_file: Optional[str] = None) -> 
         fh.setLevel(logging.INFO)
         fh.setFormatter(logging.Formatter("%(asctime)s %(levelname).1s %(name)s: %(message)s"))
         logging.root.addHandler(fh)
+        _log_files.append(fh)
     logging.getLogger(SAY_LOGGER).setLevel(logging.INFO)
+
+
+_log_files: list = []  # the FileHandlers configure_logging added
+
+
+def close_log_file() -> None:
+    """Detaches and closes the log files `configure_logging` opened (before removing one)."""
+    while _log_files:
+        fh = _log_files.pop()
+        logging.root.removeHandler(fh)
+        fh.close()
 
 
 class _SkipSay(logging.Filter):

@@ -9,7 +9,13 @@ signal wakes at once (through `signal.set_wakeup_fd`, written by the C-level han
 middle of a compile): it writes `line` and leaves with `os._exit` (130 for SIGINT, 143 for
 SIGTERM), running no Python cleanup, which is right while nothing was written. Once a run has
 something to save, `release()` hands the signals back to the tool's own handling (infer.py's
-file of finished batches, the trainer's checkpoint on signal).
+file of finished batches, the trainer's checkpoint on signal). `raise_on_sigterm()` makes a
+released SIGTERM raise `Terminated` (a KeyboardInterrupt) instead of killing the process, so
+that what the tool does on Ctrl-C (keep the finished work, say how to resume) runs for both;
+`exit_status()` is then 143. `at_immediate_exit(fn)` runs `fn` (e.g. removing a lock file)
+before the watcher's immediate exit. `cli.run` arms the guard again once a tool's main has
+ended, so a signal during the interpreter's shutdown (atexit handlers, JAX's teardown) is one
+line too, never a KeyboardInterrupt traceback.
 
 Standard library only: the tools call `guard` before importing JAX.
 """
@@ -23,8 +29,49 @@ import threading
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
-_state = {"line": None, "armed": False, "pipe": None, "installed": False, "old_fd": -1, "old": {}}
+_state = {
+    "line": None,
+    "armed": False,
+    "pipe": None,
+    "installed": False,
+    "old_fd": -1,
+    "old": {},
+    "terminated": False,
+}
 _lock = threading.Lock()
+_exit_hooks: list = []
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM once released, in a tool that called `raise_on_sigterm`: handled where Ctrl-C is."""
+
+
+def _raise_terminated(signum, frame):
+    _state["terminated"] = True
+    raise Terminated()
+
+
+def raise_on_sigterm() -> None:
+    """From `release()` on (now, when not armed), SIGTERM raises `Terminated` instead of its
+    default action (the process killed at once: no line, nothing flushed or released)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+    with _lock:
+        if _state["installed"]:
+            _state["old"][signal.SIGTERM] = _raise_terminated
+            return
+    signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+def exit_status() -> int:
+    """The exit status of a run stopped by a released signal: 143 after SIGTERM, else 130."""
+    return EXIT_CODES[signal.SIGTERM] if _state["terminated"] else EXIT_CODES[signal.SIGINT]
+
+
+def at_immediate_exit(fn) -> None:
+    """`fn()` runs (from the watcher thread) right before the guard's immediate exit."""
+    if fn not in _exit_hooks:
+        _exit_hooks.append(fn)
 
 
 def _python_handler(signum, frame):
@@ -59,6 +106,11 @@ def _watch(fd: int) -> None:
         except Exception:  # noqa: BLE001 - a closed or broken stdout must not stop the exit
             pass
         os.write(2, (line.rstrip("\n") + "\n").encode())
+        for fn in list(_exit_hooks):
+            try:
+                fn()
+            except Exception:  # noqa: BLE001 - the exit must happen
+                pass
         os._exit(EXIT_CODES.get(signum, 130))
 
 

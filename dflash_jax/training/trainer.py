@@ -148,6 +148,8 @@ def preflight(config, workdir: str) -> int:
             f"{config.unlikelihood.weight} > 0: the unlikelihood rows are not accumulated"
         )
     checks.writable_dir(workdir, "workdir")
+    if config.export:  # written after training: refused now, not after hours of it
+        checks.writable_dir(export_dir(config, workdir), "the export directory", files=EXPORT_FILES)
     if config.regen.output and not os.path.exists(config.regen.output):
         checks.writable_file(config.regen.output, "regen.output")
     if config.regen.get("only", False) and (
@@ -226,6 +228,15 @@ def _check_taps(config) -> None:
             )
 
 
+# The files an export writes in its directory (a directory by one of these names blocks it).
+EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
+
+
+def export_dir(config, workdir: str) -> str:
+    """Where `train_and_evaluate` exports: WORKDIR/export/drafter (or /target)."""
+    return os.path.join(workdir, "export", "drafter" if config.mode == "drafter" else "target")
+
+
 def make_workdir(workdir: str) -> str:
     """Creates `workdir` (absolute path returned); a failure is one line naming it."""
     workdir = os.path.abspath(workdir)
@@ -272,7 +283,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     try:
         status, step, state, last_eval = _loop(config, run, window, flag, logger, profiler)
         if status != "nan" and run.ckpt.maybe_save(
-            step, state, run.exp.train_iter.get_state, force=True
+            step, state, window.data_state(run.exp.train_iter), force=True
         ):
             _log(f"checkpoint step {step} -> {run.ckpt.directory}")
         if status == "done" and step < run.total:
@@ -287,7 +298,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
     export_path = None
     # A time-sliced stage (stop_at_step) exports too: the drafter so far, usable at once.
     if config.export and status in ("done", "stopped"):
-        export_path = export(exp, state.params, os.path.join(workdir, "export"))
+        export_path = export(exp, state.params, os.path.dirname(export_dir(config, workdir)))
         _log(f"exported to {export_path}")
     return {
         "status": status,
@@ -344,7 +355,7 @@ def _loop(config, run: "_Run", window: "_LogWindow", flag, logger, profiler):
             last_eval = evaluate(exp, state.params, run.eval_step, step, run.frozen, run.eval_mesh)
             logger.write("eval", step, last_eval)
             _log(f"eval step {step}: " + _eval_line(last_eval))
-        if ckpt.maybe_save(step, state, exp.train_iter.get_state):
+        if ckpt.maybe_save(step, state, window.data_state(exp.train_iter)):
             _log(f"checkpoint step {step} -> {ckpt.directory}")
         # A signal to any one process stops all of them after the same step.
         if distributed.any_process(flag.signum is not None):
@@ -444,7 +455,7 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
         config.keep_checkpoints,
         config.async_checkpoint,
     )
-    state = _restore(ckpt, exp, state, state_sh)
+    state, log_window = _restore(ckpt, exp, state, state_sh)
     state = distributed.put(state, state_sh)
     frozen = distributed.put(exp.frozen, frozen_sh)
     # The state is donated: each step's input state is dead once the step is called (a
@@ -491,6 +502,7 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
         eval_mesh=mesh if n_dev > 1 else None,
         ckpt=ckpt,
         taps=taps,
+        log_window=log_window,
     )
 
 
@@ -552,9 +564,11 @@ def _store_source(config, exp):
 
 
 def _restore(ckpt, exp, state, state_sh):
-    """The newest readable checkpoint (the same step on every process) restored into the
-    state's shardings, with the data stream's position; `state` unchanged when there is none.
-    An incompatible checkpoint raises and leaves every checkpoint as it is."""
+    """(state, log window) of the newest readable checkpoint (the same step on every process):
+    the state restored into the state's shardings, the data stream's position set, and the
+    metrics summed since the last log line (`_LogWindow.saved`; None when there is none or the
+    checkpoint predates them); (`state` unchanged, None) when there is no checkpoint. An
+    incompatible checkpoint raises and leaves every checkpoint as it is."""
     abstract = jax.tree_util.tree_map(
         lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
         jax.eval_shape(lambda: state),
@@ -572,11 +586,12 @@ def _restore(ckpt, exp, state, state_sh):
                 f"processes restored different checkpoint steps {steps} from {ckpt.directory}"
             )
     if restored is None:
-        return state
+        return state, None
     state, data_state, _ = restored
+    log_window = data_state.pop(LOG_WINDOW_KEY, None)
     exp.train_iter.set_state(data_state)
     _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
-    return state
+    return state, log_window
 
 
 def _log_expert_placement(exp, mesh, params) -> None:
@@ -605,10 +620,21 @@ def _log_expert_placement(exp, mesh, params) -> None:
     )
 
 
+# The data item of a checkpoint holds the log window's sums under this key, beside the data
+# iterator's position.
+LOG_WINDOW_KEY = "log_window"
+
+
 class _LogWindow:
     """The host's part of each step once its metrics are read (`finish`): the non-finite loss
     check, the loss history, and the metrics summed since the last log line, written (metrics
-    file, console) every `log_every` steps and at the last step."""
+    file, console) every `log_every` steps and at the last step.
+
+    The sums of a window that a checkpoint cuts (a preemption, a stage's stop_at_step) are
+    saved with it (`data_state`) and restored (`run.log_window`), so a resumed run logs at the
+    next multiple of `log_every` what the uninterrupted run logs there: the mean over the whole
+    window. (A stage's last line, at its stop_at_step, reports the part it ran and keeps the
+    sums.) Throughput counts only the steps this process timed."""
 
     def __init__(self, config, run: _Run, logger, bar):
         self.config, self.run, self.logger, self.bar = config, run, logger, bar
@@ -617,7 +643,31 @@ class _LogWindow:
         self.tokens_per_step = config.data.batch_size * config.data.seq_len
         self.t_start = self.t_window = time.time()
         self.step_start = int(run.state.step)
-        self.steps, self.acc = 0, None
+        self.steps, self.acc = 0, None  # the window's steps and summed metrics
+        self.timed = 0  # the window's steps run by this process (the rate's)
+        saved = getattr(run, "log_window", None)
+        if saved:
+            self.steps = int(saved["steps"])
+            self.acc = {k: _from_json(v) for k, v in saved["sums"].items()}
+
+    def saved(self):
+        """The window's sums as JSON (None when empty): what a checkpoint keeps."""
+        if not self.steps:
+            return None
+        return {"steps": self.steps, "sums": {k: _to_json(v) for k, v in self.acc.items()}}
+
+    def data_state(self, train_iter):
+        """A checkpoint's data item: the iterator's position and the window's sums (computed
+        only when a checkpoint is saved: with several processes the position is a collective)."""
+
+        def get():
+            state = dict(train_iter.get_state())
+            window = self.saved()
+            if window is not None:
+                state[LOG_WINDOW_KEY] = window
+            return state
+
+        return get
 
     def finish(self, k, metrics, rep_frac) -> bool:
         """Step k's metrics read; False when its loss is not finite (step k is dropped: the
@@ -632,21 +682,24 @@ class _LogWindow:
         self.history.append((k, loss))
         self.bar.update(1)
         self.steps += 1
+        self.timed += 1
         self.acc = (
             metrics if self.acc is None else jax.tree_util.tree_map(np.add, self.acc, metrics)
         )
-        if k % self.config.log_every == 0 or k == self.run.stop_at:
+        if k % self.config.log_every == 0 or k == self.run.total:
             self._write(k)
+        elif k == self.run.stop_at:  # a stage's end: its line; the sums go on (checkpoint)
+            self._write(k, reset=False)
         return True
 
-    def _write(self, k) -> None:
+    def _write(self, k, reset: bool = True) -> None:
         acc, n, run = self.acc, self.steps, self.run
         # The window is wall time from this write's start to the last one's: anything below
         # that waits is the next window's (reset at the end, a window of 5 steps read as 4
         # steps' time: rates 25% too high, as logged before 2026-12-04).
         now = time.time()
         dt = now - self.t_window
-        rate = n * self.tokens_per_step / max(dt, 1e-9)
+        rate = self.timed * self.tokens_per_step / max(dt, 1e-9)
         eta = (time.time() - self.t_start) / max(k - self.step_start, 1) * (run.total - k)
         rec = {
             "loss": acc["loss"] / n,
@@ -673,7 +726,20 @@ class _LogWindow:
             f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
             f"{rate:,.0f} tok/s ETA {format_eta(eta)}"
         )
-        self.t_window, self.steps, self.acc = now, 0, None
+        self.t_window, self.timed = now, 0
+        if reset:
+            self.steps, self.acc = 0, None
+
+
+def _to_json(value):
+    """A summed metric (a NumPy scalar or array) as JSON that `_from_json` gives back exactly."""
+    a = np.asarray(value)
+    return {"dtype": a.dtype.str, "shape": list(a.shape), "values": a.ravel().tolist()}
+
+
+def _from_json(obj):
+    a = np.asarray(obj["values"], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"])
+    return a[()] if a.ndim == 0 else a
 
 
 def _host_value(schedule, step: int) -> float:
