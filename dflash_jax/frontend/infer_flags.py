@@ -4,9 +4,9 @@ output file is one of the run's inputs (`output_not_input`): one line naming the
 from __future__ import annotations
 
 import difflib
-import os
 from typing import Mapping, Optional
 
+from dflash_jax.support import checks
 from dflash_jax.support.checks import (
     ATTENTION_IMPLS,
     BLOCK_SIZE_MAX,
@@ -25,38 +25,10 @@ from dflash_jax.support.checks import (
 def output_not_input(
     path: Optional[str], name: str, files: Optional[Mapping] = None, dirs: Optional[Mapping] = None
 ) -> None:
-    """Raises ValueError when output `path` resolves (symbolic links, "..", relative paths) to
-    one of the inputs: `files` ({flag: path}) or a file the loaders read in one of `dirs`
-    ({flag: model directory}: config.json, safetensors, tokenizer and generation config,
-    `hub.ALLOW_PATTERNS`, also through a link such as a hub snapshot's), e.g. --json_out
-    naming the prompt file or a config.json. Other files in a model directory may be written."""
-    import fnmatch
-
+    """`checks.output_not_input` with the model files the loaders read (`hub.ALLOW_PATTERNS`)."""
     from dflash_jax.models.hub import ALLOW_PATTERNS
 
-    if not path:
-        return
-    real = os.path.realpath(path)
-    for flag, other in (files or {}).items():
-        if other and os.path.realpath(other) == real:
-            raise ValueError(f"{name} {path} is the {flag} (an input); choose another file")
-
-    def model_file(p):
-        return any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in ALLOW_PATTERNS)
-
-    for flag, d in (dirs or {}).items():
-        if not d or not os.path.isdir(d):
-            continue
-        base = os.path.realpath(d)
-        inside = os.path.commonpath([base, real]) == base and model_file(real)
-        linked = any(
-            os.path.realpath(os.path.join(d, n)) == real for n in os.listdir(d) if model_file(n)
-        )
-        if inside or linked:
-            raise ValueError(
-                f"{name} {path} is a file of the {flag} model directory {d} (an input); "
-                "choose another file"
-            )
+    checks.output_not_input(path, name, files, dirs, model_files=ALLOW_PATTERNS)
 
 
 def check_infer_flags(f: Mapping) -> None:

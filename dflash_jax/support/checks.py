@@ -328,6 +328,45 @@ def profile_dir(path: str, name: str = "--profile_dir") -> str:
     return writable_dir(path, name, below=(os.path.join(run, socket.gethostname() + ".xplane.pb"),))
 
 
+def output_not_input(
+    path: Optional[str],
+    name: str,
+    files: Optional[Mapping] = None,
+    dirs: Optional[Mapping] = None,
+    model_files: Sequence[str] = ("*",),
+) -> None:
+    """Raises ValueError when output `path` resolves (symbolic links, "..", relative paths) to
+    one of the inputs: `files` ({flag: path}) or a file the loaders read in one of `dirs`
+    ({flag: model directory}: the names matching the glob patterns `model_files`, e.g.
+    `hub.ALLOW_PATTERNS`, also through a link such as a hub snapshot's), e.g. an output
+    naming the prompt file or a config.json. Other files in a model directory may be written."""
+    import fnmatch
+
+    if not path:
+        return
+    real = os.path.realpath(path)
+    for flag, other in (files or {}).items():
+        if other and os.path.realpath(other) == real:
+            raise ValueError(f"{name} {path} is the {flag} (an input); choose another file")
+
+    def model_file(p):
+        return any(fnmatch.fnmatch(os.path.basename(p), pat) for pat in model_files)
+
+    for flag, d in (dirs or {}).items():
+        if not d or not os.path.isdir(d):
+            continue
+        base = os.path.realpath(d)
+        inside = os.path.commonpath([base, real]) == base and model_file(real)
+        linked = any(
+            os.path.realpath(os.path.join(d, n)) == real for n in os.listdir(d) if model_file(n)
+        )
+        if inside or linked:
+            raise ValueError(
+                f"{name} {path} is a file of the {flag} model directory {d} (an input); "
+                "choose another file"
+            )
+
+
 # ------------------------------------------------------------------------- training configs
 
 

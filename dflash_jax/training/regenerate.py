@@ -18,55 +18,70 @@ CLI: python -m dflash_jax.training.regenerate --target=DIR --prompts=FILE.jsonl 
      (prompts: JSONL of conversations, see `dflash_jax.data.chat`: ShareGPT "conversations",
      OpenAI "messages" or plain "prompt"; --chat_template (default on when the tokenizer has
      one), --max_new_tokens, --temperature, --batch_size)
+     Every flag and --out (not an input, not a directory, its directory writable) is checked
+     before the target loads: one `error:` line, exit 2, nothing written. Finished batches
+     are journaled in OUT.partial: rerun the same command to resume (the same prompts,
+     settings and target files; another target is refused). Ctrl-C / SIGTERM: one line, exit
+     130 / 143, the finished batches kept.
 """
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import json
 import os
 import time
 from typing import Callable, List, Optional, Sequence
 
+if __name__ == "__main__":
+    # The CLI: Ctrl-C / SIGTERM from here until the first batch is in OUT.partial is one line
+    # and exit 130 / 143, at once (dflash_jax/support/interrupts.py); after it, the run stops
+    # keeping its finished batches (`main`).
+    from dflash_jax.support import interrupts
+
+    interrupts.guard("interrupted: nothing was written")
+
+from dflash_jax.data.sources import _ROLES
 from dflash_jax.decoding.generation import generate
 from dflash_jax.parallel import distributed
-from dflash_jax.support import console
+from dflash_jax.support import checks, console
 
 
 class _Journal:
     """The finished batches of a regeneration, appended to `OUT.partial` as they finish (flushed
     and synced), so a run stopped by Ctrl-C, a signal or the end of a session resumes where it
-    stopped instead of starting over: the same inputs, target and settings (a fingerprint on
-    the first line) replay the recorded batches; other ones are refused (one line, the file
-    kept). Removed once OUT is written. A single process only (several: disabled)."""
+    stopped instead of starting over: the same inputs, target and settings (a header on the
+    first line: a fingerprint, and the target's files by `target_identity`) replay the recorded
+    batches; other ones are refused (one line, the file kept). The file is started by the first
+    finished batch and removed once OUT is written. `on_batch()` is called after each batch is
+    on disk. A single process only (several: disabled)."""
 
-    def __init__(self, out_path: str, fingerprint: str, enabled: bool = True):
+    def __init__(
+        self,
+        out_path: str,
+        fingerprint: str,
+        enabled: bool = True,
+        target: Optional[dict] = None,
+        on_batch: Optional[Callable] = None,
+    ):
         self.path = out_path + ".partial"
         self.done: dict = {}
         self.f = None
-        if not enabled:
+        self.enabled = enabled
+        self.on_batch = on_batch
+        self.head = {"fingerprint": fingerprint, "target": target}
+        if not enabled or not os.path.exists(self.path):
             return
-        lines = []
-        if os.path.exists(self.path):
-            with open(self.path) as f:
-                lines = f.read().split("\n")
-            head = _json_or_none(lines[0]) or {}
-            if head.get("fingerprint") != fingerprint:
-                raise ValueError(
-                    f"{self.path}: an interrupted regeneration of other prompts, target or "
-                    "settings; rerun it with those, or delete the file to start over"
-                )
-            good = [lines[0]]
-            for ln in lines[1:]:
-                rec = _json_or_none(ln)
-                if rec is None:  # a line cut by the interruption: that batch is redone
-                    break
-                self.done[tuple(rec["key"])] = rec["responses"]
-                good.append(ln)
-            lines = good
-        else:
-            lines = [json.dumps({"fingerprint": fingerprint})]
-        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        lines = journal_lines(self.path, target)
+        if json.loads(lines[0]).get("fingerprint") != fingerprint:
+            raise ValueError(
+                f"{self.path}: an interrupted regeneration of other prompts or settings; "
+                "rerun it with those, or delete or move the file to start over"
+            )
+        for ln in lines[1:]:
+            rec = json.loads(ln)
+            self.done[tuple(rec["key"])] = rec["responses"]
         tmp = self.path + ".tmp"
         with open(tmp, "w") as f:  # rewritten without a cut last line
             f.write("\n".join(lines) + "\n")
@@ -79,15 +94,107 @@ class _Journal:
         return self.done.get(tuple(key))
 
     def add(self, key, responses) -> None:
-        if self.f is not None:
-            self.f.write(json.dumps({"key": list(key), "responses": responses}) + "\n")
-            self.f.flush()
-            os.fsync(self.f.fileno())
+        if not self.enabled:
+            return
+        if self.f is None:  # the first finished batch starts the file, header first
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            self.f = open(self.path, "w")
+            self.f.write(json.dumps(self.head) + "\n")
+        self.f.write(json.dumps({"key": list(key), "responses": responses}) + "\n")
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        if self.on_batch is not None:
+            self.on_batch()
 
     def finish(self) -> None:
         if self.f is not None:
             self.f.close()
             os.remove(self.path)
+
+
+def target_identity(path: Optional[str]) -> Optional[dict]:
+    """What a journal knows its target by: the directory's real path and, for each of its
+    files (weights, config, tokenizer and chat template; hidden files and *.md aside), the
+    size and modification time in ns, as `make` and rsync tell a changed file; for a GGUF
+    target (a sidecar directory whose config.json names the .gguf) the .gguf file's too. A
+    fine-tuned or requantized target of the same shape differs here. None for a target with
+    no directory (built in memory)."""
+    if not path or not os.path.isdir(path):
+        return None
+    real = os.path.realpath(path)
+    files = {}
+    for name in sorted(os.listdir(real)):
+        full = os.path.join(real, name)
+        if name.startswith(".") or name.endswith(".md") or not os.path.isfile(full):
+            continue
+        st = os.stat(full)
+        files[name] = [st.st_size, st.st_mtime_ns]
+    try:
+        with open(os.path.join(real, "config.json")) as f:
+            gguf = json.load(f).get("gguf_file")
+    except (OSError, ValueError, AttributeError):
+        gguf = None
+    if isinstance(gguf, str) and os.path.isfile(gguf):
+        st = os.stat(gguf)
+        files[os.path.realpath(gguf)] = [st.st_size, st.st_mtime_ns]
+    return {"dir": real, "files": files}
+
+
+def _describe_target(ident: Optional[dict], name: Optional[str] = None) -> str:
+    if ident is None:
+        return "a target built in memory (no directory)"
+    if name is None:
+        return ident["dir"]
+    where = name if os.path.isabs(name) else os.path.join(ident["dir"], name)
+    entry = ident["files"].get(name)
+    if entry is None:
+        return f"{where} absent"
+    when = datetime.datetime.fromtimestamp(entry[1] / 1e9).isoformat(sep=" ")
+    return f"{where} {entry[0]} bytes, modified {when}"
+
+
+def _target_change(old: Optional[dict], new: Optional[dict]) -> Optional[str]:
+    """'journal: ...; given: ...' naming the first difference of two target identities, or
+    None when they are the same."""
+    if old == new:
+        return None
+    if old is None or new is None or old["dir"] != new["dir"]:
+        return f"journal: {_describe_target(old)}; given: {_describe_target(new)}"
+    for name in sorted(set(old["files"]) | set(new["files"])):
+        if old["files"].get(name) != new["files"].get(name):
+            return f"journal: {_describe_target(old, name)}; given: {_describe_target(new, name)}"
+    return f"journal: {_describe_target(old)}; given: {_describe_target(new)}"
+
+
+def journal_lines(path: str, target: Optional[dict]) -> List[str]:
+    """The whole lines of the journal `path` (header first; a last line cut by an
+    interruption is left out: that batch is redone), checked to be a journal of this version
+    of the target `target` (`target_identity`): anything else is a ValueError, one line
+    naming both targets, the file kept."""
+    with open(path) as f:
+        lines = f.read().split("\n")
+    head = _json_or_none(lines[0])
+    restart = f"delete or move {path} to start over"
+    if not isinstance(head, dict) or "fingerprint" not in head:
+        raise ValueError(f"{path}: not a regeneration journal (no header line); {restart}")
+    if "target" not in head:
+        raise ValueError(
+            f"{path}: a journal of an earlier version of regenerate, which did not record the "
+            f"target's files (its batches may come from another target); {restart}"
+        )
+    change = _target_change(head["target"], target)
+    if change is not None:
+        raise ValueError(
+            f"{path}: an interrupted regeneration with another target ({change}); rerun it "
+            f"with that target, or {restart}"
+        )
+    good = [lines[0]]
+    for ln in lines[1:]:
+        rec = _json_or_none(ln)
+        if not isinstance(rec, dict) or "key" not in rec or "responses" not in rec:
+            break  # a line cut by the interruption: that batch is redone
+        good.append(ln)
+    return good
 
 
 _last_log = [0.0]
@@ -112,13 +219,33 @@ def _json_or_none(line: str):
         return None
 
 
-def _journal(out_path, target, inputs, max_new_tokens, batch_size, temperature, top_p, seed, stop):
+def _journal(
+    out_path, target, inputs, max_new_tokens, batch_size, temperature, top_p, seed, stop, on_batch
+):
     """The `_Journal` of a regeneration of `inputs` with these settings (single process)."""
     fingerprint = _fingerprint(
         target, inputs, max_new_tokens=max_new_tokens, batch_size=batch_size,
         temperature=temperature, top_p=top_p, seed=seed, stop=[int(t) for t in stop],
     )  # fmt: skip
-    return _Journal(out_path, fingerprint, enabled=not distributed.is_multiprocess())
+    return _Journal(
+        out_path,
+        fingerprint,
+        enabled=not distributed.is_multiprocess(),
+        target=target_identity(getattr(target, "path", None)),
+        on_batch=on_batch,
+    )
+
+
+def check_settings(max_new_tokens, batch_size, temperature, top_p=None, seed=0, flag="") -> None:
+    """The settings of a regeneration checked before anything loads or is written (one
+    ValueError naming the first bad one, `flag` before its name: "--" for the CLI's flags):
+    counts >= 1, temperature finite and >= 0, top_p in (0, 1], a 64-bit seed."""
+    checks.int_param(flag + "batch_size", batch_size, lo=1)
+    checks.int_param(flag + "max_new_tokens", max_new_tokens, lo=1)
+    checks.float_param(flag + "temperature", temperature, lo=0.0)
+    if top_p is not None:
+        checks.float_param(flag + "top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
+    checks.seed_param(flag + "seed", seed)
 
 
 def _fingerprint(target, inputs, **settings) -> str:
@@ -145,16 +272,26 @@ def regenerate(
     drafter=None,
     log_every: int = 10,
     mesh=None,
+    on_batch: Optional[Callable] = None,
 ) -> List[dict]:
     """Generates a response for each prompt (token-id lists) and writes `out_path` (JSONL).
 
     Batches have a fixed size (the last one is padded with repeats) so one compiled program
     serves them all. Written atomically (tmp file, then rename). Returns the records.
     `mesh`: generate on it; when it spans several processes, all of them call this with the
-    same prompts, process 0 writes the file and all return once it is there.
+    same prompts, process 0 writes the file and all return once it is there. `on_batch()`:
+    called once each finished batch is in the journal (`OUT.partial`).
     """
+    check_settings(max_new_tokens, batch_size, temperature, top_p, seed)
     records = []
-    prompts = [list(map(int, p)) for p in prompts]
+    prompts = checks.prompt_ids(prompts, target.config.vocab_size)
+    context = target.config.max_position_embeddings
+    for i, p in enumerate(prompts):
+        if len(p) + max_new_tokens > context:
+            raise ValueError(
+                f"prompt {i}: {len(p)} tokens + max_new_tokens {max_new_tokens} exceed the "
+                f"target's context ({context})"
+            )
     journal = _journal(
         out_path,
         target,
@@ -165,6 +302,7 @@ def regenerate(
         top_p,
         seed,
         stop_token_ids,
+        on_batch,
     )
     t0 = time.time()
     n_batches = (len(prompts) + batch_size - 1) // batch_size
@@ -210,10 +348,15 @@ def _write_records(records: List[dict], out_path: str) -> None:
     if distributed.is_primary():
         os.makedirs(os.path.dirname(os.path.abspath(out_path)), exist_ok=True)
         tmp = out_path + ".tmp"
-        with open(tmp, "w") as f:
-            for rec in records:
-                f.write(json.dumps(rec) + "\n")
-        os.replace(tmp, out_path)
+        try:
+            with open(tmp, "w") as f:
+                for rec in records:
+                    f.write(json.dumps(rec) + "\n")
+            os.replace(tmp, out_path)
+        except BaseException:  # a full disk, Ctrl-C: no half-written file left behind
+            if os.path.exists(tmp):
+                os.remove(tmp)
+            raise
     distributed.sync("regenerate: " + os.path.basename(out_path))  # the file is complete
 
 
@@ -234,6 +377,7 @@ def regenerate_chat(
     drafter=None,
     log_every: int = 10,
     mesh=None,
+    on_batch: Optional[Callable] = None,
 ) -> List[dict]:
     """Regenerates every assistant turn of `conversations` (lists of {"role", "content"}:
     an optional system message and user turns; assistant turns given are ignored, as
@@ -248,9 +392,11 @@ def regenerate_chat(
     before that turn (one with no turn left is dropped; a line says how many).
     render(messages, add_generation_prompt) -> text (`chat.template_renderer`); encode(text)
     -> ids; decode(ids) -> text (only for the records' "messages"). At temperature > 0 every
-    batch draws with its own seed (seed, turn, batch)."""
+    batch draws with its own seed (seed, turn, batch). `on_batch()`: called once each finished
+    batch is in the journal (`OUT.partial`)."""
     from dflash_jax.data.chat import chat_ids
 
+    check_settings(max_new_tokens, batch_size, temperature, top_p, seed)
     convs = [[dict(m) for m in c if m["role"] != "assistant"] for c in conversations]
     users = [[j for j, m in enumerate(c) if m["role"] == "user"] for c in convs]
     if any(not u for u in users):
@@ -262,7 +408,16 @@ def regenerate_chat(
     turns: List[List[dict]] = [[] for _ in convs]
     stop = tuple(int(s) for s in stop_token_ids)
     journal = _journal(
-        out_path, target, convs, max_new_tokens, batch_size, temperature, top_p, seed, stop
+        out_path,
+        target,
+        convs,
+        max_new_tokens,
+        batch_size,
+        temperature,
+        top_p,
+        seed,
+        stop,
+        on_batch,
     )
     total = sum(len(u) for u in users)
     bar = console.progress(total=total, desc="regenerate", unit="turn")
@@ -453,17 +608,6 @@ def rows_as_given(
     return records
 
 
-_ROLES = {
-    "human": "user",
-    "user": "user",
-    "gpt": "assistant",
-    "chatgpt": "assistant",
-    "bard": "assistant",
-    "assistant": "assistant",
-    "system": "system",
-}
-
-
 def given_conversations(path: str) -> List[List[dict]]:
     """The conversations of a JSONL file with their assistant turns kept ("messages" with
     role / content, ShareGPT "conversations" with from / value, or a "prompt" alone);
@@ -532,19 +676,83 @@ def regenerate_from_file(
     )
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM once a batch is saved (SIGINT: KeyboardInterrupt)."""
+
+
+def _raise_terminated(signum, frame):
+    raise _Terminated()
+
+
+def _interrupted_line(out_path: str) -> str:
+    """What a run stopped by a signal leaves: the finished batches in OUT.partial."""
+    journal = out_path + ".partial"
+    try:
+        with open(journal) as f:
+            n = sum(isinstance(_json_or_none(ln), dict) for ln in f.read().split("\n")[1:])
+    except OSError:
+        n = 0
+    if not n:
+        return "interrupted: nothing was written"
+    return (
+        f"interrupted: {n} finished batch{'es' if n > 1 else ''} kept in {journal}; rerun the "
+        "same command to resume"
+    )
+
+
+def check_out(out_path, prompts: Optional[str], target_dir: Optional[str] = None) -> None:
+    """--out checked before anything loads or is written: a file (not a directory) in a
+    directory that exists and is writable, or can be created; neither it nor a file written
+    beside it (OUT.tmp, the journal OUT.partial and its OUT.partial.tmp) is an input (the
+    --prompts file, a file of the --target directory or its GGUF file). ValueError, one line."""
+    from dflash_jax.models.hub import ALLOW_PATTERNS
+
+    if not isinstance(out_path, str) or not out_path:
+        raise ValueError(f"--out must be a path, got {out_path!r}")
+    files = {"--prompts": prompts}
+    if target_dir is not None:
+        gguf = (target_identity(target_dir) or {"files": {}})["files"]
+        files.update({"--target's GGUF file": f for f in gguf if os.path.isabs(f)})
+    for path in (out_path, out_path + ".tmp", out_path + ".partial", out_path + ".partial.tmp"):
+        if os.path.isdir(path):
+            raise ValueError(f"--out {out_path}: {path} is a directory")
+        checks.output_not_input(
+            path, "--out", files, {"--target": target_dir}, model_files=ALLOW_PATTERNS
+        )
+    checks.writable_dir(os.path.dirname(os.path.abspath(out_path)), f"--out {out_path}: directory")
+
+
 def main(argv):
     del argv
+    import signal
+    import sys
+
     from absl import flags
 
     from dflash_jax.data import load_tokenizer
     from dflash_jax.models import hub
+    from dflash_jax.models.checkpoint import read_target_config
     from dflash_jax.models.target import load_target
+    from dflash_jax.support import interrupts
 
     F = flags.FLAGS
+    # Every flag and output path checked before any model loads or any file is written.
+    check_settings(F.max_new_tokens, F.batch_size, F.temperature, seed=F.seed, flag="--")
+    check_out(F.out, F.prompts)
     from dflash_jax.support import locks
 
     locks.acquire(F.out, "--out")  # one run per --out: a second is refused, naming the first
     target_dir = hub.resolve_or_exit(F.target, what="--target")
+    check_out(F.out, F.prompts, target_dir)
+    context = read_target_config(target_dir).max_position_embeddings
+    if F.max_new_tokens >= context:
+        raise ValueError(
+            f"--max_new_tokens {F.max_new_tokens} leaves no room for a prompt in the "
+            f"target's context ({context} tokens)"
+        )
+    if not F.as_given and os.path.exists(F.out + ".partial"):  # resumed: the same target?
+        journal_lines(F.out + ".partial", target_identity(target_dir))
+        interrupts.guard(_interrupted_line(F.out))
     console.cli_startup()
     from dflash_jax.data.chat import read_conversations
 
@@ -552,7 +760,6 @@ def main(argv):
         read_conversations(F.prompts)  # a bad row is an error before the target loads
     else:  # the conversations' own answers: no target pass here
         from dflash_jax.data.chat import template_renderer
-        from dflash_jax.models.checkpoint import read_target_config
 
         tok = load_tokenizer(target_dir)
         render, how = template_renderer(target_dir, True)
@@ -564,7 +771,7 @@ def main(argv):
             encode=tok.encode,
             max_new_tokens=F.max_new_tokens,
             stop_token_ids=(tok.eos_id,),
-            context=read_target_config(target_dir).max_position_embeddings,
+            context=context,
         )
         n = sum(int(sum(r["loss_mask"])) for r in recs)
         console.say(
@@ -574,20 +781,35 @@ def main(argv):
         return
     target = load_target(target_dir)
     tok = load_tokenizer(target_dir)
-    regenerate_from_file(
-        target,
-        tok,
-        target_dir,
-        F.prompts,
-        F.out,
-        use_chat_template=F.chat_template,
-        log=console.say,
-        max_new_tokens=F.max_new_tokens,
-        batch_size=F.batch_size,
-        temperature=F.temperature,
-        seed=F.seed,
-        stop_token_ids=(tok.eos_id,),
-    )
+
+    def saved():  # a batch is in OUT.partial: a signal from now on ends the run keeping it
+        if interrupts.armed():
+            interrupts.release()
+            # Both explicitly: a SIGINT inherited ignored (a background job) is not ignored here
+            # either, as it is not while guarded.
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            signal.signal(signal.SIGTERM, _raise_terminated)
+
+    try:
+        regenerate_from_file(
+            target,
+            tok,
+            target_dir,
+            F.prompts,
+            F.out,
+            use_chat_template=F.chat_template,
+            log=console.say,
+            max_new_tokens=F.max_new_tokens,
+            batch_size=F.batch_size,
+            temperature=F.temperature,
+            seed=F.seed,
+            stop_token_ids=(tok.eos_id,),
+            on_batch=saved,
+        )
+    except KeyboardInterrupt as e:  # SIGINT / SIGTERM after the first saved batch
+        sys.stdout.flush()
+        sys.stderr.write(_interrupted_line(F.out) + "\n")
+        sys.exit(143 if isinstance(e, _Terminated) else 130)
 
 
 if __name__ == "__main__":
