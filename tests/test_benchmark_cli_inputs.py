@@ -21,6 +21,9 @@ from benchmarks import drafter_grid as dg
 from benchmarks import plot_learning_curve as plc
 from dflash_jax.support import outputs
 
+# Host-side behaviour the jax version does not change: `make test` only (tests/README.md).
+pytestmark = pytest.mark.once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DRY_RUNS = os.path.join(ROOT, "benchmarks", "results", "smollm2", "compare", "dry_runs")
 
@@ -321,6 +324,7 @@ SIGNAL_IN_WRITES = """
 import os, signal, sys
 sys.path.insert(0, {root!r})
 from dflash_jax.support import interrupts, outputs
+
 interrupts.guard("interrupted: nothing was written")
 
 class Late:  # a path that sends SIGTERM to this process as the files are being written

@@ -22,6 +22,9 @@ from dflash_jax.models import checkpoint, gguf_io, hub
 sys.path.insert(0, os.path.dirname(__file__))
 import gguf_files as gf  # noqa: E402
 
+# Host-side behaviour the jax version does not change: `make test` only (tests/README.md).
+pytestmark = pytest.mark.once
+
 gguf = pytest.importorskip("gguf")
 VT = gguf.GGUFValueType
 

@@ -27,6 +27,9 @@ import pytest
 from dflash_jax.data import sources
 from dflash_jax.training import regenerate as regen
 
+# Host-side behaviour the jax version does not change: `make test` only (tests/README.md).
+pytestmark = pytest.mark.once
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TARGET = os.path.join(ROOT, "assets", "tiny-code", "target")
 N_PROMPTS, MAX_NEW = 12, 24
