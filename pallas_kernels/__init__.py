@@ -20,7 +20,7 @@ see pallas_kernels/backend.py, the single place where the choice is made.
 interpret=True runs the chosen Pallas variant in interpret mode (TPU kernels
 via pltpu.InterpretParams(), Triton kernels via the HLO interpreter).
 
-  kv_update(cache, new, starts, *, interpret=False)   (TPU only: kv_update.py)
+  kv_update(cache, new, starts, layer=None, *, interpret=False)   (TPU only: kv_update.py)
     cache [B,S,K,D] with rows starts[b]..starts[b]+T-1 set to new [B,T,K,D]
     (out-of-range slots dropped), DMA'd into the cache where it lies in HBM.
 

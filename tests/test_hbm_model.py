@@ -135,6 +135,25 @@ def test_a_scan_nested_in_the_step_is_charged_its_trip_count(chip):
     assert 7 * w <= t["hbm_bytes"] <= 7.1 * w, t
 
 
+@pytest.mark.slow  # a libtpu compile
+@pytest.mark.parametrize("rows", (1, 16))
+def test_a_scanned_layer_stack_is_charged_one_layer_per_iteration(chip, rows):
+    """A scanned layer stack (`models/layer_stack.py`): each iteration's matmul reads its
+    layer's slice of the stacked weights [L, 4096, 4096]; XLA puts the `dynamic-slice` in a
+    fusion nested inside the dot's (at 16 rows), and the step is charged L slices, not L whole
+    stacks."""
+    layers, w = 6, 4096 * 4096 * 2
+
+    def loop(ws, x, n):
+        def step(i, c):
+            return jax.lax.scan(lambda c, wl: ((c @ wl).astype(c.dtype), None), c, ws)[0]
+
+        return jax.lax.fori_loop(0, n, step, x)
+
+    t = _traffic(chip, loop, ((layers, 4096, 4096), jnp.bfloat16), ((rows, 4096), jnp.bfloat16))
+    assert layers * w <= t["hbm_bytes"] <= 1.02 * layers * w, t
+
+
 def test_trip_counts_from_the_annotation_or_the_condition():
     """`hlo.trip_count`: XLA's known_trip_count where given, else `counter < constant` read from
     the loop's condition, else 1 (charged once, as an unknown loop always was)."""

@@ -199,3 +199,17 @@ def test_decode_loop_copies_no_stack(pair):
 
     control = jax.jit(rotates).lower(state.cache.k).compile().as_text()
     assert hlo.cache_sized_copies(control, cap, whole, ops) != []
+
+
+def test_kernel_paths_are_lossless_with_the_stacked_cache(pair):
+    """Through the Pallas kernels (interpret mode on CPU: the TPU cache-write kernel writing
+    one layer of the stack where it lies, the attention kernels), a chain and a tree over the
+    stacked target give the looped target's AR tokens, the drafter accepted."""
+    target, stacked, drafter, prompts = pair
+    ar = dj.generate(target, None, prompts[:2], 12).tokens
+    kw = dict(attention_impl="pallas_interpret")
+    res = dj.generate(stacked, drafter, prompts[:2], 12, block_size=4, **kw)
+    assert res.tokens == ar
+    assert_accepted(res, 4, min_tau=1.3)
+    tree = dj.generate(stacked, drafter, prompts[:2], 12, tree_budget=8, **kw)
+    assert tree.tokens == ar

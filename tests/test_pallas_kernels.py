@@ -810,6 +810,27 @@ def test_bench_script_smoke(tmp_path, monkeypatch):
 
 
 # ------------------------------------------------------------------ kv_update --
+def test_kv_update_kernel_writes_one_layer_of_a_stack():
+    """With a layer index the kernel writes that layer of a stacked cache [L,B,S,K,D] (a
+    scanned layer stack) and leaves every other layer as it was (interpret mode), against
+    the rule in NumPy: aligned, unaligned, past-the-end and out-of-range starts; a traced
+    layer index under jit."""
+    n, b, s, k, d, t = 3, 4, 64, 2, 128, 5
+    rs = np.random.RandomState(0)
+    cache = rs.randn(n, b, s, k, d).astype(np.float32)
+    new = rs.randn(b, t, k, d).astype(np.float32)
+    starts = np.asarray([0, 16, 61, 70], np.int32)
+    for layer in range(n):
+        want = cache.copy()
+        for r in range(b):
+            for i in range(t):
+                if 0 <= starts[r] + i < s:
+                    want[layer, r, starts[r] + i] = new[r, i]
+        write = jax.jit(lambda c, x, st, li: pk.kv_update(c, x, st, li, interpret=True))
+        got = write(jnp.asarray(cache), jnp.asarray(new), jnp.asarray(starts), jnp.int32(layer))
+        np.testing.assert_array_equal(np.asarray(got), want)
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kv_update_kernel_equals_the_xla_write(dtype):
     """The Pallas TPU cache write (interpret mode) equals `model.write_kv`'s scatter: batch

@@ -160,12 +160,22 @@ def _compact(cache: KVCache, path, start, impl: str = "xla") -> KVCache:
     slots start + 1 + k, in every layer: the cache then holds what autoregressive decoding of
     the committed tokens would have written. The rows are written back as one block
     (`attention.write_block`: the Pallas DMA kernel under a TPU Pallas impl)."""
+    if cache.stacked:  # [L, B, S, K*D]: layer by layer, each written where it lies
+        rows = (jnp.arange(path.shape[0])[:, None], start[:, None] + path)
+
+        def layer(i, kv):
+            move = lambda x: attn_lib.write_block(
+                x, x[(i, *rows)], start + 1, impl, cache.head_dim, layer=i
+            )
+            return tuple(move(x) for x in kv)
+
+        k, v = jax.lax.fori_loop(0, cache.k.shape[0], layer, (cache.k, cache.v))
+        return cache.replace(k=k, v=v)
     src = (start[:, None] + path)[..., None]
-    impl = "xla" if cache.stacked else impl  # the kernel takes one layer's cache, not a stack
     move = lambda x: attn_lib.write_block(
         x, jnp.take_along_axis(x, src, axis=1), start + 1, impl, cache.head_dim
     )
-    return cache.map_layers(move)
+    return cache.replace(k=tuple(move(x) for x in cache.k), v=tuple(move(x) for x in cache.v))
 
 
 def _emit_stream(sink, y, n):

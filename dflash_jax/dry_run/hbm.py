@@ -14,7 +14,8 @@ layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
 - no traffic: parameter, get-tuple-element, tuple, bitcast, constant, the `-done` halves of
   async pairs, and the control-flow ops themselves (their computations are walked instead);
 - a fusion's operand that the fused computation only slices (`slice`, `dynamic-slice`,
-  `gather`) is charged the slices' sizes, not the whole array;
+  `gather`, directly or inside a nested fusion: a scanned layer's slice of the stacked weights)
+  is charged the slices' sizes, not the whole array;
 - an in-place update (a fusion rooted in `dynamic-update-slice` or `scatter` whose updated
   array is a fusion parameter, the loop-carried cache) is charged the update written (and its
   operands read), not the array;
@@ -123,10 +124,10 @@ class _Fused:
     """What a fused computation does with each parameter: the bytes it slices out of it (None:
     used whole) and, for an in-place update of parameter p, (p, update bytes)."""
 
-    def __init__(self, lines: List[str]):
+    def __init__(self, lines: List[str], comps: Optional[Dict[str, List[str]]] = None):
         types = _types(lines)
         params: Dict[int, str] = {}
-        uses: Dict[str, List[Tuple[str, str, List[str]]]] = {}
+        uses: Dict[str, List[Tuple[str, str, List[str], str]]] = {}
         root = None
         for line in lines:
             m = _INSTR.match(line)
@@ -137,16 +138,29 @@ class _Fused:
                 params[int(re.match(r"(\d+)", rest).group(1))] = name
             ops = _operands(rest)
             for o in ops:
-                uses.setdefault(o, []).append((op, rtype, ops))
+                uses.setdefault(o, []).append((op, rtype, ops, rest))
             if m.group(1):
                 root = (name, op, ops)
+
+        def slices(p, op, rtype, ops, rest) -> Optional[int]:
+            """The bytes one use of parameter `p` slices out of it (None: used whole). A
+            nested fusion that only slices its own parameter (a scanned layer's weights:
+            `dynamic-slice` of the stack inside the dot's operand fusion) slices this one."""
+            if op in _SLICING and ops[0] == p:
+                return sum(_array_bytes(rtype, False))
+            if op == "fusion" and comps is not None:
+                fm = re.search(r"calls=%?([\w.\-]+)", rest)
+                if fm and fm.group(1) in comps:
+                    inner = _Fused(comps[fm.group(1)], comps)
+                    got = [inner.sliced.get(j) for j, o in enumerate(ops) if o == p]
+                    if got and all(g is not None for g in got):
+                        return sum(got)
+            return None
+
         self.sliced: Dict[int, Optional[int]] = {}
         for i, p in params.items():
-            u = uses.get(p, [])
-            if u and all(op in _SLICING and ops[0] == p for op, _, ops in u):
-                self.sliced[i] = sum(sum(_array_bytes(rt, False)) for _, rt, _ in u)
-            else:
-                self.sliced[i] = None
+            u = [slices(p, op, rt, ops, rest) for op, rt, ops, rest in uses.get(p, [])]
+            self.sliced[i] = sum(u) if u and all(x is not None for x in u) else None
         self.in_place: Optional[Tuple[int, int]] = None
         if root and root[1] in _IN_PLACE and root[2]:
             target = root[2][0]
@@ -186,7 +200,7 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
                 fm = re.search(r"calls=%?([\w.\-]+)", rest)
                 f = fused.get(fm.group(1)) if fm else None
                 if f is None and fm and fm.group(1) in comps:
-                    f = fused[fm.group(1)] = _Fused(comps[fm.group(1)])
+                    f = fused[fm.group(1)] = _Fused(comps[fm.group(1)], comps)
                 if f is not None:
                     for i, sliced in f.sliced.items():
                         if sliced is not None and i < len(reads) and reads[i]:

@@ -93,7 +93,8 @@ def _per_shard(fn, args, batch_dims, head_dims):
     for a in data:
         n_data *= shape[a]
     tensor = shape.get("tensor", 1)
-    b, heads = args[0].shape[0], [a.shape[d] for a, d in zip(args, head_dims) if d is not None]
+    b = args[0].shape[batch_dims[0]]
+    heads = [a.shape[d] for a, d in zip(args, head_dims) if d is not None]
     bax = data if data and b % n_data == 0 else None
     hax = "tensor" if tensor > 1 and all(h % tensor == 0 for h in heads) else None
 
@@ -135,26 +136,42 @@ def _heads(x, head_dim: int):
     return x if x.ndim == 4 else x.reshape(*x.shape[:2], -1, head_dim)
 
 
-def write_block(cache_BSF, new_BTF, starts_B, impl: str = "xla", head_dim: int = 0):
+def write_block(cache_BSF, new_BTF, starts_B, impl: str = "xla", head_dim: int = 0, layer=None):
     """cache [B,S,K*D] (or [B,S,K,D]) with rows starts[b] .. starts[b]+T-1 of row b set to new
     rows of the same trailing shape (slots outside [0, S) dropped, as `model.write_kv` does).
+    With `layer` (an int, traced or not) the cache is a stack [L,B,S,K*D] of a scanned layer
+    stack and that layer is written, in place.
     Under a TPU Pallas impl the Pallas kernel DMAs the T rows into the cache where it lies in
     HBM (XLA's scatter or dynamic-update-slice round-trips the whole cache through VMEM on
     TPU), per shard of the context mesh (batch over data/fsdp, whole KV heads over tensor:
     `head_dim` says where a [B,S,K*D] head ends); else the XLA scatter."""
+    lead = () if layer is None else (layer,)
     if not uses_kv_kernel(impl):
         t = new_BTF.shape[1]
         positions = starts_B[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
         b = jnp.arange(new_BTF.shape[0])[:, None]
-        return cache_BSF.at[b, positions].set(new_BTF.astype(cache_BSF.dtype), mode="drop")
-    if cache_BSF.ndim == 3 and not head_dim:
+        new = new_BTF.astype(cache_BSF.dtype)
+        return cache_BSF.at[(*lead, b, positions)].set(new, mode="drop")
+    if cache_BSF.ndim == 3 + len(lead) and not head_dim:
         raise ValueError("write_block of a [B, S, K*D] cache through the kernel needs head_dim")
     interpret = resolve_impl(impl) == "pallas_interpret"
-    kernel = lambda c, n, s: _kernels().kv_update(c, n, s, interpret=interpret)
-    cache = _heads(cache_BSF, head_dim)
-    new = _heads(new_BTF.astype(cache_BSF.dtype), cache.shape[-1])
-    args = (cache, new, starts_B.astype(jnp.int32))
-    out = kernel(*args) if interpret else _per_shard(kernel, args, (0, 0, 0), (2, 2, None))
+    if lead:
+        kernel = lambda c, n, s, i: _kernels().kv_update(c, n, s, i, interpret=interpret)
+        cache = (
+            cache_BSF
+            if cache_BSF.ndim == 5
+            else cache_BSF.reshape(*cache_BSF.shape[:3], -1, head_dim)
+        )
+        new = _heads(new_BTF.astype(cache_BSF.dtype), cache.shape[-1])
+        args = (cache, new, starts_B.astype(jnp.int32), jnp.asarray(layer, jnp.int32))
+        dims = ((1, 0, 0, None), (3, 2, None, None))
+    else:
+        kernel = lambda c, n, s: _kernels().kv_update(c, n, s, interpret=interpret)
+        cache = _heads(cache_BSF, head_dim)
+        new = _heads(new_BTF.astype(cache_BSF.dtype), cache.shape[-1])
+        args = (cache, new, starts_B.astype(jnp.int32))
+        dims = ((0, 0, 0), (2, 2, None))
+    out = kernel(*args) if interpret else _per_shard(kernel, args, *dims)
     return out.reshape(cache_BSF.shape)
 
 

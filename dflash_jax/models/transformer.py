@@ -79,12 +79,6 @@ class KVCache:
         """k and v are stacked arrays [L, B, S, K*D], not per-layer tuples."""
         return not isinstance(self.k, (tuple, list))
 
-    def map_layers(self, fn) -> "KVCache":
-        """`fn` applied to every layer's k and v ([B, S, K*D] each; vmapped over a stack)."""
-        if self.stacked:
-            return self.replace(k=jax.vmap(fn)(self.k), v=jax.vmap(fn)(self.v))
-        return self.replace(k=tuple(fn(x) for x in self.k), v=tuple(fn(x) for x in self.v))
-
     @property
     def capacity(self) -> int:
         return self.k[0].shape[1]
@@ -183,11 +177,13 @@ class DecoderLayer(nn.Module):
             k, v = flat_heads(k), flat_heads(v)
             if len(layer_cache) == 3:  # a stacked cache [L, B, S, K*D] and this layer's index
                 ks, vs, li = layer_cache
-                slots = positions_BT
-                if cache_starts_B is not None:  # a block at starts[b] (a tree's nodes: not at
-                    # their positions)
-                    slots = cache_starts_B[:, None] + jnp.arange(k.shape[1], dtype=jnp.int32)
-                ks, vs = write_kv_layer(ks, k, slots, li), write_kv_layer(vs, v, slots, li)
+                if cache_starts_B is None:
+                    ks = write_kv_layer(ks, k, positions_BT, li)
+                    vs = write_kv_layer(vs, v, positions_BT, li)
+                else:  # a block at starts[b] (a tree's nodes too: not at their positions)
+                    impl, hd = self.attention_impl, c.head_dim
+                    ks = attn_lib.write_block(ks, k, cache_starts_B, impl, hd, layer=li)
+                    vs = attn_lib.write_block(vs, v, cache_starts_B, impl, hd, layer=li)
                 ck, cv = ks[li], vs[li]
             elif cache_starts_B is None:
                 ck, cv = layer_cache
