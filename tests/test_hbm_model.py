@@ -154,6 +154,40 @@ def test_a_scanned_layer_stack_is_charged_one_layer_per_iteration(chip, rows):
     assert layers * w <= t["hbm_bytes"] <= 1.02 * layers * w, t
 
 
+@pytest.mark.slow  # a libtpu compile
+def test_a_collective_in_a_scanned_stack_counts_every_layer():
+    """The all-reduce of a scanned layer stack's body (tensor-parallel o_proj / down_proj) runs
+    once per layer: the step's collective count and latency are the nested loop's trip count
+    times one layer's, as the looped stack's are."""
+    from jax.sharding import PartitionSpec
+
+    devices, _ = dry_run.topology_devices("v5e:2x4")
+    mesh = Mesh(np.array(devices), ("t",))
+
+    def layer(c, w):
+        part = jax.shard_map(
+            lambda c, w: jax.lax.psum(c @ w, "t"),
+            mesh=mesh,
+            in_specs=(PartitionSpec(None, "t"), PartitionSpec("t", None)),
+            out_specs=PartitionSpec(),
+        )
+        return part(c, w).astype(c.dtype), None
+
+    def loop(ws, x, n):
+        return jax.lax.fori_loop(0, n, lambda i, c: jax.lax.scan(layer, c, ws)[0], x)
+
+    sh = lambda *spec: NamedSharding(mesh, P(*spec))  # noqa: E731
+    args = (
+        jax.ShapeDtypeStruct((5, 1024, 1024), jnp.bfloat16, sharding=sh(None, "t", None)),
+        jax.ShapeDtypeStruct((8, 1024), jnp.bfloat16, sharding=sh()),
+        jax.ShapeDtypeStruct((), jnp.int32, sharding=sh()),
+    )
+    text = jax.jit(loop).lower(*args).compile().as_text()
+    count, latency = hbm.loop_collective_latency(text)
+    assert count == 5, count
+    assert latency == pytest.approx(5 * hbm._hops("all-reduce", 8) * hbm.ICI_HOP_LATENCY_S)
+
+
 def test_trip_counts_from_the_annotation_or_the_condition():
     """`hlo.trip_count`: XLA's known_trip_count where given, else `counter < constant` read from
     the loop's condition, else 1 (charged once, as an unknown loop always was)."""

@@ -278,19 +278,29 @@ def _hops(op: str, n: Optional[int]) -> int:
 
 def loop_collective_latency(hlo_text: str, hop_s: float = ICI_HOP_LATENCY_S) -> Tuple[int, float]:
     """(collectives per loop iteration, their summed latency in seconds: hops x hop_s each,
-    no overlap with each other or with compute)."""
+    no overlap with each other or with compute). A collective in a loop nested in the step (a
+    scanned layer stack's body) counts its trip count times."""
     from dflash_jax.dry_run.compiled import _group_size
     from dflash_jax.dry_run.hlo import COLLECTIVE_OPS
 
     comps = computations(hlo_text)
+    times = dict(loop_body_multiplicity(hlo_text))
+    grew = True
+    while grew:  # fusions and calls run as often as the computation that calls them
+        grew = False
+        for c, n in list(times.items()):
+            for line in comps.get(c, ()):
+                for callee in re.findall(r"(?:calls|to_apply)=%?([\w.\-]+)", line):
+                    if callee not in times:
+                        times[callee], grew = n, True
     count, latency = 0, 0.0
     # Every computation a step runs, fusions included (the compiler fuses some collectives).
     for c in sorted(loop_body_computations(hlo_text)):
         for line in comps[c]:
             m = _INSTR.match(line)
             if m and m.group(4) in COLLECTIVE_OPS:
-                count += 1
-                latency += _hops(m.group(4), _group_size(line)) * hop_s
+                count += times.get(c, 1)
+                latency += _hops(m.group(4), _group_size(line)) * hop_s * times.get(c, 1)
     return count, latency
 
 
