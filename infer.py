@@ -183,9 +183,17 @@ flags.DEFINE_string("tau", "6.5,5.4", "Dry run: acceptance lengths for the proje
 
 def main(argv):
     del argv
+    from dflash_jax.frontend import infer_flags
+
+    # A flag this run would ignore (a dry-run flag without --dry_run, or with it one that the
+    # dry run does not read) is refused in one line, before anything else.
+    given = [f.name for f in FLAGS.get_flags_for_module(__name__) if f.present]
+    infer_flags.check_flags_used(given, FLAGS.dry_run)
     if FLAGS.dry_run:
         from dflash_jax import dry_run
+        from dflash_jax.support import console
 
+        console.configure_logging(FLAGS.verbose)
         dry_run.infer_main(  # exits 2 with one line on bad input
             topology=FLAGS.topology,
             model=FLAGS.dry_run_model,
@@ -198,10 +206,11 @@ def main(argv):
             tau=FLAGS.tau,
             json_out=FLAGS.json_out,
             block_size=FLAGS.block_size,
+            tree_budget=FLAGS.tree_budget,
         )
         return
     from dflash_jax.data import prompting
-    from dflash_jax.frontend import infer_flags, report
+    from dflash_jax.frontend import report
     from dflash_jax.models import hub
     from dflash_jax.support import console
 
@@ -235,11 +244,15 @@ def main(argv):
         shipped = gguf_io.DEFAULT_DRAFTERS.get(gguf_io.known_name(target_dir) or "")
         if shipped and os.path.isfile(os.path.join(ROOT, shipped, "config.json")):
             drafter_dir = os.path.join(ROOT, shipped)
-    if drafter_dir and not drafter_dir.startswith("prompt_lookup"):
+    from dflash_jax.drafters import prompt_lookup
+
+    # --drafter=prompt_lookup[:N | :MIN-MAX] (a bad range: one line); anything else is a
+    # directory or hub id, whose config.json says which drafter it is, whatever its name.
+    if drafter_dir and prompt_lookup.from_spec(drafter_dir) is None:
         drafter_dir = hub.resolve_or_exit(drafter_dir, what="drafter")
-    elif FLAGS.compare_ar:  # refused, like --tree_budget without a drafter: never ignored
+    if not drafter_dir and FLAGS.compare_ar:  # refused, like --tree_budget: never ignored
         raise ValueError(
-            "--compare_ar needs a drafter (it compares DFlash with autoregressive decoding)"
+            "--compare_ar needs a drafter (it compares speculative with autoregressive decoding)"
         )
     console.configure_logging(FLAGS.verbose)
     console.set_progress(FLAGS.progress)

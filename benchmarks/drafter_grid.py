@@ -136,7 +136,10 @@ def run_grid(target, drafter, prompts, settings, max_new_tokens, batch_size, sto
 
 def drafter_label(spec: str) -> str:
     """A drafter's name in the tables: its directory's base name, or the prompt-lookup spec."""
-    return spec if spec.startswith("prompt_lookup") else os.path.basename(os.path.normpath(spec))
+    from dflash_jax.drafters import prompt_lookup
+
+    looked_up = prompt_lookup.from_spec(spec) is not None  # never by a directory's name
+    return spec if looked_up else os.path.basename(os.path.normpath(spec))
 
 
 NO_DATA = "no data (no drafter steps)"
@@ -245,8 +248,10 @@ def resolve_pair(target_flag, drafter_flag):
     labels = [drafter_label(d) for d in specs]
     if not specs or len(set(labels)) != len(labels):
         raise ValueError(f"--drafter: give one or more drafters with distinct names, got {specs}")
-    dirs = [
-        d if d.startswith("prompt_lookup") else hub.resolve_or_exit(d, what="--drafter")
+    from dflash_jax.drafters import prompt_lookup
+
+    dirs = [  # a directory or hub id: which drafter it holds, its config.json says
+        d if prompt_lookup.from_spec(d) is not None else hub.resolve_or_exit(d, what="--drafter")
         for d in specs
     ]
     return target_dir, specs, labels, dirs

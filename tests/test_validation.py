@@ -50,6 +50,9 @@ CASES = [
     (lambda: checks.sampling_params(1.0, 0, None), (BAD, "top_k must be >= 1")),
     (lambda: checks.sampling_params(1.0, -3, None), (BAD, "top_k must be >= 1")),
     (lambda: checks.sampling_params(1.0, 2.5, None), (BAD, "top_k must be an integer")),
+    # Greedy samples nothing: a top-k or nucleus filter there is refused, never ignored.
+    (lambda: checks.sampling_params(0, 5, None), (BAD, "top_k needs temperature > 0")),
+    (lambda: checks.sampling_params(0.0, None, 0.9), (BAD, "top_p needs temperature > 0")),
     (lambda: checks.confidence_threshold(0.5), 0.5),
     (lambda: checks.confidence_threshold(None), None),
     (lambda: checks.confidence_threshold(2), (BAD, "confidence_threshold must be in")),
@@ -94,6 +97,24 @@ def test_validation_table(i):
         assert call() == expected
 
 
+def test_a_json_file_with_a_number_that_is_not_finite_names_the_field(tmp_path):
+    """NaN, Infinity and 1e999 (Python's reader takes them, JSON does not) anywhere in a JSON
+    object file (a model's config.json) are one line naming the file and the field; finite
+    numbers and strings pass."""
+    p = tmp_path / "config.json"
+    for text, field, value in (
+        ('{"dflash_config": {"output_multiplier": NaN}}', "dflash_config.output_multiplier", "nan"),
+        ('{"a": [1.0, {"b": -Infinity}]}', "a[1].b", "-inf"),
+        ('{"rms_norm_eps": 1e999}', "rms_norm_eps", "inf"),
+    ):
+        p.write_text(text)
+        with pytest.raises(ValueError) as e:
+            checks.json_object_file(str(p))
+        assert str(e.value) == f"{p}: {field} must be a finite number, got {value}"
+    p.write_text('{"a": [1.5, {"b": 1e300}], "c": "NaN"}')
+    assert checks.json_object_file(str(p)) == {"a": [1.5, {"b": 1e300}], "c": "NaN"}
+
+
 def test_block_size_beyond_the_drafter_warns_explicitly():
     with pytest.warns(UserWarning, match="larger than the drafter's trained block size 16"):
         assert checks.block_size_for(32, 16) == 32
@@ -125,6 +146,7 @@ CONFIG_CASES = [
     ({"regen.holdout_fraction": 1.5}, "regen.holdout_fraction must be in [0.0, 1.0]"),
     ({"keep_checkpoints": 0}, "keep_checkpoints must be >= 1"),
     ({"num_train_steps": 0}, "num_train_steps must be >= 1"),
+    ({"stop_at_step": 0}, "stop_at_step must be >= 1 (or -1: run the whole schedule), got 0"),
     ({"mask_schedule": "mdml"}, "did you mean 'mdlm'?"),
     ({"mask_full_fraction": 1.5}, "mask_full_fraction must be a number in [0, 1], got 1.5"),
     ({"drafter.kind": "eagle"}, "did you mean 'eagle3'?"),
@@ -191,6 +213,8 @@ INFER_FLAGS = dict(
             "--quantize must be int8 (weight-only, per output channel), got 'int4'",
         ),
         ({"quantize_lm_head": True}, "--quantize_lm_head needs --quantize=int8"),
+        ({"top_k": 5}, "top_k needs temperature > 0"),
+        ({"seed": 3}, "--seed needs --temperature > 0"),
     ],
 )
 def test_infer_flags_are_checked(kw, message):
@@ -198,6 +222,22 @@ def test_infer_flags_are_checked(kw, message):
     with pytest.raises(ValueError) as e:
         infer_flags.check_infer_flags(dict(INFER_FLAGS, **kw))
     assert message in str(e.value)
+
+
+def test_infer_flags_the_run_would_ignore_are_refused():
+    """A dry-run flag without --dry_run, and with --dry_run a flag that the dry run does not
+    read, are refused by name; what each run reads passes."""
+    infer_flags.check_flags_used(["max_new_tokens", "seed", "drafter"], dry_run=False)
+    infer_flags.check_flags_used(infer_flags.DRY_RUN_USES, dry_run=True)
+    for given, dry_run, message in (
+        (["seed", "topology"], False, "--topology is for --dry_run"),
+        (["context"], False, "--context is for --dry_run"),
+        (["topology", "temperature"], True, "--temperature is not used by --dry_run"),
+        (["drafter"], True, "--drafter is not used by --dry_run"),
+    ):
+        with pytest.raises(ValueError) as e:
+            infer_flags.check_flags_used(given, dry_run)
+        assert message in str(e.value) and "\n" not in str(e.value)
 
 
 def test_unknown_config_key_names_the_nearest_valid_key():
@@ -263,6 +303,11 @@ GENERATE_CASES = [
     (dict(drafter=None, denoise_schedule="fixed"), "denoise_schedule needs a drafter"),
     (dict(drafter=None, remask=True), "remask needs a drafter"),
     (dict(drafter=None, tree_budget=4), "tree_budget needs a drafter"),
+    (dict(drafter=None, block_size=4), "block_size needs a drafter"),
+    # Greedy: no top-k or nucleus; one drafter pass: no schedule (refused, never ignored).
+    (dict(top_k=4), "top_k needs temperature > 0"),
+    (dict(top_p=0.5), "top_p needs temperature > 0"),
+    (dict(denoise_schedule="fixed"), "denoise_schedule needs denoise_steps >= 2"),
 ]
 
 
@@ -316,7 +361,6 @@ def test_a_request_is_built_once_from_the_configs_and_gives_the_plan(small_pair)
         np.array([[1, 2, 3]]),
         np.int64(5),
         stop_token_ids=[9, 3, 9],
-        top_k=4,  # greedy: no top-k in the plan
         confidence_threshold=0.5,
     )
     assert r.prompts == ((1, 2, 3),) and r.max_new_tokens == 5 and r.block_size == 4

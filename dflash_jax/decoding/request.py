@@ -139,6 +139,7 @@ class Request:
         else:
             bs = 1
             for name, given in (
+                ("block_size", block_size is not None),
                 ("denoise_steps", steps != 1),
                 ("confidence_threshold", threshold is not None),
             ):
@@ -147,20 +148,24 @@ class Request:
                         f"{name} needs a drafter (autoregressive decoding drafts nothing)"
                     )
         _check_context(target_config, prompts, max_new_tokens, labels)
-        tree_budget = _check_tree(target_config, drafted, bs, tree_budget, threshold, return_drafts)
+        tree_budget = check_tree(target_config, drafted, bs, tree_budget, threshold, return_drafts)
         denoise_schedule, remask = check_denoise(
             denoise_schedule, remask, steps, has_drafter=drafted
         )
+        if denoise_schedule != "confidence" and steps == 1:  # refused, never ignored
+            raise ValueError(
+                "denoise_schedule needs denoise_steps >= 2 (one drafter pass fixes every "
+                "position at once)"
+            )
         if prefill_chunk is not None:
             prefill_chunk = checks.int_param("prefill_chunk", prefill_chunk, lo=0)
-        greedy = temperature == 0
         return cls(
             prompts=tuple(tuple(p) for p in prompts),
             max_new_tokens=max_new_tokens,
             block_size=bs,
             temperature=float(temperature),
-            top_k=None if greedy else top_k,
-            top_p=None if greedy else top_p,
+            top_k=top_k,  # None under greedy (`checks.sampling_params` refuses one there)
+            top_p=top_p,
             seed=seed,
             stop_token_ids=stop,
             denoise_steps=steps,
@@ -207,10 +212,13 @@ def _check_context(cfg, prompts, max_new_tokens, labels=None) -> None:
             )
 
 
-def _check_tree(target_config, drafted, block_size, tree_budget, threshold, return_drafts):
+def check_tree(
+    target_config, drafted, block_size, tree_budget, threshold=None, return_drafts=False
+):
     """tree_budget checked against the rest of the request: None (the chain) or an int in
-    [1, MAX_TREE_BUDGET] that the block's depth can hold, with a drafter, no confidence
-    threshold and no draft recording."""
+    [1, MAX_TREE_BUDGET] that the block's depth can hold, over a target that is not hybrid,
+    with a drafter, no confidence threshold and no draft recording (also the dry run's check
+    of --tree_budget against a model, before any compile)."""
     if tree_budget is None:
         return None
     if isinstance(tree_budget, bool) or not isinstance(tree_budget, (int, np.integer)):

@@ -24,6 +24,7 @@ compiled loop: no host step.
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import flax.struct
 import jax.numpy as jnp
@@ -85,10 +86,16 @@ SPEC = "prompt_lookup"
 
 def from_spec(spec):
     """infer.py's --drafter=prompt_lookup[:N | :MIN-MAX] (n-gram sizes; default 1-3) as a
-    `PromptLookup`; None for anything else (a drafter directory or hub id). A bad range is one
-    line (ValueError)."""
+    `PromptLookup`; None for anything else (a drafter directory or hub id: what drafter it
+    holds, its config.json says, whatever its name). A bad range is one line (ValueError), and
+    so is a spec that is also the name of a path here (./prompt_lookup names the path)."""
     if not isinstance(spec, str) or not (spec == SPEC or spec.startswith(SPEC + ":")):
         return None
+    if os.path.exists(spec):
+        raise ValueError(
+            f"--drafter={spec} names prompt lookup, but {spec} is also a path here: pass "
+            f"./{spec} for the drafter it holds, or rename it"
+        )
     sizes = spec[len(SPEC) + 1 :]
     if not sizes:
         return PromptLookup()

@@ -189,11 +189,14 @@ def check_outputs(json_out: Optional[str], hlo_dir: Optional[str]) -> None:
 
 def check_model_settings(model: str, mode: str, meshes, kw) -> None:
     """UsageError where `model` cannot take the settings: a context plus new tokens past its
-    max_position_embeddings (what `generate` refuses), an `expert` mesh axis that does not split
-    its experts (what train.py refuses)."""
+    max_position_embeddings (what `generate` refuses), a --tree_budget that its target or
+    block cannot take (`request.check_tree`, as `generate` refuses it), a --draft_vocab_size
+    past its vocabulary, an `expert` mesh axis that does not split its experts (what train.py
+    refuses)."""
+    from dflash_jax.decoding.request import check_tree
     from dflash_jax.parallel import sharding
 
-    tcfg, _ = build_configs(model)
+    tcfg, dcfg = build_configs(model)
     if mode == "infer":
         need = kw.get("context", 0) + kw.get("max_new_tokens", 0)
         if need > tcfg.max_position_embeddings:
@@ -201,6 +204,17 @@ def check_model_settings(model: str, mode: str, meshes, kw) -> None:
                 f"{model}: --context {kw['context']} + --max_new_tokens {kw['max_new_tokens']} "
                 f"= {need} tokens exceeds the model's context length max_position_embeddings="
                 f"{tcfg.max_position_embeddings}"
+            )
+        try:
+            bs = kw.get("block_size") or dcfg.block_size
+            check_tree(tcfg, True, bs, kw.get("tree_budget"))
+        except ValueError as e:
+            raise UsageError(f"{model}: --{e}") from None
+        vocab = kw.get("draft_vocab_size")
+        if vocab and vocab > tcfg.vocab_size:
+            raise UsageError(
+                f"{model}: --draft_vocab_size {vocab} exceeds the target's vocabulary of "
+                f"{tcfg.vocab_size} tokens"
             )
     for mesh in meshes:
         try:
@@ -546,6 +560,7 @@ def infer_main(
     tau: str = ",".join(map(str, DEFAULT_TAUS)),
     json_out: Optional[str] = None,
     block_size: Optional[int] = None,
+    tree_budget: Optional[int] = None,
 ):
     """`infer.py --dry_run`: `main` for --mode=infer with infer.py's flag values (mesh: ';'-
     separated meshes; attention None or "auto": the dry run's default, the TPU kernels on a TPU
@@ -577,6 +592,8 @@ def infer_main(
     ]
     if block_size is not None:
         argv.append(f"--block_size={block_size}")
+    if tree_budget is not None:
+        argv.append(f"--tree_budget={tree_budget}")
     return main(argv)
 
 

@@ -4,7 +4,7 @@ output file is one of the run's inputs (`output_not_input`): one line naming the
 from __future__ import annotations
 
 import difflib
-from typing import Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 from dflash_jax.support import checks
 from dflash_jax.support.checks import (
@@ -29,6 +29,38 @@ def output_not_input(
     from dflash_jax.models.hub import ALLOW_PATTERNS
 
     checks.output_not_input(path, name, files, dirs, model_files=ALLOW_PATTERNS)
+
+
+# infer.py's flags that only the dry run reads, and every flag `infer.py --dry_run` passes on to
+# it (`dflash_jax.dry_run.infer_main`) or uses itself; any other flag given with --dry_run, or
+# one of the first without it, would be ignored: `check_flags_used` refuses it.
+DRY_RUN_ONLY = ("topology", "dry_run_model", "context", "tau")
+DRY_RUN_USES = DRY_RUN_ONLY + (
+    "dry_run",
+    "mesh",
+    "batch_size",
+    "max_new_tokens",
+    "attention_impl",
+    "json_out",
+    "block_size",
+    "tree_budget",
+    "verbose",
+)
+
+
+def check_flags_used(given: Iterable[str], dry_run: bool) -> None:
+    """Raises ValueError (one line) for the first flag in `given` (the names of the infer.py
+    flags on the command line) that the run would ignore: one of `DRY_RUN_ONLY` without
+    --dry_run, or with --dry_run one it does not use (`DRY_RUN_USES`)."""
+    for name in given:
+        if not dry_run and name in DRY_RUN_ONLY:
+            raise ValueError(f"--{name} is for --dry_run (a compile for a TPU topology)")
+        if dry_run and name not in DRY_RUN_USES:
+            raise ValueError(
+                f"--{name} is not used by --dry_run (it compiles --dry_run_model's programs "
+                "from abstract params); drop it (python -m dflash_jax.dry_run --help lists the "
+                "dry run's own flags)"
+            )
 
 
 def check_infer_flags(f: Mapping) -> None:
@@ -70,7 +102,11 @@ def check_infer_flags(f: Mapping) -> None:
             )
         except ValueError as e:
             raise ValueError("--" + str(e)) from None
-    seed_param("--seed", f.get("seed", 0))
+    if seed_param("--seed", f.get("seed", 0)) != 0 and f["temperature"] == 0:
+        raise ValueError(
+            "--seed needs --temperature > 0 (greedy decoding takes the most probable token: "
+            "nothing is drawn)"
+        )
     if f["block_size"] is not None:
         int_param("--block_size", f["block_size"], lo=BLOCK_SIZE_MIN, hi=BLOCK_SIZE_MAX)
     if f.get("tree_budget") is not None:

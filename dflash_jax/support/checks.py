@@ -151,12 +151,20 @@ def prompt_ids(
 def sampling_params(temperature, top_k, top_p) -> Tuple[float, Optional[int], Optional[float]]:
     """(temperature, top_k, top_p) checked: temperature finite and >= 0; top_k an integer
     >= 1 (or None); top_p in (0, 1] (or None). A NaN or an empty nucleus would otherwise turn
-    every weight to -inf and the sampler would emit token 0 at every position."""
+    every weight to -inf and the sampler would emit token 0 at every position. Greedy
+    (temperature 0) samples nothing, so a top_k or top_p there is refused, never ignored."""
     temperature = float_param("temperature", temperature, lo=0.0)
     if top_k is not None:
         top_k = int_param("top_k", top_k, lo=1)
     if top_p is not None:
         top_p = float_param("top_p", top_p, lo=0.0, hi=1.0, lo_open=True)
+    if temperature == 0:
+        for name, given in (("top_k", top_k is not None), ("top_p", top_p is not None)):
+            if given:
+                raise ValueError(
+                    f"{name} needs temperature > 0 (greedy decoding takes the most probable "
+                    "token: nothing is sampled)"
+                )
     return temperature, top_k, top_p
 
 
@@ -201,7 +209,9 @@ def confidence_threshold(value) -> Optional[float]:
 
 def json_object_file(path: str, error=ValueError) -> dict:
     """The JSON object in the file at `path`; a file that is not JSON or holds another JSON
-    value is an `error` naming the file."""
+    value is an `error` naming the file, and so is a number that is not finite (NaN, Infinity
+    or 1e999, which Python's reader accepts and JSON does not), named by its field: a model's
+    config.json with a NaN scale would otherwise give NaN logits."""
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -209,7 +219,28 @@ def json_object_file(path: str, error=ValueError) -> dict:
         raise error(f"{path}: not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise error(f"{path}: expected a JSON object, got {type(obj).__name__}")
+    field = _non_finite(obj)
+    if field is not None:
+        raise error(f"{path}: {field[0]} must be a finite number, got {field[1]}")
     return obj
+
+
+def _non_finite(value, where: str = ""):
+    """(the field path, e.g. "dflash_config.output_multiplier" or "layer_types[2]", the value)
+    of the first float in a parsed JSON value that is not finite, else None."""
+    if isinstance(value, float):
+        return None if math.isfinite(value) else (where, value)
+    if isinstance(value, dict):
+        items = ((f"{where}.{k}" if where else str(k), v) for k, v in value.items())
+    elif isinstance(value, list):
+        items = ((f"{where}[{i}]", v) for i, v in enumerate(value))
+    else:
+        return None
+    for name, v in items:
+        found = _non_finite(v, name)
+        if found is not None:
+            return found
+    return None
 
 
 def _nearest_existing(path: str) -> str:
@@ -573,7 +604,8 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     steps = int_param("num_train_steps", c.num_train_steps, lo=-1, error=E)
     if steps == 0:
         raise E("num_train_steps must be >= 1 (or -1: num_epochs over the data), got 0")
-    int_param("stop_at_step", c.stop_at_step, lo=-1, error=E)
+    if int_param("stop_at_step", c.stop_at_step, lo=-1, error=E) == 0:  # never "no limit"
+        raise E("stop_at_step must be >= 1 (or -1: run the whole schedule), got 0")
     int_param("log_every", c.log_every, lo=1, error=E)
     int_param("eval_every", c.eval_every, lo=0, error=E)
     int_param("eval_batches", c.eval_batches, lo=0, error=E)
