@@ -174,7 +174,8 @@ def test_sliding_drafter_forward_matches_independent_torch_implementation(
     `window` slots, written in two parts as prefill and a commit write it) and one of two."""
     target, drafter = pair
     drafter = dj.Drafter(
-        drafter.config.replace(layer_types=layer_types, sliding_window=window), drafter.params
+        drafter.config.replace(layer_types=layer_types, sliding_window=window, is_causal=False),
+        drafter.params,
     )
     dj.save_drafter(drafter, tmp_path / "d")
     state = load_file(str(tmp_path / "d" / "model.safetensors"))

@@ -66,24 +66,56 @@ DFLASH2_FIELDS = (
     "final_logit_softcapping",
     "input_embedding_scale",
 )
+# The scalars the reference applies to every drafter, DFlash 1 included (docs/dflash_config.md),
+# with the value that leaves the drafter as it is.
+SCALAR_DEFAULTS = {
+    "input_embedding_scale": 1.0,
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": None,
+}
+# block_size when neither dflash_config nor the top level names one (the reference's default).
+DEFAULT_BLOCK_SIZE = 16
+
+
+def _field(hf: dict, dcfg: dict, key: str, default=None):
+    """A drafter field as the reference package reads it: dflash_config first, then the top
+    level of config.json, then `default`."""
+    if key in dcfg:
+        return dcfg[key]
+    return hf.get(key, default)
 
 
 def _dflash2_fields(hf: dict, dcfg: dict, source: str) -> dict:
-    """The DrafterConfig fields of a DFlash 2 config.json (one-line CheckpointError for a
-    missing required key)."""
+    """The DFlash 2 structure fields of a config.json (one-line CheckpointError for a missing
+    required key)."""
     out = {}
-    for key in DFLASH2_FIELDS:
-        value = dcfg.get(key, hf.get(key))
+    for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+        value = _field(hf, dcfg, key)
         if value is None:
-            if key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-                raise CheckpointError(f"{source}: a DFlash 2 drafter needs {key!r}")
-            continue
+            raise CheckpointError(f"{source}: a DFlash 2 drafter needs {key!r}")
         out[key] = value
-    causal = dcfg.get("is_causal", hf.get("is_causal"))
-    if causal is not None and not isinstance(causal, bool):
-        raise CheckpointError(f"{source}: is_causal must be true or false, got {causal!r}")
-    out["is_causal"] = causal
     return out
+
+
+def _scalar_fields(hf: dict, dcfg: dict) -> dict:
+    """input_embedding_scale, output_multiplier and final_logit_softcapping (dflash_config,
+    then the top level), for any DFlash drafter; absent ones keep their defaults."""
+    return {k: _field(hf, dcfg, k) for k in SCALAR_DEFAULTS if k in dcfg or k in hf}
+
+
+def _is_causal(hf: dict, dcfg: dict, source: str):
+    """The top-level is_causal (the only place the reference reads it; None when absent). An
+    is_causal inside dflash_config that says otherwise is refused: the reference would ignore
+    it, so two readers would draft differently from one file."""
+    causal = hf.get("is_causal")
+    if causal is not None and not isinstance(causal, bool):
+        raise CheckpointError(f"{source}: is_causal must be true or false, got {causal!r}"[:200])
+    if "is_causal" in dcfg and dcfg["is_causal"] != causal:
+        raise CheckpointError(
+            f"{source}: dflash_config.is_causal {dcfg['is_causal']!r} is not read (is_causal "
+            f"is read at the top level, where it is {causal!r}): put it at the top level"[:300]
+        )
+    return causal
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +140,16 @@ class DrafterConfig:
     layer_types: Optional[Tuple[str, ...]] = None
     sliding_window: Optional[int] = None
     # DFlash 2 (`DFlash2DraftModel`, `drafters.dflash2`): conv_kernel_size > 0 taps of the
-    # grouped dynamic causal convolutions (channels in groups of conv_group_size), the
-    # candidate selector (selector_rank, selector_top_k), logits x output_multiplier then
-    # soft-capped at final_logit_softcapping, block embeddings x input_embedding_scale, and
-    # is_causal (block attention causal; None: the sliding layers are). 0: DFlash 1.
+    # grouped dynamic causal convolutions (channels in groups of conv_group_size) and the
+    # candidate selector (selector_rank, selector_top_k). 0: DFlash 1.
     conv_kernel_size: int = 0
     conv_group_size: int = 16
     selector_rank: int = 0
     selector_top_k: int = 0
+    # Any drafter, as the reference applies them (docs/dflash_config.md): logits x
+    # output_multiplier then soft-capped at final_logit_softcapping (None or <= 0: not), block
+    # embeddings x input_embedding_scale, and is_causal: the block attends causally within
+    # itself in every layer (True) or in none (False); None: in the sliding layers only.
     output_multiplier: float = 1.0
     final_logit_softcapping: Optional[float] = None
     input_embedding_scale: float = 1.0
@@ -130,6 +164,9 @@ class DrafterConfig:
         if types is None or "sliding_attention" not in types:  # all full: one spelling
             object.__setattr__(self, "layer_types", None)
             object.__setattr__(self, "sliding_window", None)
+            if self.is_causal is False:  # no layer slides: False and None read alike
+                object.__setattr__(self, "is_causal", None)
+        self._check_scalars()
         if self.dflash2:
             self._check_dflash2()
 
@@ -150,6 +187,8 @@ class DrafterConfig:
         k = self.selector_top_k
         if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= v:
             raise ValueError(f"selector_top_k must be an integer in [1, {v}], got {k!r}"[:160])
+
+    def _check_scalars(self):
         for name in ("output_multiplier", "input_embedding_scale"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
@@ -157,13 +196,21 @@ class DrafterConfig:
         cap = self.final_logit_softcapping
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float))):
             raise ValueError(f"final_logit_softcapping must be a number, got {cap!r}"[:160])
+        causal = self.is_causal
+        if causal is not None and not isinstance(causal, bool):
+            raise ValueError(f"is_causal must be true, false or None, got {causal!r}"[:160])
+
+    @property
+    def scales_logits(self) -> bool:
+        """Whether output_multiplier or final_logit_softcapping change the LM head's logits."""
+        cap = self.final_logit_softcapping
+        return self.output_multiplier != 1.0 or (cap is not None and cap > 0)
 
     @property
     def layer_causal(self) -> Tuple[bool, ...]:
-        """Per layer: whether the block attends causally within itself (DFlash 2's is_causal;
-        unset, its sliding layers do). DFlash 1 blocks are bidirectional."""
-        if not self.dflash2:
-            return (False,) * self.body.num_layers
+        """Per layer: whether the block attends causally within itself, as the reference
+        reads is_causal for DFlash and DFlash 2 alike: True or False, every layer; None, the
+        sliding layers (docs/dflash_config.md)."""
         if self.is_causal is not None:
             return (bool(self.is_causal),) * self.body.num_layers
         return tuple(w is not None for w in self.layer_windows)
@@ -260,41 +307,39 @@ class DrafterConfig:
             raise CheckpointError(
                 f"{source}: dflash_config must be an object, got {type(dcfg).__name__}"
             )
-        block_size = dcfg.get("block_size", hf.get("block_size"))
-        if "block_size" in dcfg and "block_size" in hf and dcfg["block_size"] != hf["block_size"]:
+        # Fields as the reference reads them: dflash_config first, then the top level, then
+        # its default (docs/dflash_config.md).
+        where = lambda key: f"dflash_config.{key}" if key in dcfg else key
+        block_size = _field(hf, dcfg, "block_size", DEFAULT_BLOCK_SIZE)
+        block_size = check(int_param, f"{source}: {where('block_size')}", block_size, lo=2)
+        mask = _field(hf, dcfg, "mask_token_id")
+        if mask is None:
             raise CheckpointError(
-                f"{source}: block_size {hf['block_size']!r} at the top level and "
-                f"{dcfg['block_size']!r} in dflash_config disagree"
+                f"{source}: missing 'mask_token_id' (dflash_config or the top level)"
             )
-        if block_size is None:
-            raise CheckpointError(f"{source}: missing 'block_size' (top level or dflash_config)")
-        block_size = check(int_param, f"{source}: block_size", block_size, lo=2)
-        if "mask_token_id" not in dcfg:
-            raise CheckpointError(f"{source}: missing 'dflash_config.mask_token_id'")
-        mask = check(int_param, f"{source}: dflash_config.mask_token_id", dcfg["mask_token_id"])
+        mask = check(int_param, f"{source}: {where('mask_token_id')}", mask)
         if mask < 0:
-            raise CheckpointError(f"{source}: dflash_config.mask_token_id must be >= 0, got {mask}")
+            raise CheckpointError(f"{source}: {where('mask_token_id')} must be >= 0, got {mask}")
         num_target_layers = hf.get("num_target_layers")
         if num_target_layers is not None:
             num_target_layers = check(
                 int_param, f"{source}: num_target_layers", num_target_layers, lo=1
             )
-        ids = dcfg.get("target_layer_ids")
+        ids = _field(hf, dcfg, "target_layer_ids")
         if ids is None:
             if num_target_layers is None:
                 raise CheckpointError(
-                    f"{source}: needs 'dflash_config.target_layer_ids' or 'num_target_layers'"
+                    f"{source}: needs 'target_layer_ids' (dflash_config or the top level) or "
+                    "'num_target_layers'"
                 )
+            # The reference's default: as many taps as drafter layers.
             ids = check(default_target_layer_ids, num_target_layers, body.num_layers)
+        name = where("target_layer_ids")
         if not isinstance(ids, (list, tuple)) or not ids:
             raise CheckpointError(
-                f"{source}: dflash_config.target_layer_ids must be a non-empty list of layer "
-                f"numbers, got {ids!r}"[:200]
+                f"{source}: {name} must be a non-empty list of layer numbers, got {ids!r}"[:200]
             )
-        ids = tuple(
-            check(int_param, f"{source}: dflash_config.target_layer_ids[{j}]", i, lo=0)
-            for j, i in enumerate(ids)
-        )
+        ids = tuple(check(int_param, f"{source}: {name}[{j}]", i, lo=0) for j, i in enumerate(ids))
         if num_target_layers is None:
             num_target_layers = max(ids) + 1
         # Sliding-window layers (the DFlash 2 and Qwen3.6 drafters): `layer_types`, or, as
@@ -325,6 +370,7 @@ class DrafterConfig:
             raise CheckpointError(f"{source}: {e}") from None
         if "DFlash2DraftModel" in archs:
             typed.update(_dflash2_fields(hf, dcfg, source))
+        typed.update(_scalar_fields(hf, dcfg), is_causal=_is_causal(hf, dcfg, source))
         try:
             return cls(
                 body=body,
@@ -365,8 +411,12 @@ class DrafterConfig:
             out.update(use_sliding_window=True, sliding_window=self.sliding_window)
         if self.dflash2:
             out["dflash_config"].update({k: getattr(self, k) for k in DFLASH2_FIELDS})
-            if self.is_causal is not None:
-                out["is_causal"] = self.is_causal
+        else:  # the scalars that change this drafter (a reader of the default needs none)
+            out["dflash_config"].update(
+                {k: getattr(self, k) for k, d in SCALAR_DEFAULTS.items() if getattr(self, k) != d}
+            )
+        if self.is_causal is not None:  # at the top level, where the reference reads it
+            out["is_causal"] = self.is_causal
         return out
 
 
@@ -511,8 +561,10 @@ class DFlashDrafter(nn.Module):
 
 
 def drafter_logits(cfg: DrafterConfig, logits):
-    """The LM head's logits as this drafter scores them (DFlash 2: scaled, soft-capped)."""
-    if not cfg.dflash2:
+    """The LM head's logits as this drafter scores them: x output_multiplier, soft-capped at
+    final_logit_softcapping (DFlash 2 always in float32; DFlash 1 as they are when neither
+    field changes them)."""
+    if not cfg.dflash2 and not cfg.scales_logits:
         return logits
     return adjust_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping)
 
@@ -664,7 +716,8 @@ def make_drafter_config(
     **body_overrides,
 ) -> DrafterConfig:
     """A drafter config matched to a target: same width, heads and vocabulary by default.
-    sliding_window: every layer slides with this window (None: full attention)."""
+    sliding_window: every layer slides with this window (None: full attention), bidirectional
+    inside the block (`sliding_layers`: is_causal False)."""
     body = target_config.dense().replace(  # a MoE target's drafter is dense
         num_layers=num_layers,
         arch="qwen3",
@@ -692,12 +745,17 @@ def make_drafter_config(
     )
 
 
-def sliding_layers(num_layers: int, window: Optional[int]) -> dict:
+def sliding_layers(num_layers: int, window: Optional[int], is_causal: Optional[bool] = False):
     """DrafterConfig fields for `num_layers` layers that all slide with `window` (None: the
-    fields of full attention)."""
+    fields of full attention, is_causal left as it is). The window is bidirectional inside the
+    block unless `is_causal` says otherwise (None: the reference's default for sliding layers,
+    causal): this project's DFlash drafters draft bidirectionally, and the saved config says so
+    (`is_causal: false`), so the reference reads them as they were trained."""
     if window is None:
         return dict(layer_types=None, sliding_window=None)
-    return dict(layer_types=("sliding_attention",) * num_layers, sliding_window=window)
+    return dict(
+        layer_types=("sliding_attention",) * num_layers, sliding_window=window, is_causal=is_causal
+    )
 
 
 def validate_pair(drafter_cfg: DrafterConfig, target_cfg: ModelConfig) -> None:

@@ -147,7 +147,8 @@ def drafter_variant(dcfg, drafter: str = "dflash", window: Optional[int] = None)
     elif drafter != "dflash":
         raise ValueError(f"drafter must be dflash or dflash2, got {drafter!r}")
     if window:
-        dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, window))
+        causal = None if drafter == "dflash2" else False  # DFlash 2: the reference's default
+        dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, window, causal))
     return dcfg
 
 

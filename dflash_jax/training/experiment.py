@@ -530,6 +530,7 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
             selector_top_k=v2.selector_top_k,
             output_multiplier=v2.output_multiplier,
             final_logit_softcapping=cap if cap > 0 else None,
+            is_causal=None,  # the reference's default for DFlash 2: its sliding layers causal
         )
         dcfg = dcfg.replace(**v2_fields)
     if dc.init_path:
@@ -550,7 +551,8 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
         if v2_fields and not dcfg.dflash2:  # a DFlash drafter continued as DFlash 2
             dcfg, init = upgrade_to_dflash2(dcfg, init, seed=config.seed, **v2_fields)
         if dc.get("sliding_window", 0):  # continue a drafter with (another) window
-            dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, dc.sliding_window))
+            causal = dcfg.is_causal if dcfg.dflash2 else False  # DFlash: bidirectional
+            dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, dc.sliding_window, causal))
     else:
         init = init_drafter_params(dcfg, seed=config.seed)
         if dc.get("fc_init", "normal") == "tap_rms":

@@ -529,7 +529,9 @@ def drafter_loss(
         t_hidden,
         recipe.loss,
         recipe.loss_chunk_anchors,
-        adjust=(lambda lg: drafter_logits(dmod.cfg, lg)) if dflash2 else None,
+        adjust=(
+            (lambda lg: drafter_logits(dmod.cfg, lg)) if dflash2 or dmod.cfg.scales_logits else None
+        ),
         selector=selector,
         prev_BNK=prev,
         rows=rows,
