@@ -1,0 +1,47 @@
+"""benchmarks/scan_layers_run.py: the looped and scanned stacks timed side by side in fresh
+processes, their tokens checked equal; bad flags one line before any model loads."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "scan_layers_run.py")
+PAIR = os.path.join(ROOT, "assets", "tiny-code")
+
+pytestmark = pytest.mark.once  # a script end to end: host-side (tests/README.md)
+
+
+def _run(*flags):
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    return subprocess.run(
+        [sys.executable, SCRIPT, *flags], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+
+
+def test_times_both_stacks_on_the_bundled_pair():
+    proc = _run(
+        f"--target={PAIR}/target", f"--drafter={PAIR}/drafter", "--batch=1", "--max_new_tokens=8"
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {ln.split()[0]: ln.split()[1:] for ln in proc.stdout.splitlines() if ln.strip()}
+    for stack in ("looped", "scanned"):
+        assert len(rows[stack]) == 4 and all(float(x) > 0 for x in rows[stack]), rows
+    assert "scanned == looped" in proc.stdout
+
+
+@pytest.mark.parametrize(
+    "flags, says",
+    [
+        (["--batch=0"], "--batch"),
+        (["--drafter=/nonexistent"], "--drafter"),
+        (["--nope=1"], "nope"),
+    ],
+)
+def test_bad_flags_are_one_line(flags, says):
+    proc = _run(*flags)
+    assert proc.returncode == 2
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], proc.stderr
