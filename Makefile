@@ -69,12 +69,13 @@ test: $(VENV)/.test
 test-fast: $(VENV)/.test
 	$(PY) -m pytest -m "not slow" $(PYTEST_ARGS)
 
-# The newest jax runs every test but those marked `once`: host-side behaviour that the jax
-# version does not change (the CLI probe's refusals, the CLIs and benchmark scripts end to end,
-# the notebook, a shipped drafter's acceptance), whose jax calls the other tests make on both
-# versions (tests/README.md).
+# The newest jax runs a named subset: every test but those marked `once` (host-side behaviour
+# that the jax version does not change: the CLI probe's refusals, the CLIs and benchmark scripts
+# end to end, the notebook, a shipped drafter's acceptance) and those marked `variant` (a core
+# file's programs under another drafter kind, loss or data path: tests/conftest.py), whose jax
+# calls the core tests make on both versions (tests/README.md).
 test-newest: $(VENV312)/.test $(VENV312)/.cuda
-	$(VENV312)/bin/python -m pytest -m "not once" $(PYTEST_ARGS)
+	$(VENV312)/bin/python -m pytest -m "not once and not variant" $(PYTEST_ARGS)
 
 # The formatter's and the linter's verdict, changing nothing (settings in pyproject.toml).
 format-check: $(VENV)/.test

@@ -315,6 +315,30 @@ def pytest_configure(config):
         config.option.loadscopereorder = False
 
 
+# The newest jax (`make test-newest`) runs a named subset: every file but the host-side tests
+# marked `once` and these, marked `variant` here. Each runs the programs of a core file (decoding,
+# training, the model, the kernels, sharding, the compiles) under another drafter kind, loss or
+# data path, through the same jax APIs (jit, while_loop, scan, shard_map, Pallas, Orbax) that the
+# core files exercise on both versions; the oldest jax runs them all (tests/README.md).
+VARIANT_FILES = (
+    "test_eagle3.py",
+    "test_eagle3_decoding.py",
+    "test_eagle3_training.py",
+    "test_dflash2.py",
+    "test_sliding_window.py",
+    "test_prompt_lookup.py",
+    "test_bf16_divergence.py",
+    "test_training_fidelity.py",
+    "test_grad_accum.py",
+    "test_draft_vocab.py",
+    "test_tap_store.py",
+    "test_chat_regen.py",
+)
+
+
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if os.path.basename(str(item.path)) in VARIANT_FILES:
+            item.add_marker(pytest.mark.variant)
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(os.path.basename(str(item.path)), len(rank)))
