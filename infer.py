@@ -128,6 +128,13 @@ flags.DEFINE_string(
 flags.DEFINE_bool(
     "quantize_lm_head", False, "With --quantize=int8: the (untied) LM head is int8 too."
 )
+flags.DEFINE_bool(
+    "scan_layers",
+    False,
+    "The target's layers stacked and run as one lax.scan: one layer body to compile whatever "
+    "the depth (dense and MoE targets; docs/performance.md says where it runs at the loop's "
+    "speed).",
+)
 flags.DEFINE_string(
     "attention_impl",
     "auto",
@@ -207,6 +214,7 @@ def main(argv):
             json_out=FLAGS.json_out,
             block_size=FLAGS.block_size,
             tree_budget=FLAGS.tree_budget,
+            scan_layers=FLAGS.scan_layers,
         )
         return
     from dflash_jax.data import prompting
@@ -278,6 +286,7 @@ def main(argv):
         param_dtype=FLAGS.param_dtype,
         quantize=FLAGS.quantize,
         quantize_lm_head=FLAGS.quantize_lm_head,
+        scan_layers=FLAGS.scan_layers,
         attention_impl=FLAGS.attention_impl,
         mesh=FLAGS.mesh,
         batch_size=FLAGS.batch_size,

@@ -45,3 +45,23 @@ def test_bad_flags_are_one_line(flags, says):
     assert proc.returncode == 2
     lines = proc.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error:") and says in lines[0], proc.stderr
+
+
+def test_infer_scan_layers_gives_the_loops_text(tmp_path):
+    """`infer.py --scan_layers` decodes the looped run's tokens (JSON lines compared), the
+    drafter accepted."""
+    import json
+
+    outs = {}
+    for name, extra in (("looped", []), ("scanned", ["--scan_layers"])):
+        out = tmp_path / f"{name}.jsonl"
+        proc = subprocess.run(
+            [sys.executable, os.path.join(ROOT, "infer.py"), f"--target={PAIR}/target",
+             f"--drafter={PAIR}/drafter", "--prompt=def add(a, b):", "--max_new_tokens=24",
+             f"--json_out={out}", *extra],
+            capture_output=True, text=True, cwd=ROOT, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outs[name] = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["tokens"] for r in outs["scanned"]] == [r["tokens"] for r in outs["looped"]]
+    assert max(max(r["acceptance_lengths"]) for r in outs["scanned"]) >= 3

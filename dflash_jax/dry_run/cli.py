@@ -561,6 +561,7 @@ def infer_main(
     json_out: Optional[str] = None,
     block_size: Optional[int] = None,
     tree_budget: Optional[int] = None,
+    scan_layers: bool = False,
 ):
     """`infer.py --dry_run`: `main` for --mode=infer with infer.py's flag values (mesh: ';'-
     separated meshes; attention None or "auto": the dry run's default, the TPU kernels on a TPU
@@ -594,6 +595,8 @@ def infer_main(
         argv.append(f"--block_size={block_size}")
     if tree_budget is not None:
         argv.append(f"--tree_budget={tree_budget}")
+    if scan_layers:
+        argv.append("--scan_layers")
     return main(argv)
 
 

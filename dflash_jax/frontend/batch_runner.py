@@ -499,6 +499,7 @@ def run_and_report(
     param_dtype: Optional[str] = None,
     quantize: Optional[str] = None,
     quantize_lm_head: bool = False,
+    scan_layers: bool = False,
     attention_impl: str = "xla",
     mesh: Optional[str] = None,
     batch_size: Optional[int] = None,
@@ -515,7 +516,8 @@ def run_and_report(
     `target_dir`'s tokenizer, the models loaded, `run_prompts`, and `report.print_run` on stdout.
 
     mesh: a `sharding.parse_mesh` spec; "" / None: one device, or every device with several
-    processes. quantize / quantize_lm_head: `load_target`'s (int8 weight-only). batch_size: default 8 for several prompts, else 1. stream: print a single
+    processes. quantize / quantize_lm_head / scan_layers: `load_target`'s (int8 weight-only;
+    the layers as one scan). batch_size: default 8 for several prompts, else 1. stream: print a single
     prompt's completion as it is committed, an extra untimed run (None: when stdout is a
     terminal; never on a mesh). target_name / drafter_name: what the user called the models
     (hub ids), printed and part of the settings a resumed file must match. gen_kw: `generate`'s
@@ -577,6 +579,8 @@ def run_and_report(
     }
     if quantize or quantize_lm_head:  # absent otherwise: files of earlier runs still resume
         extra_settings.update(quantize=quantize, quantize_lm_head=quantize_lm_head)
+    if scan_layers:  # the same model; float32 sums in another order, so resumed runs match it
+        extra_settings.update(scan_layers=True)
     if resume:  # a file of other prompts or settings is refused before any compute
         read_done(
             out_path,
@@ -591,6 +595,7 @@ def run_and_report(
         attention_impl=attention_impl,
         quantize=quantize,
         quantize_lm_head=quantize_lm_head,
+        scan_layers=scan_layers,
     )
     drafter = looked_up
     if eagle3:

@@ -44,6 +44,7 @@ DRY_RUN_USES = DRY_RUN_ONLY + (
     "json_out",
     "block_size",
     "tree_budget",
+    "scan_layers",
     "verbose",
 )
 
