@@ -199,6 +199,7 @@ def sample(
         top_p=top_p,
         seed=7,
         tree_budget=tree_budget,
+        draft_sampling="argmax",  # the oracles draft deterministically: one-hot proposals
     )
     tokens = np.asarray(res.tokens)
     assert tokens.shape == (N, N_TOKENS)
@@ -648,3 +649,119 @@ def test_hybrid_target_samples_follow_the_exact_joint(control, tiny_hybrid, monk
         return
     assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
     assert tv(counts, exact) < tv_bound(exact, N), tv(counts, exact)
+
+
+def _first_step_logits(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, plan):
+    """A DFlash pass (`Decoder.draft_logits`) for the first step: at every slot 0.8 x the
+    target's logits after PROMPT and x_last (flatter than the target: its samples are also
+    rejected and resampled from the residual)."""
+    ids = jnp.concatenate(
+        [jnp.broadcast_to(jnp.asarray(PROMPT), (x_last.shape[0], len(PROMPT))), x_last[:, None]],
+        1,
+    )
+    h, _, _ = tmod.apply({"params": tparams}, ids)
+    lg = tmod.apply({"params": tparams}, h[:, -1:], method="logits")
+    return 0.8 * jnp.broadcast_to(lg, (x_last.shape[0], tokens.shape[1], lg.shape[-1]))
+
+
+@pytest.mark.parametrize(
+    "mode", ("sample", "argmax", "control_q_ignored"), ids=("sample", "argmax", "control")
+)
+def test_dflash_sampled_drafts_follow_the_exact_joint(mode, tiny, enumerated, monkeypatch):
+    """DFlash at T > 0 with draft_sampling "sample": drafts sampled from the drafter's adjusted
+    distribution q (two a step, `Decoder.sample_block` over an oracle pass) and verified by
+    rejection sampling against q follow the exact joint, and are accepted; so does
+    "argmax" (one-hot proposals). The drafts really are samples: rows with the same x_last
+    draft different first blocks under "sample", one block under "argmax". Reporting another
+    q than the one sampled from (control: uniform) is rejected by the bound."""
+    case = "temperature_1.2_top_k_3_top_p_0.9"
+    temperature, top_k, top_p = CASES[case]
+    t, drafter = tiny
+    d3 = dj.Drafter(drafter.config.replace(block_size=3), drafter.params)
+    monkeypatch.setattr(Decoder, "draft_logits", as_decoder_method(_first_step_logits))
+    if mode == "control_q_ignored":
+        honest = Decoder.sample_block
+
+        def flat_q(self, *a):
+            drafts, conf, q = honest(self, *a)
+            return drafts, conf, jnp.full_like(q, 1.0 / q.shape[-1])
+
+        monkeypatch.setattr(Decoder, "sample_block", flat_q)
+    _forget_compiled(monkeypatch)
+    res = dj.generate(
+        t,
+        d3,
+        [PROMPT] * N,
+        max_new_tokens=N_TOKENS,
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=13,
+        draft_sampling="argmax" if mode == "argmax" else "sample",
+        return_drafts=True,
+    )
+    tokens = np.asarray(res.tokens)
+    counts = np.bincount(np.ravel_multi_index(tokens.T, (V,) * N_TOKENS), minlength=V**N_TOKENS)
+    exact = exact_joint(enumerated, temperature, top_k, top_p)
+    bound = tv_bound(exact, N)
+    if mode == "control_q_ignored":
+        assert tv(counts, exact) > bound, (tv(counts, exact), bound)
+        return
+    firsts = collections.defaultdict(set)
+    for row, drafts in zip(tokens, res.drafts):
+        firsts[int(row[0])].add(tuple(drafts[0]))
+    distinct = max(len(s) for s in firsts.values())
+    assert distinct > 1 if mode == "sample" else distinct == 1, (mode, distinct)
+    assert res.tau > 1.2, res.tau  # drafts accepted
+    assert np.flatnonzero((counts > 0) & (exact == 0)).size == 0
+    assert tv(counts, exact) < bound, (tv(counts, exact), bound)
+    for rule in NEIGHBOURS[case]:
+        wrong = exact_joint(enumerated, *rule)
+        assert tv(counts, wrong) > tv_bound(wrong, N), (rule, tv(counts, wrong))
+
+
+def test_draft_sampling_is_checked_and_reaches_each_drafter(tiny):
+    """generate's draft_sampling: one line for a bad value or one that cannot apply (no
+    drafter, temperature 0, prompt lookup's "sample", "sample" with a tree); at T > 0 each
+    model drafter samples or not as asked, by default samples (DFlash, DFlash 2, EAGLE-3);
+    at T = 0 none samples, whatever the plan says."""
+    from dflash_jax.decoding.request import Request
+    from dflash_jax.drafters import eagle3 as e3
+
+    t, drafter = tiny
+    build = lambda d, **kw: Request.build(t.config, d, [PROMPT], 2, **kw)
+    cases = [
+        (drafter.config, dict(draft_sampling="greedy"), "draft_sampling must be one of"),
+        (None, dict(draft_sampling="argmax"), "draft_sampling needs a drafter"),
+        (drafter.config, dict(draft_sampling="sample"), "draft_sampling needs temperature > 0"),
+        (
+            dj.PromptLookup(block_size=3).config,
+            dict(draft_sampling="sample", temperature=1.0),
+            "needs a model drafter",
+        ),
+        (
+            drafter.config,
+            dict(draft_sampling="sample", tree_budget=1, temperature=1.0),
+            "does not combine with tree_budget",
+        ),
+    ]
+    for d, kw, message in cases:
+        with pytest.raises(ValueError, match=message) as e:
+            build(d, **kw)
+        assert "\n" not in str(e.value)
+    assert build(drafter.config).draft_sampling is None  # the drafter's default
+    assert build(drafter.config, draft_sampling="sample", temperature=1.0).draft_sampling == (
+        "sample"
+    )
+    d2 = drafter.config.replace(
+        conv_kernel_size=2, conv_group_size=16, selector_rank=2, selector_top_k=3
+    )
+    e3cfg = e3.make_eagle3_config(t.config, target_layer_ids=(0, 1, 2))
+    tmod = dj.Transformer(t.config)
+    for cfg, default in ((drafter.config, True), (d2, True), (e3cfg, True)):
+        dmod = e3.Eagle3Drafter(cfg) if cfg is e3cfg else dj.DFlashDrafter(cfg)
+        for rule, want in ((None, default), ("argmax", False), ("sample", True)):
+            plan = Plan(block_size=2, temperature=1.0, draft_sampling=rule)
+            assert Decoder(None, None, tmod, dmod, plan).samples_drafts is want, (cfg, rule)
+            greedy = Plan(block_size=2, draft_sampling=rule)
+            assert not Decoder(None, None, tmod, dmod, greedy).samples_drafts

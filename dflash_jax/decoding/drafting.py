@@ -53,11 +53,30 @@ class Proposal:
     conf: Optional[jnp.ndarray] = None  # [B, bs-1] their confidence
     tree: Optional[Tree] = None  # a draft tree (its mask is the verify's), None: a chain
     # The proposal distribution of each sampled draft given the drafts before it, over its
-    # candidates ([B, bs-1, K] token ids and probabilities; DFlash 2 at T > 0): verified by
-    # rejection sampling against it (`Decoder.rejection_tokens`). None: drafts verified as
-    # one-hot proposals (a draft is accepted iff the target's own sample names it).
+    # candidates ([B, bs-1, K] token ids and probabilities; DFlash 2 and EAGLE-3 at T > 0), or
+    # with q_ids None over the whole vocabulary in id order (q_probs [B, bs-1, V]; DFlash's
+    # sampled drafts): verified by rejection sampling against it (`Decoder.rejection_tokens`).
+    # q_probs None: drafts verified as one-hot proposals (a draft is accepted iff the target's
+    # own sample names it).
     q_ids: Optional[jnp.ndarray] = None
     q_probs: Optional[jnp.ndarray] = None
+
+
+# How a drafter drafts at T > 0 (`Plan.draft_sampling`, `generate(draft_sampling=...)`):
+# "sample": each draft sampled from the drafter's distribution (under the request's
+# temperature, top-k, top-p for DFlash; DFlash 2's selector and EAGLE-3 their own), verified
+# by rejection sampling against it (the reference implementations' rule); "argmax": the
+# drafter's most probable drafts, verified as one-hot proposals. Both lossless. At T = 0 every
+# drafter drafts its argmax. The default of each kind (None in the plan): "sample" for all
+# three; for DFlash it gave the higher tau at T = 1 (docs/generation.md: bundled pair 1.44 vs
+# 1.14, SmolLM2 1.22 vs 1.12; benchmarks/draft_sampling_tau.py).
+DRAFT_SAMPLING = ("argmax", "sample")
+DEFAULT_DRAFT_SAMPLING = {"dflash": "sample", "dflash2": "sample", "eagle3": "sample"}
+
+
+def draft_sampling(dec, kind) -> str:
+    """The draft rule this plan asks of drafter kind `kind` ("argmax" or "sample")."""
+    return dec.plan.draft_sampling or DEFAULT_DRAFT_SAMPLING[kind.name]
 
 
 class Autoregressive:
@@ -98,11 +117,23 @@ class DFlash:
         return dec.write_context(ctx, taps, positions, lengths, starts)
 
     def samples_drafts(self, dec) -> bool:
-        return False
+        """T > 0 with draft_sampling "sample", on a chain of one pass (a tree and the
+        denoising passes draft from the argmax)."""
+        plan = dec.plan
+        return (
+            plan.temperature > 0
+            and draft_sampling(dec, self) == "sample"
+            and not plan.tree_budget
+            and plan.denoise_steps == 1
+        )
 
     def chain(self, dec, ctx, x_last, start, key):
         """(drafts [B, bs-1], confidence [B, bs-1], q_ids, q_probs): a greedy chain, verified
-        as one-hot proposals (q None)."""
+        as one-hot proposals (q None), or drafts sampled from the drafter's adjusted
+        distribution q over the vocabulary (`Decoder.sample_block`; q_ids None)."""
+        if self.samples_drafts(dec):
+            drafts, conf, q = dec.sample_block(ctx, x_last, start, key)
+            return drafts, conf, None, q
         drafts, conf = dec.draft_block(ctx, x_last, start)
         return drafts, conf, None, None
 
@@ -123,12 +154,13 @@ class DFlash:
 
 class DFlash2(DFlash):
     """DFlash 2: the DFlash context and pass, then the candidate selector's walk: greedy at
-    T = 0; at T > 0 sampled, with its proposal q for rejection sampling."""
+    T = 0; at T > 0 sampled, with its proposal q for rejection sampling (draft_sampling
+    "sample", its default; "argmax": the greedy walk, verified as one-hot proposals)."""
 
     name = "dflash2"
 
     def samples_drafts(self, dec) -> bool:
-        return dec.plan.temperature > 0
+        return dec.plan.temperature > 0 and draft_sampling(dec, self) == "sample"
 
     def chain(self, dec, ctx, x_last, start, key):
         if not self.samples_drafts(dec):
@@ -251,7 +283,7 @@ class Eagle3:
         return Eagle3Context(cache=cache, pending=pending)
 
     def samples_drafts(self, dec) -> bool:
-        return dec.plan.temperature > 0
+        return dec.plan.temperature > 0 and draft_sampling(dec, self) == "sample"
 
     def draft_step(self, dec, state, cache, feature, token, position, chain, i):
         """One drafting step: the row (feature [B, H], embedding of token [B]) at position [B]

@@ -47,6 +47,7 @@ def generate(
     tree_budget: Optional[int] = None,
     denoise_schedule: str = "confidence",
     remask: bool = False,
+    draft_sampling: Optional[str] = None,
 ) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash (or another
     drafter: `PromptLookup`, an EAGLE-3 `Eagle3`), or autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
@@ -67,6 +68,13 @@ def generate(
     (the most confident) or "fixed" (left to right); remask: a fixed low-confidence token may
     be masked and predicted again (denoise_steps >= 3, "confidence"). They change the drafts,
     never the output.
+    draft_sampling: how a drafter drafts at temperature > 0: "sample" (each draft sampled from
+    the drafter's distribution under the same temperature / top-k / top-p, verified by
+    rejection sampling against it: the reference implementations' rule) or "argmax" (its most
+    probable drafts, verified as one-hot proposals); None: the drafter's default
+    (`decoding.drafting.DEFAULT_DRAFT_SAMPLING`: "sample"; a DFlash tree or denoising passes
+    draft from the argmax). Lossless either way; it changes the acceptance. Temperature > 0
+    only (refused at 0, where every drafter drafts its argmax).
     """
     request = Request.build(
         target.config,
@@ -86,6 +94,7 @@ def generate(
         denoise_schedule=denoise_schedule,
         remask=remask,
         prefill_chunk=prefill_chunk,
+        draft_sampling=draft_sampling,
     )
     if isinstance(drafter, Eagle3):  # the width check needs to know of its own embedding
         validate_eagle3_pair(drafter.config, target.config, drafter.embedding is not None)

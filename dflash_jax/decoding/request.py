@@ -44,6 +44,7 @@ class Request:
     tree_budget: Optional[int] = None
     return_drafts: bool = False
     prefill_chunk: Optional[int] = None  # None: `Plan.prefill_chunk`
+    draft_sampling: Optional[str] = None  # None: the drafter's default (`Plan.draft_sampling`)
 
     # The settings (keyword arguments of `build`, fields besides prompts and max_new_tokens).
     SETTINGS = (
@@ -60,6 +61,7 @@ class Request:
         "tree_budget",
         "return_drafts",
         "prefill_chunk",
+        "draft_sampling",
     )
 
     @classmethod
@@ -83,6 +85,7 @@ class Request:
         denoise_schedule="confidence",
         remask=False,
         prefill_chunk=None,
+        draft_sampling=None,
         labels: Optional[Sequence[str]] = None,
     ) -> "Request":
         """Every setting checked (types, ranges, ids in the vocabulary, the context length,
@@ -159,6 +162,9 @@ class Request:
             )
         if prefill_chunk is not None:
             prefill_chunk = checks.int_param("prefill_chunk", prefill_chunk, lo=0)
+        draft_sampling = _check_draft_sampling(
+            draft_sampling, drafter_config, temperature, steps, tree_budget
+        )
         return cls(
             prompts=tuple(tuple(p) for p in prompts),
             max_new_tokens=max_new_tokens,
@@ -175,6 +181,7 @@ class Request:
             tree_budget=tree_budget,
             return_drafts=bool(return_drafts and drafted),
             prefill_chunk=prefill_chunk,
+            draft_sampling=draft_sampling,
         )
 
     def plan(
@@ -196,8 +203,48 @@ class Request:
             tree_budget=self.tree_budget,
             stream=stream,
             attention_impl=attention_impl,
+            draft_sampling=self.draft_sampling,
             **({} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}),
         )
+
+
+def _check_draft_sampling(value, drafter_config, temperature, denoise_steps, tree_budget):
+    """draft_sampling checked against the drafter and the rest of the request: None (the
+    drafter's default), "argmax" or "sample" (`drafting.DRAFT_SAMPLING`) with a model drafter;
+    "sample" on a DFlash chain of one pass; at temperature > 0 only (at 0 every drafter
+    drafts its argmax: a setting that cannot apply is refused, like top_k there)."""
+    from dflash_jax.decoding.drafting import DRAFT_SAMPLING
+
+    if value is None:
+        return None
+    if value not in DRAFT_SAMPLING:
+        raise ValueError(
+            f"draft_sampling must be one of {', '.join(map(repr, DRAFT_SAMPLING))} or None, "
+            f"got {value!r}"[:200]
+        )
+    if drafter_config is None:
+        raise ValueError("draft_sampling needs a drafter (autoregressive decoding drafts nothing)")
+    if temperature == 0:
+        raise ValueError(
+            "draft_sampling needs temperature > 0 (at temperature 0 every drafter drafts its "
+            "argmax)"
+        )
+    if isinstance(drafter_config, PromptLookupConfig) and value == "sample":
+        raise ValueError(
+            "draft_sampling='sample' needs a model drafter (prompt lookup drafts looked-up "
+            "tokens, with no distribution to sample)"
+        )
+    if value == "sample":
+        for name, given in (
+            ("tree_budget", tree_budget is not None),
+            ("denoise_steps", denoise_steps != 1),
+        ):
+            if given:
+                raise ValueError(
+                    f"draft_sampling='sample' does not combine with {name}: sampled drafts "
+                    "are one chain from one drafter pass"
+                )
+    return value
 
 
 def _check_context(cfg, prompts, max_new_tokens, labels=None) -> None:

@@ -27,7 +27,10 @@ with a one-hot draft distribution q = delta(d): accept d with probability min(1,
 p(d), i.e. exactly when an independent target sample equals d, and on rejection the residual
 norm(max(p - q, 0)) is p with d removed: the distribution of y_{i} given y_{i} != d_{i+1}. So
 every emitted token is distributed as the target's sample (tested statistically against an
-independent reference in tests/test_sampled_lossless.py).
+independent reference in tests/test_sampled_lossless.py). Drafts sampled from a drafter's own
+q (`Plan.draft_sampling` "sample", the default at T > 0) take the general rule instead:
+accept d with probability min(1, p(d)/q(d)), else a sample of norm(max(p - q, 0))
+(`Decoder.rejection_tokens`).
 """
 
 from __future__ import annotations
@@ -80,6 +83,9 @@ class Plan:
     # Part of the jit key: a program is compiled per function (reuse one to reuse the program).
     stream: Optional[Callable[[List[List[int]]], None]] = None
     attention_impl: str = "xla"
+    # How a drafter drafts at T > 0: "argmax" or "sample" (`drafting.DRAFT_SAMPLING`); None:
+    # the drafter kind's default (`drafting.DEFAULT_DRAFT_SAMPLING`).
+    draft_sampling: Optional[str] = None
     # Prompts longer than this are prefilled in chunks of this many tokens (a scan appending to
     # the cache), so attention temporaries grow linearly with the context, not quadratically:
     # each chunk's scores are [chunk, capacity]. 0: one pass (dense [prompt, capacity] scores).
@@ -94,6 +100,7 @@ class Plan:
         "confidence_threshold",
         "tree_budget",
         "stream",
+        "draft_sampling",
     )
 
     def prefill_plan(self) -> "Plan":
@@ -263,8 +270,8 @@ class Decoder:
 
     def select_block(self, ctx: KVCache, x_last, start, key=None):
         """DFlash 2: one drafter pass, then the candidate selector's walk over the bs-1 slots
-        from x_last: greedy at temperature 0, sampled from softmax(scores / T) over each
-        slot's candidates at T > 0. Returns (drafts [B, bs-1], confidence [B, bs-1]: the
+        from x_last: greedy at temperature 0 or without a key, sampled from
+        softmax(scores / T) over each slot's candidates at T > 0. Returns (drafts [B, bs-1], confidence [B, bs-1]: the
         drafter's probability of each draft, candidates [B, bs-1, K], q [B, bs-1, K]: each
         slot's proposal distribution given the drafts before it)."""
         b = x_last.shape[0]
@@ -275,12 +282,30 @@ class Decoder:
             hidden,
             logits,
             x_last,
-            self.plan.temperature,
+            self.plan.temperature if key is not None else 0.0,  # no key: the greedy walk
             key,
             method=DFlashDrafter.select,
         )
         p = jax.nn.softmax(logits, axis=-1)
         return tokens, jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0], cand, q
+
+    def sample_block(self, ctx: KVCache, x_last, start, key):
+        """DFlash at T > 0 with draft_sampling "sample" (the reference's rule): one drafter
+        pass, each of the bs-1 drafts sampled from q, the drafter's distribution under the
+        plan's temperature, top-k and top-p (`sampling.adjusted_logits`, as the target's
+        samples are adjusted). The drafts of one pass are independent given the context, so q
+        at a slot is also its distribution given the drafts before it. Returns (drafts
+        [B, bs-1], confidence [B, bs-1]: the drafter's unadjusted probability of each draft,
+        q [B, bs-1, V])."""
+        b = x_last.shape[0]
+        masks = jnp.full((b, self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32)
+        logits = self.draft_logits(ctx, x_last, masks, start)
+        plan = self.plan
+        adjusted = adjusted_logits(logits, plan.temperature, plan.top_k, plan.top_p)
+        drafts = sample_categorical(key, adjusted)
+        p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
+        conf = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
+        return drafts, conf, jax.nn.softmax(adjusted, axis=-1)
 
     def denoise(self, ctx: KVCache, x_last, start, logp=False):
         """The K = `self.plan.denoise_steps` drafter passes over one block: (drafts [B, bs-1],
@@ -376,8 +401,9 @@ class Decoder:
 
     @property
     def samples_drafts(self) -> bool:
-        """The drafter samples its drafts (DFlash 2 and EAGLE-3 at T > 0): `propose` takes a key and the
-        drafts are verified against their proposal distribution (`rejection_tokens`)."""
+        """The drafter samples its drafts (at T > 0 with draft_sampling "sample": DFlash 2's
+        and EAGLE-3's default, DFlash's choice): `propose` takes a key and the drafts are
+        verified against their proposal distribution (`rejection_tokens`)."""
         return self.kind.samples_drafts(self)
 
     def propose(self, state: DecodeState, x_last, start, key=None) -> Proposal:
@@ -393,25 +419,31 @@ class Decoder:
         distribution after the prefix ending at d_{i-1} (logits[:, i-1]); y[:, i-1] is d_i if
         accepted, else a sample of the residual norm(max(p_i - q_i, 0)) (over the whole
         vocabulary), which never names d_i; y[:, T-1] is a sample of p_T. `accept` then takes
-        the longest prefix with y[:, i-1] == d_i, so each step emits target samples exactly."""
+        the longest prefix with y[:, i-1] == d_i, so each step emits target samples exactly.
+        q over candidates (q_ids [B, bs-1, K]) or, q_ids None, over the vocabulary."""
         t = logits.shape[1]
         n = t - 1
         drafts = prop.drafts[:, :n]
-        q_ids, q_probs = prop.q_ids[:, :n], prop.q_probs[:, :n]
+        q_probs = prop.q_probs[:, :n]
         plan = self.plan
         logp = adjusted_logits(logits[:, :n], plan.temperature, plan.top_k, plan.top_p)
         p = jax.nn.softmax(logp, axis=-1)  # [B, n, V]
         p_d = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
-        q_d = jnp.sum(jnp.where(q_ids == drafts[..., None], q_probs, 0.0), axis=-1)
+        b = drafts.shape[0]
+        if prop.q_ids is None:  # dense: q over the vocabulary in id order
+            q_dense = q_probs.astype(jnp.float32)
+            q_d = jnp.take_along_axis(q_dense, drafts[..., None], axis=-1)[..., 0]
+        else:
+            q_ids = prop.q_ids[:, :n]
+            q_d = jnp.sum(jnp.where(q_ids == drafts[..., None], q_probs, 0.0), axis=-1)
+            q_dense = (
+                jnp.zeros(p.shape, jnp.float32)
+                .at[jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None], q_ids]
+                .add(q_probs.astype(jnp.float32))
+            )
         k_u, k_res, k_bonus = jax.random.split(key, 3)
         u = jax.random.uniform(k_u, drafts.shape, jnp.float32)
         accept = u * q_d < p_d
-        b = drafts.shape[0]
-        q_dense = (
-            jnp.zeros(p.shape, jnp.float32)
-            .at[jnp.arange(b)[:, None, None], jnp.arange(n)[None, :, None], q_ids]
-            .add(q_probs.astype(jnp.float32))
-        )
         res = jnp.maximum(p - q_dense, 0.0)
         has = jnp.sum(res, axis=-1, keepdims=True) > 0
         res_log = jnp.where(has, jnp.log(res), logp)  # p == q exactly: never rejected anyway
@@ -438,7 +470,7 @@ class Decoder:
                 method="verify_tree",
             )
         logits = self.lm_logits(hidden)  # [B, T, V]
-        if prop.q_ids is not None:
+        if prop.q_probs is not None:
             y = self.rejection_tokens(logits, prop, key)
         else:
             y = pick_tokens(logits, key, self.plan.temperature, self.plan.top_k, self.plan.top_p)
