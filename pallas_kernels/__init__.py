@@ -71,8 +71,9 @@ _OPS = {
 }
 
 
-def _kernel_args(op, args):
-    """(q, k, v, last visible slot [B,T], extra kernel kwargs) for `op`'s arguments."""
+def _kernel_args(op, args, stacked=False):
+    """(q, k, v, last visible slot [B,T], extra kernel kwargs) for `op`'s arguments (`stacked`:
+    k and v are stacks [L,B,S,Hkv,D] of a scanned layer stack)."""
     if op == "verify_attention":
         q, k, v, q_positions = args
         return q, k, v, q_positions.astype(jnp.int32), {}
@@ -86,7 +87,7 @@ def _kernel_args(op, args):
     else:  # tree_attention
         q, k, v, ctx_len, blk_k, blk_v, blk_mask = args
         blk = dict(blk_k=blk_k, blk_v=blk_v, blk_mask=blk_mask)
-    ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, k.shape[1])
+    ctx_len = jnp.clip(ctx_len.astype(jnp.int32), 0, k.shape[2 if stacked else 1])
     lim = jnp.broadcast_to((ctx_len - 1)[:, None], q.shape[:2])
     return q, k, v, lim, blk
 
@@ -94,17 +95,23 @@ def _kernel_args(op, args):
 @functools.partial(
     jax.jit, static_argnames=("op", "sm_scale", "variant", "interpret", "block_k", "num_splits")
 )
-def _attend(*args, op, sm_scale, variant, interpret, block_k, num_splits):
-    """`op` (a key of _OPS) on `variant`: the reference, cuDNN, or the TPU / Triton kernel."""
+def _attend(*args, layer, op, sm_scale, variant, interpret, block_k, num_splits):
+    """`op` (a key of _OPS) on `variant`: the reference, cuDNN, or the TPU / Triton kernel.
+    `layer`: the caches (args 1, 2) are stacks and this layer is read (sliced out but on TPU)."""
     spec = _OPS[op]
+    if layer is not None and variant != backend.TPU:
+        args = (args[0], args[1][layer], args[2][layer], *args[3:])
+        layer = None
     if variant == backend.XLA or (variant != backend.TPU and not spec["gpu_kernel"]):
         return getattr(reference, op)(*args, sm_scale=sm_scale)
     if variant == backend.CUDNN:
         from . import cudnn_attention
 
         return getattr(cudnn_attention, op)(*args, sm_scale=sm_scale)
-    q, k, v, lim, blk = _kernel_args(op, args)
+    q, k, v, lim, blk = _kernel_args(op, args, stacked=layer is not None)
     kw = dict(interpret=backend.interpret_arg(variant, interpret), num_splits=num_splits)
+    if layer is not None:
+        kw["layer"] = layer
     if block_k is not None:
         kw["block_k"] = block_k
 
@@ -113,7 +120,7 @@ def _attend(*args, op, sm_scale, variant, interpret, block_k, num_splits):
             q_, k, v, lim_, sm_scale=sm_scale, **blk, **kw
         )
 
-    per_chunk = max(1, TRITON_MAX_ROWS // (q.shape[2] // k.shape[2]))
+    per_chunk = max(1, TRITON_MAX_ROWS // (q.shape[2] // k.shape[-2]))
     if spec["chunked"] and variant == backend.TRITON and q.shape[1] > per_chunk:
         return _by_query_chunks(decode, q, lim, per_chunk)
     return decode(q, lim)
@@ -139,9 +146,10 @@ def _by_query_chunks(fn, q, pos, c):
     return jnp.swapaxes(out, 0, 1).reshape(b, n * c, *q.shape[2:])[:, :t]
 
 
-def _run(op, args, sm_scale, impl, interpret, block_k, num_splits):
+def _run(op, args, sm_scale, impl, interpret, block_k, num_splits, layer=None):
     return _attend(
         *args,
+        layer=layer,
         op=op,
         sm_scale=sm_scale,
         variant=backend.resolve(impl, interpret),
@@ -162,15 +170,18 @@ def verify_attention(
     interpret: bool = False,
     block_k: int | None = None,
     num_splits: int | None = None,
+    layer=None,
 ):
     """Target-model verification attention over a KV cache.
 
     q: [B,T,Hq,D]; k_cache, v_cache: [B,S,Hkv,D] (the block's own K/V already
     written at their positions); q_positions: [B,T] int32.  Query (b,t) sees
     cache slot j iff j <= q_positions[b,t].  Returns [B,T,Hq,D].
+    With `layer` (an int scalar) the caches are stacks [L,B,S,Hkv,D] of a scanned layer stack
+    and layer `layer` is read: where it lies by the TPU kernel, sliced out on the others.
     """
     args = (q, k_cache, v_cache, q_positions)
-    return _run("verify_attention", args, sm_scale, impl, interpret, block_k, num_splits)
+    return _run("verify_attention", args, sm_scale, impl, interpret, block_k, num_splits, layer)
 
 
 def draft_attention(
@@ -211,6 +222,7 @@ def tree_attention(
     interpret: bool = False,
     block_k: int | None = None,
     num_splits: int | None = None,
+    layer=None,
 ):
     """A draft tree's verify attention: the committed prefix of a KV cache and the tree's own
     keys under its ancestor mask.
@@ -220,10 +232,10 @@ def tree_attention(
     slot j iff j < prefix_len[b] and node u iff blk_mask[b, t, u]. The TPU kernel is the
     decode kernel with the mask laid out per query row, keys on the lane axis; the GPU
     variants (Triton, cuDNN) have no tree kernel yet and run the XLA reference.
-    Returns [B,T,Hq,D].
+    Returns [B,T,Hq,D]. `layer`: as `verify_attention`'s.
     """
     args = (q, k_cache, v_cache, prefix_len, blk_k, blk_v, blk_mask)
-    return _run("tree_attention", args, sm_scale, impl, interpret, block_k, num_splits)
+    return _run("tree_attention", args, sm_scale, impl, interpret, block_k, num_splits, layer)
 
 
 def training_attention(

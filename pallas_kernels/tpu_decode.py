@@ -240,6 +240,7 @@ def decode_attention(
     block_k: int = 512,
     num_splits: int | None = None,
     interpret=False,
+    layer=None,
 ):
     """Shared entry for verify/draft.
 
@@ -247,9 +248,13 @@ def decode_attention(
     iff j <= lim[b,t].  Optional blk_k/blk_v [B,Tb,Hkv,D]: always-visible keys, or, with
     blk_mask [B,T,Tb] bool, visible to query t where blk_mask[b, t] is True (a draft tree's
     ancestor mask: laid out per row with the keys on the lane axis).
+    With `layer` (an int scalar), k and v are stacks [L,B,S,Hkv,D] (a scanned layer stack) and
+    the kernel's index maps read layer `layer` where it lies (a scalar prefetch), no copy.
     """
-    b, t, hq, d, hkv, g = C.check_gqa(q, k)
-    s_len = k.shape[1]
+    stacked = layer is not None
+    one = jax.ShapeDtypeStruct(k.shape[1:], k.dtype) if stacked else k  # one layer's shape
+    b, t, hq, d, hkv, g = C.check_gqa(q, one)
+    s_len = k.shape[2] if stacked else k.shape[1]
     scale = default_scale(d, sm_scale)
     align = C.sublane_multiple(k.dtype)
     rows = C.round_up(t * g, C.sublane_multiple(q.dtype))
@@ -268,6 +273,7 @@ def decode_attention(
             block_k=block_k,
             num_splits=num_splits,
             interpret=interpret,
+            layer=layer,
         )
         return jnp.concatenate(
             [
@@ -285,6 +291,11 @@ def decode_attention(
         # scores [rows, tk] and accumulator [rows, w] would outgrow the scoped VMEM at tk 512.
         block_k = min(block_k, 256)
     tk, s_pad = _choose_kv_tile(s_len, block_k, align)
+    if stacked and s_pad != s_len:  # padding the stack would copy every layer: this one only
+        return decode_attention(
+            q, k[layer], v[layer], lim, blk_k=blk_k, blk_v=blk_v, blk_mask=blk_mask,
+            sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, interpret=interpret,
+        )  # fmt: skip
     n_tiles = s_pad // tk
 
     lim = jnp.minimum(lim.astype(jnp.int32), s_len - 1)
@@ -301,18 +312,23 @@ def decode_attention(
     steps = C.cdiv(n_tiles, ns)
 
     q4 = expand_heads(C.q_to_rows(q, hkv, rows), hb)  # [B, hg, hr, w]
-    k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)  # free view
-    v2 = C.pad_axis(v, 1, s_pad).reshape(b, s_pad, hkv * d)
+    if stacked:  # [L, B, S, Hkv*D]: free views of the stacks, the layer picked by the maps
+        k2 = k.reshape(k.shape[0], b, s_pad, hkv * d)
+        v2 = v.reshape(v.shape[0], b, s_pad, hkv * d)
+    else:
+        k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)  # free view
+        v2 = C.pad_axis(v, 1, s_pad).reshape(b, s_pad, hkv * d)
 
-    def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref):
+    def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref, *layer_ref):
         j, _, _ = _split_tile(kvlen_ref[bi], si, ii, tk=tk, ns=ns)
-        return bi, j, hi
+        return (layer_ref[0][0], bi, j, hi) if stacked else (bi, j, hi)
 
+    kv_block = (None, None, tk, w) if stacked else (None, tk, w)
     in_specs = [
         pl.BlockSpec((None, None, hr, w), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
         pl.BlockSpec((None, hr, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
-        pl.BlockSpec((None, tk, w), kv_map),
-        pl.BlockSpec((None, tk, w), kv_map),
+        pl.BlockSpec(kv_block, kv_map),
+        pl.BlockSpec(kv_block, kv_map),
     ]
     args = [q4, lim_rows, k2, v2]
     blk_len = 0
@@ -342,7 +358,7 @@ def decode_attention(
         jax.ShapeDtypeStruct((b, hg, ns, hr, C.LANES), jnp.float32),
     ]
     grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=2,
+        num_scalar_prefetch=3 if stacked else 2,
         grid=(b, hg, ns, steps),
         in_specs=in_specs,
         out_specs=out_specs,
@@ -361,7 +377,12 @@ def decode_attention(
         blk_len=blk_len,
         blk_masked=blk_mask is not None,
     )
-    cost = C.decode_cost(q, k, s_len, blk_len)
+    scalars = (kv_len, min_lim)
+    if stacked:  # the layer index: a third scalar prefetch, read by the index maps only
+        scalars += (jnp.asarray(layer, jnp.int32).reshape(1),)
+        body = kernel
+        kernel = lambda kvlen, minlim, _layer, *refs: body(kvlen, minlim, *refs)  # noqa: E731
+    cost = C.decode_cost(q, one, s_len, blk_len)
     o_part, lse_part = pl.pallas_call(
         kernel,
         out_shape=out_shape,
@@ -371,7 +392,9 @@ def decode_attention(
         ),
         cost_estimate=cost,
         interpret=interpret,
-        name="dflash_decode_attention_tpu",
-    )(kv_len, min_lim, *args)
+        # A stack's kernel reads one layer of its [L, ...] operands and declares those bytes
+        # (cost estimate: the layer's K/V at capacity, as a single cache is charged).
+        name="dflash_decode_attention_tpu_stacked" if stacked else "dflash_decode_attention_tpu",
+    )(*scalars, *args)
     o = collapse_heads(C.combine_splits(o_part, lse_part[..., 0]), hb)
     return C.rows_to_q(o, t, g, q.dtype)

@@ -188,6 +188,45 @@ def test_a_collective_in_a_scanned_stack_counts_every_layer():
     assert latency == pytest.approx(5 * hbm._hops("all-reduce", 8) * hbm.ICI_HOP_LATENCY_S)
 
 
+@pytest.mark.slow  # a libtpu compile (Mosaic)
+def test_a_stacked_caches_attention_is_charged_one_layer(chip):
+    """The decode attention over a scanned stack's cache [L, 1, S, 1, 128] reads one layer,
+    picked by its index maps: the step is charged that layer's K and V (its declared bytes),
+    not the L-layer operands it is handed; a single cache's kernel is charged the same."""
+    from pallas_kernels import backend
+
+    import pallas_kernels as pk
+
+    layers, s, d = 8, 4096, 128
+    one = 2 * s * d * 2  # a layer's K and V, bfloat16
+
+    def loop(stacked):
+        def run(q, k, v, pos, steps):
+            def step(i, c):
+                kk, vv = (k, v) if stacked else (k[0], v[0])
+                out = pk.verify_attention(
+                    c, kk, vv, pos, impl="pallas", layer=jnp.int32(3) if stacked else None
+                )
+                return out.astype(c.dtype)
+
+            return jax.lax.fori_loop(0, steps, step, q)
+
+        return run
+
+    shapes = lambda lead: (  # noqa: E731
+        ((1, 1, 2, d), jnp.bfloat16),
+        ((*lead, 1, s, 1, d), jnp.bfloat16),
+        ((*lead, 1, s, 1, d), jnp.bfloat16),
+        ((1, 1), jnp.int32),
+    )
+    with backend.compiling_for(chip.mesh):
+        stacked = _traffic(chip, loop(True), *shapes((layers,)))
+        single = _traffic(chip, loop(False), *shapes((1,)))
+    assert one <= stacked["hbm_bytes"] <= 1.05 * one, stacked
+    assert stacked["by_op"].get("kernel (declared bytes)", 0) >= one
+    assert one <= single["hbm_bytes"] <= 1.05 * one, single
+
+
 def test_trip_counts_from_the_annotation_or_the_condition():
     """`hlo.trip_count`: XLA's known_trip_count where given, else `counter < constant` read from
     the loop's condition, else 1 (charged once, as an unknown loop always was)."""

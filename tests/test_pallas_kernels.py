@@ -434,6 +434,39 @@ def test_verify_kernel(impl, case):
     np.testing.assert_allclose(out, ref, atol=ATOL)
 
 
+def test_verify_and_tree_kernels_read_one_layer_of_a_stack():
+    """With a layer index the TPU decode kernel (interpret mode) reads that layer of a stacked
+    cache [L,B,S,Hkv,D] where it lies: verify (1 and 16 query rows) and tree attention equal
+    the reference on the layer's own slice, for every layer; the other layers hold NaN, so a
+    read of the wrong layer would show. A capacity that is not a tile multiple takes the
+    layer's slice (the same numbers)."""
+    rng = np.random.default_rng(7)
+    n, b, hq, hkv, d = 3, 2, 4, 2, 128
+    for s, t in ((64, 1), (64, 16), (45, 1)):
+        q = _rand(rng, b, t, hq, d)
+        k, v = _rand(rng, n, b, s, hkv, d), _rand(rng, n, b, s, hkv, d)
+        pos = jnp.asarray(np.array([20, s - t])[:, None] + np.arange(t)[None, :], jnp.int32)
+        for layer in range(n):
+            others = (jnp.arange(n) != layer)[:, None, None, None, None]
+            kn, vn = jnp.where(others, jnp.nan, k), jnp.where(others, jnp.nan, v)
+            want = reference.verify_attention(q, k[layer], v[layer], pos)
+            got = pk.verify_attention(
+                q, kn, vn, pos, impl="pallas", interpret=True, layer=jnp.int32(layer)
+            )
+            np.testing.assert_allclose(got, want, atol=ATOL)
+    t = 4
+    q, bk, bv = _rand(rng, b, t, hq, d), _rand(rng, b, t, hkv, d), _rand(rng, b, t, hkv, d)
+    k, v = _rand(rng, n, b, 64, hkv, d), _rand(rng, n, b, 64, hkv, d)
+    prefix = jnp.asarray([9, 30], jnp.int32)
+    mask = jnp.asarray(np.tril(np.ones((t, t), bool))[None].repeat(b, 0)).at[:, 2, 1].set(False)
+    for layer in range(n):
+        want = reference.tree_attention(q, k[layer], v[layer], prefix, bk, bv, mask)
+        got = pk.tree_attention(
+            q, k, v, prefix, bk, bv, mask, impl="pallas", interpret=True, layer=jnp.int32(layer)
+        )
+        np.testing.assert_allclose(got, want, atol=ATOL)
+
+
 # (B, T, Hq, Hkv, D, C, block_k, ctx_len)
 DRAFT_CASES = [
     (1, 4, 2, 2, 128, 40, 16, [23]),

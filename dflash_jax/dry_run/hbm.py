@@ -25,7 +25,8 @@ layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
   operands (the rows) are charged once. So a decode-attention kernel's cache operand is charged
   at the cache's capacity, an upper bound on what it reads (the filled prefix);
 - except a kernel named in `DECLARED_BYTES_KERNELS`, which reads only part of an operand by
-  design (the routed grouped matmul: the weights of at most min(E, M) experts of [E, K, N]) and
+  design (the routed grouped matmul: the weights of at most min(E, M) experts of [E, K, N]; the
+  decode attention over a scanned stack's cache [L, ...]: one layer, picked by its index maps) and
   declares the bytes of the grid it runs in its cost estimate (derived from that grid, held
   against its index maps' DMAs in tests/test_grouped_matmul.py): it is charged the declared
   `bytes_accessed` (never more than its operands and results);
@@ -86,7 +87,7 @@ _NO_TRAFFIC = {
 }
 _SLICING = ("slice", "dynamic-slice", "gather")
 # Pallas kernels charged the bytes their cost estimate declares (module doc).
-DECLARED_BYTES_KERNELS = ("dflash_routed_gmm",)
+DECLARED_BYTES_KERNELS = ("dflash_routed_gmm", "dflash_decode_attention_tpu_stacked")
 _DECLARED = re.compile(r'"cost_estimate":\{[^}]*"bytes_accessed":"?(\d+)')
 _IN_PLACE = ("dynamic-update-slice", "scatter")
 

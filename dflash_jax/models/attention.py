@@ -195,11 +195,38 @@ def decode_attention_xla(q_B1ND, k_BSKD, v_BSKD, mask_B1S):
     return out.reshape(b, 1, n, d).astype(q_B1ND.dtype)
 
 
-def verify_attention(q_BTND, k_BSF, v_BSF, positions_BT, impl: str = "xla"):
+def _reads_stack(impl: str) -> bool:
+    """Whether the attention under `impl` (resolved) reads a layer of a stacked cache where it
+    lies: the TPU kernels (compiled for a TPU, or interpreted); others take the layer's slice."""
+    if impl in ("pallas_interpret", "pallas_tpu"):
+        return True
+    return impl == "pallas" and _compile_platform() == "tpu"
+
+
+def _layer_of(k_LBSF, v_LBSF, layer, head_dim: int):
+    """A stacked cache [L,B,S,K*D] (or [L,B,S,K,D]) viewed per head [L,B,S,K,D]."""
+    view = lambda x: x if x.ndim == 5 else x.reshape(*x.shape[:3], -1, head_dim)  # noqa: E731
+    return view(k_LBSF), view(v_LBSF)
+
+
+def verify_attention(q_BTND, k_BSF, v_BSF, positions_BT, impl: str = "xla", layer=None):
     """Block queries against a cache that already holds them; query at p sees slots j <= p.
-    The cache: [B,S,K*D] (the caches' storage) or [B,S,K,D]; D is the queries'."""
+    The cache: [B,S,K*D] (the caches' storage) or [B,S,K,D]; D is the queries'. With `layer`
+    (an int, traced or not) the caches are stacks [L,B,S,K*D] and that layer is read: where it
+    lies by the TPU kernel (its index maps take the layer), sliced out elsewhere."""
     impl = resolve_impl(impl)
     d = q_BTND.shape[-1]
+    if layer is not None and not _reads_stack(impl):
+        k_BSF, v_BSF, layer = k_BSF[layer], v_BSF[layer], None
+    if layer is not None:
+        k, v = _layer_of(k_BSF, v_BSF, layer, d)
+        kernel = lambda q, k, v, pos, i: _kernels().verify_attention(
+            q, k, v, pos, impl=_kernel_impl(impl), interpret=impl == "pallas_interpret", layer=i
+        )
+        args = (q_BTND, k, v, positions_BT, jnp.asarray(layer, jnp.int32))
+        if impl == "pallas_interpret":
+            return kernel(*args)
+        return _per_shard(kernel, args, (0, 1, 1, 0, None), (2, 3, 3, None, None))
     k_BSKD, v_BSKD = _heads(k_BSF, d), _heads(v_BSF, d)
     if impl == "xla":
         s = k_BSKD.shape[1]
@@ -226,7 +253,7 @@ def tree_verify_mask(tree_mask_BTT, starts_B, capacity: int):
 
 
 def tree_verify_attention(
-    q_BTND, k_BSF, v_BSF, starts_B, blk_k, blk_v, tree_mask_BTT, impl: str = "xla"
+    q_BTND, k_BSF, v_BSF, starts_B, blk_k, blk_v, tree_mask_BTT, impl: str = "xla", layer=None
 ):
     """A draft tree's verify: the T nodes' queries against the committed cache slots
     (j < starts[b]) and the nodes' own K/V blk_k / blk_v [B,T,K,D] under the ancestor mask
@@ -235,6 +262,19 @@ def tree_verify_attention(
     `pallas_kernels.tree_attention`: the TPU kernel, XLA on GPU so far)."""
     impl = resolve_impl(impl)
     d = q_BTND.shape[-1]
+    if layer is not None and not _reads_stack(impl):
+        k_BSF, v_BSF, layer = k_BSF[layer], v_BSF[layer], None
+    if layer is not None:  # a stack read where it lies (`verify_attention`)
+        k, v = _layer_of(k_BSF, v_BSF, layer, d)
+        kernel = lambda q, k, v, n, bk, bv, m, i: _kernels().tree_attention(
+            q, k, v, n, bk, bv, m, impl=_kernel_impl(impl),
+            interpret=impl == "pallas_interpret", layer=i,
+        )  # fmt: skip
+        args = (q_BTND, k, v, starts_B, blk_k, blk_v, tree_mask_BTT, jnp.asarray(layer, jnp.int32))
+        if impl == "pallas_interpret":
+            return kernel(*args)
+        dims = ((0, 1, 1, 0, 0, 0, 0, None), (2, 3, 3, None, 2, 2, None, None))
+        return _per_shard(kernel, args, *dims)
     k_BSKD, v_BSKD = _heads(k_BSF, d), _heads(v_BSF, d)
     if impl == "xla":
         mask = tree_verify_mask(tree_mask_BTT, starts_B, k_BSKD.shape[1])

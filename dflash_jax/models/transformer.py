@@ -184,7 +184,7 @@ class DecoderLayer(nn.Module):
                     impl, hd = self.attention_impl, c.head_dim
                     ks = attn_lib.write_block(ks, k, cache_starts_B, impl, hd, layer=li)
                     vs = attn_lib.write_block(vs, v, cache_starts_B, impl, hd, layer=li)
-                ck, cv = ks[li], vs[li]
+                ck, cv = ks, vs  # read in place: the attention takes the layer index
             elif cache_starts_B is None:
                 ck, cv = layer_cache
                 ck = write_kv(ck, k, positions_BT)
@@ -193,13 +193,16 @@ class DecoderLayer(nn.Module):
                 ck, cv = layer_cache
                 ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl, c.head_dim)
                 cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl, c.head_dim)
+            layer = layer_cache[2] if len(layer_cache) == 3 else None  # of a stacked cache
             if tree_mask_BTT is not None:
                 out = attn_lib.tree_verify_attention(
-                    q, ck, cv, cache_starts_B, k4, v4, tree_mask_BTT, self.attention_impl
+                    q, ck, cv, cache_starts_B, k4, v4, tree_mask_BTT, self.attention_impl, layer
                 )
             else:
-                out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
-            new_cache = (ks, vs) if len(layer_cache) == 3 else (ck, cv)
+                out = attn_lib.verify_attention(
+                    q, ck, cv, positions_BT, impl=self.attention_impl, layer=layer
+                )
+            new_cache = (ck, cv)
         x_BTH = x_BTH + attn.output(out)
         h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm")(x_BTH)
         if self.moe:
