@@ -65,3 +65,21 @@ def test_infer_scan_layers_gives_the_loops_text(tmp_path):
         outs[name] = [json.loads(line) for line in out.read_text().splitlines()]
     assert [r["tokens"] for r in outs["scanned"]] == [r["tokens"] for r in outs["looped"]]
     assert max(max(r["acceptance_lengths"]) for r in outs["scanned"]) >= 3
+
+
+def test_sigterm_is_one_line_and_143():
+    """SIGTERM during a benchmark's long work (here its first child process) ends it as
+    Ctrl-C does, through `support.cli.run`: one line on stderr, exit 143, no traceback."""
+    import signal
+    import time
+
+    proc = subprocess.Popen(
+        [sys.executable, SCRIPT, f"--target={PAIR}/target", f"--drafter={PAIR}/drafter"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+        env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )  # fmt: skip
+    time.sleep(4)  # past the imports: inside the first child's run
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 143, (proc.returncode, err[-2000:])
+    assert err.strip().splitlines() == ["interrupted"], err

@@ -119,8 +119,15 @@ def run(main: Callable, argv=None) -> None:
         flags.DEFINE_bool("verbose", False, "Print a traceback for every error.")
 
     def wrapped(args):
+        import signal
+
         from dflash_jax.support import interrupts, locks
 
+        # SIGTERM (a scheduler's stop) ends the run as Ctrl-C does: one line, exit 143, what
+        # the tool keeps on interruption kept. A tool with its own SIGTERM handling (the
+        # trainer's checkpoint on signal) installs it later, over this one.
+        if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+            interrupts.raise_on_sigterm()
         try:
             return main(args)
         except KeyboardInterrupt:
