@@ -369,3 +369,30 @@ def test_the_library_refuses_bad_settings_before_the_target_is_touched(tmp_path)
             )
     assert os.listdir(tmp_path) == []
     assert regen._ROLES is sources._ROLES  # one role table, the data layer's
+
+
+def test_the_trainers_regeneration_journal_knows_its_target(tmp_path, monkeypatch):
+    """train.py's regeneration (data.kind=regenerated) hands the journal the loaded target's
+    directory, as the CLI does, so a resumed training run on changed weights is refused too;
+    a fresh in-memory target has none."""
+    import numpy as np
+
+    from configs import default
+    from dflash_jax.training import experiment
+
+    config = default.get_config()
+    tcfg, tparams, tpath = experiment._target(config, TARGET, None)
+    assert tpath and os.path.samefile(tpath, TARGET)
+    seen = []
+    monkeypatch.setattr(regen, "regenerate", lambda target, *a, **k: seen.append(target))
+    monkeypatch.setattr(regen, "read_records", lambda *a, **k: [{"x": 1}, {"x": 2}])
+    config.regen.prompt_source = "random"
+    config.regen.num_prompts = 2
+    experiment._regenerated_docs(
+        config, str(tmp_path), tcfg, tparams, None, None, None, np.random.RandomState(0),
+        tpath=tpath,
+    )  # fmt: skip
+    assert len(seen) == 1 and regen.target_identity(seen[0].path)["dir"] == os.path.realpath(TARGET)
+    fresh = default.get_config()
+    fresh.target_model.vocab_size = 64
+    assert experiment._target(fresh, "", None)[2] is None
