@@ -431,7 +431,7 @@ CASES = [
     Case(
         "drafter-config-zero-block-size",
         _TD,
-        want_err=r"drafter/config\.json: block_size must be >= 2, got 0",
+        want_err=r"drafter/config\.json: dflash_config\.block_size must be >= 2, got 0",
         setup=lambda t: (_copy_model(t), _copy_model(t, "drafter", _set_drafter(block_size=0))),
     ),
     Case(

@@ -172,7 +172,7 @@ def test_plans_differing_in_decode_settings_share_one_prefill(target, drafter, m
     base = Plan(block_size=8)
     changed = dict(
         denoise_steps=3, denoise_schedule="fixed", remask=True, confidence_threshold=0.5,
-        tree_budget=6, stream=lambda commits: None,
+        tree_budget=6, stream=lambda commits: None, draft_sampling="argmax",
     )  # fmt: skip
     assert set(changed) == set(Plan.DECODE_ONLY)
     want = prefill_hlo(base)

@@ -146,7 +146,7 @@ def greedy_runs(bundled_pair):
                         None if budget == "ar" else drafter,
                         [prompts[i] for i in c],
                         16,
-                        block_size=16,
+                        block_size=None if budget == "ar" else 16,  # AR takes none
                         stop_token_ids=stop,
                         tree_budget=None if budget == "ar" else budget,
                     ),
