@@ -28,7 +28,11 @@ def _scanned(target):
 
 
 def _close(a, b):
-    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-5, atol=1e-5)
+    """rtol 1e-5 of the tensor's scale: the scan's fusions sum in another order (newest jax:
+    2.7e-5 apart on logits of magnitude 40), elements near zero included."""
+    a, b = np.asarray(a), np.asarray(b)
+    scale = max(1.0, float(np.abs(b).max())) if b.size else 1.0
+    np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-5 * scale)
 
 
 @pytest.fixture(scope="module")
