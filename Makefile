@@ -30,10 +30,12 @@ $(1)/.runtime: requirements.txt constraints-oldest.txt pyproject.toml
 	touch $$@
 
 # libtpu (TPU ahead-of-time compiles on this CPU machine: tests/test_tpu_compile.py) is the one
-# `jax[tpu]` pins for the jax installed in this venv, computed here so it never moves jax.
+# `jax[tpu]` pins for the jax installed in this venv, computed here so it never moves jax; when
+# the newest jax is out before its libtpu (jax 0.12.1 on 2026-12-06 wanted libtpu 0.0.53, not on
+# the index yet), pip falls back to the newest jax whose libtpu is.
 $(1)/.test: requirements-test.txt $(1)/.runtime
 	$(1)/bin/python -m pip install -q -r requirements-test.txt $(3)
-	$(1)/bin/python -m pip install -q "jax[tpu]==$$$$($(1)/bin/python -c 'import jax; print(jax.__version__)')" $(3)
+	$(1)/bin/python -m pip install -q "jax[tpu]==$$$$($(1)/bin/python -c 'import jax; print(jax.__version__)')" $(3) || $(1)/bin/python -m pip install -q "jax[tpu]" $(3)
 	touch $$@
 endef
 $(eval $(call venv_rules,$(VENV),$(PYTHON),-c constraints-oldest.txt))
