@@ -111,3 +111,35 @@ def test_dry_run_ctrl_c_in_imports_and_compile_is_one_line_and_130():
     argv = ["-m", "dflash_jax.dry_run", "--topology=cpu:2", "--model=tiny"]
     for rc, _, err in _parallel(interrupted, [(argv, 0.2), (argv, 3.0)]):
         assert rc == 130 and _clean(err) == ["interrupted: nothing was written"], (rc, err[-2000:])
+
+
+_HANDOFF = """
+import signal, sys
+from dflash_jax.support import interrupts
+interrupts.raise_on_sigterm()
+interrupts.guard("interrupted: nothing was written")
+# The signal's Python-level handler ran while armed (the C handler also wakes the watcher; here
+# the release wins the race for the lock, so the watcher would find the guard disarmed).
+interrupts._python_handler(getattr(signal, sys.argv[1]), None)
+try:
+    interrupts.release({signal.SIGINT: signal.default_int_handler})
+except KeyboardInterrupt as e:
+    print(type(e).__name__)
+else:
+    print("lost")
+"""
+
+
+@pytest.mark.parametrize(
+    "sig, raised", [("SIGINT", "KeyboardInterrupt"), ("SIGTERM", "Terminated")]
+)
+def test_a_signal_that_comes_as_the_guard_is_released_reaches_the_released_handlers(sig, raised):
+    """A signal whose handler ran just before `release()` (the batch saved, the watcher not yet
+    scheduled) was dropped: the watcher found the guard disarmed and the run went on to exit 0
+    (a CI run of the regeneration test). It is now raised to the handlers the tool installs."""
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    res = subprocess.run(
+        [sys.executable, "-c", _HANDOFF, sig], cwd=ROOT, env=env, capture_output=True, text=True
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert res.stdout.split() == [raised]

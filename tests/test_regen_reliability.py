@@ -55,6 +55,28 @@ def _cmd(target, prompts, out, *extra):
     ]
 
 
+# The same CLI with a pause before each batch after the first (the real `generate` then runs),
+# so a signal sent once the first batch is journaled lands while the run goes on, however fast
+# a warm machine finishes the other batches (they once all finished in the 10 ms the test took
+# to see the journal line, and the run exited 0).
+_PAUSED = (
+    "import runpy, time\n"
+    "from dflash_jax.decoding import generation\n"
+    "real, calls = generation.generate, []\n"
+    "def paused(*a, **k):\n"
+    "    calls.append(1)\n"
+    "    if len(calls) > 1:\n"
+    "        time.sleep(5)\n"
+    "    return real(*a, **k)\n"
+    "generation.generate = paused\n"
+    "runpy.run_module('dflash_jax.training.regenerate', run_name='__main__', alter_sys=True)\n"
+)
+
+
+def _paused_cmd(target, prompts, out, *extra):
+    return [sys.executable, "-c", _PAUSED] + _cmd(target, prompts, out, *extra)[3:]
+
+
 def _default_sigint():
     # A child of a non-interactive shell may inherit SIGINT ignored; a user's Ctrl-C is not.
     signal.signal(signal.SIGINT, signal.SIG_DFL)
@@ -105,11 +127,12 @@ def reference(tmp_path_factory):
     return prompts, ref
 
 
-def _interrupt_after_first_batch(cmd, out, sig):
-    """Runs `cmd`, sends `sig` once OUT.partial holds a whole batch line; (rc, stdout, stderr)."""
+def _interrupt_after_first_batch(target, prompts, out, sig):
+    """Runs the paused CLI, sends `sig` once OUT.partial holds a whole batch line; (rc, stdout,
+    stderr)."""
     journal = out + ".partial"
     proc = subprocess.Popen(
-        cmd,
+        _paused_cmd(target, prompts, out, *ARGS),
         cwd=ROOT,
         env=_env(),
         stdout=subprocess.PIPE,
@@ -126,6 +149,13 @@ def _interrupt_after_first_batch(cmd, out, sig):
         except OSError:
             pass
         time.sleep(0.01)
+    # The batch is on disk before the run hands the signals to its own handling (the guard's
+    # line until then says nothing was written): the paused command waits 5 s before its next
+    # batch, so 0.5 s on the signal lands in the handling that keeps the batch.
+    time.sleep(0.5)
+    if proc.poll() is not None:  # ended before the signal: say how, not only "0 == 130"
+        o, e = proc.communicate()
+        pytest.fail(f"the run ended ({proc.returncode}) before the signal:\n{o}\n{e[-3000:]}")
     proc.send_signal(sig)
     o, e = proc.communicate(timeout=120)
     return proc.returncode, o, e
@@ -146,8 +176,7 @@ def test_a_signal_after_a_batch_keeps_it_and_the_resume_equals_an_uninterrupted_
 ):
     prompts, ref = reference
     out = str(tmp_path / "out.jsonl")
-    cmd = _cmd(TARGET, prompts, out, *ARGS)
-    rc, _, err = _interrupt_after_first_batch(cmd, out, sig)
+    rc, _, err = _interrupt_after_first_batch(TARGET, prompts, out, sig)
     assert rc == code, err[-3000:]
     rows = _journal_batches(out + ".partial")
     assert 1 <= len(rows) < N_PROMPTS
@@ -158,7 +187,7 @@ def test_a_signal_after_a_batch_keeps_it_and_the_resume_equals_an_uninterrupted_
     )
     assert not os.path.exists(out) and not os.path.exists(out + ".tmp")
 
-    res = _run(cmd)
+    res = _run(_cmd(TARGET, prompts, out, *ARGS))
     assert res.returncode == 0, res.stderr[-3000:]
     assert f"{len(rows)} finished batches resumed" in res.stdout
     with open(out, "rb") as f:
@@ -214,8 +243,8 @@ def test_a_resume_with_another_target_or_changed_weights_is_refused(reference, t
     work = tmp_path / "work"
     work.mkdir()
     out = str(work / "out.jsonl")
-    rc, _, err = _interrupt_after_first_batch(_cmd(mine, prompts, out, *ARGS), out, signal.SIGINT)
-    assert rc == 130, err[-3000:]
+    rc, o, err = _interrupt_after_first_batch(mine, prompts, out, signal.SIGINT)
+    assert rc == 130, o + err[-3000:]
     with open(out + ".partial", "rb") as f:
         journal = f.read()
 

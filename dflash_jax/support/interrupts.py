@@ -26,6 +26,7 @@ import os
 import signal
 import sys
 import threading
+from typing import Optional
 
 EXIT_CODES = {signal.SIGINT: 130, signal.SIGTERM: 143}
 
@@ -78,6 +79,9 @@ def _python_handler(signum, frame):
     """The Python-level handler while installed: nothing while armed (the watcher exits);
     released, what the signal did before `guard` (KeyboardInterrupt, or the default action)."""
     if _state["armed"]:
+        # The watcher exits; should `release()` win the race for the lock first, it hands this
+        # signal on to the released handlers instead of losing it.
+        _state["pending"] = signum
         return
     old = _state["old"].get(signum, signal.SIG_DFL)
     if callable(old):
@@ -139,9 +143,11 @@ def armed() -> bool:
     return bool(_state["armed"])
 
 
-def release() -> None:
+def release(handlers: Optional[dict] = None) -> None:
     """From here on the signals do what they did before `guard` (or what the tool installed
-    since): the run has something to save. A no-op when not armed."""
+    since), or what `handlers` ({signum: handler}) says: the run has something to save. A
+    signal that came while armed but that the watcher had not acted on yet is delivered to
+    them, not lost. A no-op when not armed."""
     with _lock:
         if not _state["armed"]:
             return
@@ -150,5 +156,10 @@ def release() -> None:
         for sig, old in _state["old"].items():
             if signal.getsignal(sig) is _python_handler:
                 signal.signal(sig, old)
+        for sig, handler in (handlers or {}).items():
+            signal.signal(sig, handler)
         signal.set_wakeup_fd(_state["old_fd"])
         _state["installed"] = False
+        pending = _state.pop("pending", None)
+        if pending is not None:
+            signal.raise_signal(pending)

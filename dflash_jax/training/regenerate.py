@@ -676,14 +676,6 @@ def regenerate_from_file(
     )
 
 
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM once a batch is saved (SIGINT: KeyboardInterrupt)."""
-
-
-def _raise_terminated(signum, frame):
-    raise _Terminated()
-
-
 def _interrupted_line(out_path: str) -> str:
     """What a run stopped by a signal leaves: the finished batches in OUT.partial."""
     journal = out_path + ".partial"
@@ -783,12 +775,10 @@ def main(argv):
     tok = load_tokenizer(target_dir)
 
     def saved():  # a batch is in OUT.partial: a signal from now on ends the run keeping it
-        if interrupts.armed():
-            interrupts.release()
-            # Both explicitly: a SIGINT inherited ignored (a background job) is not ignored here
-            # either, as it is not while guarded.
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, _raise_terminated)
+        # Both explicitly: a SIGINT inherited ignored (a background job) is not ignored here
+        # either, as it is not while guarded; SIGTERM raises `interrupts.Terminated`.
+        interrupts.raise_on_sigterm()
+        interrupts.release({signal.SIGINT: signal.default_int_handler})
 
     try:
         regenerate_from_file(
@@ -809,7 +799,7 @@ def main(argv):
     except KeyboardInterrupt as e:  # SIGINT / SIGTERM after the first saved batch
         sys.stdout.flush()
         sys.stderr.write(_interrupted_line(F.out) + "\n")
-        sys.exit(143 if isinstance(e, _Terminated) else 130)
+        sys.exit(143 if isinstance(e, interrupts.Terminated) else 130)
 
 
 if __name__ == "__main__":
