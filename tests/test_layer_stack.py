@@ -217,3 +217,131 @@ def test_kernel_paths_are_lossless_with_the_stacked_cache(pair):
     assert_accepted(res, 4, min_tau=1.3)
     tree = dj.generate(stacked, drafter, prompts[:2], 12, tree_budget=8, **kw)
     assert tree.tokens == ar
+
+
+# ---------------------------------------------------------------------------- hybrid groups
+
+
+def _hybrid(moe=False, types=None, num_layers=8, scale=1.0):
+    """A random Qwen3.5-style target: 3 Gated DeltaNet layers and 1 gated attention layer
+    repeated (Qwen3.5 / 3.6's pattern), or `types`; with `moe`, experts and a shared expert in
+    every layer; its matrices times `scale` (3: peaked logits, the recurrent state decisive)."""
+    from dflash_jax.models.config import HybridSpec, hybrid_layers
+
+    kw = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
+              norm_topk_prob=True) if moe else {}  # fmt: skip
+    cfg = dj.ModelConfig(
+        arch="qwen3_5_moe" if moe else "qwen3_5",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=num_layers,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=128,
+        hybrid=HybridSpec(
+            layer_types=types or hybrid_layers(num_layers),
+            linear_num_key_heads=1,
+            linear_num_value_heads=2,
+            linear_key_head_dim=8,
+            linear_value_head_dim=8,
+            shared_expert_intermediate_size=24 if moe else 0,
+        ),
+        **kw,
+    )
+    params = jax.jit(
+        lambda: jax.tree_util.tree_map(lambda x: x * scale if x.ndim >= 2 else x, init_params(cfg, 3))
+    )()  # fmt: skip
+    return dj.Target(cfg, params)
+
+
+def _hybrid_everything(target, ids, taps):
+    """Logits and taps without a cache and of the training pass; a prefill rolled back to
+    ragged lengths, a verified block settled at ragged accepted lengths (the recurrent state
+    and the convolution window at each row's accepted prefix) and the next block: its logits,
+    and the cache's recurrent states, windows and K/V."""
+    m, p = target_module(target.config), {"params": target.params}
+    out = {}
+    h, _, t = m.apply(p, ids, tap_layers=taps)
+    out["logits"], out["taps"] = m.apply(p, h, method="logits"), t
+    out["train_taps"] = m.apply(p, ids, taps[:2], method="taps")
+    cache = target.init_cache(ids.shape[0], 32)
+    h, cache, t = m.apply(p, ids[:, :7], cache=cache, tap_layers=taps)
+    out["prefill"], out["prefill_taps"] = m.apply(p, h, method="logits"), t
+    cache = cache.rollback(jnp.asarray([7, 5]))
+    h, cache, _ = m.apply(p, ids[:, 7:11], cache=cache.pad_pending(4))
+    out["block"] = m.apply(p, h, method="logits")
+    cache = cache.pad_pending(6).rollback(cache.base + jnp.asarray([2, 4]))
+    h, cache, _ = m.apply(p, ids[:, 11:13], cache=cache)
+    out["next"] = m.apply(p, h, method="logits")
+    cache = cache.rollback(cache.lengths)
+    stack = lambda x: x if cache.stacked else jnp.stack(x)  # noqa: E731
+    out["state"], out["conv"] = stack(cache.state), stack(cache.conv)
+    out["k"], out["lengths"] = stack(cache.kv.k), cache.lengths
+    return out
+
+
+@pytest.mark.parametrize("moe", (False, True), ids=("qwen3_5", "qwen3_5_moe"))
+def test_hybrid_groups_stacked_equal_looped(moe):
+    """A hybrid target scans groups of its pattern (3 DeltaNets + 1 attention, twice): each
+    slot's parameters stacked over the groups, the cache's K/V, windows and states stacked per
+    kind. Every entry point equals the loop's (rtol 1e-5, float32), the ragged settles too; the
+    parameters unstack bit for bit. A pattern that does not repeat runs the loop."""
+    looped = _hybrid(moe)
+    stacked = _scanned(looped)
+    assert stacked.config.layer_period == 4 and stacked.config.scans_layers
+    assert sorted(stacked.params["layers"]) == ["slot_0", "slot_1", "slot_2", "slot_3"]
+    assert "linear_attn" in stacked.params["layers"]["slot_0"]
+    assert "self_attn" in stacked.params["layers"]["slot_3"]
+    ids = jnp.asarray(np.random.RandomState(0).randint(0, 64, (2, 15)))
+    run = lambda t: jax.jit(  # noqa: E731 - compiled both: the same fusions around the layers
+        lambda p: _hybrid_everything(dj.Target(t.config, p), ids, (1, 3, 6))
+    )(t.params)
+    want, got = run(looped), run(stacked)
+    assert set(want) == set(got)
+    for key in want:
+        _close(got[key], want[key])
+    assert float(jnp.abs(got["state"]).max()) > 0 and float(jnp.abs(got["k"]).max()) > 0
+    back = layer_stack.unstack_layers(stacked.params)
+    flat = lambda t: dict(jax.tree_util.tree_flatten_with_path(t)[0])  # noqa: E731
+    assert flat(back).keys() == flat(looped.params).keys()
+    for k, v in flat(looped.params).items():
+        assert np.array_equal(np.asarray(flat(back)[k]), np.asarray(v)), k
+
+    L, F = "linear_attention", "full_attention"
+    irregular = _hybrid(types=(L, F, L, L, L, F), num_layers=6).config.replace(scan_layers=True)
+    assert irregular.layer_period == 6 and not irregular.scans_layers
+    odd = _hybrid(num_layers=6).config.replace(scan_layers=True)  # 3:1 does not divide 6
+    assert odd.layer_period == 6 and not odd.scans_layers
+
+
+def test_hybrid_stacked_decoding_is_lossless_and_accepted(monkeypatch):
+    """AR over the stacked hybrid target gives the looped target's tokens; DFlash over it (an
+    oracle drafter reading that continuation, wrong at every fifth position: ragged acceptance,
+    so the stacked states settle at different lengths per row) gives them too, accepted."""
+    from dflash_jax.decoding.step import Decoder
+
+    looped = _hybrid(scale=3.0)
+    stacked = _scanned(looped)
+    prompts = [[1, 2, 3, 4, 5], [9, 8, 7], [11, 12, 13, 14, 15, 16, 17, 18, 19]]
+    ar = dj.generate(looped, None, prompts, 24, prefill_chunk=4).tokens
+    assert dj.generate(stacked, None, prompts, 24, prefill_chunk=4).tokens == ar
+    full = np.zeros((len(prompts), 64), np.int32)
+    for i, (p, c) in enumerate(zip(prompts, ar)):
+        full[i, : len(p) + len(c)] = p + c
+    table = jnp.asarray(full)
+
+    def draft(self, ctx, x_last, start):
+        pos = start[:, None] + 1 + jnp.arange(self.plan.block_size - 1)[None]
+        d = jnp.take_along_axis(table, jnp.minimum(pos, table.shape[1] - 1), axis=1)
+        return jnp.where(pos % 5 == 0, (d + 1) % 64, d), jnp.ones(d.shape, jnp.float32)
+
+    monkeypatch.setattr(Decoder, "draft_block", draft)
+    cfg = dj.make_drafter_config(stacked.config, num_layers=1, num_taps=2, block_size=8,
+                                 mask_token_id=63)  # fmt: skip
+    drafter = dj.Drafter(cfg, dj.init_drafter_params(cfg, seed=1))
+    res = dj.generate(stacked, drafter, prompts, 24, block_size=8)
+    assert res.tokens == ar
+    assert res.tau > 2.5 and len({a[0] for a in res.acceptance_lengths}) > 1

@@ -253,13 +253,35 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
+    def layer_period(self) -> int:
+        """The layers' repeating pattern: the smallest p dividing `num_layers` such that layer
+        i has the structure of layer i % p (the same attention kind, the same feed-forward).
+        1 for a dense target or experts in every layer; 4 for Qwen3.5 / 3.6's three Gated
+        DeltaNet layers and one gated attention layer; `num_layers` when nothing repeats."""
+
+        def kind(i):
+            linear = self.hybrid is not None and self.hybrid.is_linear(i)
+            return (linear, self.layer_is_moe(i))
+
+        n = self.num_layers
+        for p in range(1, n + 1):
+            if n % p == 0 and all(kind(i) == kind(i % p) for i in range(n)):
+                return p
+        return n
+
+    @property
     def scans_layers(self) -> bool:
-        """The decoder layers run as one scanned, stacked group: `scan_layers` asked for it
-        and every layer has the same parameters (dense, or experts in every layer); hybrid
-        targets and irregular expert patterns run their loop."""
-        if not self.scan_layers or self.hybrid is not None or self.num_layers < 2:
+        """The decoder layers run as one `lax.scan` over stacked parameters: `scan_layers`
+        asked for it and the layers repeat (`layer_period`): a dense target or experts in every
+        layer scans one layer (period 1); a hybrid one scans groups of its period (slot j of
+        every group stacked: `layer_stack`). A layer pattern that does not repeat at least
+        twice, or a dense target with experts in some layers only, runs the loop."""
+        if not self.scan_layers or self.num_layers < 2:
             return False
-        return len({self.layer_is_moe(i) for i in range(self.num_layers)}) == 1
+        p = self.layer_period
+        if self.hybrid is None:
+            return p == 1
+        return self.num_layers // p >= 2
 
     def layer_is_moe(self, i: int) -> bool:
         """Layer i's feed-forward is a mixture of experts (transformers' Qwen3-MoE rule)."""

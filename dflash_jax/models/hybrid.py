@@ -37,16 +37,25 @@ from __future__ import annotations
 
 from typing import Optional
 
+import numpy as np
+
 import flax.linen as nn
 import flax.struct
 import jax
 import jax.numpy as jnp
 
 from dflash_jax.models import attention as attn_lib
+from dflash_jax.models import layer_stack
 from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.layers import MLP, apply_rope, linear, masked_attention
 from dflash_jax.models.moe import SparseMoE
-from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
+from dflash_jax.models.transformer import (
+    KVCache,
+    Transformer,
+    flat_heads,
+    write_kv,
+    write_kv_layer,
+)
 
 _HI = jax.lax.Precision.HIGHEST
 DELTA_CHUNK = 64  # positions per chunk of the chunked delta rule
@@ -166,6 +175,10 @@ class HybridCache:
       at the committed length; base: [B] the lengths before that block.
     After a forward, `conv` and `state` are still those before its block: call `rollback`
     (with the committed lengths, or `lengths` for all of it) before the next forward.
+
+    Stacked (a scanned layer stack, `layer_stack`): kv's k, v [F, B, S, K*D], conv
+    [L, B, K-1, C], state [L, B, Hv, dk, dv] and pending's four arrays [L, B, T, ...], one
+    entry per full (F) or linear (L) layer in layer order, each updated where it lies.
     """
 
     kv: KVCache
@@ -175,24 +188,31 @@ class HybridCache:
     base: Optional[jnp.ndarray] = None
 
     @classmethod
-    def create(cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None) -> "HybridCache":
+    def create(
+        cls, cfg: ModelConfig, batch: int, capacity: int, dtype=None, stacked: bool = False
+    ) -> "HybridCache":
         h = cfg.hybrid
         dtype = cfg.dtype if dtype is None else dtype
         shape = (batch, capacity, cfg.num_kv_heads * cfg.head_dim)
         nf, nl = len(h.full_layers), len(h.linear_layers)
-        kv = KVCache(
-            k=tuple(jnp.zeros(shape, dtype) for _ in range(nf)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(nf)),
-            lengths=jnp.zeros((batch,), jnp.int32),
-            head_dim=cfg.head_dim,
-        )
         win = (batch, h.linear_conv_kernel_dim - 1, h.conv_dim)
         st = (batch, h.linear_num_value_heads, h.linear_key_head_dim, h.linear_value_head_dim)
-        return cls(
-            kv=kv,
-            conv=tuple(jnp.zeros(win, dtype) for _ in range(nl)),
-            state=tuple(jnp.zeros(st, jnp.float32) for _ in range(nl)),
-        )
+        if stacked:
+            k, v = jnp.zeros((nf,) + shape, dtype), jnp.zeros((nf,) + shape, dtype)
+            conv, state = jnp.zeros((nl,) + win, dtype), jnp.zeros((nl,) + st, jnp.float32)
+        else:
+            k = tuple(jnp.zeros(shape, dtype) for _ in range(nf))
+            v = tuple(jnp.zeros(shape, dtype) for _ in range(nf))
+            conv = tuple(jnp.zeros(win, dtype) for _ in range(nl))
+            state = tuple(jnp.zeros(st, jnp.float32) for _ in range(nl))
+        lengths = jnp.zeros((batch,), jnp.int32)
+        kv = KVCache(k=k, v=v, lengths=lengths, head_dim=cfg.head_dim)
+        return cls(kv=kv, conv=conv, state=state)
+
+    @property
+    def stacked(self) -> bool:
+        """The per-layer entries are stacked arrays (a scanned layer stack), not tuples."""
+        return not isinstance(self.conv, (tuple, list))
 
     @property
     def lengths(self):
@@ -223,6 +243,11 @@ class HybridCache:
         if self.pending is None:
             return self.replace(kv=self.kv.rollback(lengths))
         n = lengths - self.base
+        if self.stacked:  # every linear layer at once: [L, ...]
+            x, k, delta, g = self.pending
+            conv = jax.vmap(settle_window, in_axes=(0, 0, None))(self.conv, x, n)
+            state = jax.vmap(settle_state, in_axes=(0, 0, 0, 0, None))(self.state, k, delta, g, n)
+            return HybridCache(kv=self.kv.rollback(lengths), conv=conv, state=state)
         conv, state = [], []
         for window, s0, (x, k, delta, g) in zip(self.conv, self.state, self.pending):
             conv.append(settle_window(window, x, n))
@@ -239,6 +264,10 @@ class HybridCache:
         verify passes of different widths return caches of one shape."""
         if self.pending is None:
             return self
+        if self.stacked:  # four arrays [L, B, T, ...]
+            t = self.pending[0].shape[2]
+            padw = lambda x: jnp.pad(x, [(0, 0), (0, 0), (0, width - t)] + [(0, 0)] * (x.ndim - 3))
+            return self.replace(pending=tuple(padw(x) for x in self.pending))
         t = self.pending[0][0].shape[1]
         padw = lambda x: jnp.pad(x, [(0, 0), (0, width - t)] + [(0, 0)] * (x.ndim - 2))
         return self.replace(pending=tuple(tuple(padw(x) for x in p) for p in self.pending))
@@ -394,8 +423,9 @@ class HybridLayer(nn.Module):
     @nn.compact
     def __call__(self, x_BTH, positions_BT, inv_freq, layer_cache=None, mask_BTT=None, starts=None):
         """One pre-norm layer. A linear layer's `layer_cache` is (window, state) or None and it
-        returns (x, pending); a full layer's is (k, v) or None (then `mask_BTT` is the causal
-        mask) and it returns (x, (k, v) or None)."""
+        returns (x, pending); a full layer's is (k, v), or (k, v, index) into stacked caches
+        [F, B, S, K*D] (written and read where they lie), or None (then `mask_BTT` is the
+        causal mask) and it returns (x, (k, v) or None)."""
         c = self.cfg
         h = CenteredRMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="input_layernorm")(x_BTH)
         if c.hybrid.is_linear(self.index):
@@ -407,17 +437,19 @@ class HybridLayer(nn.Module):
             if layer_cache is None:
                 out, new = masked_attention(q, k, v, mask_BTT), None
             else:
-                ck, cv = layer_cache
-                if starts is None:
-                    ck, cv = (
-                        write_kv(ck, flat_heads(k), positions_BT),
-                        write_kv(cv, flat_heads(v), positions_BT),
-                    )
+                ck, cv = layer_cache[:2]
+                li = layer_cache[2] if len(layer_cache) == 3 else None  # of a stacked cache
+                impl = self.attention_impl
+                if starts is not None:
+                    ck = attn_lib.write_block(ck, flat_heads(k), starts, impl, c.head_dim, layer=li)
+                    cv = attn_lib.write_block(cv, flat_heads(v), starts, impl, c.head_dim, layer=li)
+                elif li is not None:
+                    ck = write_kv_layer(ck, flat_heads(k), positions_BT, li)
+                    cv = write_kv_layer(cv, flat_heads(v), positions_BT, li)
                 else:
-                    impl = self.attention_impl
-                    ck = attn_lib.write_block(ck, flat_heads(k), starts, impl, c.head_dim)
-                    cv = attn_lib.write_block(cv, flat_heads(v), starts, impl, c.head_dim)
-                out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=self.attention_impl)
+                    ck = write_kv(ck, flat_heads(k), positions_BT)
+                    cv = write_kv(cv, flat_heads(v), positions_BT)
+                out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=impl, layer=li)
                 new = (ck, cv)
             out = attn.output(out, gate)
         x_BTH = x_BTH + out
@@ -451,6 +483,94 @@ class HybridTransformer(Transformer):
         c = self.cfg
         return CenteredRMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
 
+    def slot_modules(self) -> list:
+        """The layer bodies of one group of a scanned stack, slot j built as layer j (unbound:
+        applied to each group's slice of `layers/slot_{j}`)."""
+        c = self.cfg
+        return [HybridLayer(c, j, self.attention_impl, parent=None) for j in range(c.layer_period)]
+
+    def _init_stack(self, rng):
+        """Random parameters of every group, `layers/slot_{j}` [G, ...] (`layer_stack`)."""
+        c = self.cfg
+        x = jnp.zeros((1, 1, c.hidden_size), c.dtype)
+        pos = jnp.zeros((1, 1), jnp.int32)
+        mask = jnp.ones((1, 1, 1), bool)
+        mods = self.slot_modules()
+
+        def group(r):
+            rs = jax.random.split(r, len(mods))
+            return {
+                layer_stack.slot_key(j): m.init(rs[j], x, pos, hybrid_inv_freq(c), None, mask)[
+                    "params"
+                ]
+                for j, m in enumerate(mods)
+            }
+
+        return jax.vmap(group)(jax.random.split(rng, c.num_layers // c.layer_period))
+
+    def _scan_groups(self, x, positions_BT, inv_freq, cache, tap_layers, mask, starts):
+        """The stacked groups as one `lax.scan`: group g runs its slots' layers g * p + j in
+        order, the full layers reading and writing the stacked K/V at their index, the linear
+        layers their window and state slices. Returns the residual stream, the new (k, v)
+        stacks or None, the pending block [L, B, T, ...] or None and the taps {layer: x}."""
+        c = self.cfg
+        p = c.layer_period
+        groups = c.num_layers // p
+        mods = self.slot_modules()
+        lin = [j for j in range(p) if c.hybrid.is_linear(j)]
+        full = [j for j in range(p) if not c.hybrid.is_linear(j)]
+        tap_layers = tuple(tap_layers)
+        slot_of = np.full((groups, p), -1, np.int32)
+        for t, i in enumerate(tap_layers):
+            slot_of[i // p, i % p] = t
+        tapbuf = jnp.zeros((max(len(tap_layers), 1),) + x.shape, x.dtype)
+        by_group = lambda a: a.reshape((groups, a.shape[0] // groups) + a.shape[1:])
+        kv = conv = state = None
+        if cache is not None:
+            kv = (cache.kv.k, cache.kv.v)
+            conv, state = by_group(cache.conv), by_group(cache.state)
+
+        def body(carry, xs):
+            x, kv, tapbuf = carry
+            params, g, slots, conv_g, state_g = xs
+            pending = []
+            for j, mod in enumerate(mods):
+                if j in lin:
+                    s = lin.index(j)
+                    lc = None if conv_g is None else (conv_g[s], state_g[s])
+                else:
+                    lc = None if kv is None else (kv[0], kv[1], g * len(full) + full.index(j))
+                x, new = mod.apply(
+                    {"params": params[layer_stack.slot_key(j)]},
+                    x,
+                    positions_BT,
+                    inv_freq,
+                    lc,
+                    mask,
+                    starts,
+                )
+                if j in lin:
+                    pending.append(new)
+                elif kv is not None:
+                    kv = new
+                if tap_layers:
+                    at = jnp.maximum(slots[j], 0)
+                    keep = jax.lax.dynamic_index_in_dim(tapbuf, at, 0, keepdims=False)
+                    tapbuf = jax.lax.dynamic_update_index_in_dim(
+                        tapbuf, jnp.where(slots[j] >= 0, x, keep), at, 0
+                    )
+            ys = None
+            if cache is not None:  # this group's pending blocks, slot by slot: 4 x [nl, ...]
+                ys = tuple(jnp.stack([pd[m] for pd in pending]) for m in range(4))
+            return (x, kv, tapbuf), ys
+
+        xs = (self.stack, jnp.arange(groups, dtype=jnp.int32), jnp.asarray(slot_of), conv, state)
+        (x, kv, tapbuf), ys = jax.lax.scan(body, (x, kv, tapbuf), xs)
+        pending = None
+        if ys is not None:  # [G, nl, B, T, ...] -> [L, B, T, ...] in layer order
+            pending = tuple(a.reshape((-1,) + a.shape[2:]) for a in ys)
+        return x, kv, pending, {i: tapbuf[t] for t, i in enumerate(tap_layers)}
+
     def verify_tree(self, *args, **kwargs):
         raise ValueError(
             "draft trees (tree_budget) over a hybrid (Gated DeltaNet) target are not supported: "
@@ -464,6 +584,14 @@ class HybridTransformer(Transformer):
         t = ids_BT.shape[1]
         inv_freq = hybrid_inv_freq(c)
         x = self.embed(ids_BT)
+        if cache is not None and cache.pending is not None:
+            raise ValueError("a HybridCache with a pending block: rollback() it first")
+        if c.scans_layers:
+            x, kv, pending, taps = self._scan_groups(
+                x, positions_BT, inv_freq, cache, tap_layers, mask, starts
+            )
+            new_k, new_v = (None, None) if kv is None else kv
+            return self._finish_hybrid(x, cache, new_k, new_v, pending, t, tap_layers, taps)
         taps, new_k, new_v, pending = {}, [], [], []
         fi = li = 0
         for i, layer in enumerate(self.layers):
@@ -484,15 +612,19 @@ class HybridTransformer(Transformer):
                 fi += 1
             if i in tap_layers:
                 taps[i] = x
-        if self.is_initializing() and not c.tie_word_embeddings:
+        return self._finish_hybrid(
+            x, cache, tuple(new_k), tuple(new_v), tuple(pending), t, tap_layers, taps
+        )
+
+    def _finish_hybrid(self, x, cache, new_k, new_v, pending, t, tap_layers, taps):
+        """The final norm, the cache with its new K/V, lengths and pending block, the taps."""
+        if self.is_initializing() and not self.cfg.tie_word_embeddings:
             self.lm_head(x)
         hidden = self.norm(x)
         new_cache = None
         if cache is not None:
-            if cache.pending is not None:
-                raise ValueError("a HybridCache with a pending block: rollback() it first")
-            kv = cache.kv.replace(k=tuple(new_k), v=tuple(new_v), lengths=cache.lengths + t)
-            new_cache = cache.replace(kv=kv, pending=tuple(pending), base=cache.lengths)
+            kv = cache.kv.replace(k=new_k, v=new_v, lengths=cache.lengths + t)
+            new_cache = cache.replace(kv=kv, pending=pending, base=cache.lengths)
         tap_out = None
         if tap_layers:
             tap_out = jnp.concatenate([taps[i] for i in tap_layers], axis=-1)

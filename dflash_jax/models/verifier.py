@@ -20,7 +20,7 @@ def target_module(cfg: ModelConfig, attention_impl: str = "xla") -> Transformer:
 def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=None):
     """A target's empty decoding cache: a `KVCache`, or a `HybridCache` for a hybrid target."""
     if cfg.hybrid is not None:
-        return HybridCache.create(cfg, batch, capacity, dtype)
+        return HybridCache.create(cfg, batch, capacity, dtype, stacked=cfg.scans_layers)
     return KVCache.create(cfg, batch, capacity, dtype, stacked=cfg.scans_layers)
 
 

@@ -340,11 +340,18 @@ def cache_specs(cache, mesh):
     full layers' KVCache as above, the convolution windows [B, K-1, C] over batch, the
     delta-rule states [B, Hv, dk, dv] over batch and their value heads over tensor."""
     if hasattr(cache, "kv"):  # a HybridCache (between steps: nothing pending)
-        state = lambda x: fit_spec(np.shape(x), P(BATCH, "tensor"), mesh)
+        state = lambda shape: fit_spec(shape, P(BATCH, "tensor"), mesh)
+        conv = lambda shape: batch_spec(shape, mesh)
+        if cache.stacked:  # [L, ...]: the layer axis unsplit
+            return cache.replace(
+                kv=cache_specs(cache.kv, mesh),
+                conv=P(None, *conv(np.shape(cache.conv)[1:])),
+                state=P(None, *state(np.shape(cache.state)[1:])),
+            )
         return cache.replace(
             kv=cache_specs(cache.kv, mesh),
-            conv=tuple(batch_spec(np.shape(x), mesh) for x in cache.conv),
-            state=tuple(state(x) for x in cache.state),
+            conv=tuple(conv(np.shape(x)) for x in cache.conv),
+            state=tuple(state(np.shape(x)) for x in cache.state),
         )
     kv = lambda x: fit_spec(
         np.shape(x), P(BATCH, None, "tensor"), mesh, head_dims=(2,), head_dim=cache.head_dim
