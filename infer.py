@@ -132,8 +132,8 @@ flags.DEFINE_bool(
     "scan_layers",
     False,
     "The target's layers stacked and run as one lax.scan: one layer body to compile whatever "
-    "the depth (dense and MoE targets; docs/performance.md says where it runs at the loop's "
-    "speed).",
+    "the depth (dense, MoE and hybrid targets whose layers repeat; docs/performance.md says "
+    "where it runs at the loop's speed).",
 )
 flags.DEFINE_string(
     "attention_impl",

@@ -345,3 +345,69 @@ def test_hybrid_stacked_decoding_is_lossless_and_accepted(monkeypatch):
     res = dj.generate(stacked, drafter, prompts, 24, block_size=8)
     assert res.tokens == ar
     assert res.tau > 2.5 and len({a[0] for a in res.acceptance_lengths}) > 1
+
+
+def test_hybrid_stacked_files_and_shardings(tmp_path):
+    """A hybrid checkpoint loads into the grouped layout (`load_target(scan_layers=True)`: the
+    file's tensors stacked slot by slot, bit for bit) and saves back to the same per-layer
+    safetensors; the sharding rules give each stacked slot one layer's spec behind an unsplit
+    group axis, and the stacked cache's K/V, windows and states their per-layer specs."""
+    from dflash_jax.models.hybrid import HybridCache
+    from dflash_jax.models.safetensors_io import SafetensorsDir
+
+    looped = _hybrid()
+    dj.save_target(looped, str(tmp_path / "looped"))
+    loaded = dj.load_target(str(tmp_path / "looped"), scan_layers=True)
+    assert loaded.config.scans_layers
+    flat = lambda t: dict(jax.tree_util.tree_flatten_with_path(t)[0])  # noqa: E731
+    want = flat(layer_stack.stack_layers(looped.params, 8, 4))
+    assert flat(loaded.params).keys() == want.keys()
+    for k, v in want.items():
+        assert np.array_equal(np.asarray(flat(loaded.params)[k]), np.asarray(v)), k
+    dj.save_target(loaded, str(tmp_path / "stacked"))
+    a, b = SafetensorsDir(str(tmp_path / "looped")), SafetensorsDir(str(tmp_path / "stacked"))
+    assert sorted(a.names()) == sorted(b.names()) and "model.layers.7.self_attn.q_proj.weight" in a
+    for name in a.names():
+        assert np.array_equal(a.get(name), b.get(name)), name
+
+    class Mesh:
+        shape = {"data": 2, "fsdp": 1, "tensor": 2}
+
+    rules = sharding.target_rules()
+    per_layer = sharding.param_specs(looped.params, Mesh, rules, 16)
+    specs = sharding.param_specs(loaded.params, Mesh, rules, 16)
+    for j in range(4):
+        one, many = per_layer[f"layers_{j}"], specs["layers"][f"slot_{j}"]
+        assert jax.tree_util.tree_structure(one) == jax.tree_util.tree_structure(many)
+        for x, y in zip(jax.tree_util.tree_leaves(one), jax.tree_util.tree_leaves(many)):
+            assert tuple(y) == ((None, *x) if tuple(x) else ()), (j, x, y)
+    cfg = loaded.config
+    stacked = sharding.cache_specs(HybridCache.create(cfg, 4, 16, stacked=True), Mesh)
+    flat_c = sharding.cache_specs(HybridCache.create(cfg, 4, 16), Mesh)
+    assert tuple(stacked.kv.k) == (None, *flat_c.kv.k[0])
+    assert tuple(stacked.conv) == (None, *flat_c.conv[0]) == (None, "data")
+    assert tuple(stacked.state) == (None, *flat_c.state[0]) == (None, "data", "tensor")
+
+
+def test_hybrid_decode_loop_copies_no_kv_stack():
+    """The compiled DFlash decode loop over a stacked hybrid cache writes each attention
+    layer's new K/V into the stack [F, B, S, K*D] where it lies: no loop-body instruction
+    copies, pads, concatenates or transposes a buffer of the whole K/V stack's size."""
+    stacked = _scanned(_hybrid())
+    cfg = stacked.config
+    dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=2, block_size=8, mask_token_id=63)
+    drafter = dj.Drafter(dcfg, dj.init_drafter_params(dcfg, seed=1))
+    tmod, dmod = target_module(cfg), dj.DFlashDrafter(dcfg)
+    p_pad, n_buf, cap = buffer_sizes(26, 16, 8)
+    ids = jnp.zeros((2, p_pad), jnp.int32).at[:, :5].set(3)
+    prefill, decode, _ = generate_programs(
+        tmod, dmod, Plan(block_size=8), cap, n_buf, None, stacked.params, drafter.params, 2, p_pad
+    )
+    state = prefill(stacked.params, drafter.params, ids, jnp.asarray([5, 4], jnp.int32),
+                    jnp.int32(16), jax.random.PRNGKey(0))  # fmt: skip
+    assert state.cache.stacked and state.cache.kv.k.shape[:2] == (2, 2)
+    text = decode.lower(stacked.params, drafter.params, state).compile().as_text()
+    whole = 2 * 2 * cap * cfg.num_kv_heads * cfg.head_dim
+    assert hlo.loop_body_computations(text)
+    ops = ("copy", "pad", "concatenate", "transpose")
+    assert hlo.cache_sized_copies(text, cap, whole, ops) == []

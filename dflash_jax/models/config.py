@@ -181,8 +181,9 @@ class ModelConfig:
     hybrid: Optional[HybridSpec] = None  # a Qwen3.5-style hybrid target (`models/hybrid.py`)
     # The layer stack's layout (`models/layer_stack.py`), not part of the model: the decoder
     # layers' parameters stacked on a leading layer axis and run by one `lax.scan`, so a
-    # program compiles one layer body whatever the depth. Honoured where every layer has the
-    # same structure (`scans_layers`); checkpoints keep their per-layer names either way.
+    # program compiles one layer body (a hybrid target: one group of its pattern) whatever the
+    # depth. Honoured where the layers repeat (`scans_layers`); checkpoints keep their
+    # per-layer names either way.
     scan_layers: bool = False
 
     def __post_init__(self):

@@ -89,9 +89,9 @@ def load_target(
     decoder linears quantized to int8 per output channel at load (weight-only; the LM head too
     with `quantize_lm_head`, for an untied head). See `dflash_jax/models/quantization.py`.
     scan_layers: the decoder layers stacked and run as one `lax.scan` (one layer body to
-    compile whatever the depth; `dflash_jax/models/layer_stack.py`), where the layers are
-    uniform (dense, or experts in every layer); the file's per-layer tensors are stacked as
-    they are placed.
+    compile whatever the depth; `dflash_jax/models/layer_stack.py`), where the layers repeat
+    (dense, experts in every layer, or a hybrid target's pattern of DeltaNet and attention
+    layers: one group scanned); the file's per-layer tensors are stacked as they are placed.
     """
     from dflash_jax.models import quantization
 
