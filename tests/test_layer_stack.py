@@ -20,6 +20,7 @@ from dflash_jax.models import layer_stack
 from dflash_jax.models.transformer import KVCache
 from dflash_jax.models.verifier import init_params, target_module
 from dflash_jax.parallel import sharding
+from jax.sharding import PartitionSpec as P
 
 
 def _scanned(target):
@@ -157,6 +158,11 @@ def test_sharding_rules_see_one_layer():
     spec = sharding.cache_specs(cache, Mesh)
     flat = sharding.cache_specs(KVCache.create(target.config, 4, 16), Mesh)
     assert tuple(spec.k) == (None, *flat.k[0]) == (None, "data", None, "tensor")
+    # A rule with more dimensions than the (per-layer) parameter is an error, not replication.
+    bad = ((r"input_layernorm/scale$", P("tensor", None), ()),) + tuple(rules)
+    for params in (target.params, stacked.params):
+        with pytest.raises(ValueError, match=r"input_layernorm/scale has shape \(.*\)"):
+            sharding.param_specs(params, Mesh, bad, 8)
 
 
 def test_generate_is_lossless_with_the_stacked_target(pair):

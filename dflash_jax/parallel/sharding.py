@@ -276,7 +276,10 @@ def fit_spec(
 
 def param_specs(params, mesh, rules: Sequence[Rule], head_dim: Optional[int] = None):
     """PartitionSpecs for a pytree of arrays (or ShapeDtypeStructs), by the first matching
-    rule; unmatched leaves are replicated."""
+    rule; unmatched leaves are replicated. A rule that names more dimensions than the
+    parameter it matches has (one layer's, for a stacked one) is a ValueError naming both: a
+    layout the rules do not know, never a silent replication. (Scalars, such as an optimizer's
+    step count, are replicated.)"""
     compiled = [(re.compile(pat), spec, hd) for pat, spec, hd in rules]
 
     def one(path, leaf):
@@ -287,6 +290,13 @@ def param_specs(params, mesh, rules: Sequence[Rule], head_dim: Optional[int] = N
         stacked = re.search(r"(^|/)layers/", name) is not None
         for pat, spec, hd in compiled:
             if pat.search(name):
+                inner = shape[1:] if stacked else shape
+                if inner and len(tuple(spec)) > len(inner):
+                    raise ValueError(
+                        f"sharding rule {pat.pattern!r} -> {spec} has {len(tuple(spec))} "
+                        f"dimensions; parameter {name} has shape {tuple(shape)}"
+                        + (" (a stacked layer group: [layers, ...])" if stacked else "")
+                    )
                 if stacked:
                     inner = fit_spec(shape[1:], spec, mesh, hd, head_dim)
                     return P(None, *inner) if tuple(inner) else P()
