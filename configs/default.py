@@ -115,6 +115,11 @@ def get_config() -> ml_collections.ConfigDict:
     c.mask_full_fraction = 0.5  # "mdlm" only
     c.loss_chunk_anchors = 0  # > 0: drafter logits for this many anchors at a time (memory)
     c.attention_impl = "xla"  # "xla" | "pallas" | "pallas_interpret"
+    # The target's layers stacked and run as one lax.scan (dflash_jax/models/layer_stack.py):
+    # the training step compiles one layer body (the frozen pass up to the last tap) whatever
+    # the target's depth. Where the layers repeat; docs/performance.md says where it runs at
+    # the loop's speed (TPU). A target-mode checkpoint keeps the layout it was written in.
+    c.scan_layers = False
     c.use_segments = True
     # Data.
     c.data = ml_collections.ConfigDict(

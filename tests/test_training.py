@@ -972,3 +972,45 @@ def test_tap_cache_finds_each_piece_wherever_it_is_packed():
     assert (got[1, 7] == 0).all() and cache.hits == 1
     assert cache.lookup(batch([[(3, 0, 5), (4, 0, 3)]])) is None
     assert cache.misses == 1
+
+
+def test_scan_layers_trains_as_the_loop_and_a_target_checkpoint_keeps_its_layout(
+    regen_file, tmp_path
+):
+    """`scan_layers=True`: the frozen target pass runs the stacked scan (to the last tap), and
+    the drafter sees the same taps, so its losses equal the looped run's step for step (rtol
+    1e-5); in target mode the stacked parameters train as the loop's (the same losses). A
+    target-mode run resumed in the other layout stops before training with one line naming
+    how to go on; its checkpoint is left byte for byte."""
+    from dflash_jax.training.checkpointing import IncompatibleCheckpointError
+
+    kw = dict(num_train_steps=4, eval_every=0, log_every=1, export=False, checkpoint_every=4)
+    runs = {}
+    for scan in (False, True):
+        cfg = tiny_config(regen_file, scan_layers=scan, **kw)
+        runs[scan] = trainer.train_and_evaluate(cfg, str(tmp_path / f"d{scan}"))
+    loop, stack = ([l for _, l in runs[s]["losses"]] for s in (False, True))
+    assert len(loop) == 4
+    np.testing.assert_allclose(stack, loop, rtol=1e-5)
+
+    wd = str(tmp_path / "target")
+    tkw = dict(kw, mode="target", num_train_steps=2, checkpoint_every=2, eval_num_prompts=0)
+    tkw.update({"data.kind": "synthetic", "target_model.vocab_size": 64, "eval_batches": 0})
+    looped = trainer.train_and_evaluate(tiny_config(regen_file, **tkw), wd)
+    # Target mode trains the stacked parameters (gradients through the scan) as the loop's.
+    stacked = trainer.train_and_evaluate(
+        tiny_config(regen_file, scan_layers=True, **tkw), str(tmp_path / "target_stacked")
+    )
+    np.testing.assert_allclose(
+        [l for _, l in stacked["losses"]], [l for _, l in looped["losses"]], rtol=1e-5
+    )
+    ckdir = os.path.join(wd, "checkpoints")
+    before = _snapshot(ckdir, ("2",))
+    with pytest.raises(IncompatibleCheckpointError) as e:
+        trainer.train_and_evaluate(
+            tiny_config(regen_file, scan_layers=True, **dict(tkw, num_train_steps=4)), wd
+        )
+    msg = str(e.value)
+    assert "\n" not in msg and ckdir in msg, msg
+    assert "layers one by one (layers_0, ...)" in msg and "resume it with scan_layers=False" in msg
+    assert _snapshot(ckdir, ("2",)) == before

@@ -460,6 +460,8 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     if isinstance(mff, bool) or not isinstance(mff, (int, float)) or not 0.0 <= mff <= 1.0:
         raise E(f"mask_full_fraction must be a number in [0, 1], got {mff!r}")
     choice("attention_impl", c.attention_impl, ("xla", "pallas", "pallas_interpret", "auto"))
+    if not isinstance(c.get("scan_layers", False), bool):
+        raise E(f"scan_layers must be true or false, got {c.get('scan_layers')!r}")
     choice("dtype", c.dtype, ("float32", "bfloat16", "float16"))
     choice("data.kind", c.data.kind, ("stdlib", "files", "regenerated", "synthetic"))
     choice(

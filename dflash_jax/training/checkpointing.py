@@ -116,6 +116,30 @@ def shape_differences(saved: Dict[str, tuple], expected: Dict[str, tuple]) -> Li
     return out
 
 
+def layout_change(saved: Dict[str, tuple], expected: Dict[str, tuple]) -> Optional[str]:
+    """What a target-mode checkpoint's layer layout (`models/layer_stack.py`) says against the
+    config's, when only that differs in kind: one per name (layers_0, ...) against stacked
+    (layers), either way; None otherwise."""
+    looped = lambda d: any(k.startswith("params.layers_0.") for k in d)  # noqa: E731
+    stacked = lambda d: any(k.startswith("params.layers.") for k in d)  # noqa: E731
+    hint = (
+        "resume it with scan_layers={was}, the layout it was written in; to go on {now}, export "
+        "that run (WORKDIR/export/target, a Hugging Face directory, loads in either layout) "
+        "and train from it as target_path"
+    )
+    if looped(saved) and stacked(expected):
+        return (
+            "it holds the target's layers one by one (layers_0, ...) and this config stacks "
+            "them (scan_layers=True); " + hint.format(was="False", now="stacked")
+        )
+    if stacked(saved) and looped(expected):
+        return (
+            "it holds the target's layers stacked (scan_layers=True) and this config runs them "
+            "one by one; " + hint.format(was="True", now="looped")
+        )
+    return None
+
+
 class Checkpointer:
     """Wraps `ocp.CheckpointManager` (async saves every `every` steps, keeps `keep`).
 
@@ -193,6 +217,11 @@ class Checkpointer:
         if not saved:
             return False
         expected = tree_shapes(abstract_state)
+        layout = layout_change(saved, expected)
+        if layout:
+            raise IncompatibleCheckpointError(
+                f"checkpoint step {step} in {self.directory}: {layout}. Nothing was changed"
+            )
         diff = shape_differences(saved, expected)
         # The optimizer moments mirror the parameters: name the parameters when they differ.
         params_only = lambda d: {k: v for k, v in d.items() if k.startswith("params.")}

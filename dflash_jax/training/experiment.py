@@ -31,7 +31,7 @@ from dflash_jax.drafters.dflash import (
     sliding_layers,
     upgrade_to_dflash2,
 )
-from dflash_jax.models import checkpoint, hub
+from dflash_jax.models import checkpoint, hub, layer_stack
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.target import Target, load_target
 from dflash_jax.models.verifier import target_module
@@ -113,8 +113,9 @@ def model_config_from(config, vocab_size: int) -> ModelConfig:
 
 def fresh_target_params(cfg: ModelConfig, m) -> Any:
     """Random parameters of a fresh target; `m` (config.target_model) may redraw every
-    matrix ~ N(0, init_std) and scale o_proj by attn_out_scale (see configs/default.py)."""
-    params = init_params(cfg, seed=m.init_seed)
+    matrix ~ N(0, init_std) and scale o_proj by attn_out_scale (see configs/default.py). Drawn
+    per layer, then in `cfg`'s layout (`layer_stack`): a stacked target has the same numbers."""
+    params = init_params(cfg.replace(scan_layers=False), seed=m.init_seed)
     if m.init_std > 0:
         leaves, tree = jax.tree_util.tree_flatten(params)
         keys = jax.random.split(jax.random.PRNGKey(m.init_seed + 1), len(leaves))
@@ -132,7 +133,7 @@ def fresh_target_params(cfg: ModelConfig, m) -> Any:
             ),
             params,
         )
-    return params
+    return layer_stack.to_layout(params, cfg)
 
 
 def _ids_doc(eos_id: Optional[int]):
@@ -385,11 +386,12 @@ def _target(config, target_path, tokenizer):
     """(config, parameters, its directory or None) of the target: loaded from target_path,
     else fresh ones of config.target_model's shape over the tokenizer's vocabulary. The
     directory identifies it to a regeneration journal (`regenerate.target_identity`)."""
+    scan = bool(config.get("scan_layers", False))
     if target_path:
-        target = load_target(target_path, dtype=config.dtype)
+        target = load_target(target_path, dtype=config.dtype, scan_layers=scan)
         return target.config, target.params, target.path
     vocab = tokenizer.vocab_size if tokenizer is not None else 0
-    tcfg = model_config_from(config, vocab)
+    tcfg = model_config_from(config, vocab).replace(scan_layers=scan)
     if tcfg.vocab_size <= 0:
         raise ValueError("target_model.vocab_size is needed without a tokenizer")
     return tcfg, fresh_target_params(tcfg, config.target_model), None

@@ -605,7 +605,10 @@ def _log_expert_placement(exp, mesh, params) -> None:
     ]
     if not experts:
         return
-    spec = tuple(experts[0].sharding.spec) + (None,) * 3
+    spec = tuple(experts[0].sharding.spec) + (None,) * 4
+    layers = len(experts)
+    if experts[0].ndim == 4:  # a scanned stack [L, E, H, I]: the layer axis is never split
+        spec, layers = spec[1:], experts[0].shape[0]
     split = ", ".join(
         f"{dim} over {'x'.join((ax,) if isinstance(ax, str) else ax)}"
         if ax
@@ -614,7 +617,7 @@ def _log_expert_placement(exp, mesh, params) -> None:
     )
     _log(
         f"MoE target: {exp.target_cfg.num_experts} experts (top "
-        f"{exp.target_cfg.num_experts_per_tok}) in {len(experts)} layers, "
+        f"{exp.target_cfg.num_experts_per_tok}) in {layers} layers, "
         f"{exp.target_cfg.num_experts // mesh.shape.get('expert', 1)} per device; "
         f"gate_proj [{split}]"
     )
