@@ -101,11 +101,7 @@ class Lock:
             except OSError:
                 pass
             os.close(fd)
-            for d in reversed(self.created):  # what acquire created, when left empty
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
+            _remove_dirs(self.created)  # what acquire created, when left empty
         if self in _held:
             _held.remove(self)
 
@@ -130,6 +126,16 @@ def _install_hooks() -> None:
     interrupts.at_immediate_exit(release_all)  # Ctrl-C / SIGTERM while nothing was written
 
 
+def _remove_dirs(created: List[str]) -> None:
+    """Removes the directories `_make_dirs` created (outermost first), innermost first, while
+    they are empty."""
+    for d in reversed(created):
+        try:
+            os.rmdir(d)
+        except OSError:
+            break
+
+
 def _make_dirs(path: str, what: str) -> List[str]:
     """Creates `path` and its missing parents; the directories created, outermost first."""
     missing = []
@@ -147,11 +153,7 @@ def _make_dirs(path: str, what: str) -> List[str]:
         except FileExistsError:
             continue
         except OSError as e:
-            for c in reversed(created):
-                try:
-                    os.rmdir(c)
-                except OSError:
-                    break
+            _remove_dirs(created)
             raise ValueError(f"cannot create the {what} {path}: {e.strerror or e}") from None
         created.append(d)
     return created
@@ -176,11 +178,7 @@ def acquire(output: str, what: str, *, directory: bool = False) -> Optional[Lock
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | getattr(os, "O_CLOEXEC", 0), 0o644)
         except OSError as e:
-            for d in reversed(created):
-                try:
-                    os.rmdir(d)
-                except OSError:
-                    break
+            _remove_dirs(created)
             raise ValueError(
                 f"{what} {output}: cannot create its lock file {path} ({e.strerror or e})"
             ) from None
