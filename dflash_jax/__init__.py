@@ -1,10 +1,13 @@
 """dflash-jax: DFlash block-diffusion speculative decoding in JAX/Flax.
 
 Public API:
-  load_target(path, dtype="float32") -> Target      a Hugging Face Qwen3 / Llama-3 verifier
+  load_target(path, dtype="float32", scan_layers=False) -> Target
+                                                     a Hugging Face / GGUF target: Qwen3, Llama-3,
+                                                     SmolLM2, Qwen3-MoE, hybrid Qwen3.5 / 3.6
   save_target(target, path)
   quantize_target(target, "int8") -> Target          int8 weight-only (load_target(quantize=))
-  load_drafter(path, target=...) -> Drafter          a z-lab DFlash drafter
+  load_drafter(path, target=...) -> Drafter          a z-lab DFlash drafter (DFlash 2, sliding
+                                                     windows and draft vocabularies from its config)
   PromptLookup(block_size=8, max_ngram=3)            n-gram drafting from the context
   load_eagle3(path, target=...) -> Eagle3            an EAGLE-3 drafter (save_eagle3)
   save_drafter(drafter, path)
@@ -15,7 +18,7 @@ Subpackages, lowest first (each imports only those before it; tests/test_layerin
   models     config, transformer, attention, MoE, quantization, Target, checkpoint formats
   data       tokenizers, packing, TFDS builders, prompt files and chat templates
   parallel   partition rules, process groups, the multi-process launcher
-  drafters   the drafter families (DFlash, DFlash 2, prompt lookup)
+  drafters   the drafter families (DFlash, DFlash 2, EAGLE-3, prompt lookup; draft vocabularies)
   decoding   the speculative step and its programs, sampling, trees, request checks
   training   the drafter trainer (Optax, Orbax)
   frontend   the pieces of infer.py: batch runner, report, text generation, flag checks
