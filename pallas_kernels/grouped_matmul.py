@@ -127,6 +127,25 @@ def out_block(j, s, offsets_ref, ids_ref, count_ref):
     return 0, j
 
 
+# With a layer index (a fourth scalar prefetch): the weights are a scanned layer stack
+# [L, E, K, N], read in place at layer_ref[0] (a slice of the stack passed to a custom call is
+# a copy of the layer's experts every step).
+def stacked_rows_block(j, s, offsets_ref, ids_ref, count_ref, layer_ref):
+    return 0, 0
+
+
+def stacked_weight_block(j, s, offsets_ref, ids_ref, count_ref, layer_ref):
+    return layer_ref[0], ids_ref[s], 0, j
+
+
+def stacked_out_block(j, s, offsets_ref, ids_ref, count_ref, layer_ref):
+    return 0, j
+
+
+def _stacked_kernel(offsets_ref, ids_ref, count_ref, layer_ref, *refs, tm, prec):
+    _kernel(offsets_ref, ids_ref, count_ref, *refs, tm=tm, prec=prec)
+
+
 def _kernel(offsets_ref, ids_ref, count_ref, rows_ref, w_ref, out_ref, *, tm, prec):
     s = pl.program_id(1)
 
@@ -160,16 +179,18 @@ def _kernel(offsets_ref, ids_ref, count_ref, rows_ref, w_ref, out_ref, *, tm, pr
 
 
 @functools.partial(jax.jit, static_argnames=("interpret", "tile_n"))
-def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None):
+def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None, layer=None):
     """ragged_dot(rows [M, K], weights [E, K, N], group_sizes [E]) -> [M, N] in rows.dtype,
-    reading only the weights of the groups with rows (module docstring). On CPU: interpret=True
+    reading only the weights of the groups with rows (module docstring). With `layer` (an int,
+    traced or not) `weights` is a scanned layer stack [L, E, K, N] and layer `layer`'s experts
+    are read where they lie (`dflash_jax/models/layer_stack.py`). On CPU: interpret=True
     runs the TPU kernel in the TPU interpret mode (`pltpu.InterpretParams()`: TPU memory
     semantics, one device), interpret="plain" in Pallas' generic interpreter, which also runs
     inside a multi-device `shard_map` (where the TPU interpret mode's simulation of the devices
     waited forever: an 8-device expert-parallel decode, jax 0.10.2)."""
     m, k = rows.shape
-    e, kw, n = weights.shape
-    if kw != k or group_sizes.shape != (e,):
+    e, kw, n = weights.shape[-3:]
+    if weights.ndim != (3 if layer is None else 4) or kw != k or group_sizes.shape != (e,):
         raise ValueError(
             f"routed_gmm: rows {rows.shape}, weights {weights.shape}, group_sizes "
             f"{group_sizes.shape} do not fit"
@@ -189,23 +210,34 @@ def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None):
     params = dict(dimension_semantics=("parallel", "arbitrary"))
     if need > VMEM_BUDGET:
         params["vmem_limit_bytes"] = need + 4 * 2**20
+    kernel, maps, scalars = _kernel, (rows_block, weight_block, out_block), ()
+    w_block, name = (None, k, tn), "dflash_routed_gmm"
+    if layer is not None:
+        kernel = _stacked_kernel
+        maps = (stacked_rows_block, stacked_weight_block, stacked_out_block)
+        scalars = (jnp.asarray(layer, jnp.int32).reshape(1),)
+        w_block, name = (None, None, k, tn), "dflash_routed_gmm_stacked"
     out = pl.pallas_call(
-        functools.partial(_kernel, tm=tm, prec=C.dot_precision(rows.dtype)),
+        functools.partial(kernel, tm=tm, prec=C.dot_precision(rows.dtype)),
         out_shape=jax.ShapeDtypeStruct((mp, n), rows.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
-            num_scalar_prefetch=3,
+            num_scalar_prefetch=3 + len(scalars),
             grid=(n // tn, a),
-            in_specs=[
-                pl.BlockSpec((mp, k), rows_block),
-                pl.BlockSpec((None, k, tn), weight_block),
-            ],
-            out_specs=pl.BlockSpec((mp, tn), out_block),
+            in_specs=[pl.BlockSpec((mp, k), maps[0]), pl.BlockSpec(w_block, maps[1])],
+            out_specs=pl.BlockSpec((mp, tn), maps[2]),
         ),
         compiler_params=pltpu.CompilerParams(**params),
         cost_estimate=cost(m, k, n, e, rows.dtype, weights.dtype),
         interpret=_interpret_mode(interpret),
-        name="dflash_routed_gmm",
-    )(offsets, ids, count.reshape(1), C.pad_axis(rows, 0, mp), _in_hbm(weights, interpret))
+        name=name,
+    )(
+        offsets,
+        ids,
+        count.reshape(1),
+        *scalars,
+        C.pad_axis(rows, 0, mp),
+        _in_hbm(weights, interpret),
+    )
     return out[:m]
 
 

@@ -82,6 +82,27 @@ def test_grouped_matmul_equals_ragged_dot(fn, dtype):
             assert np.abs(got[: sum(sizes)]).max() > 1.0, name
 
 
+@pytest.mark.parametrize("interpret", [True, "plain"], ids=["routed", "routed_plain"])
+def test_the_routed_kernel_reads_a_layer_of_a_stack(interpret):
+    """`routed_gmm(..., layer=i)` over a scanned layer stack [L, E, K, N] (the layer index a
+    scalar prefetch, traced) equals the NumPy statement on layer i's experts, and no other
+    layer's weights reach the output."""
+    rs = np.random.RandomState(1)
+    for name in ("every_expert", "ragged_with_zeros", "more_experts_than_rows"):
+        e, sizes = PATTERNS[name]
+        x = jnp.asarray(rs.randn(M, K), jnp.float32)
+        stack = jnp.asarray(rs.randn(3, e, K, N), jnp.float32)
+        gs = jnp.asarray(sizes, jnp.int32)
+        run = jax.jit(
+            lambda x, w, s, i: gm.routed_gmm(x, w, s, interpret=interpret, tile_n=TILE_N, layer=i)
+        )
+        for i in (0, 2):
+            got = np.asarray(run(x, stack, gs, jnp.int32(i)))
+            want = _reference(x, stack[i], sizes)
+            np.testing.assert_allclose(got, want, **TOL[jnp.float32], err_msg=(name, i))
+            assert np.abs(got[: sum(sizes)]).max() > 1.0, name
+
+
 def test_active_expert_list():
     """The experts with rows in order, the tail repeating the last of them (0 when none)."""
     for sizes, slots, want in (
@@ -378,6 +399,14 @@ def test_the_tpu_decode_loop_reads_the_routed_experts(monkeypatch):
     assert 8 * expert <= one < 10 * expert, (one / expert, by_op)
     sixteen, _ = expert_reads(16)
     assert sixteen >= 128 * expert, sixteen / expert
+    # The scanned layer stack: the routed kernel reads each layer's experts in the stack where
+    # they lie (a slice handed to the kernel was a copy of all 128 experts a layer each step).
+    kw["scan_layers"] = True
+    scanned, scanned_by_op = expert_reads(1)
+    assert 8 * expert <= scanned < 10 * expert, (scanned / expert, scanned_by_op)
+    total = lambda ops: sum(ops.values())  # noqa: E731 - every op's bytes a step
+    assert total(scanned_by_op) < total(by_op) + expert, (scanned_by_op, by_op)
+    kw["scan_layers"] = False
     monkeypatch.setattr(moe, "MOE_GMM", "ragged")
     dense, _ = expert_reads(1)
     assert dense >= 128 * expert, dense / expert

@@ -53,6 +53,8 @@ from dflash_jax.models.transformer import (
     KVCache,
     Transformer,
     flat_heads,
+    join_experts,
+    split_experts,
     write_kv,
     write_kv_layer,
 )
@@ -421,11 +423,21 @@ class HybridLayer(nn.Module):
     attention_impl: str = "xla"
 
     @nn.compact
-    def __call__(self, x_BTH, positions_BT, inv_freq, layer_cache=None, mask_BTT=None, starts=None):
+    def __call__(
+        self,
+        x_BTH,
+        positions_BT,
+        inv_freq,
+        layer_cache=None,
+        mask_BTT=None,
+        starts=None,
+        stack_layer=None,
+    ):
         """One pre-norm layer. A linear layer's `layer_cache` is (window, state) or None and it
         returns (x, pending); a full layer's is (k, v), or (k, v, index) into stacked caches
         [F, B, S, K*D] (written and read where they lie), or None (then `mask_BTT` is the
-        causal mask) and it returns (x, (k, v) or None)."""
+        causal mask) and it returns (x, (k, v) or None). `stack_layer`: a MoE layer's experts
+        given as a scanned stack's and its index there (`transformer.split_experts`)."""
         c = self.cfg
         h = CenteredRMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="input_layernorm")(x_BTH)
         if c.hybrid.is_linear(self.index):
@@ -457,7 +469,7 @@ class HybridLayer(nn.Module):
             c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm"
         )(x_BTH)
         if c.layer_is_moe(self.index):
-            x_BTH = x_BTH + SparseMoE(c, self.attention_impl, name="mlp")(h)
+            x_BTH = x_BTH + SparseMoE(c, self.attention_impl, name="mlp")(h, stack_layer)
         else:
             x_BTH = x_BTH + MLP(c, name="mlp")(h)
         return x_BTH, new
@@ -483,11 +495,12 @@ class HybridTransformer(Transformer):
         c = self.cfg
         return CenteredRMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="norm")
 
-    def slot_modules(self) -> list:
+    def slot_modules(self, attention_impl: Optional[str] = None) -> list:
         """The layer bodies of one group of a scanned stack, slot j built as layer j (unbound:
         applied to each group's slice of `layers/slot_{j}`)."""
         c = self.cfg
-        return [HybridLayer(c, j, self.attention_impl, parent=None) for j in range(c.layer_period)]
+        impl = self.attention_impl if attention_impl is None else attention_impl
+        return [HybridLayer(c, j, impl, parent=None) for j in range(c.layer_period)]
 
     def _init_stack(self, rng):
         """Random parameters of every group, `layers/slot_{j}` [G, ...] (`layer_stack`)."""
@@ -495,7 +508,7 @@ class HybridTransformer(Transformer):
         x = jnp.zeros((1, 1, c.hidden_size), c.dtype)
         pos = jnp.zeros((1, 1), jnp.int32)
         mask = jnp.ones((1, 1, 1), bool)
-        mods = self.slot_modules()
+        mods = self.slot_modules("xla")  # as `Transformer._init_stack`: XLA ops under vmap
 
         def group(r):
             rs = jax.random.split(r, len(mods))
@@ -530,6 +543,9 @@ class HybridTransformer(Transformer):
             kv = (cache.kv.k, cache.kv.v)
             conv, state = by_group(cache.conv), by_group(cache.state)
 
+        split = {j: split_experts(self.stack[layer_stack.slot_key(j)]) for j in range(p)}
+        stripped = {layer_stack.slot_key(j): split[j][0] for j in range(p)}
+
         def body(carry, xs):
             x, kv, tapbuf = carry
             params, g, slots, conv_g, state_g = xs
@@ -540,14 +556,16 @@ class HybridTransformer(Transformer):
                     lc = None if conv_g is None else (conv_g[s], state_g[s])
                 else:
                     lc = None if kv is None else (kv[0], kv[1], g * len(full) + full.index(j))
+                experts = split[j][1]
                 x, new = mod.apply(
-                    {"params": params[layer_stack.slot_key(j)]},
+                    {"params": join_experts(params[layer_stack.slot_key(j)], experts)},
                     x,
                     positions_BT,
                     inv_freq,
                     lc,
                     mask,
                     starts,
+                    None if experts is None else (g, groups),
                 )
                 if j in lin:
                     pending.append(new)
@@ -564,7 +582,7 @@ class HybridTransformer(Transformer):
                 ys = tuple(jnp.stack([pd[m] for pd in pending]) for m in range(4))
             return (x, kv, tapbuf), ys
 
-        xs = (self.stack, jnp.arange(groups, dtype=jnp.int32), jnp.asarray(slot_of), conv, state)
+        xs = (stripped, jnp.arange(groups, dtype=jnp.int32), jnp.asarray(slot_of), conv, state)
         (x, kv, tapbuf), ys = jax.lax.scan(body, (x, kv, tapbuf), xs)
         pending = None
         if ys is not None:  # [G, nl, B, T, ...] -> [L, B, T, ...] in layer order

@@ -96,33 +96,38 @@ def gmm_method(rows: int, experts: int, impl: str = "xla") -> str:
     return "gather" if GATHER_FACTOR * rows < experts else "ragged"
 
 
-def _grouped_matmul(method: str, sizes):
+def _grouped_matmul(method: str, sizes, layer=None):
     """(rows [M, K], weights [E, K, N]) -> [M, N] in rows' dtype: the rows of group e (sorted,
     `sizes` [E] of them) times weights[e], rows past the groups 0, by `method`
-    (`gmm_method`)."""
+    (`gmm_method`). With `layer`, the weights are a scanned layer stack [L, E, K, N]: the
+    routed kernel reads layer `layer` in place, the XLA forms index it."""
+    pick = (lambda w: w) if layer is None else (lambda w: w[layer])
     if method == "ragged":
-        return lambda x, w: jax.lax.ragged_dot(x, w.astype(x.dtype), sizes)
+        return lambda x, w: jax.lax.ragged_dot(x, pick(w).astype(x.dtype), sizes)
     from pallas_kernels import grouped_matmul as gm  # the kernels folder, imported when used
 
     if method == "gather":
-        return lambda x, w: gm.gather_gmm(x, w, sizes)
+        return lambda x, w: gm.gather_gmm(x, pick(w), sizes)
     # Interpret mode (CPU): Pallas' generic interpreter, which runs under the expert-parallel
     # shard_map too (the TPU interpret mode, single-device, is what tests/test_grouped_matmul.py
     # holds the kernel to).
     interpret = "plain" if method == "routed_interpret" else False
-    return lambda x, w: gm.routed_gmm(x, w, sizes, interpret=interpret)
+    return lambda x, w: gm.routed_gmm(x, w, sizes, interpret=interpret, layer=layer)
 
 
-def expert_ffn(x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0, impl="xla"):
+def expert_ffn(
+    x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0, impl="xla", layer=None
+):
     """Dropless mixture of SwiGLU experts over tokens x [N, H] (module docstring).
 
     `first`: the global id of expert 0 of the stacked weights (an expert-parallel shard holds
     experts first .. first + E - 1); pairs routed to other experts contribute nothing here.
     `impl`: the attention impl, which with the number of pairs picks the grouped matmul
-    (`gmm_method`).
+    (`gmm_method`). `layer`: the expert weights are a scanned layer stack [L, E, ...] and this
+    is layer `layer` (`_grouped_matmul`).
     """
     k = experts_Nk.shape[1]
-    num_local = gate_EHI.shape[0]
+    num_local = gate_EHI.shape[-3]
     local = experts_Nk.reshape(-1) - first  # [N*k]
     mine = (local >= 0) & (local < num_local)
     group = jnp.where(mine, local, num_local)  # other experts' pairs: after the last group
@@ -131,7 +136,7 @@ def expert_ffn(x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0
     token = order // k
     rows = x_NH[token]
     dt = x_NH.dtype
-    gmm = _grouped_matmul(gmm_method(rows.shape[0], num_local, impl), sizes)
+    gmm = _grouped_matmul(gmm_method(rows.shape[0], num_local, impl), sizes, layer)
     gate = gmm(rows, gate_EHI)
     up = gmm(rows, up_EHI)
     y = gmm(nn.silu(gate) * up, down_EIH)
@@ -144,16 +149,16 @@ def _mesh_shape():
     return mesh, ({} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)))
 
 
-def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="xla"):
+def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="xla", layer=None):
     """`expert_ffn` over [B, T, H] tokens: on one device, or per shard of the context mesh
     (`jax.sharding.set_mesh`) when it has several devices: tokens over the data axes (where
     the batch divides), experts over `expert` and their width over `tensor` (where those
     divide), one psum over the axes that split the experts (module docstring). `impl`: the
-    attention impl (`gmm_method`)."""
+    attention impl (`gmm_method`). `layer`: the weights are a layer stack [L, E, ...]."""
     b, t, h = x_BTH.shape
     k = experts_BTk.shape[-1]
     mesh, shape = _mesh_shape()
-    e, _, i = gate_EHI.shape
+    e, _, i = gate_EHI.shape[-3:]
     if mesh.empty or mesh.size == 1:
         out = expert_ffn(
             x_BTH.reshape(-1, h),
@@ -163,6 +168,7 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="x
             up_EHI,
             down_EIH,
             impl=impl,
+            layer=layer,
         )
         return out.reshape(b, t, h)
     from jax.sharding import PartitionSpec as P
@@ -178,26 +184,28 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="x
     reduce_axes = tuple(a for a in (expert, tensor) if a)
     per_shard = e // n_exp if expert else e
 
-    def local(x, w, ids, g, u, d):
+    def local(x, w, ids, g, u, d, li=None):
         first = jax.lax.axis_index("expert") * per_shard if expert else 0
         out = expert_ffn(
-            x.reshape(-1, h), w.reshape(-1, k), ids.reshape(-1, k), g, u, d, first, impl
+            x.reshape(-1, h), w.reshape(-1, k), ids.reshape(-1, k), g, u, d, first, impl, li
         )
         out = out.reshape(x.shape)
         return jax.lax.psum(out, reduce_axes) if reduce_axes else out
 
     tok = P(bax)
+    lead = () if layer is None else (None,)  # a layer stack's axis, never split
     specs = (
         tok,
         tok,
         tok,
-        P(expert, None, tensor),
-        P(expert, None, tensor),
-        P(expert, tensor, None),
+        P(*lead, expert, None, tensor),
+        P(*lead, expert, None, tensor),
+        P(*lead, expert, tensor, None),
     )
-    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tok, check_vma=False)(
-        x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH
-    )
+    args = (x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH)
+    if layer is not None:  # the layer index, replicated
+        specs, args = specs + (P(),), args + (jnp.asarray(layer, jnp.int32),)
+    return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tok, check_vma=False)(*args)
 
 
 class SparseMoE(nn.Module):
@@ -212,7 +220,11 @@ class SparseMoE(nn.Module):
     impl: str = "xla"
 
     @nn.compact
-    def __call__(self, x_BTH):
+    def __call__(self, x_BTH, stack_layer=None):
+        """`stack_layer` (index, L): this block's experts are given as a scanned stack's
+        [L, E, ...] (the whole stack, not a slice: the routed kernel reads the layer in place)
+        and this is layer `index` of it (`transformer.split_experts`)."""
+        layer, lead = (None, ()) if stack_layer is None else (stack_layer[0], (stack_layer[1],))
         c = self.cfg
         e, h, i = c.num_experts, c.hidden_size, c.moe_intermediate_size
         x = x_BTH.astype(c.dtype)
@@ -220,7 +232,7 @@ class SparseMoE(nn.Module):
         router = _Kernel((h, e), c.param_dtype, init, name="gate")()
         weights, ids = route(x.reshape(-1, h), router, c.num_experts_per_tok, c.norm_topk_prob)
         init = nn.initializers.lecun_normal(batch_axis=(0,))
-        experts = Experts(e, h, i, c.param_dtype, init, name="experts")()
+        experts = Experts(e, h, i, c.param_dtype, init, lead, name="experts")()
         k = c.num_experts_per_tok
         out = moe_ffn(
             x,
@@ -230,6 +242,7 @@ class SparseMoE(nn.Module):
             experts["up_proj"],
             experts["down_proj"],
             self.impl,
+            layer,
         )
         shared = 0 if c.hybrid is None else c.hybrid.shared_expert_intermediate_size
         if shared:  # Qwen3.5-MoE: a shared expert for every token, scaled by its own gate
@@ -247,6 +260,7 @@ class Experts(nn.Module):
     width: int
     param_dtype: jnp.dtype
     init: object
+    lead: tuple = ()  # (L,): a scanned stack's, given whole (`SparseMoE`)
 
     @nn.compact
     def __call__(self):
@@ -257,7 +271,7 @@ class Experts(nn.Module):
             ("up_proj", (e, h, i)),
             ("down_proj", (e, i, h)),
         ):
-            out[name] = _Kernel(shape, self.param_dtype, self.init, name=name)()
+            out[name] = _Kernel(self.lead + shape, self.param_dtype, self.init, name=name)()
         return out
 
 

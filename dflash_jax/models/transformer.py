@@ -22,6 +22,7 @@ smaller `lengths` (O(1), no copy).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Optional, Sequence
 
 import flax.linen as nn
@@ -127,6 +128,27 @@ def write_kv_layer(stack_LBSF, new_BTF, positions_BT, layer):
     return stack_LBSF.at[layer, b, positions_BT].set(new_BTF.astype(stack_LBSF.dtype), mode="drop")
 
 
+def split_experts(params: dict):
+    """A stacked layer's parameters without its MoE experts (`mlp/experts` [L, E, ...]), and
+    the experts: a scan slices its inputs per layer, and a slice of the expert stack handed to
+    the routed Pallas kernel is a copy of the layer's experts every step, so the scan passes
+    the whole expert stack and the layer index instead (`moe.SparseMoE`). (params, None)
+    without experts."""
+    mlp = params.get("mlp")
+    if not isinstance(mlp, Mapping) or "experts" not in mlp:
+        return params, None
+    rest = dict(params, mlp={k: v for k, v in mlp.items() if k != "experts"})
+    return rest, mlp["experts"]
+
+
+def join_experts(params: dict, experts):
+    """`split_experts`' inverse inside the scan body (a layer's parameters, the whole stack of
+    its experts)."""
+    if experts is None:
+        return params
+    return dict(params, mlp=dict(params["mlp"], experts=experts))
+
+
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attention_impl: str = "xla"
@@ -144,8 +166,12 @@ class DecoderLayer(nn.Module):
         segment_ids_BT=None,
         cache_starts_B=None,
         tree_mask_BTT=None,
+        stack_layer=None,
     ):
         """One pre-norm decoder layer.
+
+        `stack_layer`: in a scanned stack, (this layer's index, L); the experts of a MoE layer
+        are then given whole ([L, E, ...], read at the index: `moe.SparseMoE`).
 
         With `layer_cache` and `tree_mask_BTT` (a draft tree's verify), the new K/V are written
         at slots `cache_starts_B[b] + t`, and node t sees the committed slots (j < start) and
@@ -206,7 +232,7 @@ class DecoderLayer(nn.Module):
         x_BTH = x_BTH + attn.output(out)
         h = RMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="post_attention_layernorm")(x_BTH)
         if self.moe:
-            x_BTH = x_BTH + SparseMoE(c, self.attention_impl, name="mlp")(h)
+            x_BTH = x_BTH + SparseMoE(c, self.attention_impl, name="mlp")(h, stack_layer)
         else:
             x_BTH = x_BTH + MLP(c, name="mlp")(h)
         return x_BTH, new_cache
@@ -269,18 +295,21 @@ class Transformer(nn.Module):
             for i in range(c.num_layers)
         ]
 
-    def layer_module(self) -> "DecoderLayer":
+    def layer_module(self, attention_impl: Optional[str] = None) -> "DecoderLayer":
         """The one layer body of a stacked group (unbound: applied to each layer's slice)."""
         c = self.cfg
-        return DecoderLayer(c, self.attention_impl, c.layer_is_moe(0), parent=None)
+        impl = self.attention_impl if attention_impl is None else attention_impl
+        return DecoderLayer(c, impl, c.layer_is_moe(0), parent=None)
 
     def _init_stack(self, rng):
-        """Random parameters of every layer, stacked [L, ...] (`layer_stack`)."""
+        """Random parameters of every layer, stacked [L, ...] (`layer_stack`): each layer
+        initialised under vmap through XLA ops (the parameters do not depend on the kernels,
+        and a TPU kernel's memory-space constraint has no batching rule)."""
         c = self.cfg
         x = jnp.zeros((1, 1, c.hidden_size), c.dtype)
         pos = jnp.zeros((1, 1), jnp.int32)
         mask = jnp.ones((1, 1, 1), bool)
-        init = lambda r: self.layer_module().init(r, x, pos, rope_inv_freq(c), None, mask)
+        init = lambda r: self.layer_module("xla").init(r, x, pos, rope_inv_freq(c), None, mask)
         return jax.vmap(lambda r: init(r)["params"])(jax.random.split(rng, c.num_layers))
 
     def _scan(
@@ -301,7 +330,7 @@ class Transformer(nn.Module):
         residual stream, the new (k, v) stacks or None, and the taps {layer: x}."""
         c = self.cfg
         n = c.num_layers if depth is None else depth
-        params = self.stack
+        params, experts = split_experts(self.stack)
         if n < c.num_layers:
             params = jax.tree_util.tree_map(lambda a: a[:n], params)
         layer = self.layer_module()
@@ -317,7 +346,7 @@ class Transformer(nn.Module):
             p, i, slot = xs
             layer_cache = None if kv is None else (kv[0], kv[1], i)
             x, kv = layer.apply(
-                {"params": p},
+                {"params": join_experts(p, experts)},
                 x,
                 positions_BT,
                 inv_freq,
@@ -327,6 +356,7 @@ class Transformer(nn.Module):
                 segment_ids_BT,
                 cache_starts_B=starts,
                 tree_mask_BTT=tree_mask_BTT,
+                stack_layer=None if experts is None else (i, c.num_layers),
             )
             if tap_layers:
                 at = jnp.maximum(slot, 0)
