@@ -55,8 +55,7 @@ from dflash_jax.models.transformer import (
     flat_heads,
     join_experts,
     split_experts,
-    write_kv,
-    write_kv_layer,
+    write_layer_cache,
 )
 
 _HI = jax.lax.Precision.HIGHEST
@@ -449,18 +448,11 @@ class HybridLayer(nn.Module):
             if layer_cache is None:
                 out, new = masked_attention(q, k, v, mask_BTT), None
             else:
-                ck, cv = layer_cache[:2]
-                li = layer_cache[2] if len(layer_cache) == 3 else None  # of a stacked cache
                 impl = self.attention_impl
-                if starts is not None:
-                    ck = attn_lib.write_block(ck, flat_heads(k), starts, impl, c.head_dim, layer=li)
-                    cv = attn_lib.write_block(cv, flat_heads(v), starts, impl, c.head_dim, layer=li)
-                elif li is not None:
-                    ck = write_kv_layer(ck, flat_heads(k), positions_BT, li)
-                    cv = write_kv_layer(cv, flat_heads(v), positions_BT, li)
-                else:
-                    ck = write_kv(ck, flat_heads(k), positions_BT)
-                    cv = write_kv(cv, flat_heads(v), positions_BT)
+                ck, cv, li = write_layer_cache(
+                    layer_cache, flat_heads(k), flat_heads(v), positions_BT, starts, impl,
+                    c.head_dim,
+                )  # fmt: skip
                 out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=impl, layer=li)
                 new = (ck, cv)
             out = attn.output(out, gate)

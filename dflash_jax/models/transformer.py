@@ -149,6 +149,26 @@ def join_experts(params: dict, experts):
     return dict(params, mlp=dict(params["mlp"], experts=experts))
 
 
+def write_layer_cache(layer_cache, k_BTF, v_BTF, positions_BT, starts_B, impl, head_dim):
+    """A layer's new K/V [B, T, K*D] written into its cache: `layer_cache` is (k, v)
+    [B, S, K*D] or (k, v, index) into stacked caches [L, B, S, K*D] (written where they lie).
+    With `starts_B` the rows are a block at starts[b] (`attention.write_block`: the Pallas DMA
+    kernel under a TPU Pallas impl; a tree's nodes too, not at their positions), else at
+    `positions_BT`. Returns (k, v, the layer index or None)."""
+    ck, cv = layer_cache[:2]
+    li = layer_cache[2] if len(layer_cache) == 3 else None
+    if starts_B is not None:
+        ck = attn_lib.write_block(ck, k_BTF, starts_B, impl, head_dim, layer=li)
+        cv = attn_lib.write_block(cv, v_BTF, starts_B, impl, head_dim, layer=li)
+    elif li is not None:
+        ck = write_kv_layer(ck, k_BTF, positions_BT, li)
+        cv = write_kv_layer(cv, v_BTF, positions_BT, li)
+    else:
+        ck = write_kv(ck, k_BTF, positions_BT)
+        cv = write_kv(cv, v_BTF, positions_BT)
+    return ck, cv, li
+
+
 class DecoderLayer(nn.Module):
     cfg: ModelConfig
     attention_impl: str = "xla"
@@ -200,26 +220,10 @@ class DecoderLayer(nn.Module):
             new_cache = None
         else:
             k4, v4 = k, v
-            k, v = flat_heads(k), flat_heads(v)
-            if len(layer_cache) == 3:  # a stacked cache [L, B, S, K*D] and this layer's index
-                ks, vs, li = layer_cache
-                if cache_starts_B is None:
-                    ks = write_kv_layer(ks, k, positions_BT, li)
-                    vs = write_kv_layer(vs, v, positions_BT, li)
-                else:  # a block at starts[b] (a tree's nodes too: not at their positions)
-                    impl, hd = self.attention_impl, c.head_dim
-                    ks = attn_lib.write_block(ks, k, cache_starts_B, impl, hd, layer=li)
-                    vs = attn_lib.write_block(vs, v, cache_starts_B, impl, hd, layer=li)
-                ck, cv = ks, vs  # read in place: the attention takes the layer index
-            elif cache_starts_B is None:
-                ck, cv = layer_cache
-                ck = write_kv(ck, k, positions_BT)
-                cv = write_kv(cv, v, positions_BT)
-            else:
-                ck, cv = layer_cache
-                ck = attn_lib.write_block(ck, k, cache_starts_B, self.attention_impl, c.head_dim)
-                cv = attn_lib.write_block(cv, v, cache_starts_B, self.attention_impl, c.head_dim)
-            layer = layer_cache[2] if len(layer_cache) == 3 else None  # of a stacked cache
+            ck, cv, layer = write_layer_cache(
+                layer_cache, flat_heads(k), flat_heads(v), positions_BT, cache_starts_B,
+                self.attention_impl, c.head_dim,
+            )  # fmt: skip
             if tree_mask_BTT is not None:
                 out = attn_lib.tree_verify_attention(
                     q, ck, cv, cache_starts_B, k4, v4, tree_mask_BTT, self.attention_impl, layer
