@@ -252,11 +252,11 @@ def main(argv):
         shipped = gguf_io.DEFAULT_DRAFTERS.get(gguf_io.known_name(target_dir) or "")
         if shipped and os.path.isfile(os.path.join(ROOT, shipped, "config.json")):
             drafter_dir = os.path.join(ROOT, shipped)
-    from dflash_jax.drafters import prompt_lookup
+    from dflash_jax.drafters import registry
 
     # --drafter=prompt_lookup[:N | :MIN-MAX] (a bad range: one line); anything else is a
     # directory or hub id, whose config.json says which drafter it is, whatever its name.
-    if drafter_dir and prompt_lookup.from_spec(drafter_dir) is None:
+    if drafter_dir and registry.for_spec(drafter_dir).reads_files:
         drafter_dir = hub.resolve_or_exit(drafter_dir, what="drafter")
     if not drafter_dir and FLAGS.compare_ar:  # refused, like --tree_budget: never ignored
         raise ValueError(

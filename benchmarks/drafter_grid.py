@@ -25,6 +25,10 @@ steps, the acceptance-length histogram, identical outputs), a Markdown table (`.
 chart (`.png`) beside it, whole (all three or none; Ctrl-C / SIGTERM: one line, exit 130 /
 143). Flags, datasets and output paths are checked before any model loads (one line, exit 2); a
 setting with no drafter steps reports "no data", not a tau of 0.
+
+Committed results: the command above (`benchmarks/results/smollm2/grid.{json,md,png}`); the
+DFlash 2 comparison's (`benchmarks/results/smollm2/dflash2_vs_dflash.json`) is in
+`benchmarks/results/smollm2/README.md` and in the JSON.
 """
 
 from __future__ import annotations
@@ -226,13 +230,11 @@ def plot(results, datasets, path) -> None:
 
 def load_drafters(dirs, looked_up, target):
     """The drafters of --drafter in order: prompt lookup where `looked_up` has one, else the
-    directory as an EAGLE-3 drafter (its config's architectures) or a DFlash one."""
-    from dflash_jax.drafters.dflash import load_drafter
-    from dflash_jax.drafters.eagle3 import load_eagle3
-    from dflash_jax.frontend.batch_runner import is_eagle3
+    directory loaded by its kind (`drafters.registry`: its config's architectures)."""
+    from dflash_jax.drafters import registry
 
     return [
-        pl if pl is not None else (load_eagle3 if is_eagle3(d) else load_drafter)(d, target=target)
+        pl if pl is not None else registry.for_spec(d).load(d, target)
         for d, pl in zip(dirs, looked_up)
     ]
 

@@ -1,4 +1,4 @@
-"""EAGLE-3 drafting in the compiled decode loop (`decoding.drafting.Eagle3`): greedy decoding
+"""EAGLE-3 drafting in the compiled decode loop (`drafters.eagle3.Eagle3Kind`): greedy decoding
 equals autoregressive decoding token for token with an accepted drafter (an oracle step: the
 target's own continuation of the block) and with the real (random-weight) drafter module;
 sampled decoding reproducible with accepted drafts; the context rows against a direct
@@ -14,7 +14,6 @@ import pytest
 from _pair import assert_accepted
 
 import dflash_jax as dj
-from dflash_jax.decoding import drafting
 from dflash_jax.decoding.programs import _Compiled
 from dflash_jax.drafters import eagle3 as e3
 
@@ -57,7 +56,7 @@ def _oracle_step(self, dec, state, cache, feature, token, position, chain, i):
 
 @pytest.fixture
 def oracle(monkeypatch):
-    monkeypatch.setattr(drafting.Eagle3, "draft_step", _oracle_step)
+    monkeypatch.setattr(e3.Eagle3Kind, "draft_step", _oracle_step)
     monkeypatch.setattr(_Compiled, "cache", collections.OrderedDict())
     jax.clear_caches()
 
@@ -83,7 +82,7 @@ def test_context_rows_follow_the_pairing(bundled_pair):
         target.params, ids
     )
     dec = drafting_decoder(target, drafter)
-    kind = drafting.EAGLE3
+    kind = e3.KIND
     write = jax.jit(kind.write_context)
     ctx = kind.init_context(dec, b, cap)
     plens = jnp.asarray([4, 6], jnp.int32)
@@ -231,7 +230,7 @@ def test_saved_eagle3_with_its_own_embedding_drafts_the_same(bundled_pair, ar, t
     # (A random drafter's drafts hardly depend on the embedding: its rows read, directly.)
     rolled = dataclasses.replace(loaded, embedding=jnp.roll(loaded.embedding, 1, axis=0))
     ids = jnp.asarray([[5, 17]], jnp.int32)
-    got = drafting.EAGLE3.embed(drafting_decoder(target, rolled), ids)
+    got = e3.KIND.embed(drafting_decoder(target, rolled), ids)
     np.testing.assert_array_equal(np.asarray(got), np.asarray(rolled.embedding)[[[5, 17]]])
 
 
@@ -310,14 +309,15 @@ def test_infer_takes_an_eagle3_directory(bundled_pair, tmp_path):
 
     from _pair import PAIR
 
+    from dflash_jax.drafters import registry
     from dflash_jax.frontend import batch_runner
 
     target, _, prompts = bundled_pair
     out = tmp_path / "eagle3"
     dj.save_eagle3(_drafter(target, draft_vocab=64), str(out))
     target_dir = os.path.join(PAIR, "target")
-    assert batch_runner.is_eagle3(str(out))
-    assert not batch_runner.is_eagle3(os.path.join(PAIR, "drafter"))
+    assert registry.for_spec(str(out)) is e3.KIND
+    assert registry.for_spec(os.path.join(PAIR, "drafter")).name == "dflash"
     batch_runner.check_before_loading(target_dir, str(out), prompts, dict(max_new_tokens=8))
     with pytest.raises(ValueError, match="tree_budget is not implemented for EAGLE-3"):
         batch_runner.check_before_loading(

@@ -509,7 +509,7 @@ def tiny3():
 
 
 def _eagle3_oracle_step(self, dec, state, cache, feature, token, position, chain, i):
-    """An EAGLE-3 step (`drafting.Eagle3.draft_step`) whose logits are the target's after the
+    """An EAGLE-3 step (`Eagle3Kind.draft_step`) whose logits are the target's after the
     committed context and the block so far (at the draft vocabulary's target ids): q =
     softmax(them / T) lacks the target's top-k and top-p, so drafts are also rejected."""
     h, _, _ = dec.tmod.apply({"params": dec.tparams}, chain, cache=state.cache)
@@ -529,7 +529,7 @@ def test_eagle3_sampled_drafts_follow_the_exact_joint(mode, tiny3, monkeypatch):
     oracle step and with the real (random-weight) module; drafts other than samples of the
     q reported (control: each draft the argmax of q, q reported as if sampled from) are
     rejected by the same bound."""
-    from dflash_jax.decoding import drafting
+    from dflash_jax.drafters.eagle3 import Eagle3Kind
     from dflash_jax.drafters import eagle3 as e3
 
     case = "temperature_1.2_top_k_3_top_p_0.9"
@@ -539,9 +539,9 @@ def test_eagle3_sampled_drafts_follow_the_exact_joint(mode, tiny3, monkeypatch):
     d2t = (np.arange(V)[::-1] - np.arange(V)).astype(np.int32)  # draft id i is target id V-1-i
     drafter = dj.Eagle3(config=cfg, params=e3.init_eagle3_params(cfg, seed=1), d2t=d2t)
     if mode != "real_module":
-        monkeypatch.setattr(drafting.Eagle3, "draft_step", _eagle3_oracle_step)
+        monkeypatch.setattr(Eagle3Kind, "draft_step", _eagle3_oracle_step)
     if mode == "control_greedy_drafts":
-        propose = drafting.Eagle3.propose
+        propose = Eagle3Kind.propose
 
         def greedy(self, *a, **kw):
             prop = propose(self, *a, **kw)
@@ -550,7 +550,7 @@ def test_eagle3_sampled_drafts_follow_the_exact_joint(mode, tiny3, monkeypatch):
             tokens = prop.tokens.at[:, 1:].set(drafts)
             return prop.replace(drafts=drafts, tokens=tokens)
 
-        monkeypatch.setattr(drafting.Eagle3, "propose", greedy)
+        monkeypatch.setattr(Eagle3Kind, "propose", greedy)
     _forget_compiled(monkeypatch)
     res = dj.generate(
         t,

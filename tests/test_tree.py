@@ -1,4 +1,4 @@
-"""Draft trees (dflash_jax.decoding.tree): the builder keeps exactly the most probable prefixes, its
+"""Draft trees (dflash_jax.drafters.tree): the builder keeps exactly the most probable prefixes, its
 arrays are consistent (parents first, depths, ancestor masks), and the walk accepts the longest
 path the target agrees with."""
 
@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from dflash_jax.decoding import tree as tree_lib
+from dflash_jax.drafters import tree as tree_lib
 
 
 def _prefixes(logp, k):
@@ -334,11 +334,12 @@ def test_tree_decoding_through_the_kernels_equals_autoregressive(bundled_pair):
 
 
 def test_tree_results_readme_holds_the_scripts_tables():
-    """benchmarks/results/tree_budget/README.md's tables are what benchmarks/tree_table.py
-    makes of the committed JSONs (rerun `python benchmarks/tree_table.py --write`)."""
+    """benchmarks/results/tree_budget/README.md's tables are what
+    benchmarks/experiments/trees/tree_table.py makes of the committed JSONs (rerun
+    `python benchmarks/experiments/trees/tree_table.py --write`)."""
     import os
 
-    from benchmarks import tree_table
+    from benchmarks.experiments.trees import tree_table
 
     doc = open(os.path.join(tree_table.TREES, "README.md")).read()
     assert tree_table.table(tree_table.rows()) in doc

@@ -19,8 +19,7 @@ from dflash_jax.decoding.request import (
     gather_multiprocess,
 )
 from dflash_jax.decoding.step import Plan
-from dflash_jax.drafters.dflash import Drafter
-from dflash_jax.drafters.eagle3 import Eagle3, validate_eagle3_pair
+from dflash_jax.drafters import registry
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.verifier import target_module
 from dflash_jax.parallel import sharding
@@ -28,7 +27,7 @@ from dflash_jax.parallel import sharding
 
 def generate(
     target,
-    drafter: Optional[Drafter],
+    drafter,
     prompts: Sequence[Sequence[int]],
     max_new_tokens: int,
     block_size: Optional[int] = None,
@@ -50,7 +49,8 @@ def generate(
     draft_sampling: Optional[str] = None,
 ) -> GenerationResult:
     """Generates continuations of `prompts` (lists of token ids) with DFlash (or another
-    drafter: `PromptLookup`, an EAGLE-3 `Eagle3`), or autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
+    drafter of a registered kind, `drafters.registry`: `PromptLookup`, an EAGLE-3 `Eagle3`), or
+    autoregressively when `drafter` is None. See `GenerationResult` for what it returns.
 
     stream_callback: called on the host with, per sequence, the token ids just committed: once
     after prefill (the first token), then after every decode step. Concatenated, the calls give
@@ -60,7 +60,7 @@ def generate(
     `tensor`); stats then also name the mesh and the cache sharding.
     prefill_chunk: prompts longer than this are prefilled this many tokens at a time (default
     `Plan.prefill_chunk`; 0: one pass). Same tokens either way.
-    tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.decoding.tree`: the most
+    tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.drafters.tree`: the most
     probable prefixes of depth <= block_size - 1 under the drafter's one pass) instead of the
     chain of block_size - 1 drafts; None: the chain. Same tokens either way (lossless). With
     denoise_steps > 1 the tree is built from the K passes' distributions (`draft_logprobs`).
@@ -72,7 +72,7 @@ def generate(
     the drafter's distribution under the same temperature / top-k / top-p, verified by
     rejection sampling against it: the reference implementations' rule) or "argmax" (its most
     probable drafts, verified as one-hot proposals); None: the drafter's default
-    (`decoding.drafting.DEFAULT_DRAFT_SAMPLING`: "sample"; a DFlash tree or denoising passes
+    (`DrafterKind.default_draft_sampling`: "sample"; a DFlash tree or denoising passes
     draft from the argmax). Lossless either way; it changes the acceptance. Temperature > 0
     only (refused at 0, where every drafter drafts its argmax).
     """
@@ -96,8 +96,7 @@ def generate(
         prefill_chunk=prefill_chunk,
         draft_sampling=draft_sampling,
     )
-    if isinstance(drafter, Eagle3):  # the width check needs to know of its own embedding
-        validate_eagle3_pair(drafter.config, target.config, drafter.embedding is not None)
+    registry.of(drafter).check_loaded(drafter, target.config)
     if mesh is not None:
         sharding.check_expert_axis(mesh.shape.get("expert", 1), target.config.num_experts)
     # "pallas" / "auto" made concrete for the devices compiled for (the mesh's).
@@ -130,11 +129,11 @@ def generate(
 
 
 def _drafter_params(drafter):
-    """What the programs take as the drafter's parameters (`Decoder.dparams`): an EAGLE-3
-    drafter's `decode_params` (its parameters, d2t and own embedding), else `params`."""
+    """What the programs take as the drafter's parameters (`Decoder.dparams`): its kind's
+    `decode_params` (e.g. EAGLE-3's parameters, d2t and own embedding)."""
     if drafter is None:
         return None
-    return getattr(drafter, "decode_params", drafter.params)
+    return registry.of(drafter).decode_params(drafter)
 
 
 def _inputs(request: Request):

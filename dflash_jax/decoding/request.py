@@ -12,15 +12,10 @@ import jax
 import numpy as np
 
 from dflash_jax.decoding.step import Plan
-from dflash_jax.drafters.dflash import validate_pair
-from dflash_jax.drafters.eagle3 import Eagle3Config, validate_eagle3_pair
-from dflash_jax.drafters.prompt_lookup import PromptLookupConfig
+from dflash_jax.drafters import registry
+from dflash_jax.drafters.base import DRAFT_SAMPLING
 from dflash_jax.support import checks
 from dflash_jax.support.checks import MAX_TREE_BUDGET, check_denoise
-
-
-# An EAGLE-3 drafter's verify block when none is asked for: x_last and 7 drafts.
-EAGLE3_BLOCK_SIZE = 8
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,12 +89,8 @@ class Request:
         setting, or a bad prompt by its label (`labels[i]`, e.g. "file.jsonl:3"; default
         "prompt i")."""
         drafted = drafter_config is not None
-        looked_up = isinstance(drafter_config, PromptLookupConfig)
-        eagle = isinstance(drafter_config, Eagle3Config)
-        if eagle:  # (its width against the target's: `generate`, which sees its embedding)
-            validate_eagle3_pair(drafter_config, target_config, own_embedding=True)
-        elif drafted and not looked_up:
-            validate_pair(drafter_config, target_config)
+        kind = registry.of(drafter_config)
+        kind.check_pair(drafter_config, target_config)
         vocab = target_config.vocab_size
         prompts = checks.prompt_ids(prompts, vocab, labels=labels)
         max_new_tokens = checks.int_param("max_new_tokens", max_new_tokens, lo=1)
@@ -109,29 +100,19 @@ class Request:
         steps = checks.int_param("denoise_steps", denoise_steps, lo=1)
         threshold = checks.confidence_threshold(confidence_threshold)
         if drafted:
-            if eagle:
-                bs = EAGLE3_BLOCK_SIZE if block_size is None else block_size
-            else:
-                bs = drafter_config.block_size if block_size is None else block_size
-            if looked_up or eagle:  # no trained block: any block in range
+            limits = kind.limits(drafter_config)
+            bs = limits.default_block_size if block_size is None else block_size
+            if limits.trained_block_size is None:  # no trained block: any block in range
                 bs = checks.int_param(
                     "block_size", bs, lo=checks.BLOCK_SIZE_MIN, hi=checks.BLOCK_SIZE_MAX
                 )
             else:
-                bs = checks.block_size_for(bs, drafter_config.block_size)
+                bs = checks.block_size_for(bs, limits.trained_block_size)
             if steps > bs - 1:
                 raise ValueError(
                     f"denoise_steps must be in [1, {bs - 1}] (block_size - 1), got {steps}"
                 )
-            why = (
-                "prompt lookup drafts (one chain of looked-up tokens, no model pass)"
-                if looked_up
-                else "EAGLE-3 drafters (one chain, drafted token by token)"
-                if eagle
-                else "DFlash 2 drafters yet (its candidate selector drafts one chain in one pass)"
-                if drafter_config.dflash2
-                else None
-            )
+            why = limits.chain_only
             for name, given in (
                 ("denoise_steps", steps != 1),
                 ("tree_budget", tree_budget is not None),
@@ -210,11 +191,9 @@ class Request:
 
 def _check_draft_sampling(value, drafter_config, temperature, denoise_steps, tree_budget):
     """draft_sampling checked against the drafter and the rest of the request: None (the
-    drafter's default), "argmax" or "sample" (`drafting.DRAFT_SAMPLING`) with a model drafter;
+    drafter's default), "argmax" or "sample" (`drafters.base.DRAFT_SAMPLING`) with a model drafter;
     "sample" on a DFlash chain of one pass; at temperature > 0 only (at 0 every drafter
     drafts its argmax: a setting that cannot apply is refused, like top_k there)."""
-    from dflash_jax.decoding.drafting import DRAFT_SAMPLING
-
     if value is None:
         return None
     if value not in DRAFT_SAMPLING:
@@ -229,11 +208,9 @@ def _check_draft_sampling(value, drafter_config, temperature, denoise_steps, tre
             "draft_sampling needs temperature > 0 (at temperature 0 every drafter drafts its "
             "argmax)"
         )
-    if isinstance(drafter_config, PromptLookupConfig) and value == "sample":
-        raise ValueError(
-            "draft_sampling='sample' needs a model drafter (prompt lookup drafts looked-up "
-            "tokens, with no distribution to sample)"
-        )
+    refusal = registry.of(drafter_config).limits(drafter_config).sample_refusal
+    if refusal is not None and value == "sample":
+        raise ValueError(refusal)
     if value == "sample":
         for name, given in (
             ("tree_budget", tree_budget is not None),
@@ -280,7 +257,7 @@ def check_tree(
             "tree_budget is not supported over a hybrid (Gated DeltaNet) target: a tree needs "
             "its recurrent state per path (one per node); decode a chain (no tree_budget)"
         )
-    from dflash_jax.decoding.tree import max_nodes
+    from dflash_jax.drafters.tree import max_nodes
 
     most = max_nodes(block_size - 1, min(tree_budget, target_config.vocab_size))
     if tree_budget > most:

@@ -50,9 +50,9 @@ from dflash_jax.decoding.sampling import (
     pick_tokens,
     sample_categorical,
 )
-from dflash_jax.decoding import drafting
-from dflash_jax.decoding.drafting import Proposal
-from dflash_jax.decoding.tree import accept_path
+from dflash_jax.drafters import registry
+from dflash_jax.drafters.base import Proposal
+from dflash_jax.drafters.tree import accept_path
 from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
 from dflash_jax.drafters.draft_vocab import full_logits
 from dflash_jax.models import attention as attn_lib
@@ -77,14 +77,14 @@ class Plan:
     remask: bool = False
     confidence_threshold: Optional[float] = None
     record_drafts: bool = False
-    # Verify a draft tree of this many nodes (`dflash_jax.decoding.tree`) instead of the chain.
+    # Verify a draft tree of this many nodes (`dflash_jax.drafters.tree`) instead of the chain.
     tree_budget: Optional[int] = None
     # Host function called with each step's commits (`generate`'s stream_callback), or None.
     # Part of the jit key: a program is compiled per function (reuse one to reuse the program).
     stream: Optional[Callable[[List[List[int]]], None]] = None
     attention_impl: str = "xla"
-    # How a drafter drafts at T > 0: "argmax" or "sample" (`drafting.DRAFT_SAMPLING`); None:
-    # the drafter kind's default (`drafting.DEFAULT_DRAFT_SAMPLING`).
+    # How a drafter drafts at T > 0: "argmax" or "sample" (`drafters.base.DRAFT_SAMPLING`);
+    # None: the drafter kind's default (`DrafterKind.default_draft_sampling`).
     draft_sampling: Optional[str] = None
     # Prompts longer than this are prefilled in chunks of this many tokens (a scan appending to
     # the cache), so attention temporaries grow linearly with the context, not quadratically:
@@ -395,9 +395,10 @@ class Decoder:
 
     @property
     def kind(self):
-        """The kind of drafter (`drafting`: autoregressive, DFlash, DFlash 2): what it keeps
-        of the target and how it proposes."""
-        return drafting.kind_of(self.dmod)
+        """The kind of drafter drafting in this loop (`drafters.registry.loop_of`:
+        autoregressive, DFlash, DFlash 2, EAGLE-3, prompt lookup): what it keeps of the target
+        and how it proposes."""
+        return registry.loop_of(self.dmod)
 
     @property
     def samples_drafts(self) -> bool:
@@ -407,7 +408,7 @@ class Decoder:
         return self.kind.samples_drafts(self)
 
     def propose(self, state: DecodeState, x_last, start, key=None) -> Proposal:
-        """What this step verifies, as the drafter's kind proposes it (`drafting`): nothing but
+        """What this step verifies, as the drafter's kind proposes it (`drafters.base`): nothing but
         x_last (autoregressive), a chain of bs-1 tokens or a tree of `plan.tree_budget` nodes
         (DFlash), the candidate selector's chain (DFlash 2; sampled with `key` at T > 0, with
         its proposal q), a chain drafted token by token (EAGLE-3; sampled at T > 0 likewise)."""

@@ -26,7 +26,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from dflash_jax.drafters import base
 from dflash_jax.drafters import draft_vocab as dv
+from dflash_jax.drafters.tree import build_tree
 from dflash_jax.drafters.dflash2 import (
     CandidateSelector,
     GroupedDynamicCausalConv,
@@ -881,3 +883,117 @@ def save_drafter(drafter: Drafter, path: str, dtype: Optional[str] = None) -> No
     save_sharded(path, tensors)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(hf, f, indent=2)
+
+
+# ---------------------------------------------------------------------------- the kind
+
+
+class DFlashKind(base.DrafterKind):
+    """DFlash (z-lab format, with its sliding-window variant): per-layer K/V of the tapped
+    features as its context (`Decoder.write_context`, a ring when every layer slides), one
+    block per pass: a chain, a tree, or K denoising passes over the same pass's
+    log-probabilities (the pass itself: `Decoder.draft_block` / `draft_logprobs` /
+    `sample_block`). DFlash 2 drafters (`config.dflash2`) draft in the loop as `DFlash2Kind`."""
+
+    name = "dflash"
+    default_draft_sampling = "sample"
+    config_type = (DrafterConfig,)
+    drafter_type = (Drafter,)
+    module_type = (DFlashDrafter,)
+
+    # ---- host side
+    def claims(self, spec) -> bool:
+        return bool(spec)  # any other directory or hub id: a z-lab drafter, checked on reading
+
+    def read_config(self, spec, target_config, dtype: str = "float32"):
+        return read_drafter_config(spec, target_config, dtype=dtype)
+
+    def check_pair(self, config, target_config) -> None:
+        validate_pair(config, target_config)
+
+    def limits(self, config) -> base.Limits:
+        return base.Limits(
+            default_block_size=config.block_size,
+            trained_block_size=config.block_size,
+            chain_only=(
+                "DFlash 2 drafters yet (its candidate selector drafts one chain in one pass)"
+                if config.dflash2
+                else None
+            ),
+        )
+
+    def load(self, spec, target):
+        return load_drafter(spec, target=target)
+
+    def save(self, drafter, path: str, dtype: Optional[str] = None) -> None:
+        save_drafter(drafter, path, dtype)
+
+    def tap_layers(self, config, num_target_layers: int):
+        return config.target_layer_ids
+
+    def from_trained(self, config, params, vocab=None):
+        return Drafter(config, params, draft_vocab=vocab)
+
+    def decode_params(self, drafter):
+        return drafter.decode_params
+
+    def loop(self, config) -> base.DrafterKind:
+        return DFLASH2 if config.dflash2 else self
+
+    # ---- the decode loop
+    def init_context(self, dec, b, capacity):
+        cfg = dec.dmod.cfg
+        return KVCache.create(cfg, b, cfg.context_capacity(capacity))
+
+    def write_context(self, dec, ctx, taps, ids, positions, lengths, starts=None):
+        return dec.write_context(ctx, taps, positions, lengths, starts)
+
+    def samples_drafts(self, dec) -> bool:
+        """T > 0 with draft_sampling "sample", on a chain of one pass (a tree and the
+        denoising passes draft from the argmax)."""
+        plan = dec.plan
+        return (
+            plan.temperature > 0
+            and base.draft_sampling(dec) == "sample"
+            and not plan.tree_budget
+            and plan.denoise_steps == 1
+        )
+
+    def chain(self, dec, ctx, x_last, start, key):
+        """(drafts [B, bs-1], confidence [B, bs-1], q_ids, q_probs): a greedy chain, verified
+        as one-hot proposals (q None), or drafts sampled from the drafter's adjusted
+        distribution q over the vocabulary (`Decoder.sample_block`; q_ids None)."""
+        if self.samples_drafts(dec):
+            drafts, conf, q = dec.sample_block(ctx, x_last, start, key)
+            return drafts, conf, None, q
+        drafts, conf = dec.draft_block(ctx, x_last, start)
+        return drafts, conf, None, None
+
+    def propose(self, dec, state, x_last, start, key=None):
+        if dec.plan.tree_budget:
+            logp = dec.draft_logprobs(state.ctx, x_last, start)
+            tree = build_tree(x_last, logp, dec.plan.tree_budget)
+            return base.Proposal(tokens=tree.tokens, depths=tree.depths, tree=tree)
+        drafts, conf, q_ids, q_probs = self.chain(dec, state.ctx, x_last, start, key)
+        return base.chain_proposal(x_last, drafts, conf, q_ids, q_probs)
+
+
+class DFlash2Kind(DFlashKind):
+    """DFlash 2 in the loop: the DFlash context and pass, then the candidate selector's walk:
+    greedy at T = 0; at T > 0 sampled, with its proposal q for rejection sampling
+    (draft_sampling "sample", its default; "argmax": the greedy walk, verified as one-hot
+    proposals)."""
+
+    name = "dflash2"
+
+    def samples_drafts(self, dec) -> bool:
+        return dec.plan.temperature > 0 and base.draft_sampling(dec) == "sample"
+
+    def chain(self, dec, ctx, x_last, start, key):
+        if not self.samples_drafts(dec):
+            drafts, conf = dec.draft_block(ctx, x_last, start)
+            return drafts, conf, None, None
+        return dec.select_block(ctx, x_last, start, key)
+
+
+KIND, DFLASH2 = DFlashKind(), DFlash2Kind()

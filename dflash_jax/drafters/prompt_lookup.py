@@ -29,6 +29,7 @@ import os
 import flax.struct
 import jax.numpy as jnp
 
+from dflash_jax.drafters import base
 from dflash_jax.support import checks
 
 MAX_NGRAM = 16
@@ -49,10 +50,6 @@ class PromptLookupConfig:
         )
         lo = checks.int_param("min_ngram", self.min_ngram, lo=1, hi=MAX_NGRAM)
         checks.int_param("max_ngram", self.max_ngram, lo=lo, hi=MAX_NGRAM)
-
-    @property
-    def dflash2(self) -> bool:
-        return False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,3 +160,53 @@ def lookup(tokens, x_last, last, k: int, min_ngram: int, max_ngram: int):
     drafts = jnp.take_along_axis(seq, pos.clip(0, c), axis=1)
     drafts = jnp.where(ok, drafts, x_last[:, None])
     return drafts.astype(jnp.int32), ok.astype(jnp.float32)
+
+
+class PromptLookupKind(base.DrafterKind):
+    """Prompt lookup: the context is the token ids by position; the drafts continue the most
+    useful earlier occurrence of the last n-gram (`lookup`), with confidence 1 where looked up
+    and 0 where not (a confidence threshold then narrows the verify to them)."""
+
+    name = "prompt_lookup"
+    config_type = (PromptLookupConfig,)
+    drafter_type = (PromptLookup,)
+    module_type = (PromptLookupModule,)
+    reads_files = False
+
+    def claims(self, spec) -> bool:
+        return from_spec(spec) is not None
+
+    def read_config(self, spec, target_config, dtype: str = "float32"):
+        return from_spec(spec).config
+
+    def load(self, spec, target):
+        return from_spec(spec)
+
+    def limits(self, config) -> base.Limits:
+        return base.Limits(
+            default_block_size=config.block_size,
+            chain_only="prompt lookup drafts (one chain of looked-up tokens, no model pass)",
+            sample_refusal=(
+                "draft_sampling='sample' needs a model drafter (prompt lookup drafts looked-up "
+                "tokens, with no distribution to sample)"
+            ),
+        )
+
+    def decode_params(self, drafter):
+        return None
+
+    def init_context(self, dec, b, capacity):
+        return TokenHistory.create(b, capacity)
+
+    def write_context(self, dec, ctx, taps, ids, positions, lengths, starts=None):
+        return ctx.write(ids, positions, lengths)
+
+    def propose(self, dec, state, x_last, start, key=None):
+        cfg = dec.dmod.cfg
+        drafts, conf = lookup(
+            state.ctx.tokens, x_last, start, dec.plan.block_size - 1, cfg.min_ngram, cfg.max_ngram
+        )
+        return base.chain_proposal(x_last, drafts, conf)
+
+
+KIND = PromptLookupKind()

@@ -188,7 +188,7 @@ def dry_run_infer(
     hlo_dir: write each compiled program's optimized HLO text as `hlo_dir/<program>.hlo`
     (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
     tree_budget: the DFlash loop verifies a draft tree of this many nodes (B + 1 tokens per
-    verify, `dflash_jax.decoding.tree`) instead of the chain.
+    verify, `dflash_jax.drafters.tree`) instead of the chain.
     denoise_steps: drafter passes per DFlash step (`Plan.denoise_steps`).
     quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
     its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.

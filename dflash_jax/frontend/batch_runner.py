@@ -42,7 +42,7 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import numpy as np
 
 from dflash_jax.decoding.generation import generate
-from dflash_jax.drafters import prompt_lookup
+from dflash_jax.drafters import registry
 from dflash_jax.frontend import infer_flags, textgen
 from dflash_jax.support import checks, console, interrupts
 
@@ -394,18 +394,6 @@ def model_identity(name: Optional[str]) -> Optional[str]:
     return os.path.realpath(name) if os.path.isdir(name) else str(name)
 
 
-def is_eagle3(drafter_dir: str) -> bool:
-    """The drafter directory holds an EAGLE-3 drafter (its config.json's architectures)."""
-    from dflash_jax.drafters.eagle3 import ARCHITECTURES
-    from dflash_jax.models import checkpoint
-
-    try:
-        archs = checkpoint.read_config(drafter_dir).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return False  # the DFlash path reports what is wrong with it
-    return isinstance(archs, list) and any(a in ARCHITECTURES for a in archs)
-
-
 def check_before_loading(
     target_dir: str,
     drafter_dir: Optional[str],
@@ -427,7 +415,6 @@ def check_before_loading(
     devices (the default backend's without one), the target's quantization_config and the
     `quantize` request (an LM head that is tied cannot be int8). Raises ValueError (one line)."""
     from dflash_jax.decoding.request import Request
-    from dflash_jax.drafters.dflash import DrafterConfig
     from dflash_jax.models import attention, checkpoint
     from dflash_jax.models.config import ModelConfig
     from dflash_jax.models.safetensors_io import CheckpointError
@@ -455,25 +442,8 @@ def check_before_loading(
             )
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
-    dcfg = None
-    looked_up = prompt_lookup.from_spec(drafter_dir)
-    if looked_up is not None:
-        dcfg = looked_up.config
-    elif drafter_dir and is_eagle3(drafter_dir):
-        from dflash_jax.drafters.eagle3 import Eagle3Config
-
-        dcfg = Eagle3Config.from_hf(
-            checkpoint.read_config(drafter_dir),
-            dtype=dtype,
-            source=os.path.join(drafter_dir, "config.json"),
-        )
-    elif drafter_dir:
-        dcfg = DrafterConfig.from_hf(
-            checkpoint.read_config(drafter_dir),
-            target_hidden_size=tcfg.hidden_size,
-            dtype=dtype,
-            source=os.path.join(drafter_dir, "config.json"),
-        )
+    kind = registry.for_spec(drafter_dir)
+    dcfg = kind.read_config(drafter_dir, tcfg, dtype=dtype) if drafter_dir else None
     try:
         attention.for_devices(attention_impl, mesh)
     except ValueError as e:
@@ -532,7 +502,6 @@ def run_and_report(
     """
     import jax
 
-    from dflash_jax.drafters.dflash import load_drafter
     from dflash_jax.models.target import load_target
     from dflash_jax.frontend import report
     from dflash_jax.parallel import distributed, sharding
@@ -547,12 +516,9 @@ def run_and_report(
     else:
         mesh = None
     text = textgen.load_text(target_dir)  # config, tokenizer, stop ids, vocabulary size
-    looked_up = prompt_lookup.from_spec(drafter_dir)  # --drafter=prompt_lookup[:N-M]
-    eagle3 = bool(drafter_dir) and looked_up is None and is_eagle3(drafter_dir)
-    if drafter_dir and looked_up is None and not eagle3:  # config.json checked against the target
-        from dflash_jax.drafters.dflash import read_drafter_config
-
-        read_drafter_config(drafter_dir, text.config)
+    kind = registry.for_spec(drafter_dir)  # --drafter=prompt_lookup[:N-M], a directory
+    if drafter_dir:  # its config.json checked against the target's, before the prompts
+        kind.read_config(drafter_dir, text.config)
     tok = text.tokenizer
     prompts = text.encode(items, chat_template, labels=labels)
     batch_size = batch_size or (8 if len(prompts) > 1 else 1)
@@ -597,13 +563,7 @@ def run_and_report(
         quantize_lm_head=quantize_lm_head,
         scan_layers=scan_layers,
     )
-    drafter = looked_up
-    if eagle3:
-        from dflash_jax.drafters.eagle3 import load_eagle3
-
-        drafter = load_eagle3(drafter_dir, target=target)
-    elif drafter_dir and looked_up is None:
-        drafter = load_drafter(drafter_dir, target=target)
+    drafter = kind.load(drafter_dir, target) if drafter_dir else None
     print(
         report.model_line(target_name, target.config, drafter_name, jax.default_backend()),
         flush=True,

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from dflash_jax.data.prompts import prompt_pool, window_prompts
+from dflash_jax.drafters import registry
 from dflash_jax.drafters.dflash import (
     DFlashDrafter,
-    Drafter,
     init_drafter_params,
     make_drafter_config,
     sliding_layers,
@@ -84,11 +84,9 @@ class Experiment:
     def drafter_for(self, params):
         """The user object of the trained drafter: a `Drafter`, or an `Eagle3` (sharing the
         target's embedding)."""
-        if self.d2t is not None:
-            from dflash_jax.drafters.eagle3 import Eagle3
-
-            return Eagle3(self.drafter_cfg, params, self.d2t)
-        return Drafter(self.drafter_cfg, params, draft_vocab=self.draft_vocab)
+        kind = registry.of(self.drafter_cfg)
+        vocab = self.d2t if self.d2t is not None else self.draft_vocab
+        return kind.from_trained(self.drafter_cfg, params, vocab)
 
 
 def model_config_from(config, vocab_size: int) -> ModelConfig:
@@ -248,9 +246,7 @@ def build_experiment(config, workdir: str) -> Experiment:
             loss_fn = drafter_loss_fn(config, tmod, dmod, draft_vocab)
     tap_layers = ()
     if mode == "drafter":
-        tap_layers = tuple(
-            dmod.cfg.tap_layers(tcfg.num_layers) if d2t is not None else dcfg.target_layer_ids
-        )
+        tap_layers = tuple(registry.of(dcfg).tap_layers(dcfg, tcfg.num_layers))
     stop_ids = (eos_id,) if eos_id is not None else ()
     sampler = None
     if mode == "target" and config.unlikelihood.weight > 0:

@@ -14,8 +14,9 @@ if TYPE_CHECKING:
 
 
 def export(exp: Experiment, params, directory: str) -> str:
-    """Drafter: z-lab format (`save_drafter`). Target: HF format with the tokenizer beside it."""
-    from dflash_jax.drafters.dflash import save_drafter
+    """Drafter: its kind's format (DFlash: z-lab's). Target: HF format with the tokenizer
+    beside it."""
+    from dflash_jax.drafters import registry
 
     params = distributed.gather(params)  # all processes take part; process 0 writes
     if exp.mode == "drafter":
@@ -23,12 +24,7 @@ def export(exp: Experiment, params, directory: str) -> str:
         if not distributed.is_primary():
             return path
         drafter = exp.drafter_for(params)
-        if exp.d2t is not None:  # EAGLE-3: its published format
-            from dflash_jax.drafters.eagle3 import save_eagle3
-
-            save_eagle3(drafter, path)
-        else:
-            save_drafter(drafter, path)
+        registry.of(drafter).save(drafter, path)  # its kind's format (z-lab, EAGLE-3's)
     else:
         path = os.path.join(directory, "target")
         if not distributed.is_primary():
