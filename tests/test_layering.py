@@ -164,3 +164,54 @@ def test_the_layer_checker_sees_an_upward_import():
         "dflash_jax.parallel.launch": set(),
     }
     assert _upward_imports(graph) == [("dflash_jax.support.checks", "dflash_jax.models.hub")]
+
+
+# The drafter registry's direction (`dflash_jax.drafters.registry`): the rest of the library
+# asks a drafter's kind and never imports a concrete drafter. NOT_YET: the importers still to
+# move (issue 64): DFlash's pass in the decode step, the dry run's drafter presets, and the
+# training losses and experiment. The list may only shrink: an entry that no longer imports a
+# concrete drafter fails the test until it is removed here.
+CONCRETE_DRAFTERS = (
+    "dflash_jax.drafters.dflash",
+    "dflash_jax.drafters.dflash2",
+    "dflash_jax.drafters.eagle3",
+    "dflash_jax.drafters.prompt_lookup",
+)
+NOT_YET = {
+    "dflash_jax.decoding.step",
+    "dflash_jax.dry_run.presets",
+    "dflash_jax.dry_run.programs",
+    "dflash_jax.training.eagle3_ttt",
+    "dflash_jax.training.experiment",
+    "dflash_jax.training.losses",
+    "dflash_jax.training.tap_store",
+}
+
+
+def _concrete_importers(graph):
+    return {
+        name
+        for name, refs in graph.items()
+        if name != "dflash_jax"  # the API package re-exports the user objects
+        and not name.startswith("dflash_jax.drafters")
+        and refs & set(CONCRETE_DRAFTERS)
+    }
+
+
+def test_only_the_drafters_import_a_concrete_drafter():
+    from dflash_jax.drafters import registry
+
+    assert set(registry.KIND_MODULES) <= set(CONCRETE_DRAFTERS)
+    _, graph = _graph("dflash_jax")
+    importers = _concrete_importers(graph)
+    assert importers <= NOT_YET, f"import a concrete drafter: {sorted(importers - NOT_YET)}"
+    assert NOT_YET <= importers, f"no longer import one, drop from NOT_YET: {NOT_YET - importers}"
+
+
+def test_the_drafter_import_check_sees_one():
+    graph = {
+        "dflash_jax.frontend.x": {"dflash_jax.drafters.eagle3"},
+        "dflash_jax.frontend.y": {"dflash_jax.drafters.registry"},
+        "dflash_jax.drafters.registry": {"dflash_jax.drafters.dflash"},
+    }
+    assert _concrete_importers(graph) == {"dflash_jax.frontend.x"}

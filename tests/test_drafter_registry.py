@@ -1,0 +1,70 @@
+"""The drafter registry (`dflash_jax.drafters.registry`): each kind found from a --drafter spec,
+a config, a user object and a decode module; and a kind from outside the library, added by one
+line, drafting in the compiled loop through `generate` (tokens equal to autoregressive decoding,
+its drafts accepted and rejected), its request limits applied by `Request.build`."""
+
+import os
+
+import numpy as np
+import pytest
+from _pair import PAIR, assert_accepted
+
+import dflash_jax as dj
+from dflash_jax.drafters import base, registry
+from dflash_jax.drafters import dflash as dflash_lib
+from dflash_jax.drafters import prompt_lookup
+
+
+def test_every_kind_is_found_from_what_names_it(bundled_pair):
+    target, drafter, _ = bundled_pair
+    assert registry.names() == ("prompt_lookup", "eagle3", "dflash")
+    dflash = registry.named("dflash")
+    assert registry.for_spec(os.path.join(PAIR, "drafter")) is dflash
+    assert registry.for_spec("prompt_lookup:2-4") is prompt_lookup.KIND
+    assert registry.for_spec(None) is registry.for_spec("") is base.AUTOREGRESSIVE
+    for x in (drafter, drafter.config, drafter.module):
+        assert registry.of(x) is dflash
+    assert registry.loop_of(drafter.module) is dflash
+    fields = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    v2 = dflash_lib.DFlashDrafter(drafter.config.replace(**fields))
+    assert v2.cfg.dflash2 and registry.loop_of(v2) is dflash_lib.DFLASH2
+    assert registry.loop_of(None) is base.AUTOREGRESSIVE
+    looked_up = dj.PromptLookup(block_size=5)
+    assert registry.of(looked_up) is registry.of(looked_up.module) is prompt_lookup.KIND
+    assert dflash.tap_layers(drafter.config, 99) == drafter.config.target_layer_ids
+    with pytest.raises(ValueError, match="no drafter kind 'medusa' \\(one of 'prompt_lookup'"):
+        registry.named("medusa")
+    with pytest.raises(TypeError, match="not a drafter of any registered kind: str"):
+        registry.of("drafter")
+
+
+@pytest.fixture
+def oracle_registered(monkeypatch):
+    """The library's kinds and the oracle (tests/_oracle_kind.py): its one registry line."""
+    monkeypatch.setattr(registry, "KIND_MODULES", ("_oracle_kind",) + registry.KIND_MODULES)
+    import _oracle_kind
+
+    return _oracle_kind
+
+
+def test_a_kind_added_by_one_line_drafts_in_the_loop_losslessly(bundled_pair, oracle_registered):
+    from dflash_jax.decoding.request import Request
+
+    target, _, prompts = bundled_pair
+    ok = oracle_registered
+    assert registry.for_spec("oracle") is ok.KIND and not ok.KIND.reads_files
+    prompts, n = prompts[:2], 24
+    ar = dj.generate(target, None, prompts, max_new_tokens=n)
+    table = np.zeros((len(prompts), n + 8), np.int32)
+    for i, toks in enumerate(ar.tokens):
+        table[i, : len(toks)] = toks
+    res = dj.generate(target, ok.Oracle(ok.OracleConfig(), table), prompts, max_new_tokens=n)
+    assert res.tokens == ar.tokens
+    assert_accepted(res, 4)
+    lengths = [a for seq in res.acceptance_lengths for a in seq]
+    assert min(lengths) < 4, lengths  # the changed drafts were rejected, the output kept
+    # Its limits: the default block, what a chain-only kind refuses.
+    request = Request.build(target.config, ok.OracleConfig(), prompts, n)
+    assert request.block_size == 4
+    with pytest.raises(ValueError, match="^tree_budget is not implemented for the oracle$"):
+        Request.build(target.config, ok.OracleConfig(), prompts, n, tree_budget=4)
