@@ -184,7 +184,6 @@ NOT_YET = {
     "dflash_jax.training.eagle3_ttt",
     "dflash_jax.training.experiment",
     "dflash_jax.training.losses",
-    "dflash_jax.training.tap_store",
 }
 
 

@@ -516,10 +516,12 @@ def main():
         from dflash_jax.training.regenerate import read_records, record_tokens
 
         target = dj.load_target(F.target, dtype="float32")
-        if F.drafter:
-            from dflash_jax.drafters.dflash import read_drafter_config
+        if F.drafter:  # the layers its kind taps (a DFlash drafter's target_layer_ids)
+            from dflash_jax.drafters import registry
 
-            layers = list(read_drafter_config(F.drafter, target.config).target_layer_ids)
+            kind = registry.for_spec(F.drafter)
+            dcfg = kind.read_config(F.drafter, target.config)
+            layers = list(kind.tap_layers(dcfg, target.config.num_layers))
         records = read_records(F.responses, vocab_size=target.config.vocab_size)
         if F.limit:
             records = records[: F.limit]
