@@ -31,23 +31,25 @@ Config keys: see configs/default.py; experiment files in `configs/` override the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import signal
 import threading
 import time
+from typing import Any, Callable, Mapping, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import NamedSharding
+from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from dflash_jax.parallel import distributed
 from dflash_jax.support import console, interrupts
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.evaluation import evaluate, selector_figures
-from dflash_jax.training.experiment import build_experiment
+from dflash_jax.training.experiment import Experiment, build_experiment
 from dflash_jax.training.experiment import log as _log
 from dflash_jax.training.export import export
 from dflash_jax.training.metrics import MetricsLogger, format_eta
@@ -127,15 +129,64 @@ def _target_num_experts(config):
         return None
 
 
+@dataclasses.dataclass(frozen=True)
+class MeshPlan:
+    """The device mesh of a training run as `check_run` read and checked it: `config.mesh`
+    against the devices, the batch (and its micro-batches) against the mesh's batch shards and,
+    where the target's config.json was readable, the expert axis against its experts. `_setup`
+    builds the mesh from it (`build`) and checks none of it again."""
+
+    spec: str  # config.mesh as given ("": data parallelism over this host's devices)
+    axes: Mapping[str, int]  # the spec parsed (`sharding.parse_mesh`): one size may be -1
+    sizes: Mapping[str, int]  # the sizes resolved over `devices`: no -1
+    devices: tuple  # the devices the mesh is built over (`_mesh_devices`, as many as it needs)
+    n_batch: int  # data x fsdp: the shards of every batch and micro-batch
+    # The experts of the target's MoE layers as read without loading it (0: dense; a fresh
+    # target is dense), the expert axis checked against them; None: not known before the
+    # target loads (a hub id, an unreadable config.json), then `_setup` checks the axis.
+    num_experts: Optional[int]
+
+    def build(self) -> Mesh:
+        """The `jax.sharding.Mesh` (`sharding.make_mesh`; an `expert` axis where the spec
+        names one)."""
+        from dflash_jax.parallel import sharding
+
+        return sharding.make_mesh(**self.axes, devices=list(self.devices))
+
+
+@dataclasses.dataclass(frozen=True)
+class Preflight:
+    """What `check_run` found: the values the run's setup reuses rather than reading (and
+    checking) them again."""
+
+    accum: int  # grad_accum_steps, checked against the batch (and the mesh's batch shards)
+    mesh: Optional[MeshPlan]  # None with regen.only (no training: no mesh)
+
+
 def preflight(config, workdir: str) -> int:
+    """Every check of a training run that needs no model and writes nothing (`check_run`).
+    Returns grad_accum_steps; `check_run` returns all it found."""
+    return check_run(config, workdir).accum
+
+
+def check_run(config, workdir: str) -> Preflight:
     """Every check of a training run that needs no model and writes nothing: the config's
     values (`checks.check_train_config`), the workdir and regen.output, the data files,
     the mesh against the devices (and the batch against its shards; an `expert` axis against
     the target's experts, `sharding.check_expert_axis`, when its config.json is local), the
     drafter's tapped layers against the target's. A bad value is one line (a ValueError)
-    before anything runs or is written (regeneration takes hours on an 8B target). Returns
-    grad_accum_steps."""
-    from dflash_jax.parallel import sharding
+    before anything runs or is written (regeneration takes hours on an 8B target). Each check
+    runs once: `train_and_evaluate` sets the run up from the result."""
+    accum = _check_settings(config, workdir)
+    if config.regen.get("only", False):
+        return Preflight(accum=accum, mesh=None)  # no training: no mesh
+    return Preflight(accum=accum, mesh=_check_mesh(config, accum))
+
+
+def _check_settings(config, workdir: str) -> int:
+    """The checks of `check_run` before the mesh's: the config's values, grad_accum_steps
+    against the batch, the output locations, the data files, the tapped layers and the tap
+    cache's settings. Returns grad_accum_steps."""
     from dflash_jax.support import checks
     from dflash_jax.support.checks import ConfigError
 
@@ -168,49 +219,73 @@ def preflight(config, workdir: str) -> int:
                 )
     _check_taps(config)
     tap_cache.check_tap_cache(config)
-    if config.regen.get("only", False):
-        return accum  # no training: no mesh
-    # The mesh: its spec, and that the devices hold it (before regeneration, not after).
+    return accum
+
+
+def _check_mesh(config, accum: int) -> MeshPlan:
+    """The mesh: its spec, that the devices hold it (before regeneration, not after), its
+    expert axis against the target's experts (where they can be read now), the batch, its
+    micro-batches and the unlikelihood batch against its batch shards."""
+    from dflash_jax.parallel import sharding
+    from dflash_jax.support.checks import ConfigError
+
+    # "" is data parallelism over this host's devices: the same rules on a data-only mesh,
+    # where every parameter is replicated.
     mesh_spec = config.get("mesh", "")
     try:
-        sizes = sharding.parse_mesh(mesh_spec or "data=-1")
+        axes = sharding.parse_mesh(mesh_spec or "data=-1")
     except ValueError as e:
         raise ConfigError(f"config.mesh: {e}") from None
     pool = _mesh_devices(mesh_spec)
-    known = math.prod(v for v in sizes.values() if v != -1)
+    known = math.prod(v for v in axes.values() if v != -1)
     if (
-        any(v == 0 or v < -1 for v in sizes.values())
-        or sum(v == -1 for v in sizes.values()) > 1
-        or (len(pool) % known if -1 in sizes.values() else known > len(pool))
+        any(v == 0 or v < -1 for v in axes.values())
+        or sum(v == -1 for v in axes.values()) > 1
+        or (len(pool) % known if -1 in axes.values() else known > len(pool))
     ):
         raise ConfigError(
             f"config.mesh {mesh_spec!r} does not fit the {len(pool)} device(s) "
             f"[{pool[0].platform}] (e.g. --config.mesh=fsdp={len(pool)})"
         )
-    full = {k: len(pool) // known if v == -1 else v for k, v in sizes.items()}
-    num_experts = _target_num_experts(config)
-    if num_experts is not None:
-        try:
-            sharding.check_expert_axis(full.get("expert", 1), num_experts)
-        except ValueError as e:
-            raise ConfigError(f"config.mesh {mesh_spec!r}: {e}") from None
-    n_batch = full["data"] * full["fsdp"]
-    if config.data.batch_size % n_batch:
+    sizes = {k: len(pool) // known if v == -1 else v for k, v in axes.items()}
+    plan = MeshPlan(
+        spec=mesh_spec,
+        axes=axes,
+        sizes=sizes,
+        devices=tuple(pool[: math.prod(sizes.values())]),
+        n_batch=sizes["data"] * sizes["fsdp"],
+        num_experts=_target_num_experts(config),
+    )
+    if plan.num_experts is not None:
+        _check_expert_axis(plan, plan.num_experts, ConfigError)
+    if config.data.batch_size % plan.n_batch:
         raise ConfigError(
-            f"data.batch_size {config.data.batch_size} is not divisible by the {n_batch} "
+            f"data.batch_size {config.data.batch_size} is not divisible by the {plan.n_batch} "
             f"batch shards of config.mesh {mesh_spec or 'data=-1'!r}"
         )
-    check_grad_accum(config.data.batch_size, accum, n_batch)
+    check_grad_accum(config.data.batch_size, accum, plan.n_batch)
     if (
         config.mode == "target"
         and config.unlikelihood.weight > 0
-        and config.unlikelihood.batch_size % n_batch
+        and config.unlikelihood.batch_size % plan.n_batch
     ):
         raise ConfigError(
             f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not divisible by "
-            f"the {n_batch} batch shards of the mesh"
+            f"the {plan.n_batch} batch shards of the mesh"
         )
-    return accum
+    return plan
+
+
+def _check_expert_axis(plan: MeshPlan, num_experts: int, error: type[ValueError]) -> None:
+    """The mesh's expert axis against the target's `num_experts`: in `_check_mesh` (a
+    ConfigError) where they could be read before loading the target, else once it is loaded,
+    in `_setup` (a ValueError: its regeneration ran)."""
+    from dflash_jax.parallel import sharding
+
+    try:
+        sharding.check_expert_axis(plan.sizes.get("expert", 1), num_experts)
+    except ValueError as e:
+        raise error(f"config.mesh {plan.spec!r}: {e}") from None
 
 
 def _check_taps(config) -> None:
@@ -250,13 +325,16 @@ def make_workdir(workdir: str) -> str:
     return workdir
 
 
-def train_and_evaluate(config, workdir: str) -> dict:
+def train_and_evaluate(config, workdir: str, checked: Optional[Preflight] = None) -> dict:
     """Runs (or resumes) training in `workdir`. Returns a summary:
     {"status": "done" | "stopped" | "preempted" | "nan" | "data_exhausted" | "regenerated"
      (regen.only), "step",
      "losses": [(step, loss), ...] of this process, "eval": last eval metrics,
-     "export": path or None}."""
-    accum = preflight(config, workdir)
+     "export": path or None}.
+    `checked`: what `check_run(config, workdir)` returned for this config, where the caller
+    ran it already (the checks are not run again); None: they run first."""
+    if checked is None:
+        checked = check_run(config, workdir)
     workdir = make_workdir(workdir)
     exp = build_experiment(config, workdir)
     if config.regen.get("only", False):  # the responses exist now (build_experiment wrote them)
@@ -270,7 +348,7 @@ def train_and_evaluate(config, workdir: str) -> dict:
             "export": None,
             "regenerated": path,
         }
-    run = _setup(config, workdir, exp, accum)
+    run = _setup(config, workdir, exp, checked)
     logger = MetricsLogger(
         workdir,
         resume_step=int(run.state.step),  # no duplicate rows
@@ -385,20 +463,34 @@ def _eval_line(metrics: dict) -> str:
     )
 
 
+@dataclasses.dataclass(frozen=True)
 class _Run:
     """What the loop runs with, fixed before its first step (`_setup`)."""
 
-    def __init__(self, **kw):
-        self.__dict__.update(kw)
+    exp: Experiment  # the built experiment; its train_iter reads this process's data streams
+    total: int  # the run's steps: num_train_steps, else data.num_epochs epochs
+    stop_at: int  # the step this stage stops at: stop_at_step (at most total), else total
+    schedule: Callable[[int], Any]  # step -> learning rate (the optimizer's optax schedule)
+    state: TrainState  # the state the loop starts from (restored, or step 0), placed
+    frozen: Any  # the parameters the step does not train (drafter mode: the target's), placed
+    data_sh: Any  # the batch's shardings: its rows over the mesh's data x fsdp
+    train_step: Callable  # (state, frozen, batch) -> (state, metrics), jitted; state donated
+    eval_step: Callable  # (params, frozen, host batch) -> the loss's metrics (`evaluate`)
+    eval_mesh: Optional[Mesh]  # the mesh of evaluation and of the unlikelihood sampler (None
+    # on one device)
+    ckpt: Checkpointer  # this run's checkpoints (WORKDIR/checkpoints)
+    # batch -> the target's taps (a tap cache: data.cache_taps), or {"taps", "topk_ids",
+    # "topk_logp"} (a tap store: data.tap_store); None: the step runs the target's pass
+    taps: Optional[Callable]
+    log_window: Optional[dict]  # the restored checkpoint's log window sums (`_LogWindow.saved`)
 
 
-def _setup(config, workdir: str, exp, accum: int) -> _Run:
-    """The one-time setup: step counts, optimizer, the mesh and its shardings (checked against
-    the batch and the experts), the data streams of this process, the checkpoint restored (all
-    processes at the same step), the state and frozen parameters placed, the jitted train and
-    eval steps; the start-up lines logged."""
-    from dflash_jax.parallel import sharding
-
+def _setup(config, workdir: str, exp, checked: Preflight) -> _Run:
+    """The one-time setup: step counts, optimizer, the mesh of `checked` and its shardings
+    (the expert axis checked here only where the preflight could not read the target's
+    experts), the data streams of this process, the checkpoint restored (all processes at the
+    same step), the state and frozen parameters placed, the jitted train and eval steps; the
+    start-up lines logged."""
     total = (
         config.num_train_steps
         if config.num_train_steps > 0
@@ -412,19 +504,9 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
         opt_state=optimizer.init(exp.init_params),
         rng=jax.random.PRNGKey(config.seed),
     )
-    # "" is data parallelism over this host's devices: the same rules on a data-only mesh,
-    # where every parameter is replicated.
-    mesh_spec = config.get("mesh", "")
-    sizes = sharding.parse_mesh(mesh_spec or "data=-1")
-    pool = _mesh_devices(mesh_spec)
-    mesh = sharding.make_mesh(
-        **sizes, devices=pool if -1 in sizes.values() else pool[: math.prod(sizes.values())]
-    )
-    try:  # (preflight could not read a target given by hub id; its regeneration ran)
-        sharding.check_expert_axis(mesh.shape.get("expert", 1), exp.target_cfg.num_experts)
-    except ValueError as e:
-        raise ValueError(f"config.mesh {mesh_spec!r}: {e}") from None
-    n_batch = mesh.shape["data"] * mesh.shape["fsdp"]
+    mesh = checked.mesh.build()
+    if checked.mesh.num_experts is None:  # a target given by hub id: read once it loaded
+        _check_expert_axis(checked.mesh, exp.target_cfg.num_experts, ValueError)
     state_sh, frozen_sh, data_sh = train_shardings(
         mesh,
         exp.mode,
@@ -433,18 +515,6 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
         exp.target_cfg.head_dim,
         exp.drafter_cfg.body.head_dim if exp.drafter_cfg is not None else None,
     )
-    n_dev = mesh.devices.size
-    if config.data.batch_size % n_batch:
-        raise ValueError(
-            f"batch_size {config.data.batch_size} is not divisible by the "
-            f"{n_batch} batch shards of the mesh ({n_dev} devices)"
-        )
-    check_grad_accum(config.data.batch_size, accum, n_batch)
-    if exp.repetition_sampler is not None and config.unlikelihood.batch_size % n_batch:
-        raise ValueError(
-            f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not "
-            f"divisible by the {n_batch} batch shards of the mesh"
-        )
     # Several processes: each reads only the data streams whose rows its devices hold.
     exp.train_iter = distributed.shard_batches(
         exp.train_iter, data_sh, config.data.get("num_shards", 0)
@@ -467,27 +537,13 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
         mesh,
         (state_sh, frozen_sh, data_sh),
         donate=True,
-        grad_accum_steps=accum,
+        grad_accum_steps=checked.accum,
     )
-
-    def eval_loss(p, f, b):
-        # Traced under the mesh, as the train step is: a MoE target's experts run expert
-        # parallel (shard_map, `dflash_jax/models/moe.py`), Pallas kernels per shard.
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1]
-
-    eval_jit = jax.jit(eval_loss, out_shardings=NamedSharding(mesh, P()))
+    eval_step = _eval_step(exp, mesh, data_sh)
     taps = _tap_source(config, exp, frozen) if config.data.get("cache_taps", False) else None
     if config.data.get("tap_store", ""):
         taps = _store_source(config, exp)
-    n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
-    _log(
-        f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
-        f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
-        + (f"in {accum} micro-batches " if accum > 1 else "")
-        + f"over {n_dev} device(s) [{jax.devices()[0].platform}, mesh "
-        f"{sharding.mesh_str(mesh)}], workdir {workdir}"
-    )
+    _log_start(config, exp, workdir, total, checked.accum, mesh)
     _log_expert_placement(exp, mesh, frozen if exp.mode == "drafter" else state.params)
     return _Run(
         exp=exp,
@@ -498,11 +554,38 @@ def _setup(config, workdir: str, exp, accum: int) -> _Run:
         frozen=frozen,
         data_sh=data_sh,
         train_step=train_step,
-        eval_step=lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh)),
-        eval_mesh=mesh if n_dev > 1 else None,
+        eval_step=eval_step,
+        eval_mesh=mesh if mesh.devices.size > 1 else None,
         ckpt=ckpt,
         taps=taps,
         log_window=log_window,
+    )
+
+
+def _eval_step(exp, mesh, data_sh) -> Callable:
+    """(params, frozen, host batch) -> the loss's metrics, jitted on `mesh` (replicated out)."""
+
+    def eval_loss(p, f, b):
+        # Traced under the mesh, as the train step is: a MoE target's experts run expert
+        # parallel (shard_map, `dflash_jax/models/moe.py`), Pallas kernels per shard.
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return exp.loss_fn(p, f, b, jax.random.PRNGKey(1234))[1]
+
+    eval_jit = jax.jit(eval_loss, out_shardings=NamedSharding(mesh, P()))
+    return lambda p, f, b: eval_jit(p, f, distributed.put(b, data_sh))
+
+
+def _log_start(config, exp, workdir: str, total: int, accum: int, mesh) -> None:
+    """The run's start-up line: what trains, for how long, on which batch and mesh."""
+    from dflash_jax.parallel import sharding
+
+    n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
+    _log(
+        f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
+        f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
+        + (f"in {accum} micro-batches " if accum > 1 else "")
+        + f"over {mesh.devices.size} device(s) [{jax.devices()[0].platform}, mesh "
+        f"{sharding.mesh_str(mesh)}], workdir {workdir}"
     )
 
 
