@@ -68,3 +68,24 @@ def test_a_kind_added_by_one_line_drafts_in_the_loop_losslessly(bundled_pair, or
     assert request.block_size == 4
     with pytest.raises(ValueError, match="^tree_budget is not implemented for the oracle$"):
         Request.build(target.config, ok.OracleConfig(), prompts, n, tree_budget=4)
+
+
+def test_each_kinds_dry_run_shapes_are_what_its_loaded_drafter_gives_the_programs(bundled_pair):
+    """`for_target` / `module` / `abstract_params` (what the dry run compiles) against the
+    decode parameters of a real drafter of that config (what `generate` passes)."""
+    import jax
+
+    from dflash_jax.drafters import eagle3 as e3
+
+    target = bundled_pair[0]
+    real = {
+        "dflash": lambda c: dflash_lib.Drafter(c, dflash_lib.init_drafter_params(c)),
+        "eagle3": lambda c: e3.Eagle3(c, e3.init_eagle3_params(c), np.arange(c.draft_vocab_size)),
+        "prompt_lookup": lambda c: dj.PromptLookup(block_size=c.block_size),
+    }
+    shapes = lambda tree: jax.tree_util.tree_map(lambda x: (np.shape(x), np.dtype(x.dtype)), tree)
+    for kind in registry.kinds():
+        cfg = kind.for_target(target.config, 8)
+        assert registry.of(cfg) is kind and isinstance(kind.module(cfg), kind.module_type)
+        drafter = real[kind.name](cfg)
+        assert shapes(kind.abstract_params(cfg)) == shapes(kind.decode_params(drafter)), kind.name

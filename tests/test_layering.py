@@ -179,8 +179,6 @@ CONCRETE_DRAFTERS = (
 )
 NOT_YET = {
     "dflash_jax.decoding.step",
-    "dflash_jax.dry_run.presets",
-    "dflash_jax.dry_run.programs",
     "dflash_jax.training.eagle3_ttt",
     "dflash_jax.training.experiment",
     "dflash_jax.training.losses",

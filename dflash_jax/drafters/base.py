@@ -147,6 +147,24 @@ class DrafterKind:
         """What the decode programs take as its parameters (`Decoder.dparams`)."""
         return drafter.params
 
+    # ---- compiling without weights (the dry run)
+    def for_target(self, target_config, block_size: int, **options):
+        """A drafter config of this kind matched to a target (shapes only: the dry run's)."""
+        raise NotImplementedError(self.name)
+
+    def module(self, config):
+        """The decode module the programs hold for a drafter of `config`."""
+        raise NotImplementedError(self.name)
+
+    def abstract_params(self, config):
+        """Its decode parameters as ShapeDtypeStructs (`decode_params`' shapes), or None."""
+        return None
+
+    def passes(self, config, block_size: int, denoise_steps: int = 1):
+        """(drafter passes, passes of the target's LM head over drafter rows) per step: the
+        HBM model's count of what one proposal reads. None: one per drafter pass."""
+        return 0, 0
+
     def loop(self, config) -> "DrafterKind":
         """The kind that drafts in the loop for `config` (a variant may draft otherwise:
         DFlash 2's selector)."""

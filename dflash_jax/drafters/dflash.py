@@ -937,6 +937,29 @@ class DFlashKind(base.DrafterKind):
     def decode_params(self, drafter):
         return drafter.decode_params
 
+    def for_target(self, target_config, block_size: int = 16, **options):
+        return make_drafter_config(target_config, block_size=block_size, **options)
+
+    def module(self, config):
+        return DFlashDrafter(config)
+
+    def abstract_params(self, config):
+        return jax.eval_shape(lambda: init_drafter_params(config))
+
+    def passes(self, config, block_size: int, denoise_steps: int = 1):
+        return denoise_steps, None  # the target's LM head once per pass
+
+    def variant(self, config, dflash2_fields=None, window=None):
+        """`config` as DFlash 2 (with `dflash2_fields`: its convolutions and selector sizes)
+        and / or with every layer sliding with `window` (bidirectional inside the block for
+        DFlash; DFlash 2: the reference's default, causal)."""
+        if dflash2_fields:
+            config = config.replace(**dflash2_fields)
+        if window:
+            causal = None if config.dflash2 else False
+            config = config.replace(**sliding_layers(config.body.num_layers, window, causal))
+        return config
+
     def loop(self, config) -> base.DrafterKind:
         return DFLASH2 if config.dflash2 else self
 

@@ -827,6 +827,31 @@ class Eagle3Kind(base.DrafterKind):
     def decode_params(self, drafter):
         return drafter.decode_params
 
+    def for_target(self, target_config, block_size: int, draft_vocab_size=None, **options):
+        """One Llama layer at the target's width over its default taps (first, middle and last
+        on a target too shallow for them), the target's embedding shared, its own LM head over
+        `draft_vocab_size` tokens (at most the vocabulary; None: all of it)."""
+        n = target_config.num_layers
+        try:
+            taps = default_eagle3_taps(n)
+        except ValueError:  # a target too shallow for the default (test shapes)
+            taps = (0, n // 2, n - 1)
+        vd = min(draft_vocab_size or target_config.vocab_size, target_config.vocab_size)
+        return make_eagle3_config(
+            target_config, draft_vocab_size=vd, target_layer_ids=taps, **options
+        )
+
+    def module(self, config):
+        return Eagle3Drafter(config)
+
+    def abstract_params(self, config):
+        params = jax.eval_shape(lambda: init_eagle3_params(config))
+        d2t = jax.ShapeDtypeStruct((config.draft_vocab_size,), jnp.int32)
+        return {"params": params, "vocab": {"d2t": d2t}}
+
+    def passes(self, config, block_size: int, denoise_steps: int = 1):
+        return block_size - 1, 0  # a step per draft, over its own head
+
     # ---- the decode loop
     def variables(self, dec):
         return {"params": dec.dparams["params"], "vocab": dec.dparams["vocab"]}

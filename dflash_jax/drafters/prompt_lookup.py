@@ -195,6 +195,12 @@ class PromptLookupKind(base.DrafterKind):
     def decode_params(self, drafter):
         return None
 
+    def for_target(self, target_config, block_size: int, **options):
+        return PromptLookupConfig(block_size=block_size, **options)
+
+    def module(self, config):
+        return PromptLookupModule(config)
+
     def init_context(self, dec, b, capacity):
         return TokenHistory.create(b, capacity)
 

@@ -297,8 +297,10 @@ def build_configs(
 
 
 def _build_configs(model: str, dtype: Optional[str] = None):
-    from dflash_jax.drafters.dflash import make_drafter_config
+    from dflash_jax.drafters import registry
     from dflash_jax.models.config import as_dtype
+
+    make_drafter_config = registry.named("dflash").for_target  # the presets' drafter: DFlash
 
     presets = model_presets()
     if model not in presets:  # a GGUF file, a directory holding one, or a known model name
@@ -331,13 +333,10 @@ def abstract_params(tcfg, dcfg):
     """(target, drafter) parameter shapes: ShapeDtypeStruct pytrees, nothing allocated."""
     import jax
 
-    from dflash_jax.drafters.dflash import init_drafter_params
+    from dflash_jax.drafters import registry
     from dflash_jax.models.verifier import init_params
 
-    return (
-        jax.eval_shape(lambda: init_params(tcfg)),
-        jax.eval_shape(lambda: init_drafter_params(dcfg)),
-    )
+    return jax.eval_shape(lambda: init_params(tcfg)), registry.of(dcfg).abstract_params(dcfg)
 
 
 def train_config(

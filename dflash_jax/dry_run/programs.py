@@ -110,46 +110,31 @@ EAGLE3_DRAFT_VOCAB = 32000
 
 def other_drafter(tcfg, drafter: str, block_size: int, draft_vocab_size: Optional[int] = None):
     """(module, abstract decode parameters or None, passes, target-LM-head passes) of a drafter
-    that is not DFlash, for a target config `tcfg`: "eagle3", one Llama layer at the target's
-    width over its default taps, the target's embedding shared, its own LM head over
-    `draft_vocab_size` tokens (default `EAGLE3_DRAFT_VOCAB`, at most the vocabulary), drafting
-    block_size - 1 tokens one step at a time; "prompt_lookup", no parameters, no pass."""
-    import jax
-    import jax.numpy as jnp
+    that is not DFlash, for a target config `tcfg`, as its kind matches one to the target
+    (`DrafterKind.for_target`): "eagle3", one Llama layer at the target's width over its
+    default taps, the target's embedding shared, its own LM head over `draft_vocab_size`
+    tokens (default `EAGLE3_DRAFT_VOCAB`, at most the vocabulary), drafting block_size - 1
+    tokens one step at a time; "prompt_lookup", no parameters, no pass."""
+    from dflash_jax.drafters import registry
 
-    from dflash_jax.drafters import eagle3 as e3
-    from dflash_jax.drafters import prompt_lookup
-
-    if drafter == "prompt_lookup":
-        return prompt_lookup.PromptLookup(block_size).module, None, 0, 0
-    if drafter != "eagle3":
+    if drafter not in OTHER_DRAFTERS:
         raise ValueError(f"drafter must be one of {OTHER_DRAFTERS}, got {drafter!r}")
-    vd = min(draft_vocab_size or EAGLE3_DRAFT_VOCAB, tcfg.vocab_size)
-    n = tcfg.num_layers
-    try:
-        taps = e3.default_eagle3_taps(n)
-    except ValueError:  # a target too shallow for the default (test shapes): first, middle, last
-        taps = (0, n // 2, n - 1)
-    cfg = e3.make_eagle3_config(tcfg, draft_vocab_size=vd, target_layer_ids=taps)
-    params = jax.eval_shape(lambda: e3.init_eagle3_params(cfg))
-    dparams = {"params": params, "vocab": {"d2t": jax.ShapeDtypeStruct((vd,), jnp.int32)}}
-    return e3.Eagle3Drafter(cfg), dparams, block_size - 1, 0
+    kind = registry.named(drafter)
+    options = {"draft_vocab_size": draft_vocab_size or EAGLE3_DRAFT_VOCAB}
+    cfg = kind.for_target(tcfg, block_size, **(options if drafter == "eagle3" else {}))
+    return (kind.module(cfg), kind.abstract_params(cfg)) + kind.passes(cfg, block_size)
 
 
 def drafter_variant(dcfg, drafter: str = "dflash", window: Optional[int] = None):
     """The preset's drafter as `drafter` ("dflash": as is; "dflash2": with DFlash 2's
     convolutions and candidate selector at the published sizes), every layer sliding with
-    `window` when given."""
-    from dflash_jax.drafters.dflash import sliding_layers
+    `window` when given (`DFlashKind.variant`)."""
+    from dflash_jax.drafters import registry
 
-    if drafter == "dflash2":
-        dcfg = dcfg.replace(**DFLASH2_PUBLISHED)
-    elif drafter != "dflash":
+    if drafter not in ("dflash", "dflash2"):
         raise ValueError(f"drafter must be dflash or dflash2, got {drafter!r}")
-    if window:
-        causal = None if drafter == "dflash2" else False  # DFlash 2: the reference's default
-        dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, window, causal))
-    return dcfg
+    fields = DFLASH2_PUBLISHED if drafter == "dflash2" else None
+    return registry.named("dflash").variant(dcfg, fields, window)
 
 
 def dry_run_infer(
@@ -202,7 +187,7 @@ def dry_run_infer(
 
     from dflash_jax.decoding.programs import buffer_sizes, generate_programs
     from dflash_jax.decoding.step import Plan
-    from dflash_jax.drafters.dflash import DFlashDrafter
+    from dflash_jax.drafters import registry
     from dflash_jax.models import attention as attn_lib
     from dflash_jax.models.verifier import target_module
     from dflash_jax.parallel import sharding
@@ -239,7 +224,11 @@ def dry_run_infer(
             width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
             p_pad, n_buf, capacity = buffer_sizes(context, max_new_tokens, width)
             tmod = target_module(tcfg, impl)
-            dmod = (draft_mod if other else DFlashDrafter(dcfg)) if kind == "dflash" else None
+            dmod = (
+                (draft_mod if other else registry.of(dcfg).module(dcfg))
+                if kind == "dflash"
+                else None
+            )
             dp = dparams if kind == "dflash" else None
             prefill_jit, decode_jit, sh = generate_programs(
                 tmod, dmod, plan, capacity, n_buf, m, tparams, dp, batch, p_pad
@@ -426,7 +415,7 @@ def dry_run_train(
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.drafters.dflash import DFlashDrafter
+    from dflash_jax.drafters import registry
     from dflash_jax.models.config import as_dtype
     from dflash_jax.models.verifier import target_module
     from dflash_jax.parallel import sharding
@@ -457,7 +446,7 @@ def dry_run_train(
         raise UsageError(str(e)) from None
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
     tparams, dparams = abstract_params(tcfg, dcfg)
-    tmod, dmod = target_module(tcfg, config.attention_impl), DFlashDrafter(dcfg)
+    tmod, dmod = target_module(tcfg, config.attention_impl), registry.of(dcfg).module(dcfg)
     optimizer = make_optimizer(config, 10000)[0]
     state = TrainState(
         step=jax.ShapeDtypeStruct((), jnp.int32),
