@@ -358,8 +358,8 @@ def test_a_signal_while_writing_waits_until_every_file_is_whole(tmp_path):
     "script, args, words",
     [
         ("scale_costs.py", ["--sizes=foo"], "--sizes entries look like 512x8"),
-        ("dflash2_cost.py", [], "--out is required"),
-        ("tap_cache.py", [], "--config is required"),
+        ("experiments/dflash2/dflash2_cost.py", [], "--out is required"),
+        ("experiments/tap_store/tap_cache.py", [], "--config is required"),
         ("rerun_dry_runs.py", ["stray"], "unexpected arguments: ['stray']"),
         ("plot_training.py", ["--no_such_flag=1"], "Unknown command line flag 'no_such_flag'"),
     ],

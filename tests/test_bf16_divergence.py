@@ -4,9 +4,9 @@ The mechanism, asserted directly rather than waiting for a divergence (which XLA
 may not produce on a given prompt): the target's logits over the same tokens computed one token
 at a time (an autoregressive step) and 16 tokens at a time (a DFlash verify pass of drafts that
 are all right) differ in bfloat16, by less than the bfloat16 rounding scale `tol` of the top-2
-gap (benchmarks/bf16_divergence.py's definition) at every position, so the two can choose
-differently only where the top two tokens are a near-tie. With bfloat16 weights and float32
-compute DFlash equals autoregressive decoding."""
+gap (benchmarks/experiments/bf16_divergence/bf16_divergence.py's definition) at every
+position, so the two can choose differently only where the top two tokens are a near-tie. With
+bfloat16 weights and float32 compute DFlash equals autoregressive decoding."""
 
 import os
 
@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from benchmarks import bf16_divergence as bd
+from benchmarks.experiments.bf16_divergence import bf16_divergence as bd
 from dflash_jax.data.tokenizer import load_tokenizer
 from dflash_jax.models.transformer import KVCache
 
@@ -116,8 +116,9 @@ def test_bf16_verify_and_step_logits_differ_within_rounding_so_only_near_ties_fl
         assert np.all(near[flips]) and np.all(block[flips] == b[flips]), flips
     # Near-ties are a minority of positions (docs: 12%), but some exist to be classified.
     assert 0 < ties < 0.25 * NEW * len(rows), ties
-    # benchmarks/bf16_divergence.py's classifier (a full forward over the prefix, no cache)
-    # agrees: at the smallest-gap position its top two are a near-tie, at the largest not.
+    # benchmarks/experiments/bf16_divergence/bf16_divergence.py's classifier (a full forward
+    # over the prefix, no cache) agrees: at the smallest-gap position its top two are a
+    # near-tie, at the largest not.
     row = rows[0]
     ratio = row["gap_one"] / row["tol"]
     prefix = lambda t: list(row["prompt"]) + row["tokens"][: t + 1]
@@ -129,8 +130,9 @@ def test_bf16_verify_and_step_logits_differ_within_rounding_so_only_near_ties_fl
 
 def test_float32_compute_dflash_equals_ar_and_one_bucket_compiles_once(prompts):
     """bf16 weights, float32 compute: DFlash (an accepted drafter) gives the autoregressive
-    tokens (benchmarks/bf16_divergence.compare, as the measurement). Prompt lengths 26, 25 and
-    17 share one bucket (32, docs/generation.md): one compiled program."""
+    tokens (`compare` of benchmarks/experiments/bf16_divergence/bf16_divergence.py, as the
+    measurement). Prompt lengths 26, 25 and 17 share one bucket (32, docs/generation.md): one
+    compiled program."""
     target = _load("bf16 weights, float32 compute")
     drafter = dj.load_drafter(os.path.join(PAIR, "drafter"), target=target)
     assert sorted(len(p) for p in prompts[1:3]) == [25, 26]

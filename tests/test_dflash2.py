@@ -408,9 +408,9 @@ def test_blocked_top_k_is_the_top_k():
 
 
 def test_silence_selector_zeroes_the_codebooks_only(bundled_pair):
-    """silence_selector (benchmarks/silence_selector.py's rule): a live selector's codebooks
-    zeroed (its walk then takes each slot's argmax), everything else kept; a DFlash drafter
-    refused."""
+    """silence_selector (benchmarks/experiments/dflash2/silence_selector.py's rule): a live
+    selector's codebooks zeroed (its walk then takes each slot's argmax), everything else kept;
+    a DFlash drafter refused."""
     from dflash_jax.drafters.dflash import silence_selector
 
     _, drafter, _ = bundled_pair

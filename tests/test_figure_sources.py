@@ -13,7 +13,13 @@ from dflash_jax.support import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "benchmarks", "results")
-DOCS = ["README.md", "benchmarks/README.md", "docs/*.md", "benchmarks/results/**/README.md"]
+DOCS = [
+    "README.md",
+    "benchmarks/README.md",
+    "docs/*.md",
+    "benchmarks/results/**/README.md",
+    "benchmarks/experiments/*/README.md",
+]
 # A result file a doc names: benchmarks/results/... or, from benchmarks/README.md, results/...
 # (not after "=": a command's output flag, which may name a file not made yet; nor after
 # ":", a file at a git revision).
@@ -99,8 +105,13 @@ def test_quoted_figures_are_the_result_files():
 
 
 def test_record_names_the_command_line_and_the_checkout():
-    rec = provenance.record(argv=[os.path.join(ROOT, "benchmarks", "op_costs.py"), "--x=a b"])
-    assert rec["command"] == "python benchmarks/op_costs.py '--x=a b'"
+    rec = provenance.record(
+        argv=[
+            os.path.join(ROOT, "benchmarks", "experiments", "token_choosers", "op_costs.py"),
+            "--x=a b",
+        ]
+    )
+    assert rec["command"] == "python benchmarks/experiments/token_choosers/op_costs.py '--x=a b'"
     main = os.path.join(ROOT, "dflash_jax", "dry_run", "__main__.py")
     assert provenance.command([main, "--model=tiny"]) == "python -m dflash_jax.dry_run --model=tiny"
     head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True)
@@ -129,9 +140,10 @@ def test_record_names_the_command_line_and_the_checkout():
 
 
 def test_ddpm_tpu_page_is_the_scripts():
-    """benchmarks/results/ddpm/tpu/README.md is what benchmarks/ddpm_tpu.py makes of the
-    committed dry runs (and the CPU taus): rerun `python benchmarks/ddpm_tpu.py --write`."""
-    from benchmarks import ddpm_tpu
+    """benchmarks/results/ddpm/tpu/README.md is what benchmarks/experiments/ddpm/ddpm_tpu.py
+    makes of the committed dry runs (and the CPU taus): rerun
+    `python benchmarks/experiments/ddpm/ddpm_tpu.py --write`."""
+    from benchmarks.experiments.ddpm import ddpm_tpu
 
     assert _read(os.path.relpath(ddpm_tpu.OUT, ROOT)) == ddpm_tpu.page()
     st = ddpm_tpu.steps()

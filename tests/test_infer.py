@@ -339,7 +339,11 @@ def test_benchmark_script_writes_results_and_checks_greedy_identity(tmp_path):
 def test_op_costs_script_times_the_token_choosers():
     r = subprocess.run(
         # A few calls per chooser: the script end to end, not its figures (1000 by default).
-        [sys.executable, os.path.join(ROOT, "benchmarks", "op_costs.py"), "--iters=5"],
+        [
+            sys.executable,
+            os.path.join(ROOT, "benchmarks", "experiments", "token_choosers", "op_costs.py"),
+            "--iters=5",
+        ],
         capture_output=True,
         text=True,
         timeout=300,

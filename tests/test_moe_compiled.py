@@ -1,8 +1,8 @@
-"""benchmarks/moe_compiled.py: a DFlash-only run takes its AR step from the run of the same
-chip, mesh and batch; the break-even tau is the ratio of the projected step times; the
-speedup's tau is capped at block + 1."""
+"""benchmarks/experiments/moe/moe_compiled.py: a DFlash-only run takes its AR step from the
+run of the same chip, mesh and batch; the break-even tau is the ratio of the projected step
+times; the speedup's tau is capped at block + 1."""
 
-from benchmarks import moe_compiled
+from benchmarks.experiments.moe import moe_compiled
 
 
 CHIP = dict(bf16_flops=1e15, hbm_bw=1e9, ici_bw=1e9)  # 1 GB/s: time_s = GB read

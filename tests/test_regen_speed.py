@@ -1,7 +1,7 @@
-"""benchmarks/regen_speed.py end to end on the bundled tiny target: every case and the capacity
-sweep timed (a larger cache gives the same tokens), the projection written, the analytic step
-cost equal to a count of the target's parameters, and a bad flag one line, exit 2, nothing
-written."""
+"""benchmarks/experiments/regen/regen_speed.py end to end on the bundled tiny target: every
+case and the capacity sweep timed (a larger cache gives the same tokens), the projection
+written, the analytic step cost equal to a count of the target's parameters, and a bad flag one
+line, exit 2, nothing written."""
 
 import json
 import os
@@ -11,11 +11,11 @@ import sys
 import _pair
 import pytest
 
-from benchmarks import regen_speed as rs
+from benchmarks.experiments.regen import regen_speed as rs
 
 ROOT = _pair.ROOT
 TARGET = os.path.join(_pair.PAIR, "target")
-SCRIPT = os.path.join(ROOT, "benchmarks", "regen_speed.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "experiments", "regen", "regen_speed.py")
 
 
 def _run(*args):
@@ -49,7 +49,10 @@ def test_cases_sweep_and_projection(tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert "ms/step" in ok.stdout and "capacity sweep" in ok.stdout
     rec = json.loads(out.read_text())
-    assert rec["command"].startswith("python benchmarks/regen_speed.py") and rec["commit"]
+    assert (
+        rec["command"].startswith("python benchmarks/experiments/regen/regen_speed.py")
+        and rec["commit"]
+    )
     assert [(c["batch"], c["new_tokens"]) for c in rec["cases"]] == [(1, 3), (3, 3)]
     for c in rec["cases"]:
         assert c["batches"] == -(-3 // c["batch"]) and c["rows"] == 3

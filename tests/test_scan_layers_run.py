@@ -1,5 +1,6 @@
-"""benchmarks/scan_layers_run.py: the looped and scanned stacks timed side by side in fresh
-processes, their tokens checked equal; bad flags one line before any model loads."""
+"""benchmarks/experiments/scan_layers/scan_layers_run.py: the looped and scanned stacks timed
+side by side in fresh processes, their tokens checked equal; bad flags one line before any
+model loads."""
 
 import os
 import subprocess
@@ -8,7 +9,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SCRIPT = os.path.join(ROOT, "benchmarks", "scan_layers_run.py")
+SCRIPT = os.path.join(ROOT, "benchmarks", "experiments", "scan_layers", "scan_layers_run.py")
 PAIR = os.path.join(ROOT, "assets", "tiny-code")
 
 pytestmark = pytest.mark.once  # a script end to end: host-side (tests/README.md)

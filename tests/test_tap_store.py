@@ -273,15 +273,16 @@ def test_soft_label_losses_match_their_numpy_statement(setup, loss):
     ],
 )
 def test_store_step_benchmark_refuses_bad_input_in_one_line(args, words, tmp_path):
-    """benchmarks/store_step.py: a bad variant, store or step count is one line, exit 2,
-    before any model is loaded (no child process, no JSON written)."""
+    """benchmarks/experiments/tap_store/store_step.py: a bad variant, store or step count is
+    one line, exit 2, before any model is loaded (no child process, no JSON written)."""
     import subprocess
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    script = os.path.join(root, "benchmarks", "experiments", "tap_store", "store_step.py")
     out = tmp_path / "x.json"
     p = subprocess.run(
-        [sys.executable, os.path.join(root, "benchmarks", "store_step.py"),
+        [sys.executable, script,
          "--config=" + os.path.join(root, "configs", "tiny_test.py"), f"--json_out={out}", *args],
         capture_output=True, text=True, cwd=root, timeout=120,
     )  # fmt: skip

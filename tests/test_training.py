@@ -668,8 +668,9 @@ def test_repeated_ngram_mask_and_batch():
 def test_unlikelihood_training_lowers_greedy_repetition(tmp_path):
     """A target trained on random-token documents with the unlikelihood term repeats 4-grams in
     its greedy continuations less than the same run without it (same data, seed and steps)."""
-    # The setting and the measure of benchmarks/unlikelihood_toy.py (the figure in the docs).
-    from benchmarks import unlikelihood_toy as toy
+    # The setting and the measure of benchmarks/experiments/unlikelihood/unlikelihood_toy.py
+    # (the figure in the docs).
+    from benchmarks.experiments.unlikelihood import unlikelihood_toy as toy
 
     rates = {w: toy.repeated_share(w, str(tmp_path / str(w))) for w in (0.0, 1.0)}
     assert rates[1.0] < 0.6 * rates[0.0], rates

@@ -1,10 +1,11 @@
-"""benchmarks/under_load.py without compiling: its arguments refused with one clear error, its
-table and plot from rows (the compiled figures come from the dry run, tested elsewhere)."""
+"""benchmarks/experiments/under_load/under_load.py without compiling: its arguments refused
+with one clear error, its table and plot from rows (the compiled figures come from the dry run,
+tested elsewhere)."""
 
 import pytest
 from absl import app
 
-from benchmarks import under_load
+from benchmarks.experiments.under_load import under_load
 
 
 def test_taus_and_sizes_are_checked():

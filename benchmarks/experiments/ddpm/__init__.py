@@ -1,0 +1,1 @@
+"""The scripts of benchmarks/experiments/ddpm/ (its README.md says what they answered)."""

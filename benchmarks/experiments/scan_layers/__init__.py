@@ -1,0 +1,1 @@
+"""The scripts of benchmarks/experiments/scan_layers/ (its README.md says what they answered)."""
