@@ -12,6 +12,11 @@ per-position acceptance, speedup per setting).
 Prompts: functions cut from the held-out (validation) files of the Python standard library
 corpus (`dflash_jax.data.prompts.benchmark_prompts`), never from training files; or
 `--prompt_file` JSONL.
+
+Committed results: `python benchmarks/bench_dflash.py --target=assets/tiny-code/target
+--drafter=assets/tiny-code/drafter --out_dir=benchmarks/results/tiny-code --num_prompts=100
+--max_new_tokens=64 --repeats=3` (`benchmarks/results/tiny-code/results.{json,md}`, the plots
+beside them).
 """
 
 import itertools

@@ -30,6 +30,15 @@ Writes the JSON (provenance, every figure), a Markdown table (`.md`) and a plot 
 (all three or none; Ctrl-C / SIGTERM: one line, exit 130 / 143). Flags, every dry-run record
 (`read_dry_runs`) and the output paths are checked before any model loads (one line, exit 2);
 no drafter steps or no decode time is "no data" / "n/a", never a division by zero.
+
+Committed results: `python benchmarks/compare_drafters.py --target=smollm2-135m-instruct
+--drafter=assets/smollm2-135m-instruct/drafter,assets/smollm2-135m-instruct/drafter_dflash2,assets/smollm2-135m-instruct/drafter_eagle3,prompt_lookup
+--block_sizes=16,16,8,8 --datasets=mt_bench,humaneval --temperatures=0,1 --num_prompts=4
+--max_new_tokens=64 --batch_size=4
+--dry_runs='benchmarks/results/smollm2/compare/dry_runs/*.json'
+--json_out=benchmarks/results/smollm2/compare/compare_drafters.json` (the dry runs' commands in
+`benchmarks/results/smollm2/README.md`); the stage-5 and stage-6 comparisons' commands are in
+their JSONs (`benchmarks/results/smollm2/stage{5,6}/compare_256.json`).
 """
 
 from __future__ import annotations

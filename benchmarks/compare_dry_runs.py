@@ -1,11 +1,16 @@
 """Two dry-run JSONs (`python -m dflash_jax.dry_run ... --json_out=FILE`) compared field by field:
 what a refactor must leave unchanged (memory per device, FLOPs, bytes, collectives, the roofline
-step figures). Provenance (command, commit, date, machine, environment) and compile times are
+step figures).
+
+Provenance (command, commit, date, machine, environment) and compile times are
 skipped; op scope names (which carry Python function names) are listed apart.
 
     python benchmarks/compare_dry_runs.py BEFORE.json AFTER.json
 
-Exit status 0 when every figure agrees (names may differ), 1 otherwise."""
+Exit status 0 when every figure agrees (names may differ), 1 otherwise.
+
+Committed results: none (it compares two dry runs' JSONs and prints what differs).
+"""
 
 import json
 import sys

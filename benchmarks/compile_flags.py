@@ -18,6 +18,10 @@ compiles from these figures.
 flag): trace, lowering and backend-compile seconds of one DFlash `generate` (its prefill and
 decode programs), and the backend seconds per target layer fitted over the depths; --layouts
 compares the looped stack with the scanned one (one traced and compiled layer body).
+
+Committed results: no file; the figures in `docs/performance.md` are from `python
+benchmarks/compile_flags.py --layers=4,32 --layouts=looped,scanned --compile_settings=default`,
+those in `tests/README.md` from `python benchmarks/compile_flags.py` and `--layers=4,8,16,30`.
 """
 
 import os

@@ -1,6 +1,6 @@
-"""The demo's figures as a result file: runs `python infer.py` (what `make demo` runs: the
-bundled pair, the default code prompt, 128 new tokens, checked against autoregressive decoding)
---repeats times, each in its own process, and writes what it printed and its totals.
+"""The demo's figures as a result file: `python infer.py` (what `make demo` runs: the bundled
+pair, the default code prompt, 128 new tokens, checked against autoregressive decoding) run
+--repeats times, each in its own process, what it printed and its totals.
 
     python benchmarks/demo.py --repeats=3 --json_out=benchmarks/results/tiny-code/demo.json
     python benchmarks/demo.py -- --max_new_tokens=64     # arguments after -- go to infer.py
@@ -9,6 +9,9 @@ JSON: the command, commit, date and machine (`dflash_jax.support.provenance`), t
 per run the totals of `batch_runner.summarize` (tau, DFlash and autoregressive decode tokens/s,
 speedup, outputs identical) and infer.py's stdout, and the median of each rate over the runs.
 Rates from a shared machine are noisy: the runs say how much.
+
+Committed results: `python benchmarks/demo.py --repeats=3
+--json_out=benchmarks/results/tiny-code/demo.json`.
 """
 
 import json

@@ -29,6 +29,13 @@ the measurement to make before choosing `drafter.draft_vocab_size` (FR-Spec's id
 Bad input (a missing file, a size outside [1, vocabulary], an unwritable output) is one
 `error: ...` line and exit status 2, before any compute. Writes `--json_out` (provenance,
 every figure) and `--md_out` (the table).
+
+Committed results: `python benchmarks/draft_vocab_coverage.py
+--responses=runs/smollm2/responses6.jsonl --target=smollm2-135m-instruct
+--datasets=mt_bench,humaneval --num_prompts=16 --max_new_tokens=256 --batch_size=16
+--answers_cache=runs/smollm2/coverage_answers.json
+--json_out=benchmarks/results/smollm2/draft_vocab_coverage.json
+--md_out=benchmarks/results/smollm2/draft_vocab_coverage.md`.
 """
 
 from __future__ import annotations

@@ -26,9 +26,12 @@ chart (`.png`) beside it, whole (all three or none; Ctrl-C / SIGTERM: one line, 
 143). Flags, datasets and output paths are checked before any model loads (one line, exit 2); a
 setting with no drafter steps reports "no data", not a tau of 0.
 
-Committed results: the command above (`benchmarks/results/smollm2/grid.{json,md,png}`); the
-DFlash 2 comparison's (`benchmarks/results/smollm2/dflash2_vs_dflash.json`) is in
-`benchmarks/results/smollm2/README.md` and in the JSON.
+Committed results: `python benchmarks/drafter_grid.py --target=smollm2-135m-instruct
+--drafter=assets/smollm2-135m-instruct/drafter --datasets=mt_bench,humaneval --num_prompts=4
+--max_new_tokens=64 --batch_size=4 --json_out=benchmarks/results/smollm2/grid.json`
+(`benchmarks/results/smollm2/grid.{json,md,png}`); the DFlash 2 comparison's command
+(`benchmarks/results/smollm2/dflash2_vs_dflash.json`) is in
+`benchmarks/results/smollm2/README.md` and in its JSON.
 """
 
 from __future__ import annotations

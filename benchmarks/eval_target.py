@@ -8,6 +8,10 @@ from training by hash of their path), in windows of --window tokens, every token
 Bits per byte = total nats / ln 2 / total UTF-8 bytes of the scored text. Greedy completions of
 a few held-out prompts are printed with their distinct-4-gram ratio (1.0 = no repeated 4-gram;
 degenerate loops score low).
+
+Committed results: `python benchmarks/eval_target.py
+--out=benchmarks/results/tiny-code/target_eval.json` (the JSONs record the run that wrote them,
+under runs/, with its --data_dir).
 """
 
 import json

@@ -25,6 +25,10 @@ set's "prompt"), mt_bench {"turns": [...]} (or "prompt": [...]), alpaca {"instru
 dflash_jax/data/sources.py: no --data_dir needed), else Hugging Face `datasets` (the sets the
 paper names), else TFDS (gsm8k); the source
 used is printed per dataset. No source: one error line, exit status 2, before any compute.
+
+Committed results: none in benchmarks/results/ (the SmolLM2 reproduction,
+`scripts/reproduce_smollm2.sh`, runs it into its runs directory; the SmolLM2 taus are
+`drafter_grid.py`'s and `compare_drafters.py`'s).
 """
 
 import json

@@ -25,6 +25,9 @@ Budget: programs are compiled `--compile_threads` at a time per implementation, 
 (listed as skipped). Each (batch, context) has its own cache shapes and so its own programs;
 the parameters and the state builder are shared. `--preset=tiny` (a small random model,
 contexts 64 / 128) runs on CPU in seconds: the test suite's configuration.
+
+Committed results: none yet (not run on a GPU); for one H200: `python benchmarks/gpu_steps.py
+--json_out=benchmarks/results/gpu_steps_h200.json`.
 """
 
 from __future__ import annotations

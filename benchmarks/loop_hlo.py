@@ -1,13 +1,18 @@
 """What one decode step runs, read from the compiled loops' optimized HLO (libtpu on this CPU
 machine, abstract TPU devices: no TPU needed): the collectives of each loop body by scope
 (draft / verify / accept) and the instructions that copy a cache-sized buffer per step
-(pads and relayouts; whole-cache VMEM round trips as copy-starts). DFLASH_KV_UPDATE=pallas
-compiles the cache writes as the Pallas DMA kernel (dflash_jax/models/attention.py).
+(pads and relayouts; whole-cache VMEM round trips as copy-starts).
+
+DFLASH_KV_UPDATE=pallas compiles the cache writes as the Pallas DMA kernel
+(dflash_jax/models/attention.py).
 
     python benchmarks/loop_hlo.py --model=qwen3_8b --topology=v5e:2x4 --mesh=tensor=8 \\
         --context=4096 --max_new_tokens=256 --json_out=benchmarks/results/loop_hlo/X.json
 
 The JSON records the command and the commit it was made with.
+
+Committed results: `benchmarks/results/loop_hlo/*.json`, each with its command
+(`benchmarks/results/loop_hlo/README.md`).
 """
 
 from __future__ import annotations

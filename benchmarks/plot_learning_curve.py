@@ -66,6 +66,14 @@ file, a record without a step or with a loss, tau or rate that is not a finite n
 reaches a goal at no finite x, or an output that is an input (e.g. the JSON beside
 `--out=ledger.png` when the ledger is ledger.json) is one line, exit 2. Ctrl-C / SIGTERM: one
 line, exit 130 / 143; the outputs are written whole, all or none (dflash_jax/support/outputs.py).
+
+Committed results: `python benchmarks/plot_learning_curve.py
+--ledger=benchmarks/results/smollm2/ledger.json --project=2.5,3
+--out=benchmarks/results/smollm2/ledger.png
+--json_out=benchmarks/results/smollm2/ledger_curve.json
+--table_out=benchmarks/results/smollm2/ledger.md`; the SmolLM2 learning and budget curves
+(`benchmarks/results/smollm2/{learning_curve,budget_curve}.json`, PNGs beside them) each name
+their `--runs=...` command in the JSON.
 """
 
 import io

@@ -10,6 +10,9 @@ one after the other (a stage's steps continue from the last step of the one befo
 line where each new stage starts (the drafter's stage 2 is measured against the stage-2 target,
 whose less repetitive text is harder to draft; its stage 3 adds 16K responses and holds out
 other prompts).
+
+Committed results: `python benchmarks/plot_training.py
+--out=benchmarks/results/tiny-code/training.png`.
 """
 
 import json

@@ -8,6 +8,10 @@ ratio of the target's greedy completion with that of the same number of tokens o
 continuation, per prompt-length cut (`--prompt_tokens`), so "degenerate repetition" is judged
 against how repetitive real code is, and so it shows whether long prompts (positions past the
 target's training length) are what make it loop.
+
+Committed results: `python benchmarks/repetition.py
+--out=benchmarks/results/tiny-code/repetition.json` (the JSONs record the run that wrote them,
+under runs/, with its --data_dir).
 """
 
 import json

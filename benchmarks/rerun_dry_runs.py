@@ -1,12 +1,19 @@
 """Recompile the TPU dry runs whose JSONs are in a directory, each with the command it records
 (`"command"`, written by `dflash_jax.support.provenance`), so that the tables are regenerated with
-today's code: `python benchmarks/rerun_dry_runs.py [--dir=benchmarks/results/tpu_dry_run]
-[--only=decode] [--match=SUBSTRING]`, then `python benchmarks/tpu_table.py --write`.
+today's code.
+
+    python benchmarks/rerun_dry_runs.py [--dir=benchmarks/results/tpu_dry_run]
+        [--only=decode] [--match=SUBSTRING]
+    python benchmarks/tpu_table.py --write      # then the tables
 
 Runs one compile at a time (each Qwen3-8B decode dry run takes minutes on a CPU), prints each
 command and its time, stops at the first failure, and leaves a JSON untouched unless its run
 succeeds (the dry run writes its --json_out only at the end). The `.txt` beside a JSON gets the
 run's report.
+
+Committed results: none of its own; it rewrites the dry-run JSONs it reruns
+(`benchmarks/results/tpu_dry_run/`), then `python benchmarks/tpu_table.py --write` makes the
+tables.
 """
 
 from __future__ import annotations

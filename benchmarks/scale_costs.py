@@ -14,6 +14,10 @@ randomly initialised Qwen3-architecture targets of growing width and depth, each
 step ratio, the speedup at --tau (the bundled pair's measured tau), the tau a 3x speedup needs,
 and the ceiling (every draft accepted). Per-iteration cost does not depend on the weights'
 values, so random weights time the same as trained ones.
+
+Committed results: `python benchmarks/scale_costs.py
+--json_out=benchmarks/results/tiny-code/scale_costs.json
+--plot=benchmarks/results/tiny-code/scale_costs.png`.
 """
 
 import json

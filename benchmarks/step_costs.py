@@ -14,6 +14,9 @@ i.e. the tau needed for a 3x speedup at each block size, and its ceiling: the sp
 every draft were accepted (tau = bs), which no drafter can beat on this device. Standalone
 calls carry their dispatch cost, which flatters the 1-token step; the same figures are then
 measured per iteration of `generate`'s compiled decode loop, which is what the benchmark sees.
+
+Committed results: `python benchmarks/step_costs.py
+--json_out=benchmarks/results/tiny-code/step_costs.json`.
 """
 
 import json

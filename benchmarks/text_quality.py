@@ -1,4 +1,8 @@
-"""Text-quality figures shared by the benchmark scripts."""
+"""Text-quality figures shared by the benchmark scripts.
+
+Committed results: none (a helper `bench_dflash.py`, `eval_target.py` and `repetition.py`
+import).
+"""
 
 
 def distinct_ngram_ratio(ids, n=4):

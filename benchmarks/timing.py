@@ -1,4 +1,7 @@
-"""Timing helpers shared by the benchmark scripts (no flags, safe to import)."""
+"""Timing helpers shared by the benchmark scripts (no flags, safe to import).
+
+Committed results: none (a helper `step_costs.py` and `scale_costs.py` import).
+"""
 
 import time
 

@@ -10,6 +10,9 @@ times in the JSON, so any tau works), the training step's memory plan, and the p
 README. Every figure comes from the JSONs; nothing is measured on a TPU. Each row names the
 commit its JSON was compiled at, and under the tables the code changes each JSON predates
 (its `predates`): rows under different changes are not like for like.
+
+Committed results: the TPU tables of `README.md` and `docs/tpu_dry_run.md`, by `python
+benchmarks/tpu_table.py --write`.
 """
 
 from __future__ import annotations
