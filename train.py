@@ -127,7 +127,7 @@ def main(argv):
         locks.acquire(flags.FLAGS.workdir, "--workdir", directory=True)
     from dflash_jax.training import trainer
 
-    trainer.preflight(config, flags.FLAGS.workdir)  # the devices are known from here on
+    checked = trainer.check_run(config, flags.FLAGS.workdir)  # the devices are known here
     workdir = trainer.make_workdir(flags.FLAGS.workdir)
     log_file = os.path.join(workdir, "train.log") if distributed.is_primary() else None
     fresh_log = log_file is not None and not os.path.exists(log_file)
@@ -144,7 +144,7 @@ def main(argv):
         jax.local_devices(),
     )
     try:
-        summary = train_and_evaluate(config, workdir)
+        summary = train_and_evaluate(config, workdir, checked)  # not checked again
     except cli.expected_errors():
         # Refused (a model, data or checkpoint found unfit once read): a run that wrote nothing
         # else leaves no train.log either (nor the workdir it created: `locks`).

@@ -79,7 +79,7 @@ def greedy_argmax(logits):
 
     Written as a max and a min-reduce of the matching indices: XLA:CPU lowers `argmax` to a
     variadic (value, index) reduce that does not vectorize, ~4x slower over a 16x4096 block
-    (two per DFlash step; `benchmarks/op_costs.py`). A row with NaN gives the last index, not
+    (two per DFlash step; `benchmarks/experiments/token_choosers/op_costs.py`). A row with NaN gives the last index, not
     the NaN's.
     """
     m = jnp.max(logits, axis=-1, keepdims=True)
@@ -123,7 +123,7 @@ def sample_categorical(key, log_weights):
 
     `jax.random.categorical` draws V Gumbel variates per row instead; for a 16-token verify
     block that random-bit generation is most of the sampling cost (about 6x slower on CPU at
-    V = 4096; `benchmarks/op_costs.py`). Token i is drawn iff cdf[i-1] <= u < cdf[i], with
+    V = 4096; `benchmarks/experiments/token_choosers/op_costs.py`). Token i is drawn iff cdf[i-1] <= u < cdf[i], with
     probability p_i (up to float32 rounding of the running sum); zero-probability tokens have
     an empty interval.
     """

@@ -67,7 +67,7 @@ def chain_proposal(x_last, drafts, conf, q_ids=None, q_probs=None) -> Proposal:
 # drafter drafts its argmax. A kind's default is its `Limits.default_draft_sampling`
 # ("sample" for every model drafter: for DFlash it gave the higher tau at T = 1,
 # docs/generation.md: bundled pair 1.44 vs 1.14, SmolLM2 1.22 vs 1.12;
-# benchmarks/draft_sampling_tau.py).
+# benchmarks/experiments/draft_sampling/draft_sampling_tau.py).
 DRAFT_SAMPLING = ("argmax", "sample")
 
 
