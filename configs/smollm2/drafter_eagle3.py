@@ -1,4 +1,4 @@
-"""An EAGLE-3 drafter for SmolLM2-135M-Instruct (issue 43: the paper's comparison on the same
+"""An EAGLE-3 drafter for SmolLM2-135M-Instruct (the paper's comparison on the same
 target and data): one Llama layer at the target's width over EAGLE-3's default taps (target
 layers 1, 14, 26), the target's embedding shared, its own LM head over the 16,384 most frequent
 answer tokens of the training data, trained with training-time test (7 unrolled drafting

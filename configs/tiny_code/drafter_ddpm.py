@@ -1,4 +1,4 @@
-"""The multi-step denoising ("DDPM") drafter of issue 31: the bundled drafter fine-tuned on the
+"""The multi-step denoising ("DDPM") drafter: the bundled drafter fine-tuned on the
 "mdlm" mask schedule (dflash_jax.training.masks.mask_draw): half of the blocks fully masked as
 today, half masked at a ratio t ~ U(0,1] with the loss on the masked positions weighted 1/t.
 

@@ -3,7 +3,7 @@ what the compiled step reads and writes in HBM (counted in the optimized HLO of 
 
 Why not the cost analysis: XLA's `bytes accessed` counts VMEM prefetch copies and reads from VMEM
 as traffic, so a 16-row matmul is counted at several times its weights while a 1-row one is
-counted once (issue 26), which inflates DFlash's 16-row draft and verify against AR's 1-row step.
+counted once, which inflates DFlash's 16-row draft and verify against AR's 1-row step.
 
 **The compiled count** (`hbm_traffic`). The instructions run per iteration of the decode
 `while` loop (its body and the control flow it calls, not the inside of fusions, which runs

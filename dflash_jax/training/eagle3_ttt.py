@@ -1,4 +1,4 @@
-"""EAGLE-3 training with training-time test (TTT, issue 43): the draft vocabulary from token
+"""EAGLE-3 training with training-time test (TTT): the draft vocabulary from token
 counts, and the loss of J unrolled drafting steps over packed sequences.
 
 The drafter drafts one token a step, each step fed its own output of the step before; trained
@@ -19,8 +19,6 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
-
-from dflash_jax.drafters.eagle3 import Eagle3Drafter
 
 
 def draft_vocabulary(token_counts, draft_vocab_size: int) -> np.ndarray:
@@ -64,7 +62,7 @@ def shifted(x_BS, by: int, fill=0):
     return jnp.concatenate([x_BS[:, by:], pad], axis=1)
 
 
-def ttt_loss(dmod: Eagle3Drafter, dparams, embed, taps_BS3F, batch, t2d_V, steps: int, decay):
+def ttt_loss(dmod, dparams, embed, taps_BS3F, batch, t2d_V, steps: int, decay):
     """(loss, metrics) of `steps` unrolled drafting steps (module doc).
 
     batch: input_ids, loss_mask (1 on the tokens to learn: the assistant's), segment_ids [B, S]
@@ -89,7 +87,7 @@ def ttt_loss(dmod: Eagle3Drafter, dparams, embed, taps_BS3F, batch, t2d_V, steps
         embs,
         positions,
         ttt_mask(seg),
-        method=Eagle3Drafter.unrolled,
+        method="unrolled",
     )  # [J, B, S, Vd]
     t2d = jnp.asarray(t2d_V, jnp.int32)
     zero = jnp.zeros((), jnp.float32)
@@ -153,7 +151,7 @@ def label_counts(docs, tokenize_fn, vocab_size: int) -> np.ndarray:
     return counts
 
 
-def loss_fn_for(tmod, dmod: Eagle3Drafter, t2d_V, steps: int, decay):
+def loss_fn_for(tmod, dmod, t2d_V, steps: int, decay):
     """loss_fn(params, frozen, batch, key) for the trainer: the frozen target's taps of the
     drafter's three layers (stopping at the last; `batch["taps"]` instead where the batch
     brings them), then `ttt_loss` (each packed document its own sequence, as the target sees
