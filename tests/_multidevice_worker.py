@@ -265,7 +265,9 @@ def check_hybrid(out, workdir):
     autoregressively on one device, then with DFlash on one device, data=2,tensor=4 and data=4,
     tensor=2 (the delta-rule states' value heads over tensor), its drafts read from the
     autoregressive continuation (wrong at every 5th position: accepted, ragged over the batch)."""
-    from dflash_jax.decoding.step import Decoder
+    from _pair import oracle_kinds
+
+    from dflash_jax.drafters import registry
     from dflash_jax.models.config import HybridSpec
 
     types = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
@@ -300,13 +302,13 @@ def check_hybrid(out, workdir):
         table[i, : len(p) + len(c)] = p + c
     table = jnp.asarray(table)
 
-    def oracle(self, ctx, x_last, start):
-        pos = start[:, None] + 1 + jnp.arange(self.plan.block_size - 1)[None]
+    def oracle(kind, dec, ctx, x_last, start):
+        pos = start[:, None] + 1 + jnp.arange(dec.plan.block_size - 1)[None]
         d = jnp.take_along_axis(table, jnp.minimum(pos, table.shape[1] - 1), axis=1)
         d = jnp.where(pos % 5 == 0, (d + 1) % 128, d)
         return d, jnp.ones(d.shape, jnp.float32)
 
-    with _patched(Decoder, "draft_block", oracle):  # this check's drafts only
+    with registry.using(*oracle_kinds(draft_block=oracle)):  # this check's drafts only
         for spec in ("one", "data=2,tensor=4", "data=4,tensor=2"):
             mesh = None if spec == "one" else dry_run.resolve_mesh(spec)
             res[spec] = _run(dj.generate(target, drafter, prompts, n, block_size=8, mesh=mesh))

@@ -70,8 +70,25 @@ def moe_from_dense(target, num_experts=4, top_k=2, noise=0.2, mlp_only_layers=(2
     return dj.Target(cfg, params)
 
 
-def as_decoder_method(fn):
-    """A `Decoder` method (self, *args) from a function of the models and the plan around the
-    same args, (tmod, tparams, dmod, dparams, *args, plan): how the oracle drafters replace
-    `Decoder.draft_block`, `draft_logprobs` or `draft_logits` in a test (monkeypatch)."""
-    return lambda self, *a: fn(self.tmod, self.tparams, self.dmod, self.dparams, *a, self.plan)
+def as_kind_method(fn):
+    """A drafter kind's method (kind, dec, *args) from a function of the models and the plan
+    around the same args, (tmod, tparams, dmod, dparams, *args, plan): how the oracle drafters
+    replace `DFlashKind.draft_block`, `draft_logprobs` or `draft_logits` in a test."""
+    return lambda kind, dec, *a: fn(dec.tmod, dec.tparams, dec.dmod, dec.dparams, *a, dec.plan)
+
+
+def oracle_kinds(**methods):
+    """(DFlash, DFlash 2) kinds with `methods` (name -> (kind, dec, *args) -> ...) in place of
+    theirs: an oracle pass that drafts through `registry.using` (or `use_oracle`)."""
+    from dflash_jax.drafters.dflash import DFlash2Kind, DFlashKind
+
+    v2 = type("OracleDFlash2", (DFlash2Kind,), dict(methods))()
+    return type("OracleDFlash", (DFlashKind,), dict(methods))(v2), v2
+
+
+def use_oracle(monkeypatch, **methods):
+    """For the rest of the test, DFlash drafters draft through `oracle_kinds(**methods)` (the
+    registry's overrides, as `registry.using` puts them)."""
+    from dflash_jax.drafters import registry
+
+    monkeypatch.setattr(registry, "OVERRIDES", oracle_kinds(**methods) + registry.OVERRIDES)

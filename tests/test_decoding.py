@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-from _pair import as_decoder_method, assert_accepted
+from _pair import as_kind_method, assert_accepted, use_oracle
 
 import dflash_jax as dj
-from dflash_jax.decoding import sampling
+from dflash_jax.models import sampling
 from dflash_jax.decoding.programs import _Compiled, buffer_sizes, generate_programs
 from dflash_jax.decoding.step import Decoder, Plan, verify_width_index, verify_widths
 
@@ -214,9 +214,7 @@ def test_oracle_drafts_commit_many_tokens_and_stay_exact(target, drafter, ar_out
     full = np.zeros((4, 128), np.int32)
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
         full[i, : len(p) + len(c)] = p + c
-    monkeypatch.setattr(
-        Decoder, "draft_block", as_decoder_method(_oracle_draft(full, wrong_every=11))
-    )
+    use_oracle(monkeypatch, draft_block=as_kind_method(_oracle_draft(full, wrong_every=11)))
     _forget_compiled(monkeypatch)
     res = dj.generate(target, drafter, MIXED, max_new_tokens=40, block_size=8)
     assert res.tokens == ar_out
@@ -243,9 +241,7 @@ def test_full_output_buffer_with_many_token_commits_is_exact(target, drafter, ar
     full = np.zeros((4, 128), np.int32)
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
         full[i, : len(p) + len(c)] = p + c
-    monkeypatch.setattr(
-        Decoder, "draft_block", as_decoder_method(_oracle_draft(full, wrong_every=13))
-    )
+    use_oracle(monkeypatch, draft_block=as_kind_method(_oracle_draft(full, wrong_every=13)))
     _forget_compiled(monkeypatch)
     res = dj.generate(target, drafter, MIXED, max_new_tokens=32, block_size=8)
     assert res.tokens == [c[:32] for c in ar_out]
@@ -503,9 +499,7 @@ def test_pallas_cache_write_kernel_path_is_exact(target, drafter, ar_out, monkey
     for i, (p, c) in enumerate(zip(MIXED, ar_out)):
         full[i, : len(p) + len(c)] = p + c
     monkeypatch.setattr(attention, "KV_UPDATE", "pallas")
-    monkeypatch.setattr(
-        Decoder, "draft_block", as_decoder_method(_oracle_draft(full[:2], wrong_every=7))
-    )
+    use_oracle(monkeypatch, draft_block=as_kind_method(_oracle_draft(full[:2], wrong_every=7)))
     _forget_compiled(monkeypatch)
     res = dj.generate(
         target,

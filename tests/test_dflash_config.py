@@ -3,7 +3,7 @@
 top level or defaulted. Each field on a hand-built config against a NumPy statement of the
 reference's rule: its attention mask (written here from the rule, in float64, with the
 drafter's forward) and its scaling of embeddings and logits; the drafter's logits come from
-the decode path (`Decoder.write_context` then `Decoder.draft_logits`)."""
+the decode path (`DFlashKind.write_context` then `DFlashKind.draft_logits`)."""
 
 import copy
 import json
@@ -177,9 +177,11 @@ def drafter_logits(target, drafter, taps, x_last):
     dmod = DFlashDrafter(cfg)
     dec = Decoder(target.params, drafter.params, target.module, dmod, Plan(block_size=BS))
     ctx = ContextCache.create(cfg, 1, cfg.context_capacity(32))
-    ctx = dec.write_context(ctx, jnp.asarray(taps), jnp.arange(CTX)[None], jnp.array([CTX]))
+    ctx = dec.kind.write_context(
+        dec, ctx, jnp.asarray(taps), None, jnp.arange(CTX)[None], jnp.array([CTX])
+    )
     masks = jnp.full((1, BS - 1), cfg.mask_token_id, jnp.int32)
-    out = dec.draft_logits(ctx, jnp.array([x_last]), masks, jnp.array([CTX]))
+    out = dec.kind.draft_logits(dec, ctx, jnp.array([x_last]), masks, jnp.array([CTX]))
     return np.asarray(out, np.float64)[0]
 
 

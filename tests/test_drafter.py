@@ -142,7 +142,9 @@ def test_drafter_forward_matches_independent_torch_implementation(pair, tmp_path
     dmod = DFlashDrafter(drafter.config)
     ctx = ContextCache.create(drafter.config, 1, 32)
     decoder = Decoder(None, drafter.params, None, dmod, Plan(block_size=drafter.config.block_size))
-    ctx = decoder.write_context(ctx, jnp.asarray(taps), jnp.arange(c)[None], jnp.array([c]))
+    ctx = decoder.kind.write_context(
+        decoder, ctx, jnp.asarray(taps), None, jnp.arange(c)[None], jnp.array([c])
+    )
     ours = dmod.apply(
         {"params": drafter.params},
         emb,
@@ -193,8 +195,13 @@ def test_sliding_drafter_forward_matches_independent_torch_implementation(
     assert ctx.capacity == (window if drafter.config.context_window else 32)
     decoder = Decoder(None, drafter.params, None, dmod, Plan(block_size=drafter.config.block_size))
     for lo, hi in ((0, 9), (9, c)):
-        ctx = decoder.write_context(
-            ctx, jnp.asarray(taps[:, lo:hi]), jnp.arange(lo, hi)[None], jnp.array([hi])
+        ctx = decoder.kind.write_context(
+            decoder,
+            ctx,
+            jnp.asarray(taps[:, lo:hi]),
+            None,
+            jnp.arange(lo, hi)[None],
+            jnp.array([hi]),
         )
     ours = dmod.apply(
         {"params": drafter.params},
@@ -253,7 +260,9 @@ def test_dflash2_drafter_forward_matches_independent_torch_implementation(pair, 
     dmod = DFlashDrafter(cfg)
     ctx = ContextCache.create(cfg, 1, 32)
     decoder = Decoder(None, params, None, dmod, Plan(block_size=t))
-    ctx = decoder.write_context(ctx, jnp.asarray(taps), jnp.arange(c)[None], jnp.array([c]))
+    ctx = decoder.kind.write_context(
+        decoder, ctx, jnp.asarray(taps), None, jnp.arange(c)[None], jnp.array([c])
+    )
     ours = dmod.apply(
         {"params": params}, emb, c + jnp.arange(t)[None], ctx.k, ctx.v, decode_attend(ctx.lengths)
     )

@@ -89,3 +89,20 @@ def test_each_kinds_dry_run_shapes_are_what_its_loaded_drafter_gives_the_program
         assert registry.of(cfg) is kind and isinstance(kind.module(cfg), kind.module_type)
         drafter = real[kind.name](cfg)
         assert shapes(kind.abstract_params(cfg)) == shapes(kind.decode_params(drafter)), kind.name
+
+
+def test_using_puts_a_kind_first_for_the_block_only(bundled_pair):
+    """`registry.using`: an oracle subclass answers for its drafters inside the block (and its
+    DFlash 2 sibling for DFlash 2 configs), the registered kind before and after."""
+    from _pair import oracle_kinds
+
+    drafter = bundled_pair[1]
+    oracle, oracle2 = oracle_kinds(draft_block=lambda kind, dec, *a: None)
+    fields = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+    v2 = dflash_lib.DFlashDrafter(drafter.config.replace(**fields))
+    with registry.using(oracle, oracle2):
+        assert registry.of(drafter) is oracle and registry.loop_of(drafter.module) is oracle
+        assert registry.loop_of(v2) is oracle2
+        assert registry.of(dj.PromptLookup()) is prompt_lookup.KIND
+    assert registry.of(drafter) is registry.named("dflash") and registry.OVERRIDES == ()
+    assert registry.loop_of(v2) is dflash_lib.DFLASH2

@@ -12,9 +12,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from _pair import use_oracle
+
 import dflash_jax as dj
 from dflash_jax.decoding import programs
-from dflash_jax.decoding.step import Decoder
 from dflash_jax.models import hybrid
 
 torch = pytest.importorskip("torch")
@@ -232,8 +233,8 @@ def _oracle(prompts, ar, wrong_every):
         full[i, : len(p) + len(c)] = p + c
     table = jnp.asarray(full)
 
-    def draft(self, ctx, x_last, start):
-        pos = start[:, None] + 1 + jnp.arange(self.plan.block_size - 1)[None]
+    def draft(kind, dec, ctx, x_last, start):
+        pos = start[:, None] + 1 + jnp.arange(dec.plan.block_size - 1)[None]
         d = jnp.take_along_axis(table, jnp.minimum(pos, table.shape[1] - 1), axis=1)
         d = jnp.where(pos % wrong_every == 0, (d + 1) % 128, d)
         return d, jnp.ones(d.shape, jnp.float32)
@@ -257,7 +258,7 @@ def _fresh(monkeypatch):
 
 
 def test_dflash_over_a_hybrid_target_equals_autoregressive(dense_target, drafter, ar, monkeypatch):
-    monkeypatch.setattr(Decoder, "draft_block", _oracle(PROMPTS, ar, wrong_every=5))
+    use_oracle(monkeypatch, draft_block=_oracle(PROMPTS, ar, wrong_every=5))
     _fresh(monkeypatch)
     res = dj.generate(dense_target, drafter, PROMPTS, NEW, block_size=8, prefill_chunk=8)
     assert res.tokens == ar
@@ -285,7 +286,7 @@ def test_keeping_the_whole_blocks_state_breaks_losslessness(dense_target, drafte
             return kept.replace(kv=kept.kv.rollback(lengths.astype(jnp.int32)))
         return honest(self, lengths)
 
-    monkeypatch.setattr(Decoder, "draft_block", _oracle(PROMPTS, ar, wrong_every=5))
+    use_oracle(monkeypatch, draft_block=_oracle(PROMPTS, ar, wrong_every=5))
     monkeypatch.setattr(hybrid.HybridCache, "rollback", whole_block)
     _fresh(monkeypatch)
     res = dj.generate(dense_target, drafter, PROMPTS, NEW, block_size=8)

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _pair import PAIR, assert_accepted, moe_from_dense
+from _pair import PAIR, assert_accepted, moe_from_dense, use_oracle
 
 import dflash_jax as dj
 from dflash_jax.decoding.programs import buffer_sizes, generate_programs
@@ -327,7 +327,6 @@ def test_hybrid_stacked_decoding_is_lossless_and_accepted(monkeypatch):
     """AR over the stacked hybrid target gives the looped target's tokens; DFlash over it (an
     oracle drafter reading that continuation, wrong at every fifth position: ragged acceptance,
     so the stacked states settle at different lengths per row) gives them too, accepted."""
-    from dflash_jax.decoding.step import Decoder
 
     looped = _hybrid(scale=3.0)
     stacked = _scanned(looped)
@@ -339,12 +338,12 @@ def test_hybrid_stacked_decoding_is_lossless_and_accepted(monkeypatch):
         full[i, : len(p) + len(c)] = p + c
     table = jnp.asarray(full)
 
-    def draft(self, ctx, x_last, start):
-        pos = start[:, None] + 1 + jnp.arange(self.plan.block_size - 1)[None]
+    def draft(kind, dec, ctx, x_last, start):
+        pos = start[:, None] + 1 + jnp.arange(dec.plan.block_size - 1)[None]
         d = jnp.take_along_axis(table, jnp.minimum(pos, table.shape[1] - 1), axis=1)
         return jnp.where(pos % 5 == 0, (d + 1) % 64, d), jnp.ones(d.shape, jnp.float32)
 
-    monkeypatch.setattr(Decoder, "draft_block", draft)
+    use_oracle(monkeypatch, draft_block=draft)
     cfg = dj.make_drafter_config(stacked.config, num_layers=1, num_taps=2, block_size=8,
                                  mask_token_id=63)  # fmt: skip
     drafter = dj.Drafter(cfg, dj.init_drafter_params(cfg, seed=1))

@@ -24,12 +24,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from _pair import as_decoder_method
+from _pair import as_kind_method, use_oracle
 from _sampling_reference import reference
 
 import dflash_jax as dj
 from dflash_jax.models.verifier import init_params
-from dflash_jax.decoding import sampling
+from dflash_jax.models import sampling
 from dflash_jax.decoding import step as step_lib
 from dflash_jax.decoding.programs import _Compiled
 from dflash_jax.decoding.step import Decoder, Plan
@@ -152,7 +152,7 @@ def _tree_oracle(tmod, tparams, dmod, dparams, ctx, x_last, start, plan):
 
 
 def _denoising_oracle(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, plan):
-    """One drafter pass (`Decoder.draft_logits`) that denoising passes improve: position i's logits
+    """One drafter pass (`DFlashKind.draft_logits`) that denoising passes improve: position i's logits
     are the target's after x_last and the block's tokens before i, where each still-masked one
     is guessed as the target's second choice (wrong): a fixed token makes the later ones right."""
     seq, out = [x_last], []
@@ -178,15 +178,18 @@ def sample(
     """N speculative samples of N_TOKENS tokens after PROMPT with the oracle drafter (chain) or
     the oracle's tree of `tree_budget` nodes: (counts [M] of each continuation, tau). With
     `denoise` (generate's block_size, denoise_steps, denoise_schedule, remask) the chain is
-    drafted by the real K-pass `Decoder.denoise` over `_denoising_oracle` passes."""
+    drafted by the real K-pass `DFlashKind.denoise` over `_denoising_oracle` passes."""
     t, drafter = tiny
     if denoise:
-        monkeypatch.setattr(Decoder, "draft_logits", as_decoder_method(_denoising_oracle))
+        use_oracle(monkeypatch, draft_logits=as_kind_method(_denoising_oracle))
         cfg = drafter.config.replace(block_size=denoise["block_size"])
         drafter = dj.Drafter(cfg, drafter.params)
     else:
-        monkeypatch.setattr(Decoder, "draft_block", as_decoder_method(oracle))
-        monkeypatch.setattr(Decoder, "draft_logprobs", as_decoder_method(_tree_oracle))
+        use_oracle(
+            monkeypatch,
+            draft_block=as_kind_method(oracle),
+            draft_logprobs=as_kind_method(_tree_oracle),
+        )
     _forget_compiled(monkeypatch)
     res = dj.generate(
         t,
@@ -267,18 +270,16 @@ def test_denoised_drafts_samples_follow_the_exact_joint(tiny, enumerated, monkey
     x_last), the drafts are accepted, and the samples follow the exact joint."""
     case = "temperature_1.2_top_k_3_top_p_0.9"
     t, drafter = tiny
-    monkeypatch.setattr(Decoder, "draft_logits", as_decoder_method(_denoising_oracle))
+    use_oracle(monkeypatch, draft_logits=as_kind_method(_denoising_oracle))
     dmod = dj.DFlashDrafter(drafter.config.replace(block_size=4))
     x_last = jnp.arange(V, dtype=jnp.int32)
     tmod, start = dj.Transformer(t.config), jnp.zeros((V,), jnp.int32)
-    drafts = {
-        k: np.asarray(
-            Decoder(
-                t.params, None, tmod, dmod, Plan(block_size=4, denoise_steps=k, remask=k == 3)
-            ).draft_block(None, x_last, start)[0]
-        )  # fmt: skip
-        for k in (1, 3)
-    }
+    drafts = {}
+    for k in (1, 3):
+        dec = Decoder(
+            t.params, None, tmod, dmod, Plan(block_size=4, denoise_steps=k, remask=k == 3)
+        )
+        drafts[k] = np.asarray(dec.kind.draft_block(dec, None, x_last, start)[0])
     assert (drafts[1] != drafts[3]).any()
     temperature, top_k, top_p = CASES[case]
     counts, tau = sample(
@@ -393,7 +394,7 @@ def test_a_wrong_rule_in_the_implementation_is_rejected(control, tiny, enumerate
 
 
 def _q_oracle(flat: bool):
-    """A DFlash 2 selector stand-in for `Decoder.select_block`: at each slot the candidates are
+    """A DFlash 2 selector stand-in for `DFlash2Kind.select_block`: at each slot the candidates are
     the 3 largest logits of the target after x_last and the drafts before (its greedy walk's
     view), q = softmax(their logits / 1.2) over them (the target's temperature without its
     top-p: q has mass where the target has none, so drafts are also rejected and resampled
@@ -430,7 +431,7 @@ def test_dflash2_sampled_drafts_follow_the_exact_joint(flat, tiny, enumerated, m
         block_size=3, conv_kernel_size=2, conv_group_size=16, selector_rank=2, selector_top_k=3
     )
     d2 = dj.Drafter(cfg, jax.jit(lambda: dj.init_drafter_params(cfg, 0))())
-    monkeypatch.setattr(Decoder, "select_block", as_decoder_method(_q_oracle(flat)))
+    use_oracle(monkeypatch, select_block=as_kind_method(_q_oracle(flat)))
     _forget_compiled(monkeypatch)
     res = dj.generate(
         t,
@@ -652,7 +653,7 @@ def test_hybrid_target_samples_follow_the_exact_joint(control, tiny_hybrid, monk
 
 
 def _first_step_logits(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start, plan):
-    """A DFlash pass (`Decoder.draft_logits`) for the first step: at every slot 0.8 x the
+    """A DFlash pass (`DFlashKind.draft_logits`) for the first step: at every slot 0.8 x the
     target's logits after PROMPT and x_last (flatter than the target: its samples are also
     rejected and resampled from the residual)."""
     ids = jnp.concatenate(
@@ -669,7 +670,7 @@ def _first_step_logits(tmod, tparams, dmod, dparams, ctx, x_last, tokens, start,
 )
 def test_dflash_sampled_drafts_follow_the_exact_joint(mode, tiny, enumerated, monkeypatch):
     """DFlash at T > 0 with draft_sampling "sample": drafts sampled from the drafter's adjusted
-    distribution q (two a step, `Decoder.sample_block` over an oracle pass) and verified by
+    distribution q (two a step, `DFlashKind.sample_block` over an oracle pass) and verified by
     rejection sampling against q follow the exact joint, and are accepted; so does
     "argmax" (one-hot proposals). The drafts really are samples: rows with the same x_last
     draft different first blocks under "sample", one block under "argmax". Reporting another
@@ -678,15 +679,16 @@ def test_dflash_sampled_drafts_follow_the_exact_joint(mode, tiny, enumerated, mo
     temperature, top_k, top_p = CASES[case]
     t, drafter = tiny
     d3 = dj.Drafter(drafter.config.replace(block_size=3), drafter.params)
-    monkeypatch.setattr(Decoder, "draft_logits", as_decoder_method(_first_step_logits))
+    oracle = dict(draft_logits=as_kind_method(_first_step_logits))
     if mode == "control_q_ignored":
-        honest = Decoder.sample_block
+        from dflash_jax.drafters.dflash import DFlashKind
 
-        def flat_q(self, *a):
-            drafts, conf, q = honest(self, *a)
+        def flat_q(kind, dec, *a):
+            drafts, conf, q = DFlashKind.sample_block(kind, dec, *a)
             return drafts, conf, jnp.full_like(q, 1.0 / q.shape[-1])
 
-        monkeypatch.setattr(Decoder, "sample_block", flat_q)
+        oracle["sample_block"] = flat_q
+    use_oracle(monkeypatch, **oracle)
     _forget_compiled(monkeypatch)
     res = dj.generate(
         t,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from _sampling_reference import reference
 
-from dflash_jax.decoding import sampling
+from dflash_jax.models import sampling
 
 N = 20_000
 

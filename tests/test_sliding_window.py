@@ -261,15 +261,15 @@ def test_ring_writes_keep_the_last_window_positions(bundled_pair):
     taps = jnp.asarray(rs.randn(b, 16, feat), jnp.float32)
     pos = jnp.broadcast_to(jnp.arange(16, dtype=jnp.int32), (b, 16))
     start0 = jnp.zeros((b,), jnp.int32)
-    ring = ring_dec.write_context(ring, taps, pos, lengths, start0)
-    plain = plain_dec.write_context(plain, taps, pos, lengths, start0)
+    ring = ring_dec.kind.write_context(ring_dec, ring, taps, None, pos, lengths, start0)
+    plain = plain_dec.kind.write_context(plain_dec, plain, taps, None, pos, lengths, start0)
     for n in ([3, 16], [1, 2], [9, 4], [16, 16]):
         start = lengths
         new_len = start + jnp.asarray(n, jnp.int32)
         taps = jnp.asarray(rs.randn(b, bs, feat), jnp.float32)
         pos = start[:, None] + jnp.arange(bs, dtype=jnp.int32)[None]
-        ring = ring_dec.write_context(ring, taps, pos, new_len, start)
-        plain = plain_dec.write_context(plain, taps, pos, new_len, start)
+        ring = ring_dec.kind.write_context(ring_dec, ring, taps, None, pos, new_len, start)
+        plain = plain_dec.kind.write_context(plain_dec, plain, taps, None, pos, new_len, start)
         lengths = new_len
         held = np.asarray(attention.ring_positions(lengths, window))
         for layer in range(len(ring.k)):

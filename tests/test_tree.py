@@ -260,8 +260,9 @@ def test_tree_from_denoising_passes_equals_autoregressive(bundled_pair):
     )  # fmt: skip
     x_last, start = st.tokens[:, 0], st.cache.lengths
     decoder = Decoder(target.params, drafter.params, tmod, dmod, plan1)
-    lp1 = np.asarray(decoder.draft_logprobs(st.ctx, x_last, start))
-    lp2 = np.asarray(decoder.replace(plan=plan2).draft_logprobs(st.ctx, x_last, start))
+    lp1 = np.asarray(decoder.kind.draft_logprobs(decoder, st.ctx, x_last, start))
+    decoder2 = decoder.replace(plan=plan2)
+    lp2 = np.asarray(decoder2.kind.draft_logprobs(decoder2, st.ctx, x_last, start))
     n1 = int(round(15 / 2))  # 8 (Python rounds half to even)
     first = np.argsort(-lp1.max(-1), axis=1, kind="stable")[:, :n1]  # fixed after pass 1
     kept = np.zeros(lp1.shape[:2], bool)

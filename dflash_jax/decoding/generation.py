@@ -63,7 +63,7 @@ def generate(
     tree_budget: verify a draft tree of this many nodes per step (`dflash_jax.drafters.tree`: the most
     probable prefixes of depth <= block_size - 1 under the drafter's one pass) instead of the
     chain of block_size - 1 drafts; None: the chain. Same tokens either way (lossless). With
-    denoise_steps > 1 the tree is built from the K passes' distributions (`draft_logprobs`).
+    denoise_steps > 1 the tree is built from the K passes' distributions (`DFlashKind.draft_logprobs`).
     denoise_schedule: which positions each of the denoise_steps passes fixes, "confidence"
     (the most confident) or "fixed" (left to right); remask: a fixed low-confidence token may
     be masked and predicted again (denoise_steps >= 3, "confidence"). They change the drafts,
@@ -176,6 +176,7 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
         mesh,
         jax.tree_util.tree_structure(tparams),
         jax.tree_util.tree_structure(dparams),
+        registry.loop_of(dmod),  # the kind drafting in the loop (a test's oracle: its own)
     )
 
     # Plans differing only in what the decode loop reads share one prefill executable: its own

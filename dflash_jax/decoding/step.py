@@ -18,19 +18,8 @@ No host round trip per step. The autoregressive baseline is the same loop with a
 wraps both in `jax.jit`s with in/out shardings for a device mesh (`dflash_jax.parallel.sharding`'s
 rules; none on one device); `request` checks the request and reads the result back on the host.
 
-Losslessness. At temperature 0, y_i is the target's argmax after the committed prefix, and we
-commit only y's, so the output equals greedy autoregressive decoding token for token. At
-temperature > 0, y_i is a fresh sample from the target's adjusted distribution given the prefix
-[committed, d_1..d_i]; while d_i == y_{i-1} that prefix IS the committed sequence, so y_0..y_a
-are successive samples from the target conditionals. This is speculative (rejection) sampling
-with a one-hot draft distribution q = delta(d): accept d with probability min(1, p(d)/q(d)) =
-p(d), i.e. exactly when an independent target sample equals d, and on rejection the residual
-norm(max(p - q, 0)) is p with d removed: the distribution of y_{i} given y_{i} != d_{i+1}. So
-every emitted token is distributed as the target's sample (tested statistically against an
-independent reference in tests/test_sampled_lossless.py). Drafts sampled from a drafter's own
-q (`Plan.draft_sampling` "sample", the default at T > 0) take the general rule instead:
-accept d with probability min(1, p(d)/q(d)), else a sample of norm(max(p - q, 0))
-(`Decoder.rejection_tokens`).
+Why the output is the target's, greedy and sampled (the proof): docs/generation.md, "Why the
+output is the target's".
 """
 
 from __future__ import annotations
@@ -44,20 +33,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.decoding.sampling import (
+from dflash_jax.models.sampling import (
     adjusted_logits,
-    greedy_argmax,
     pick_tokens,
     sample_categorical,
 )
 from dflash_jax.drafters import registry
 from dflash_jax.drafters.base import Proposal
 from dflash_jax.drafters.tree import accept_path
-from dflash_jax.drafters.dflash import DFlashDrafter, decode_attend, drafter_logits
-from dflash_jax.drafters.draft_vocab import full_logits
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.verifier import new_cache
-from dflash_jax.models.transformer import KVCache, Transformer, flat_heads, write_kv
+from dflash_jax.models.transformer import KVCache, Transformer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,7 +58,7 @@ class Plan:
     denoise_steps: int = 1
     # Which positions the K passes fix: "confidence" (the most confident still-masked ones) or
     # "fixed" (left to right); remask: a fixed low-confidence token may be masked again
-    # (`Decoder.denoise`).
+    # (`DFlashKind.denoise`).
     denoise_schedule: str = "confidence"
     remask: bool = False
     confidence_threshold: Optional[float] = None
@@ -201,7 +187,7 @@ class Decoder:
     tparams: Any
     dparams: Any
     tmod: Transformer = flax.struct.field(pytree_node=False)
-    dmod: Optional[DFlashDrafter] = flax.struct.field(pytree_node=False)
+    dmod: Any = flax.struct.field(pytree_node=False)  # its kind: `registry.loop_of(dmod)`
     plan: Plan = flax.struct.field(pytree_node=False)
 
     def embed(self, ids):
@@ -209,189 +195,6 @@ class Decoder:
 
     def lm_logits(self, hidden):
         return self.tmod.apply({"params": self.tparams}, hidden, method="logits")
-
-    @property
-    def draft_vocab(self):
-        """A DFlash drafter's draft vocabulary (int32 [K]) when its parameters carry one."""
-        d = self.dparams
-        return d.get("draft_vocab") if isinstance(d, dict) else None
-
-    @property
-    def dvars(self):
-        """The DFlash drafter's variables for `dmod.apply` (its parameters, without the draft
-        vocabulary)."""
-        d = self.dparams
-        if isinstance(d, dict) and "draft_vocab" in d:
-            d = {k: v for k, v in d.items() if k != "draft_vocab"}
-        return {"params": d}
-
-    def write_context(self, ctx: KVCache, taps, positions, lengths, starts=None) -> KVCache:
-        """Projects taps [B,T,F] to per-layer context K/V and stores them at `positions`; with
-        `starts` [B] (positions = starts[b] + arange(T)) through `attention.write_block` (the
-        Pallas DMA kernel under a TPU Pallas attention implementation)."""
-        ck, cv = self.dmod.apply(self.dvars, taps, positions, method=DFlashDrafter.context_kv)
-        if self.dmod.cfg.context_window is not None:
-            # A ring (every layer slides): position j in slot j % slots, written only when it
-            # is among the last `slots` committed positions (so no write lands on a slot that a
-            # later position of the same write, or a position still in the window, holds).
-            slots = ctx.capacity
-            keep = (positions < lengths[:, None]) & (positions >= lengths[:, None] - slots)
-            ring = jnp.where(keep, jnp.mod(positions, slots), slots)  # `slots`: dropped
-            write = lambda old, new: write_kv(old, flat_heads(new), ring)
-        elif starts is None:
-            write = lambda old, new: write_kv(old, flat_heads(new), positions)
-        else:
-            write = lambda old, new: attn_lib.write_block(
-                old, flat_heads(new), starts, self.plan.attention_impl, ctx.head_dim
-            )
-        k = tuple(write(old, new) for old, new in zip(ctx.k, ck))
-        v = tuple(write(old, new) for old, new in zip(ctx.v, cv))
-        return ctx.replace(k=k, v=v, lengths=lengths)
-
-    def draft_logits(self, ctx: KVCache, x_last, tokens, start, with_hidden: bool = False):
-        """One drafter pass over [x_last, tokens] (tokens [B, bs-1]: MASK where not yet drafted) at
-        positions start + arange(bs): the logits [B, bs-1, V] of the block positions after x_last
-        (as the drafter scores them: DFlash 2's scaled and capped), with their hidden states
-        [B, bs-1, H] when `with_hidden`."""
-        positions = start[:, None] + jnp.arange(self.plan.block_size, dtype=jnp.int32)[None]
-        attend = decode_attend(ctx.lengths, self.plan.attention_impl)
-        block = jnp.concatenate([x_last[:, None], tokens], axis=1)
-        hidden = self.dmod.apply(self.dvars, self.embed(block), positions, ctx.k, ctx.v, attend)
-        vocab = self.draft_vocab
-        if vocab is None:
-            logits = drafter_logits(self.dmod.cfg, self.lm_logits(hidden[:, 1:]))
-        else:  # the head's draft-vocabulary rows only, -inf elsewhere (`drafters.draft_vocab`)
-            logits = drafter_logits(
-                self.dmod.cfg,
-                self.tmod.apply({"params": self.tparams}, hidden[:, 1:], vocab, method="logits"),
-            )
-            logits = full_logits(logits, vocab, self.tmod.cfg.vocab_size)
-        return (logits, hidden[:, 1:]) if with_hidden else logits
-
-    def select_block(self, ctx: KVCache, x_last, start, key=None):
-        """DFlash 2: one drafter pass, then the candidate selector's walk over the bs-1 slots
-        from x_last: greedy at temperature 0 or without a key, sampled from
-        softmax(scores / T) over each slot's candidates at T > 0. Returns (drafts [B, bs-1], confidence [B, bs-1]: the
-        drafter's probability of each draft, candidates [B, bs-1, K], q [B, bs-1, K]: each
-        slot's proposal distribution given the drafts before it)."""
-        b = x_last.shape[0]
-        masks = jnp.full((b, self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32)
-        logits, hidden = self.draft_logits(ctx, x_last, masks, start, with_hidden=True)
-        tokens, cand, q = self.dmod.apply(
-            self.dvars,
-            hidden,
-            logits,
-            x_last,
-            self.plan.temperature if key is not None else 0.0,  # no key: the greedy walk
-            key,
-            method=DFlashDrafter.select,
-        )
-        p = jax.nn.softmax(logits, axis=-1)
-        return tokens, jnp.take_along_axis(p, tokens[..., None], axis=-1)[..., 0], cand, q
-
-    def sample_block(self, ctx: KVCache, x_last, start, key):
-        """DFlash at T > 0 with draft_sampling "sample" (the reference's rule): one drafter
-        pass, each of the bs-1 drafts sampled from q, the drafter's distribution under the
-        plan's temperature, top-k and top-p (`sampling.adjusted_logits`, as the target's
-        samples are adjusted). The drafts of one pass are independent given the context, so q
-        at a slot is also its distribution given the drafts before it. Returns (drafts
-        [B, bs-1], confidence [B, bs-1]: the drafter's unadjusted probability of each draft,
-        q [B, bs-1, V])."""
-        b = x_last.shape[0]
-        masks = jnp.full((b, self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32)
-        logits = self.draft_logits(ctx, x_last, masks, start)
-        plan = self.plan
-        adjusted = adjusted_logits(logits, plan.temperature, plan.top_k, plan.top_p)
-        drafts = sample_categorical(key, adjusted)
-        p = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
-        conf = jnp.take_along_axis(p, drafts[..., None], axis=-1)[..., 0]
-        return drafts, conf, jax.nn.softmax(adjusted, axis=-1)
-
-    def denoise(self, ctx: KVCache, x_last, start, logp=False):
-        """The K = `self.plan.denoise_steps` drafter passes over one block: (drafts [B, bs-1],
-        confidence [B, bs-1], log-probs [B, bs-1, V] or None).
-
-        After pass j < K, n_j = round((bs-1) j / K) positions hold a drafted token (its MASK
-        embedding replaced by the token's) and the rest stay MASK for the next pass; the last pass
-        fills every position still masked. Which positions are fixed (`self.plan.denoise_schedule`):
-          "confidence": the n_j - n_{j-1} most confident (max probability) still-masked ones;
-          "fixed": the first n_j, left to right (a fixed count per pass, whatever the confidence).
-        `self.plan.remask` ("confidence" only): after pass j < K the n_j kept are the most confident of
-        all positions, the fixed tokens scored by the confidence they were drafted with and the
-        masked ones by this pass's, so a fixed token that later predictions outrank is masked again
-        and predicted again in a later pass (it never changes a committed token: only drafts).
-        Each position's confidence and log-probs are those of the pass that drafted its final
-        token (the last pass for the positions it fills): what a draft tree is built from.
-        """
-        bs = self.plan.block_size
-        b = x_last.shape[0]
-        mask_id = jnp.int32(self.dmod.cfg.mask_token_id)
-        tokens = jnp.full((b, bs - 1), mask_id, jnp.int32)
-        fixed = jnp.zeros((b, bs - 1), bool)
-        conf = jnp.zeros((b, bs - 1), jnp.float32)
-        out_lp = None
-        steps = self.plan.denoise_steps
-        need_conf = steps > 1 or self.plan.confidence_threshold is not None
-        for j in range(1, steps + 1):
-            logits = self.draft_logits(ctx, x_last, tokens, start)
-            pred = greedy_argmax(logits)
-            lp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1) if logp else None
-            if lp is not None and need_conf:
-                p_max = jnp.exp(jnp.max(lp, axis=-1))
-            elif need_conf:
-                p_max = jnp.max(jax.nn.softmax(logits, axis=-1), axis=-1)
-            else:
-                p_max = jnp.ones(pred.shape, jnp.float32)  # confidence unused: skip the softmax
-            n_j = int(round((bs - 1) * j / steps))
-            keep = None
-            if j == steps:
-                newly = ~fixed
-            elif self.plan.denoise_schedule == "fixed":
-                newly = (jnp.arange(bs - 1)[None] < n_j) & ~fixed
-            elif self.plan.remask:
-                score = jnp.where(fixed, conf, p_max)
-                top = jax.lax.top_k(score, max(n_j, 1))[1]
-                keep = jnp.zeros_like(fixed).at[jnp.arange(b)[:, None], top].set(n_j > 0)
-                newly = keep & ~fixed
-            else:
-                m = n_j - int(round((bs - 1) * (j - 1) / steps))
-                score = jnp.where(fixed, -jnp.inf, p_max)
-                top = jax.lax.top_k(score, max(m, 1))[1]
-                newly = jnp.zeros_like(fixed).at[jnp.arange(b)[:, None], top].set(m > 0)
-            tokens = jnp.where(newly, pred, tokens)
-            conf = jnp.where(newly, p_max, conf)
-            if lp is not None:
-                out_lp = lp if out_lp is None else jnp.where(newly[..., None], lp, out_lp)
-            fixed = fixed | newly
-            if keep is not None:  # remasked: back to MASK, predicted again by a later pass
-                tokens = jnp.where(keep, tokens, mask_id)
-                fixed = keep
-        return tokens, conf, out_lp
-
-    def draft_block(self, ctx: KVCache, x_last, start):
-        """Drafts bs-1 tokens after x_last. Returns (drafts [B, bs-1], confidence [B, bs-1]).
-
-        denoise_steps = 1: DFlash's single pass. K > 1: K masked-diffusion passes (`denoise`: the
-        positions fixed after each pass by confidence or left to right, optionally remasked).
-        DFlash 2: its single pass and candidate selector (`select_block`).
-        """
-        if self.dmod.cfg.dflash2:
-            return self.select_block(ctx, x_last, start)[:2]
-        tokens, conf, _ = self.denoise(ctx, x_last, start)
-        return tokens, conf
-
-    def draft_logprobs(self, ctx: KVCache, x_last, start):
-        """The drafter's log-probabilities [B, bs-1, V] at the block positions after x_last: what a
-        draft tree is built from. One pass over [x_last, MASK * (bs-1)], or with denoise_steps K > 1
-        the K passes of `denoise`, each position's log-probs from the pass that drafted it (the
-        last pass for the positions still masked before it)."""
-        if self.plan.denoise_steps == 1:
-            masks = jnp.full(
-                (x_last.shape[0], self.plan.block_size - 1), self.dmod.cfg.mask_token_id, jnp.int32
-            )
-            logits = self.draft_logits(ctx, x_last, masks, start)
-            return jax.nn.log_softmax(logits, axis=-1)
-        return self.denoise(ctx, x_last, start, logp=True)[2]
 
     @property
     def kind(self):

@@ -128,7 +128,9 @@ class DrafterKind:
     def limits(self, config) -> Limits:
         raise NotImplementedError(self.name)
 
-    def load(self, spec, target):
+    def load(self, spec, target, **options):
+        """The drafter `spec` names, checked against `target` (options: the kind's loader's,
+        e.g. param_dtype)."""
         raise NotImplementedError(self.name)
 
     def save(self, drafter, path: str, dtype: Optional[str] = None) -> None:
@@ -147,10 +149,18 @@ class DrafterKind:
         """What the decode programs take as its parameters (`Decoder.dparams`)."""
         return drafter.params
 
-    # ---- compiling without weights (the dry run)
-    def for_target(self, target_config, block_size: int, **options):
-        """A drafter config of this kind matched to a target (shapes only: the dry run's)."""
+    # ---- new drafters (training) and compiling without weights (the dry run)
+    def new_config(self, target_config, **options):
+        """A new drafter config of this kind matched to a target (`options`: the kind's)."""
         raise NotImplementedError(self.name)
+
+    def init_params(self, config, seed: int = 0):
+        """Fresh parameters of a drafter of `config` (as its trainer starts it)."""
+        raise NotImplementedError(self.name)
+
+    def for_target(self, target_config, block_size: int, **options):
+        """The dry run's drafter of this kind for a target, verifying `block_size` tokens."""
+        return self.new_config(target_config, block_size=block_size, **options)
 
     def module(self, config):
         """The decode module the programs hold for a drafter of `config`."""

@@ -810,8 +810,8 @@ class Eagle3Kind(base.DrafterKind):
             chain_only="EAGLE-3 drafters (one chain, drafted token by token)",
         )
 
-    def load(self, spec, target):
-        return load_eagle3(spec, target=target)
+    def load(self, spec, target, **options):
+        return load_eagle3(spec, target=target, **options)
 
     def save(self, drafter, path: str, dtype: Optional[str] = None) -> None:
         save_eagle3(drafter, path, dtype)
@@ -827,6 +827,12 @@ class Eagle3Kind(base.DrafterKind):
     def decode_params(self, drafter):
         return drafter.decode_params
 
+    def new_config(self, target_config, **options):
+        return make_eagle3_config(target_config, **options)
+
+    def init_params(self, config, seed: int = 0):
+        return init_eagle3_params(config, seed=seed)
+
     def for_target(self, target_config, block_size: int, draft_vocab_size=None, **options):
         """One Llama layer at the target's width over its default taps (first, middle and last
         on a target too shallow for them), the target's embedding shared, its own LM head over
@@ -837,9 +843,7 @@ class Eagle3Kind(base.DrafterKind):
         except ValueError:  # a target too shallow for the default (test shapes)
             taps = (0, n // 2, n - 1)
         vd = min(draft_vocab_size or target_config.vocab_size, target_config.vocab_size)
-        return make_eagle3_config(
-            target_config, draft_vocab_size=vd, target_layer_ids=taps, **options
-        )
+        return self.new_config(target_config, draft_vocab_size=vd, target_layer_ids=taps, **options)
 
     def module(self, config):
         return Eagle3Drafter(config)

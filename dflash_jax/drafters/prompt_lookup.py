@@ -179,7 +179,7 @@ class PromptLookupKind(base.DrafterKind):
     def read_config(self, spec, target_config, dtype: str = "float32"):
         return from_spec(spec).config
 
-    def load(self, spec, target):
+    def load(self, spec, target, **options):
         return from_spec(spec)
 
     def limits(self, config) -> base.Limits:
@@ -195,8 +195,8 @@ class PromptLookupKind(base.DrafterKind):
     def decode_params(self, drafter):
         return None
 
-    def for_target(self, target_config, block_size: int, **options):
-        return PromptLookupConfig(block_size=block_size, **options)
+    def new_config(self, target_config, **options):
+        return PromptLookupConfig(**options)
 
     def module(self, config):
         return PromptLookupModule(config)

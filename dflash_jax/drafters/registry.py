@@ -8,10 +8,14 @@ Adding a drafter: a module that defines its `KIND` (a `base.DrafterKind`) and on
   of(x)            the kind of a drafter config, user object or decode module
   loop_of(dmod)    the kind drafting in the loop for a decode module (None: autoregressive)
   named(name)      a kind by its name (configs, the dry run's --drafter)
+
+`using(*kinds)` puts kinds before the registered ones while a block runs: how tests draft with
+an oracle in a kind's place (a subclass of the kind with a pass replaced).
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 from typing import Tuple
 
@@ -24,6 +28,24 @@ KIND_MODULES = (
     "dflash_jax.drafters.eagle3",
     "dflash_jax.drafters.dflash",
 )
+
+
+# Kinds consulted before the registered ones by `of` / `loop_of` (`using`).
+OVERRIDES: Tuple[DrafterKind, ...] = ()
+
+
+@contextlib.contextmanager
+def using(*kinds: DrafterKind):
+    """While the block runs, `of` answers with the first of `kinds` whose types match, before
+    the registered kinds (the decode programs compiled meanwhile are their own: the loop's kind
+    is part of `generate`'s program key)."""
+    global OVERRIDES
+    before = OVERRIDES
+    OVERRIDES = tuple(kinds) + before
+    try:
+        yield
+    finally:
+        OVERRIDES = before
 
 
 def kinds() -> Tuple[DrafterKind, ...]:
@@ -56,7 +78,7 @@ def of(x) -> DrafterKind:
     """The kind of a drafter config, user object or decode module (None: `AUTOREGRESSIVE`)."""
     if x is None:
         return AUTOREGRESSIVE
-    for kind in kinds():
+    for kind in OVERRIDES + kinds():
         if isinstance(x, kind.config_type + kind.drafter_type + kind.module_type):
             return kind
     raise TypeError(f"not a drafter of any registered kind: {type(x).__name__}")

@@ -102,7 +102,7 @@ DFLASH2_PUBLISHED = dict(
 )
 
 
-# The other drafters a dry run compiles in the DFlash loop's place (issue 43).
+# The other drafters a dry run compiles in the DFlash loop's place.
 OTHER_DRAFTERS = ("eagle3", "prompt_lookup")
 # The published EAGLE-3 drafters of Qwen3 / Llama 3.1 targets draft over 32,000 tokens.
 EAGLE3_DRAFT_VOCAB = 32000

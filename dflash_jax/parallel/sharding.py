@@ -56,6 +56,8 @@ import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflash_jax.models.transformer import KVCache
+
 AXES = ("data", "fsdp", "tensor")
 EXPERT = "expert"  # the fourth axis, present only in a mesh made with expert > 1
 # Batch-like leading dimensions are split over both data-parallel axes (fsdp is data
@@ -392,19 +394,15 @@ def decode_state_sharding(state, mesh):
     the batch axes, scalars and the PRNG key replicated."""
     ns = lambda s: NamedSharding(mesh, s)
     cache = cache_sharding(state.cache, mesh)
-    if state.ctx is None:
-        ctx = None
-    elif hasattr(state.ctx, "k"):  # a KVCache (DFlash's context)
-        ctx = cache_sharding(state.ctx, mesh)
-    else:
-        # Per-sequence arrays (prompt lookup's token ids, EAGLE-3's pending feature) over the
-        # batch axes; a KVCache among them (EAGLE-3's own cache) as a cache.
-        is_cache = lambda x: hasattr(x, "k") and hasattr(x, "lengths")
-        ctx = jax.tree_util.tree_map(
-            lambda x: cache_sharding(x, mesh) if is_cache(x) else ns(batch_spec(x.shape, mesh)),
-            state.ctx,
-            is_leaf=is_cache,
-        )
+    # The drafter's context, whatever its kind: a KVCache in it (DFlash's context, EAGLE-3's
+    # own cache) as a cache, its other arrays (prompt lookup's token ids, EAGLE-3's pending
+    # feature) per sequence over the batch axes; None (autoregressive) stays None.
+    is_cache = lambda x: isinstance(x, KVCache)
+    ctx = jax.tree_util.tree_map(
+        lambda x: cache_sharding(x, mesh) if is_cache(x) else ns(batch_spec(x.shape, mesh)),
+        state.ctx,
+        is_leaf=is_cache,
+    )
     return state.replace(
         cache=cache,
         ctx=ctx,

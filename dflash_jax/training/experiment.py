@@ -24,13 +24,6 @@ import numpy as np
 
 from dflash_jax.data.prompts import prompt_pool, window_prompts
 from dflash_jax.drafters import registry
-from dflash_jax.drafters.dflash import (
-    DFlashDrafter,
-    init_drafter_params,
-    make_drafter_config,
-    sliding_layers,
-    upgrade_to_dflash2,
-)
 from dflash_jax.models import checkpoint, hub, layer_stack
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.target import Target, load_target
@@ -58,7 +51,7 @@ class Experiment:
     tmod: Transformer
     target_params: Any  # frozen in drafter mode; the init in target mode
     drafter_cfg: Any
-    dmod: Optional[DFlashDrafter]
+    dmod: Any  # the drafter's module (`registry.of(dmod)`: its kind)
     init_params: Any  # params the optimizer trains, at step 0
     loss_fn: Callable  # (params, frozen, batch, key) -> (loss, metrics)
     train_iter: Any  # PackedBatchIterator
@@ -167,7 +160,7 @@ def _tfds_sources(config, workdir):
     return load_split(builder, "train"), val
 
 
-def drafter_loss_fn(config, tmod: Transformer, dmod: DFlashDrafter, draft_vocab=None) -> Callable:
+def drafter_loss_fn(config, tmod: Transformer, dmod, draft_vocab=None) -> Callable:
     """The drafter objective of `config` (the DFlash recipe) as loss_fn(params, frozen, batch,
     key) -> (loss, metrics) for `make_train_step` (also what `dflash_jax.dry_run` compiles);
     `draft_vocab` (int32 [K]): the head restricted to those rows (`drafters.draft_vocab`)."""
@@ -285,10 +278,8 @@ def _draft_vocab(config, tcfg, train_docs, tokenize_fn, k: int) -> np.ndarray:
 
     path = config.drafter.init_path
     if path:
-        from dflash_jax.drafters.dflash import _read_draft_vocab, read_drafter_config
-
         path = hub.local_path(path, what="drafter")
-        have = _read_draft_vocab(path, read_drafter_config(path, tcfg))
+        have = registry.named("dflash").read_draft_vocab(path, tcfg)
         if have is not None and len(have) == k:
             log(f"draft vocabulary: the {k} tokens of {path}")
             return have
@@ -308,13 +299,13 @@ def _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn):
     (drafter.kind "eagle3"): continued from drafter.init_path (an EAGLE-3 directory, its own
     draft vocabulary kept) or new, its draft vocabulary the drafter.eagle3.draft_vocab_size
     most frequent label tokens of the training docs (0: the whole vocabulary)."""
-    from dflash_jax.drafters import eagle3 as e3
     from dflash_jax.training import eagle3_ttt
 
+    kind = registry.named("eagle3")
     dc, ec = config.drafter, config.drafter.eagle3
     if dc.init_path:
-        loaded = e3.load_eagle3(
-            dc.init_path, target=Target(tcfg, None), param_dtype=dc.get("param_dtype") or None
+        loaded = kind.load(
+            dc.init_path, Target(tcfg, None), param_dtype=dc.get("param_dtype") or None
         )
         if loaded.embedding is not None:
             raise ValueError(
@@ -332,7 +323,7 @@ def _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn):
         overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
         if dc.get("param_dtype"):
             overrides["param_dtype"] = as_dtype(dc.param_dtype)
-        cfg = e3.make_eagle3_config(
+        cfg = kind.new_config(
             tcfg,
             draft_vocab_size=vd,
             target_layer_ids=tuple(dc.target_layer_ids) or None,
@@ -340,8 +331,8 @@ def _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn):
         )
         counts = eagle3_ttt.label_counts(train_docs, tokenize_fn, tcfg.vocab_size)
         d2t = eagle3_ttt.draft_vocabulary(counts, vd)
-        init = e3.init_eagle3_params(cfg, seed=config.seed)
-    dmod = e3.Eagle3Drafter(cfg)
+        init = kind.init_params(cfg, seed=config.seed)
+    dmod = kind.module(cfg)
     t2d = eagle3_ttt.target_to_draft(d2t, tcfg.vocab_size)
     loss_fn = eagle3_ttt.loss_fn_for(tmod, dmod, t2d, int(ec.ttt_steps), float(ec.ttt_decay))
     return cfg, dmod, init, loss_fn, d2t
@@ -510,7 +501,8 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
     overrides = {"intermediate_size": dc.intermediate_size} if dc.intermediate_size else {}
     if dc.get("param_dtype"):  # float32 masters; the frozen target keeps its dtype
         overrides["param_dtype"] = as_dtype(dc.param_dtype)
-    dcfg = make_drafter_config(
+    kind = registry.named("dflash")
+    dcfg = kind.new_config(
         tcfg,
         num_layers=dc.num_layers,
         num_taps=dc.num_taps,
@@ -535,30 +527,23 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
         )
         dcfg = dcfg.replace(**v2_fields)
     if dc.init_path:
-        from dflash_jax.drafters.dflash import load_drafter
-
-        loaded = load_drafter(
-            dc.init_path,
-            target=Target(tcfg, tparams),
-            param_dtype=dc.get("param_dtype") or None,
+        loaded = kind.load(
+            dc.init_path, Target(tcfg, tparams), param_dtype=dc.get("param_dtype") or None
         )
         dcfg, init = loaded.config, loaded.params
         want = tuple(dc.target_layer_ids)
         if want and want != tuple(dcfg.target_layer_ids):  # more taps: new fc rows at zero
-            from dflash_jax.drafters.dflash import validate_pair, widen_taps
-
-            dcfg, init = widen_taps(dcfg, init, want)
-            validate_pair(dcfg, tcfg)
+            dcfg, init = kind.widen_taps(dcfg, init, want, tcfg)
         if v2_fields and not dcfg.dflash2:  # a DFlash drafter continued as DFlash 2
-            dcfg, init = upgrade_to_dflash2(dcfg, init, seed=config.seed, **v2_fields)
+            dcfg, init = kind.upgrade(dcfg, init, seed=config.seed, **v2_fields)
         if dc.get("sliding_window", 0):  # continue a drafter with (another) window
             causal = dcfg.is_causal if dcfg.dflash2 else False  # DFlash: bidirectional
-            dcfg = dcfg.replace(**sliding_layers(dcfg.body.num_layers, dc.sliding_window, causal))
+            dcfg = kind.variant(dcfg, window=dc.sliding_window, causal=causal)
     else:
-        init = init_drafter_params(dcfg, seed=config.seed)
+        init = kind.init_params(dcfg, seed=config.seed)
         if dc.get("fc_init", "normal") == "tap_rms":
             init = scale_fc_by_tap_rms(init, tmod, tparams, dcfg, eval_batches)
-    dmod = DFlashDrafter(dcfg)
+    dmod = kind.module(dcfg)
     return dcfg, dmod, init, drafter_loss_fn(config, tmod, dmod)
 
 

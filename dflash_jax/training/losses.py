@@ -22,7 +22,7 @@ from typing import Tuple
 import jax
 import jax.numpy as jnp
 
-from dflash_jax.drafters.dflash import DFlashDrafter, drafter_logits
+from dflash_jax.drafters import registry
 from dflash_jax.models import attention
 from dflash_jax.models.layers import masked_attention
 from dflash_jax.models.transformer import Transformer
@@ -411,7 +411,7 @@ def drafter_draws(recipe: DrafterRecipe, loss_mask_BS, segment_ids_BS, keys_B):
 
 def drafter_loss(
     tmod: Transformer,
-    dmod: DFlashDrafter,
+    dmod,
     recipe: DrafterRecipe,
     dparams,
     tparams,
@@ -500,7 +500,7 @@ def drafter_loss(
     emb = jax.lax.stop_gradient(tmod.apply(tvars, tokens.reshape(b, n * bs), method="embed"))
     positions = masks.block_positions(anchors, bs).reshape(b, n * bs)
     ctx_pos = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    ctx_k, ctx_v = dmod.apply({"params": dparams}, taps, ctx_pos, method=DFlashDrafter.context_kv)
+    ctx_k, ctx_v = dmod.apply({"params": dparams}, taps, ctx_pos, method="context_kv")
     attend = training_attend(
         anchors, valid, bs, s, seg, recipe.attention_impl, chunk_anchors=recipe.loss_chunk_anchors
     )
@@ -519,7 +519,7 @@ def drafter_loss(
     if dflash2:  # the selector's terms, the true previous token as each slot's predecessor
         prev = jnp.concatenate([labels[..., :1], labels[..., :-1]], axis=-1)
         selector = lambda h, logits, lab, pv: dmod.apply(
-            {"params": dparams}, h, logits, lab, pv, method=DFlashDrafter.selector_terms
+            {"params": dparams}, h, logits, lab, pv, method="selector_terms"
         )
     scored_out = block_scores(
         tmod,
@@ -530,7 +530,9 @@ def drafter_loss(
         recipe.loss,
         recipe.loss_chunk_anchors,
         adjust=(
-            (lambda lg: drafter_logits(dmod.cfg, lg)) if dflash2 or dmod.cfg.scales_logits else None
+            (lambda lg: registry.of(dmod).logits(dmod.cfg, lg))
+            if dflash2 or dmod.cfg.scales_logits
+            else None
         ),
         selector=selector,
         prev_BNK=prev,

@@ -53,7 +53,7 @@ def choosers(vocab, iters):
     import jax
     import jax.numpy as jnp
 
-    from dflash_jax.decoding import sampling
+    from dflash_jax.models import sampling
 
     x = jax.random.normal(jax.random.PRNGKey(0), (1, 16, vocab)) * 3
     rows = {
