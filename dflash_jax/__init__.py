@@ -15,11 +15,13 @@ Public API:
 
 Subpackages, lowest first (each imports only those before it; tests/test_layering.py):
   support    console, provenance, Ctrl-C handling, lazy attributes, the CLI error policy, checks
-  models     config, transformer, attention, MoE, quantization, Target, checkpoint formats
+  models     config, transformer, attention, MoE, quantization, Target, checkpoint formats,
+             sampling
   data       tokenizers, packing, TFDS builders, prompt files and chat templates
   parallel   partition rules, process groups, the multi-process launcher
-  drafters   the drafter families (DFlash, DFlash 2, EAGLE-3, prompt lookup; draft vocabularies)
-  decoding   the speculative step and its programs, sampling, trees, request checks
+  drafters   the drafter kinds and their registry (DFlash, DFlash 2, EAGLE-3, prompt lookup;
+             draft trees, draft vocabularies)
+  decoding   the speculative step and its programs, request checks
   training   the drafter trainer (Optax, Orbax)
   frontend   the pieces of infer.py: batch runner, report, text generation, flag checks
   dry_run    the real programs compiled for TPU / GPU topologies on this machine
