@@ -300,7 +300,7 @@ def _build_configs(model: str, dtype: Optional[str] = None):
     from dflash_jax.drafters import registry
     from dflash_jax.models.config import as_dtype
 
-    make_drafter_config = registry.named("dflash").for_target  # the presets' drafter: DFlash
+    make_drafter_config = registry.named("dflash").new_config  # the presets' drafter: DFlash
 
     presets = model_presets()
     if model not in presets:  # a GGUF file, a directory holding one, or a known model name
