@@ -265,7 +265,7 @@ def main(argv):
     console.configure_logging(FLAGS.verbose)
     console.set_progress(FLAGS.progress)
     console.quiet_startup()
-    from dflash_jax.frontend import batch_runner
+    from dflash_jax.frontend import infer_run
     from dflash_jax.parallel import distributed
 
     distributed.initialize(FLAGS.distributed)  # before any other JAX call
@@ -276,7 +276,7 @@ def main(argv):
     compare = FLAGS.compare_ar
     if compare is None:  # with a drafter, unless there is a prompt file
         compare = bool(drafter_dir) and not FLAGS.prompt_file
-    report = batch_runner.run_and_report(  # prints the per-prompt and total figures
+    report = infer_run.run_and_report(  # prints the per-prompt and total figures
         target_dir,
         drafter_dir or None,
         items,

@@ -12,6 +12,8 @@ Public API:
   load_eagle3(path, target=...) -> Eagle3            an EAGLE-3 drafter (save_eagle3)
   save_drafter(drafter, path)
   generate(target, drafter_or_None, prompts, max_new_tokens, ...) -> GenerationResult
+  Generator(target, drafter_or_None, Settings(...))(prompts, max_new_tokens, seed=None)
+                                                     the settings checked once, called per batch
 
 Subpackages, lowest first (each imports only those before it; tests/test_layering.py):
   support    console, provenance, Ctrl-C handling, lazy attributes, the CLI error policy, checks
@@ -48,6 +50,8 @@ _EXPORTS = {
     "load_eagle3": "drafters.eagle3",
     "save_eagle3": "drafters.eagle3",
     "GenerationResult": "decoding.generation",
+    "Generator": "decoding.generation",
+    "Settings": "decoding.request",
     "generate": "decoding.generation",
     "KVCache": "models.transformer",
     "Transformer": "models.transformer",
@@ -70,7 +74,8 @@ def __dir__():
 
 
 if TYPE_CHECKING:  # for type checkers and IDEs: the names as plain imports
-    from dflash_jax.decoding.generation import GenerationResult, generate  # noqa: F401
+    from dflash_jax.decoding.generation import GenerationResult, Generator, generate  # noqa: F401
+    from dflash_jax.decoding.request import Settings  # noqa: F401
     from dflash_jax.drafters.dflash import (  # noqa: F401
         DFlashDrafter,
         Drafter,
@@ -100,6 +105,8 @@ __all__ = [
     "DrafterConfig",
     "Eagle3",
     "GenerationResult",
+    "Generator",
+    "Settings",
     "generate",
     "init_drafter_params",
     "load_drafter",

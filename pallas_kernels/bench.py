@@ -467,20 +467,7 @@ def run(args):
     for name in kernels:
         for meta, impls, inputs in gens[name](g, rng, args):
             base = None
-            errs = {}
-            if not args.no_check:
-                want = impls["xla_ref"](*inputs)
-                for v in list(args.variants) + list(ALSO_CHECKED):
-                    if v not in impls or v in errs:
-                        continue
-                    try:
-                        got = impls[v](*inputs)
-                        errs[v] = max(
-                            float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
-                            for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
-                        )
-                    except Exception as e:  # noqa: BLE001 -- reported, benchmark goes on
-                        errs[v] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+            errs = {} if args.no_check else _check_variants(impls, inputs, args.variants)
             for impl_name in ["xla_ref"] + [k for k in impls if k != "xla_ref"]:
                 row = dict(meta, impl=impl_name)
                 if impl_name in errs:
@@ -496,39 +483,64 @@ def run(args):
                     if impl_name == "xla_ref":
                         base = t
                     row["speedup_vs_xla"] = (base / t) if base else None
-                    print(
-                        f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} "
-                        f"{meta['context']:>6} {row['time_ms']:>9.3f} {row['gbps']:>8.1f} "
-                        f"{row['pct_peak']:>6.1f} {row['tflops']:>8.2f} "
-                        f"{(row['speedup_vs_xla'] or 0):>6.2f}x"
-                    )
                 except Exception as e:  # noqa: BLE001 -- e.g. OOM or cuDNN unsupported
                     row["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:120]}"
-                    print(
-                        f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} "
-                        f"{meta['context']:>6} {'n/a':>9}  ({row['error'][:60]})"
-                    )
+                print(_row_line(meta, impl_name, row))
                 rows.append(row)
             for v, err in errs.items():
                 print(f"{'':<18} check: max|{v} - xla_ref| = {err}")
     if args.json_out:
-        with open(args.json_out, "w") as f:
-            json.dump(
-                dict(
-                    backend=jax.default_backend(),
-                    device=jax.devices()[0].device_kind,
-                    peak_hbm_gbps=args.peak_hbm_gbps,
-                    repeats=repeats,
-                    interpret=args.interpret,
-                    jax=jax.__version__,
-                    variants=args.variants,
-                    rows=rows,
-                ),
-                f,
-                indent=1,
-            )
-        print(f"wrote {args.json_out}")
+        _write_json(args, repeats, rows)
     return rows
+
+
+def _check_variants(impls, inputs, variants):
+    """Per implementation asked for (and those always checked), its largest absolute
+    difference from the XLA reference's outputs, or the error it raised."""
+    want = impls["xla_ref"](*inputs)
+    errs = {}
+    for v in list(variants) + list(ALSO_CHECKED):
+        if v not in impls or v in errs:
+            continue
+        try:
+            got = impls[v](*inputs)
+            errs[v] = max(
+                float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+                for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+            )
+        except Exception as e:  # noqa: BLE001 -- reported, benchmark goes on
+            errs[v] = f"error: {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    return errs
+
+
+def _row_line(meta, impl_name, row) -> str:
+    """One printed row of the table: the timing, or "n/a" and the error."""
+    head = f"{meta['kernel']:<18} {impl_name:<22} {meta['batch']:>2} {meta['context']:>6}"
+    if "error" in row:
+        return f"{head} {'n/a':>9}  ({row['error'][:60]})"
+    return (
+        f"{head} {row['time_ms']:>9.3f} {row['gbps']:>8.1f} {row['pct_peak']:>6.1f} "
+        f"{row['tflops']:>8.2f} {(row['speedup_vs_xla'] or 0):>6.2f}x"
+    )
+
+
+def _write_json(args, repeats, rows) -> None:
+    with open(args.json_out, "w") as f:
+        json.dump(
+            dict(
+                backend=jax.default_backend(),
+                device=jax.devices()[0].device_kind,
+                peak_hbm_gbps=args.peak_hbm_gbps,
+                repeats=repeats,
+                interpret=args.interpret,
+                jax=jax.__version__,
+                variants=args.variants,
+                rows=rows,
+            ),
+            f,
+            indent=1,
+        )
+    print(f"wrote {args.json_out}")
 
 
 if __name__ == "__main__":

@@ -227,6 +227,92 @@ def collapse_heads(x, hb: int):
     return x.reshape(*lead, hg * hb, r, d)
 
 
+def _pallas_decode(kernel, scalars, args, in_specs, grid, hr, w, stacked, cost, interpret):
+    """The decode kernel's pallas_call over grid (B, head groups, splits, steps): per split
+    the unnormalized output [hr, w] and log-sum-exp [hr, LANES] in float32, with the online
+    softmax's running max, sum and accumulator in VMEM scratch. A stack's layer index is a
+    third scalar prefetch that only the index maps read."""
+    b, hg, ns, _ = grid
+    out_map = lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)  # noqa: E731
+    out_specs = [
+        pl.BlockSpec((None, None, None, hr, w), out_map),
+        pl.BlockSpec((None, None, None, hr, C.LANES), out_map),
+    ]
+    out_shape = [
+        jax.ShapeDtypeStruct((b, hg, ns, hr, w), jnp.float32),
+        jax.ShapeDtypeStruct((b, hg, ns, hr, C.LANES), jnp.float32),
+    ]
+    grid_spec = pltpu.PrefetchScalarGridSpec(
+        num_scalar_prefetch=len(scalars),
+        grid=grid,
+        in_specs=in_specs,
+        out_specs=out_specs,
+        scratch_shapes=[
+            pltpu.VMEM((hr, C.LANES), jnp.float32),
+            pltpu.VMEM((hr, C.LANES), jnp.float32),
+            pltpu.VMEM((hr, w), jnp.float32),
+        ],
+    )
+    if stacked:
+        body = kernel
+        kernel = lambda kvlen, minlim, _layer, *refs: body(kvlen, minlim, *refs)  # noqa: E731
+    return pl.pallas_call(
+        kernel,
+        out_shape=out_shape,
+        grid_spec=grid_spec,
+        compiler_params=pltpu.CompilerParams(
+            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
+        ),
+        cost_estimate=cost,
+        interpret=interpret,
+        # A stack's kernel reads one layer of its [L, ...] operands and declares those bytes
+        # (cost estimate: the layer's K/V at capacity, as a single cache is charged).
+        name="dflash_decode_attention_tpu_stacked" if stacked else "dflash_decode_attention_tpu",
+    )(*scalars, *args)
+
+
+def _kv_operands(k, v, s_pad, tk, ns, w, stacked):
+    """(BlockSpecs, K, V) of `decode_attention`'s cache: [B, S_pad, Hkv*D] free views (padded
+    to whole tiles), or of a stack [L, B, S, Hkv*D] whose layer the index maps pick (the third
+    scalar prefetch); a program reads tile j of its split (`_split_tile`), its heads' lanes."""
+    *lead, s_len, hkv, d = k.shape
+    if stacked:  # free views of the stacks
+        k2 = k.reshape(*lead, s_pad, hkv * d)
+        v2 = v.reshape(*lead, s_pad, hkv * d)
+    else:
+        k2 = C.pad_axis(k, 1, s_pad).reshape(*lead, s_pad, hkv * d)  # free view
+        v2 = C.pad_axis(v, 1, s_pad).reshape(*lead, s_pad, hkv * d)
+
+    def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref, *layer_ref):
+        j, _, _ = _split_tile(kvlen_ref[bi], si, ii, tk=tk, ns=ns)
+        return (layer_ref[0][0], bi, j, hi) if stacked else (bi, j, hi)
+
+    kv_block = (None, None, tk, w) if stacked else (None, tk, w)
+    return [pl.BlockSpec(kv_block, kv_map), pl.BlockSpec(kv_block, kv_map)], k2, v2
+
+
+def _block_operands(blk_k, blk_v, blk_mask, k_dtype, v_dtype, align, *, g, rows, hb, w):
+    """(BlockSpecs, operands) of `decode_attention`'s always-visible block keys and values,
+    padded to the sublane multiple `align` ([B, Tb, Hkv*D], a program's heads on the lanes),
+    and of its ancestor mask (per query row, one row block per head); none without blk_k."""
+    if blk_k is None:
+        if blk_mask is not None:
+            raise ValueError("blk_mask needs blk_k / blk_v")
+        return [], []
+    b, blk_len, hkv, d = blk_k.shape
+    tb = C.round_up(blk_len, align)
+    bk2 = C.pad_axis(blk_k.astype(k_dtype), 1, tb).reshape(b, tb, hkv * d)
+    bv2 = C.pad_axis(blk_v.astype(v_dtype), 1, tb).reshape(b, tb, hkv * d)
+    spec = pl.BlockSpec((None, tb, w), lambda bi, hi, si, ii, *_: (bi, 0, hi))
+    specs, args = [spec, spec], [bk2, bv2]
+    if blk_mask is not None:
+        bm = C.per_row(blk_mask.astype(jnp.int32), g, rows, 0)  # [B, rows, Tb]
+        bm = jnp.tile(C.pad_axis(bm, 2, tb, 0), (1, hb, 1))  # row block i = head i
+        specs.append(pl.BlockSpec((None, hb * rows, tb), lambda bi, hi, si, ii, *_: (bi, 0, 0)))
+        args.append(bm)
+    return specs, args
+
+
 def decode_attention(
     q,
     k,
@@ -264,28 +350,15 @@ def decode_attention(
         # attention depends on its own limit only), one call each, the same keys.
         tc = _query_chunk(t, g, hb, d, C.sublane_multiple(q.dtype))
         call = functools.partial(
-            decode_attention,
-            k=k,
-            v=v,
-            blk_k=blk_k,
-            blk_v=blk_v,
-            sm_scale=sm_scale,
-            block_k=block_k,
-            num_splits=num_splits,
-            interpret=interpret,
-            layer=layer,
-        )
-        return jnp.concatenate(
-            [
-                call(
-                    q[:, i : i + tc],
-                    lim=lim[:, i : i + tc],
-                    blk_mask=None if blk_mask is None else blk_mask[:, i : i + tc],
-                )
-                for i in range(0, t, tc)
-            ],
-            axis=1,
-        )
+            decode_attention, k=k, v=v, blk_k=blk_k, blk_v=blk_v, sm_scale=sm_scale,
+            block_k=block_k, num_splits=num_splits, interpret=interpret, layer=layer,
+        )  # fmt: skip
+        chunk = lambda x, i: None if x is None else x[:, i : i + tc]  # noqa: E731
+        parts = [
+            call(q[:, i : i + tc], lim=lim[:, i : i + tc], blk_mask=chunk(blk_mask, i))
+            for i in range(0, t, tc)
+        ]
+        return jnp.concatenate(parts, axis=1)
     if hb * rows * hb * d > _BIG_QUERY_BLOCK:
         # Many query rows of wide heads (a 512-token prefill chunk at head_dim 256): the f32
         # scores [rows, tk] and accumulator [rows, w] would outgrow the scoped VMEM at tk 512.
@@ -312,89 +385,30 @@ def decode_attention(
     steps = C.cdiv(n_tiles, ns)
 
     q4 = expand_heads(C.q_to_rows(q, hkv, rows), hb)  # [B, hg, hr, w]
-    if stacked:  # [L, B, S, Hkv*D]: free views of the stacks, the layer picked by the maps
-        k2 = k.reshape(k.shape[0], b, s_pad, hkv * d)
-        v2 = v.reshape(v.shape[0], b, s_pad, hkv * d)
-    else:
-        k2 = C.pad_axis(k, 1, s_pad).reshape(b, s_pad, hkv * d)  # free view
-        v2 = C.pad_axis(v, 1, s_pad).reshape(b, s_pad, hkv * d)
-
-    def kv_map(bi, hi, si, ii, kvlen_ref, minlim_ref, *layer_ref):
-        j, _, _ = _split_tile(kvlen_ref[bi], si, ii, tk=tk, ns=ns)
-        return (layer_ref[0][0], bi, j, hi) if stacked else (bi, j, hi)
-
-    kv_block = (None, None, tk, w) if stacked else (None, tk, w)
+    kv_specs, k2, v2 = _kv_operands(k, v, s_pad, tk, ns, w, stacked)
     in_specs = [
         pl.BlockSpec((None, None, hr, w), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
         pl.BlockSpec((None, hr, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
-        pl.BlockSpec(kv_block, kv_map),
-        pl.BlockSpec(kv_block, kv_map),
+        *kv_specs,
     ]
     args = [q4, lim_rows, k2, v2]
-    blk_len = 0
-    if blk_k is not None:
-        blk_len = blk_k.shape[1]
-        tb = C.round_up(blk_len, align)
-        bk2 = C.pad_axis(blk_k.astype(k.dtype), 1, tb).reshape(b, tb, hkv * d)
-        bv2 = C.pad_axis(blk_v.astype(v.dtype), 1, tb).reshape(b, tb, hkv * d)
-        spec = pl.BlockSpec((None, tb, w), lambda bi, hi, si, ii, *_: (bi, 0, hi))
-        in_specs += [spec, spec]
-        args += [bk2, bv2]
-        if blk_mask is not None:
-            bm = C.per_row(blk_mask.astype(jnp.int32), g, rows, 0)  # [B, rows, Tb]
-            bm = jnp.tile(C.pad_axis(bm, 2, tb, 0), (1, hb, 1))  # row block i = head i
-            in_specs.append(pl.BlockSpec((None, hr, tb), lambda bi, hi, si, ii, *_: (bi, 0, 0)))
-            args.append(bm)
-    elif blk_mask is not None:
-        raise ValueError("blk_mask needs blk_k / blk_v")
+    blk_len = 0 if blk_k is None else blk_k.shape[1]
+    blk_specs, blk_args = _block_operands(
+        blk_k, blk_v, blk_mask, k.dtype, v.dtype, align, g=g, rows=rows, hb=hb, w=w
+    )
+    in_specs += blk_specs
+    args += blk_args
 
-    out_map = lambda bi, hi, si, ii, *_: (bi, hi, si, 0, 0)
-    out_specs = [
-        pl.BlockSpec((None, None, None, hr, w), out_map),
-        pl.BlockSpec((None, None, None, hr, C.LANES), out_map),
-    ]
-    out_shape = [
-        jax.ShapeDtypeStruct((b, hg, ns, hr, w), jnp.float32),
-        jax.ShapeDtypeStruct((b, hg, ns, hr, C.LANES), jnp.float32),
-    ]
-    grid_spec = pltpu.PrefetchScalarGridSpec(
-        num_scalar_prefetch=3 if stacked else 2,
-        grid=(b, hg, ns, steps),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        scratch_shapes=[
-            pltpu.VMEM((hr, C.LANES), jnp.float32),
-            pltpu.VMEM((hr, C.LANES), jnp.float32),
-            pltpu.VMEM((hr, w), jnp.float32),
-        ],
-    )
     kernel = functools.partial(
-        _decode_kernel,
-        tk=tk,
-        ns=ns,
-        scale=scale,
-        prec=C.dot_precision(q.dtype),
-        blk_len=blk_len,
-        blk_masked=blk_mask is not None,
-    )
+        _decode_kernel, tk=tk, ns=ns, scale=scale, prec=C.dot_precision(q.dtype),
+        blk_len=blk_len, blk_masked=blk_mask is not None,
+    )  # fmt: skip
     scalars = (kv_len, min_lim)
     if stacked:  # the layer index: a third scalar prefetch, read by the index maps only
         scalars += (jnp.asarray(layer, jnp.int32).reshape(1),)
-        body = kernel
-        kernel = lambda kvlen, minlim, _layer, *refs: body(kvlen, minlim, *refs)  # noqa: E731
     cost = C.decode_cost(q, one, s_len, blk_len)
-    o_part, lse_part = pl.pallas_call(
-        kernel,
-        out_shape=out_shape,
-        grid_spec=grid_spec,
-        compiler_params=pltpu.CompilerParams(
-            dimension_semantics=("parallel", "parallel", "parallel", "arbitrary")
-        ),
-        cost_estimate=cost,
-        interpret=interpret,
-        # A stack's kernel reads one layer of its [L, ...] operands and declares those bytes
-        # (cost estimate: the layer's K/V at capacity, as a single cache is charged).
-        name="dflash_decode_attention_tpu_stacked" if stacked else "dflash_decode_attention_tpu",
-    )(*scalars, *args)
+    o_part, lse_part = _pallas_decode(
+        kernel, scalars, args, in_specs, (b, hg, ns, steps), hr, w, stacked, cost, interpret
+    )
     o = collapse_heads(C.combine_splits(o_part, lse_part[..., 0]), hb)
     return C.rows_to_q(o, t, g, q.dtype)

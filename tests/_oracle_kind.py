@@ -5,6 +5,7 @@ changed, so that steps accept all, some and none of the block."""
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -50,6 +51,15 @@ class OracleKind(base.DrafterKind):
 
     def limits(self, config) -> base.Limits:
         return base.Limits(default_block_size=config.block_size, chain_only="the oracle")
+
+    def new_config(self, target_config, block_size=4):
+        return OracleConfig(block_size=block_size)
+
+    def module(self, config):
+        return OracleModule(config)
+
+    def abstract_params(self, config):  # the dry run's table: one sequence, 64 tokens
+        return jax.ShapeDtypeStruct((1, 64), jnp.int32)
 
     def decode_params(self, drafter):
         return jnp.asarray(drafter.params, jnp.int32)

@@ -38,6 +38,7 @@ PRELOAD = (
     "dflash_jax",
     "dflash_jax.frontend.infer_flags",
     "dflash_jax.frontend.batch_runner",
+    "dflash_jax.frontend.infer_run",
     "dflash_jax.frontend.textgen",
     "dflash_jax.models.hub",
     "dflash_jax.decoding.generation",

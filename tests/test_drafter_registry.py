@@ -1,7 +1,8 @@
 """The drafter registry (`dflash_jax.drafters.registry`): each kind found from a --drafter spec,
 a config, a user object and a decode module; and a kind from outside the library, added by one
 line, drafting in the compiled loop through `generate` (tokens equal to autoregressive decoding,
-its drafts accepted and rejected), its request limits applied by `Request.build`."""
+its drafts accepted and rejected), its request limits applied by `Request.build`, and run by
+the batch runner and the dry run."""
 
 import os
 
@@ -65,9 +66,43 @@ def test_a_kind_added_by_one_line_drafts_in_the_loop_losslessly(bundled_pair, or
     assert min(lengths) < 4, lengths  # the changed drafts were rejected, the output kept
     # Its limits: the default block, what a chain-only kind refuses.
     request = Request.build(target.config, ok.OracleConfig(), prompts, n)
-    assert request.block_size == 4
+    assert request.settings.block_size == 4
     with pytest.raises(ValueError, match="^tree_budget is not implemented for the oracle$"):
         Request.build(target.config, ok.OracleConfig(), prompts, n, tree_budget=4)
+
+
+def test_a_kind_added_by_one_line_runs_through_the_batch_runner_and_the_dry_run(
+    bundled_pair, oracle_registered
+):
+    """The oracle kind through infer.py's batch runner (records equal to autoregressive
+    decoding, its drafts accepted) and the dry run (its loop compiled in DFlash's place for a
+    TPU topology), neither of which names it."""
+    from dflash_jax.dry_run import programs
+    from dflash_jax.dry_run.topology import topology_devices
+    from dflash_jax.frontend.batch_runner import run_prompts
+
+    target, _, prompts = bundled_pair
+    ok = oracle_registered
+    prompts, n = sorted(prompts[:2], key=len), 16  # one batch, in the runner's order
+    ar = dj.generate(target, None, prompts, max_new_tokens=n)
+    table = np.zeros((len(prompts), n + 8), np.int32)
+    for i, toks in enumerate(ar.tokens):
+        table[i, : len(toks)] = toks
+    oracle = ok.Oracle(ok.OracleConfig(), table)
+    rep = run_prompts(target, oracle, prompts, batch_size=2, max_new_tokens=n, compare_ar=True)
+    assert [r["tokens"] for r in rep.records] == ar.tokens
+    assert all(r["identical_to_ar"] for r in rep.records) and rep.totals["tau"] > 1.5
+
+    assert "oracle" in programs.other_drafters()
+    devices, chip = topology_devices("v5e:1x1")
+    kw = dict(batch=1, context=64, max_new_tokens=16, devices=devices, chip=chip)
+    kw.update(attention=("xla",), only=("dflash_decode", "ar_decode"))
+    run = programs.dry_run_infer("tiny", "tensor=1", drafter="oracle", block_size=4, **kw)
+    assert run["settings"]["drafter"] == "oracle"
+    sizes = run["sizes"]
+    assert sizes["dflash_param_bytes"] - sizes["ar_param_bytes"] == 64 * 4  # its table
+    with pytest.raises(ValueError, match="draft_vocab_size is not a setting of drafter='oracle'"):
+        programs.other_drafter(target.config, "oracle", 4, draft_vocab_size=8)
 
 
 def test_each_kinds_dry_run_shapes_are_what_its_loaded_drafter_gives_the_programs(bundled_pair):

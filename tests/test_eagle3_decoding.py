@@ -310,7 +310,7 @@ def test_infer_takes_an_eagle3_directory(bundled_pair, tmp_path):
     from _pair import PAIR
 
     from dflash_jax.drafters import registry
-    from dflash_jax.frontend import batch_runner
+    from dflash_jax.frontend import infer_run
 
     target, _, prompts = bundled_pair
     out = tmp_path / "eagle3"
@@ -318,12 +318,12 @@ def test_infer_takes_an_eagle3_directory(bundled_pair, tmp_path):
     target_dir = os.path.join(PAIR, "target")
     assert registry.for_spec(str(out)) is e3.KIND
     assert registry.for_spec(os.path.join(PAIR, "drafter")).name == "dflash"
-    batch_runner.check_before_loading(target_dir, str(out), prompts, dict(max_new_tokens=8))
+    infer_run.check_before_loading(target_dir, str(out), prompts, dict(max_new_tokens=8))
     with pytest.raises(ValueError, match="tree_budget is not implemented for EAGLE-3"):
-        batch_runner.check_before_loading(
+        infer_run.check_before_loading(
             target_dir, str(out), prompts, dict(max_new_tokens=8, tree_budget=4)
         )
-    report = batch_runner.run_and_report(
+    report = infer_run.run_and_report(
         target_dir, str(out), [{"prompt": "def f(x):"}], max_new_tokens=16, compare_ar=True,
         stream=False,
     )  # fmt: skip

@@ -95,6 +95,7 @@ def test_unrolled_ttt_logits_equal_the_decode_loops_drafting_steps(drafter):
         _shifted_embeddings(emb_table, ids, steps),
         jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s)),
         mask,
+        ttt.ttt_attention,
         method=e3.Eagle3Drafter.unrolled,
     )
     assert got.shape == (steps, b, s, cfg.draft_vocab_size)
@@ -194,6 +195,7 @@ def test_ttt_loss_equals_the_rule_written_in_numpy_over_packed_rows(drafter):
         ),
         positions,
         ttt.ttt_mask(batch["segment_ids"]),
+        ttt.ttt_attention,
         method=e3.Eagle3Drafter.unrolled,
     )
     want, weight_sum, count, lengths = _numpy_loss(logits, ids, loss_mask, seg, t2d, steps, 0.8)
@@ -214,6 +216,7 @@ def test_ttt_loss_equals_the_rule_written_in_numpy_over_packed_rows(drafter):
         ),
         jnp.arange(6, dtype=jnp.int32)[None],
         ttt.ttt_mask(jnp.ones((1, 6), jnp.int32)),
+        ttt.ttt_attention,
         method=e3.Eagle3Drafter.unrolled,
     )
     for j in range(steps):  # rows whose step-j input token lies inside the segment

@@ -203,3 +203,35 @@ def test_the_drafter_import_check_sees_one():
         "dflash_jax.drafters.registry": {"dflash_jax.drafters.dflash"},
     }
     assert _concrete_importers(graph) == {"dflash_jax.frontend.x", "dflash_jax.frontend.z"}
+
+
+# The longest function a module of the library or the kernels may hold (docstring included).
+MAX_FUNCTION_LINES = 100
+
+
+def _long_functions(source: str, limit: int = MAX_FUNCTION_LINES):
+    tree = ast.parse(source)
+    return [
+        (n.name, n.end_lineno - n.lineno + 1)
+        for n in ast.walk(tree)
+        if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+        and n.end_lineno - n.lineno + 1 > limit
+    ]
+
+
+def test_no_function_of_the_library_or_kernels_is_over_100_lines():
+    long = []
+    for package in ("dflash_jax", "pallas_kernels"):
+        for folder, _, files in os.walk(os.path.join(ROOT, package)):
+            for name in (f for f in files if f.endswith(".py")):
+                path = os.path.join(folder, name)
+                with open(path, encoding="utf-8") as f:
+                    found = _long_functions(f.read())
+                long += [f"{os.path.relpath(path, ROOT)}:{fn} ({n} lines)" for fn, n in found]
+    assert not long, f"split these into named steps: {long}"
+
+
+def test_the_function_length_check_sees_a_long_one():
+    body = "\n".join(f"    x{i} = {i}" for i in range(MAX_FUNCTION_LINES))
+    assert _long_functions(f"def f():\n{body}\n") == [("f", MAX_FUNCTION_LINES + 1)]
+    assert _long_functions("def g():\n    return 1\n") == []

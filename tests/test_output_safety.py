@@ -23,8 +23,9 @@ import types
 import pytest
 
 import dflash_jax as dj
+from dflash_jax.decoding.generation import Generator
 from dflash_jax.models.verifier import init_params
-from dflash_jax.frontend import batch_runner, infer_flags, report, textgen
+from dflash_jax.frontend import batch_runner, infer_flags, infer_run, report
 
 MAX_NEW = 3
 BATCH = 2
@@ -111,7 +112,7 @@ def test_a_failed_run_leaves_an_existing_file_byte_for_byte(
         def broken(*a, **k):
             raise RuntimeError("device lost")
 
-        monkeypatch.setattr(textgen, "generate", broken)
+        monkeypatch.setattr(Generator, "__call__", broken)
         kw, error = {}, RuntimeError
     else:
         kw, error = FAILURES[failure], ValueError
@@ -128,10 +129,10 @@ def test_a_failed_run_leaves_an_existing_file_byte_for_byte(
 def test_an_interrupted_run_leaves_the_old_file_or_a_valid_prefix(
     pair, clean, tmp_path, monkeypatch, stop_at
 ):
-    """`generate` raises on batch `stop_at` (the 1st: before any result): the file is the old
+    """Generation raises on batch `stop_at` (the 1st: before any result): the file is the old
     one, or the records of the batches done, equal to a clean run's; --resume completes it."""
     records, _ = clean
-    real = textgen.generate
+    real = Generator.__call__
     calls = []
 
     def flaky(*a, **k):
@@ -143,10 +144,10 @@ def test_an_interrupted_run_leaves_the_old_file_or_a_valid_prefix(
     out = tmp_path / "out.jsonl"
     old = b'{"old": "a file the user had"}\n'
     out.write_bytes(old)
-    monkeypatch.setattr(textgen, "generate", flaky)
+    monkeypatch.setattr(Generator, "__call__", flaky)
     with pytest.raises(KeyboardInterrupt):
         _run(pair, out)
-    monkeypatch.setattr(textgen, "generate", real)
+    monkeypatch.setattr(Generator, "__call__", real)
     _no_temp_files(tmp_path)
     if stop_at == 1:
         assert out.read_bytes() == old
@@ -239,7 +240,7 @@ def test_the_resume_key_is_the_models_real_path(pair, tmp_path, monkeypatch, cap
 
     def run(cwd, target, drafter):
         monkeypatch.chdir(cwd)
-        return batch_runner.run_and_report(
+        return infer_run.run_and_report(
             target, drafter, items, out_path=out, resume=True, max_new_tokens=MAX_NEW
         )
 
@@ -252,6 +253,42 @@ def test_the_resume_key_is_the_models_real_path(pair, tmp_path, monkeypatch, cap
         run(b, "models/target", "models/drafter")  # other models at the same relative path
     assert open(out, "rb").read() == before
     assert batch_runner.model_identity("Qwen/Qwen3-8B") == "Qwen/Qwen3-8B"  # hub ids as typed
+    capsys.readouterr()
+
+
+def test_one_infer_run_reads_each_config_once(pair, monkeypatch, capsys):
+    """`run_and_report` (infer.py's run) takes each model's config.json off the disk once:
+    the pre-load checks and both loaders share the read (`checks.reading_once`); outside a
+    run, every read is a read of the file as it is now."""
+    import builtins
+
+    from dflash_jax.support import checks
+
+    root = pair[0]
+    reads = []
+    real_open = builtins.open
+
+    def counting_open(file, mode="r", *a, **k):
+        if str(file).endswith("config.json") and "r" in mode:
+            reads.append(os.path.relpath(str(file), root))
+        return real_open(file, mode, *a, **k)
+
+    monkeypatch.setattr(builtins, "open", counting_open)
+    items = [{"ids": p} for p in PROMPTS[:2]]
+    rep = infer_run.run_and_report(
+        str(root / "target"), str(root / "drafter"), items, max_new_tokens=MAX_NEW
+    )
+    assert len(rep.records) == 2
+    want = [os.path.join(m, "config.json") for m in ("drafter", "target")]
+    assert sorted(reads) == want, reads  # (this pair has no generation_config.json)
+    path = str(root / "target" / "config.json")
+    reads.clear()
+    with checks.reading_once():
+        first = checks.json_object_file(path)
+        first["vocab_size"] = -1  # a caller's change is its own
+        assert checks.json_object_file(path)["vocab_size"] == 96 and len(reads) == 1
+    checks.json_object_file(path)
+    assert len(reads) == 2
     capsys.readouterr()
 
 

@@ -146,7 +146,7 @@ def test_infer_drafter_spec_and_the_check_before_loading(bundled_pair):
     from _pair import PAIR
 
     from dflash_jax.drafters.prompt_lookup import from_spec
-    from dflash_jax.frontend.batch_runner import check_before_loading
+    from dflash_jax.frontend.infer_run import check_before_loading
 
     assert from_spec("prompt_lookup").config == dj.PromptLookup().config
     assert (

@@ -751,10 +751,10 @@ def test_draft_sampling_is_checked_and_reaches_each_drafter(tiny):
         with pytest.raises(ValueError, match=message) as e:
             build(d, **kw)
         assert "\n" not in str(e.value)
-    assert build(drafter.config).draft_sampling is None  # the drafter's default
-    assert build(drafter.config, draft_sampling="sample", temperature=1.0).draft_sampling == (
-        "sample"
-    )
+    assert build(drafter.config).settings.draft_sampling is None  # the drafter's default
+    assert build(
+        drafter.config, draft_sampling="sample", temperature=1.0
+    ).settings.draft_sampling == ("sample")
     d2 = drafter.config.replace(
         conv_kernel_size=2, conv_group_size=16, selector_rank=2, selector_top_k=3
     )

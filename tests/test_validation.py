@@ -337,23 +337,25 @@ def test_generate_warns_for_a_block_larger_than_the_drafters(small_pair):
 
 def test_a_request_is_built_once_from_the_configs_and_gives_the_plan(small_pair):
     """`Request.build` (what generate and the batch runner's pre-load check both call) from
-    the configs alone: normalized values, the settings every entry point passes named once
-    (`Request.SETTINGS` = build's keywords), frozen, and the plan of generate's programs."""
+    the configs alone: normalized values, the settings named once (`Settings`' fields are
+    build's keywords, generate's keywords with their defaults, and the Plan fields they fill by
+    name), frozen, and the plan of generate's programs."""
     import dataclasses
     import inspect
 
-    from dflash_jax.decoding.request import Request
+    from dflash_jax.decoding.request import Request, Settings
     from dflash_jax.decoding.step import Plan
 
     target, drafter = small_pair
-    kw = [
-        n
-        for n, p in inspect.signature(Request.build).parameters.items()
-        if p.kind == p.KEYWORD_ONLY and n != "labels"
-    ]
-    assert sorted(Request.SETTINGS) == sorted(kw)
-    fields = {f.name for f in dataclasses.fields(Request)}
-    assert fields == set(kw) | {"prompts", "max_new_tokens"}
+    names = Settings.names()
+    assert Request.SETTINGS == names and len(names) == 14
+    gen = inspect.signature(dj.generate).parameters
+    defaults = {f.name: f.default for f in dataclasses.fields(Settings)}
+    assert {n: gen[n].default for n in names} == {n: defaults[n] for n in names}
+    plan_fields = {f.name for f in dataclasses.fields(Plan)}
+    assert plan_fields - set(names) == {"stream", "attention_impl"}  # the rest by name
+    with pytest.raises(TypeError, match="'blocksize' is not a generation setting"):
+        Request.build(target.config, drafter.config, [[1]], 2, blocksize=4)
 
     r = Request.build(
         target.config,
@@ -363,18 +365,64 @@ def test_a_request_is_built_once_from_the_configs_and_gives_the_plan(small_pair)
         stop_token_ids=[9, 3, 9],
         confidence_threshold=0.5,
     )
-    assert r.prompts == ((1, 2, 3),) and r.max_new_tokens == 5 and r.block_size == 4
-    assert r.stop_token_ids == (3, 9) and r.top_k is None and r.prefill_chunk is None
+    s = r.settings
+    assert r.prompts == ((1, 2, 3),) and r.max_new_tokens == 5 and s.block_size == 4
+    assert s.stop_token_ids == (3, 9) and s.top_k is None and s.prefill_chunk is None
+    assert s.is_checked_for(target.config, drafter.config)
+    assert not s.is_checked_for(target.config, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        r.block_size = 8
+        s.block_size = 8
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        r.max_new_tokens = 8
     plan = r.plan("xla")
-    assert plan == Plan(block_size=4, stop_ids=(3, 9), confidence_threshold=0.5)
+    assert plan == Plan(block_size=4, stop_token_ids=(3, 9), confidence_threshold=0.5)
     assert r.plan("xla") == plan and hash(r.plan("xla")) == hash(plan)  # a jit key
+    with pytest.raises(ValueError, match="needs checked settings"):
+        Settings(block_size=4).plan("xla")
     ar = Request.build(target.config, None, [[1]], 2, return_drafts=True, prefill_chunk=0)
-    assert ar.block_size == 1 and ar.return_drafts is False
-    assert ar.plan("xla").prefill_chunk == 0 and not ar.plan("xla").record_drafts
+    assert ar.settings.block_size == 1 and ar.settings.return_drafts is False
+    assert ar.plan("xla").prefill_chunk == 0 and not ar.plan("xla").return_drafts
     sampled = Request.build(target.config, drafter.config, [[1]], 2, temperature=0.7, top_k=4)
     assert (sampled.plan("xla").top_k, sampled.plan("xla").temperature) == (4, 0.7)
+
+
+def test_a_generator_checks_its_settings_once_and_decodes_like_generate(small_pair, monkeypatch):
+    """`Generator`: settings checked when it is built (a bad one refused before any prompt),
+    not again per call, nor when they come checked for these configs (the batch runner's
+    pre-load check); each call's seed and prompts its own; tokens equal `generate`'s."""
+    from dflash_jax.decoding import generation, request
+
+    target, drafter = small_pair
+    with pytest.raises(ValueError, match="temperature"):
+        dj.Generator(target, drafter, dj.Settings(temperature=-1.0))
+    with pytest.raises(TypeError, match="settings must be a Settings"):
+        dj.Generator(target, drafter, {"temperature": 0.5})
+    calls = []
+    real = request.Settings.check
+    monkeypatch.setattr(
+        request.Settings, "check", lambda self, *a, **k: calls.append(1) or real(self, *a, **k)
+    )
+    gen = dj.Generator(target, drafter, dj.Settings(stop_token_ids=[3]))
+    assert len(calls) == 1 and gen.settings.block_size == drafter.config.block_size
+    prompts = [[1, 2, 3], [4, 5]]
+    a, b = gen(prompts, 6), gen(prompts[:1], 6)
+    assert len(calls) == 1
+    want = dj.generate(target, drafter, prompts, 6, stop_token_ids=[3])
+    assert a.tokens == want.tokens and b.tokens == want.tokens[:1]
+    assert a.tokens == dj.generate(target, None, prompts, 6, stop_token_ids=[3]).tokens
+    pre = request.Request.build(target.config, drafter.config, [[1]], 2, stop_token_ids=[3])
+    calls.clear()
+    again = dj.Generator(target, drafter, pre.settings)
+    assert calls == [] and again(prompts, 6).tokens == want.tokens
+    with pytest.raises(ValueError, match="prompt 1 has token ids outside"):
+        gen([[1], [999]], 4)
+    with pytest.raises(ValueError, match="seed"):
+        gen(prompts, 4, seed="x")
+    sampled = dj.Generator(target, drafter, dj.Settings(temperature=1.0))
+    s0, s1 = sampled(prompts, 8, seed=0), sampled(prompts, 8, seed=1)
+    assert s0.tokens == dj.generate(target, drafter, prompts, 8, temperature=1.0).tokens
+    assert s1.tokens == dj.generate(target, drafter, prompts, 8, temperature=1.0, seed=1).tokens
+    assert generation.Generator is dj.Generator
 
 
 @pytest.mark.parametrize(

@@ -1,9 +1,11 @@
-"""`generate`: the API of generation. The request checked, the plan and buffers chosen, the
-programs compiled (or found compiled), run, and read back, as a short sequence of named steps;
+"""`generate` and `Generator`: the API of generation. The settings checked once, then per call
+the prompts checked, the plan and buffers chosen, the programs compiled (or found compiled),
+run, and read back, as a short sequence of named steps;
 the algorithm is `step.py`, the programs `programs.py`, the checks and the result `request.py`."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from typing import Callable, List, Optional, Sequence
 
@@ -15,6 +17,7 @@ from dflash_jax.decoding.programs import _Compiled, buffer_sizes, generate_progr
 from dflash_jax.decoding.request import (
     GenerationResult,
     Request,
+    Settings,
     collect,
     gather_multiprocess,
 )
@@ -23,6 +26,7 @@ from dflash_jax.drafters import registry
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.verifier import target_module
 from dflash_jax.parallel import sharding
+from dflash_jax.support import checks
 
 
 def generate(
@@ -76,56 +80,91 @@ def generate(
     draft from the argmax). Lossless either way; it changes the acceptance. Temperature > 0
     only (refused at 0, where every drafter drafts its argmax).
     """
-    request = Request.build(
-        target.config,
-        drafter.config if drafter is not None else None,
-        prompts,
-        max_new_tokens,
-        block_size=block_size,
-        temperature=temperature,
-        top_k=top_k,
-        top_p=top_p,
-        seed=seed,
-        stop_token_ids=stop_token_ids,
-        denoise_steps=denoise_steps,
-        confidence_threshold=confidence_threshold,
-        tree_budget=tree_budget,
-        return_drafts=return_drafts,
-        denoise_schedule=denoise_schedule,
-        remask=remask,
-        prefill_chunk=prefill_chunk,
-        draft_sampling=draft_sampling,
-    )
-    registry.of(drafter).check_loaded(drafter, target.config)
-    if mesh is not None:
-        sharding.check_expert_axis(mesh.shape.get("expert", 1), target.config.num_experts)
-    # "pallas" / "auto" made concrete for the devices compiled for (the mesh's).
-    impl = attn_lib.for_devices(attention_impl or target.attention_impl, mesh)
-    plan = request.plan(impl, stream_callback)
-    args, shape = _inputs(request)
-    (prefill_x, decode_x, placement), compile_s = _programs(
-        target, drafter, plan, args, shape, mesh
-    )
-    tparams = target.params
-    dparams = _drafter_params(drafter)
-    if placement is not None:  # put parameters and inputs where the sharded programs want them
-        from dflash_jax.parallel import distributed  # put: also across processes (pod hosts)
+    given = locals()
+    settings = Settings.of({name: given[name] for name in Settings.names()})
+    gen = Generator(target, drafter, settings, mesh=mesh, attention_impl=attention_impl)
+    return gen(prompts, max_new_tokens, stream_callback=stream_callback)
 
-        tsh, dsh, arg_sh = placement
-        tparams = distributed.put(tparams, tsh)
-        dparams = None if dparams is None else distributed.put(dparams, dsh)
-        args = tuple(distributed.put(a, s) for a, s in zip(args, arg_sh))
-    state, times = _run(prefill_x, decode_x, tparams, dparams, args, stream_callback)
-    times += (compile_s,)
-    if mesh is not None and jax.process_count() > 1:
-        state, times = gather_multiprocess(state, plan, times)
-    b = len(request.prompts)
-    result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1], compile_s=times[2])
-    if mesh is not None:
-        result.stats.update(
-            mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
+
+@dataclasses.dataclass(frozen=True)
+class Generator:
+    """A target and a drafter (None: autoregressive) with their generation `Settings`, checked
+    once and called per batch of prompts (gemma's `Sampler`): the pair, the loaded drafter,
+    every setting, the mesh's expert axis and the attention implementation are checked when it
+    is built; a call checks only its prompts. `generate` is one `Generator` called once.
+
+        gen = Generator(target, drafter, Settings(temperature=0.7, stop_token_ids=(2,)))
+        for b, batch in enumerate(batches):
+            result = gen(batch, max_new_tokens=128, seed=b)
+
+    settings: as given (checked now) or already checked against these models' configs
+    (`Settings.check`, e.g. by the batch runner before loading): then not checked again.
+    mesh / attention_impl: `generate`'s. Raises ValueError (one line) naming what is refused.
+    """
+
+    target: object
+    drafter: object = None
+    settings: Settings = Settings()
+    mesh: object = None
+    attention_impl: Optional[str] = None
+
+    def __post_init__(self):
+        tcfg = self.target.config
+        dcfg = self.drafter.config if self.drafter is not None else None
+        settings = self.settings
+        if not isinstance(settings, Settings):
+            raise TypeError(f"settings must be a Settings, got {type(settings).__name__}")
+        registry.of(self.drafter).check_loaded(self.drafter, tcfg)  # the pair, as loaded
+        if not settings.is_checked_for(tcfg, dcfg):
+            settings = settings.check(tcfg, dcfg, pair_checked=True)
+        if self.mesh is not None:
+            sharding.check_expert_axis(self.mesh.shape.get("expert", 1), tcfg.num_experts)
+        # "pallas" / "auto" made concrete for the devices compiled for (the mesh's).
+        impl = attn_lib.for_devices(self.attention_impl or self.target.attention_impl, self.mesh)
+        object.__setattr__(self, "settings", settings)
+        object.__setattr__(self, "attention_impl", impl)
+
+    def __call__(
+        self,
+        prompts: Sequence[Sequence[int]],
+        max_new_tokens: int,
+        *,
+        seed: Optional[int] = None,
+        stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+        labels: Optional[Sequence[str]] = None,
+    ) -> GenerationResult:
+        """Generates continuations of `prompts` (`generate`). seed: this call's (None: the
+        settings'); labels: how a bad prompt is named (`Request.of`)."""
+        settings = self.settings
+        if seed is not None:
+            settings = dataclasses.replace(settings, seed=checks.seed_param("seed", seed))
+        request = Request.of(settings, prompts, max_new_tokens, labels=labels)
+        target, drafter, mesh = self.target, self.drafter, self.mesh
+        plan = request.plan(self.attention_impl, stream_callback)
+        args, shape = _inputs(request)
+        (prefill_x, decode_x, placement), compile_s = _programs(
+            target, drafter, plan, args, shape, mesh
         )
-    return result
+        tparams = target.params
+        dparams = _drafter_params(drafter)
+        if placement is not None:  # put parameters and inputs where the sharded programs want them
+            from dflash_jax.parallel import distributed  # put: also across processes (pod hosts)
+
+            tsh, dsh, arg_sh = placement
+            tparams = distributed.put(tparams, tsh)
+            dparams = None if dparams is None else distributed.put(dparams, dsh)
+            args = tuple(distributed.put(a, s) for a, s in zip(args, arg_sh))
+        state, times = _run(prefill_x, decode_x, tparams, dparams, args, stream_callback)
+        times += (compile_s,)
+        if mesh is not None and jax.process_count() > 1:
+            state, times = gather_multiprocess(state, plan, times)
+        b = len(request.prompts)
+        result = collect(state, plan, b, prefill_s=times[0], decode_s=times[1], compile_s=times[2])
+        if mesh is not None:
+            result.stats.update(
+                mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
+            )
+        return result
 
 
 def _drafter_params(drafter):
@@ -139,10 +178,10 @@ def _drafter_params(drafter):
 def _inputs(request: Request):
     """The programs' inputs (prompts right-padded to their bucket, lengths, max_new_tokens,
     the PRNG key) and their static shape (batch, padded prompt, output buffer, cache slots)."""
-    prompts = request.prompts
+    prompts, settings = request.prompts, request.settings
     lens = np.array([len(p) for p in prompts], np.int32)
-    tree = request.tree_budget
-    width = request.block_size if tree is None else tree + 1  # cache slots one step writes
+    tree = settings.tree_budget
+    width = settings.block_size if tree is None else tree + 1  # cache slots one step writes
     p_pad, n_buf, capacity = buffer_sizes(int(lens.max()), request.max_new_tokens, width)
     ids = np.zeros((len(prompts), p_pad), np.int32)
     for i, p in enumerate(prompts):
@@ -151,7 +190,7 @@ def _inputs(request: Request):
         jnp.asarray(ids),
         jnp.asarray(lens),
         jnp.asarray(request.max_new_tokens, jnp.int32),
-        jax.random.PRNGKey(request.seed),
+        jax.random.PRNGKey(settings.seed),
     )
     return args, (len(prompts), p_pad, n_buf, capacity)
 
@@ -174,8 +213,8 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
         n_buf,
         capacity,
         mesh,
-        jax.tree_util.tree_structure(tparams),
-        jax.tree_util.tree_structure(dparams),
+        _layout(tparams),
+        _layout(dparams),  # shapes too: a kind's module need not imply its parameters' shapes
         registry.loop_of(dmod),  # the kind drafting in the loop (a test's oracle: its own)
     )
 
@@ -212,6 +251,13 @@ def _programs(target, drafter, plan: Plan, args, shape, mesh):
             )
 
     return _Compiled.get(key, build)
+
+
+def _layout(tree):
+    """What a compiled program fixes of a pytree of parameters: its structure and each leaf's
+    shape and dtype (hashable: part of `_Compiled`'s key)."""
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    return treedef, tuple((np.shape(x), str(getattr(x, "dtype", type(x)))) for x in leaves)
 
 
 def _run(prefill_x, decode_x, tparams, dparams, args, stream_callback):

@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from dflash_jax.decoding.step import Decoder, Plan
+from dflash_jax.drafters import registry
 from dflash_jax.parallel import sharding
 
 
@@ -75,7 +76,7 @@ def generate_programs(
         None
         if dparams is None
         else sharding.param_shardings(
-            dparams, mesh, sharding.target_rules(), dmod.cfg.body.head_dim
+            dparams, mesh, sharding.target_rules(), registry.loop_of(dmod).head_dim(dmod.cfg)
         )
     )
     repl = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

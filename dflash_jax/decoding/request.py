@@ -1,7 +1,7 @@
-"""A generation request checked once (`Request.build`: the prompts and every setting of
-`generate`, from the models' configs alone, so the batch runner checks a request from the
-config.json files before any weight is read), and the host side of a run: the decode state
-read back into a `GenerationResult` (also across the processes of a pod)."""
+"""Generation settings (`Settings`, their one list) and requests checked once from the models'
+configs alone (`Request.build`: so the batch runner checks a request from the config.json
+files before any weight is read), and the host side of a run: the decode state read back into
+a `GenerationResult` (also across the processes of a pod)."""
 
 from __future__ import annotations
 
@@ -19,14 +19,16 @@ from dflash_jax.support.checks import MAX_TREE_BUDGET, check_denoise
 
 
 @dataclasses.dataclass(frozen=True)
-class Request:
-    """One generation request, checked and normalized: what `generate` takes besides the
-    models, the mesh and the callbacks. Build it with `Request.build` (the one place the
-    settings are checked); `plan` gives the static settings of the compiled programs."""
+class Settings:
+    """The settings of generation: every keyword of `generate` besides the models, the
+    prompts, max_new_tokens, the mesh and the callbacks. This class is their one list:
+    `Request.build`'s and `Generator`'s keywords are its fields, and `Plan`'s fields of the
+    same names are taken from it by name (`plan`).
 
-    prompts: Tuple[Tuple[int, ...], ...]
-    max_new_tokens: int
-    block_size: int  # the verify block; 1: autoregressive (no drafter)
+    As given (`Settings(temperature=0.7)`), or checked against a pair of configs (`check`:
+    every value checked and normalized, block_size resolved)."""
+
+    block_size: Optional[int] = None  # the verify block; None: the drafter's; 1: no drafter
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
@@ -40,65 +42,50 @@ class Request:
     return_drafts: bool = False
     prefill_chunk: Optional[int] = None  # None: `Plan.prefill_chunk`
     draft_sampling: Optional[str] = None  # None: the drafter's default (`Plan.draft_sampling`)
-
-    # The settings (keyword arguments of `build`, fields besides prompts and max_new_tokens).
-    SETTINGS = (
-        "block_size",
-        "temperature",
-        "top_k",
-        "top_p",
-        "seed",
-        "stop_token_ids",
-        "denoise_steps",
-        "denoise_schedule",
-        "remask",
-        "confidence_threshold",
-        "tree_budget",
-        "return_drafts",
-        "prefill_chunk",
-        "draft_sampling",
+    # The configs these settings were checked against (`check`); None: as given.
+    checked_for: Optional[tuple] = dataclasses.field(
+        default=None, compare=False, repr=False, kw_only=True
     )
 
     @classmethod
-    def build(
-        cls,
-        target_config,
-        drafter_config,
-        prompts,
-        max_new_tokens,
-        *,
-        block_size=None,
-        temperature=0.0,
-        top_k=None,
-        top_p=None,
-        seed=0,
-        stop_token_ids=(),
-        denoise_steps=1,
-        confidence_threshold=None,
-        tree_budget=None,
-        return_drafts=False,
-        denoise_schedule="confidence",
-        remask=False,
-        prefill_chunk=None,
-        draft_sampling=None,
-        labels: Optional[Sequence[str]] = None,
-    ) -> "Request":
-        """Every setting checked (types, ranges, ids in the vocabulary, the context length,
-        what needs a drafter, what combines) against the target's and the drafter's configs
-        (`drafter_config` None: autoregressive). Raises ValueError (one line) naming the
-        setting, or a bad prompt by its label (`labels[i]`, e.g. "file.jsonl:3"; default
-        "prompt i")."""
+    def names(cls) -> Tuple[str, ...]:
+        """The settings' names, in order."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.name != "checked_for")
+
+    @classmethod
+    def of(cls, given: dict) -> "Settings":
+        """Settings from keywords (a TypeError names one that is not a setting)."""
+        unknown = sorted(set(given) - set(cls.names()))
+        if unknown:
+            raise TypeError(f"{unknown[0]!r} is not a generation setting")
+        return cls(**given)
+
+    def is_checked_for(self, target_config, drafter_config) -> bool:
+        """Whether these are settings checked against equal configs."""
+        if self.checked_for is None:
+            return False
+        try:
+            return bool(self.checked_for == (target_config, drafter_config))
+        except Exception:  # configs that do not compare (arrays in a user's config)
+            return False
+
+    def check(self, target_config, drafter_config, *, pair_checked: bool = False) -> "Settings":
+        """These settings checked (types, ranges, ids in the vocabulary, what needs a drafter,
+        what combines) against the target's and the drafter's configs (`drafter_config`
+        None: autoregressive), normalized. pair_checked: the caller has checked the pair
+        (the loaded drafter's `check_loaded`). Raises ValueError (one line) naming the
+        setting."""
         drafted = drafter_config is not None
         kind = registry.of(drafter_config)
-        kind.check_pair(drafter_config, target_config)
+        if not pair_checked:
+            kind.check_pair(drafter_config, target_config)
         vocab = target_config.vocab_size
-        prompts = checks.prompt_ids(prompts, vocab, labels=labels)
-        max_new_tokens = checks.int_param("max_new_tokens", max_new_tokens, lo=1)
-        seed = checks.seed_param("seed", seed)
-        temperature, top_k, top_p = checks.sampling_params(temperature, top_k, top_p)
-        stop = checks.stop_id_tuple(stop_token_ids, vocab)
-        steps = checks.int_param("denoise_steps", denoise_steps, lo=1)
-        threshold = checks.confidence_threshold(confidence_threshold)
+        seed = checks.seed_param("seed", self.seed)
+        temperature, top_k, top_p = checks.sampling_params(self.temperature, self.top_k, self.top_p)
+        stop = checks.stop_id_tuple(self.stop_token_ids, vocab)
+        steps = checks.int_param("denoise_steps", self.denoise_steps, lo=1)
+        threshold = checks.confidence_threshold(self.confidence_threshold)
+        block_size, tree_budget, remask = self.block_size, self.tree_budget, self.remask
         if drafted:
             limits = kind.limits(drafter_config)
             bs = limits.default_block_size if block_size is None else block_size
@@ -131,24 +118,24 @@ class Request:
                     raise ValueError(
                         f"{name} needs a drafter (autoregressive decoding drafts nothing)"
                     )
-        _check_context(target_config, prompts, max_new_tokens, labels)
-        tree_budget = check_tree(target_config, drafted, bs, tree_budget, threshold, return_drafts)
+        tree_budget = check_tree(
+            target_config, drafted, bs, tree_budget, threshold, self.return_drafts
+        )
         denoise_schedule, remask = check_denoise(
-            denoise_schedule, remask, steps, has_drafter=drafted
+            self.denoise_schedule, remask, steps, has_drafter=drafted
         )
         if denoise_schedule != "confidence" and steps == 1:  # refused, never ignored
             raise ValueError(
                 "denoise_schedule needs denoise_steps >= 2 (one drafter pass fixes every "
                 "position at once)"
             )
+        prefill_chunk = self.prefill_chunk
         if prefill_chunk is not None:
             prefill_chunk = checks.int_param("prefill_chunk", prefill_chunk, lo=0)
         draft_sampling = _check_draft_sampling(
-            draft_sampling, drafter_config, temperature, steps, tree_budget
+            self.draft_sampling, drafter_config, temperature, steps, tree_budget
         )
-        return cls(
-            prompts=tuple(tuple(p) for p in prompts),
-            max_new_tokens=max_new_tokens,
+        return Settings(
             block_size=bs,
             temperature=float(temperature),
             top_k=top_k,  # None under greedy (`checks.sampling_params` refuses one there)
@@ -160,33 +147,90 @@ class Request:
             remask=remask,
             confidence_threshold=threshold,
             tree_budget=tree_budget,
-            return_drafts=bool(return_drafts and drafted),
+            return_drafts=bool(self.return_drafts and drafted),
             prefill_chunk=prefill_chunk,
             draft_sampling=draft_sampling,
+            checked_for=(target_config, drafter_config),
         )
 
     def plan(
         self, attention_impl: str, stream: Optional[Callable[[List[List[int]]], None]] = None
     ) -> Plan:
-        """The static settings of this request's programs (`attention_impl` made concrete for
-        the devices compiled for; `stream`: generate's stream_callback)."""
-        return Plan(
-            block_size=self.block_size,
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
-            stop_ids=self.stop_token_ids,
-            denoise_steps=self.denoise_steps,
-            denoise_schedule=self.denoise_schedule,
-            remask=self.remask,
-            confidence_threshold=self.confidence_threshold,
-            record_drafts=self.return_drafts,
-            tree_budget=self.tree_budget,
-            stream=stream,
-            attention_impl=attention_impl,
-            draft_sampling=self.draft_sampling,
-            **({} if self.prefill_chunk is None else {"prefill_chunk": self.prefill_chunk}),
+        """The static settings of the programs of these (checked) settings: `Plan`'s fields
+        taken by name (`attention_impl` made concrete for the devices compiled for;
+        `stream`: generate's stream_callback)."""
+        if self.checked_for is None:
+            raise ValueError("Settings.plan needs checked settings (Settings.check)")
+        plan_fields = {f.name for f in dataclasses.fields(Plan)}
+        same = {
+            n: getattr(self, n)
+            for n in self.names()
+            if n in plan_fields and not (n == "prefill_chunk" and self.prefill_chunk is None)
+        }
+        return Plan(**same, stream=stream, attention_impl=attention_impl)
+
+
+@dataclasses.dataclass(frozen=True)
+class Request:
+    """One generation request, checked and normalized: prompts, max_new_tokens and checked
+    `Settings`. Build it with `Request.build` (from keywords) or `Request.of` (from
+    settings already checked); `plan` gives the static settings of the compiled programs."""
+
+    prompts: Tuple[Tuple[int, ...], ...]
+    max_new_tokens: int
+    settings: Settings  # checked (`Settings.check`)
+
+    # Build's keywords besides labels: the settings' names.
+    SETTINGS = Settings.names()
+
+    @classmethod
+    def build(
+        cls,
+        target_config,
+        drafter_config,
+        prompts,
+        max_new_tokens,
+        *,
+        labels: Optional[Sequence[str]] = None,
+        **settings,
+    ) -> "Request":
+        """Every setting (`Settings`' fields, by keyword) checked against the target's and the
+        drafter's configs (`drafter_config` None: autoregressive), then the prompts, and
+        each prompt plus max_new_tokens against the context length. Raises ValueError (one
+        line) naming the setting, or a bad prompt by its label (`labels[i]`, e.g.
+        "file.jsonl:3"; default "prompt i"); TypeError for a keyword that is not a setting."""
+        checked = Settings.of(settings).check(target_config, drafter_config)
+        return cls.of(checked, prompts, max_new_tokens, labels=labels)
+
+    @classmethod
+    def of(
+        cls,
+        settings: Settings,
+        prompts,
+        max_new_tokens,
+        *,
+        labels: Optional[Sequence[str]] = None,
+    ) -> "Request":
+        """A request of checked `settings` (`Settings.check`): the prompts (token ids in the
+        target's vocabulary) and max_new_tokens checked against the configs they were checked
+        for."""
+        if settings.checked_for is None:
+            raise ValueError("Request.of needs checked settings (Settings.check)")
+        target_config = settings.checked_for[0]
+        prompts = checks.prompt_ids(prompts, target_config.vocab_size, labels=labels)
+        max_new_tokens = checks.int_param("max_new_tokens", max_new_tokens, lo=1)
+        _check_context(target_config, prompts, max_new_tokens, labels)
+        return cls(
+            prompts=tuple(tuple(p) for p in prompts),
+            max_new_tokens=max_new_tokens,
+            settings=settings,
         )
+
+    def plan(
+        self, attention_impl: str, stream: Optional[Callable[[List[List[int]]], None]] = None
+    ) -> Plan:
+        """The static settings of this request's programs (`Settings.plan`)."""
+        return self.settings.plan(attention_impl, stream)
 
 
 def _check_draft_sampling(value, drafter_config, temperature, denoise_steps, tree_budget):
@@ -304,7 +348,7 @@ def gather_multiprocess(state, plan, times):
     from dflash_jax.parallel import distributed
 
     out = dict(tokens=state.tokens, num_out=state.num_out, accepted=state.accepted, step=state.step)
-    if plan.record_drafts:
+    if plan.return_drafts:
         out["drafts"] = state.drafts
     out = distributed.gather(out)
     times = distributed.broadcast(np.asarray(times, np.float64))
@@ -319,8 +363,8 @@ def collect(
     tokens, num_out, accepted, steps = jax.device_get(
         (state.tokens, state.num_out, state.accepted, state.step)
     )
-    drafts_np = np.asarray(state.drafts) if plan.record_drafts else None
-    out_tokens, acc, drafts = [], [], [] if plan.record_drafts else None
+    drafts_np = np.asarray(state.drafts) if plan.return_drafts else None
+    out_tokens, acc, drafts = [], [], [] if plan.return_drafts else None
     for i in range(b):
         out_tokens.append(tokens[i, : num_out[i]].tolist())
         active = accepted[i, :steps] > 0

@@ -54,7 +54,7 @@ class Plan:
     temperature: float = 0.0
     top_k: Optional[int] = None
     top_p: Optional[float] = None
-    stop_ids: tuple = ()
+    stop_token_ids: tuple = ()
     denoise_steps: int = 1
     # Which positions the K passes fix: "confidence" (the most confident still-masked ones) or
     # "fixed" (left to right); remask: a fixed low-confidence token may be masked again
@@ -62,7 +62,7 @@ class Plan:
     denoise_schedule: str = "confidence"
     remask: bool = False
     confidence_threshold: Optional[float] = None
-    record_drafts: bool = False
+    return_drafts: bool = False  # record each step's drafted block
     # Verify a draft tree of this many nodes (`dflash_jax.drafters.tree`) instead of the chain.
     tree_budget: Optional[int] = None
     # Host function called with each step's commits (`generate`'s stream_callback), or None.
@@ -354,8 +354,8 @@ class Decoder:
         n = jnp.minimum(a + 1, state.max_new - state.num_out)
         idx = jnp.arange(width, dtype=jnp.int32)[None]
         is_stop = (
-            jnp.isin(y, jnp.asarray(self.plan.stop_ids, jnp.int32)) & (idx < n[:, None])
-            if self.plan.stop_ids
+            jnp.isin(y, jnp.asarray(self.plan.stop_token_ids, jnp.int32)) & (idx < n[:, None])
+            if self.plan.stop_token_ids
             else jnp.zeros_like(y, bool)
         )
         has_stop = jnp.any(is_stop, axis=1)
@@ -377,7 +377,7 @@ class Decoder:
                 functools.partial(_emit_stream, self.plan.stream), y, n, ordered=True
             )
         drafts_rec = state.drafts
-        if self.plan.record_drafts and prop.drafts is not None:
+        if self.plan.return_drafts and prop.drafts is not None:
             drafts_rec = drafts_rec.at[state.step].set(prop.drafts)
         return state.replace(
             cache=cache,
@@ -463,12 +463,12 @@ class Decoder:
             )
         tokens = jnp.zeros((b, n_buf), jnp.int32).at[:, 0].set(first)
         stop = (
-            jnp.isin(first, jnp.asarray(self.plan.stop_ids, jnp.int32))
-            if self.plan.stop_ids
+            jnp.isin(first, jnp.asarray(self.plan.stop_token_ids, jnp.int32))
+            if self.plan.stop_token_ids
             else jnp.zeros((b,), bool)
         )
         num_out = jnp.ones((b,), jnp.int32)
-        nd = n_buf if self.plan.record_drafts and self.dmod is not None else 0
+        nd = n_buf if self.plan.return_drafts and self.dmod is not None else 0
         return DecodeState(
             cache=cache,
             ctx=ctx,

@@ -108,6 +108,9 @@ class DrafterKind:
     # Its --drafter spec names files (a directory or hub id, fetched when not here), not a
     # built-in drafter (prompt lookup's "prompt_lookup[:N-M]").
     reads_files = True
+    # The draft vocabulary the dry run gives a drafter of this kind (`for_target`'s
+    # draft_vocab_size) when none is asked for; None: the kind drafts over the whole vocabulary.
+    draft_vocab_default: Optional[int] = None
 
     # ---- host side
     def claims(self, spec) -> bool:
@@ -122,8 +125,10 @@ class DrafterKind:
         """ValueError (one line) when a drafter of `config` cannot serve the target."""
 
     def check_loaded(self, drafter, target_config) -> None:
-        """What only the loaded drafter shows (e.g. its own embedding), checked against the
-        target: ValueError (one line)."""
+        """The loaded drafter checked against the target: its config's `check_pair` and what
+        only the loaded drafter shows (e.g. its own embedding). ValueError (one line)."""
+        if drafter is not None:
+            self.check_pair(drafter.config, target_config)
 
     def limits(self, config) -> Limits:
         raise NotImplementedError(self.name)
@@ -165,6 +170,11 @@ class DrafterKind:
     def module(self, config):
         """The decode module the programs hold for a drafter of `config`."""
         raise NotImplementedError(self.name)
+
+    def head_dim(self, config) -> Optional[int]:
+        """The head width its parameters' partition rules split attention projections by
+        (`sharding.param_shardings`); None: it has no attention."""
+        return None
 
     def abstract_params(self, config):
         """Its decode parameters as ShapeDtypeStructs (`decode_params`' shapes), or None."""

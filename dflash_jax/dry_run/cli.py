@@ -274,7 +274,7 @@ def _check_sizes(args) -> None:
                 raise E("--tree_budget is not implemented for --drafter=dflash2 yet")
             if getattr(args, "denoise_steps", 1) != 1:
                 raise E("--denoise_steps is not implemented for --drafter=dflash2 yet")
-        if drafter in ("eagle3", "prompt_lookup"):
+        if drafter not in ("dflash", "dflash2"):
             for flag, default in (
                 ("tree_budget", None),
                 ("denoise_steps", 1),
@@ -284,8 +284,12 @@ def _check_sizes(args) -> None:
                     raise E(f"--{flag} is for DFlash drafters; --drafter={drafter} drafts a chain")
         vocab = getattr(args, "draft_vocab_size", 0)
         checks.int_param("--draft_vocab_size", vocab, lo=0, error=E)
-        if vocab and drafter != "eagle3":
-            raise E("--draft_vocab_size is for --drafter=eagle3")
+        if vocab:
+            from dflash_jax.drafters import registry
+
+            having = [k.name for k in registry.kinds() if k.draft_vocab_default is not None]
+            if drafter not in having:
+                raise E(f"--draft_vocab_size is for --drafter={' / '.join(having)}")
         denoise = getattr(args, "denoise_steps", 1)
         checks.int_param("--denoise_steps", denoise, lo=1, error=E)
         if denoise != 1:
@@ -337,6 +341,21 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "tensor=4' (default: tensor=N for infer, fsdp=N for train)",
         **fv,
     )
+    _define_infer_flags(fv)
+    _define_train_flags(fv)
+    flags.DEFINE_string("json_out", "", "write the result(s) as JSON here", **fv)
+    flags.DEFINE_string(
+        "hlo_dir",
+        "",
+        "infer: write each compiled program's optimized HLO text here as <program>.hlo "
+        "(prefill.hlo, dflash_decode.hlo, ar_decode.hlo; one subdirectory per model and mesh "
+        "when there are several)",
+        **fv,
+    )
+
+
+def _define_infer_flags(fv: dict) -> None:
+    """`define_flags`: the batch and the inference run's flags."""
     flags.DEFINE_integer("batch", None, None, **fv)
     flags.DEFINE_integer("context", 4096, "infer: prompt tokens", **fv)
     flags.DEFINE_integer("max_new_tokens", 256, None, **fv)
@@ -419,6 +438,10 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "roofline: acceptance lengths for the projected speedup",
         **fv,
     )
+
+
+def _define_train_flags(fv: dict) -> None:
+    """`define_flags`: the training step's flags."""
     flags.DEFINE_integer("seq_len", 3072, "train: sequence length", **fv)
     flags.DEFINE_integer("num_anchors", 512, None, **fv)
     flags.DEFINE_integer("loss_chunk_anchors", 0, None, **fv)
@@ -426,15 +449,6 @@ def define_flags(flag_values: flags.FlagValues = flags.FLAGS) -> None:
         "grad_accum",
         1,
         "train: micro-batches per step (the config's grad_accum_steps; divides --batch)",
-        **fv,
-    )
-    flags.DEFINE_string("json_out", "", "write the result(s) as JSON here", **fv)
-    flags.DEFINE_string(
-        "hlo_dir",
-        "",
-        "infer: write each compiled program's optimized HLO text here as <program>.hlo "
-        "(prefill.hlo, dflash_decode.hlo, ar_decode.hlo; one subdirectory per model and mesh "
-        "when there are several)",
         **fv,
     )
 

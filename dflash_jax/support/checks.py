@@ -16,6 +16,8 @@ or results lost at the end of a run.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import difflib
 import json
 import math
@@ -207,11 +209,40 @@ def confidence_threshold(value) -> Optional[float]:
 # ----------------------------------------------------------------------------- output paths
 
 
+# Inside `reading_once`: the JSON objects read so far, by real path, with the file's identity.
+_READ_ONCE: Optional[dict] = None
+
+
+@contextlib.contextmanager
+def reading_once():
+    """Within the block, `json_object_file` reads and checks each file once: a later read of
+    the same file, unchanged (same inode, size and modification time), gets a copy of the
+    first read's object. What one command reads many times (a model's config.json: the
+    pre-load checks, then the loaders) comes off the disk once."""
+    global _READ_ONCE
+    outer = _READ_ONCE
+    _READ_ONCE = {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _READ_ONCE = outer
+
+
 def json_object_file(path: str, error=ValueError) -> dict:
     """The JSON object in the file at `path`; a file that is not JSON or holds another JSON
     value is an `error` naming the file, and so is a number that is not finite (NaN, Infinity
     or 1e999, which Python's reader accepts and JSON does not), named by its field: a model's
-    config.json with a NaN scale would otherwise give NaN logits."""
+    config.json with a NaN scale would otherwise give NaN logits. Inside `reading_once`, an
+    unchanged file is read once."""
+    key = ident = None
+    if _READ_ONCE is not None:
+        try:
+            st = os.stat(path)
+            key, ident = os.path.realpath(path), (st.st_ino, st.st_size, st.st_mtime_ns)
+        except OSError:
+            pass  # open() below says what is wrong with it
+        if key in _READ_ONCE and _READ_ONCE[key][0] == ident:
+            return copy.deepcopy(_READ_ONCE[key][1])
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f)
@@ -222,6 +253,8 @@ def json_object_file(path: str, error=ValueError) -> dict:
     field = _non_finite(obj)
     if field is not None:
         raise error(f"{path}: {field[0]} must be a finite number, got {field[1]}")
+    if key is not None:
+        _READ_ONCE[key] = (ident, copy.deepcopy(obj))
     return obj
 
 
@@ -439,17 +472,25 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     bad = unknown_keys(config, reference)
     if bad:
         raise ConfigError(bad[0] + (f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""))
-    E = ConfigError
+    _check_choices(config)
+    _check_drafter(config)
+    _check_run(config)
 
-    def choice(name, value, options):
-        if value not in options:
-            near = difflib.get_close_matches(str(value), options, n=1)
-            raise E(
-                f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}"
-                + (f" (did you mean {near[0]!r}?)" if near else "")
-            )
 
-    c = config
+def _choice(name, value, options):
+    """ConfigError (one line, with the nearest option) unless `value` is one of `options`."""
+    if value not in options:
+        near = difflib.get_close_matches(str(value), options, n=1)
+        raise ConfigError(
+            f"{name} must be one of {', '.join(map(repr, options))}, got {value!r}"
+            + (f" (did you mean {near[0]!r}?)" if near else "")
+        )
+
+
+def _check_choices(c) -> None:
+    """`check_train_config`: the choices (mode, loss, masks, attention, dtype, data and prompt
+    sources) and the regeneration prompt file."""
+    E, choice = ConfigError, _choice
     choice("mode", c.mode, ("drafter", "target"))
     choice("loss", c.loss, ("ce", "kl", "topk_kl", "topk_lk"))
     choice("position_weights", c.get("position_weights", "decay"), ("decay", "dpace"))
@@ -493,6 +534,12 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
     choice(
         "unlikelihood.prompt_source", c.unlikelihood.prompt_source, ("docs", "functions", "mixed")
     )
+
+
+def _check_drafter(c) -> None:
+    """`check_train_config`: the seed and the drafter's sizes, kind, tap store, DFlash 2 and
+    EAGLE-3 settings."""
+    E = ConfigError
     int_param("seed", c.seed, error=E)
     int_param(
         "drafter.block_size", c.drafter.block_size, lo=BLOCK_SIZE_MIN, hi=BLOCK_SIZE_MAX, error=E
@@ -546,7 +593,7 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
         float_param("drafter.dflash2.selector_weight", v2.selector_weight, lo=0.0, error=E)
     for i, t in enumerate(c.drafter.target_layer_ids):
         int_param(f"drafter.target_layer_ids[{i}]", t, lo=0, error=E)
-    choice("drafter.kind", c.drafter.get("kind", "dflash"), ("dflash", "eagle3"))
+    _choice("drafter.kind", c.drafter.get("kind", "dflash"), ("dflash", "eagle3"))
     if c.drafter.get("kind", "dflash") == "eagle3":
         e3 = c.drafter.eagle3
         int_param("drafter.eagle3.ttt_steps", e3.ttt_steps, lo=1, hi=32, error=E)
@@ -562,6 +609,12 @@ def check_train_config(config, reference: Optional[Mapping] = None) -> None:
                 "drafter.kind='eagle3' trains in mode 'drafter' with loss 'ce' and without "
                 "drafter.dflash2"
             )
+
+
+def _check_run(c) -> None:
+    """`check_train_config`: the loss's anchors, the data, regeneration and unlikelihood sizes,
+    the synthetic target, the optimizer and the schedule."""
+    E = ConfigError
     int_param("num_anchors", c.num_anchors, lo=1, error=E)
     float_param("gamma", c.gamma, lo=0.0, lo_open=True, error=E)
     int_param("loss_chunk_anchors", c.loss_chunk_anchors, lo=0, error=E)

@@ -43,6 +43,25 @@ def target_to_draft(d2t, vocab_size: int) -> np.ndarray:
     return out
 
 
+def ttt_attention(q_BSND, k0_BSKD, v0_BSKD, mask_BSS, kj_BSJKD, vj_BSJKD):
+    """Attention of training-time test: query row p over the keys r of k0 / v0 with
+    mask_BSS[b, p, r] and over row p's own J keys kj / vj [B, S, J, K, D] (its own drafting
+    steps), one float32 softmax over both; grouped query heads (N = K x group). [B, S, N, D]
+    in q's dtype."""
+    b, s, n, d = q_BSND.shape
+    kh = k0_BSKD.shape[2]
+    f32 = jnp.float32
+    q = q_BSND.reshape(b, s, kh, n // kh, d).astype(f32) * d**-0.5
+    hi = jax.lax.Precision.HIGHEST
+    main = jnp.einsum("bskgd,brkd->bkgsr", q, k0_BSKD.astype(f32), precision=hi)
+    main = jnp.where(mask_BSS[:, None, None], main, -jnp.inf)
+    own = jnp.einsum("bskgd,bsjkd->bkgsj", q, kj_BSJKD.astype(f32), precision=hi)
+    p = jax.nn.softmax(jnp.concatenate([main, own], axis=-1), axis=-1)
+    out = jnp.einsum("bkgsr,brkd->bskgd", p[..., :s], v0_BSKD.astype(f32), precision=hi)
+    out = out + jnp.einsum("bkgsj,bsjkd->bskgd", p[..., s:], vj_BSJKD.astype(f32), precision=hi)
+    return out.reshape(b, s, n, d).astype(q_BSND.dtype)
+
+
 def ttt_mask(segment_ids_BS):
     """[B, S, S]: row p sees row r <= p of its own sequence (segment); a padding row (segment
     0) sees itself only, so its softmax stays finite (its loss is masked)."""
@@ -87,6 +106,7 @@ def ttt_loss(dmod, dparams, embed, taps_BS3F, batch, t2d_V, steps: int, decay):
         embs,
         positions,
         ttt_mask(seg),
+        ttt_attention,
         method="unrolled",
     )  # [J, B, S, Vd]
     t2d = jnp.asarray(t2d_V, jnp.int32)

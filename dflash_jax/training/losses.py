@@ -440,25 +440,7 @@ def drafter_loss(
     bs = recipe.block_size
     tvars = {"params": tparams}
 
-    # "ce" needs only the taps: the target stops at the last tapped layer, with chunked causal
-    # attention (no [B, N, S, S] scores), or none runs when the batch brings them (kept from an
-    # earlier epoch: `tap_cache`). "kl" needs the final hidden states: full forward.
-    if recipe.loss != "kl" and "taps" in batch:
-        hidden_t, taps = None, batch["taps"]
-    elif recipe.loss != "kl":
-        hidden_t = None
-        taps = tmod.apply(
-            tvars,
-            ids,
-            recipe.tap_layers,
-            segment_ids_BT=batch["segment_ids"],
-            method="taps",
-        )
-    else:
-        hidden_t, _, taps = tmod.apply(
-            tvars, ids, segment_ids_BT=batch["segment_ids"], tap_layers=recipe.tap_layers
-        )
-    taps = jax.lax.stop_gradient(taps)
+    hidden_t, taps = _target_pass(tmod, tvars, recipe, batch)
 
     anchors, valid, masked, scale = drafter_draws(recipe, loss_mask, seg, row_keys(key, b))
     n = anchors.shape[1]
@@ -475,7 +457,7 @@ def drafter_loss(
         scale if recipe.mask_schedule == "mdlm" else None,
     )
 
-    rows = soft = None
+    rows = t2d = soft = None
     if draft_vocab is not None:  # labels as draft-vocabulary indices; outside it: weight 0
         rows = jnp.asarray(draft_vocab, jnp.int32)
         t2d = (
@@ -487,15 +469,7 @@ def drafter_loss(
         weights = weights * (labels_d >= 0)
         labels = jnp.maximum(labels_d, 0)
     if recipe.loss.startswith("topk_") and "topk_ids" in batch:
-        # the soft label of block position k: the target's top-k at p+k-1 (masks.teacher_positions)
-        src = masks.teacher_positions(anchors, bs, s).reshape(b, n * bs)
-        take = lambda x: jnp.take_along_axis(x, src[..., None], axis=1).reshape(b, n, bs, -1)
-        s_ids, s_p = take(batch["topk_ids"]), jnp.exp(take(batch["topk_logp"]))
-        if rows is not None:
-            s_d = t2d[s_ids]
-            s_p, s_ids = jnp.where(s_d >= 0, s_p, 0.0), jnp.maximum(s_d, 0)
-        s_p = s_p / jnp.maximum(jnp.sum(s_p, axis=-1, keepdims=True), 1e-9)
-        soft = (s_ids, jax.lax.stop_gradient(s_p))
+        soft = _soft_labels(batch, anchors, bs, s, t2d)
 
     emb = jax.lax.stop_gradient(tmod.apply(tvars, tokens.reshape(b, n * bs), method="embed"))
     positions = masks.block_positions(anchors, bs).reshape(b, n * bs)
@@ -505,23 +479,45 @@ def drafter_loss(
         anchors, valid, bs, s, seg, recipe.attention_impl, chunk_anchors=recipe.loss_chunk_anchors
     )
     hidden = dmod.apply({"params": dparams}, emb, positions, ctx_k, ctx_v, attend, bs)
+    scored_out = _block_scores(
+        tmod, tparams, dmod, dparams, recipe, hidden, hidden_t, labels, anchors, rows, soft
+    )
+    per_pos, correct = scored_out[:2]
+    if recipe.loss_positions > 0:
+        k = jnp.arange(bs)
+        weights = weights * (k <= recipe.loss_positions)[None, None]
+    if recipe.position_weights == "dpace":
+        weights = dpace_weights(per_pos, weights)
+
+    selector_out = scored_out[2] if dmod.cfg.dflash2 else None
+    return _loss_and_metrics(recipe, weights, per_pos, correct, valid, selector_out)
+
+
+def _block_scores(
+    tmod, tparams, dmod, dparams, recipe, hidden, hidden_t, labels, anchors, rows, soft
+):
+    """`block_scores` of the drafter's block hidden states [B, N*bs, H]: against the labels,
+    the target's distribution ("kl": its hidden states at p+k-1, the soft label of block
+    position k, gathered before the LM head so only N*bs rows of logits exist; k = 0 has
+    weight 0 and reads position p-1 clipped, harmlessly), or the soft labels ("topk_*"); with
+    the drafter's logit rule and DFlash 2's selector terms (the true previous token as each
+    slot's predecessor)."""
+    b, n = anchors.shape
+    bs = recipe.block_size
     t_hidden = None
     if recipe.loss == "kl":
-        # Target hidden states at p+k-1, whose next-token distribution is the soft label of
-        # block position k (k >= 1; k = 0 has weight 0 and reads position p-1 clipped,
-        # harmlessly). Gathered before the LM head, so only N*bs rows of logits exist.
-        src = masks.teacher_positions(anchors, bs, s).reshape(b, n * bs)
+        src = masks.teacher_positions(anchors, bs, hidden_t.shape[1]).reshape(b, n * bs)
         t_hidden = jax.lax.stop_gradient(
             jnp.take_along_axis(hidden_t, src[..., None], axis=1)
         ).reshape(b, n, bs, -1)
     dflash2 = dmod.cfg.dflash2
     selector = prev = None
-    if dflash2:  # the selector's terms, the true previous token as each slot's predecessor
+    if dflash2:
         prev = jnp.concatenate([labels[..., :1], labels[..., :-1]], axis=-1)
         selector = lambda h, logits, lab, pv: dmod.apply(
             {"params": dparams}, h, logits, lab, pv, method="selector_terms"
         )
-    scored_out = block_scores(
+    return block_scores(
         tmod,
         tparams,
         hidden.reshape(b, n, bs, -1),
@@ -539,18 +535,55 @@ def drafter_loss(
         rows=rows,
         soft=soft,
     )
-    per_pos, correct = scored_out[:2]
-    if recipe.loss_positions > 0:
-        k = jnp.arange(bs)
-        weights = weights * (k <= recipe.loss_positions)[None, None]
-    if recipe.position_weights == "dpace":
-        weights = dpace_weights(per_pos, weights)
 
+
+def _target_pass(tmod, tvars, recipe, batch):
+    """(the target's final hidden states or None, its taps): "ce" needs only the taps, so the
+    target stops at the last tapped layer, with chunked causal attention (no [B, N, S, S]
+    scores), or none runs when the batch brings them (kept from an earlier epoch:
+    `tap_cache`); "kl" needs the final hidden states: a full forward."""
+    ids = batch["input_ids"]
+    if recipe.loss != "kl" and "taps" in batch:
+        hidden_t, taps = None, batch["taps"]
+    elif recipe.loss != "kl":
+        hidden_t = None
+        taps = tmod.apply(
+            tvars,
+            ids,
+            recipe.tap_layers,
+            segment_ids_BT=batch["segment_ids"],
+            method="taps",
+        )
+    else:
+        hidden_t, _, taps = tmod.apply(
+            tvars, ids, segment_ids_BT=batch["segment_ids"], tap_layers=recipe.tap_layers
+        )
+    return hidden_t, jax.lax.stop_gradient(taps)
+
+
+def _soft_labels(batch, anchors, bs, s, t2d=None):
+    """(ids, probabilities) [B, N, bs, k]: the soft label of block position k, the target's
+    top-k at p+k-1 (`masks.teacher_positions`) from the batch's "topk_ids" / "topk_logp",
+    mapped into the draft vocabulary by `t2d` (ids outside it: probability 0), renormalized."""
+    b, n = anchors.shape
+    src = masks.teacher_positions(anchors, bs, s).reshape(b, n * bs)
+    take = lambda x: jnp.take_along_axis(x, src[..., None], axis=1).reshape(b, n, bs, -1)
+    s_ids, s_p = take(batch["topk_ids"]), jnp.exp(take(batch["topk_logp"]))
+    if t2d is not None:
+        s_d = t2d[s_ids]
+        s_p, s_ids = jnp.where(s_d >= 0, s_p, 0.0), jnp.maximum(s_d, 0)
+    s_p = s_p / jnp.maximum(jnp.sum(s_p, axis=-1, keepdims=True), 1e-9)
+    return s_ids, jax.lax.stop_gradient(s_p)
+
+
+def _loss_and_metrics(recipe, weights, per_pos, correct, valid, selector_out=None):
+    """(loss, metrics) of `drafter_loss` from the weighted per-position losses (and DFlash 2's
+    selector terms: `selector_out`)."""
     weight_sum = jnp.sum(weights)
     total = jnp.sum(weights * per_pos)
     extra = {}
-    if dflash2:
-        sel_ce, sel_correct, covered = scored_out[2]
+    if selector_out is not None:
+        sel_ce, sel_correct, covered = selector_out
         sel_sum = jnp.sum(weights * sel_ce)
         total = total + recipe.selector_weight * sel_sum
         on = weights > 0

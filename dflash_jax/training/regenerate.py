@@ -43,7 +43,8 @@ if __name__ == "__main__":
     interrupts.guard("interrupted: nothing was written")
 
 from dflash_jax.data.sources import _ROLES
-from dflash_jax.decoding.generation import generate
+from dflash_jax.decoding.generation import Generator, generate
+from dflash_jax.decoding.request import Settings
 from dflash_jax.parallel import distributed
 from dflash_jax.support import checks, console
 
@@ -391,71 +392,44 @@ def regenerate_chat(
     A conversation whose next prompt + max_new_tokens would exceed the target's context ends
     before that turn (one with no turn left is dropped; a line says how many).
     render(messages, add_generation_prompt) -> text (`chat.template_renderer`); encode(text)
-    -> ids; decode(ids) -> text (only for the records' "messages"). At temperature > 0 every
-    batch draws with its own seed (seed, turn, batch). `on_batch()`: called once each finished
-    batch is in the journal (`OUT.partial`)."""
+    -> ids; decode(ids) -> text (the records' "messages"). `on_batch()`: called once each
+    finished batch is in the journal (`OUT.partial`)."""
     from dflash_jax.data.chat import chat_ids
 
     check_settings(max_new_tokens, batch_size, temperature, top_p, seed)
     convs = [[dict(m) for m in c if m["role"] != "assistant"] for c in conversations]
     users = [[j for j, m in enumerate(c) if m["role"] == "user"] for c in convs]
-    if any(not u for u in users):
-        raise ValueError("regenerate_chat: every conversation needs a user turn")
-    if not convs:
-        raise ValueError("regenerate_chat: no conversations")
-    msgs: List[List[dict]] = [[] for _ in convs]  # the conversation so far, answers included
-    responses: List[List[List[int]]] = [[] for _ in convs]
-    turns: List[List[dict]] = [[] for _ in convs]
+    if not convs or any(not u for u in users):
+        why = "every conversation needs a user turn" if convs else "no conversations"
+        raise ValueError(f"regenerate_chat: {why}")
+    # Per conversation: the conversation so far (answers included), the answers' ids, turns.
+    msgs, responses, turns = ([[] for _ in convs] for _ in range(3))
     stop = tuple(int(s) for s in stop_token_ids)
+    # The settings checked once; each batch draws with its own seed (seed, turn, batch).
+    settings = Settings(temperature=temperature, top_p=top_p, stop_token_ids=stop)
+    gen = Generator(target, drafter, settings, mesh)
     journal = _journal(
-        out_path,
-        target,
-        convs,
-        max_new_tokens,
-        batch_size,
-        temperature,
-        top_p,
-        seed,
-        stop,
+        out_path, target, convs, max_new_tokens, batch_size, temperature, top_p, seed, stop,
         on_batch,
-    )
+    )  # fmt: skip
     total = sum(len(u) for u in users)
     bar = console.progress(total=total, desc="regenerate", unit="turn")
     t0, done, n_batches = time.time(), 0, 0
     context = target.config.max_position_embeddings
     ended = set()  # conversations whose next prompt would not fit the context: cut there
     for k in range(max(len(u) for u in users)):
-        active, prompts = [], []
-        for i in (i for i, u in enumerate(users) if len(u) > k and i not in ended):
-            start = 0 if k == 0 else users[i][k - 1] + 1
-            turn = msgs[i] + convs[i][start : users[i][k] + 1]  # (system,) user turn k
-            p = chat_ids(render, encode, turn, responses[i], True, stop)[0]
-            if len(p) + max_new_tokens > context:
-                ended.add(i)
-                bar.update(len(users[i]) - k)
-                continue
-            msgs[i] = turn
-            active.append(i)
-            prompts.append(p)
-        order = sorted(range(len(active)), key=lambda j: len(prompts[j]))  # less padding
-        active, prompts = [active[j] for j in order], [prompts[j] for j in order]
+        active, prompts = _turn_prompts(
+            k, convs, users, msgs, responses, ended, bar,
+            lambda turn, done: chat_ids(render, encode, turn, done, True, stop)[0],
+            context - max_new_tokens,
+        )  # fmt: skip
         for b0 in range(0, len(active), batch_size):
             chunk = prompts[b0 : b0 + batch_size]
-            padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
             outs = journal.get((k, b0))
             if outs is None:
-                res = generate(
-                    target,
-                    drafter,
-                    padded,
-                    max_new_tokens,
-                    temperature=temperature,
-                    top_p=top_p,
-                    seed=seed + 100003 * k + b0 // batch_size,
-                    stop_token_ids=stop,
-                    mesh=mesh,
-                )
-                outs = [[int(t) for t in r] for r in res.tokens[: len(chunk)]]
+                padded = chunk + [chunk[-1]] * (batch_size - len(chunk))
+                outs = gen(padded, max_new_tokens, seed=seed + 100003 * k + b0 // batch_size)
+                outs = [[int(t) for t in r] for r in outs.tokens[: len(chunk)]]
                 journal.add((k, b0), outs)
             for i, p, r in zip(active[b0 : b0 + batch_size], chunk, outs):
                 responses[i].append(r)
@@ -477,22 +451,37 @@ def regenerate_chat(
             f"({context}); {sum(not responses[i] for i in ended)} dropped entirely"
         )
     records = []
-    for i in range(len(convs)):
-        if not responses[i]:
-            continue
+    for i in (i for i in range(len(convs)) if responses[i]):
         ids, mask = chat_ids(render, encode, msgs[i], responses[i], False, stop)
-        rec = {
-            "input_ids": ids,
-            "loss_mask": mask,
-            "prompt_ids": turns[i][0]["prompt_ids"],
-            "turns": turns[i],
-        }
+        rec = {"input_ids": ids, "loss_mask": mask, "prompt_ids": turns[i][0]["prompt_ids"]}
+        rec["turns"] = turns[i]
         if decode is not None:
             rec["messages"] = msgs[i]
         records.append(rec)
     _write_records(records, out_path)
     journal.finish()
     return records
+
+
+def _turn_prompts(k, convs, users, msgs, responses, ended, bar, prompt_of, room):
+    """(conversation indices, prompts) of turn k, shortest first (less padding): each
+    conversation with a k-th user turn, its prompt `prompt_of(conversation so far, earlier
+    responses)`; one whose prompt is longer than `room` (the context less max_new_tokens) ends
+    here (`ended`; its remaining turns counted done on `bar`). `msgs` gains the user turn."""
+    active, prompts = [], []
+    for i in (i for i, u in enumerate(users) if len(u) > k and i not in ended):
+        start = 0 if k == 0 else users[i][k - 1] + 1
+        turn = msgs[i] + convs[i][start : users[i][k] + 1]  # (system,) user turn k
+        p = prompt_of(turn, responses[i])
+        if len(p) > room:
+            ended.add(i)
+            bar.update(len(users[i]) - k)
+            continue
+        msgs[i] = turn
+        active.append(i)
+        prompts.append(p)
+    order = sorted(range(len(active)), key=lambda j: len(prompts[j]))
+    return [active[j] for j in order], [prompts[j] for j in order]
 
 
 def record_tokens(rec: dict):

@@ -378,28 +378,8 @@ def build(
             queue.append((i, off, n, ids))
     since_flush = 0
     while queue:
-        batch, fill, q2 = [[] for _ in range(rows)], [0] * rows, []
-        for j, item in enumerate(queue):  # first fit, in order
-            for r in range(rows):
-                if fill[r] + item[2] <= seq_len:
-                    batch[r].append((fill[r], item))
-                    fill[r] += item[2]
-                    break
-            else:
-                q2.append(item)
-            if all(f == seq_len for f in fill):
-                q2.extend(queue[j + 1 :])
-                break
-        queue = q2
-        ids_b = np.zeros((rows, seq_len), np.int32)
-        pos_b = np.zeros((rows, seq_len), np.int32)
-        seg_b = np.zeros((rows, seq_len), np.int32)
-        for r, items in enumerate(batch):
-            for s_, (at, (i, off, n, ids)) in enumerate(items):
-                ids_b[r, at : at + n] = ids[off : off + n]
-                pos_b[r, at : at + n] = np.arange(n)
-                seg_b[r, at : at + n] = s_ + 1
-        taps, tid, tlp = (np.asarray(x) for x in run(target.params, ids_b, pos_b, seg_b))
+        batch, queue = _first_fit(queue, rows, seq_len)
+        taps, tid, tlp = (np.asarray(x) for x in run(target.params, *_packed(batch, seq_len)))
         for r, items in enumerate(batch):
             for at, (i, off, n, ids) in items:
                 got = pending.setdefault(i, {})
@@ -426,6 +406,37 @@ def build(
             f"{done_tok / max(dt, 1e-9):.0f} tokens/s"
         )
     return TapStore(path)
+
+
+def _first_fit(queue, rows: int, seq_len: int):
+    """(batch, the rest of the queue): queued pieces (record, offset, length, ids) packed in
+    order, first fit, into `rows` rows of `seq_len` tokens; batch[r] lists (start, piece)."""
+    batch, fill, rest = [[] for _ in range(rows)], [0] * rows, []
+    for j, item in enumerate(queue):
+        for r in range(rows):
+            if fill[r] + item[2] <= seq_len:
+                batch[r].append((fill[r], item))
+                fill[r] += item[2]
+                break
+        else:
+            rest.append(item)
+        if all(f == seq_len for f in fill):
+            rest.extend(queue[j + 1 :])
+            break
+    return batch, rest
+
+
+def _packed(batch, seq_len: int):
+    """(ids, positions, segment ids) [rows, seq_len] of a packed batch (`_first_fit`): each
+    piece its own segment, positions from 0 within it; padding is segment 0."""
+    rows = len(batch)
+    ids_b, pos_b, seg_b = (np.zeros((rows, seq_len), np.int32) for _ in range(3))
+    for r, items in enumerate(batch):
+        for s_, (at, (i, off, n, ids)) in enumerate(items):
+            ids_b[r, at : at + n] = ids[off : off + n]
+            pos_b[r, at : at + n] = np.arange(n)
+            seg_b[r, at : at + n] = s_ + 1
+    return ids_b, pos_b, seg_b
 
 
 class StoreSource:

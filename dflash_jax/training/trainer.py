@@ -45,6 +45,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
+from dflash_jax.drafters import registry
 from dflash_jax.parallel import distributed
 from dflash_jax.support import console, interrupts
 from dflash_jax.training.checkpointing import Checkpointer
@@ -513,7 +514,7 @@ def _setup(config, workdir: str, exp, checked: Preflight) -> _Run:
         state,
         exp.frozen,
         exp.target_cfg.head_dim,
-        exp.drafter_cfg.body.head_dim if exp.drafter_cfg is not None else None,
+        None if exp.drafter_cfg is None else registry.of(exp.drafter_cfg).head_dim(exp.drafter_cfg),
     )
     # Several processes: each reads only the data streams whose rows its devices hold.
     exp.train_iter = distributed.shard_batches(

@@ -49,6 +49,70 @@ DEFAULT_BLOCK_SIZE = 16
 INITIALIZER_RANGE = 0.02
 
 
+def _as_checkpoint_error(fn, *args, **kw):
+    """fn(*args, **kw), its ValueError a CheckpointError (the config.json is at fault)."""
+    try:
+        return fn(*args, **kw)
+    except ValueError as e:
+        raise CheckpointError(str(e)) from None
+
+
+def _taps(hf: dict, dcfg: dict, num_layers: int, source: str):
+    """(target_layer_ids, num_target_layers) of a drafter config.json, checked: the ids from
+    dflash_config or the top level, else the reference's default (as many taps as drafter
+    layers) of num_target_layers."""
+    from dflash_jax.support.checks import int_param
+
+    check = _as_checkpoint_error
+    num_target_layers = hf.get("num_target_layers")
+    if num_target_layers is not None:
+        num_target_layers = check(
+            int_param, f"{source}: num_target_layers", num_target_layers, lo=1
+        )
+    ids = _field(hf, dcfg, "target_layer_ids")
+    if ids is None:
+        if num_target_layers is None:
+            raise CheckpointError(
+                f"{source}: needs 'target_layer_ids' (dflash_config or the top level) or "
+                "'num_target_layers'"
+            )
+        ids = check(default_target_layer_ids, num_target_layers, num_layers)
+    name = "dflash_config.target_layer_ids" if "target_layer_ids" in dcfg else "target_layer_ids"
+    if not isinstance(ids, (list, tuple)) or not ids:
+        raise CheckpointError(
+            f"{source}: {name} must be a non-empty list of layer numbers, got {ids!r}"[:200]
+        )
+    ids = tuple(check(int_param, f"{source}: {name}[{j}]", i, lo=0) for j, i in enumerate(ids))
+    if num_target_layers is None:
+        num_target_layers = max(ids) + 1
+    return ids, num_target_layers
+
+
+def _layer_types(hf: dict, num_layers: int, source: str):
+    """(layer_types or None, sliding_window or None) of a drafter config.json: the sliding-window
+    layers of the DFlash 2 and Qwen3.6 drafters, from `layer_types` or, as Qwen3's config has
+    it, use_sliding_window with layers >= max_window_layers sliding; a window no layer uses is
+    dropped (stored for the readers' sake)."""
+    from dflash_jax.support.checks import int_param
+
+    layer_types = hf.get("layer_types")
+    window = hf.get("sliding_window")
+    if layer_types is None and hf.get("use_sliding_window") is True:
+        first = hf.get("max_window_layers", num_layers)
+        first = _as_checkpoint_error(int_param, f"{source}: max_window_layers", first, lo=0)
+        layer_types = [
+            "sliding_attention" if i >= first else "full_attention" for i in range(num_layers)
+        ]
+    if layer_types is None:  # as transformers reads a Qwen3 config: no layer slides
+        return None, None
+    if not isinstance(layer_types, list):
+        raise CheckpointError(
+            f"{source}: layer_types must be a list, got {type(layer_types).__name__}"
+        )
+    layer_types = tuple(layer_types)
+    return layer_types, window if "sliding_attention" in layer_types else None
+
+
 def _field(hf: dict, dcfg: dict, key: str, default=None):
     """A drafter field as the reference package reads it: dflash_config first, then the top
     level of config.json, then `default`."""
@@ -261,19 +325,14 @@ class DrafterConfig:
                 "['DFlashDraftModel'] or ['DFlash2DraftModel'])"
             )
         try:
-            body = ModelConfig._from_hf_fields(
+            body = ModelConfig.from_hf_fields(
                 hf, arch="qwen3", dtype=dtype, param_dtype=param_dtype, source=source
             )
         except ValueError as e:
             raise CheckpointError(str(e)) from e
         from dflash_jax.support.checks import int_param
 
-        def check(fn, *args, **kw):
-            try:
-                return fn(*args, **kw)
-            except ValueError as e:
-                raise CheckpointError(str(e)) from None
-
+        check = _as_checkpoint_error
         dcfg = hf.get("dflash_config") or {}
         if not isinstance(dcfg, dict):
             raise CheckpointError(
@@ -292,49 +351,8 @@ class DrafterConfig:
         mask = check(int_param, f"{source}: {where('mask_token_id')}", mask)
         if mask < 0:
             raise CheckpointError(f"{source}: {where('mask_token_id')} must be >= 0, got {mask}")
-        num_target_layers = hf.get("num_target_layers")
-        if num_target_layers is not None:
-            num_target_layers = check(
-                int_param, f"{source}: num_target_layers", num_target_layers, lo=1
-            )
-        ids = _field(hf, dcfg, "target_layer_ids")
-        if ids is None:
-            if num_target_layers is None:
-                raise CheckpointError(
-                    f"{source}: needs 'target_layer_ids' (dflash_config or the top level) or "
-                    "'num_target_layers'"
-                )
-            # The reference's default: as many taps as drafter layers.
-            ids = check(default_target_layer_ids, num_target_layers, body.num_layers)
-        name = where("target_layer_ids")
-        if not isinstance(ids, (list, tuple)) or not ids:
-            raise CheckpointError(
-                f"{source}: {name} must be a non-empty list of layer numbers, got {ids!r}"[:200]
-            )
-        ids = tuple(check(int_param, f"{source}: {name}[{j}]", i, lo=0) for j, i in enumerate(ids))
-        if num_target_layers is None:
-            num_target_layers = max(ids) + 1
-        # Sliding-window layers (the DFlash 2 and Qwen3.6 drafters): `layer_types`, or, as
-        # Qwen3's config has it, use_sliding_window with layers >= max_window_layers sliding.
-        layer_types = hf.get("layer_types")
-        window = hf.get("sliding_window")
-        if layer_types is None and hf.get("use_sliding_window") is True:
-            first = hf.get("max_window_layers", body.num_layers)
-            first = check(int_param, f"{source}: max_window_layers", first, lo=0)
-            layer_types = [
-                "sliding_attention" if i >= first else "full_attention"
-                for i in range(body.num_layers)
-            ]
-        if layer_types is not None:
-            if not isinstance(layer_types, list):
-                raise CheckpointError(
-                    f"{source}: layer_types must be a list, got {type(layer_types).__name__}"
-                )
-            layer_types = tuple(layer_types)
-            if "sliding_attention" not in layer_types:
-                window = None  # stored for the readers' sake, unused
-        else:  # as transformers reads a Qwen3 config: no layer slides
-            window = None
+        ids, num_target_layers = _taps(hf, dcfg, body.num_layers, source)
+        layer_types, window = _layer_types(hf, body.num_layers, source)
         typed = dict(layer_types=layer_types, sliding_window=window)
         try:
             cls._check_layers(body, **typed)

@@ -102,8 +102,7 @@ def _read_draft_vocab(path: str, cfg: DrafterConfig):
     """The checked `draft_vocab` tensor of a drafter directory, or None when it has none."""
     from dflash_jax.models.safetensors_io import SafetensorsDir
 
-    with open(os.path.join(path, "config.json")) as f:
-        size = json.load(f).get("draft_vocab_size")
+    size = checkpoint._read_config(path).get("draft_vocab_size")
     store = SafetensorsDir(path)
     try:
         if dv.TENSOR not in store.names():

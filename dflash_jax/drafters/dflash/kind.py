@@ -117,6 +117,9 @@ class DFlashKind(base.DrafterKind):
     def module(self, config):
         return DFlashDrafter(config)
 
+    def head_dim(self, config) -> int:
+        return config.body.head_dim
+
     def abstract_params(self, config):
         return jax.eval_shape(lambda: init_drafter_params(config))
 
