@@ -293,7 +293,7 @@ def test_conversations_end_where_the_next_prompt_would_not_fit(chat_target, tmp_
 def test_an_interrupted_regeneration_resumes_from_its_finished_batches(
     chat_target, tmp_path, monkeypatch
 ):
-    """Stopped after two batches (an exception from generate, as Ctrl-C would raise), the run
+    """Stopped after two batches (an exception from generation, as Ctrl-C would raise), the run
     leaves OUT.partial with those batches; rerun, it generates only the others (a cut last line
     is redone) and writes what an uninterrupted run writes, then removes OUT.partial. Other
     settings against the partial file are one line, the file kept."""
@@ -304,7 +304,7 @@ def test_an_interrupted_regeneration_resumes_from_its_finished_batches(
     ref = regen.regenerate_from_file(target, tok, d, str(data), str(tmp_path / "ref.jsonl"), **kw)
     assert not os.path.exists(tmp_path / "ref.jsonl.partial")
 
-    real, calls = regen.generate, []
+    real, calls = regen.Generator.__call__, []  # each batch: one call of the run's Generator
 
     def stopping(*a, **k):
         if len(calls) == 3:
@@ -313,7 +313,7 @@ def test_an_interrupted_regeneration_resumes_from_its_finished_batches(
         return real(*a, **k)
 
     out = str(tmp_path / "out.jsonl")
-    monkeypatch.setattr(regen, "generate", stopping)
+    monkeypatch.setattr(regen.Generator, "__call__", stopping)
     with pytest.raises(KeyboardInterrupt):
         regen.regenerate_from_file(target, tok, d, str(data), out, **kw)
     partial = out + ".partial"
@@ -327,7 +327,9 @@ def test_an_interrupted_regeneration_resumes_from_its_finished_batches(
     assert open(partial).read() == saved  # refused, kept
 
     calls.clear()
-    monkeypatch.setattr(regen, "generate", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+    monkeypatch.setattr(
+        regen.Generator, "__call__", lambda *a, **k: (calls.append(1), real(*a, **k))[1]
+    )
     got = regen.regenerate_from_file(target, tok, d, str(data), out, **kw)
     assert got == ref and [json.loads(l) for l in open(out)] == ref
     assert len(calls) == 6 - 3  # 6 turns in batches of 1: the 3 recorded ones are not redone

@@ -86,7 +86,7 @@ def generate(
     return gen(prompts, max_new_tokens, stream_callback=stream_callback)
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, eq=False)  # (its models hold arrays: no ==)
 class Generator:
     """A target and a drafter (None: autoregressive) with their generation `Settings`, checked
     once and called per batch of prompts (gemma's `Sampler`): the pair, the loaded drafter,

@@ -22,8 +22,8 @@ from dflash_jax.support.checks import MAX_TREE_BUDGET, check_denoise
 class Settings:
     """The settings of generation: every keyword of `generate` besides the models, the
     prompts, max_new_tokens, the mesh and the callbacks. This class is their one list:
-    `Request.build`'s and `Generator`'s keywords are its fields, and `Plan`'s fields of the
-    same names are taken from it by name (`plan`).
+    `Request.build`'s keywords are its fields, a `Generator` holds one, and `Plan`'s fields of
+    the same names are taken from it by name (`plan`).
 
     As given (`Settings(temperature=0.7)`), or checked against a pair of configs (`check`:
     every value checked and normalized, block_size resolved)."""

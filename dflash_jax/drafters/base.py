@@ -24,6 +24,7 @@ import dataclasses
 from typing import Optional
 
 import flax.struct
+import jax
 import jax.numpy as jnp
 
 from dflash_jax.drafters.tree import Tree
@@ -211,3 +212,19 @@ class DrafterKind:
 
 
 AUTOREGRESSIVE = DrafterKind()
+
+
+def hf_initialized(params, key, initializer_range: float):
+    """`params` as Hugging Face initialises a new model: every weight matrix ("kernel")
+    ~ N(0, initializer_range), biases zero, the rest (RMSNorm scales: ones) as they are."""
+    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for k, (path, x) in zip(keys, leaves):
+        name = getattr(path[-1], "key", None)
+        if name == "kernel":
+            x = (initializer_range * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
+        elif name == "bias":
+            x = jnp.zeros_like(x)
+        out.append(x)
+    return jax.tree_util.tree_unflatten(tree, out)

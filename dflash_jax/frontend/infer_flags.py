@@ -71,7 +71,7 @@ def check_infer_flags(f: Mapping) -> None:
     implementation, an output file or directory that cannot be written or that is the prompt
     file, dtypes, --quantize. Prompts and models are checked when they are read (`prompting`, `hub`);
     what depends on the models' config files (context length, block size, stop ids) by
-    `batch_runner.check_before_loading`."""
+    `infer_run.check_before_loading`."""
     from dflash_jax.models.config import as_dtype
 
     if f["resume"] and not f["json_out"]:

@@ -9,6 +9,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.drafters import base
 from dflash_jax.drafters.dflash2 import (
     CandidateSelector,
     GroupedDynamicCausalConv,
@@ -198,17 +199,7 @@ def init_drafter_params(
     key, redraw = jax.random.split(jax.random.PRNGKey(seed))
     params = model.init(key, taps, emb, method=DFlashDrafter.init_all)["params"]
 
-    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(redraw, len(leaves))
-    out = []
-    for k, (path, x) in zip(keys, leaves):
-        name = getattr(path[-1], "key", None)
-        if name == "kernel":
-            x = (initializer_range * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
-        elif name == "bias":
-            x = jnp.zeros_like(x)
-        out.append(x)  # RMSNorm scales stay ones (their initializer)
-    return jax.tree_util.tree_unflatten(tree, out)
+    return base.hf_initialized(params, redraw, initializer_range)
 
 
 def widen_taps(cfg: DrafterConfig, params, target_layer_ids: Sequence[int]):

@@ -7,6 +7,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from dflash_jax.drafters import base
 from dflash_jax.drafters.eagle3.config import (
     INITIALIZER_RANGE,
     NUM_TAPS,
@@ -238,14 +239,4 @@ def init_eagle3_params(
     emb = jnp.zeros((1, 2, b.hidden_size), b.dtype)
     key, redraw = jax.random.split(jax.random.PRNGKey(seed))
     params = model.init(key, taps, emb, method=Eagle3Drafter.init_all)["params"]
-    leaves, tree = jax.tree_util.tree_flatten_with_path(params)
-    keys = jax.random.split(redraw, len(leaves))
-    out = []
-    for k, (path, x) in zip(keys, leaves):
-        name = getattr(path[-1], "key", None)
-        if name == "kernel":
-            x = (initializer_range * jax.random.normal(k, x.shape, jnp.float32)).astype(x.dtype)
-        elif name == "bias":
-            x = jnp.zeros_like(x)
-        out.append(x)
-    return jax.tree_util.tree_unflatten(tree, out)
+    return base.hf_initialized(params, redraw, initializer_range)
