@@ -245,9 +245,10 @@ def test_expert_axis_needs_a_moe_target_whose_experts_it_divides(moe_models, tmp
     device counted 8 times: preflight only counts them."""
     from configs import tiny_test
     from dflash_jax.support.checks import ConfigError
+    from dflash_jax.training import preflight as preflight_lib
     from dflash_jax.training import trainer
 
-    monkeypatch.setattr(trainer, "_mesh_devices", lambda spec: jax.devices()[:1] * 8)
+    monkeypatch.setattr(preflight_lib, "_mesh_devices", lambda spec: jax.devices()[:1] * 8)
     d = moe_models["plain_step2"][0]  # 8 experts
 
     def preflight(mesh, target_path=""):

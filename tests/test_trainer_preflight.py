@@ -8,7 +8,7 @@ import pytest
 
 from configs import tiny_test
 from dflash_jax.parallel import sharding
-from dflash_jax.training import trainer
+from dflash_jax.training import preflight, trainer
 
 
 def _config(**kw):
@@ -25,10 +25,10 @@ def test_the_preflight_returns_the_mesh_it_resolved(tmp_path, monkeypatch):
     """The devices are the one CPU device counted 8 times: the preflight only counts them. An
     expert axis over the tiny (dense) target passes only where its experts are not known before
     it loads (as for a hub id): then `num_experts` is None and the setup checks the axis."""
-    monkeypatch.setattr(trainer, "_mesh_devices", lambda spec: jax.devices()[:1] * 8)
-    experts = trainer._target_num_experts
+    monkeypatch.setattr(preflight, "_mesh_devices", lambda spec: jax.devices()[:1] * 8)
+    experts = preflight._target_num_experts
     monkeypatch.setattr(
-        trainer, "_target_num_experts", lambda c: None if "expert" in c.mesh else experts(c)
+        preflight, "_target_num_experts", lambda c: None if "expert" in c.mesh else experts(c)
     )
     wd = str(tmp_path / "w")
     for spec, accum, axes, sizes in (
@@ -77,7 +77,7 @@ def test_setup_runs_none_of_the_preflight_checks_again(tmp_path, monkeypatch, ho
         sharding, "check_expert_axis", spy("check_expert_axis", sharding.check_expert_axis)
     )
     monkeypatch.setattr(
-        trainer, "check_grad_accum", spy("check_grad_accum", trainer.check_grad_accum)
+        preflight, "check_grad_accum", spy("check_grad_accum", preflight.check_grad_accum)
     )
     setup = trainer._setup
 
@@ -90,18 +90,18 @@ def test_setup_runs_none_of_the_preflight_checks_again(tmp_path, monkeypatch, ho
 
     monkeypatch.setattr(trainer, "_setup", watched_setup)
     if how == "experts unknown":  # as for a target given by hub id
-        monkeypatch.setattr(trainer, "_target_num_experts", lambda config: None)
+        monkeypatch.setattr(preflight, "_target_num_experts", lambda config: None)
     cfg, wd = _config(grad_accum_steps=2), str(tmp_path / "w")
     checked = trainer.check_run(cfg, wd) if how == "checked given" else None
     out = trainer.train_and_evaluate(cfg, wd, checked)
     assert out["status"] == "done" and out["step"] == 2
-    preflight = [
+    want = [
         ("check_grad_accum", False, (8, 2)),
         ("parse_mesh", False, ("data=-1",)),
         ("check_expert_axis", False, (1, 0)),
         ("check_grad_accum", False, (8, 2, 1)),
     ]
     if how == "experts unknown":
-        del preflight[2]
-        preflight.append(("check_expert_axis", True, (1, 0)))  # the setup, once loaded
-    assert calls == preflight
+        del want[2]
+        want.append(("check_expert_axis", True, (1, 0)))  # the setup, once loaded
+    assert calls == want

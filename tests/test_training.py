@@ -207,7 +207,7 @@ import optax
 
 import dflash_jax as dj
 from configs import tiny_test
-from dflash_jax.training import experiment, losses, trainer
+from dflash_jax.training import experiment, losses, run_log, trainer
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.metrics import read_event_scalars
 
@@ -879,7 +879,7 @@ def test_logged_throughput_is_the_wall_time_between_log_lines(monkeypatch):
     from types import SimpleNamespace as NS
 
     clock = [100.0]
-    monkeypatch.setattr(trainer.time, "time", lambda: clock[0])
+    monkeypatch.setattr(run_log.time, "time", lambda: clock[0])
 
     class Logger:
         recs = []

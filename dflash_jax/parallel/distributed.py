@@ -91,6 +91,15 @@ def is_primary() -> bool:
     return jax.process_index() == 0
 
 
+def say(msg: str) -> None:
+    """One line on stdout (and the CLI's log file), from process 0 only: every process sees
+    the same values, so they are printed once."""
+    if is_primary():
+        from dflash_jax.support import console
+
+        console.say(msg)  # stdout, and the CLI's log file (never twice on the console)
+
+
 def is_multiprocess() -> bool:
     return jax.process_count() > 1
 

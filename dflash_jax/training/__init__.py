@@ -1,8 +1,8 @@
 """Training: the DFlash drafter recipe, target pretraining, regeneration, checkpoints.
 
 Entry point: `train_and_evaluate(config, workdir)` (see `trainer.py` and `configs/*.py`):
-the loop in `trainer.py`, the step (state, optimizer, gradient accumulation, shardings) in
-`step.py`, evaluation in `evaluation.py`, export in `export.py`, the run built from its config
+the loop in `trainer.py`, its checks before any compute in `preflight.py` and its log window
+in `run_log.py`, the step (state, optimizer, gradient accumulation, shardings) in `step.py`, evaluation in `evaluation.py`, export in `export.py`, the run built from its config
 (data, models, loss) in `experiment.py`. The training mask and loss weights are in `masks.py`,
 the objectives in `losses.py`.
 """

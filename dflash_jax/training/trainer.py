@@ -20,7 +20,8 @@ loss, and exports the result (`export.export`; drafter: z-lab format; target: Hu
 format with its tokenizer).
 
 The loop's length is resumption, preemption, NaN rollback and metrics read one step late; the
-step is step.py, building the run experiment.py, the defaults configs/default.py.
+step is step.py, building the run experiment.py, the checks before it preflight.py, the log
+window and profiler run_log.py, the defaults configs/default.py.
 
 In target mode, `unlikelihood.weight > 0` adds sequence-level unlikelihood on the model's own
 greedy continuations, decoded each step (`dflash_jax.training.unlikelihood`): a fine-tune
@@ -32,12 +33,10 @@ Config keys: see configs/default.py; experiment files in `configs/` override the
 from __future__ import annotations
 
 import dataclasses
-import math
 import os
 import signal
 import threading
-import time
-from typing import Any, Callable, Mapping, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -49,19 +48,34 @@ from dflash_jax.drafters import registry
 from dflash_jax.parallel import distributed
 from dflash_jax.support import console, interrupts
 from dflash_jax.training.checkpointing import Checkpointer
-from dflash_jax.training.evaluation import evaluate, selector_figures
+from dflash_jax.training.evaluation import evaluate
 from dflash_jax.training.experiment import Experiment, build_experiment
-from dflash_jax.training.experiment import log as _log
 from dflash_jax.training.export import export
-from dflash_jax.training.metrics import MetricsLogger, format_eta
-from dflash_jax.training import tap_cache
+from dflash_jax.training.metrics import MetricsLogger
+from dflash_jax.training.preflight import (  # noqa: F401  (trainer.X, as before the split)
+    EXPORT_FILES,
+    MeshPlan,
+    Preflight,
+    _check_expert_axis,
+    _target_num_experts,
+    check_run,
+    export_dir,
+    preflight,
+)
+from dflash_jax.training.run_log import (  # noqa: F401
+    LOG_WINDOW_KEY,
+    _host_value,
+    _LogWindow,
+    _Profiler,
+)
 from dflash_jax.training.step import (
     TrainState,
-    check_grad_accum,
     make_optimizer,
     make_train_step,
     train_shardings,
 )
+
+_log = distributed.say  # one line from process 0 only
 
 
 class _StopFlag:
@@ -85,232 +99,7 @@ class _StopFlag:
             signal.signal(sig, h)
 
 
-def _mesh_devices(mesh_spec: str):
-    """The devices `config.mesh` is built over: all of them for an explicit mesh or several
-    processes, this host's otherwise."""
-    return jax.devices() if mesh_spec or distributed.is_multiprocess() else jax.local_devices()
-
-
-def _target_hf_config(config):
-    """config.json of a local target_path as a dict; None without one, or when it cannot be
-    read without loading (a hub id, an unreadable file: reported when the target loads)."""
-    if not config.target_path or not os.path.isdir(config.target_path):
-        return None  # a fresh target, or a hub id: resolved (and checked) when it is loaded
-    from dflash_jax.models import checkpoint
-
-    try:
-        hf = checkpoint.read_config(config.target_path)
-    except Exception:  # noqa: BLE001 - reported with the file's name when the target loads
-        return None
-    return hf if isinstance(hf, dict) else None
-
-
-def _target_num_layers(config):
-    """The number of layers of the run's target: config.json of a local target_path, or the
-    fresh target's config.target_model; None when it cannot be known without loading."""
-    if not config.target_path:
-        return int(config.target_model.num_layers)
-    n = (_target_hf_config(config) or {}).get("num_hidden_layers")
-    return n if isinstance(n, int) and not isinstance(n, bool) and n > 0 else None
-
-
-def _target_num_experts(config):
-    """The experts of the run's target's MoE layers (0: dense; a fresh target is dense), from
-    a local target_path's config.json; None when it cannot be known without loading."""
-    if not config.target_path:
-        return 0
-    hf = _target_hf_config(config)
-    if hf is None:
-        return None
-    from dflash_jax.models.config import ModelConfig
-
-    try:
-        return ModelConfig.from_hf(hf).num_experts
-    except Exception:  # noqa: BLE001 - a bad field is reported when the target loads
-        return None
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshPlan:
-    """The device mesh of a training run as `check_run` read and checked it: `config.mesh`
-    against the devices, the batch (and its micro-batches) against the mesh's batch shards and,
-    where the target's config.json was readable, the expert axis against its experts. `_setup`
-    builds the mesh from it (`build`) and checks none of it again."""
-
-    spec: str  # config.mesh as given ("": data parallelism over this host's devices)
-    axes: Mapping[str, int]  # the spec parsed (`sharding.parse_mesh`): one size may be -1
-    sizes: Mapping[str, int]  # the sizes resolved over `devices`: no -1
-    devices: tuple  # the devices the mesh is built over (`_mesh_devices`, as many as it needs)
-    n_batch: int  # data x fsdp: the shards of every batch and micro-batch
-    # The experts of the target's MoE layers as read without loading it (0: dense; a fresh
-    # target is dense), the expert axis checked against them; None: not known before the
-    # target loads (a hub id, an unreadable config.json), then `_setup` checks the axis.
-    num_experts: Optional[int]
-
-    def build(self) -> Mesh:
-        """The `jax.sharding.Mesh` (`sharding.make_mesh`; an `expert` axis where the spec
-        names one)."""
-        from dflash_jax.parallel import sharding
-
-        return sharding.make_mesh(**self.axes, devices=list(self.devices))
-
-
-@dataclasses.dataclass(frozen=True)
-class Preflight:
-    """What `check_run` found: the values the run's setup reuses rather than reading (and
-    checking) them again."""
-
-    accum: int  # grad_accum_steps, checked against the batch (and the mesh's batch shards)
-    mesh: Optional[MeshPlan]  # None with regen.only (no training: no mesh)
-
-
-def preflight(config, workdir: str) -> int:
-    """Every check of a training run that needs no model and writes nothing (`check_run`).
-    Returns grad_accum_steps; `check_run` returns all it found."""
-    return check_run(config, workdir).accum
-
-
-def check_run(config, workdir: str) -> Preflight:
-    """Every check of a training run that needs no model and writes nothing: the config's
-    values (`checks.check_train_config`), the workdir and regen.output, the data files,
-    the mesh against the devices (and the batch against its shards; an `expert` axis against
-    the target's experts, `sharding.check_expert_axis`, when its config.json is local), the
-    drafter's tapped layers against the target's. A bad value is one line (a ValueError)
-    before anything runs or is written (regeneration takes hours on an 8B target). Each check
-    runs once: `train_and_evaluate` sets the run up from the result."""
-    accum = _check_settings(config, workdir)
-    if config.regen.get("only", False):
-        return Preflight(accum=accum, mesh=None)  # no training: no mesh
-    return Preflight(accum=accum, mesh=_check_mesh(config, accum))
-
-
-def _check_settings(config, workdir: str) -> int:
-    """The checks of `check_run` before the mesh's: the config's values, grad_accum_steps
-    against the batch, the output locations, the data files, the tapped layers and the tap
-    cache's settings. Returns grad_accum_steps."""
-    from dflash_jax.support import checks
-    from dflash_jax.support.checks import ConfigError
-
-    checks.check_train_config(config)  # one-line ConfigError before anything runs
-    accum = int(config.get("grad_accum_steps", 1))
-    check_grad_accum(config.data.batch_size, accum)
-    if accum > 1 and config.mode == "target" and config.unlikelihood.weight > 0:
-        raise ValueError(
-            f"grad_accum_steps {accum} > 1 with unlikelihood.weight "
-            f"{config.unlikelihood.weight} > 0: the unlikelihood rows are not accumulated"
-        )
-    checks.writable_dir(workdir, "workdir")
-    if config.export:  # written after training: refused now, not after hours of it
-        checks.writable_dir(export_dir(config, workdir), "the export directory", files=EXPORT_FILES)
-    if config.regen.output and not os.path.exists(config.regen.output):
-        checks.writable_file(config.regen.output, "regen.output")
-    if config.regen.get("only", False) and (
-        config.mode != "drafter" or config.data.kind != "regenerated"
-    ):
-        raise ValueError(
-            "regen.only needs mode='drafter' and data.kind='regenerated', got "
-            f"mode={config.mode!r}, data.kind={config.data.kind!r}"
-        )
-    if config.data.kind == "files":
-        for i, path in enumerate(config.data.paths):
-            if not os.path.isfile(path):
-                what = "is not a file" if os.path.exists(path) else "does not exist"
-                raise ConfigError(
-                    f"data.paths[{i}] {path}: the data file named by config.data.paths {what}"
-                )
-    _check_taps(config)
-    tap_cache.check_tap_cache(config)
-    return accum
-
-
-def _check_mesh(config, accum: int) -> MeshPlan:
-    """The mesh: its spec, that the devices hold it (before regeneration, not after), its
-    expert axis against the target's experts (where they can be read now), the batch, its
-    micro-batches and the unlikelihood batch against its batch shards."""
-    from dflash_jax.parallel import sharding
-    from dflash_jax.support.checks import ConfigError
-
-    # "" is data parallelism over this host's devices: the same rules on a data-only mesh,
-    # where every parameter is replicated.
-    mesh_spec = config.get("mesh", "")
-    try:
-        axes = sharding.parse_mesh(mesh_spec or "data=-1")
-    except ValueError as e:
-        raise ConfigError(f"config.mesh: {e}") from None
-    pool = _mesh_devices(mesh_spec)
-    known = math.prod(v for v in axes.values() if v != -1)
-    if (
-        any(v == 0 or v < -1 for v in axes.values())
-        or sum(v == -1 for v in axes.values()) > 1
-        or (len(pool) % known if -1 in axes.values() else known > len(pool))
-    ):
-        raise ConfigError(
-            f"config.mesh {mesh_spec!r} does not fit the {len(pool)} device(s) "
-            f"[{pool[0].platform}] (e.g. --config.mesh=fsdp={len(pool)})"
-        )
-    sizes = {k: len(pool) // known if v == -1 else v for k, v in axes.items()}
-    plan = MeshPlan(
-        spec=mesh_spec,
-        axes=axes,
-        sizes=sizes,
-        devices=tuple(pool[: math.prod(sizes.values())]),
-        n_batch=sizes["data"] * sizes["fsdp"],
-        num_experts=_target_num_experts(config),
-    )
-    if plan.num_experts is not None:
-        _check_expert_axis(plan, plan.num_experts, ConfigError)
-    if config.data.batch_size % plan.n_batch:
-        raise ConfigError(
-            f"data.batch_size {config.data.batch_size} is not divisible by the {plan.n_batch} "
-            f"batch shards of config.mesh {mesh_spec or 'data=-1'!r}"
-        )
-    check_grad_accum(config.data.batch_size, accum, plan.n_batch)
-    if (
-        config.mode == "target"
-        and config.unlikelihood.weight > 0
-        and config.unlikelihood.batch_size % plan.n_batch
-    ):
-        raise ConfigError(
-            f"unlikelihood.batch_size {config.unlikelihood.batch_size} is not divisible by "
-            f"the {plan.n_batch} batch shards of the mesh"
-        )
-    return plan
-
-
-def _check_expert_axis(plan: MeshPlan, num_experts: int, error: type[ValueError]) -> None:
-    """The mesh's expert axis against the target's `num_experts`: in `_check_mesh` (a
-    ConfigError) where they could be read before loading the target, else once it is loaded,
-    in `_setup` (a ValueError: its regeneration ran)."""
-    from dflash_jax.parallel import sharding
-
-    try:
-        sharding.check_expert_axis(plan.sizes.get("expert", 1), num_experts)
-    except ValueError as e:
-        raise error(f"config.mesh {plan.spec!r}: {e}") from None
-
-
-def _check_taps(config) -> None:
-    """The drafter's tapped layers against the target's (an IndexError deep in the loss,
-    after regeneration, otherwise)."""
-    from dflash_jax.support.checks import ConfigError
-
-    ids = tuple(config.drafter.target_layer_ids)
-    if config.mode == "drafter" and ids and not config.drafter.init_path:
-        n_layers = _target_num_layers(config)
-        if n_layers is not None and max(ids) >= n_layers:
-            raise ConfigError(
-                f"drafter.target_layer_ids {list(ids)} taps layer {max(ids)}, but the target "
-                f"has {n_layers} layers (valid ids 0..{n_layers - 1})"
-            )
-
-
 # The files an export writes in its directory (a directory by one of these names blocks it).
-EXPORT_FILES = ("config.json", "model.safetensors", "tokenizer.json")
-
-
-def export_dir(config, workdir: str) -> str:
-    """Where `train_and_evaluate` exports: WORKDIR/export/drafter (or /target)."""
-    return os.path.join(workdir, "export", "drafter" if config.mode == "drafter" else "target")
 
 
 def make_workdir(workdir: str) -> str:
@@ -705,162 +494,3 @@ def _log_expert_placement(exp, mesh, params) -> None:
         f"{exp.target_cfg.num_experts // mesh.shape.get('expert', 1)} per device; "
         f"gate_proj [{split}]"
     )
-
-
-# The data item of a checkpoint holds the log window's sums under this key, beside the data
-# iterator's position.
-LOG_WINDOW_KEY = "log_window"
-
-
-class _LogWindow:
-    """The host's part of each step once its metrics are read (`finish`): the non-finite loss
-    check, the loss history, and the metrics summed since the last log line, written (metrics
-    file, console) every `log_every` steps and at the last step.
-
-    The sums of a window that a checkpoint cuts (a preemption, a stage's stop_at_step) are
-    saved with it (`data_state`) and restored (`run.log_window`), so a resumed run logs at the
-    next multiple of `log_every` what the uninterrupted run logs there: the mean over the whole
-    window. (A stage's last line, at its stop_at_step, reports the part it ran and keeps the
-    sums.) Throughput counts only the steps this process timed."""
-
-    def __init__(self, config, run: _Run, logger, bar):
-        self.config, self.run, self.logger, self.bar = config, run, logger, bar
-        self.history = []  # (step, loss) of this process
-        self.bad_step = self.bad_loss = None  # the first step with a non-finite loss
-        self.tokens_per_step = config.data.batch_size * config.data.seq_len
-        self.t_start = self.t_window = time.time()
-        self.step_start = int(run.state.step)
-        self.steps, self.acc = 0, None  # the window's steps and summed metrics
-        self.timed = 0  # the window's steps run by this process (the rate's)
-        saved = getattr(run, "log_window", None)
-        if saved:
-            self.steps = int(saved["steps"])
-            self.acc = {k: _from_json(v) for k, v in saved["sums"].items()}
-
-    def saved(self):
-        """The window's sums as JSON (None when empty): what a checkpoint keeps."""
-        if not self.steps:
-            return None
-        return {"steps": self.steps, "sums": {k: _to_json(v) for k, v in self.acc.items()}}
-
-    def data_state(self, train_iter):
-        """A checkpoint's data item: the iterator's position and the window's sums (computed
-        only when a checkpoint is saved: with several processes the position is a collective)."""
-
-        def get():
-            state = dict(train_iter.get_state())
-            window = self.saved()
-            if window is not None:
-                state[LOG_WINDOW_KEY] = window
-            return state
-
-        return get
-
-    def finish(self, k, metrics, rep_frac) -> bool:
-        """Step k's metrics read; False when its loss is not finite (step k is dropped: the
-        loop stops at step k - 1, the last good one)."""
-        metrics = jax.device_get(metrics)
-        if rep_frac is not None:
-            metrics = dict(metrics, rep_frac=np.float32(rep_frac))
-        loss = float(metrics["loss"]) + float(metrics.get("ul_loss", 0.0))
-        if not math.isfinite(loss):
-            self.bad_step, self.bad_loss = k, loss
-            return False
-        self.history.append((k, loss))
-        self.bar.update(1)
-        self.steps += 1
-        self.timed += 1
-        self.acc = (
-            metrics if self.acc is None else jax.tree_util.tree_map(np.add, self.acc, metrics)
-        )
-        if k % self.config.log_every == 0 or k == self.run.total:
-            self._write(k)
-        elif k == self.run.stop_at:  # a stage's end: its line; the sums go on (checkpoint)
-            self._write(k, reset=False)
-        return True
-
-    def _write(self, k, reset: bool = True) -> None:
-        acc, n, run = self.acc, self.steps, self.run
-        # The window is wall time from this write's start to the last one's: anything below
-        # that waits is the next window's (reset at the end, a window of 5 steps read as 4
-        # steps' time: rates 25% too high, as logged before 2026-12-04).
-        now = time.time()
-        dt = now - self.t_window
-        rate = self.timed * self.tokens_per_step / max(dt, 1e-9)
-        eta = (time.time() - self.t_start) / max(k - self.step_start, 1) * (run.total - k)
-        rec = {
-            "loss": acc["loss"] / n,
-            "grad_norm": acc["grad_norm"] / n,
-            "learning_rate": _host_value(run.schedule, k - 1),
-            "tokens_per_s": rate,
-        }
-        if run.exp.mode == "drafter":
-            per_k = acc["correct_k"] / np.maximum(acc["count_k"], 1)
-            rec["acc_k01"] = float(per_k[1])
-            rec["block_accept_len"] = float(acc["accept_sum"] / max(acc["num_blocks"], 1))
-            rec.update(selector_figures(acc))
-        ul_msg = ""
-        if "rep_frac" in acc:
-            rec.update({key: float(acc[key]) / n for key in ("ul_loss", "ul_p", "rep_frac")})
-            ul_msg = (
-                f"ul {rec['ul_loss']:.3f} p_rep {rec['ul_p']:.2f} "
-                f"repeated {100 * rec['rep_frac']:.1f}% "
-            )
-        self.logger.write("train", k, rec)
-        self.bar.set_postfix_str(f"loss {rec['loss']:.4f}", refresh=False)
-        _log(
-            f"step {k}/{run.total} loss {rec['loss']:.4f} {ul_msg}"
-            f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
-            f"{rate:,.0f} tok/s ETA {format_eta(eta)}"
-        )
-        self.t_window, self.timed = now, 0
-        if reset:
-            self.steps, self.acc = 0, None
-
-
-def _to_json(value):
-    """A summed metric (a NumPy scalar or array) as JSON that `_from_json` gives back exactly."""
-    a = np.asarray(value)
-    return {"dtype": a.dtype.str, "shape": list(a.shape), "values": a.ravel().tolist()}
-
-
-def _from_json(obj):
-    a = np.asarray(obj["values"], dtype=np.dtype(obj["dtype"])).reshape(obj["shape"])
-    return a[()] if a.ndim == 0 else a
-
-
-def _host_value(schedule, step: int) -> float:
-    """An optax schedule (jnp arithmetic) at `step`, computed on the host's CPU device: on the
-    default device it would queue behind the train step just dispatched and wait for it."""
-    try:
-        cpu = jax.local_devices(backend="cpu")[0]
-    except RuntimeError:  # JAX_PLATFORMS without cpu
-        return float(schedule(step))
-    with jax.default_device(cpu):
-        return float(schedule(step))
-
-
-class _Profiler:
-    """config.profile_dir: a trace of steps [profile_start_step, + profile_num_steps)."""
-
-    def __init__(self, config):
-        self.config, self.active = config, False
-
-    def maybe_start(self, step) -> None:
-        c = self.config
-        if c.profile_dir and step == c.profile_start_step:
-            jax.profiler.start_trace(c.profile_dir)
-            self.active = True
-
-    def maybe_stop(self, step, metrics) -> None:
-        c = self.config
-        if self.active and step + 1 >= c.profile_start_step + c.profile_num_steps:
-            jax.block_until_ready(metrics)
-            jax.profiler.stop_trace()
-            self.active = False
-            _log(f"profile of steps {c.profile_start_step}..{step} written to {c.profile_dir}")
-
-    def close(self) -> None:
-        if self.active:
-            jax.profiler.stop_trace()
-            self.active = False
