@@ -97,8 +97,8 @@ class Generator:
         for b, batch in enumerate(batches):
             result = gen(batch, max_new_tokens=128, seed=b)
 
-    settings: as given (checked now) or already checked against these models' configs
-    (`Settings.check`, e.g. by the batch runner before loading): then not checked again.
+    settings: as given (checked now) or already checked against equal configs
+    (`Settings.check`): then not checked again.
     mesh / attention_impl: `generate`'s. Raises ValueError (one line) naming what is refused.
     """
 
