@@ -16,6 +16,17 @@ import ml_collections
 def get_config() -> ml_collections.ConfigDict:
     """Every key the trainer reads, with the paper's drafter recipe as defaults."""
     c = ml_collections.ConfigDict()
+    _run_settings(c)
+    _models(c)
+    _recipe(c)
+    _data(c)
+    _optimization(c)
+    _loop(c)
+    return c
+
+
+def _run_settings(c: ml_collections.ConfigDict) -> None:
+    """The run: mode, seed, device mesh, compute dtype."""
     c.mode = "drafter"  # "drafter" | "target"
     c.seed = 0
     # Device mesh: "" = data parallel over all local devices (parameters replicated), or a
@@ -23,6 +34,10 @@ def get_config() -> ml_collections.ConfigDict:
     # a mixture-of-experts target also "expert=N", N dividing its experts: "data=2,expert=2,fsdp=2").
     c.mesh = ""
     c.dtype = "float32"  # compute dtype ("bfloat16" on accelerators)
+
+
+def _models(c: ml_collections.ConfigDict) -> None:
+    """The target (a directory, or a fresh model), the tokenizer, and the drafter."""
     # Target: a HF directory, or (empty path) a random/fresh model described by target_model.
     c.target_path = ""
     c.target_model = ml_collections.ConfigDict(
@@ -96,6 +111,10 @@ def get_config() -> ml_collections.ConfigDict:
             ),
         )
     )  # a z-lab drafter directory to continue from
+
+
+def _recipe(c: ml_collections.ConfigDict) -> None:
+    """The DFlash training recipe: anchors, loss, position weights, masks, attention."""
     c.num_anchors = 512  # per sequence (per document of a packed row), as SpecForge
     c.anchors_per_row = 0  # static blocks per packed row, shared by its documents; 0: num_anchors
     c.gamma = 7.0
@@ -121,6 +140,10 @@ def get_config() -> ml_collections.ConfigDict:
     # the loop's speed (TPU). A target-mode checkpoint keeps the layout it was written in.
     c.scan_layers = False
     c.use_segments = True
+
+
+def _data(c: ml_collections.ConfigDict) -> None:
+    """The data: documents, packing, gradient accumulation, regeneration, unlikelihood."""
     # Data.
     c.data = ml_collections.ConfigDict(
         dict(
@@ -196,6 +219,10 @@ def get_config() -> ml_collections.ConfigDict:
             num_prompts=4096,
         )
     )
+
+
+def _optimization(c: ml_collections.ConfigDict) -> None:
+    """AdamW with warmup and cosine decay, global-norm clipping, the schedule's length."""
     # Optimization.
     c.learning_rate = 6e-4
     c.warmup_ratio = 0.04
@@ -206,6 +233,10 @@ def get_config() -> ml_collections.ConfigDict:
     c.b2 = 0.999
     c.num_train_steps = -1  # -1: num_epochs over the training tokens
     c.stop_at_step = -1  # stop early (time-sliced jobs); the schedule is unchanged
+
+
+def _loop(c: ml_collections.ConfigDict) -> None:
+    """The loop: logging, evaluation, checkpoints, profiling, export."""
     # Loop.
     c.log_every = 10
     c.eval_every = 200
@@ -220,4 +251,3 @@ def get_config() -> ml_collections.ConfigDict:
     c.profile_start_step = 5
     c.profile_num_steps = 3
     c.export = True
-    return c

@@ -77,7 +77,7 @@ if not os.environ.get("DFLASH_TEST_FULL_OPTIMIZATION") and not os.environ.get(
             os.environ.get("XLA_FLAGS", "") + " " + _CHEAP_COMPILE_FLAG
         ).strip()
 
-# The directories derived from GGUF files (dflash_jax/models/gguf_io.py) go to a session temp dir,
+# The directories derived from GGUF files (dflash_jax/models/gguf_io/) go to a session temp dir,
 # not the user's ~/.cache (shared by workers and subprocesses, removed at the end).
 if not os.environ.get("DFLASH_JAX_CACHE"):
     _gguf_cache = tempfile.mkdtemp(prefix="dflash-jax-test-cache-")

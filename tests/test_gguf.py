@@ -1,4 +1,4 @@
-"""GGUF targets (dflash_jax/models/gguf_io.py) against independent references: transformers' own GGUF
+"""GGUF targets (dflash_jax/models/gguf_io/) against independent references: transformers' own GGUF
 loader (float32) for logits and its GGUF tokenizer, NumPy statements of the Q8_0 / Q4_1 block
 rules and of llama.cpp's Q/K row permutation, and one-line errors for bad files.
 
