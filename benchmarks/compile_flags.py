@@ -97,7 +97,7 @@ def on_event(event, secs, **_):
     seconds[event.rsplit("/", 1)[-1]] += secs
 jax.monitoring.register_event_duration_secs_listener(on_event)
 import dflash_jax as dj
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 from dflash_jax.models import layer_stack
 cfg = dj.ModelConfig(vocab_size=4096, hidden_size=256, intermediate_size=768, num_layers={depth},
                      num_heads=4, num_kv_heads=2, head_dim=64, max_position_embeddings=4096)

@@ -134,7 +134,7 @@ def main(argv):
     from dflash_jax.drafters.dflash import DFlashDrafter, init_drafter_params
     from dflash_jax.dry_run.presets import build_configs
     from dflash_jax.models.transformer import Transformer
-    from dflash_jax.models.verifier import init_params
+    from dflash_jax.models.target import init_params
     from dflash_jax.support import console
 
     t_start = time.perf_counter()

@@ -120,7 +120,7 @@ def main(argv):
         "  target | params | AR step ms | DFlash step ms | step/AR | speedup at tau | "
         "tau for 3x | ceiling"
     )
-    from dflash_jax.models.verifier import init_params
+    from dflash_jax.models.target import init_params
     from dflash_jax.support import console
 
     for width, layers in console.progress(sizes, desc="target sizes", unit="size"):

@@ -26,7 +26,7 @@ import dflash_jax as dj  # noqa: E402
 from dflash_jax import dry_run  # noqa: E402
 from dflash_jax.drafters.dflash import DFlashDrafter  # noqa: E402
 from dflash_jax.models.transformer import KVCache, Transformer  # noqa: E402
-from dflash_jax.models.verifier import init_params  # noqa: E402
+from dflash_jax.models.target import init_params  # noqa: E402
 from dflash_jax.parallel import sharding
 from dflash_jax.training import experiment, trainer  # noqa: E402
 from dflash_jax.training.step import (  # noqa: E402

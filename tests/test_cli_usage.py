@@ -19,7 +19,7 @@ import jax
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 from dflash_jax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 from dflash_jax.frontend import batch_runner
 from dflash_jax.models import hub

@@ -22,7 +22,7 @@ from dflash_jax.drafters.dflash import (
     DrafterConfig,
     read_drafter_config,
 )
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 
 V, H, BS, CTX = 40, 32, 6, 5  # vocabulary, width, block, committed context
 MASK = 0

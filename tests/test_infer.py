@@ -10,7 +10,7 @@ import sys
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 from dflash_jax.data.tokenizer import load_tokenizer, train_bpe_tokenizer
 from dflash_jax.frontend import batch_runner, report, textgen
 

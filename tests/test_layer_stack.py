@@ -18,7 +18,7 @@ from dflash_jax.decoding.step import Plan
 from dflash_jax.dry_run import hlo
 from dflash_jax.models import layer_stack
 from dflash_jax.models.transformer import KVCache
-from dflash_jax.models.verifier import init_params, target_module
+from dflash_jax.models.target import init_params, target_module
 from dflash_jax.parallel import sharding
 from jax.sharding import PartitionSpec as P
 

@@ -24,7 +24,7 @@ import pytest
 
 import dflash_jax as dj
 from dflash_jax.decoding.generation import Generator
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 from dflash_jax.frontend import batch_runner, infer_flags, infer_run, report
 
 MAX_NEW = 3

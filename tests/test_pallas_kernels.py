@@ -621,7 +621,7 @@ def test_drafter_loss_pallas_equals_xla_on_packed_rows(monkeypatch):
     position of each anchor's document and matches the segment-aware XLA mask;
     without that bound it would not (earlier documents' context leaks)."""
     import dflash_jax as dj
-    from dflash_jax.models.verifier import init_params
+    from dflash_jax.models.target import init_params
     from dflash_jax.training import losses
 
     seg = np.array(

@@ -32,7 +32,7 @@ import dflash_jax as dj
 from dflash_jax.models import checkpoint, quantization
 from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.safetensors_io import SafetensorsDir, save_sharded
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 
 NEW = 40
 FP8_MAX = 448.0  # the largest finite float8_e4m3fn

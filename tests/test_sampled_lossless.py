@@ -28,7 +28,7 @@ from _pair import as_kind_method, use_oracle
 from _sampling_reference import reference
 
 import dflash_jax as dj
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 from dflash_jax.models import sampling
 from dflash_jax.decoding import step as step_lib
 from dflash_jax.decoding.programs import _Compiled

@@ -11,7 +11,7 @@ from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.attention import chunked_causal_attention
 from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 
 
 def _packed_rows(t=200, seed=0, hq=4, hkv=2, d=32):

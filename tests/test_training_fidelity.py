@@ -250,7 +250,7 @@ def test_blocks_run_past_the_end_with_out_of_range_labels_masked():
 
 
 def _small_target(num_layers=4):
-    from dflash_jax.models.verifier import init_params
+    from dflash_jax.models.target import init_params
 
     cfg = _target_cfg(
         num_layers=num_layers,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import dflash_jax as dj
-from dflash_jax.models.verifier import init_params
+from dflash_jax.models.target import init_params
 from dflash_jax.data import prompting
 from dflash_jax.frontend import infer_flags
 from dflash_jax.support import checks

@@ -24,7 +24,7 @@ from dflash_jax.decoding.request import (
 from dflash_jax.decoding.step import Plan
 from dflash_jax.drafters import registry
 from dflash_jax.models import attention as attn_lib
-from dflash_jax.models.verifier import target_module
+from dflash_jax.models.target import target_module
 from dflash_jax.parallel import sharding
 from dflash_jax.support import checks
 

@@ -42,7 +42,7 @@ from dflash_jax.drafters import registry
 from dflash_jax.drafters.base import Proposal
 from dflash_jax.drafters.tree import accept_path
 from dflash_jax.models import attention as attn_lib
-from dflash_jax.models.verifier import new_cache
+from dflash_jax.models.target import new_cache
 from dflash_jax.models.transformer import KVCache, Transformer
 
 

@@ -259,7 +259,7 @@ def abstract_params(tcfg, dcfg):
     import jax
 
     from dflash_jax.drafters import registry
-    from dflash_jax.models.verifier import init_params
+    from dflash_jax.models.target import init_params
 
     return jax.eval_shape(lambda: init_params(tcfg)), registry.of(dcfg).abstract_params(dcfg)
 

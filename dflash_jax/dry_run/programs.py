@@ -321,7 +321,7 @@ def _compile_loops(job, drafted, kind, impl_name, suffix, want, programs, steps,
     from dflash_jax.decoding.programs import buffer_sizes, generate_programs
     from dflash_jax.decoding.step import Plan
     from dflash_jax.models import attention as attn_lib
-    from dflash_jax.models.verifier import target_module
+    from dflash_jax.models.target import target_module
     from dflash_jax.parallel import sharding
 
     m, tcfg, tparams = job.mesh, job.tcfg, job.tparams
@@ -515,7 +515,7 @@ def dry_run_train(
 
     from dflash_jax.drafters import registry
     from dflash_jax.models.config import as_dtype
-    from dflash_jax.models.verifier import target_module
+    from dflash_jax.models.target import target_module
     from dflash_jax.parallel import sharding
     from dflash_jax.training.experiment import drafter_loss_fn
     from dflash_jax.training import step as train_step

@@ -30,10 +30,9 @@ half-loaded model.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-from typing import Callable, Dict, Optional, Tuple
+from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -41,9 +40,9 @@ import ml_dtypes
 import numpy as np
 from flax import traverse_util
 
-from dflash_jax.models import layer_stack, quantization
+from dflash_jax.models import quantization
 from dflash_jax.models.config import ModelConfig, as_dtype
-from dflash_jax.models.safetensors_io import CheckpointError, SafetensorsDir, save_sharded
+from dflash_jax.models.safetensors_io import CheckpointError, SafetensorsDir
 from dflash_jax.support import checks, console
 
 log = logging.getLogger(__name__)
@@ -93,7 +92,9 @@ def expert_names(key, prefix: str, num_experts: int):
     return [f"{head}.{e}.{proj}.weight" for e in range(num_experts)]
 
 
-def _read_config(path: str) -> dict:
+def read_config(path: str) -> dict:
+    """config.json of a model directory, as a dict (`CheckpointError`: no directory, no file,
+    not a JSON object)."""
     cfg_path = os.path.join(path, "config.json")
     if not os.path.isdir(path):
         raise CheckpointError(f"{path}: not a directory")
@@ -102,14 +103,11 @@ def _read_config(path: str) -> dict:
     return checks.json_object_file(cfg_path, error=CheckpointError)
 
 
-read_config = _read_config  # config.json of a model directory, as a dict (CheckpointError)
-
-
 def read_target_config(path: str, dtype="float32", param_dtype=None) -> ModelConfig:
     """The checked `ModelConfig` of a target directory's config.json (no weights read): a
     missing file, bad JSON, an unsupported architecture or a field of the wrong type or range
     is a `CheckpointError` naming the file."""
-    hf = _read_config(path)
+    hf = read_config(path)
     as_dtype(dtype)  # a bad dtype name is the caller's error, not the checkpoint's
     try:
         return ModelConfig.from_hf(
@@ -164,7 +162,7 @@ def load_params(
     kernel of `abstract_params` (with its `kernel_scale`) is read as stored (an int8 file) or
     quantized per output channel from the float (or dequantized FP8) tensor.
     """
-    store = _open_store(path)
+    store = open_store(path)
     try:
         flat = traverse_util.flatten_dict(abstract_params)
         out = {}
@@ -215,13 +213,13 @@ def load_params(
         store.close()
 
 
-def _open_store(path: str):
+def open_store(path: str):
     """The tensors of a model directory: its safetensors, or the GGUF file its config.json
     names (a directory that `gguf_io.model_dir` derived from a GGUF file)."""
     from dflash_jax.models import gguf_io
 
     if os.path.exists(os.path.join(path, "config.json")):
-        src = gguf_io.gguf_source(path, _read_config(path))
+        src = gguf_io.gguf_source(path, read_config(path))
         if src is not None:
             return gguf_io.GGUFStore(src)
     return SafetensorsDir(path)
@@ -292,78 +290,3 @@ def dtype_name(dtype) -> str:
         jnp.dtype(jnp.bfloat16): "bfloat16",
         jnp.dtype(jnp.float16): "float16",
     }[jnp.dtype(dtype)]
-
-
-# ---------------------------------------------------------------------------- targets
-
-
-def load_target_params(
-    path: str,
-    dtype="float32",
-    param_dtype=None,
-    quantize: Optional[str] = None,
-    quantize_lm_head: bool = False,
-) -> Tuple[ModelConfig, dict]:
-    """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` / `Qwen3MoeForCausalLM`
-    directory (a MoE layer's per-expert tensors stacked to [E, ...]).
-
-    A block-FP8 checkpoint is dequantized into `param_dtype`; an int8 one (`save_target` of an
-    int8 target) stays int8. quantize="int8": the decoder linears (and the LM head with
-    `quantize_lm_head`) quantized per output channel as they are read. Every setting and the
-    config's quantization_config are checked before any weight is read.
-    """
-    from dflash_jax.models.verifier import target_module
-
-    quantize = quantization.check_quantize(quantize)
-    cfg = read_target_config(path, dtype=dtype, param_dtype=param_dtype)
-    spec = quantization.parse_quantization_config(
-        _read_config(path), os.path.join(path, "config.json")
-    )
-    if quantize is not None or quantize_lm_head:
-        if quantize is None and cfg.quantization is None:
-            raise ValueError("quantize_lm_head needs quantize='int8' (or an int8 checkpoint)")
-        cfg = cfg.replace(
-            quantization="int8", quantize_lm_head=bool(quantize_lm_head or cfg.quantize_lm_head)
-        )
-    model = target_module(cfg)
-    abstract = jax.eval_shape(
-        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
-    )
-    prefix, skip = "model.", ()
-    if cfg.is_hybrid:  # a published Qwen3.5 checkpoint is the vision-language model
-        store = _open_store(path)
-        try:
-            if "model.language_model.embed_tokens.weight" in store:
-                prefix = "model.language_model."
-        finally:
-            store.close()
-        skip = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction head
-    params = load_params(
-        path,
-        abstract,
-        prefix=prefix,
-        param_dtype=cfg.param_dtype,
-        optional=lambda n: (
-            (cfg.tie_word_embeddings and n == "lm_head.weight") or n.startswith(skip)
-        ),
-        fp8_block=spec.block_size if spec is not None and spec.method == "fp8" else None,
-    )
-    return cfg, params
-
-
-def save_target_params(
-    cfg: ModelConfig, params, path: str, dtype=None, extra_files: Optional[Dict[str, str]] = None
-) -> None:
-    """Writes `config.json` + safetensors that transformers' `from_pretrained` loads."""
-    dtype = cfg.param_dtype if dtype is None else dtype
-    os.makedirs(path, exist_ok=True)
-    tensors = params_to_hf(layer_stack.unstack_layers(params), prefix="model.", dtype=dtype)
-    save_sharded(path, tensors)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg.to_hf(torch_dtype=dtype_name(as_dtype(dtype))), f, indent=2)
-    for name, src in (extra_files or {}).items():
-        if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(
-            os.path.join(path, name)
-        ):
-            with open(src, "rb") as fi, open(os.path.join(path, name), "wb") as fo:
-                fo.write(fi.read())

@@ -1,4 +1,4 @@
-"""Model configuration shared by the verifier (Qwen3 / Llama-3) and the DFlash drafter.
+"""Model configuration shared by the target (Qwen3 / Llama-3) and the DFlash drafter.
 
 One dataclass describes every family: Qwen3 and Llama differ only by switches (`qk_norm`,
 RoPE scaling, tied embeddings, bias); MoE and hybrid targets add their fields. Conversion to and
@@ -96,7 +96,7 @@ class HybridSpec:
 
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
-    """Hyper-parameters of a decoder-only transformer (verifier or drafter body).
+    """Hyper-parameters of a decoder-only transformer (target or drafter body).
 
     Attributes:
       arch: "qwen3" or "llama" (informational; behaviour comes from the switches below).

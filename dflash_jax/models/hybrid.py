@@ -474,7 +474,7 @@ def hybrid_inv_freq(cfg: ModelConfig):
 
 
 class HybridTransformer(Transformer):
-    """A Qwen3.5 / Qwen3.6 text model with the verifier's entry points (`Transformer`):
+    """A Qwen3.5 / Qwen3.6 text model with the target's entry points (`Transformer`):
     __call__ (with a `HybridCache` or none), taps, embed, logits. Trees are refused."""
 
     def decoder_layers(self) -> list:

@@ -1,4 +1,4 @@
-"""Building blocks shared by the verifier and the drafter: RMSNorm, RoPE, SwiGLU, attention.
+"""Building blocks shared by the target and the drafter: RMSNorm, RoPE, SwiGLU, attention.
 
 Shapes use the letters B (batch), T (query length), S (key length / cache capacity),
 H (hidden width), N (query heads), K (key/value heads), G = N // K, D (head dim).
@@ -134,7 +134,7 @@ class MLP(nn.Module):
 class QKVProjection(nn.Module):
     """The q/k/v/o projections and the optional per-head q/k RMSNorm of one attention layer.
 
-    Kept as one module so the verifier and the drafter share the parameter layout
+    Kept as one module so the target and the drafter share the parameter layout
     (`q_proj`, `k_proj`, `v_proj`, `o_proj`, `q_norm`, `k_norm`) that both checkpoint formats use.
     """
 

@@ -1,20 +1,44 @@
-"""The verifier as a user-facing object: config + params + compiled forward."""
+"""The target (the verifier of speculative decoding) of any supported family: its module
+(`Transformer`, or `HybridTransformer` for a Qwen3.5-style hybrid), empty decoding cache and
+random parameters; the user-facing `Target` (config + params + compiled forward); and its
+Hugging Face directories, read and written (the tensor names' rule: `checkpoint.py`)."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 import os
-from typing import Optional, Sequence
+from typing import Dict, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.models import checkpoint, hub, layer_stack
-from dflash_jax.models.config import ModelConfig
-from dflash_jax.models.verifier import new_cache, target_module
-from dflash_jax.models.transformer import Transformer
+from dflash_jax.models import checkpoint, hub, layer_stack, quantization, safetensors_io
+from dflash_jax.models.config import ModelConfig, as_dtype
+from dflash_jax.models.hybrid import HybridCache, HybridTransformer
+from dflash_jax.models.transformer import KVCache, Transformer
+
+
+def target_module(cfg: ModelConfig, attention_impl: str = "xla") -> Transformer:
+    """The target module of `cfg`: a `HybridTransformer` for a hybrid target."""
+    cls = HybridTransformer if cfg.hybrid is not None else Transformer
+    return cls(cfg, attention_impl)
+
+
+def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=None):
+    """A target's empty decoding cache: a `KVCache`, or a `HybridCache` for a hybrid target."""
+    if cfg.hybrid is not None:
+        return HybridCache.create(cfg, batch, capacity, dtype, stacked=cfg.scans_layers)
+    return KVCache.create(cfg, batch, capacity, dtype, stacked=cfg.scans_layers)
+
+
+def init_params(cfg: ModelConfig, seed: int = 0):
+    """Random parameters (normal, std 0.02 for matrices) as a plain pytree."""
+    model = target_module(cfg)
+    ids = jnp.zeros((1, 2), jnp.int32)
+    return model.init(jax.random.PRNGKey(seed), ids)["params"]
 
 
 @dataclasses.dataclass
@@ -27,7 +51,7 @@ class ForwardOutput:
 
 @dataclasses.dataclass(eq=False)
 class Target:
-    """A loaded verifier: `config` (ModelConfig), `params` (plain pytree), `path` (or None).
+    """A loaded target: `config` (ModelConfig), `params` (plain pytree), `path` (or None).
 
     `attention_impl` selects the attention code ("xla", "pallas", "pallas_interpret", "auto";
     default "auto": the Pallas kernels on TPU and GPU, XLA on CPU).
@@ -93,11 +117,9 @@ def load_target(
     (dense, experts in every layer, or a hybrid target's pattern of DeltaNet and attention
     layers: one group scanned); the file's per-layer tensors are stacked as they are placed.
     """
-    from dflash_jax.models import quantization
-
     quantization.check_quantize(quantize)  # a bad request is refused before any download
     path = hub.local_path(path, what="target")
-    cfg, params = checkpoint.load_target_params(
+    cfg, params = load_target_params(
         str(path),
         dtype=dtype,
         param_dtype=param_dtype,
@@ -115,8 +137,6 @@ def quantize_target(target: Target, quantize: str = "int8", lm_head: bool = Fals
     quantized to int8 per output channel, as `load_target(path, quantize="int8")` does at
     load: a new Target (the original is left as it is)."""
     from flax import traverse_util
-
-    from dflash_jax.models import quantization
 
     quantization.check_quantize(quantize)
     if target.config.quantization is not None:
@@ -152,6 +172,79 @@ def save_target(target: Target, path: str, dtype: Optional[str] = None) -> None:
             "generation_config.json",
         ):
             extra[name] = os.path.join(target.path, name)
-    checkpoint.save_target_params(
-        target.config, target.params, str(path), dtype=dtype, extra_files=extra
+    save_target_params(target.config, target.params, str(path), dtype=dtype, extra_files=extra)
+
+
+# ------------------------------------------------------------------ Hugging Face directories
+
+
+def load_target_params(
+    path: str,
+    dtype="float32",
+    param_dtype=None,
+    quantize: Optional[str] = None,
+    quantize_lm_head: bool = False,
+) -> Tuple[ModelConfig, dict]:
+    """(config, params) of a `Qwen3ForCausalLM` / `LlamaForCausalLM` / `Qwen3MoeForCausalLM`
+    directory (a MoE layer's per-expert tensors stacked to [E, ...]).
+
+    A block-FP8 checkpoint is dequantized into `param_dtype`; an int8 one (`save_target` of an
+    int8 target) stays int8. quantize="int8": the decoder linears (and the LM head with
+    `quantize_lm_head`) quantized per output channel as they are read. Every setting and the
+    config's quantization_config are checked before any weight is read.
+    """
+    quantize = quantization.check_quantize(quantize)
+    cfg = checkpoint.read_target_config(path, dtype=dtype, param_dtype=param_dtype)
+    spec = quantization.parse_quantization_config(
+        checkpoint.read_config(path), os.path.join(path, "config.json")
     )
+    if quantize is not None or quantize_lm_head:
+        if quantize is None and cfg.quantization is None:
+            raise ValueError("quantize_lm_head needs quantize='int8' (or an int8 checkpoint)")
+        cfg = cfg.replace(
+            quantization="int8", quantize_lm_head=bool(quantize_lm_head or cfg.quantize_lm_head)
+        )
+    model = target_module(cfg)
+    abstract = jax.eval_shape(
+        lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 1), jnp.int32))["params"]
+    )
+    prefix, skip = "model.", ()
+    if cfg.is_hybrid:  # a published Qwen3.5 checkpoint is the vision-language model
+        store = checkpoint.open_store(path)
+        try:
+            if "model.language_model.embed_tokens.weight" in store:
+                prefix = "model.language_model."
+        finally:
+            store.close()
+        skip = ("model.visual.", "mtp.")  # the vision tower, the multi-token-prediction head
+    params = checkpoint.load_params(
+        path,
+        abstract,
+        prefix=prefix,
+        param_dtype=cfg.param_dtype,
+        optional=lambda n: (
+            (cfg.tie_word_embeddings and n == "lm_head.weight") or n.startswith(skip)
+        ),
+        fp8_block=spec.block_size if spec is not None and spec.method == "fp8" else None,
+    )
+    return cfg, params
+
+
+def save_target_params(
+    cfg: ModelConfig, params, path: str, dtype=None, extra_files: Optional[Dict[str, str]] = None
+) -> None:
+    """Writes `config.json` + safetensors that transformers' `from_pretrained` loads."""
+    dtype = cfg.param_dtype if dtype is None else dtype
+    os.makedirs(path, exist_ok=True)
+    tensors = checkpoint.params_to_hf(
+        layer_stack.unstack_layers(params), prefix="model.", dtype=dtype
+    )
+    safetensors_io.save_sharded(path, tensors)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg.to_hf(torch_dtype=checkpoint.dtype_name(as_dtype(dtype))), f, indent=2)
+    for name, src in (extra_files or {}).items():
+        if os.path.exists(src) and os.path.abspath(src) != os.path.abspath(
+            os.path.join(path, name)
+        ):
+            with open(src, "rb") as fi, open(os.path.join(path, name), "wb") as fo:
+                fo.write(fi.read())

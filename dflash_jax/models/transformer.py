@@ -1,4 +1,4 @@
-"""The verifier: one Flax Linen decoder-only transformer for Qwen3 and Llama-3 targets.
+"""The dense target module: one Flax Linen decoder-only transformer for Qwen3 and Llama-3 targets.
 
 The forward takes new tokens and (optionally) a KV cache, and returns the final-normed hidden
 states, the updated cache and the concatenated hidden states of requested layers (the "taps"

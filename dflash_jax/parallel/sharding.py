@@ -215,7 +215,7 @@ def _rules(fsdp: bool) -> Tuple[Rule, ...]:
 
 
 def target_rules(fsdp: bool = False) -> Tuple[Rule, ...]:
-    """Rules for the verifier's and the drafter's parameters (the drafter's layers are named
+    """Rules for the target's and the drafter's parameters (the drafter's layers are named
     as the target's, plus fc [n*H, H]): tensor parallel; `fsdp` adds the other axis."""
     return _rules(fsdp)
 

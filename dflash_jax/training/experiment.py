@@ -25,10 +25,8 @@ from dflash_jax.parallel import distributed
 from dflash_jax.drafters import registry
 from dflash_jax.models import checkpoint, hub, layer_stack
 from dflash_jax.models.config import ModelConfig, as_dtype
-from dflash_jax.models.target import Target, load_target
-from dflash_jax.models.verifier import target_module
+from dflash_jax.models.target import Target, init_params, load_target, target_module
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.models.verifier import init_params
 from dflash_jax.training.corpus import (  # noqa: F401  (experiment.X, as before the split)
     _batches,
     _tfds_sources,

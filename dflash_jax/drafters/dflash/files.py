@@ -51,7 +51,7 @@ def read_drafter_config(
     """The drafter config of directory `path` (config.json only, no weights), checked, and
     with `target_config` checked against the target (`validate_pair`): what `load_drafter`
     reads, so that the CLIs can refuse a bad drafter before any model is loaded."""
-    hf = checkpoint._read_config(path)
+    hf = checkpoint.read_config(path)
     as_dtype(dtype)
     cfg = DrafterConfig.from_hf(
         hf,
@@ -102,7 +102,7 @@ def _read_draft_vocab(path: str, cfg: DrafterConfig):
     """The checked `draft_vocab` tensor of a drafter directory, or None when it has none."""
     from dflash_jax.models.safetensors_io import SafetensorsDir
 
-    size = checkpoint._read_config(path).get("draft_vocab_size")
+    size = checkpoint.read_config(path).get("draft_vocab_size")
     store = SafetensorsDir(path)
     try:
         if dv.TENSOR not in store.names():
