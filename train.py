@@ -26,7 +26,7 @@ from ml_collections import config_flags
 
 from dflash_jax.parallel import distributed
 from dflash_jax.support import checks, cli
-from dflash_jax.training import train_and_evaluate
+from dflash_jax.training import config_checks, train_and_evaluate
 
 config_flags.DEFINE_config_file("config", None, "experiment config file", lock_config=True)
 flags.DEFINE_string("workdir", None, "checkpoints, metrics and exports (required unless --dry_run)")
@@ -99,7 +99,7 @@ def main(argv):
     if not flags.FLAGS.workdir:
         raise app.UsageError("--workdir is required (checkpoints, metrics and exports go there)")
     profile_steps = _profile_steps(flags.FLAGS.profile_steps)
-    checks.check_train_config(config)
+    config_checks.check_train_config(config)
     checks.writable_dir(flags.FLAGS.workdir, "--workdir")
     if flags.FLAGS.profile_dir:
         checks.profile_dir(flags.FLAGS.profile_dir, "--profile_dir")

@@ -28,7 +28,7 @@ from dflash_jax.drafters.dflash import DFlashDrafter  # noqa: E402
 from dflash_jax.models.transformer import KVCache, Transformer  # noqa: E402
 from dflash_jax.models.target import init_params  # noqa: E402
 from dflash_jax.parallel import sharding
-from dflash_jax.training import experiment, trainer  # noqa: E402
+from dflash_jax.training import drafter_setup, experiment, trainer  # noqa: E402
 from dflash_jax.training.step import (  # noqa: E402
     TrainState,
     make_optimizer,
@@ -402,7 +402,7 @@ def _train_steps(cfg, specs, workdir, name):
     b, s = 8, 48
     config = dry_run.train_config(batch=b, seq_len=s, num_anchors=4)
     config.learning_rate = 3e-3
-    loss_fn = experiment.drafter_loss_fn(config, Transformer(cfg), DFlashDrafter(dcfg))
+    loss_fn = drafter_setup.drafter_loss_fn(config, Transformer(cfg), DFlashDrafter(dcfg))
     opt = make_optimizer(config, 20)[0]
     batches = []
     for _ in range(3):

@@ -221,7 +221,7 @@ def _default_config():
 
 
 def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path):
-    from dflash_jax.support import checks
+    from dflash_jax.training import config_checks
     from dflash_jax.training import experiment, trainer
 
     d, _, tok = chat_target
@@ -242,7 +242,7 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
         batch_size=4,
         holdout_fraction=0.3,
     )
-    checks.check_train_config(c)
+    config_checks.check_train_config(c)
     res = trainer.train_and_evaluate(c, str(tmp_path / "work"))
     assert res["status"] == "regenerated"
     recs = regen.read_records(out_file, vocab_size=128)
@@ -264,8 +264,8 @@ def test_trainer_regenerates_chat_rows_from_a_prompt_file(chat_target, tmp_path)
         d2 = _default_config().to_dict()
         d2["regen"].update({"prompt_source": "file", "prompt_file": str(data), **bad})
         c2 = ml_collections.ConfigDict(d2)  # a config file can hold any type
-        with pytest.raises(checks.ConfigError, match=message):
-            checks.check_train_config(c2)
+        with pytest.raises(config_checks.ConfigError, match=message):
+            config_checks.check_train_config(c2)
 
 
 def test_conversations_end_where_the_next_prompt_would_not_fit(chat_target, tmp_path):

@@ -205,6 +205,48 @@ def test_the_drafter_import_check_sees_one():
     assert _concrete_importers(graph) == {"dflash_jax.frontend.x", "dflash_jax.frontend.z"}
 
 
+# Where a drafter kind may be named in a comparison: its own package, the trainer's table of
+# training kinds (`training/drafter_setup.py`), and the dry run, whose presets are DFlash
+# drafters with DFlash 2 as their published variant. Everything else asks the kind.
+KIND_NAMING_ALLOWED = (
+    "dflash_jax.drafters",
+    "dflash_jax.training.drafter_setup",
+    "dflash_jax.dry_run",
+)
+
+
+def _kind_tests(source: str, kind_names) -> list:
+    """(line, name) of each comparison (==, !=, in, not in) against a drafter kind's name."""
+    out = []
+    for node in ast.walk(ast.parse(source)):
+        if not isinstance(node, ast.Compare):
+            continue
+        for side in [node.left, *node.comparators]:
+            consts = side.elts if isinstance(side, (ast.Tuple, ast.List, ast.Set)) else [side]
+            for c in consts:
+                if isinstance(c, ast.Constant) and c.value in kind_names:
+                    out.append((node.lineno, c.value))
+    return out
+
+
+def test_no_module_outside_the_drafters_tests_for_a_drafter_kind():
+    from dflash_jax.drafters import registry
+
+    names = set(registry.names())
+    found = {
+        name: _kind_tests(open(path).read(), names)
+        for name, path in _modules("dflash_jax").items()
+        if not name.startswith(KIND_NAMING_ALLOWED)
+    }
+    found = {k: v for k, v in found.items() if v}
+    assert not found, f"ask the drafter's kind instead: {found}"
+
+
+def test_the_kind_test_check_sees_one():
+    src = "if kind == 'eagle3' or x in ('a', 'dflash') or y != 'other':\n    pass\n"
+    assert _kind_tests(src, {"eagle3", "dflash"}) == [(1, "eagle3"), (1, "dflash")]
+
+
 # The longest function a module of the library or the kernels may hold (docstring included).
 MAX_FUNCTION_LINES = 100
 

@@ -407,7 +407,7 @@ def test_the_trainers_regeneration_journal_knows_its_target(tmp_path, monkeypatc
     import numpy as np
 
     from configs import default
-    from dflash_jax.training import experiment
+    from dflash_jax.training import corpus, experiment
 
     config = default.get_config()
     tcfg, tparams, tpath = experiment._target(config, TARGET, None)
@@ -417,7 +417,7 @@ def test_the_trainers_regeneration_journal_knows_its_target(tmp_path, monkeypatc
     monkeypatch.setattr(regen, "read_records", lambda *a, **k: [{"x": 1}, {"x": 2}])
     config.regen.prompt_source = "random"
     config.regen.num_prompts = 2
-    experiment._regenerated_docs(
+    corpus._regenerated_docs(
         config, str(tmp_path), tcfg, tparams, None, None, None, np.random.RandomState(0),
         tpath=tpath,
     )  # fmt: skip

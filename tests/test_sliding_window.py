@@ -166,7 +166,8 @@ def test_bad_windows_are_one_line(bundled_pair):
             drafter.config.replace(layer_types=("sliding_attention",) * n, sliding_window=bad)
     with pytest.raises(ValueError, match="layer_types has 1 entries"):
         drafter.config.replace(layer_types=("sliding_attention",), sliding_window=8)
-    from dflash_jax.support.checks import ConfigError, check_train_config
+    from dflash_jax.support.checks import ConfigError
+    from dflash_jax.training.config_checks import check_train_config
     from configs.default import get_config
 
     c = get_config()

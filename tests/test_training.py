@@ -193,6 +193,7 @@ def test_mdlm_mask_schedule_equals_brute_force(packed_rows, full_fraction):
 
 # ------------------------------------------------------------------ end-to-end on a tiny target
 
+import dataclasses
 import gc
 import json
 import logging
@@ -207,7 +208,7 @@ import optax
 
 import dflash_jax as dj
 from configs import tiny_test
-from dflash_jax.training import experiment, losses, run_log, trainer
+from dflash_jax.training import drafter_setup, experiment, losses, run_log, trainer
 from dflash_jax.training.checkpointing import Checkpointer
 from dflash_jax.training.metrics import read_event_scalars
 
@@ -242,6 +243,33 @@ def trained(regen_file, tmp_path_factory):
 def _tiny_target(cfg):
     tcfg = experiment.model_config_from(cfg, 0)
     return dj.Target(tcfg, experiment.fresh_target_params(tcfg, cfg.target_model))
+
+
+def test_the_experiment_trains_what_the_drafters_training_kind_builds(
+    regen_file, monkeypatch, tmp_path
+):
+    """`build_experiment` takes the drafter, its parameters, loss and vocabulary from
+    config.drafter.kind's training kind (`drafter_setup.TRAINED_KINDS`), never testing for a
+    kind itself; target mode asks none."""
+    built = []
+
+    class Wrapping(drafter_setup.DFlashTraining):
+        def build(self, inputs):
+            out = super().build(inputs)
+            built.append((inputs, out))
+            return dataclasses.replace(out, loss_fn=lambda *a: out.loss_fn(*a), vocab="vocab")
+
+    monkeypatch.setattr(
+        drafter_setup, "TRAINED_KINDS", (Wrapping(), drafter_setup.Eagle3Training())
+    )
+    cfg = tiny_config(regen_file)
+    exp = experiment.build_experiment(cfg, str(tmp_path / "d"))
+    ((inputs, out),) = built
+    assert inputs.config is cfg and inputs.target_cfg is exp.target_cfg
+    assert exp.drafter_cfg is out.config and exp.dmod is out.module
+    assert exp.init_params is out.init_params and exp.drafter_vocab == "vocab"
+    assert exp.loss_fn is not out.loss_fn and exp.loss_fn.__name__ == "<lambda>"
+    assert drafter_setup.training_kind(tiny_config(regen_file, mode="target")) is None
 
 
 def test_drafter_learns_the_targets_greedy_outputs(trained):
@@ -757,7 +785,7 @@ def test_fc_init_tap_rms_equalizes_the_tapped_features(regen_file):
         "mlp": {**big["layers_0"]["mlp"], "down_proj": {"kernel": jnp.asarray(down)}},
     }
     batch = exp.eval_batches[0]
-    rms = experiment.tap_rms(tmod, big, dcfg, [batch])
+    rms = drafter_setup.tap_rms(tmod, big, dcfg, [batch])
     taps = tmod.apply(
         {"params": big}, jnp.asarray(batch["input_ids"]), tuple(dcfg.target_layer_ids),
         segment_ids_BT=jnp.asarray(batch["segment_ids"]), method=dj.Transformer.taps,
@@ -766,7 +794,7 @@ def test_fc_init_tap_rms_equalizes_the_tapped_features(regen_file):
     np.testing.assert_allclose(rms, np.sqrt((x**2).mean(0)), rtol=1e-4)
     assert rms.max() > 50 * np.median(rms)  # the massive dimension is there
     params = dj.init_drafter_params(dcfg, 0)
-    scaled = experiment.scale_fc_by_tap_rms(params, tmod, big, dcfg, [batch])
+    scaled = drafter_setup.scale_fc_by_tap_rms(params, tmod, big, dcfg, [batch])
     w0, w1 = np.asarray(params["fc"]["kernel"]), np.asarray(scaled["fc"]["kernel"])
     np.testing.assert_allclose(w1, w0 * (np.median(rms) / rms)[:, None], rtol=1e-5)
     # Each feature's contribution x_j * W_jk now has the same scale (within sampling noise).
@@ -774,7 +802,7 @@ def test_fc_init_tap_rms_equalizes_the_tapped_features(regen_file):
     per_feature = contrib.mean(1)
     assert per_feature.max() < 3 * np.median(per_feature)
     with pytest.raises(ValueError, match="fc_init='tap_rms' needs held-out batches"):
-        experiment.scale_fc_by_tap_rms(params, tmod, big, dcfg, [])
+        drafter_setup.scale_fc_by_tap_rms(params, tmod, big, dcfg, [])
 
 
 @pytest.mark.parametrize("kind", ("dflash", "eagle3"))

@@ -16,6 +16,7 @@ from dflash_jax.models.target import init_params
 from dflash_jax.data import prompting
 from dflash_jax.frontend import infer_flags
 from dflash_jax.support import checks
+from dflash_jax.training import config_checks
 from dflash_jax.support.checks import ConfigError
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -172,8 +173,34 @@ CONFIG_CASES = [
 @pytest.mark.parametrize("kw,message", CONFIG_CASES)
 def test_train_config_values_are_checked(kw, message):
     with pytest.raises(ConfigError) as e:
-        checks.check_train_config(_cfg(**kw))
+        config_checks.check_train_config(_cfg(**kw))
     assert message in str(e.value)
+
+
+def test_the_config_checks_ask_the_drafters_training_kind(monkeypatch):
+    """`check_train_config` asks config.drafter.kind's training kind
+    (`drafter_setup.TRAINED_KINDS`) for that kind's settings and its reading of the shared ones;
+    a registered drafter kind that no training kind trains is refused with the trained ones."""
+    from dflash_jax.training import drafter_setup
+
+    with pytest.raises(ConfigError, match="must be one of 'dflash', 'eagle3', got 'prompt_lookup'"):
+        config_checks.check_train_config(_cfg(**{"drafter.kind": "prompt_lookup"}))
+
+    class Refusing(drafter_setup.DFlashTraining):
+        takes_draft_vocab_size = False  # (DFlash's does)
+
+        def check_config(self, c, error):
+            raise error(f"refused by the test's training kind at block {c.drafter.block_size}")
+
+    kinds = (Refusing(), drafter_setup.Eagle3Training())
+    monkeypatch.setattr(drafter_setup, "TRAINED_KINDS", kinds)
+    with pytest.raises(ConfigError, match="refused by the test's training kind at block 16"):
+        config_checks.check_train_config(_cfg(**{"drafter.block_size": 16}))
+    with pytest.raises(ConfigError, match="drafter.draft_vocab_size is for DFlash drafters"):
+        config_checks.check_train_config(_cfg(**{"drafter.draft_vocab_size": 64}))
+    config_checks.check_train_config(  # EAGLE-3's training kind is unchanged
+        _cfg(**{"drafter.kind": "eagle3", "drafter.target_layer_ids": ()})
+    )
 
 
 INFER_FLAGS = dict(
@@ -241,7 +268,7 @@ def test_infer_flags_the_run_would_ignore_are_refused():
 
 
 def test_unknown_config_key_names_the_nearest_valid_key():
-    checks.check_train_config(_cfg())  # the shipped config passes
+    config_checks.check_train_config(_cfg())  # the shipped config passes
     c = _cfg()
     c.drafter.num_layer = 2  # a typo of num_layers
     with pytest.raises(
@@ -249,7 +276,7 @@ def test_unknown_config_key_names_the_nearest_valid_key():
         match=r"unknown config key 'drafter.num_layer' \(did you "
         r"mean 'drafter.num_layers'\?\)",
     ):
-        checks.check_train_config(c)
+        config_checks.check_train_config(c)
 
 
 def test_train_and_evaluate_checks_its_config_before_writing(tmp_path):

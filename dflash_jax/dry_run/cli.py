@@ -11,7 +11,12 @@ from absl import flags
 
 from dflash_jax.dry_run.chips import DEFAULT_TAUS
 from dflash_jax.dry_run.presets import build_configs
-from dflash_jax.dry_run.programs import dry_run_infer, dry_run_train
+from dflash_jax.dry_run.programs import (
+    DFLASH_DRAFTERS,
+    dry_run_infer,
+    dry_run_train,
+    other_drafters,
+)
 from dflash_jax.dry_run.topology import (
     UsageError,
     cpu_device_count,
@@ -375,7 +380,7 @@ def _define_infer_flags(fv: dict) -> None:
     flags.DEFINE_enum(
         "drafter",
         "dflash",
-        ["dflash", "dflash2", "eagle3", "prompt_lookup"],
+        list(DFLASH_DRAFTERS) + sorted(other_drafters()),  # the registry's kinds
         "infer: the drafter (dflash2: DFlash 2's convolutions and candidate selector at the "
         "published sizes, conv 2 taps / groups of 16, selector rank 256, top-16; eagle3: one "
         "layer at the target's width drafting block_size - 1 tokens one step at a time; "

@@ -517,7 +517,7 @@ def dry_run_train(
     from dflash_jax.models.config import as_dtype
     from dflash_jax.models.target import target_module
     from dflash_jax.parallel import sharding
-    from dflash_jax.training.experiment import drafter_loss_fn
+    from dflash_jax.training.drafter_setup import drafter_loss_fn
     from dflash_jax.training import step as train_step
     from dflash_jax.training.step import TrainState, make_optimizer, make_train_step
 

@@ -1,10 +1,15 @@
-"""The drafter side of a training run (`experiment.build_experiment`): the trained model of
-each drafter kind (DFlash, DFlash 2, EAGLE-3), its initialization and draft vocabulary, and
-its loss function."""
+"""The drafter side of a training run (`experiment.build_experiment`): how each drafter kind
+that can be trained is trained (`TRAINED_KINDS`: its config section's checks, its model,
+initialization, draft vocabulary and loss function). The trainer, the config checks and the
+tap cache ask a drafter's training kind (`training_kind`); they never test for a kind.
+
+Training a new drafter kind: a `DrafterTraining` here, named as its kind in the registry
+(`dflash_jax.drafters.registry`), and one entry in `TRAINED_KINDS`."""
 
 from __future__ import annotations
 
-from typing import Callable
+import dataclasses
+from typing import Any, Callable, Optional, Tuple
 
 import jax.numpy as jnp
 import numpy as np
@@ -16,6 +21,7 @@ from dflash_jax.models import hub
 from dflash_jax.models.config import as_dtype
 from dflash_jax.models.target import Target
 from dflash_jax.models.transformer import Transformer
+from dflash_jax.support.checks import float_param, int_param
 from dflash_jax.training import losses, unlikelihood
 
 log = distributed.say  # one line from process 0 only
@@ -118,18 +124,21 @@ def _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn):
     return cfg, dmod, init, loss_fn, d2t
 
 
-def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
-    """(drafter config, drafter module, initial parameters, loss function): the drafter (its
-    config from config.drafter and the target; initialized fresh, fc rows scaled by the tap
-    RMS, or from drafter.init_path) in drafter mode; the target itself in target mode."""
-    if config.mode != "drafter":
-        ul_weight = float(config.unlikelihood.weight)
+def target_loss_fn(config, tmod) -> Callable:
+    """The loss of target mode (the target trained itself, with unlikelihood when weighted)."""
+    ul_weight = float(config.unlikelihood.weight)
 
-        def loss_fn(params, frozen, batch, key):
-            del frozen, key
-            return unlikelihood.combined_loss(tmod, params, batch, ul_weight, losses.target_loss)
+    def loss_fn(params, frozen, batch, key):
+        del frozen, key
+        return unlikelihood.combined_loss(tmod, params, batch, ul_weight, losses.target_loss)
 
-        return None, None, tparams, loss_fn
+    return loss_fn
+
+
+def _dflash_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
+    """(drafter config, drafter module, initial parameters, loss function) of a DFlash or
+    DFlash 2 drafter: its config from config.drafter and the target; initialized fresh, fc rows
+    scaled by the tap RMS, or from drafter.init_path."""
     dc = config.drafter
     mask_id = dc.mask_token_id
     if mask_id < 0:
@@ -185,6 +194,138 @@ def _trained_model(config, tcfg, tparams, tmod, tokenizer, eval_batches):
             init = scale_fc_by_tap_rms(init, tmod, tparams, dcfg, eval_batches)
     dmod = kind.module(dcfg)
     return dcfg, dmod, init, drafter_loss_fn(config, tmod, dmod)
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingInputs:
+    """What a training kind builds its drafter from (`experiment.build_experiment`)."""
+
+    config: Any  # the trainer config (configs/default.py)
+    target_cfg: Any
+    target_params: Any
+    tmod: Any  # the target's module (its pass is frozen in drafter mode)
+    tokenizer: Any
+    eval_batches: Any
+    train_docs: Any
+    tokenize_fn: Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainedDrafter:
+    """A drafter as training starts it: config, module, initial parameters, loss function, and
+    the vocabulary its kind's `from_trained` takes (DFlash: its draft vocabulary or None;
+    EAGLE-3: d2t)."""
+
+    config: Any
+    module: Any
+    init_params: Any
+    loss_fn: Callable
+    vocab: Any = None
+
+
+class DrafterTraining:
+    """How drafters of one registered kind (`name`) are trained: the checks of its settings
+    in the trainer config and the drafter training starts from."""
+
+    name = ""
+    takes_draft_vocab_size = False  # drafter.draft_vocab_size (a DFlash head's rows)
+    reads_tap_store = False  # data.tap_store (the target's taps and top-k from disk)
+
+    def check_config(self, c, error) -> None:
+        """Raises `error` (one line) for a setting this kind cannot train with."""
+
+    def build(self, inputs: TrainingInputs) -> TrainedDrafter:
+        raise NotImplementedError
+
+
+class DFlashTraining(DrafterTraining):
+    """DFlash and DFlash 2 (drafter.dflash2.enabled): the paper's recipe (`losses`)."""
+
+    name = "dflash"
+    reads_tap_store = True
+    takes_draft_vocab_size = True  # not with DFlash 2: its selector scores the full vocabulary
+
+    def check_config(self, c, error) -> None:
+        if c.drafter.get("draft_vocab_size", 0) and c.drafter.get("dflash2", {}).get(
+            "enabled", False
+        ):
+            raise error(DRAFT_VOCAB_SIZE_IS_DFLASH)
+
+    def build(self, inputs: TrainingInputs) -> TrainedDrafter:
+        x, config = inputs, inputs.config
+        dcfg, dmod, init, loss_fn = _dflash_model(
+            config, x.target_cfg, x.target_params, x.tmod, x.tokenizer, x.eval_batches
+        )
+        vocab = None
+        k = int(config.drafter.get("draft_vocab_size", 0))
+        if k:
+            vocab = _draft_vocab(config, x.target_cfg, x.train_docs, x.tokenize_fn, k)
+            loss_fn = drafter_loss_fn(config, x.tmod, dmod, vocab)
+        return TrainedDrafter(dcfg, dmod, init, loss_fn, vocab)
+
+
+class Eagle3Training(DrafterTraining):
+    """EAGLE-3: training-time test over its own draft vocabulary (`eagle3_ttt`)."""
+
+    name = "eagle3"
+
+    def check_config(self, c, error) -> None:
+        e3 = c.drafter.eagle3
+        int_param("drafter.eagle3.ttt_steps", e3.ttt_steps, lo=1, hi=32, error=error)
+        int_param("drafter.eagle3.draft_vocab_size", e3.draft_vocab_size, lo=0, error=error)
+        float_param(
+            "drafter.eagle3.ttt_decay", e3.ttt_decay, lo=0.0, lo_open=True, hi=1.0, error=error
+        )
+        if len(c.drafter.target_layer_ids) not in (0, 3):
+            raise error(
+                "an eagle3 drafter reads 3 target layers: drafter.target_layer_ids must name 3 "
+                f"(or none: EAGLE-3's default), got {tuple(c.drafter.target_layer_ids)}"
+            )
+        v2 = c.drafter.get("dflash2", None)
+        if c.mode != "drafter" or c.loss != "ce" or (v2 is not None and v2.get("enabled")):
+            raise error(
+                "drafter.kind='eagle3' trains in mode 'drafter' with loss 'ce' and without "
+                "drafter.dflash2"
+            )
+
+    def build(self, inputs: TrainingInputs) -> TrainedDrafter:
+        x = inputs
+        dcfg, dmod, init, loss_fn, d2t = _eagle3_model(
+            x.config, x.target_cfg, x.tmod, x.train_docs, x.tokenize_fn
+        )
+        return TrainedDrafter(dcfg, dmod, init, loss_fn, d2t)
+
+
+# The drafter kinds the trainer trains (config.drafter.kind), by their registry names.
+TRAINED_KINDS: Tuple[DrafterTraining, ...] = (DFlashTraining(), Eagle3Training())
+
+DRAFT_VOCAB_SIZE_IS_DFLASH = (
+    "drafter.draft_vocab_size is for DFlash drafters (EAGLE-3: "
+    "drafter.eagle3.draft_vocab_size; DFlash 2's selector scores the full vocabulary)"
+)
+
+
+def trained_kind_names() -> Tuple[str, ...]:
+    return tuple(k.name for k in TRAINED_KINDS)
+
+
+def training_kind(config) -> Optional[DrafterTraining]:
+    """The training kind of config.drafter.kind (None in target mode: no drafter is trained)."""
+    if config.mode != "drafter":
+        return None
+    return training_kind_named(config.drafter.get("kind", "dflash"))
+
+
+def training_kind_named(name: str) -> DrafterTraining:
+    """The training kind `name`: a ValueError naming those there are for another
+    (`check_train_config` refuses it first, with the nearest name)."""
+    for kind in TRAINED_KINDS:
+        if kind.name == name:
+            registry.named(name)  # a training kind trains a registered drafter kind
+            return kind
+    raise ValueError(
+        f"drafter.kind must be one of {', '.join(map(repr, trained_kind_names()))}, got {name!r}"
+    )
 
 
 def tap_rms(tmod, tparams, dcfg, batches) -> np.ndarray:

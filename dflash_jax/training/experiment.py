@@ -27,22 +27,9 @@ from dflash_jax.models import checkpoint, hub, layer_stack
 from dflash_jax.models.config import ModelConfig, as_dtype
 from dflash_jax.models.target import Target, init_params, load_target, target_module
 from dflash_jax.models.transformer import Transformer
-from dflash_jax.training.corpus import (  # noqa: F401  (experiment.X, as before the split)
-    _batches,
-    _tfds_sources,
-    _documents,
-    _regenerated_docs,
-    _tokenizer,
-)
-from dflash_jax.training.drafter_setup import (  # noqa: F401
-    _draft_vocab,
-    _eagle3_model,
-    _repetition_sampler,
-    _trained_model,
-    drafter_loss_fn,
-    scale_fc_by_tap_rms,
-    tap_rms,
-)
+from dflash_jax.training import drafter_setup
+from dflash_jax.training.corpus import _batches, _documents, _tfds_sources, _tokenizer
+from dflash_jax.training.drafter_setup import _repetition_sampler
 
 log = distributed.say  # one line from process 0 only
 
@@ -68,8 +55,7 @@ class Experiment:
     tokenizer_dir: Optional[str]
     stop_ids: tuple
     repetition_sampler: Any = None  # unlikelihood.RepetitionSampler (target mode, weight > 0)
-    d2t: Any = None  # an EAGLE-3 drafter's draft-to-target offsets (drafter.kind "eagle3")
-    draft_vocab: Any = None  # a DFlash drafter's draft vocabulary (drafter.draft_vocab_size)
+    drafter_vocab: Any = None  # its kind's `from_trained` vocab (DFlash: draft vocabulary)
     tap_layers: tuple = ()  # drafter mode: the target layers the loss taps (`tap_cache`)
 
     @property
@@ -84,8 +70,7 @@ class Experiment:
         """The user object of the trained drafter: a `Drafter`, or an `Eagle3` (sharing the
         target's embedding)."""
         kind = registry.of(self.drafter_cfg)
-        vocab = self.d2t if self.d2t is not None else self.draft_vocab
-        return kind.from_trained(self.drafter_cfg, params, vocab)
+        return kind.from_trained(self.drafter_cfg, params, self.drafter_vocab)
 
 
 def model_config_from(config, vocab_size: int) -> ModelConfig:
@@ -170,17 +155,18 @@ def build_experiment(config, workdir: str) -> Experiment:
     train_iter, steps_per_epoch, eval_batches = _batches(
         config, train_docs, eval_docs, tokenize_fn, pad_id
     )
-    d2t = draft_vocab = None
-    if mode == "drafter" and config.drafter.get("kind", "dflash") == "eagle3":
-        dcfg, dmod, init, loss_fn, d2t = _eagle3_model(config, tcfg, tmod, train_docs, tokenize_fn)
-    else:
-        dcfg, dmod, init, loss_fn = _trained_model(
-            config, tcfg, tparams, tmod, tokenizer, eval_batches
+    kind = drafter_setup.training_kind(config)  # None: the target trains itself
+    if kind is None:
+        trained = drafter_setup.TrainedDrafter(
+            None, None, tparams, drafter_setup.target_loss_fn(config, tmod)
         )
-        k = int(config.drafter.get("draft_vocab_size", 0)) if mode == "drafter" else 0
-        if k:
-            draft_vocab = _draft_vocab(config, tcfg, train_docs, tokenize_fn, k)
-            loss_fn = drafter_loss_fn(config, tmod, dmod, draft_vocab)
+    else:
+        trained = kind.build(
+            drafter_setup.TrainingInputs(
+                config, tcfg, tparams, tmod, tokenizer, eval_batches, train_docs, tokenize_fn
+            )
+        )
+    dcfg = trained.config
     tap_layers = ()
     if mode == "drafter":
         tap_layers = tuple(registry.of(dcfg).tap_layers(dcfg, tcfg.num_layers))
@@ -197,9 +183,9 @@ def build_experiment(config, workdir: str) -> Experiment:
         tmod=tmod,
         target_params=tparams,
         drafter_cfg=dcfg,
-        dmod=dmod,
-        init_params=init,
-        loss_fn=loss_fn,
+        dmod=trained.module,
+        init_params=trained.init_params,
+        loss_fn=trained.loss_fn,
         train_iter=train_iter,
         steps_per_epoch=steps_per_epoch,
         eval_batches=eval_batches,
@@ -208,8 +194,7 @@ def build_experiment(config, workdir: str) -> Experiment:
         tokenizer_dir=tok_dir,
         stop_ids=stop_ids,
         repetition_sampler=sampler,
-        d2t=d2t,
-        draft_vocab=draft_vocab,
+        drafter_vocab=trained.vocab,
         tap_layers=tap_layers,
     )
 

@@ -114,7 +114,7 @@ def preflight(config, workdir: str) -> int:
 
 def check_run(config, workdir: str) -> Preflight:
     """Every check of a training run that needs no model and writes nothing: the config's
-    values (`checks.check_train_config`), the workdir and regen.output, the data files,
+    values (`config_checks.check_train_config`), the workdir and regen.output, the data files,
     the mesh against the devices (and the batch against its shards; an `expert` axis against
     the target's experts, `sharding.check_expert_axis`, when its config.json is local), the
     drafter's tapped layers against the target's. A bad value is one line (a ValueError)
@@ -132,8 +132,9 @@ def _check_settings(config, workdir: str) -> int:
     cache's settings. Returns grad_accum_steps."""
     from dflash_jax.support import checks
     from dflash_jax.support.checks import ConfigError
+    from dflash_jax.training import config_checks
 
-    checks.check_train_config(config)  # one-line ConfigError before anything runs
+    config_checks.check_train_config(config)  # one-line ConfigError before anything runs
     accum = int(config.get("grad_accum_steps", 1))
     check_grad_accum(config.data.batch_size, accum)
     if accum > 1 and config.mode == "target" and config.unlikelihood.weight > 0:

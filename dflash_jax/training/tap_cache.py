@@ -34,7 +34,7 @@ def check_tap_cache(config) -> None:
             "data.allow_split=True packs a different piece of a document into each epoch's rows "
             "(set --config.data.allow_split=False: pieces then repeat, so their taps do)"
         )
-    elif config.drafter.get("kind", "dflash") != "eagle3" and config.loss != "ce":
+    elif config.loss != "ce":  # (an EAGLE-3 drafter trains with "ce" only)
         why = f"loss={config.loss!r} also needs the target's logits, which are not kept"
     elif int(d.get("num_shards", 0)) > 1 or jax.process_count() > 1:
         why = "several processes or data shards (one process keeps them)"
