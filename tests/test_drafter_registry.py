@@ -64,6 +64,11 @@ def test_a_kind_added_by_one_line_drafts_in_the_loop_losslessly(bundled_pair, or
     assert_accepted(res, 4)
     lengths = [a for seq in res.acceptance_lengths for a in seq]
     assert min(lengths) < 4, lengths  # the changed drafts were rejected, the output kept
+    # A Generator over it (settings checked once, called per batch): the same accepted drafts.
+    gen = dj.Generator(target, ok.Oracle(ok.OracleConfig(), table), dj.Settings())
+    first, again = gen(prompts, n), gen(prompts, n)
+    assert first.tokens == again.tokens == ar.tokens
+    assert first.acceptance_lengths == res.acceptance_lengths
     # Its limits: the default block, what a chain-only kind refuses.
     request = Request.build(target.config, ok.OracleConfig(), prompts, n)
     assert request.settings.block_size == 4

@@ -14,8 +14,6 @@ from dflash_jax.models import hub
 from dflash_jax.models.target import Target
 from dflash_jax.parallel import distributed
 
-log = distributed.say  # one line from process 0 only
-
 
 def _ids_doc(eos_id: Optional[int]):
     def tokenize(rec):
@@ -211,7 +209,7 @@ def _regenerated_docs(
             r.prompt_file,
             path,
             use_chat_template=r.chat_template,
-            log=log,
+            log=distributed.say,
             max_new_tokens=r.max_new_tokens,
             batch_size=r.batch_size,
             temperature=r.temperature,
@@ -248,7 +246,7 @@ def _regenerated_docs(
                 "regen.prompt_source must be 'stdlib', 'functions', 'mixed' or "
                 f"'random', got {r.prompt_source!r}"
             )
-        log(f"regenerating {len(prompts)} responses with the target -> {path}")
+        distributed.say(f"regenerating {len(prompts)} responses with the target -> {path}")
         regenerate(
             Target(tcfg, tparams, tpath),
             prompts,

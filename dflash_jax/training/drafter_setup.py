@@ -24,8 +24,6 @@ from dflash_jax.models.transformer import Transformer
 from dflash_jax.support.checks import float_param, int_param
 from dflash_jax.training import losses, unlikelihood
 
-log = distributed.say  # one line from process 0 only
-
 
 def drafter_loss_fn(config, tmod: Transformer, dmod, draft_vocab=None) -> Callable:
     """The drafter objective of `config` (the DFlash recipe) as loss_fn(params, frozen, batch,
@@ -67,13 +65,13 @@ def _draft_vocab(config, tcfg, train_docs, tokenize_fn, k: int) -> np.ndarray:
         path = hub.local_path(path, what="drafter")
         have = registry.named("dflash").read_draft_vocab(path, tcfg)
         if have is not None and len(have) == k:
-            log(f"draft vocabulary: the {k} tokens of {path}")
+            distributed.say(f"draft vocabulary: the {k} tokens of {path}")
             return have
     counts = dv.token_counts(
         (train_docs[i] for i in range(len(train_docs))), tokenize_fn, tcfg.vocab_size
     )
     vocab = dv.top_tokens(counts, k)
-    log(
+    distributed.say(
         f"draft vocabulary: the {k} most frequent answer tokens, "
         f"{100 * dv.coverage(counts, vocab):.2f}% of the training answers' tokens"
     )

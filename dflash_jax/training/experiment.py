@@ -21,7 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from dflash_jax.parallel import distributed
 from dflash_jax.drafters import registry
 from dflash_jax.models import checkpoint, hub, layer_stack
 from dflash_jax.models.config import ModelConfig, as_dtype
@@ -30,8 +29,6 @@ from dflash_jax.models.transformer import Transformer
 from dflash_jax.training import drafter_setup
 from dflash_jax.training.corpus import _batches, _documents, _tfds_sources, _tokenizer
 from dflash_jax.training.drafter_setup import _repetition_sampler
-
-log = distributed.say  # one line from process 0 only
 
 
 @dataclasses.dataclass

@@ -14,9 +14,6 @@ from dflash_jax.training.evaluation import selector_figures
 from dflash_jax.training.metrics import format_eta
 
 
-log = _log = distributed.say  # one line from process 0 only
-
-
 # The data item of a checkpoint holds the log window's sums under this key, beside the data
 # iterator's position.
 LOG_WINDOW_KEY = "log_window"
@@ -118,7 +115,7 @@ class _LogWindow:
             )
         self.logger.write("train", k, rec)
         self.bar.set_postfix_str(f"loss {rec['loss']:.4f}", refresh=False)
-        _log(
+        distributed.say(
             f"step {k}/{run.total} loss {rec['loss']:.4f} {ul_msg}"
             f"lr {rec['learning_rate']:.2e} gnorm {rec['grad_norm']:.2f} "
             f"{rate:,.0f} tok/s ETA {format_eta(eta)}"
@@ -168,7 +165,9 @@ class _Profiler:
             jax.block_until_ready(metrics)
             jax.profiler.stop_trace()
             self.active = False
-            _log(f"profile of steps {c.profile_start_step}..{step} written to {c.profile_dir}")
+            distributed.say(
+                f"profile of steps {c.profile_start_step}..{step} written to {c.profile_dir}"
+            )
 
     def close(self) -> None:
         if self.active:

@@ -75,8 +75,6 @@ from dflash_jax.training.step import (
     train_shardings,
 )
 
-_log = distributed.say  # one line from process 0 only
-
 
 class _StopFlag:
     def __init__(self):
@@ -129,7 +127,7 @@ def train_and_evaluate(config, workdir: str, checked: Optional[Preflight] = None
     exp = build_experiment(config, workdir)
     if config.regen.get("only", False):  # the responses exist now (build_experiment wrote them)
         path = config.regen.output or os.path.join(workdir, "regenerated.jsonl")
-        _log(f"regen.only: responses in {path}; no training")
+        distributed.say(f"regen.only: responses in {path}; no training")
         return {
             "status": "regenerated",
             "step": 0,
@@ -153,7 +151,7 @@ def train_and_evaluate(config, workdir: str, checked: Optional[Preflight] = None
         if status != "nan" and run.ckpt.maybe_save(
             step, state, window.data_state(run.exp.train_iter), force=True
         ):
-            _log(f"checkpoint step {step} -> {run.ckpt.directory}")
+            distributed.say(f"checkpoint step {step} -> {run.ckpt.directory}")
         if status == "done" and step < run.total:
             status = "stopped"
     finally:
@@ -167,7 +165,7 @@ def train_and_evaluate(config, workdir: str, checked: Optional[Preflight] = None
     # A time-sliced stage (stop_at_step) exports too: the drafter so far, usable at once.
     if config.export and status in ("done", "stopped"):
         export_path = export(exp, state.params, os.path.dirname(export_dir(config, workdir)))
-        _log(f"exported to {export_path}")
+        distributed.say(f"exported to {export_path}")
     return {
         "status": status,
         "step": step,
@@ -222,22 +220,24 @@ def _loop(config, run: "_Run", window: "_LogWindow", flag, logger, profiler):
         if evaluating:
             last_eval = evaluate(exp, state.params, run.eval_step, step, run.frozen, run.eval_mesh)
             logger.write("eval", step, last_eval)
-            _log(f"eval step {step}: " + _eval_line(last_eval))
+            distributed.say(f"eval step {step}: " + _eval_line(last_eval))
         if ckpt.maybe_save(step, state, window.data_state(exp.train_iter)):
-            _log(f"checkpoint step {step} -> {ckpt.directory}")
+            distributed.say(f"checkpoint step {step} -> {ckpt.directory}")
         # A signal to any one process stops all of them after the same step.
         if distributed.any_process(flag.signum is not None):
             if pending is not None and not window.finish(*pending):
                 break  # (a non-finite loss: stopped, nothing saved)
             pending = None
             status = "preempted"
-            _log(f"signal {flag.signum or 'to another process'}: saving step {step} and stopping")
+            distributed.say(
+                f"signal {flag.signum or 'to another process'}: saving step {step} and stopping"
+            )
             break
     if pending is not None:  # the data ran out before the last step's read
         window.finish(*pending)
     if window.bad_step is not None:
         status, step = "nan", window.bad_step - 1
-        _log(
+        distributed.say(
             f"ERROR: non-finite loss ({window.bad_loss}) at step {window.bad_step}; stopping. "
             f"The last good checkpoint (step {ckpt.manager.latest_step()}) is kept; this state "
             "is not saved."
@@ -370,7 +370,7 @@ def _log_start(config, exp, workdir: str, total: int, accum: int, mesh) -> None:
     from dflash_jax.parallel import sharding
 
     n_params = sum(x.size for x in jax.tree_util.tree_leaves(exp.init_params))
-    _log(
+    distributed.say(
         f"{config.mode} training: {n_params / 1e6:.2f}M trained params, {total} steps "
         f"({exp.steps_per_epoch}/epoch), batch {config.data.batch_size}x{config.data.seq_len} "
         + (f"in {accum} micro-batches " if accum > 1 else "")
@@ -395,7 +395,7 @@ def _tap_source(config, exp, frozen):
         if out is not None:
             if not said[0]:
                 said[0] = True
-                _log(
+                distributed.say(
                     f"tap cache: {len(cache)} document pieces kept "
                     f"({cache.nbytes / 2**30:.2f} GiB); batches of kept pieces skip the target's pass"
                 )
@@ -426,7 +426,7 @@ def _store_source(config, exp):
     if not hasattr(it, "source"):
         raise ts.StoreError("data.tap_store: one data stream only (no data.num_shards > 1)")
     store.check_records(it.source, it.tokenize_fn)
-    _log(
+    distributed.say(
         f"tap store {path}: {len(store)} records ({store.dtype} taps of layers "
         f"{store.manifest['tap_layers']}, top-{store.k}); the target's pass is skipped"
     )
@@ -463,7 +463,7 @@ def _restore(ckpt, exp, state, state_sh):
     state, data_state, _ = restored
     log_window = data_state.pop(LOG_WINDOW_KEY, None)
     exp.train_iter.set_state(data_state)
-    _log(f"resumed from step {int(state.step)} ({ckpt.directory})")
+    distributed.say(f"resumed from step {int(state.step)} ({ckpt.directory})")
     return state, log_window
 
 
@@ -488,7 +488,7 @@ def _log_expert_placement(exp, mesh, params) -> None:
         else f"{dim} replicated"
         for dim, ax in zip("EHI", spec)
     )
-    _log(
+    distributed.say(
         f"MoE target: {exp.target_cfg.num_experts} experts (top "
         f"{exp.target_cfg.num_experts_per_tok}) in {layers} layers, "
         f"{exp.target_cfg.num_experts // mesh.shape.get('expert', 1)} per device; "
