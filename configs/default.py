@@ -4,7 +4,7 @@ The defaults are the DFlash paper's drafter recipe (appendix A.1): 5 drafter lay
 block 16, 512 random anchors, gamma 7, CE loss on fully masked blocks, sequences of 3072 tokens,
 AdamW lr 6e-4 with 4% warmup and a cosine decay, global-norm clip 1.0, no weight decay, 6
 epochs. Every other file in `configs/` starts from `get_config()` and sets only what differs;
-`dflash_jax.support.checks` checks a config's keys against it (a typo is an error, not an ignored
+`dflash_jax.training.config_checks` checks a config's keys against it (a typo is an error, not an ignored
 setting).
 
     python train.py --config=configs/default.py --workdir=DIR --config.target_path=...

@@ -4,19 +4,14 @@ python train.py --config=configs/tiny_test.py --workdir=/tmp/dflash_tiny
 """
 
 from configs.default import get_config as default_config
+from dflash_jax.models.tiny import tiny_fields
 
 
 def get_config():
     c = default_config()
     c.mode = "drafter"
     c.target_model.update(
-        vocab_size=64,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
+        **tiny_fields(),  # the tiny factory's dense target (dflash_jax/models/tiny.py)
         max_position_embeddings=512,
         tie_word_embeddings=False,
         init_std=0.3,

@@ -27,6 +27,7 @@ from dflash_jax import dry_run  # noqa: E402
 from dflash_jax.drafters.dflash import DFlashDrafter  # noqa: E402
 from dflash_jax.models.transformer import KVCache, Transformer  # noqa: E402
 from dflash_jax.models.target import init_params  # noqa: E402
+from dflash_jax.models.tiny import tiny_config  # noqa: E402
 from dflash_jax.parallel import sharding
 from dflash_jax.training import drafter_setup, experiment, trainer  # noqa: E402
 from dflash_jax.training.step import (  # noqa: E402
@@ -45,16 +46,8 @@ def _scaled(params, factor=4.0):
 def small_pair():
     """Random weights: for the partition rules only (a random drafter is never accepted, so it
     proves nothing about lossless decoding)."""
-    cfg = dj.ModelConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
+    cfg = tiny_config(
+        vocab_size=128, num_layers=4, tie_word_embeddings=False, max_position_embeddings=512
     )
     target = dj.Target(cfg, _scaled(init_params(cfg, 0)))
     dcfg = dj.make_drafter_config(cfg, num_layers=2, num_taps=3, block_size=8, mask_token_id=127)
@@ -239,21 +232,12 @@ def check_moe(out, workdir):
     res["routed"] = _routed_expert_parallel(target, drafter, prompts[:2], 16)
     # The trainer's step against a frozen random MoE target (4 experts, top 2), one device
     # and data=2,expert=2,tensor=2 (the step partitioned by GSPMD).
-    cfg = dj.ModelConfig(
-        arch="qwen3_moe",
+    cfg = tiny_config(
+        "qwen3_moe",
         vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
         num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
         tie_word_embeddings=False,
         max_position_embeddings=512,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=32,
-        norm_topk_prob=True,
         mlp_only_layers=(1,),
     )
     res["train"] = _train_steps(cfg, ("tensor=1", "data=2,expert=2,tensor=2"), workdir, "moe_train")
@@ -268,27 +252,14 @@ def check_hybrid(out, workdir):
     from _pair import oracle_kinds
 
     from dflash_jax.drafters import registry
-    from dflash_jax.models.config import HybridSpec
 
     types = ("linear_attention", "full_attention", "linear_attention", "linear_attention")
-    cfg = dj.ModelConfig(
-        arch="qwen3_5",
+    cfg = tiny_config(
+        "qwen3_5",
         vocab_size=128,
-        hidden_size=64,
         intermediate_size=96,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
         max_position_embeddings=512,
-        hybrid=HybridSpec(
-            layer_types=types,
-            linear_num_key_heads=2,
-            linear_num_value_heads=4,
-            linear_key_head_dim=8,
-            linear_value_head_dim=12,
-        ),
+        hybrid={"layer_types": types},
     )
     target = dj.Target(cfg, _scaled(init_params(cfg, 0)))
     dcfg = dj.make_drafter_config(cfg, num_layers=1, num_taps=2, block_size=8, mask_token_id=127)
@@ -377,16 +348,8 @@ def check_train(out, workdir):
     one device and on a data x fsdp x tensor mesh: the same losses and, after the three steps,
     the same parameters (train_params_{1,8}.npz); the batch really is split over the mesh's
     data and fsdp devices."""
-    cfg = dj.ModelConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=4,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
+    cfg = tiny_config(
+        vocab_size=128, num_layers=4, tie_word_embeddings=False, max_position_embeddings=512
     )
     out["train"] = _train_steps(cfg, ("tensor=1", "data=2,fsdp=2,tensor=2"), workdir, "train")
 

@@ -204,23 +204,18 @@ def test_declared_bytes_are_what_the_index_maps_fetch(dtype):
 # ------------------------------------------------------------------------- the MoE block --
 def _moe_config():
     """test_moe.py's small Qwen3-MoE shapes: hidden 32, 8 experts of width 16, top 2."""
-    import dflash_jax as dj
+    from dflash_jax.models.tiny import tiny_config
 
-    return dj.ModelConfig(
-        arch="qwen3_moe",
+    return tiny_config(
+        "qwen3_moe",
         vocab_size=128,
         hidden_size=32,
         intermediate_size=48,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
         head_dim=8,
         tie_word_embeddings=False,
         max_position_embeddings=512,
         num_experts=8,
-        num_experts_per_tok=2,
         moe_intermediate_size=16,
-        norm_topk_prob=True,
     )
 
 

@@ -19,6 +19,7 @@ from dflash_jax.dry_run import hlo
 from dflash_jax.models import layer_stack
 from dflash_jax.models.transformer import KVCache
 from dflash_jax.models.target import init_params, target_module
+from dflash_jax.models.tiny import tiny_config
 from dflash_jax.parallel import sharding
 from jax.sharding import PartitionSpec as P
 
@@ -43,10 +44,8 @@ def pair(bundled_pair):
 
 
 def _tiny(**kw):
-    base = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_layers=5, num_heads=4,
-                num_kv_heads=2, head_dim=8)  # fmt: skip
-    base.update(kw)
-    cfg = dj.ModelConfig(**base)
+    small = dict(hidden_size=32, intermediate_size=48, num_layers=5, head_dim=8)
+    cfg = tiny_config(**{**small, **kw})
     return dj.Target(cfg, init_params(cfg, 3))
 
 

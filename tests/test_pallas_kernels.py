@@ -622,6 +622,7 @@ def test_drafter_loss_pallas_equals_xla_on_packed_rows(monkeypatch):
     without that bound it would not (earlier documents' context leaks)."""
     import dflash_jax as dj
     from dflash_jax.models.target import init_params
+    from dflash_jax.models.tiny import tiny_config
     from dflash_jax.training import losses
 
     seg = np.array(
@@ -630,15 +631,7 @@ def test_drafter_loss_pallas_equals_xla_on_packed_rows(monkeypatch):
     np.testing.assert_array_equal(  # first position of each position's document
         losses._segment_starts(jnp.asarray(seg))[0], [0] * 9 + [9] * 13 + [22] * 7 + [29] * 3
     )
-    cfg = dj.ModelConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_layers=2,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-    )
+    cfg = tiny_config(hidden_size=32, intermediate_size=64)
     tparams = init_params(cfg, seed=0)
     dcfg = dj.make_drafter_config(
         cfg, num_layers=1, num_taps=2, block_size=4, target_layer_ids=(0, 1)

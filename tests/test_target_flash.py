@@ -9,9 +9,9 @@ import pytest
 
 from dflash_jax.models import attention as attn_lib
 from dflash_jax.models.attention import chunked_causal_attention
-from dflash_jax.models.config import ModelConfig
 from dflash_jax.models.transformer import Transformer
 from dflash_jax.models.target import init_params
+from dflash_jax.models.tiny import tiny_config
 
 
 def _packed_rows(t=200, seed=0, hq=4, hkv=2, d=32):
@@ -71,17 +71,8 @@ def test_causal_attention_dispatch_follows_impl_and_the_platform_compiled_for():
 
 
 def test_taps_only_forward_is_the_same_with_splash_as_with_chunked_xla():
-    cfg = ModelConfig(
-        vocab_size=97,
-        hidden_size=64,
-        intermediate_size=128,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        max_position_embeddings=512,
-        qk_norm=True,
-        tie_word_embeddings=False,
+    cfg = tiny_config(
+        vocab_size=97, num_layers=3, max_position_embeddings=512, tie_word_embeddings=False
     )
     params = init_params(cfg, seed=3)
     rng = np.random.RandomState(0)

@@ -177,29 +177,26 @@ PRESETS = {
 
 def _preset_fields(name: str) -> dict:
     """A preset's target fields, those of the preset it changes first (hybrid fields merged)."""
+    from dflash_jax.models.tiny import merged
+
     base, fields, _ = PRESETS[name]
-    out = {} if base is None else _preset_fields(base)
-    for key, value in fields.items():
-        out[key] = dict(out.get(key, {}), **value) if key == "hybrid" else value
-    return out
+    return merged({} if base is None else _preset_fields(base), fields)
 
 
 def model_presets():
     """name -> (target ModelConfig, drafter kwargs for make_drafter_config), in bfloat16
-    (`PRESETS`)."""
+    (`PRESETS`, made by the tiny factory's `from_fields`)."""
     import jax.numpy as jnp
 
-    from dflash_jax.models.config import HybridSpec, ModelConfig, hybrid_layers
+    from dflash_jax.models.tiny import from_fields
 
-    out = {}
-    for name, (_, _, drafter) in PRESETS.items():
-        fields = _preset_fields(name)
-        if "hybrid" in fields:
-            spec = dict(layer_types=hybrid_layers(fields["num_layers"]), **fields["hybrid"])
-            fields["hybrid"] = HybridSpec(**spec)
-        cfg = ModelConfig(dtype=jnp.bfloat16, param_dtype=jnp.bfloat16, **fields)
-        out[name] = (cfg, dict(drafter))
-    return out
+    return {
+        name: (
+            from_fields(_preset_fields(name), dtype=jnp.bfloat16, param_dtype=jnp.bfloat16),
+            dict(drafter),
+        )
+        for name, (_, _, drafter) in PRESETS.items()
+    }
 
 
 def build_configs(
