@@ -117,9 +117,9 @@ def load_target(
     (dense, experts in every layer, or a hybrid target's pattern of DeltaNet and attention
     layers: one group scanned); the file's per-layer tensors are stacked as they are placed.
     """
-    quantization.check_quantize(quantize)  # a bad request is refused before any download
+    quantize = quantization.check_quantize(quantize)  # refused before any download
     path = hub.local_path(path, what="target")
-    cfg, params = load_target_params(
+    cfg, params = _load_params(
         str(path),
         dtype=dtype,
         param_dtype=param_dtype,
@@ -172,13 +172,13 @@ def save_target(target: Target, path: str, dtype: Optional[str] = None) -> None:
             "generation_config.json",
         ):
             extra[name] = os.path.join(target.path, name)
-    save_target_params(target.config, target.params, str(path), dtype=dtype, extra_files=extra)
+    _save_params(target.config, target.params, str(path), dtype=dtype, extra_files=extra)
 
 
 # ------------------------------------------------------------------ Hugging Face directories
 
 
-def load_target_params(
+def _load_params(
     path: str,
     dtype="float32",
     param_dtype=None,
@@ -189,11 +189,11 @@ def load_target_params(
     directory (a MoE layer's per-expert tensors stacked to [E, ...]).
 
     A block-FP8 checkpoint is dequantized into `param_dtype`; an int8 one (`save_target` of an
-    int8 target) stays int8. quantize="int8": the decoder linears (and the LM head with
-    `quantize_lm_head`) quantized per output channel as they are read. Every setting and the
-    config's quantization_config are checked before any weight is read.
+    int8 target) stays int8. quantize (checked by `load_target`) "int8": the decoder linears
+    (and the LM head with `quantize_lm_head`) quantized per output channel as they are read.
+    The settings against the config and its quantization_config are checked before any weight
+    is read.
     """
-    quantize = quantization.check_quantize(quantize)
     cfg = checkpoint.read_target_config(path, dtype=dtype, param_dtype=param_dtype)
     spec = quantization.parse_quantization_config(
         checkpoint.read_config(path), os.path.join(path, "config.json")
@@ -230,7 +230,7 @@ def load_target_params(
     return cfg, params
 
 
-def save_target_params(
+def _save_params(
     cfg: ModelConfig, params, path: str, dtype=None, extra_files: Optional[Dict[str, str]] = None
 ) -> None:
     """Writes `config.json` + safetensors that transformers' `from_pretrained` loads."""
