@@ -1,7 +1,8 @@
 """The kinds of drafter there are, and how the library finds the kind of a thing it holds.
 
 Adding a drafter: a module that defines its `KIND` (a `base.DrafterKind`) and one line in
-`KIND_MODULES`. Nothing outside `dflash_jax/drafters/` imports a concrete drafter's module
+`KIND_MODULES` (training it: a `DrafterTraining` in `dflash_jax/training/drafter_setup.py`).
+Nothing outside `dflash_jax/drafters/` imports a concrete drafter's module or tests for a kind
 (tests/test_layering.py); it asks:
 
   for_spec(spec)   the kind of infer.py's --drafter (a directory, hub id or name)
