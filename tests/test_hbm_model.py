@@ -311,3 +311,37 @@ def test_loop_dot_flops_counts_each_matmul_of_one_iteration():
             .as_text(dialect="hlo")
         )
         assert hbm.loop_dot_flops(text) == 2 * (2 * rows * 256 * 256), rows
+
+
+def test_loop_dot_flops_counts_a_nested_loop_per_trip_and_the_kernels_declared_flops():
+    """A loop nested in the step (a scanned layer stack: 3 layers) counts its body once per
+    trip (`nested_trips=False`: once, as XLA's cost analysis does); `kernels=True` adds the
+    FLOPs a Pallas call declares in its cost estimate, read across the lines the lowered text
+    spreads it over."""
+
+    def fn(x, ws, n):
+        def step(i, x):
+            return jax.lax.scan(lambda x, w: (jnp.tanh(x @ w), None), x, ws)[0]
+
+        return jax.lax.fori_loop(0, n, step, x)
+
+    f32 = jnp.float32
+    args = (
+        jax.ShapeDtypeStruct((16, 256), f32),
+        jax.ShapeDtypeStruct((3, 256, 256), f32),
+        jax.ShapeDtypeStruct((), jnp.int32),
+    )
+    text = jax.jit(fn).lower(*args).as_text(dialect="hlo")
+    layer = 2 * 16 * 256 * 256
+    assert hbm.loop_dot_flops(text) == 3 * layer
+    assert hbm.loop_dot_flops(text, nested_trips=False) == layer
+    kernel = (
+        '  k.1 = f32[8]{0} custom-call(a.1), custom_call_target="tpu_custom_call", '
+        'backend_config={"custom_call_config": {"body": "x", "cost_estimate": {\n'
+        '"bytes_accessed":10,\n"flops":777,\n"transcendentals":0}}}\n'
+    )
+    lines = text.splitlines(keepends=True)
+    at = next(i for i, l in enumerate(lines) if " dot(" in l)  # the layer's matmul
+    with_kernel = "".join(lines[: at + 1]) + kernel + "".join(lines[at + 1 :])
+    assert hbm.loop_dot_flops(with_kernel, kernels=True) == 3 * (layer + 777)
+    assert hbm.loop_dot_flops(with_kernel) == 3 * layer  # (a kernel's FLOPs only when asked)

@@ -504,6 +504,27 @@ def test_eagle3_and_prompt_lookup_compile_in_the_dflash_loops_place(monkeypatch,
     assert pl["roofline"]["projection"]["pallas"]["hbm_step_ratio"] > 0
 
 
+@pytest.mark.slow  # libtpu compiles of the tiny preset's DFlash loop, looped and scanned
+def test_a_scanned_targets_step_flops_count_every_layer(v5e):
+    """XLA's cost analysis counts a loop nested in the step once, so a scanned layer stack's
+    step would be charged one layer's FLOPs (tiny preset, 2 layers: 71% of the looped step's);
+    the dry run adds the further trips' matmuls and kernels (`hbm.loop_dot_flops`), which puts
+    the scanned DFlash step within 2% of the looped one's cost analysis."""
+    devices, chip = v5e
+    kw = dict(batch=1, context=256, max_new_tokens=16, devices=devices[:1], chip=chip)
+    kw.update(attention=("pallas",), only=("dflash_decode",))
+    looped, scanned = (
+        dry_run.dry_run_infer("tiny", "tensor=1", scan_layers=s, **kw)["roofline"]["steps"][
+            "dflash_step"
+        ]
+        for s in (False, True)
+    )
+    assert "flops_source" not in looped  # (a looped target's step: the cost analysis as is)
+    assert "nested loop" in scanned["flops_source"]
+    assert abs(scanned["flops"] / looped["flops"] - 1) < 0.02, (scanned["flops"], looped["flops"])
+    assert scanned["loop_flops"] < 0.8 * looped["loop_flops"]  # what the cost analysis says
+
+
 @pytest.mark.slow  # libtpu compiles of a hybrid target's two decode loops
 def test_hybrid_decode_loops_compile_without_a_state_per_position(tmp_path):
     """A Qwen3.5-shaped hybrid target (the tiny_hybrid preset: Gated DeltaNet and gated

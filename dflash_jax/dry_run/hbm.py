@@ -59,6 +59,7 @@ from dflash_jax.dry_run.hlo import (
     computations,
     loop_body_computations,
     loop_body_multiplicity,
+    trip_count,
 )
 
 # One array type with its layout: bf16[1,34304,128]{2,1,0:T(8,128)(2,1)S(1)}
@@ -355,10 +356,29 @@ def floor_bytes(
 _ANY_INSTR = re.compile(r"^\s*(ROOT\s+)?%?([\w.\-]+)\s*=\s*(.+?)\s+([a-z][\w\-]*)\((.*)$")
 
 
-def loop_dot_flops(hlo_text: str) -> int:
+# The FLOPs a Pallas kernel declares (its `cost_estimate`, in the custom call's backend config).
+_KERNEL_FLOPS = re.compile(r'"cost_estimate":\s*\{[^}]*?"flops":\s*"?(\d+)')
+
+
+def _declared_flops(lines: List[str], j: int) -> int:
+    """The FLOPs the kernel of the custom call at lines[j] declares (0: none), its backend
+    config read up to the next instruction (the lowered text may spread it over lines)."""
+    text = lines[j]
+    for line in lines[j + 1 :]:
+        if _ANY_INSTR.match(line):
+            break
+        text += line
+    declared = _KERNEL_FLOPS.search(text)
+    return int(declared.group(1)) if declared else 0
+
+
+def loop_dot_flops(hlo_text: str, nested_trips: bool = True, kernels: bool = False) -> int:
     """FLOPs of the matmuls one iteration of the program's decode loop runs: 2 x result
     elements x contracted size of every `dot` in the entry's `while` bodies and everything they
-    call (fusions and calls included, each call site counted; a nested loop's body once). Read
+    call (fusions and calls included, each call site counted; a nested loop's body times its
+    trips, `hlo.trip_count`: a scanned layer stack's body once per layer; once with
+    `nested_trips=False`, as XLA's cost analysis counts it; with `kernels`, the FLOPs each
+    Pallas kernel declares too). Read
     from the program as lowered (before optimization: XLA:GPU turns 1-row matmuls into
     reductions) for backends whose compiled cost analysis gives no FLOPs (XLA:GPU here). The
     attention kernels' (custom calls') FLOPs are not counted."""
@@ -372,12 +392,15 @@ def loop_dot_flops(hlo_text: str) -> int:
             return 0
         types = {}
         total = 0
-        for line in comps[c]:
+        lines = comps[c]
+        for j, line in enumerate(lines):
             m = _ANY_INSTR.match(line)
             if not m:
                 continue
             name, rtype, op, rest = m.group(2), m.group(3), m.group(4), m.group(5)
             types[name] = rtype
+            if kernels and op == "custom-call":
+                total += _declared_flops(lines, j)
             if op == "dot":
                 first = rest.split(",")[0].split(")")[0].split()
                 lhs_name = first[-1].lstrip("%") if first else ""
@@ -389,10 +412,11 @@ def loop_dot_flops(hlo_text: str) -> int:
                     k = math.prod(shape[int(i)] for i in dims.group(1).split(",") if i)
                     n = math.prod(int(d) for d in out.group(2).split(",") if d)
                     total += 2 * n * k
-            for callee in re.findall(
-                r"(?:calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)", rest
+            trips = trip_count(line, comps) if op == "while" and nested_trips else 1
+            for key, callee in re.findall(
+                r"(calls|to_apply|body|true_computation|false_computation)=%?([\w.\-]+)", rest
             ):
-                total += flops(callee, stack + (c,))
+                total += flops(callee, stack + (c,)) * (trips if key == "body" else 1)
         memo[c] = total
         return total
 

@@ -405,7 +405,7 @@ def _decode_loop(lower, capacity_bytes, hlo_path, cache_elems, capacity):
 def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
     """One decode step's figures. On a TPU (`twice`: the stats of the loop with two steps per
     iteration) the cost analysis' FLOPs, bytes and collectives as the difference from the real
-    loop; on a GPU (`twice` None: XLA:GPU's cost analysis gives no FLOPs or bytes) the
+    loop (with a nested loop's further trips' matmuls and kernels added); on a GPU (`twice` None: XLA:GPU's cost analysis gives no FLOPs or bytes) the
     matmuls of the lowered loop body, one GPU, no collectives. Both with the HBM model
     (`dry_run.hbm`: one iteration of the real loop's body is one step; no differencing)."""
     if twice is None:
@@ -424,6 +424,16 @@ def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
             - sum(c["count"] for c in loop["collectives"]),
             "loop_flops": loop["flops"],
         }
+        if text is not None and any(n > 1 for n in hlo_scan.loop_body_multiplicity(text).values()):
+            # A loop nested in the step (a scanned layer stack, EAGLE-3's drafting steps): the
+            # cost analysis counts its body once; its further trips' matmuls and kernels are
+            # added (their other ops, elementwise, stay counted once).
+            once = hbm.loop_dot_flops(lowered, nested_trips=False, kernels=True)
+            step["flops"] += hbm.loop_dot_flops(lowered, kernels=True) - once
+            step["flops_source"] = (
+                "cost analysis, plus the matmuls and kernels of a nested loop's further trips "
+                "(hbm.loop_dot_flops; the cost analysis counts a nested body once)"
+            )
     traffic = hbm.hbm_traffic(text)
     count, latency = hbm.loop_collective_latency(text)
     step.update(
