@@ -405,8 +405,9 @@ def _decode_loop(lower, capacity_bytes, hlo_path, cache_elems, capacity):
 def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
     """One decode step's figures. On a TPU (`twice`: the stats of the loop with two steps per
     iteration) the cost analysis' FLOPs, bytes and collectives as the difference from the real
-    loop (with a nested loop's further trips' matmuls and kernels added); on a GPU (`twice` None: XLA:GPU's cost analysis gives no FLOPs or bytes) the
-    matmuls of the lowered loop body, one GPU, no collectives. Both with the HBM model
+    loop (with a nested loop's further trips' matmuls and kernels added); on a GPU (`twice`
+    None: XLA:GPU's cost analysis gives no FLOPs or bytes) the matmuls of the lowered loop
+    body, one GPU, no collectives. Both with the HBM model
     (`dry_run.hbm`: one iteration of the real loop's body is one step; no differencing)."""
     if twice is None:
         step = {
