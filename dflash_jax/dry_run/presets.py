@@ -148,6 +148,15 @@ PRESETS = {
         dict(num_layers=2, vocab_size=16384),
         _test_drafter(16383),
     ),
+    # Qwen3.5-35B-A3B's layers (256 experts of 512, top 8, a shared expert; one group of 3
+    # Gated DeltaNet and 1 gated attention) at 4 of its 40 layers and a 16K vocabulary: the
+    # per-chip expert shapes of the real model on a v5e-8 mesh, for the compile test of its
+    # layout (tests/test_tpu_compile.py: no weight-sized temporaries with an expert axis).
+    "qwen3_5_35b_a3b_4l": (
+        "qwen3_5_35b_a3b",
+        dict(num_layers=4, vocab_size=16384),
+        _test_drafter(16383, target_layer_ids=(1, 3)),
+    ),
     # A Qwen3-MoE shape scaled down (2 layers, 8 experts of 64, top 2).
     "tiny_moe": (
         "qwen3_30b_a3b",
