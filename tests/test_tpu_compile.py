@@ -571,7 +571,7 @@ def test_hybrid_decode_loops_compile_without_a_state_per_position(tmp_path):
 def test_a_hybrid_moe_targets_experts_split_over_an_expert_axis_leave_no_weight_sized_temps(v5e):
     """Qwen3.5-35B-A3B's layers (preset qwen3_5_35b_a3b_4l: 256 experts of 512, top 8, a shared
     expert; 4 of its 40 layers) on v5e-8. With the experts split over an expert axis
-    (tensor=2,expert=4: 64 whole experts per chip) both decode loops fit with temporaries a few
+    (tensor=2,expert=4: 64 experts per chip, each halved over tensor) both decode loops fit with temporaries a few
     percent of the weights, the layout that fits the whole model at its full context
     (docs/performance.md). The control: tensor=8 (a 64-wide slice of every expert) holds
     temporaries the size of the per-chip weights, what kept the 40-layer model's loops off v5e-8
