@@ -386,6 +386,11 @@ def decode_attention(
 
     q4 = expand_heads(C.q_to_rows(q, hkv, rows), hb)  # [B, hg, hr, w]
     kv_specs, k2, v2 = _kv_operands(k, v, s_pad, tk, ns, w, stacked)
+    if not interpret:
+        # The kernel streams the cache in tiles: left to itself, XLA's memory-space assignment
+        # may prefetch a whole cache that fits VMEM (a drafter's unsplit context cache, 68 MB
+        # on Qwen3.5-9B at 32K) into it every step, copying capacity it never reads.
+        k2, v2 = (pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (k2, v2))
     in_specs = [
         pl.BlockSpec((None, None, hr, w), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
         pl.BlockSpec((None, hr, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),

@@ -590,3 +590,32 @@ def test_a_hybrid_moe_targets_experts_split_over_an_expert_axis_leave_no_weight_
     sliced = dry_run.dry_run_infer("qwen3_5_35b_a3b_4l", "tensor=8", only=("dflash_decode",), **kw)
     b = sliced["programs"]["dflash_decode"]["hbm_bytes"]
     assert b["temporaries"] > 0.5 * b["arguments"], b
+
+
+@pytest.mark.slow  # libtpu compiles of a hybrid DFlash loop at Qwen3.5-9B's shapes, twice
+def test_the_hybrid_dflash_loop_keeps_the_drafters_context_cache_in_hbm(v5e, monkeypatch):
+    """Qwen3.5-9B's layers and drafter (preset qwen3_5_9b_8l) at 32K on v5e-8: the drafter's
+    context cache (4 KV heads of 256, not split over tensor=8: 68 MB a chip) stays in HBM, where
+    the decode-attention kernel streams it in tiles; the DFlash loop body holds no cache-sized
+    copy. The control: without the kernel's HBM constraint on its K/V operands XLA's
+    memory-space assignment prefetches the whole cache into VMEM (`copy-start` to S(1)) every
+    step, and the scan finds it."""
+    from pallas_kernels import tpu_decode
+
+    devices, chip = v5e
+    kw = dict(context=32768, max_new_tokens=256, devices=devices, chip=chip, step_costs=False)
+    kw.update(only=("dflash_decode",))
+
+    def copies():
+        r = dry_run.dry_run_infer("qwen3_5_9b_8l", "tensor=8", **kw)
+        return r["programs"]["dflash_decode"]["cache_sized_copies"]
+
+    assert copies() == []
+    with monkeypatch.context() as m:
+        m.setattr(tpu_decode.pltpu, "with_memory_space_constraint", lambda x, _: x)
+        jax.clear_caches()  # traced again, without the constraint
+        try:
+            found = copies()
+        finally:
+            jax.clear_caches()  # no later test reuses a program traced without it
+    assert len(found) == 1 and "copy-start" in found[0] and "33280,1024" in found[0], found

@@ -148,6 +148,14 @@ PRESETS = {
         dict(num_layers=2, vocab_size=16384),
         _test_drafter(16383),
     ),
+    # Qwen3.5-9B's layers, 8 of its 32 (two groups: the stack scans), a 16K vocabulary and its
+    # 5-layer drafter: at 32K on v5e-8 the DFlash loop where XLA prefetched the drafter's whole
+    # context cache into VMEM each step (tests/test_tpu_compile.py).
+    "qwen3_5_9b_8l": (
+        "qwen3_5_9b",
+        dict(num_layers=8, vocab_size=16384),
+        dict(_HYBRID_DRAFTER, mask_token_id=16383),
+    ),
     # Qwen3.5-35B-A3B's layers (256 experts of 512, top 8, a shared expert; one group of 3
     # Gated DeltaNet and 1 gated attention) at 4 of its 40 layers and a 16K vocabulary: the
     # per-chip expert shapes of the real model on a v5e-8 mesh, for the compile test of its
