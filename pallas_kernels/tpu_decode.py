@@ -271,10 +271,13 @@ def _pallas_decode(kernel, scalars, args, in_specs, grid, hr, w, stacked, cost, 
     )(*scalars, *args)
 
 
-def _kv_operands(k, v, s_pad, tk, ns, w, stacked):
+def _kv_operands(k, v, s_pad, tk, ns, w, stacked, interpret=False):
     """(BlockSpecs, K, V) of `decode_attention`'s cache: [B, S_pad, Hkv*D] free views (padded
     to whole tiles), or of a stack [L, B, S, Hkv*D] whose layer the index maps pick (the third
-    scalar prefetch); a program reads tile j of its split (`_split_tile`), its heads' lanes."""
+    scalar prefetch); a program reads tile j of its split (`_split_tile`), its heads' lanes.
+    Compiled, K and V are constrained to HBM: the kernel streams them in tiles, and left to
+    itself XLA's memory-space assignment may prefetch a whole cache that fits VMEM (a drafter's
+    unsplit context cache, 68 MB on Qwen3.5-9B at 32K) into it every step."""
     *lead, s_len, hkv, d = k.shape
     if stacked:  # free views of the stacks
         k2 = k.reshape(*lead, s_pad, hkv * d)
@@ -288,6 +291,8 @@ def _kv_operands(k, v, s_pad, tk, ns, w, stacked):
         return (layer_ref[0][0], bi, j, hi) if stacked else (bi, j, hi)
 
     kv_block = (None, None, tk, w) if stacked else (None, tk, w)
+    if not interpret:
+        k2, v2 = (pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (k2, v2))
     return [pl.BlockSpec(kv_block, kv_map), pl.BlockSpec(kv_block, kv_map)], k2, v2
 
 
@@ -385,12 +390,7 @@ def decode_attention(
     steps = C.cdiv(n_tiles, ns)
 
     q4 = expand_heads(C.q_to_rows(q, hkv, rows), hb)  # [B, hg, hr, w]
-    kv_specs, k2, v2 = _kv_operands(k, v, s_pad, tk, ns, w, stacked)
-    if not interpret:
-        # The kernel streams the cache in tiles: left to itself, XLA's memory-space assignment
-        # may prefetch a whole cache that fits VMEM (a drafter's unsplit context cache, 68 MB
-        # on Qwen3.5-9B at 32K) into it every step, copying capacity it never reads.
-        k2, v2 = (pltpu.with_memory_space_constraint(x, pltpu.HBM) for x in (k2, v2))
+    kv_specs, k2, v2 = _kv_operands(k, v, s_pad, tk, ns, w, stacked, interpret)
     in_specs = [
         pl.BlockSpec((None, None, hr, w), lambda bi, hi, si, ii, *_: (bi, hi, 0, 0)),
         pl.BlockSpec((None, hr, C.LANES), lambda bi, hi, si, ii, *_: (bi, 0, 0)),
