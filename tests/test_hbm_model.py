@@ -5,6 +5,8 @@ extra traffic on some shapes; the model must not), a donated cache update costs 
 its cache, and a pad of a cache costs a read and a write of it. Plus the analytic floor by hand
 and the collective latency's hop counts."""
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -345,3 +347,34 @@ def test_loop_dot_flops_counts_a_nested_loop_per_trip_and_the_kernels_declared_f
     with_kernel = "".join(lines[: at + 1]) + kernel + "".join(lines[at + 1 :])
     assert hbm.loop_dot_flops(with_kernel, kernels=True) == 3 * (layer + 777)
     assert hbm.loop_dot_flops(with_kernel) == 3 * layer  # (a kernel's FLOPs only when asked)
+
+
+@pytest.mark.slow  # an XLA:GPU compile
+@pytest.mark.skipif(
+    dry_run.cuda_plugin_missing(), reason="needs the CUDA build of jax (make test-newest)"
+)
+def test_a_block_sliced_from_a_cache_viewed_per_head_costs_the_block():
+    """A step that reads 16 rows of a cache stored [1, S, K*D] through its per-head view
+    [1, S, K, D] (models/attention.py's `_heads`; cuDNN's verify takes the block's keys so):
+    XLA:GPU fuses the reshape as a `bitcast` of the fusion's parameter, then `dynamic-slice`s
+    it, and the model charges the 16 rows, not the cache (it charged the whole cache before:
+    Qwen3-8B's H200 AR step counted 5.06 GB too many, two caches a layer)."""
+    devices, _ = dry_run.topology_devices("h200")
+    gpu = NamedSharding(Mesh(np.array(devices[:1]), ("x",)), P())
+
+    def loop(cache, q, n):
+        def step(i, acc):
+            view = cache.reshape(1, CAP, 8, 128)
+            blk = jax.lax.dynamic_slice(view, (0, i * 16, 0, 0), (1, 16, 8, 128))
+            s = jnp.einsum("bhd,bshd->bh", acc.astype(jnp.float32), blk.astype(jnp.float32))
+            return acc + s[..., None].astype(acc.dtype)
+
+        return jax.lax.fori_loop(0, n, step, q)
+
+    args = [((1, CAP, 1024), jnp.bfloat16), ((1, 8, 128), jnp.bfloat16), ((), jnp.int32)]
+    args = [jax.ShapeDtypeStruct(s, d, sharding=gpu) for s, d in args]
+    text = jax.jit(loop).lower(*args).compile().as_text()
+    assert re.search(r"bitcast\(%param", text)  # the view is a bitcast inside the fusion
+    block = 16 * 1024 * 2
+    t = hbm.hbm_traffic(text)
+    assert block <= t["hbm_bytes"] <= 2 * block, t  # the rows and a few small operands

@@ -14,7 +14,8 @@ layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
 - no traffic: parameter, get-tuple-element, tuple, bitcast, constant, the `-done` halves of
   async pairs, and the control-flow ops themselves (their computations are walked instead);
 - a fusion's operand that the fused computation only slices (`slice`, `dynamic-slice`,
-  `gather`, directly or inside a nested fusion: a scanned layer's slice of the stacked weights)
+  `gather`, directly, through a bitcast view, or inside a nested fusion: a scanned layer's
+  slice of the stacked weights, a cache [B,S,K*D] viewed as [B,S,K,D] and sliced to the block)
   is charged the slices' sizes, not the whole array;
 - an in-place update (a fusion rooted in `dynamic-update-slice` or `scatter` whose updated
   array is a fusion parameter, the loop-carried cache) is charged the update written (and its
@@ -129,7 +130,7 @@ class _Fused:
     def __init__(self, lines: List[str], comps: Optional[Dict[str, List[str]]] = None):
         types = _types(lines)
         params: Dict[int, str] = {}
-        uses: Dict[str, List[Tuple[str, str, List[str], str]]] = {}
+        uses: Dict[str, List[Tuple[str, str, str, List[str], str]]] = {}
         root = None
         for line in lines:
             m = _INSTR.match(line)
@@ -140,16 +141,25 @@ class _Fused:
                 params[int(re.match(r"(\d+)", rest).group(1))] = name
             ops = _operands(rest)
             for o in ops:
-                uses.setdefault(o, []).append((op, rtype, ops, rest))
+                uses.setdefault(o, []).append((name, op, rtype, ops, rest))
             if m.group(1):
                 root = (name, op, ops)
 
-        def slices(p, op, rtype, ops, rest) -> Optional[int]:
+        def sliced_out(p) -> Optional[int]:
+            """The bytes the uses of `p` slice out of it (None: some use reads it whole)."""
+            u = [slices(p, *use) for use in uses.get(p, [])]
+            return sum(u) if u and all(x is not None for x in u) else None
+
+        def slices(p, name, op, rtype, ops, rest) -> Optional[int]:
             """The bytes one use of parameter `p` slices out of it (None: used whole). A
-            nested fusion that only slices its own parameter (a scanned layer's weights:
-            `dynamic-slice` of the stack inside the dot's operand fusion) slices this one."""
+            bitcast (a view of the same bytes: a cache [B,S,K*D] seen as [B,S,K,D]) slices
+            what its own uses slice. A nested fusion that only slices its own parameter (a
+            scanned layer's weights: `dynamic-slice` of the stack inside the dot's operand
+            fusion) slices this one."""
             if op in _SLICING and ops[0] == p:
                 return sum(_array_bytes(rtype, False))
+            if op == "bitcast" and ops == [p]:
+                return sliced_out(name)
             if op == "fusion" and comps is not None:
                 fm = re.search(r"calls=%?([\w.\-]+)", rest)
                 if fm and fm.group(1) in comps:
@@ -159,10 +169,7 @@ class _Fused:
                         return sum(got)
             return None
 
-        self.sliced: Dict[int, Optional[int]] = {}
-        for i, p in params.items():
-            u = [slices(p, op, rt, ops, rest) for op, rt, ops, rest in uses.get(p, [])]
-            self.sliced[i] = sum(u) if u and all(x is not None for x in u) else None
+        self.sliced = {i: sliced_out(p) for i, p in params.items()}
         self.in_place: Optional[Tuple[int, int]] = None
         if root and root[1] in _IN_PLACE and root[2]:
             target = root[2][0]
