@@ -109,3 +109,40 @@ def test_rollback_is_bookkeeping_only(targets):
 def test_bad_token_ids_rejected(targets):
     with pytest.raises(ValueError, match="token ids"):
         targets["qwen3_tied"].forward(np.array([[1, 200]]))
+
+
+def test_one_row_steps_compiled_for_a_gpu_pad_their_dots_and_keep_the_logits(
+    targets, hf_models64, monkeypatch
+):
+    """Compiled for a GPU, a batch-1 one-token step runs each linear on its row padded to two
+    (`layers.dot_general`: XLA:GPU strength-reduces a small matrix-vector dot into a product it
+    writes to HBM; tests/test_gpu_compile.py has the compiled loop). Traced here under a GPU
+    compile target, run on the CPU: every linear of the step took the padded path, a block's
+    did not, and the logits equal transformers' full forward in float64."""
+    from dflash_jax.models import layers
+    from pallas_kernels import backend
+
+    t, ref = targets["llama3"], hf_models64["llama3"]
+    t = dj.Target(t.config, t.params, attention_impl="xla")  # the kernels need a real GPU
+    ids = np.random.RandomState(3).randint(0, 128, (1, 12))
+    with torch.no_grad():
+        want = ref(torch.tensor(ids)).logits.numpy()[0]
+    padded = []
+    real = layers.pad_row_dot
+    monkeypatch.setattr(layers, "pad_row_dot", lambda *a, **k: padded.append(1) or real(*a, **k))
+
+    @jax.jit  # a fresh function: its traces are this test's own
+    def step(params, ids, cache):
+        hidden, cache, _ = t.module.apply({"params": params}, ids, cache=cache)
+        return t.module.apply({"params": params}, hidden, method="logits"), cache
+
+    cache = KVCache.create(t.config, batch=1, capacity=32)
+    with backend.compiling_for("cuda"):
+        logits, cache = step(t.params, jnp.asarray(ids[:, :8]), cache)  # 8 rows: a matrix
+        assert padded == []
+        got = [np.asarray(logits)[0]]
+        for i in range(8, 12):
+            logits, cache = step(t.params, jnp.asarray(ids[:, i : i + 1]), cache)
+            got.append(np.asarray(logits)[0])
+    assert len(padded) == 7 * t.config.num_layers  # q, k, v, o, gate, up, down: traced once
+    np.testing.assert_allclose(np.concatenate(got), want, atol=1e-4, rtol=0)

@@ -72,6 +72,45 @@ def apply_rope(x_BTnD: jnp.ndarray, positions_BT: jnp.ndarray, inv_freq: jnp.nda
     return out.astype(x_BTnD.dtype)
 
 
+def _compiling_for_gpu() -> bool:
+    """Whether the program being traced is compiled for a GPU (the devices of
+    `pallas_kernels.backend.compiling_for`, else the default backend)."""
+    try:
+        from pallas_kernels import backend  # lazily: the library works without the kernels
+    except ImportError:
+        return jax.default_backend() in ("gpu", "cuda", "rocm")
+    return backend._is_gpu(backend._platform())
+
+
+def dot_general(lhs, rhs, dimension_numbers, precision=None, preferred_element_type=None):
+    """`jax.lax.dot_general` for the decoder's linears (x [..., in] @ kernel [in, out]), with a
+    one-row x padded to two rows (then sliced back) when compiling for a GPU.
+
+    Why: XLA:GPU's algebraic simplifier rewrites a matrix-vector dot whose operands are small
+    (under 1M elements in total: SmolLM2's 576 x 1536 MLP weights are 885K) into a broadcast
+    multiply and a reduction, and fusion then writes the [in, out] product to HBM and reads it
+    back: each weight moved about 4 times a batch-1 decode step (SmolLM2's AR loop at 2.6x its
+    HBM floor on an H200). Two rows make the left operand a matrix, which goes to a GEMM that
+    reads the weight once. Same values: the extra row is zeros and is dropped
+    (tests/test_layers.py against the plain dot; tests/test_gpu_compile.py the compiled loop).
+    """
+    (lc, _), (lb, _) = dimension_numbers
+    kw = dict(precision=precision, preferred_element_type=preferred_element_type)
+    one_row = lhs.ndim >= 1 and not lb and lc == (lhs.ndim - 1,) and lhs.size == lhs.shape[-1]
+    if not (one_row and _compiling_for_gpu()):
+        return jax.lax.dot_general(lhs, rhs, dimension_numbers, **kw)
+    return pad_row_dot(lhs, rhs, dimension_numbers, **kw)
+
+
+def pad_row_dot(lhs, rhs, dimension_numbers, **kw):
+    """lhs [..., in] (one row) @ rhs through a [2, in] left operand whose second row is zero."""
+    row = lhs.reshape(1, lhs.shape[-1])
+    two = jnp.concatenate([row, jnp.zeros_like(row)], axis=0)
+    (_, rc), _ = dimension_numbers
+    out = jax.lax.dot_general(two, rhs, (((1,), rc), ((), ())), **kw)
+    return out[:1].reshape(*lhs.shape[:-1], *out.shape[1:])
+
+
 class Int8Dense(nn.Module):
     """A Dense layer with an int8 kernel [in, out] and a float32 scale per output channel
     (`kernel_scale` [out]): y = (x @ kernel.astype(dtype)) * scale (+ bias), weight-only.
@@ -95,7 +134,7 @@ class Int8Dense(nn.Module):
         scale = self.param("kernel_scale", nn.initializers.ones, (self.features,), jnp.float32)
         # The dot's output in the compute dtype, as nn.Dense's: under tensor parallelism its
         # partial sums are what is all-reduced (a float32 output doubled those bytes on TPU).
-        y = jax.lax.dot_general(
+        y = dot_general(
             x.astype(self.dtype), kernel.astype(self.dtype), (((x.ndim - 1,), (0,)), ((), ()))
         )
         y = y.astype(jnp.float32) * scale
@@ -112,7 +151,12 @@ def linear(cfg: ModelConfig, features: int, name: str, use_bias: bool = False):
     if cfg.quantization == "int8":
         return Int8Dense(features, use_bias, cfg.dtype, cfg.param_dtype, name=name)
     return nn.Dense(
-        features, use_bias=use_bias, dtype=cfg.dtype, param_dtype=cfg.param_dtype, name=name
+        features,
+        use_bias=use_bias,
+        dtype=cfg.dtype,
+        param_dtype=cfg.param_dtype,
+        dot_general=dot_general,
+        name=name,
     )
 
 
