@@ -1,6 +1,8 @@
-"""Recompile the TPU dry runs whose JSONs are in a directory, each with the command it records
-(`"command"`, written by `dflash_jax.support.provenance`), so that the tables are regenerated with
-today's code.
+"""Recompile the TPU or GPU dry runs whose JSONs are in a directory, each with the command and
+the DFLASH_* settings it records (`"command"`, `"env"`, written by `dflash_jax.support.provenance`),
+so that the tables are regenerated with today's code. GPU JSONs need the CUDA build of jax
+(`.venv312/bin/python benchmarks/rerun_dry_runs.py --dir=benchmarks/results/gpu_dry_run` with
+CUDA_VISIBLE_DEVICES=-1).
 
     python benchmarks/rerun_dry_runs.py [--dir=benchmarks/results/tpu_dry_run]
         [--only=decode] [--match=SUBSTRING]
@@ -37,7 +39,8 @@ flags.DEFINE_bool("dry", False, "print the commands, run nothing")
 
 
 def commands(directory: str, only: str, match: str):
-    """(json path, argv) for each JSON to recompile, in file-name order."""
+    """(json path, argv, env) for each JSON to recompile, in file-name order; env: the DFLASH_*
+    settings the JSON records (`"env"`: a Triton variant's DFLASH_PALLAS_GPU_BACKEND)."""
     out = []
     for path in sorted(glob.glob(os.path.join(directory, "*.json"))):
         if match and match not in os.path.basename(path):
@@ -54,7 +57,8 @@ def commands(directory: str, only: str, match: str):
         argv = shlex.split(cmd)
         if argv[:2] != ["python", "-m"] or argv[2] != "dflash_jax.dry_run":
             raise app.UsageError(f"{path}: not a dry-run command: {cmd}")
-        out.append((path, [sys.executable] + argv[1:]))
+        env = {k: v for k, v in r.get("env", {}).items() if k.startswith("DFLASH_")}
+        out.append((path, [sys.executable] + argv[1:], env))
     return out
 
 
@@ -64,11 +68,13 @@ def main(argv):
     todo = commands(FLAGS.dir, FLAGS.only, FLAGS.match)
     if not todo:
         raise app.UsageError(f"no dry-run JSON to recompile in {FLAGS.dir}")
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
-    for i, (path, cmd) in enumerate(todo, 1):
-        print(f"[{i}/{len(todo)}] {shlex.join(cmd[1:])}", flush=True)
+    for i, (path, cmd, settings) in enumerate(todo, 1):
+        shown = "".join(f"{k}={v} " for k, v in settings.items())
+        print(f"[{i}/{len(todo)}] {shown}{shlex.join(cmd[1:])}", flush=True)
         if FLAGS.dry:
             continue
+        env = {k: v for k, v in os.environ.items() if not k.startswith("DFLASH_")}
+        env.update(settings, JAX_PLATFORMS="cpu")
         t0 = time.time()
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
         if r.returncode != 0:
