@@ -19,8 +19,8 @@ Before this, the keys were [context ; block] (a concatenation: a copy of the dra
 context per layer per step) and the visibility a boolean mask over the whole capacity (cuDNN
 adds it as a [B,1,T,S] bias).
 
-cuDNN takes float16/bfloat16 with head_dim % 8 == 0 and head_dim <= 128 (256 from Hopper
-on); other inputs run the XLA reference instead (same semantics, so the choice never changes a
+cuDNN takes float16/bfloat16 with head_dim % 8 == 0 and head_dim <= 128, 256 from Hopper on
+(`max_head_dim`: the GPU compiled for); other inputs run the XLA reference instead (same semantics, so the choice never changes a
 result beyond rounding).
 """
 
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from . import reference
+from . import backend, reference
 from .reference import default_scale
 
 _DTYPES = (jnp.float16, jnp.bfloat16)
@@ -40,10 +40,18 @@ _DTYPES = (jnp.float16, jnp.bfloat16)
 _IMPLEMENTATION = "cudnn"
 
 
+def max_head_dim() -> int:
+    """The widest head cuDNN's fused attention takes on the GPU compiled for
+    (`backend._compile_device_kind`): 256 from Hopper (sm90) on, 128 before."""
+    return 256 if backend.is_sm90_or_later(backend._compile_device_kind()) else 128
+
+
 def supported(q) -> bool:
-    """Whether cuDNN's fused attention takes q's dtype and head_dim (<= 128: any GPU)."""
+    """Whether cuDNN's fused attention takes q's dtype and head_dim (a multiple of 8 up to
+    `max_head_dim`: Qwen3.5's 256-wide gated-attention heads on a Hopper GPU)."""
     d = q.shape[-1]
-    return jnp.dtype(q.dtype) in [jnp.dtype(x) for x in _DTYPES] and d % 8 == 0 and d <= 128
+    dtype_ok = jnp.dtype(q.dtype) in [jnp.dtype(x) for x in _DTYPES]
+    return dtype_ok and d % 8 == 0 and d <= max_head_dim()
 
 
 def _prefix_attention(q, k, v, n, scale):

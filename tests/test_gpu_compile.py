@@ -206,3 +206,32 @@ def test_a_small_targets_one_row_decode_step_reads_each_weight_once(h200, tmp_pa
     finally:
         jax.clear_caches()
     assert ratio > 2 and len(products) >= 30, (ratio, len(products))
+
+
+def test_a_hybrids_256_wide_attention_heads_run_cudnn_with_no_cache_copy(h200, tmp_path):
+    """The Qwen3.5 shapes (tiny_hybrid: Gated DeltaNet layers and gated attention with heads of
+    256, 4 KV heads) compiled for the H200: each attention layer of both decode loops calls
+    cuDNN's fused attention on its 256-wide heads, and no loop body copies a cache. Before,
+    `cudnn_attention.supported` stopped at 128 and these layers ran the XLA reference, which
+    transposed each K/V cache every step (Qwen3.5-9B at 32K: 33 cache-sized copies in the DFlash
+    loop, 8 in AR; the dry run answers jax's compute-capability check for the abstract device:
+    `dry_run.topology._cudnn_checks_the_target`)."""
+    from dflash_jax.decoding.programs import buffer_sizes
+    from dflash_jax.dry_run import hlo
+
+    devices, chip = h200
+    r = dry_run.dry_run_infer(
+        "tiny_hybrid", "tensor=1", batch=1, context=CONTEXT, max_new_tokens=NEW,
+        devices=devices, chip=chip, only=("dflash_decode", "ar_decode"), step_costs=False,
+        hlo_dir=str(tmp_path), topology="h200",
+    )  # fmt: skip
+    assert r["settings"]["compiled_attention"]["pallas"] == "pallas_cudnn"
+    cudnn = re.compile(r'= \(bf16\[1,\d+,\d+,256\].*custom_call_target="__cudnn\$fmha')
+    # One attention layer of the target's four; the drafter's one layer (heads of 256) drafts.
+    for name, calls in (("dflash_decode", 2), ("ar_decode", 1)):
+        text = open(os.path.join(tmp_path, f"{name}.hlo")).read()
+        comps = hlo.computations(text)
+        body = [ln for c in hlo.loop_body_computations(text) for ln in comps[c]]
+        assert sum(bool(cudnn.search(ln)) for ln in body) == calls, (name, _kernels(text))
+        cap = buffer_sizes(CONTEXT, NEW, 16 if name == "dflash_decode" else 1)[2]
+        assert hlo.cache_sized_copies(text, cap, cap * 4 * 256) == [], name

@@ -271,6 +271,31 @@ def test_backend_this_jax_version():
     assert backend.triton_available()
 
 
+def test_cudnn_takes_256_wide_heads_from_hopper_on():
+    """cuDNN's fused attention takes heads of up to 256 from Hopper on, 128 before (jax's own
+    check, `fused_attention_stablehlo.check_is_flash_attention`): `supported` follows the GPU
+    compiled for, so Qwen3.5's 256-wide gated-attention heads run cuDNN on an H100 / H200
+    (test_gpu_compile.py compiles them) and the XLA reference on an A100 or with no GPU named."""
+    import types
+
+    from pallas_kernels import cudnn_attention
+
+    def q(d, dtype=jnp.bfloat16):
+        return jnp.zeros((1, 1, 16, d), dtype)
+
+    gpu = lambda kind: types.SimpleNamespace(platform="gpu", device_kind=kind)
+    for kind, widest in (("NVIDIA H200", 256), ("NVIDIA H100 80GB HBM3", 256),
+                         ("NVIDIA A100-SXM4-80GB", 128)):  # fmt: skip
+        with backend.compiling_for(gpu(kind)):
+            assert cudnn_attention.max_head_dim() == widest, kind
+            assert [cudnn_attention.supported(q(d)) for d in (128, 256)] == [True, widest == 256]
+            assert not cudnn_attention.supported(q(264))  # over any GPU's limit
+            assert not cudnn_attention.supported(q(204))  # not a multiple of 8
+            assert not cudnn_attention.supported(q(128, jnp.float32))  # not a cuDNN dtype
+    if backend._gpu_device_kind() is None:  # no local GPU and none named: the safe 128
+        assert cudnn_attention.max_head_dim() == 128
+
+
 def test_cudnn_variant_masks_and_layout(monkeypatch):
     """cudnn_attention's pieces (the prefix through jax.nn.dot_product_attention's XLA
     implementation of the same seq-length call, the block in XLA), their log-sum-exp merge,

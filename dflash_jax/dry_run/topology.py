@@ -70,6 +70,36 @@ def _cudnn_version():
         return 9, 8, 0
 
 
+def _cudnn_checks_the_target() -> None:
+    """Makes jax's cuDNN attention check its head dim against the GPU compiled for.
+
+    jax asks the local GPU's compute capability (256-wide heads from Hopper on, else 128:
+    `fused_attention_stablehlo.check_compute_capability`); a process without a GPU has none,
+    so an abstract H200 would be refused the 256 a real one takes (Qwen3.5's gated-attention
+    heads). Where this process has no GPU and a `compiling_for` block names GPU devices, the
+    answer is that device kind's compute capability (`GPU_CHIPS`); elsewhere jax's own.
+    Installed once, by `gpu_devices`."""
+    try:
+        from jax._src.cudnn import fused_attention_stablehlo as fas
+    except ImportError:
+        return
+    original = fas.check_compute_capability
+    if getattr(original, "answers_for_the_target", False):
+        return
+    from pallas_kernels import backend
+
+    def check_compute_capability(capability):
+        kind = backend._COMPILE_DEVICE_KIND.get()
+        chips = [c for c in GPU_CHIPS.values() if c["device_kind"] == kind]
+        if not chips or backend._gpu_device_kind() is not None:
+            return original(capability)
+        want = tuple(int(x) for x in capability.split("."))
+        return tuple(chips[0]["compute_capability"]) >= want
+
+    check_compute_capability.answers_for_the_target = True
+    fas.check_compute_capability = check_compute_capability
+
+
 def gpu_devices(chip: str):
     """The abstract device of one NVIDIA GPU of `GPU_CHIPS` (compile-only: the CUDA plugin's
     topology from our target config, `chips.gpu_target_config`; no GPU needed). Needs the CUDA
@@ -92,6 +122,7 @@ def gpu_devices(chip: str):
         raise UsageError(
             f"topology {chip!r} rejected by the CUDA plugin: {str(e).splitlines()[0][:200]}"
         ) from None
+    _cudnn_checks_the_target()
     return list(topo.devices)
 
 
