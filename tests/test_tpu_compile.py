@@ -602,6 +602,32 @@ def test_a_hybrid_moe_targets_experts_split_over_an_expert_axis_leave_no_weight_
     sliced = dry_run.dry_run_infer("qwen3_5_35b_a3b_4l", "tensor=8", only=("dflash_decode",), **kw)
     b = sliced["programs"]["dflash_decode"]["hbm_bytes"]
     assert b["temporaries"] > 0.5 * b["arguments"], b
+    # The dry run says why (64-wide slices: a transposed default layout) and what fits.
+    assert split["notes"] == []
+    (note,) = sliced["notes"]
+    assert "64 wide" in note and "tensor=4,expert=2" in note, note
+
+
+@pytest.mark.slow  # libtpu compiles of five one-op programs
+def test_the_expert_slice_note_follows_tpus_default_layout(v5e):
+    """`sharding.transposed_expert_slices` says a chip's gate/up expert slice [E, H, w] is stored
+    transposed exactly where libtpu's default layout for it puts H minor (the entry layout of a
+    program taking it): w not a multiple of 128. The kernel's row-major read then needs a
+    copy of every expert (the test above, at the 35B-A3B's shapes)."""
+    from jax.sharding import SingleDeviceSharding
+
+    from dflash_jax.parallel import sharding
+
+    devices, _ = v5e
+    for w in (64, 128, 192, 256, 384):
+        x = jax.ShapeDtypeStruct(
+            (4, 2048, w), jnp.bfloat16, sharding=SingleDeviceSharding(devices[0])
+        )
+        text = jax.jit(lambda a: a * 2).lower(x).compile().as_text()
+        layout = re.search(r"entry_computation_layout=\{\(\w+\[[\d,]+\]\{([\d,]+)", text).group(1)
+        transposed = layout != "2,1,0"
+        note = sharding.transposed_expert_slices(w * 4, 128, 4)  # tensor=4: a w-wide slice
+        assert bool(note) == transposed, (w, layout, note)
 
 
 @pytest.mark.slow  # libtpu compiles of a hybrid DFlash loop at Qwen3.5-9B's shapes, twice

@@ -88,6 +88,7 @@ def format_report(r: Dict[str, Any]) -> str:
             + ", ".join(f"{n} {len(c)}" for n, c in scans.items())
             + "".join(f"\n    {c}" for cs in scans.values() for c in cs[:4])
         )
+    lines += [f"  note: {n}" for n in r.get("notes", [])]
     roof = r.get("roofline") or {}
     if roof.get("projection"):
         lines.append("  roofline per step (" + roof["note"] + "):")

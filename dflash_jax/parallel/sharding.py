@@ -150,6 +150,42 @@ def check_expert_axis(expert: int, num_experts: int) -> None:
         )
 
 
+# A TPU vreg's lanes: the minor dimension of an array's default TPU layout is tiled by 128.
+TPU_LANES = 128
+
+
+def transposed_expert_slices(
+    moe_intermediate_size: int, num_experts: int, tensor: int, expert: int = 1
+) -> str:
+    """Why and how to avoid weight-sized temporaries of a MoE target on TPU ("" where none).
+
+    The `tensor` axis splits each expert's intermediate width (gate/up [E, H, I]: I over
+    tensor). Where a chip's slice I / tensor is not a multiple of 128 lanes, TPU's default
+    layout for the slice puts H minor instead (no lane padding), while the routed
+    grouped-matmul kernel reads its weights row-major: every call copies all gate/up experts
+    into the kernel's layout (measured: Qwen3-30B-A3B on v5p-8 at tensor=4, 192-wide slices,
+    12 GiB of temporaries a chip; Qwen3.5-35B-A3B on v5e-8 at tensor=8, 64-wide, 18.5 GiB
+    against 15.75 usable). A smaller tensor axis, the devices given to `expert`, avoids it."""
+    if num_experts <= 0 or tensor <= 1 or moe_intermediate_size % tensor:
+        return ""
+    width = moe_intermediate_size // tensor
+    if width % TPU_LANES == 0:
+        return ""
+    devices = tensor * expert
+    fits = [
+        t for t in range(tensor, 0, -1)
+        if devices % t == 0 and moe_intermediate_size % (t * TPU_LANES) == 0
+        and num_experts % (devices // t) == 0
+    ]  # fmt: skip
+    hint = f"; tensor={fits[0]},expert={devices // fits[0]} keeps it row-major" if fits else ""
+    return (
+        f"each chip's slice of the expert gate/up weights is {width} wide "
+        f"(moe_intermediate_size {moe_intermediate_size} over tensor={tensor}), not a multiple "
+        f"of {TPU_LANES}: TPU lays it out transposed and every call copies all gate/up experts "
+        f"into the grouped-matmul kernel's row-major layout (weight-sized temporaries){hint}"
+    )
+
+
 def mesh_str(mesh) -> str:
     axes = AXES + (EXPERT,)
     return ",".join(f"{a}={mesh.shape[a]}" for a in axes if mesh.shape.get(a, 1) > 1) or "single"
