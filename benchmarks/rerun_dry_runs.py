@@ -8,6 +8,7 @@ CUDA_VISIBLE_DEVICES=-1).
         [--only=decode] [--match=SUBSTRING]
     python benchmarks/tpu_table.py --write      # then the tables
 
+Each JSON is rewritten where it lies (its command's `--json_out` replaced by its own path).
 Runs one compile at a time (each Qwen3-8B decode dry run takes minutes on a CPU), prints each
 command and its time, stops at the first failure, and leaves a JSON untouched unless its run
 succeeds (the dry run writes its --json_out only at the end). The `.txt` beside a JSON gets the
@@ -57,6 +58,10 @@ def commands(directory: str, only: str, match: str):
         argv = shlex.split(cmd)
         if argv[:2] != ["python", "-m"] or argv[2] != "dflash_jax.dry_run":
             raise app.UsageError(f"{path}: not a dry-run command: {cmd}")
+        # The JSON is rewritten where it lies (a run may have written it elsewhere first).
+        out_arg = "--json_out=" + os.path.relpath(path, ROOT)
+        argv = [out_arg if a.startswith("--json_out=") else a for a in argv]
+        argv += [] if out_arg in argv else [out_arg]
         env = {k: v for k, v in r.get("env", {}).items() if k.startswith("DFLASH_")}
         out.append((path, [sys.executable] + argv[1:], env))
     return out
