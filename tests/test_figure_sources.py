@@ -9,6 +9,8 @@ import os
 import re
 import subprocess
 
+import pytest
+
 from dflash_jax.support import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -149,4 +151,7 @@ def test_ddpm_tpu_page_is_the_scripts():
     st = ddpm_tpu.steps()
     assert sorted(st) == [1, 2, 4]
     # More passes cost more: each extra drafter pass reads the drafter and the LM head again.
-    assert st[1][0] < st[2][0] < st[4][0] and len({a for _, a, _, _ in st.values()}) == 1
+    # The AR step is one program whichever K (its JSONs compiled at different commits agree to
+    # rounding: 3.6855948 / 3.6855952 ms).
+    ar = [a for _, a, _, _ in st.values()]
+    assert st[1][0] < st[2][0] < st[4][0] and max(ar) == pytest.approx(min(ar), rel=1e-6)
