@@ -1,5 +1,6 @@
 """A pytest plugin: per test file, jax's own compile-time events (trace, lowering to MLIR,
-XLA backend compile: seconds and counts) beside the file's wall seconds, as JSON.
+XLA backend compile: seconds and counts) beside the file's wall seconds, as JSON; the same per
+test under "tests" (which tests run longer than they compile: the `full_optimization` marker).
 
     PYTHONPATH=tests python -m pytest -p _compile_report tests/test_tree.py     # -> compile_report.<worker>.json
 
@@ -15,13 +16,15 @@ import time
 import pytest
 
 _seconds = collections.defaultdict(collections.Counter)
-_current = ["?"]
+_per_test = collections.defaultdict(collections.Counter)
+_current = ["?", "?"]
 
 
 def _on_event(event, secs, **_):
     name = event.rsplit("/", 1)[-1]
-    _seconds[_current[0]][name] += secs
-    _seconds[_current[0]][name + "_count"] += 1
+    for table, key in ((_seconds, _current[0]), (_per_test, _current[1])):
+        table[key][name] += secs
+        table[key][name + "_count"] += 1
 
 
 def pytest_configure(config):
@@ -32,14 +35,17 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _current[0] = os.path.basename(str(item.path))
+    _current[:] = os.path.basename(str(item.path)), item.nodeid
     start = time.time()
     yield
     _seconds[_current[0]]["wall"] += time.time() - start
+    _per_test[_current[1]]["wall"] += time.time() - start
 
 
 def pytest_sessionfinish(session):
     prefix = os.environ.get("COMPILE_REPORT", "compile_report")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(f"{prefix}.{worker}.json", "w") as f:
-        json.dump({k: dict(v) for k, v in _seconds.items()}, f, indent=1, sort_keys=True)
+        report = {k: dict(v) for k, v in _seconds.items()}
+        report["tests"] = {k: dict(v) for k, v in _per_test.items()}
+        json.dump(report, f, indent=1, sort_keys=True)
