@@ -243,11 +243,8 @@ PRODUCTION_COMPILE_FILES = ("test_tpu_compile.py", "test_gpu_compile.py", "test_
 @pytest.fixture(autouse=True)
 def _production_compiles(request):
     """Full compiler optimization for the tests of PRODUCTION_COMPILE_FILES (see the cheap
-    compiles above) and those marked `full_optimization`: the 30-layer SmolLM2 decodes, whose
-    programs run longer than they compile (at -O0 the shipped-drafter test took 90 s, 72 s
-    optimized: tests/README.md)."""
-    production = os.path.basename(str(request.path)) in PRODUCTION_COMPILE_FILES
-    if not production and request.node.get_closest_marker("full_optimization") is None:
+    compiles above)."""
+    if os.path.basename(str(request.path)) not in PRODUCTION_COMPILE_FILES:
         yield
         return
     import jax

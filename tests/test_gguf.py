@@ -305,7 +305,6 @@ SHIPPED = os.path.join(os.path.dirname(os.path.dirname(__file__)), gguf_io.DEFAU
 
 @needs_smollm2
 @pytest.mark.once
-@pytest.mark.full_optimization
 def test_shipped_drafter_equals_ar_and_is_accepted(smollm2):
     """The drafters trained here for SmolLM2 (assets/smollm2-135m-instruct/drafter, DFlash,
     stage 6: 5 taps, an 8,192-token draft vocabulary, top-k KL on the tap store; drafter_dflash2,
