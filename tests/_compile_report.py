@@ -16,16 +16,14 @@ import time
 
 import pytest
 
-_seconds = collections.defaultdict(collections.Counter)
-_per_test = collections.defaultdict(collections.Counter)
-_current = ["?", "?"]
+_per_test = collections.defaultdict(collections.Counter)  # node id -> seconds and counts
+_current = ["?"]
 
 
 def _on_event(event, secs, **_):
     name = event.rsplit("/", 1)[-1]
-    for table, key in ((_seconds, _current[0]), (_per_test, _current[1])):
-        table[key][name] += secs
-        table[key][name + "_count"] += 1
+    _per_test[_current[0]][name] += secs
+    _per_test[_current[0]][name + "_count"] += 1
 
 
 def pytest_configure(config):
@@ -36,18 +34,20 @@ def pytest_configure(config):
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    _current[:] = os.path.basename(str(item.path)), item.nodeid
+    _current[0] = item.nodeid
     start = time.time()
     yield
-    _seconds[_current[0]]["wall"] += time.time() - start
-    _per_test[_current[1]]["wall"] += time.time() - start
+    _per_test[_current[0]]["wall"] += time.time() - start
 
 
 def pytest_sessionfinish(session):
     prefix = os.environ.get("COMPILE_REPORT", "compile_report")
     worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
     with open(f"{prefix}.{worker}.json", "w") as f:
-        report = {k: dict(v) for k, v in _seconds.items()}
+        files = collections.defaultdict(collections.Counter)
+        for node, seconds in _per_test.items():
+            files[os.path.basename(node.split("::")[0])].update(seconds)
+        report = {k: dict(v) for k, v in files.items()}
         report["tests"] = {k: dict(v) for k, v in _per_test.items()}
         json.dump(report, f, indent=1, sort_keys=True)
 
@@ -64,8 +64,11 @@ def main(argv):
     for path in sorted(glob.glob(f"{prefix}.*.json")):
         with open(path) as f:
             tests.update(json.load(f).get("tests", {}))
-    compile_keys = ("backend_compile_duration", "jaxpr_trace_duration")
-    compile_keys += ("jaxpr_to_mlir_module_duration",)
+    compile_keys = (
+        "backend_compile_duration",
+        "jaxpr_trace_duration",
+        "jaxpr_to_mlir_module_duration",
+    )
     rows = []
     for name, t in tests.items():
         compiling = sum(t.get(k, 0.0) for k in compile_keys)
