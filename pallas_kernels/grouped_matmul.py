@@ -28,6 +28,14 @@ group sizes (the tail's groups empty). What other backends use for few rows wher
 XLA materializes the gathered [A, K, N] weights (read, written, read again by the gemm), so
 `moe.gmm_method` takes it only when 3 x M < E.
 
+Both also take the weights transposed, [E, N, K] (`transposed=True`: each expert's matrix in
+the checkpoints' [out, in] orientation, contracted on its minor dimension), so that a chip's
+slice of an expert's width keeps the hidden size minor: libtpu's default layout for an array
+whose minor dimension is not a multiple of 128 lanes (a gate/up slice [E, K, 64] or [E, K,
+192]) stores it transposed, which the row-major read above then copies back, every expert, at
+every call (`docs/performance.md`). Transposed, the weight block is [tile_n, K] at (expert, j,
+0) and each chunk is one [tm, K] x [tile_n, K]^T product; `ragged_dot_t` is ragged_dot's form.
+
 `dflash_jax/models/moe.py` decides per program shape which one runs (`gmm_method`).
 """
 
@@ -123,6 +131,10 @@ def weight_block(j, s, offsets_ref, ids_ref, count_ref):
     return ids_ref[s], 0, j
 
 
+def weight_block_t(j, s, offsets_ref, ids_ref, count_ref):  # weights [E, N, K]
+    return ids_ref[s], j, 0
+
+
 def out_block(j, s, offsets_ref, ids_ref, count_ref):
     return 0, j
 
@@ -138,15 +150,19 @@ def stacked_weight_block(j, s, offsets_ref, ids_ref, count_ref, layer_ref):
     return layer_ref[0], ids_ref[s], 0, j
 
 
+def stacked_weight_block_t(j, s, offsets_ref, ids_ref, count_ref, layer_ref):
+    return layer_ref[0], ids_ref[s], j, 0
+
+
 def stacked_out_block(j, s, offsets_ref, ids_ref, count_ref, layer_ref):
     return 0, j
 
 
-def _stacked_kernel(offsets_ref, ids_ref, count_ref, layer_ref, *refs, tm, prec):
-    _kernel(offsets_ref, ids_ref, count_ref, *refs, tm=tm, prec=prec)
+def _stacked_kernel(offsets_ref, ids_ref, count_ref, layer_ref, *refs, tm, prec, transposed):
+    _kernel(offsets_ref, ids_ref, count_ref, *refs, tm=tm, prec=prec, transposed=transposed)
 
 
-def _kernel(offsets_ref, ids_ref, count_ref, rows_ref, w_ref, out_ref, *, tm, prec):
+def _kernel(offsets_ref, ids_ref, count_ref, rows_ref, w_ref, out_ref, *, tm, prec, transposed):
     s = pl.program_id(1)
 
     @pl.when(s == 0)
@@ -164,10 +180,17 @@ def _kernel(offsets_ref, ids_ref, count_ref, rows_ref, w_ref, out_ref, *, tm, pr
         if w.dtype != rows_ref.dtype:
             w = w.astype(rows_ref.dtype)
 
+        # [tm, K] x [K, tile_n], or x [tile_n, K] contracted on K (minor) when transposed.
+        dims = (((1,), (1 if transposed else 0,)), ((), ()))
+
         def chunk(c, carry):
             r0 = pl.multiple_of(a0 + c * tm, tm)
-            y = jnp.dot(
-                rows_ref[pl.ds(r0, tm), :], w, preferred_element_type=jnp.float32, precision=prec
+            y = jax.lax.dot_general(
+                rows_ref[pl.ds(r0, tm), :],
+                w,
+                dims,
+                preferred_element_type=jnp.float32,
+                precision=prec,
             )
             r = r0 + jax.lax.broadcasted_iota(jnp.int32, y.shape, 0)
             keep = (r >= start) & (r < end)
@@ -178,11 +201,14 @@ def _kernel(offsets_ref, ids_ref, count_ref, rows_ref, w_ref, out_ref, *, tm, pr
         jax.lax.fori_loop(0, jax.lax.div(end - a0 + tm - 1, tm), chunk, 0)
 
 
-@functools.partial(jax.jit, static_argnames=("interpret", "tile_n"))
-def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None, layer=None):
+@functools.partial(jax.jit, static_argnames=("interpret", "tile_n", "transposed"))
+def routed_gmm(
+    rows, weights, group_sizes, *, interpret=False, tile_n=None, layer=None, transposed=False
+):
     """ragged_dot(rows [M, K], weights [E, K, N], group_sizes [E]) -> [M, N] in rows.dtype,
-    reading only the weights of the groups with rows (module docstring). With `layer` (an int,
-    traced or not) `weights` is a scanned layer stack [L, E, K, N] and layer `layer`'s experts
+    reading only the weights of the groups with rows (module docstring). `transposed`: the
+    weights are [E, N, K] (`ragged_dot_t`). With `layer` (an int, traced or not) `weights` is
+    a scanned layer stack [L, E, K, N] ([L, E, N, K] transposed) and layer `layer`'s experts
     are read where they lie (`dflash_jax/models/layer_stack.py`). On CPU: interpret=True
     runs the TPU kernel in the TPU interpret mode (`pltpu.InterpretParams()`: TPU memory
     semantics, one device), interpret="plain" in Pallas' generic interpreter, which also runs
@@ -190,6 +216,8 @@ def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None, laye
     waited forever: an 8-device expert-parallel decode, jax 0.10.2)."""
     m, k = rows.shape
     e, kw, n = weights.shape[-3:]
+    if transposed:
+        e, n, kw = weights.shape[-3:]
     if weights.ndim != (3 if layer is None else 4) or kw != k or group_sizes.shape != (e,):
         raise ValueError(
             f"routed_gmm: rows {rows.shape}, weights {weights.shape}, group_sizes "
@@ -210,15 +238,19 @@ def routed_gmm(rows, weights, group_sizes, *, interpret=False, tile_n=None, laye
     params = dict(dimension_semantics=("parallel", "arbitrary"))
     if need > VMEM_BUDGET:
         params["vmem_limit_bytes"] = need + 4 * 2**20
-    kernel, maps, scalars = _kernel, (rows_block, weight_block, out_block), ()
-    w_block, name = (None, k, tn), "dflash_routed_gmm"
+    tile = (tn, k) if transposed else (k, tn)
+    wmap = weight_block_t if transposed else weight_block
+    kernel, maps, scalars = _kernel, (rows_block, wmap, out_block), ()
+    w_block, name = (None, *tile), "dflash_routed_gmm"
     if layer is not None:
         kernel = _stacked_kernel
-        maps = (stacked_rows_block, stacked_weight_block, stacked_out_block)
+        wmap = stacked_weight_block_t if transposed else stacked_weight_block
+        maps = (stacked_rows_block, wmap, stacked_out_block)
         scalars = (jnp.asarray(layer, jnp.int32).reshape(1),)
-        w_block, name = (None, None, k, tn), "dflash_routed_gmm_stacked"
+        w_block, name = (None, None, *tile), "dflash_routed_gmm_stacked"
+    prec = C.dot_precision(rows.dtype)
     out = pl.pallas_call(
-        functools.partial(kernel, tm=tm, prec=C.dot_precision(rows.dtype)),
+        functools.partial(kernel, tm=tm, prec=prec, transposed=transposed),
         out_shape=jax.ShapeDtypeStruct((mp, n), rows.dtype),
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=3 + len(scalars),
@@ -255,18 +287,32 @@ def _in_hbm(weights, interpret):
     return weights if interpret else pltpu.with_memory_space_constraint(weights, pltpu.HBM)
 
 
-@jax.jit
-def gather_gmm(rows, weights, group_sizes):
+def ragged_dot_t(rows, weights, group_sizes):
+    """ragged_dot with the weights transposed: rows [M, K] times weights [E, N, K] contracted on
+    K (their minor dimension), group e's rows by expert e -> [M, N] (`jax.lax.ragged_dot_general`:
+    no transposed copy of the weights)."""
+    dims = jax.lax.RaggedDotDimensionNumbers(
+        dot_dimension_numbers=(([1], [2]), ([], [])),
+        lhs_ragged_dimensions=[0],
+        rhs_group_dimensions=[0],
+    )
+    return jax.lax.ragged_dot_general(rows, weights, group_sizes, dims)
+
+
+@functools.partial(jax.jit, static_argnames=("transposed",))
+def gather_gmm(rows, weights, group_sizes, transposed=False):
     """ragged_dot(rows [M, K], weights [E, K, N], group_sizes [E]) -> [M, N] in rows.dtype, over
     the weights of at most min(E, M) experts: those with rows, gathered (`weights[active]`),
     then one ragged_dot with the compacted group sizes. The backend-independent form of
-    `routed_gmm`."""
+    `routed_gmm`. `transposed`: the weights are [E, N, K] (`ragged_dot_t`)."""
     m, k = rows.shape
     e, _, n = weights.shape
+    if transposed:
+        e, n, _ = weights.shape
     if m == 0 or n == 0 or e == 0:
         return jnp.zeros((m, n), rows.dtype)
     sizes = jnp.maximum(group_sizes.astype(jnp.int32), 0)
     ids, count = active_experts(sizes, num_slots(e, m))
     compact = jnp.where(jnp.arange(ids.shape[0]) < count, sizes[ids], 0)
     w = jnp.take(weights, ids, axis=0).astype(rows.dtype)
-    return jax.lax.ragged_dot(rows, w, compact)
+    return (ragged_dot_t if transposed else jax.lax.ragged_dot)(rows, w, compact)

@@ -55,22 +55,29 @@ PATTERNS = {
 TOL = {jnp.float32: dict(rtol=1e-5, atol=1e-4), jnp.bfloat16: dict(rtol=2e-2, atol=5e-2)}
 
 
+@pytest.mark.parametrize("layout", ["EKN", "ENK"])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["float32", "bfloat16"])
 @pytest.mark.parametrize("fn", ["routed", "routed_plain", "gather"])
-def test_grouped_matmul_equals_ragged_dot(fn, dtype):
+def test_grouped_matmul_equals_ragged_dot(fn, dtype, layout):
     """routed: the TPU interpret mode; routed_plain: Pallas' generic interpreter (what the
-    decode loop's interpret path runs, under shard_map too)."""
+    decode loop's interpret path runs, under shard_map too). ENK: the weights given transposed,
+    [E, N, K] (`transposed=True`), against the statement on their transpose."""
     rs = np.random.RandomState(0)
+    t = layout == "ENK"
     run = {
-        "routed": lambda x, w, s: gm.routed_gmm(x, w, s, interpret=True, tile_n=TILE_N),
-        "routed_plain": lambda x, w, s: gm.routed_gmm(x, w, s, interpret="plain", tile_n=TILE_N),
-        "gather": gm.gather_gmm,
+        "routed": lambda x, w, s: gm.routed_gmm(
+            x, w, s, interpret=True, tile_n=TILE_N, transposed=t
+        ),
+        "routed_plain": lambda x, w, s: gm.routed_gmm(
+            x, w, s, interpret="plain", tile_n=TILE_N, transposed=t
+        ),
+        "gather": lambda x, w, s: gm.gather_gmm(x, w, s, transposed=t),
     }[fn]
     for name, (e, sizes) in PATTERNS.items():
         x = jnp.asarray(rs.randn(M, K), dtype)
         w = jnp.asarray(rs.randn(e, K, N), dtype)
         gs = jnp.asarray(sizes, jnp.int32)
-        got = run(x, w, gs)
+        got = run(x, jnp.swapaxes(w, 1, 2) if t else w, gs)
         assert got.shape == (M, N) and got.dtype == dtype, name
         got = np.asarray(got.astype(jnp.float32))
         want = _reference(x.astype(jnp.float32), w.astype(jnp.float32), sizes)
@@ -82,22 +89,27 @@ def test_grouped_matmul_equals_ragged_dot(fn, dtype):
             assert np.abs(got[: sum(sizes)]).max() > 1.0, name
 
 
+@pytest.mark.parametrize("layout", ["EKN", "ENK"])
 @pytest.mark.parametrize("interpret", [True, "plain"], ids=["routed", "routed_plain"])
-def test_the_routed_kernel_reads_a_layer_of_a_stack(interpret):
-    """`routed_gmm(..., layer=i)` over a scanned layer stack [L, E, K, N] (the layer index a
-    scalar prefetch, traced) equals the NumPy statement on layer i's experts, and no other
-    layer's weights reach the output."""
+def test_the_routed_kernel_reads_a_layer_of_a_stack(interpret, layout):
+    """`routed_gmm(..., layer=i)` over a scanned layer stack [L, E, K, N] (or [L, E, N, K],
+    transposed; the layer index a scalar prefetch, traced) equals the NumPy statement on layer
+    i's experts, and no other layer's weights reach the output."""
     rs = np.random.RandomState(1)
+    t = layout == "ENK"
     for name in ("every_expert", "ragged_with_zeros", "more_experts_than_rows"):
         e, sizes = PATTERNS[name]
         x = jnp.asarray(rs.randn(M, K), jnp.float32)
         stack = jnp.asarray(rs.randn(3, e, K, N), jnp.float32)
         gs = jnp.asarray(sizes, jnp.int32)
         run = jax.jit(
-            lambda x, w, s, i: gm.routed_gmm(x, w, s, interpret=interpret, tile_n=TILE_N, layer=i)
+            lambda x, w, s, i: gm.routed_gmm(
+                x, w, s, interpret=interpret, tile_n=TILE_N, layer=i, transposed=t
+            )
         )
+        given = jnp.swapaxes(stack, 2, 3) if t else stack
         for i in (0, 2):
-            got = np.asarray(run(x, stack, gs, jnp.int32(i)))
+            got = np.asarray(run(x, given, gs, jnp.int32(i)))
             want = _reference(x, stack[i], sizes)
             np.testing.assert_allclose(got, want, **TOL[jnp.float32], err_msg=(name, i))
             assert np.abs(got[: sum(sizes)]).max() > 1.0, name
@@ -363,6 +375,56 @@ def test_routed_kernel_compiles_for_tpu_and_reads_min_e_m_experts():
             assert min(e, m) * expert <= routed < (min(e, m) + 1) * expert, (m, routed)
             _, ragged = bytes_of(lambda x, w, s: jax.lax.ragged_dot(x, w, s), m)
             assert ragged >= e * expert, (m, ragged)
+    finally:
+        jax.config.update("jax_disable_most_optimizations", before)
+
+
+@pytest.mark.slow  # three TPU compiles of the kernel
+def test_transposed_expert_slices_reach_the_tpu_kernel_without_a_copy():
+    """A chip's slice of 64 experts' gate projection at Qwen3.5-35B-A3B's shapes under tensor=8
+    (hidden 2048, a 64-wide slice of the 512 width, bfloat16), compiled for v5e with the full
+    optimizations users get. Given [E, H, 64] (the control) libtpu stores it transposed and the
+    program copies every expert into the kernel's row-major read: a weight-sized copy,
+    temporaries twice the weights. Given [E, 64, H] (`transposed=True`, H minor) the kernel
+    reads it where it lies: no copy, temporaries under 1 MB, XLA's bytes those of min(E, M)
+    experts; a scanned stack [L, E, 64, H] read at a traced layer too."""
+    import re
+
+    from dflash_jax import dry_run
+    from pallas_kernels import backend
+
+    if dry_run.libtpu_missing():
+        pytest.skip('needs libtpu: pip install "jax[tpu]"')
+    devices, _ = dry_run.topology_devices("v5e:2x4")
+    mesh = jax.sharding.Mesh(np.array(devices[:1]), ("x",))
+    one = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    e, h, w, m, bf = 64, 2048, 64, 8, jnp.bfloat16
+    expert = h * w * 2
+
+    def compiled(shape, **kw):
+        args = [jax.ShapeDtypeStruct(s, d, sharding=one) for s, d in
+                (((m, h), bf), (shape, bf), ((e,), jnp.int32))]  # fmt: skip
+        fn = lambda x, wt, s: gm.routed_gmm(x, wt, s, **kw)  # noqa: E731
+        if "layer" in kw:
+            args.append(jax.ShapeDtypeStruct((), jnp.int32, sharding=one))
+            fn = lambda x, wt, s, i: gm.routed_gmm(x, wt, s, transposed=True, layer=i)  # noqa: E731
+        with backend.compiling_for(mesh):
+            c = jax.jit(fn).lower(*args).compile()
+        cost = c.cost_analysis()
+        cost = cost[0] if isinstance(cost, list) else cost
+        dims = ",".join(map(str, shape))
+        weight_copies = re.findall(rf"= bf16\[{dims}\]\S* copy\(", c.as_text())
+        return weight_copies, c.memory_analysis().temp_size_in_bytes, cost["bytes accessed"]
+
+    before = jax.config.values["jax_disable_most_optimizations"]
+    jax.config.update("jax_disable_most_optimizations", False)  # as users compile (conftest)
+    try:
+        copies, temps, read = compiled((e, h, w))
+        assert copies and temps >= e * expert, (copies, temps)  # the control
+        for shape, kw in (((e, w, h), {}), ((3, e, w, h), {"layer": None})):
+            copies, temps, read = compiled(shape, transposed=True, **kw)
+            assert copies == [] and temps < 2**20, (shape, copies, temps)
+            assert m * expert <= read < (m + 2) * expert, (shape, read / expert)
     finally:
         jax.config.update("jax_disable_most_optimizations", before)
 
