@@ -59,10 +59,13 @@ def moe_from_dense(target, num_experts=4, top_k=2, noise=0.2, mlp_only_layers=(2
         if cfg.layer_is_moe(i):
             mlp = target.params[f"layers_{i}"]["mlp"]
             router = rs.randn(cfg.hidden_size, num_experts).astype(np.float32)
+            # Every expert kernel [E, I, H] (`moe.SparseMoE`): gate / up as [out, in].
             experts = {
                 k: {"kernel": stack(mlp[k]["kernel"])}
                 for k in ("gate_proj", "up_proj", "down_proj")
             }
+            for k in ("gate_proj", "up_proj"):
+                experts[k]["kernel"] = jnp.swapaxes(experts[k]["kernel"], 1, 2)
             params[f"layers_{i}"] = {
                 **params[f"layers_{i}"],
                 "mlp": {"gate": {"kernel": jnp.asarray(router)}, "experts": experts},

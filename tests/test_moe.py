@@ -94,7 +94,7 @@ def test_logits_and_taps_match_transformers(kind, moe_models):
     for i in range(4):  # the dense layers hold a plain MLP, the others stacked experts
         mlp = target.params[f"layers_{i}"]["mlp"]
         if i in moe_layers:
-            assert mlp["experts"]["gate_proj"]["kernel"].shape == (8, 32, 16)
+            assert mlp["experts"]["gate_proj"]["kernel"].shape == (8, 16, 32)  # [E, I, H]
             assert mlp["experts"]["down_proj"]["kernel"].shape == (8, 16, 32)
             assert mlp["gate"]["kernel"].shape == (32, 8)
         else:

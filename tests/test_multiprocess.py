@@ -288,7 +288,7 @@ def test_two_process_training_equals_one_process_and_resumes(training):
     # Both layouts: the MoE target's 4 experts 2 per device, E over `expert` (H over `fsdp`).
     moe = (
         "MoE target: 4 experts (top 2) in 2 layers, 2 per device; "
-        "gate_proj [E over expert, H over fsdp, I replicated]"
+        "gate_proj [E over expert, I replicated, H over fsdp]"
     )
     assert "mesh data=2,fsdp=2,expert=2]" in runs["reference"][1]
     assert moe in runs["reference"][1], runs["reference"][1][-3000:]

@@ -140,7 +140,7 @@ def test_expert_parallel_generate_equals_single_device(findings):
             assert specs["down_proj"] == "P('expert',)", specs
         else:  # experts over expert, each expert's width over tensor
             assert specs["down_proj"] == "P('expert', 'tensor')", specs
-            assert specs["gate_proj"] == "P('expert', None, 'tensor')", specs
+            assert specs["gate_proj"] == "P('expert', 'tensor')", specs  # [E, I, H]
             assert specs["dense_mlp"] == "P('tensor',)", specs
     _assert_replicated_trees(m["replicated_trees"], ("1", "2"))
 

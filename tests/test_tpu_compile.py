@@ -579,55 +579,50 @@ def test_hybrid_decode_loops_compile_without_a_state_per_position(tmp_path):
     assert r["sizes"]["ar_floor_bytes"] > 2 * recurrent
 
 
-@pytest.mark.slow  # libtpu compiles of three decode loops at Qwen3.5-35B-A3B's layer shapes
-def test_a_hybrid_moe_targets_experts_split_over_an_expert_axis_leave_no_weight_sized_temps(v5e):
+@pytest.mark.slow  # libtpu compiles of four decode loops at Qwen3.5-35B-A3B's layer shapes
+def test_a_hybrid_moe_targets_decode_loops_hold_no_weight_sized_temps(v5e):
     """Qwen3.5-35B-A3B's layers (preset qwen3_5_35b_a3b_4l: 256 experts of 512, top 8, a shared
-    expert; 4 of its 40 layers) on v5e-8. With the experts split over an expert axis
-    (tensor=2,expert=4: 64 experts per chip, each halved over tensor) both decode loops fit with temporaries a few
-    percent of the weights, the layout that fits the whole model at its full context
-    (docs/performance.md). The control: tensor=8 (a 64-wide slice of every expert) holds
-    temporaries the size of the per-chip weights, what kept the 40-layer model's loops off v5e-8
-    (19 GiB against 15.75); the check sees them."""
+    expert; 4 of its 40 layers) on v5e-8, both decode loops, with the experts split over an
+    expert axis (tensor=2,expert=4: 64 experts a chip, each halved over tensor) and over tensor
+    alone (tensor=8: a 64-wide slice of every expert). Both fit with temporaries a few percent
+    of the weights: the experts are stored [E, I, H], so a chip's slice keeps H minor and the
+    kernels read it where it lies. Stored [E, H, I] (before), the tensor=8 slices were laid out
+    transposed and copied every call: weight-sized temporaries, 19 GiB a chip for the 40-layer
+    model against 15.75 usable (the kernel-level control:
+    tests/test_grouped_matmul.py::test_transposed_expert_slices_reach_the_tpu_kernel_without_a_copy)."""
     devices, chip = v5e
     kw = dict(context=4096, max_new_tokens=256, devices=devices, chip=chip, step_costs=False)
-    split = dry_run.dry_run_infer(
-        "qwen3_5_35b_a3b_4l", "tensor=2,expert=4", only=("dflash_decode", "ar_decode"), **kw
-    )
-    assert set(split["mesh"].split(",")) == {"tensor=2", "expert=4"}, split["mesh"]
-    for name in ("dflash_decode", "ar_decode"):
-        p = split["programs"][name]
-        b = p["hbm_bytes"]
-        assert p["fits"], name
-        assert b["temporaries"] < 0.05 * b["arguments"], (name, b)
-    sliced = dry_run.dry_run_infer("qwen3_5_35b_a3b_4l", "tensor=8", only=("dflash_decode",), **kw)
-    b = sliced["programs"]["dflash_decode"]["hbm_bytes"]
-    assert b["temporaries"] > 0.5 * b["arguments"], b
-    # The dry run says why (64-wide slices: a transposed default layout) and what fits.
-    assert split["notes"] == []
-    (note,) = sliced["notes"]
-    assert "64 wide" in note and "tensor=4,expert=2" in note, note
+    for mesh in ("tensor=2,expert=4", "tensor=8"):
+        r = dry_run.dry_run_infer(
+            "qwen3_5_35b_a3b_4l", mesh, only=("dflash_decode", "ar_decode"), **kw
+        )
+        assert set(r["mesh"].split(",")) == set(mesh.split(",")), r["mesh"]
+        assert r["notes"] == []
+        for name in ("dflash_decode", "ar_decode"):
+            p = r["programs"][name]
+            b = p["hbm_bytes"]
+            assert p["fits"], (mesh, name)
+            assert b["temporaries"] < 0.05 * b["arguments"], (mesh, name, b)
 
 
-@pytest.mark.slow  # libtpu compiles of five one-op programs
-def test_the_expert_slice_note_follows_tpus_default_layout(v5e):
-    """`sharding.transposed_expert_slices` says a chip's gate/up expert slice [E, H, w] is stored
-    transposed exactly where libtpu's default layout for it puts H minor (the entry layout of a
-    program taking it): w not a multiple of 128. The kernel's row-major read then needs a
-    copy of every expert (the test above, at the 35B-A3B's shapes)."""
+@pytest.mark.slow  # libtpu compiles of ten one-op programs
+def test_expert_slices_keep_tpus_row_major_default_layout(v5e):
+    """A chip's slice of the stacked expert weights as stored, [E, w, H] (w = the expert width
+    over tensor), gets libtpu's row-major default layout at every width, so the kernels read
+    it in place. The control, the former [E, H, w]: laid out transposed (H minor) exactly where
+    w is not a multiple of 128 lanes (what made the copies)."""
     from jax.sharding import SingleDeviceSharding
 
-    from dflash_jax.parallel import sharding
-
     devices, _ = v5e
-    for w in (64, 128, 192, 256, 384):
-        x = jax.ShapeDtypeStruct(
-            (4, 2048, w), jnp.bfloat16, sharding=SingleDeviceSharding(devices[0])
-        )
+
+    def entry_layout(shape):
+        x = jax.ShapeDtypeStruct(shape, jnp.bfloat16, sharding=SingleDeviceSharding(devices[0]))
         text = jax.jit(lambda a: a * 2).lower(x).compile().as_text()
-        layout = re.search(r"entry_computation_layout=\{\(\w+\[[\d,]+\]\{([\d,]+)", text).group(1)
-        transposed = layout != "2,1,0"
-        note = sharding.transposed_expert_slices(w * 4, 128, 4)  # tensor=4: a w-wide slice
-        assert bool(note) == transposed, (w, layout, note)
+        return re.search(r"entry_computation_layout=\{\(\w+\[[\d,]+\]\{([\d,]+)", text).group(1)
+
+    for w in (64, 128, 192, 256, 384):
+        assert entry_layout((4, w, 2048)) == "2,1,0", w
+        assert (entry_layout((4, 2048, w)) != "2,1,0") == (w % 128 != 0), w
 
 
 @pytest.mark.slow  # libtpu compiles of a hybrid DFlash loop at Qwen3.5-9B's shapes, twice

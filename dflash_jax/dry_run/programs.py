@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, Optional, Sequence, Union
 
 from dflash_jax.dry_run import hbm
 from dflash_jax.dry_run import hlo as hlo_scan
@@ -248,21 +248,10 @@ def dry_run_infer(
         "backend": jax.default_backend(),
     }
     result["roofline"] = roofline(steps, chip, sizes, attention, taus) if steps else {}
-    return dict(result, notes=_layout_notes(tcfg, m))
-
-
-def _layout_notes(tcfg, mesh) -> List[str]:
-    """What the layout costs that the figures alone do not say (the dry run prints them): on
-    TPU, expert slices stored transposed (`sharding.transposed_expert_slices`)."""
-    from dflash_jax.parallel import sharding
-
-    if mesh.devices.flat[0].platform != "tpu":
-        return []
-    note = sharding.transposed_expert_slices(
-        tcfg.moe_intermediate_size, tcfg.num_experts, mesh.shape["tensor"],
-        mesh.shape.get(sharding.EXPERT, 1),
-    )  # fmt: skip
-    return [note] if note else []
+    # `notes`: what the layout costs that the figures alone do not say (the dry run prints
+    # them); none today: the MoE experts' [E, I, H] layout retired the one about transposed
+    # expert slices.
+    return dict(result, notes=[])
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,8 +11,9 @@ The layout change is written once, as a rule on parameter paths:
   lm_head/kernel                   [H, V]     lm_head.weight             [V, H]  T
 
   layers_i/mlp/gate/kernel        [H, E]      model.layers.i.mlp.gate.weight [E, H]  T (router)
-  layers_i/mlp/experts/P/kernel [E, in, out]  model.layers.i.mlp.experts.e.P.weight [out, in]
-                                              for e < E, P in gate/up/down_proj   T, stacked
+  layers_i/mlp/experts/P/kernel  [E, I, H]   model.layers.i.mlp.experts.e.P.weight [out, in]
+                                              for e < E, P in gate/up/down_proj   stacked;
+                                              gate/up as stored, down T
 
 (PyTorch linear weights are stored [out, in]; Flax kernels are [in, out].) Drafters use the same
 rule without the `model.` prefix (`layers.i...`, `norm`, `fc`, `hidden_norm`).
@@ -81,8 +82,14 @@ def flax_path_to_hf(path: Tuple[str, ...], prefix: str = "") -> str:
 
 
 def _is_experts(key) -> bool:
-    """A stacked expert kernel [E, in, out] (`moe.SparseMoE`): one HF tensor per expert."""
+    """A stacked expert kernel [E, I, H] (`moe.SparseMoE`): one HF tensor per expert."""
     return len(key) >= 3 and key[-3] == "experts" and key[-1] == "kernel"
+
+
+def _expert_as_stored(key) -> bool:
+    """Whether stacked expert kernel `key` holds each expert as the file does ([out, in]: gate
+    and up, [I, H]) rather than transposed (down: [I, H] against the file's [H, I])."""
+    return key[-2] in ("gate_proj", "up_proj")
 
 
 def expert_names(key, prefix: str, num_experts: int):
@@ -226,8 +233,9 @@ def open_store(path: str):
 
 
 def _read_experts(store, path, key, spec, prefix, param_dtype, fp8_block):
-    """A stacked expert kernel [E, in, out] from its E tensors [out, in], one at a time."""
-    want = (spec.shape[2], spec.shape[1])
+    """A stacked expert kernel [E, I, H] from its E tensors [out, in], one at a time."""
+    as_stored = _expert_as_stored(key)
+    want = tuple(spec.shape[1:]) if as_stored else (spec.shape[2], spec.shape[1])
     out = np.empty(spec.shape, dtype=param_dtype)
     for e, name in enumerate(expert_names(key, prefix, spec.shape[0])):
         if name not in store:
@@ -237,7 +245,8 @@ def _read_experts(store, path, key, spec, prefix, param_dtype, fp8_block):
             raise CheckpointError(
                 f"{store.file_of(name)}: tensor {name!r} has shape {tuple(shape)}, expected {want}"
             )
-        out[e] = np.asarray(_read_weight(store, name, code, fp8_block), dtype=param_dtype).T
+        one = np.asarray(_read_weight(store, name, code, fp8_block), dtype=param_dtype)
+        out[e] = one if as_stored else one.T
     return jnp.asarray(out)
 
 
@@ -271,9 +280,11 @@ def params_to_hf(params, *, prefix: str, dtype) -> Dict[str, np.ndarray]:
     flat = traverse_util.flatten_dict(params)
     for key, value in console.progress(flat.items(), total=len(flat), desc="export", unit="tensor"):
         arr = np.asarray(jax.device_get(value))
-        if _is_experts(key):  # stacked [E, in, out] -> one [out, in] tensor per expert
+        if _is_experts(key):  # stacked [E, I, H] -> one [out, in] tensor per expert
+            as_stored = _expert_as_stored(key)
             for name, one in zip(expert_names(key, prefix, arr.shape[0]), arr):
-                tensors[name] = np.ascontiguousarray(one.T.astype(np_dtype))
+                one = one if as_stored else one.T
+                tensors[name] = np.ascontiguousarray(one.astype(np_dtype))
             continue
         if key[-1] == "kernel":
             arr = arr.T

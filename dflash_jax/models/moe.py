@@ -96,29 +96,35 @@ def gmm_method(rows: int, experts: int, impl: str = "xla") -> str:
     return "gather" if GATHER_FACTOR * rows < experts else "ragged"
 
 
-def _grouped_matmul(method: str, sizes, layer=None):
+def _grouped_matmul(method: str, sizes, layer=None, transposed=False):
     """(rows [M, K], weights [E, K, N]) -> [M, N] in rows' dtype: the rows of group e (sorted,
     `sizes` [E] of them) times weights[e], rows past the groups 0, by `method`
-    (`gmm_method`). With `layer`, the weights are a scanned layer stack [L, E, K, N]: the
-    routed kernel reads layer `layer` in place, the XLA forms index it."""
+    (`gmm_method`). `transposed`: the weights are [E, N, K], contracted on their minor
+    dimension (the gate and up projections, `SparseMoE`). With `layer`, the weights are a
+    scanned layer stack [L, E, ...]: the routed kernel reads layer `layer` in place, the XLA
+    forms index it."""
     pick = (lambda w: w) if layer is None else (lambda w: w[layer])
-    if method == "ragged":
-        return lambda x, w: jax.lax.ragged_dot(x, pick(w).astype(x.dtype), sizes)
     from pallas_kernels import grouped_matmul as gm  # the kernels folder, imported when used
 
+    if method == "ragged":
+        dot = gm.ragged_dot_t if transposed else jax.lax.ragged_dot
+        return lambda x, w: dot(x, pick(w).astype(x.dtype), sizes)
     if method == "gather":
-        return lambda x, w: gm.gather_gmm(x, pick(w), sizes)
+        return lambda x, w: gm.gather_gmm(x, pick(w), sizes, transposed=transposed)
     # Interpret mode (CPU): Pallas' generic interpreter, which runs under the expert-parallel
     # shard_map too (the TPU interpret mode, single-device, is what tests/test_grouped_matmul.py
     # holds the kernel to).
     interpret = "plain" if method == "routed_interpret" else False
-    return lambda x, w: gm.routed_gmm(x, w, sizes, interpret=interpret, layer=layer)
+    return lambda x, w: gm.routed_gmm(
+        x, w, sizes, interpret=interpret, layer=layer, transposed=transposed
+    )
 
 
 def expert_ffn(
-    x_NH, weights_Nk, experts_Nk, gate_EHI, up_EHI, down_EIH, first=0, impl="xla", layer=None
+    x_NH, weights_Nk, experts_Nk, gate_EIH, up_EIH, down_EIH, first=0, impl="xla", layer=None
 ):
-    """Dropless mixture of SwiGLU experts over tokens x [N, H] (module docstring).
+    """Dropless mixture of SwiGLU experts over tokens x [N, H] (module docstring). Every expert
+    kernel is [E, I, H] (`SparseMoE`): gate and up contracted on H, their minor dimension.
 
     `first`: the global id of expert 0 of the stacked weights (an expert-parallel shard holds
     experts first .. first + E - 1); pairs routed to other experts contribute nothing here.
@@ -127,7 +133,7 @@ def expert_ffn(
     is layer `layer` (`_grouped_matmul`).
     """
     k = experts_Nk.shape[1]
-    num_local = gate_EHI.shape[-3]
+    num_local = gate_EIH.shape[-3]
     local = experts_Nk.reshape(-1) - first  # [N*k]
     mine = (local >= 0) & (local < num_local)
     group = jnp.where(mine, local, num_local)  # other experts' pairs: after the last group
@@ -136,10 +142,11 @@ def expert_ffn(
     token = order // k
     rows = x_NH[token]
     dt = x_NH.dtype
-    gmm = _grouped_matmul(gmm_method(rows.shape[0], num_local, impl), sizes, layer)
-    gate = gmm(rows, gate_EHI)
-    up = gmm(rows, up_EHI)
-    y = gmm(nn.silu(gate) * up, down_EIH)
+    method = gmm_method(rows.shape[0], num_local, impl)
+    gmm_t = _grouped_matmul(method, sizes, layer, transposed=True)
+    gate = gmm_t(rows, gate_EIH)
+    up = gmm_t(rows, up_EIH)
+    y = _grouped_matmul(method, sizes, layer)(nn.silu(gate) * up, down_EIH)
     w = jnp.where(mine[order], weights_Nk.reshape(-1)[order], 0).astype(dt)
     return jnp.zeros_like(x_NH).at[token].add(y * w[:, None])
 
@@ -149,7 +156,7 @@ def _mesh_shape():
     return mesh, ({} if mesh.empty else dict(zip(mesh.axis_names, mesh.axis_sizes)))
 
 
-def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="xla", layer=None):
+def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EIH, up_EIH, down_EIH, impl="xla", layer=None):
     """`expert_ffn` over [B, T, H] tokens: on one device, or per shard of the context mesh
     (`jax.sharding.set_mesh`) when it has several devices: tokens over the data axes (where
     the batch divides), experts over `expert` and their width over `tensor` (where those
@@ -158,14 +165,14 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="x
     b, t, h = x_BTH.shape
     k = experts_BTk.shape[-1]
     mesh, shape = _mesh_shape()
-    e, _, i = gate_EHI.shape[-3:]
+    e, i, _ = gate_EIH.shape[-3:]
     if mesh.empty or mesh.size == 1:
         out = expert_ffn(
             x_BTH.reshape(-1, h),
             weights_BTk.reshape(-1, k),
             experts_BTk.reshape(-1, k),
-            gate_EHI,
-            up_EHI,
+            gate_EIH,
+            up_EIH,
             down_EIH,
             impl=impl,
             layer=layer,
@@ -194,15 +201,9 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="x
 
     tok = P(bax)
     lead = () if layer is None else (None,)  # a layer stack's axis, never split
-    specs = (
-        tok,
-        tok,
-        tok,
-        P(*lead, expert, None, tensor),
-        P(*lead, expert, None, tensor),
-        P(*lead, expert, tensor, None),
-    )
-    args = (x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH)
+    experts = P(*lead, expert, tensor, None)  # every expert kernel [E, I, H]
+    specs = (tok, tok, tok, experts, experts, experts)
+    args = (x_BTH, weights_BTk, experts_BTk, gate_EIH, up_EIH, down_EIH)
     if layer is not None:  # the layer index, replicated
         specs, args = specs + (P(),), args + (jnp.asarray(layer, jnp.int32),)
     return jax.shard_map(local, mesh=mesh, in_specs=specs, out_specs=tok, check_vma=False)(*args)
@@ -210,10 +211,14 @@ def moe_ffn(x_BTH, weights_BTk, experts_BTk, gate_EHI, up_EHI, down_EIH, impl="x
 
 class SparseMoE(nn.Module):
     """A Qwen3-MoE sparse feed-forward block. Parameters: the router `gate/kernel` [H, E]
-    (Hugging Face `mlp.gate.weight` [E, H]) and the experts stacked on a leading axis,
-    `experts/{gate_proj,up_proj}/kernel` [E, H, I] and `experts/down_proj/kernel` [E, I, H]
-    (Hugging Face stores one expert at a time, `mlp.experts.e.{gate,up,down}_proj.weight`;
-    `checkpoint.py` stacks them at load and splits them at save). `impl`: the attention impl
+    (Hugging Face `mlp.gate.weight` [E, H]) and the experts stacked on a leading axis, all
+    three [E, I, H]: `experts/{gate_proj,up_proj}/kernel` as the checkpoints store each expert
+    ([out, in], contracted on H, their minor dimension) and `experts/down_proj/kernel` as
+    [in, out] (Hugging Face stores one expert at a time, `mlp.experts.e.{gate,up,down}_proj
+    .weight`; `checkpoint.py` stacks them at load and splits them at save). So a chip's slice
+    of the expert width I (over `tensor`) never is the minor dimension: TPU's default layout
+    stores an array whose minor dimension is not a multiple of 128 lanes transposed, and the
+    kernels would copy every expert back each call (`pallas_kernels/grouped_matmul.py`). `impl`: the attention impl
     (it picks the grouped matmul of few rows, `gmm_method`)."""
 
     cfg: ModelConfig
@@ -231,8 +236,7 @@ class SparseMoE(nn.Module):
         init = nn.initializers.lecun_normal()
         router = _Kernel((h, e), c.param_dtype, init, name="gate")()
         weights, ids = route(x.reshape(-1, h), router, c.num_experts_per_tok, c.norm_topk_prob)
-        init = nn.initializers.lecun_normal(batch_axis=(0,))
-        experts = Experts(e, h, i, c.param_dtype, init, lead, name="experts")()
+        experts = Experts(e, h, i, c.param_dtype, lead, name="experts")()
         k = c.num_experts_per_tok
         out = moe_ffn(
             x,
@@ -259,19 +263,18 @@ class Experts(nn.Module):
     hidden: int
     width: int
     param_dtype: jnp.dtype
-    init: object
     lead: tuple = ()  # (L,): a scanned stack's, given whole (`SparseMoE`)
 
     @nn.compact
     def __call__(self):
         e, h, i = self.num_experts, self.hidden, self.width
+        # LeCun normal over each expert's fan-in: H for gate / up ([.., I, H], input minor), I
+        # for down ([.., I, H], input second-minor).
+        fan_in_h = nn.initializers.lecun_normal(in_axis=-1, out_axis=-2, batch_axis=(0,))
+        fan_in_i = nn.initializers.lecun_normal(batch_axis=(0,))
         out = {}
-        for name, shape in (
-            ("gate_proj", (e, h, i)),
-            ("up_proj", (e, h, i)),
-            ("down_proj", (e, i, h)),
-        ):
-            out[name] = _Kernel(self.lead + shape, self.param_dtype, self.init, name=name)()
+        for name, init in (("gate_proj", fan_in_h), ("up_proj", fan_in_h), ("down_proj", fan_in_i)):
+            out[name] = _Kernel(self.lead + (e, i, h), self.param_dtype, init, name=name)()
         return out
 
 

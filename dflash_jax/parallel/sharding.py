@@ -24,8 +24,9 @@ Parameter layouts (Flax Dense kernels are [in, out]):
   gate/up    [H, I]:   out over tensor      down   [I, H]:   in over tensor
   embedding  [V, H]:   V over tensor        lm_head [H, V]:  V over tensor
   fc (drafter) [n*H, H]: out over tensor    norms: replicated
-  MoE experts gate/up [E, H, I]: E over expert, I over tensor; down [E, I, H]: E over expert,
-  I over tensor (H over fsdp with `fsdp=True`); the router gate [H, E]: replicated
+  MoE experts gate/up/down [E, I, H]: E over expert, I over tensor (H over fsdp with
+  `fsdp=True`; a chip's I slice is never minor, `moe.SparseMoE`); the router gate [H, E]:
+  replicated
 (fc's input is the concatenation of the target's tapped hidden states: split over tensor, that
 sharding would reach back into the target's replicated residual stream, costing all-to-alls,
 all-gathers and per-norm all-reduces in every verify layer.)
@@ -150,42 +151,6 @@ def check_expert_axis(expert: int, num_experts: int) -> None:
         )
 
 
-# A TPU vreg's lanes: the minor dimension of an array's default TPU layout is tiled by 128.
-TPU_LANES = 128
-
-
-def transposed_expert_slices(
-    moe_intermediate_size: int, num_experts: int, tensor: int, expert: int = 1
-) -> str:
-    """Why and how to avoid weight-sized temporaries of a MoE target on TPU ("" where none).
-
-    The `tensor` axis splits each expert's intermediate width (gate/up [E, H, I]: I over
-    tensor). Where a chip's slice I / tensor is not a multiple of 128 lanes, TPU's default
-    layout for the slice puts H minor instead (no lane padding), while the routed
-    grouped-matmul kernel reads its weights row-major: every call copies all gate/up experts
-    into the kernel's layout (measured: Qwen3-30B-A3B on v5p-8 at tensor=4, 192-wide slices,
-    12 GiB of temporaries a chip; Qwen3.5-35B-A3B on v5e-8 at tensor=8, 64-wide, 18.5 GiB
-    against 15.75 usable). A smaller tensor axis, the devices given to `expert`, avoids it."""
-    if num_experts <= 0 or tensor <= 1 or moe_intermediate_size % tensor:
-        return ""
-    width = moe_intermediate_size // tensor
-    if width % TPU_LANES == 0:
-        return ""
-    devices = tensor * expert
-    fits = [
-        t for t in range(tensor, 0, -1)
-        if devices % t == 0 and moe_intermediate_size % (t * TPU_LANES) == 0
-        and num_experts % (devices // t) == 0
-    ]  # fmt: skip
-    hint = f"; tensor={fits[0]},expert={devices // fits[0]} keeps it row-major" if fits else ""
-    return (
-        f"each chip's slice of the expert gate/up weights is {width} wide "
-        f"(moe_intermediate_size {moe_intermediate_size} over tensor={tensor}), not a multiple "
-        f"of {TPU_LANES}: TPU lays it out transposed and every call copies all gate/up experts "
-        f"into the grouped-matmul kernel's row-major layout (weight-sized temporaries){hint}"
-    )
-
-
 def mesh_str(mesh) -> str:
     axes = AXES + (EXPERT,)
     return ",".join(f"{a}={mesh.shape[a]}" for a in axes if mesh.shape.get(a, 1) > 1) or "single"
@@ -220,9 +185,8 @@ def _compiling_for(mesh):
 def _rules(fsdp: bool) -> Tuple[Rule, ...]:
     f = "fsdp" if fsdp else None
     return (
-        # Stacked MoE experts [E, in, out] (before the dense gate/up/down rules they match).
-        (r"experts/(gate_proj|up_proj)/kernel$", P(EXPERT, f, "tensor"), ()),
-        (r"experts/down_proj/kernel$", P(EXPERT, "tensor", f), ()),
+        # Stacked MoE experts, all [E, I, H] (before the dense gate/up/down rules they match).
+        (r"experts/(gate_proj|up_proj|down_proj)/kernel$", P(EXPERT, "tensor", f), ()),
         (r"(q_proj|k_proj|v_proj)/kernel$", P(f, "tensor"), (1,)),
         (r"(q_proj|k_proj|v_proj)/bias$", P("tensor"), (0,)),
         (r"o_proj/kernel$", P("tensor", f), (0,)),

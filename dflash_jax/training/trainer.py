@@ -480,13 +480,13 @@ def _log_expert_placement(exp, mesh, params) -> None:
         return
     spec = tuple(experts[0].sharding.spec) + (None,) * 4
     layers = len(experts)
-    if experts[0].ndim == 4:  # a scanned stack [L, E, H, I]: the layer axis is never split
+    if experts[0].ndim == 4:  # a scanned stack [L, E, I, H]: the layer axis is never split
         spec, layers = spec[1:], experts[0].shape[0]
     split = ", ".join(
         f"{dim} over {'x'.join((ax,) if isinstance(ax, str) else ax)}"
         if ax
         else f"{dim} replicated"
-        for dim, ax in zip("EHI", spec)
+        for dim, ax in zip("EIH", spec)
     )
     distributed.say(
         f"MoE target: {exp.target_cfg.num_experts} experts (top "
