@@ -234,7 +234,7 @@ def dry_run_infer(
         # What each became for these devices (e.g. "pallas_cudnn" on an H200).
         compiled_attention={a: attn_lib.for_devices(a, m) for a in attention},
     )  # fmt: skip
-    result = {
+    return {
         "topology": topology or platform_name(m),
         "model": model,
         "mode": "infer",
@@ -246,12 +246,9 @@ def dry_run_infer(
         "programs": programs,
         "param_bytes_total": tree_bytes(tparams) + tree_bytes(dparams),
         "backend": jax.default_backend(),
+        "roofline": roofline(steps, chip, sizes, attention, taus) if steps else {},
+        "notes": [],  # what the figures do not say, printed (none since the [E, I, H] experts)
     }
-    result["roofline"] = roofline(steps, chip, sizes, attention, taus) if steps else {}
-    # `notes`: what the layout costs that the figures alone do not say (the dry run prints
-    # them); none today: the MoE experts' [E, I, H] layout retired the one about transposed
-    # expert slices.
-    return dict(result, notes=[])
 
 
 @dataclasses.dataclass(frozen=True)
