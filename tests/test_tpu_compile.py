@@ -588,8 +588,8 @@ def test_a_hybrid_moe_targets_decode_loops_hold_no_weight_sized_temps(v5e):
     of the weights: the experts are stored [E, I, H], so a chip's slice keeps H minor and the
     kernels read it where it lies. Stored [E, H, I] (before), the tensor=8 slices were laid out
     transposed and copied every call: weight-sized temporaries, 19 GiB a chip for the 40-layer
-    model against 15.75 usable (the kernel-level control:
-    tests/test_grouped_matmul.py::test_transposed_expert_slices_reach_the_tpu_kernel_without_a_copy)."""
+    model against 15.75 usable (the kernel-level control: test_grouped_matmul.py's
+    test_transposed_expert_slices_reach_the_tpu_kernel_without_a_copy)."""
     devices, chip = v5e
     kw = dict(context=4096, max_new_tokens=256, devices=devices, chip=chip, step_costs=False)
     for mesh in ("tensor=2,expert=4", "tensor=8"):

@@ -218,8 +218,8 @@ class SparseMoE(nn.Module):
     .weight`; `checkpoint.py` stacks them at load and splits them at save). So a chip's slice
     of the expert width I (over `tensor`) never is the minor dimension: TPU's default layout
     stores an array whose minor dimension is not a multiple of 128 lanes transposed, and the
-    kernels would copy every expert back each call (`pallas_kernels/grouped_matmul.py`). `impl`: the attention impl
-    (it picks the grouped matmul of few rows, `gmm_method`)."""
+    kernels would copy every expert back each call (`pallas_kernels/grouped_matmul.py`).
+    `impl`: the attention impl (it picks the grouped matmul of few rows, `gmm_method`)."""
 
     cfg: ModelConfig
     impl: str = "xla"
