@@ -26,11 +26,14 @@ def chip():
     return NamedSharding(Mesh(np.array(devices[:1]), ("x",)), P())
 
 
-def _traffic(chip, fn, *shapes, donate=()):
+def _text(chip, fn, *shapes, donate=()):
     args = [jax.ShapeDtypeStruct(s, d, sharding=chip) for s, d in shapes]
     n = jax.ShapeDtypeStruct((), jnp.int32, sharding=chip)
-    compiled = jax.jit(fn, donate_argnums=donate).lower(*args, n).compile()
-    return hbm.hbm_traffic(compiled.as_text())
+    return jax.jit(fn, donate_argnums=donate).lower(*args, n).compile().as_text()
+
+
+def _traffic(chip, fn, *shapes, donate=()):
+    return hbm.hbm_traffic(_text(chip, fn, *shapes, donate=donate))
 
 
 def _matmul_loop(w, x, n):
@@ -84,7 +87,10 @@ def test_a_pad_of_a_cache_costs_a_read_and_a_write_of_it(chip):
 def test_a_routed_grouped_matmul_is_charged_its_routed_experts(chip):
     """A loop step through Qwen3-30B-A3B's expert shapes (up [128, 2048, 768], down [128, 768,
     2048], bfloat16) with 8 rows: the routed kernel (pallas_kernels/grouped_matmul.py) is
-    charged the 8 experts its grid can fetch (its declared bytes), ragged_dot all 128."""
+    charged the 8 experts its grid can fetch (its declared bytes), ragged_dot all 128. Given a
+    routed share (a MoE step's expected share of the experts its tokens route to), each routed
+    call is charged share x 128 experts' weights instead of its 8 slots', its rows and output
+    as before, and the bound stays beside."""
     from pallas_kernels import backend
     from pallas_kernels.grouped_matmul import routed_gmm
 
@@ -105,11 +111,21 @@ def test_a_routed_grouped_matmul_is_charged_its_routed_experts(chip):
         ((e,), jnp.int32),
     )
     with backend.compiling_for(chip.mesh):
-        routed = _traffic(chip, loop(routed_gmm), *shapes)
+        text = _text(chip, loop(routed_gmm), *shapes)
+    routed = hbm.hbm_traffic(text)
     ragged = _traffic(chip, loop(jax.lax.ragged_dot), *shapes)
     assert m * expert <= routed["hbm_bytes"] < (m + 1) * expert, routed
     assert routed["by_op"].get("kernel (declared bytes)", 0) >= m * expert
     assert ragged["hbm_bytes"] >= e * expert, ragged
+    assert "hbm_bytes_bound" not in routed
+    share = hbm.routed_fraction(e, 8, 1)  # one token: its 8 rows, 8 distinct experts, = slots
+    assert share == 8 / 128
+    for s in (share, 0.03, 0.0):
+        got = hbm.hbm_traffic(text, routed_share=s)
+        # Two calls a step, each m slots of one expert's [k, n] bfloat16 weights declared.
+        fewer = 2 * (m - s * e) * k * n * 2
+        assert got["hbm_bytes_bound"] == routed["hbm_bytes"], got
+        assert abs(got["hbm_bytes"] - (routed["hbm_bytes"] - fewer)) <= 2, (s, got)
 
 
 @pytest.mark.slow  # a libtpu compile

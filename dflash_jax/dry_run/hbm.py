@@ -30,7 +30,12 @@ layout without `S(n)`, n >= 1; `S(1)` is VMEM), with these rules:
   decode attention over a scanned stack's cache [L, ...]: one layer, picked by its index maps) and
   declares the bytes of the grid it runs in its cost estimate (derived from that grid, held
   against its index maps' DMAs in tests/test_grouped_matmul.py): it is charged the declared
-  `bytes_accessed` (never more than its operands and results);
+  `bytes_accessed` (never more than its operands and results). Given `routed_share` (a MoE
+  step: the expected share of the experts its tokens route to, `routed_fraction`, the floor's
+  statistic), the routed kernel's weight part, declared for its A = min(E, M) slots (a bound:
+  the experts it can fetch), is charged at the experts it fetches on average instead: it
+  fetches the blocks of the experts with rows only (the tail slots repeat a block, no DMA),
+  so share x E of a chip's E experts; the bound stays in `hbm_bytes_bound`;
 - `copy-start` (an asynchronous copy: HBM <-> VMEM) is charged its source and destination
   where they are in HBM: a prefetch of a whole cache into VMEM shows here at the cache's size;
   `slice-start` (an asynchronous slice: weights streamed into VMEM piece by piece) its slice.
@@ -184,13 +189,35 @@ def _scope(rest: str) -> str:
     return m.group(1) if m else ""
 
 
-def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
+def _routed_expected(ops: List[str], types: Dict[str, str], declared: int, share: float) -> int:
+    """A routed grouped-matmul call's bytes with its weight part at the experts it fetches on
+    average (share x E) instead of its A slots: operands (offsets [E + 1], ids [A], count,
+    [layer], rows, weights [.., E, K, N]), so one expert's weights are the weights operand's
+    bytes over E (over L x E for a stack of L layers)."""
+    dims = [_TYPED.search(types.get(o, "")) for o in ops]
+    shape = lambda d: [int(x) for x in d.group(2).split(",") if x] if d else []  # noqa: E731
+    if len(dims) < 5 or len(shape(dims[0])) != 1 or len(shape(dims[1])) != 1:
+        return declared
+    e, slots = shape(dims[0])[0] - 1, shape(dims[1])[0]
+    weights = shape(dims[-1])
+    if e <= 0 or len(weights) < 3 or weights[-3] != e:
+        return declared
+    expert = math.prod(weights[-3:]) // e * _DTYPE_BYTES[dims[-1].group(1)]
+    return max(0, int(round(declared - (slots - share * e) * expert)))
+
+
+def hbm_traffic(
+    hlo_text: str, top: int = 12, routed_share: Optional[float] = None
+) -> Dict[str, Any]:
     """HBM bytes one iteration of the program's decode loop reads and writes (module doc).
     Returns {"hbm_bytes", "by_op": {opcode: bytes}, "top_ops": [{"name", "op", "bytes",
-    "type", "scope"}] (the `top` largest instructions)}."""
+    "type", "scope"}] (the `top` largest instructions)}; with `routed_share`, the routed
+    grouped-matmul kernels at the experts they fetch on average (module doc) and
+    "hbm_bytes_bound", the count with their declared bound."""
     comps = computations(hlo_text)
     fused: Dict[str, _Fused] = {}
     rows = []
+    over_bound = 0  # bytes the declared bounds of routed kernels exceed their expected reads
     times = loop_body_multiplicity(hlo_text)
     for c in sorted(times):
         types = _types(comps[c])
@@ -231,6 +258,10 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
                 declared = _DECLARED.search(rest)
                 if declared and any(k in name or k in _scope(rest) for k in DECLARED_BYTES_KERNELS):
                     total = min(sum(reads) + writes, int(declared.group(1)))
+                    if routed_share is not None and "dflash_routed_gmm" in name + _scope(rest):
+                        expected = min(total, _routed_expected(ops, types, total, routed_share))
+                        over_bound += (total - expected) * times[c]
+                        total = expected
                     reads, writes, kind = [total], 0, "kernel (declared bytes)"
             elif op == "copy-start":
                 # Result (destination, source, context): the destination's write if in HBM.
@@ -260,11 +291,14 @@ def hbm_traffic(hlo_text: str, top: int = 12) -> Dict[str, Any]:
     for r in rows:
         by_op[r["op"]] = by_op.get(r["op"], 0) + r["bytes"]
     rows.sort(key=lambda r: -r["bytes"])
-    return {
+    out = {
         "hbm_bytes": sum(r["bytes"] for r in rows),
         "by_op": dict(sorted(by_op.items(), key=lambda kv: -kv[1])),
         "top_ops": rows[:top],
     }
+    if routed_share is not None:
+        out["hbm_bytes_bound"] = out["hbm_bytes"] + over_bound
+    return out
 
 
 # Latency of one ICI hop: "How to Scale Your Model" (https://jax-ml.github.io/scaling-book,

@@ -42,6 +42,15 @@ def _loop_program(tmod, dmod, plan, reps: int):
     return run
 
 
+def _routed_share(tcfg, batch: int, rows: int):
+    """A MoE target's expected share of its experts that a step's batch x rows tokens route to
+    (`hbm.routed_fraction`: the floor's statistic, and what the routed kernel is charged in the
+    compiled step); None for a dense target."""
+    if not getattr(tcfg, "num_experts", 0):
+        return None
+    return hbm.routed_fraction(tcfg.num_experts, tcfg.num_experts_per_tok, batch * rows)
+
+
 def _floor(
     tcfg, tparams, tshard, dparams, dshard, state, mesh, capacity, context, rows, passes, batch=1,
     head_passes=None,
@@ -69,8 +78,8 @@ def _floor(
     if tcfg.tie_word_embeddings:
         head = embed  # the LM head is the embedding table, read whole at each LM-head pass
     body = total - embed - (0 if tcfg.tie_word_embeddings else head)
-    if tcfg.num_experts:  # the experts the step's tokens route to, not all of them
-        share = hbm.routed_fraction(tcfg.num_experts, tcfg.num_experts_per_tok, batch * rows)
+    share = _routed_share(tcfg, batch, rows)
+    if share is not None:  # the experts the step's tokens route to, not all of them
         body -= experts - int(experts * share)
     ctx = 0
     if state.ctx is not None:
@@ -377,7 +386,9 @@ def _compile_loops(job, drafted, kind, impl_name, suffix, want, programs, steps,
                     donate_argnums=(2,),
                 )
                 twice = compile_stats(lambda: two_jit.lower(tp_a, dp_a, state), None)
-            steps[f"{kind}_step" + suffix] = _step_figures(loop, text, lowered, twice)
+            steps[f"{kind}_step" + suffix] = _step_figures(
+                loop, text, lowered, twice, _routed_share(tcfg, job.batch, width)
+            )
     if sizes is not None:
         sizes.update(
             _size_figures(
@@ -402,13 +413,14 @@ def _decode_loop(lower, capacity_bytes, hlo_path, cache_elems, capacity):
     return loop, text, lowered
 
 
-def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
+def _step_figures(loop, text, lowered, twice, routed_share=None) -> Dict[str, Any]:
     """One decode step's figures. On a TPU (`twice`: the stats of the loop with two steps per
     iteration) the cost analysis' FLOPs, bytes and collectives as the difference from the real
     loop (with a nested loop's further trips' matmuls and kernels added); on a GPU (`twice`
     None: XLA:GPU's cost analysis gives no FLOPs or bytes) the matmuls of the lowered loop
     body, one GPU, no collectives. Both with the HBM model
-    (`dry_run.hbm`: one iteration of the real loop's body is one step; no differencing)."""
+    (`dry_run.hbm`: one iteration of the real loop's body is one step; no differencing; a MoE
+    target's routed kernels at `routed_share` of their experts, the bound kept beside)."""
     if twice is None:
         step = {
             "flops": hbm.loop_dot_flops(lowered),
@@ -435,8 +447,10 @@ def _step_figures(loop, text, lowered, twice) -> Dict[str, Any]:
                 "cost analysis, plus the matmuls and kernels of a nested loop's further trips "
                 "(hbm.loop_dot_flops; the cost analysis counts a nested body once)"
             )
-    traffic = hbm.hbm_traffic(text)
+    traffic = hbm.hbm_traffic(text, routed_share=routed_share)
     count, latency = hbm.loop_collective_latency(text)
+    if "hbm_bytes_bound" in traffic:
+        step.update(hbm_bytes_bound=traffic["hbm_bytes_bound"], routed_share=routed_share)
     step.update(
         hbm_bytes=traffic["hbm_bytes"],
         hbm_by_op=traffic["by_op"],
