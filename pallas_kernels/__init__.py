@@ -7,6 +7,9 @@ Hq = G * Hkv; softmax in float32; output in q.dtype):
                    impl="auto", interpret=False, block_k=None, num_splits=None)
   draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None,
                   impl="auto", interpret=False, block_k=None, num_splits=None)
+  draft_attention_lse(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, blk_seen, *, sm_scale=None,
+                      impl="auto", interpret=False) -> (out, lse), float32: one share
+                      of a sequence-split context, to be merged
   tree_attention(q, k_cache, v_cache, prefix_len, blk_k, blk_v, blk_mask, *, sm_scale=None,
                  impl="auto", interpret=False, block_k=None, num_splits=None)
   training_attention(q, k_ctx, v_ctx, k_blk, v_blk, anchors, block_valid, *,
@@ -43,6 +46,7 @@ from .kv_update import kv_update
 __all__ = [
     "verify_attention",
     "draft_attention",
+    "draft_attention_lse",
     "tree_attention",
     "training_attention",
     "kv_update",
@@ -206,6 +210,33 @@ def draft_attention(
     """
     args = (q, ctx_k, ctx_v, ctx_len, blk_k, blk_v)
     return _run("draft_attention", args, sm_scale, impl, interpret, block_k, num_splits)
+
+
+def draft_attention_lse(
+    q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, blk_seen, *, sm_scale=None, impl="auto",
+    interpret=False,
+):  # fmt: skip
+    """One share of `draft_attention` to be merged with others (a context cache split by
+    sequence over chips, each attending over its slots): the block's keys seen only by rows b
+    where blk_seen[b] ([B] bool: the one share that holds the block). Returns (out
+    [B,T,Hq,D], log-sum-exp [B,T,Hq]), both float32; a row that sees no key gets out 0 and
+    lse `_common.NEG`. The TPU decode kernel (the block under a per-row mask, `return_lse`) on
+    the TPU variant; the XLA reference elsewhere. interpret: True runs the TPU kernel in
+    Pallas' generic interpreter (it runs inside a multi-device shard_map)."""
+    variant = backend.resolve(impl, interpret)
+    if variant != backend.TPU:
+        return reference.draft_attention_lse(
+            q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, blk_seen, sm_scale=sm_scale
+        )
+    from . import tpu_decode
+
+    b, t = q.shape[:2]
+    _, k, v, lim, blk = _kernel_args("draft_attention", (q, ctx_k, ctx_v, ctx_len, blk_k, blk_v))
+    mask = jnp.broadcast_to(blk_seen.astype(bool)[:, None, None], (b, t, blk_k.shape[1]))
+    return tpu_decode.decode_attention(
+        q, k, v, lim, **blk, blk_mask=mask, sm_scale=sm_scale, interpret=bool(interpret),
+        return_lse=True,
+    )  # fmt: skip
 
 
 def tree_attention(

@@ -19,6 +19,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
+from ._common import NEG
+
 _HI = jax.lax.Precision.HIGHEST
 # Large negative instead of -inf so fully masked rows give a uniform (then zeroed) softmax,
 # never NaN.
@@ -155,6 +157,35 @@ def draft_mask(ctx_len, ctx_capacity, block_len):
     ctx = j[None, :] < ctx_len[:, None]
     blk = jnp.ones((ctx_len.shape[0], block_len), bool)
     return jnp.concatenate([ctx, blk], axis=1)[:, None, :]
+
+
+def draft_attention_lse(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, blk_seen, *, sm_scale=None):
+    """`draft_attention` with the block's keys seen only by rows b where blk_seen[b], returning
+    (out [B,T,Hq,D] float32, log-sum-exp [B,T,Hq] float32; out 0 and lse NEG where a row sees
+    no key): one chip's share of attention over a context split by sequence, to be merged."""
+    f32 = jnp.float32
+    b, t, hq, d = q.shape
+    hkv = ctx_k.shape[2]
+    k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1).astype(f32)
+    v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1).astype(f32)
+    j = jnp.arange(ctx_k.shape[1], dtype=jnp.int32)
+    seen = jnp.concatenate(
+        [
+            j[None, :] < ctx_len[:, None],
+            jnp.broadcast_to(blk_seen.astype(bool)[:, None], (b, blk_k.shape[1])),
+        ],
+        axis=1,
+    )  # [B, C + T]
+    qg = q.astype(f32).reshape(b, t, hkv, hq // hkv, d) * default_scale(d, sm_scale)
+    s = jnp.einsum("btkgd,bskd->btkgs", qg, k, precision=_HI)
+    s = jnp.where(seen[:, None, None, None, :], s, NEG)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(seen[:, None, None, None, :], jnp.exp(s - top), 0.0)
+    total = jnp.sum(p, axis=-1)
+    out = jnp.einsum("btkgs,bskd->btkgd", p, v, precision=_HI)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), NEG)
+    return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
 
 
 def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None):

@@ -61,7 +61,10 @@ def _query_chunk(t: int, g: int, hb: int, d: int, sub: int) -> int:
 
 
 def _choose_kv_tile(s: int, block_k: int, align: int):
-    """Returns (tk, padded_S)."""
+    """Returns (tk, padded_S): the largest power-of-two tile from block_k down to 128 dividing
+    S; else the largest multiple of `align` in [128, block_k] dividing S (a chip's share of a
+    sequence-split cache, 33,280 / 8 = 4,160 positions: 416); else block_k over S padded (a
+    copy of the cache at each call)."""
     if s <= block_k:
         tk = C.round_up(s, align)
         return tk, tk
@@ -70,7 +73,23 @@ def _choose_kv_tile(s: int, block_k: int, align: int):
         t //= 2
     if t >= 128 and s % t == 0:
         return t, s
+    for t in range(block_k // align * align, 127, -align):
+        if s % t == 0:
+            return t, s
     return block_k, C.round_up(s, block_k)
+
+
+def _in_query_chunks(call, q, lim, blk_mask, tc: int):
+    """call(q, lim=, blk_mask=) over the queries in chunks of tc, concatenated on the query
+    axis (each part of an (output, lse) pair alike)."""
+    chunk = lambda x, i: None if x is None else x[:, i : i + tc]  # noqa: E731
+    parts = [
+        call(q[:, i : i + tc], lim=lim[:, i : i + tc], blk_mask=chunk(blk_mask, i))
+        for i in range(0, q.shape[1], tc)
+    ]
+    if isinstance(parts[0], tuple):
+        return tuple(jnp.concatenate([p[j] for p in parts], axis=1) for j in range(2))
+    return jnp.concatenate(parts, axis=1)
 
 
 def _heads_per_block(hkv: int, d: int) -> int:
@@ -332,6 +351,7 @@ def decode_attention(
     num_splits: int | None = None,
     interpret=False,
     layer=None,
+    return_lse=False,
 ):
     """Shared entry for verify/draft.
 
@@ -341,7 +361,8 @@ def decode_attention(
     ancestor mask: laid out per row with the keys on the lane axis).
     With `layer` (an int scalar), k and v are stacks [L,B,S,Hkv,D] (a scanned layer stack) and
     the kernel's index maps read layer `layer` where it lies (a scalar prefetch), no copy.
-    """
+    `return_lse`: (output [B,T,Hq,D], log-sum-exp [B,T,Hq] (NEG: no key seen)), float32, to
+    merge with other keys' attention (a sequence-split context: `dflash_jax.models.attention`)."""
     stacked = layer is not None
     one = jax.ShapeDtypeStruct(k.shape[1:], k.dtype) if stacked else k  # one layer's shape
     b, t, hq, d, hkv, g = C.check_gqa(q, one)
@@ -357,13 +378,9 @@ def decode_attention(
         call = functools.partial(
             decode_attention, k=k, v=v, blk_k=blk_k, blk_v=blk_v, sm_scale=sm_scale,
             block_k=block_k, num_splits=num_splits, interpret=interpret, layer=layer,
+            return_lse=return_lse,
         )  # fmt: skip
-        chunk = lambda x, i: None if x is None else x[:, i : i + tc]  # noqa: E731
-        parts = [
-            call(q[:, i : i + tc], lim=lim[:, i : i + tc], blk_mask=chunk(blk_mask, i))
-            for i in range(0, t, tc)
-        ]
-        return jnp.concatenate(parts, axis=1)
+        return _in_query_chunks(call, q, lim, blk_mask, tc)
     if hb * rows * hb * d > _BIG_QUERY_BLOCK:
         # Many query rows of wide heads (a 512-token prefill chunk at head_dim 256): the f32
         # scores [rows, tk] and accumulator [rows, w] would outgrow the scoped VMEM at tk 512.
@@ -373,6 +390,7 @@ def decode_attention(
         return decode_attention(
             q, k[layer], v[layer], lim, blk_k=blk_k, blk_v=blk_v, blk_mask=blk_mask,
             sm_scale=sm_scale, block_k=block_k, num_splits=num_splits, interpret=interpret,
+            return_lse=return_lse,
         )  # fmt: skip
     n_tiles = s_pad // tk
 
@@ -416,4 +434,18 @@ def decode_attention(
         kernel, scalars, args, in_specs, (b, hg, ns, steps), hr, w, stacked, cost, interpret
     )
     o = collapse_heads(C.combine_splits(o_part, lse_part[..., 0]), hb)
-    return C.rows_to_q(o, t, g, q.dtype)
+    if not return_lse:
+        return C.rows_to_q(o, t, g, q.dtype)
+    return C.rows_to_q(o, t, g, jnp.float32), _row_lse(lse_part, hkv, rows, t, g)
+
+
+def _row_lse(lse_part, hkv: int, rows: int, t: int, g: int):
+    """The log-sum-exp per query [B, T, Hq] (float32; NEG where no split saw a key) of the
+    kernel's per-split statistics [B, hg, ns, hr, LANES] (row block i of a head group: its
+    head i)."""
+    part = lse_part[..., 0]  # [B, hg, ns, hr]
+    top = jnp.max(part, axis=2)
+    lse = top + jnp.log(jnp.sum(jnp.exp(part - top[:, :, None]), axis=2))
+    lse = jnp.where(top <= C.NEG / 2, C.NEG, lse)
+    lse = lse.reshape(lse.shape[0], hkv, rows, 1)
+    return C.rows_to_q(lse, t, g, jnp.float32)[..., 0]

@@ -89,6 +89,8 @@ def _patched(owner, name, value):
 def _run(r, drafts=True):
     """A GenerationResult as JSON: tokens, acceptance lengths, drafts, tau, cache sharding."""
     out = {"tokens": r.tokens, "cache_spec": r.stats.get("cache_sharding")}
+    if "context_sharding" in r.stats:
+        out["ctx_spec"] = r.stats["context_sharding"]
     if drafts:
         out.update(acceptance=r.acceptance_lengths, drafts=r.drafts, tau=r.stats["tau"])
     return out
@@ -157,10 +159,45 @@ def check_generate(out, workdir):
     tree = lambda **kw: dj.generate(target, drafter, prompts, n, tree_budget=16, **kw)
     for name, r in (("tree", tree()), ("tree_data=4,tensor=2", tree(mesh=mesh4x2))):
         res[name] = dict(_run(r, drafts=False), acceptance=r.acceptance_lengths, tau=r.stats["tau"])
+    res["context_split"] = _context_split()
     res["replicated_trees"] = _replicated_batch_trees(
         target, drafter, prompts, "data=2", (1, 3), res["ref_ar"]["tokens"]
     )
     out["generate"] = res
+
+
+def _context_split(spec="data=2,tensor=4"):
+    """A DFlash context cache split by sequence (2 KV heads on tensor=4: 512 slots, 128 a
+    chip) under the XLA reference and the Pallas kernels (interpreted, inside the shard_map):
+    the drafter's attention against the one-device reference over the whole context (ragged
+    lengths 300 and 129), and a block write whose 16 rows straddle two chips' slots against the
+    NumPy one. {impl: {"attention_err", "write_equal"}}."""
+    from dflash_jax.models import attention
+    from pallas_kernels import reference
+
+    rng = np.random.default_rng(0)
+    b, t, hq, hkv, d, c = 2, 16, 8, 2, 64, 512
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)  # noqa: E731
+    q, bk, bv = f(b, t, hq, d), f(b, t, hkv, d), f(b, t, hkv, d)
+    ck, cv, new = f(b, c, hkv * d), f(b, c, hkv * d), f(b, t, hkv * d)
+    n, starts = jnp.asarray([300, 129], jnp.int32), jnp.asarray([120, 250], jnp.int32)
+    heads = lambda x: x.reshape(b, c, hkv, d)  # noqa: E731
+    want = np.asarray(reference.draft_attention(q, heads(ck), heads(cv), n, bk, bv))
+    written = np.array(ck)
+    for i, s0 in enumerate(np.asarray(starts)):
+        written[i, s0 : s0 + t] = np.asarray(new[i])
+    mesh, res = dry_run.resolve_mesh(spec), {}
+    for impl in ("xla", "pallas_interpret"):
+        attend = lambda *a: attention.draft_attention(*a, impl=impl, seq_split=True)  # noqa: B023,E731
+        write = lambda *a: attention.write_block(*a, impl, d, seq_split=True)  # noqa: B023,E731
+        with sharding.compiling_for(mesh):
+            got = jax.jit(attend)(q, ck, cv, n, bk, bv)
+            w = jax.jit(write)(ck, new, starts)
+        res[impl] = {
+            "attention_err": float(np.max(np.abs(np.asarray(got) - want))),
+            "write_equal": bool(np.array_equal(np.asarray(w), written)),
+        }
+    return res
 
 
 def _replicated_batch_trees(target, drafter, prompts, spec, batches, ar_tokens, n=24):

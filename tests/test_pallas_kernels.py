@@ -515,6 +515,42 @@ def test_draft_kernel(impl, case):
     np.testing.assert_allclose(out, ref, atol=ATOL)
 
 
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+def test_draft_attention_shares_merge_to_the_whole_context(impl):
+    """A context split into two shares of 1,040 slots, as the chips of a sequence-split cache
+    hold it: `draft_attention_lse` over each share (the block's keys seen by the first share
+    only), merged in NumPy by their log-sum-exp, is the brute-force attention over the whole
+    context, for lengths ending in the second share, in the first, and at 0; a row that sees
+    nothing in a share gets output 0 and lse NEG. The TPU kernel (interpreted) reads a share
+    in 208-slot tiles, a multiple of 16 dividing 1,040, not padded to 1,536."""
+    from pallas_kernels import tpu_decode
+
+    assert tpu_decode._choose_kv_tile(1040, 512, 16) == (208, 1040)
+    assert tpu_decode._choose_kv_tile(33280, 512, 16) == (512, 33280)  # powers of two first
+    assert tpu_decode._choose_kv_tile(1000, 512, 16) == (512, 1024)  # no divisor: padded
+    b, t, hq, hkv, d, share = 3, 4, 4, 2, 32, 1040
+    rng = np.random.default_rng(11)
+    q = _rand(rng, b, t, hq, d)
+    ck, cv = _rand(rng, b, 2 * share, hkv, d), _rand(rng, b, 2 * share, hkv, d)
+    blk_k, blk_v = _rand(rng, b, t, hkv, d), _rand(rng, b, t, hkv, d)
+    clen = np.array([1500, 700, 0], np.int32)
+    outs, lses = [], []
+    for i in (0, 1):
+        part = slice(i * share, (i + 1) * share)
+        o, lse = pk.draft_attention_lse(
+            q, ck[:, part], cv[:, part], jnp.asarray(np.clip(clen - i * share, 0, share)),
+            blk_k, blk_v, jnp.full((b,), i == 0), impl=impl, interpret=True,
+        )  # fmt: skip
+        assert o.dtype == lse.dtype == jnp.float32 and lse.shape == (b, t, hq)
+        outs.append(np.asarray(o, np.float64))
+        lses.append(np.asarray(lse, np.float64))
+    assert np.all(lses[1][1:] <= -1e29) and np.all(outs[1][1:] == 0)  # rows 1, 2: nothing
+    top = np.maximum(*lses)
+    w = [np.exp(x - top) for x in lses]
+    merged = (w[0][..., None] * outs[0] + w[1][..., None] * outs[1]) / (w[0] + w[1])[..., None]
+    np.testing.assert_allclose(merged, _np_draft(q, ck, cv, clen, blk_k, blk_v), atol=ATOL)
+
+
 @pytest.mark.parametrize("impl", VARIANTS)
 def test_draft_kernel_without_context_capacity(impl):
     """C == 0 (no context cache at all): only the block keys are attended."""

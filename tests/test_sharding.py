@@ -100,6 +100,14 @@ def test_sharded_greedy_generate_equals_single_device(findings):
     assert g["data=4,tensor=2"]["k_proj"] == "P(None, 'tensor')"
     assert g["data=2,tensor=4"]["cache_spec"] == "P('data',)"  # 2 KV heads on tensor=4
     assert g["data=2,tensor=4"]["k_proj"] == "P()"
+    # The drafter's context cache: its 2 KV heads split over tensor=2; over tensor=4, which
+    # they do not divide, its slots instead (each chip attends over its share; the tokens,
+    # acceptance and accepted drafts above are the one-device ones).
+    assert g["data=4,tensor=2"]["ctx_spec"] == "P('data', None, 'tensor')"
+    assert g["data=2,tensor=4"]["ctx_spec"] == "P('data', 'tensor')"
+    for impl, r in g["context_split"].items():  # the XLA path and the kernels in shard_map
+        assert r["attention_err"] < 1e-5 and r["write_equal"], (impl, r)
+    assert sorted(g["context_split"]) == ["pallas_interpret", "xla"]
     assert g["untied_data=2,tensor=4"]["lm_head"] == "P(None, 'tensor')"  # vocab-parallel head
     assert g["ar_tensor=8"]["q_proj"] == "P()"  # 4 query heads do not divide 8: replicated
     # Tree decoding (16 nodes) on data=4,tensor=2: the single-device tokens and acceptance,

@@ -625,30 +625,56 @@ def test_expert_slices_keep_tpus_row_major_default_layout(v5e):
         assert (entry_layout((4, 2048, w)) != "2,1,0") == (w % 128 != 0), w
 
 
-@pytest.mark.slow  # libtpu compiles of a hybrid DFlash loop at Qwen3.5-9B's shapes, twice
-def test_the_hybrid_dflash_loop_keeps_the_drafters_context_cache_in_hbm(v5e, monkeypatch):
-    """Qwen3.5-9B's layers and drafter (preset qwen3_5_9b_8l) at 32K on v5e-8: the drafter's
-    context cache (4 KV heads of 256, not split over tensor=8: 68 MB a chip) stays in HBM, where
-    the decode-attention kernel streams it in tiles; the DFlash loop body holds no cache-sized
-    copy. The control: without the kernel's HBM constraint on its K/V operands XLA's
-    memory-space assignment prefetches the whole cache into VMEM (`copy-start` to S(1)) every
-    step, and the scan finds it."""
+@pytest.mark.slow  # libtpu compiles of a hybrid DFlash loop at Qwen3.5-9B's shapes, three times
+def test_the_hybrid_dflash_loop_splits_the_drafters_context_cache_and_keeps_it_in_hbm(
+    v5e, monkeypatch, tmp_path
+):
+    """Qwen3.5-9B's layers and drafter (preset qwen3_5_9b_8l) at 32K on v5e-8. The drafter's
+    context cache has 4 KV heads of 256, which tensor=8 does not divide, so it is split by
+    sequence (`attention.splits_context`): each chip holds 4,160 of its 33,280 slots (8.5 MB a
+    layer's K against 68 MB whole), and every drafter decode-attention kernel reads that share
+    ([1, 4160, 1024]), in HBM; the DFlash loop body holds no cache-sized copy. Unsplit (the
+    rule patched off), the whole cache stays in HBM too, where the kernel's HBM constraint on
+    its K/V operands keeps it; the control: without that constraint XLA's memory-space
+    assignment prefetches the whole cache into VMEM (`copy-start` to S(1)) every step, and the
+    scan finds it."""
+    from dflash_jax.models import attention
     from pallas_kernels import tpu_decode
 
     devices, chip = v5e
     kw = dict(context=32768, max_new_tokens=256, devices=devices, chip=chip, step_costs=False)
     kw.update(only=("dflash_decode",))
 
+    def compiled(name):
+        d = tmp_path / name
+        r = dry_run.dry_run_infer("qwen3_5_9b_8l", "tensor=8", hlo_dir=str(d), **kw)
+        text = (d / "dflash_decode.hlo").read_text()
+        kernel = re.compile(r"\s*(ROOT )?%dflash_decode_attention_tpu[.\d]* = .*custom-call\(")
+        return r, [line for line in text.splitlines() if kernel.match(line)]
+
+    r, calls = compiled("split")
+    assert r["programs"]["dflash_decode"]["cache_sized_copies"] == []
+    # The drafter's 5 layers read their share of the context; the target's 2 full-attention
+    # layers (4 KV heads, replicated on tensor=8 too: its cache is not split) the whole cache.
+    assert sum("bf16[1,4160,1024]" in c for c in calls) == 5, calls
+    assert sum("bf16[1,33280,1024]" in c for c in calls) == 2, calls
+    assert len(calls) == 7
+    # A chip holds an eighth of the whole: 5 layers of K and V, 33,280 x 1024 bfloat16, and
+    # the lengths (one int32).
+    assert r["sizes"]["dflash_context_cache_bytes"] == 5 * 2 * 33280 * 1024 * 2 // 8 + 4
+
     def copies():
-        r = dry_run.dry_run_infer("qwen3_5_9b_8l", "tensor=8", **kw)
+        with monkeypatch.context() as m:
+            m.setattr(attention, "splits_context", lambda *a: False)
+            jax.clear_caches()  # traced again, unsplit
+            try:
+                r = dry_run.dry_run_infer("qwen3_5_9b_8l", "tensor=8", **kw)
+            finally:
+                jax.clear_caches()  # no later test reuses a program traced here
         return r["programs"]["dflash_decode"]["cache_sized_copies"]
 
     assert copies() == []
     with monkeypatch.context() as m:
         m.setattr(tpu_decode.pltpu, "with_memory_space_constraint", lambda x, _: x)
-        jax.clear_caches()  # traced again, without the constraint
-        try:
-            found = copies()
-        finally:
-            jax.clear_caches()  # no later test reuses a program traced without it
+        found = copies()
     assert len(found) == 1 and "copy-start" in found[0] and "33280,1024" in found[0], found

@@ -164,6 +164,9 @@ class Generator:
             result.stats.update(
                 mesh=sharding.mesh_str(mesh), cache_sharding=str(state.cache.k[0].sharding.spec)
             )
+            ctx_k = getattr(state.ctx, "k", None)  # a DFlash drafter's context cache
+            if isinstance(ctx_k, tuple) and ctx_k and hasattr(ctx_k[0], "sharding"):
+                result.stats["context_sharding"] = str(ctx_k[0].sharding.spec)
         return result
 
 

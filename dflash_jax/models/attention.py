@@ -110,6 +110,63 @@ def _per_shard(fn, args, batch_dims, head_dims):
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
+def splits_context(mesh_shape, kv_heads: int, capacity: int) -> bool:
+    """Whether a drafter's context cache ([B, C, K*D], `KVCache.seq_split`) is split by
+    sequence over the mesh's `tensor` axis (`mesh_shape`: {axis: size}): when its K heads do
+    not divide `tensor` (a head split would leave the whole cache on every chip: Qwen3.5-9B's
+    drafter, 4 heads of 256 over tensor=8, 68 MB a chip at 32K) and its C slots do. Each chip
+    then holds C / tensor consecutive slots and attends over them; the shares merge by
+    log-sum-exp (`draft_attention`)."""
+    t = dict(mesh_shape).get("tensor", 1)
+    return t > 1 and kv_heads % t != 0 and capacity % t == 0
+
+
+def _context_split_mesh(kv_heads: int, capacity: int, batch: int):
+    """(abstract mesh, batch axes spec entry, slots per chip) when the context mesh splits a
+    context cache of this shape by sequence (`splits_context`), else None."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty or mesh.size == 1:
+        return None
+    shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
+    if not splits_context(shape, kv_heads, capacity):
+        return None
+    data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
+    n_data = 1
+    for a in data:
+        n_data *= shape[a]
+    bax = data if data and batch % n_data == 0 else None
+    return mesh, bax, capacity // shape["tensor"]
+
+
+def _split_draft_attention(split, q, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str):
+    """`draft_attention` over a context split by sequence over `tensor` (`splits_context`):
+    each chip attends its queries (all heads) over its C / tensor slots, the block's keys on
+    chip 0 only (`pallas_kernels.draft_attention_lse`: the TPU kernel, or the XLA reference),
+    and the shares merge by log-sum-exp: two all-reduces a layer, the largest log-sum-exp
+    ([B, T, Hq]) and the weighted outputs with their weights ([B, T, Hq, D + 1])."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh, bax, local = split
+    kimpl, interpret = _kernel_impl(impl), impl == "pallas_interpret"
+
+    def share(q, ck, cv, n, bk, bv):
+        i = jax.lax.axis_index("tensor")
+        n_here = jnp.clip(n.astype(jnp.int32) - i * local, 0, local)
+        o, lse = _kernels().draft_attention_lse(
+            q, ck, cv, n_here, bk, bv, jnp.broadcast_to(i == 0, n.shape), impl=kimpl,
+            interpret=interpret,
+        )  # fmt: skip
+        w = jnp.exp(lse - jax.lax.pmax(lse, "tensor"))  # [B, T, Hq]
+        total = jax.lax.psum(jnp.concatenate([w[..., None] * o, w[..., None]], axis=-1), "tensor")
+        return (total[..., :-1] / total[..., -1:]).astype(q.dtype)
+
+    seq = P(bax, "tensor")
+    specs = (P(bax), seq, seq, P(bax), P(bax), P(bax))
+    return jax.shard_map(share, mesh=mesh, in_specs=specs, out_specs=P(bax), check_vma=False)(
+        q, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v
+    )
+
+
 # Cache writes under a TPU Pallas impl go through the Pallas DMA kernel
 # (`pallas_kernels.kv_update`: the cache stays in HBM, only the new rows' tile-aligned window is
 # read and written) unless DFLASH_KV_UPDATE=xla (read once per process). Compiled for Qwen3-8B
@@ -136,7 +193,10 @@ def _heads(x, head_dim: int):
     return x if x.ndim == 4 else x.reshape(*x.shape[:2], -1, head_dim)
 
 
-def write_block(cache_BSF, new_BTF, starts_B, impl: str = "xla", head_dim: int = 0, layer=None):
+def write_block(
+    cache_BSF, new_BTF, starts_B, impl: str = "xla", head_dim: int = 0, layer=None,
+    seq_split: bool = False,
+):  # fmt: skip
     """cache [B,S,K*D] (or [B,S,K,D]) with rows starts[b] .. starts[b]+T-1 of row b set to new
     rows of the same trailing shape (slots outside [0, S) dropped, as `model.write_kv` does).
     With `layer` (an int, traced or not) the cache is a stack [L,B,S,K*D] of a scanned layer
@@ -144,7 +204,14 @@ def write_block(cache_BSF, new_BTF, starts_B, impl: str = "xla", head_dim: int =
     Under a TPU Pallas impl the Pallas kernel DMAs the T rows into the cache where it lies in
     HBM (XLA's scatter or dynamic-update-slice round-trips the whole cache through VMEM on
     TPU), per shard of the context mesh (batch over data/fsdp, whole KV heads over tensor:
-    `head_dim` says where a [B,S,K*D] head ends); else the XLA scatter."""
+    `head_dim` says where a [B,S,K*D] head ends); else the XLA scatter. `seq_split`: a
+    drafter's context cache, split by sequence over `tensor` where `splits_context` says so:
+    each chip writes the rows that fall in its slots."""
+    if seq_split and layer is None:
+        heads = cache_BSF.shape[2] if cache_BSF.ndim == 4 else cache_BSF.shape[2] // head_dim
+        split = _context_split_mesh(heads, cache_BSF.shape[1], cache_BSF.shape[0])
+        if split is not None:
+            return _split_write_block(split, cache_BSF, new_BTF, starts_B, impl, head_dim)
     lead = () if layer is None else (layer,)
     if not uses_kv_kernel(impl):
         t = new_BTF.shape[1]
@@ -173,6 +240,35 @@ def write_block(cache_BSF, new_BTF, starts_B, impl: str = "xla", head_dim: int =
         dims = ((0, 0, 0), (2, 2, None))
     out = kernel(*args) if interpret else _per_shard(kernel, args, *dims)
     return out.reshape(cache_BSF.shape)
+
+
+def _split_write_block(split, cache_BSF, new_BTF, starts_B, impl, head_dim):
+    """`write_block` into a context cache split by sequence over `tensor`: each chip writes
+    the rows whose slots fall in its C / tensor (its starts shifted by its first slot; the
+    others dropped, as out-of-range slots are), in place, by the kernel or the scatter."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh, bax, local = split
+
+    def share(cache, new, starts):
+        shifted = starts.astype(jnp.int32) - jax.lax.axis_index("tensor") * local
+        if not uses_kv_kernel(impl):
+            pos = shifted[:, None] + jnp.arange(new.shape[1], dtype=jnp.int32)[None]
+            pos = jnp.where(pos >= 0, pos, local)  # below the share: dropped, never wrapped
+            b = jnp.arange(new.shape[0])[:, None]
+            return cache.at[b, pos].set(new.astype(cache.dtype), mode="drop")
+        # The kernel here, on the chip's share (no nested per-shard split).
+        interpret = resolve_impl(impl) == "pallas_interpret"
+        heads = _heads(cache, head_dim)
+        out = _kernels().kv_update(
+            heads, _heads(new.astype(cache.dtype), heads.shape[-1]), shifted, interpret=interpret
+        )
+        return out.reshape(cache.shape)
+
+    seq = P(bax, "tensor")
+    return jax.shard_map(
+        share, mesh=mesh, in_specs=(seq, P(bax), P(bax)), out_specs=seq, check_vma=False
+    )(cache_BSF, new_BTF, starts_B)
 
 
 def decode_attention_xla(q_B1ND, k_BSKD, v_BSKD, mask_B1S):
@@ -324,17 +420,25 @@ def window_draft_attention(
 
 
 def draft_attention(
-    q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla", window=None, causal=False
-):
+    q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str = "xla", window=None, causal=False,
+    seq_split: bool = False,
+):  # fmt: skip
     """Drafter block queries against [context (j < ctx_len) ; block (all)], non-causal.
     ctx_k / ctx_v: [B,C,K*D] (the context cache's storage) or [B,C,K,D]; blk_k / blk_v
     [B,T,K,D]. window: a sliding layer's window (`window_draft_attention`, XLA under every
-    impl: the kernels take the full context)."""
+    impl: the kernels take the full context). `seq_split`: the context is a DFlash context
+    cache, split by sequence over `tensor` where `splits_context` says so (each chip attends
+    over its slots, merged by log-sum-exp: `_split_draft_attention`)."""
     impl = resolve_impl(impl)
     d = q_BTND.shape[-1]
     ctx_k, ctx_v = _heads(ctx_k, d), _heads(ctx_v, d)
     if window is not None or causal:
         return window_draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window, causal)
+    split = None
+    if seq_split:
+        split = _context_split_mesh(ctx_k.shape[2], ctx_k.shape[1], q_BTND.shape[0])
+    if split is not None:
+        return _split_draft_attention(split, q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl)
     if impl == "xla":
         b, t = q_BTND.shape[:2]
         c = ctx_k.shape[1]

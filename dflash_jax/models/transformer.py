@@ -51,13 +51,16 @@ class KVCache:
     and the drafter's context cache alike.
 
     k, v: tuples of L arrays [B, S, K*D] (heads side by side on the last axis);
-    lengths: [B] int32, committed tokens per sequence; head_dim (static): D.
+    lengths: [B] int32, committed tokens per sequence; head_dim (static): D; seq_split
+    (static): a DFlash drafter's context cache, which a mesh whose `tensor` axis its heads do
+    not divide splits by sequence instead (`attention.splits_context`).
     """
 
     k: tuple
     v: tuple
     lengths: jnp.ndarray
     head_dim: int = flax.struct.field(pytree_node=False)
+    seq_split: bool = flax.struct.field(pytree_node=False, default=False)
 
     @classmethod
     def create(cls, cfg, batch: int, capacity: int, dtype=None, stacked: bool = False) -> "KVCache":

@@ -147,7 +147,9 @@ class DFlashKind(base.DrafterKind):
     # ---- the decode loop
     def init_context(self, dec, b, capacity):
         cfg = dec.dmod.cfg
-        return KVCache.create(cfg, b, cfg.context_capacity(capacity))
+        ctx = KVCache.create(cfg, b, cfg.context_capacity(capacity))
+        # Split by sequence where the mesh cannot split its heads; a ring (sliding) is not.
+        return ctx.replace(seq_split=cfg.context_window is None)
 
     def draft_vocab(self, dec):
         """A DFlash drafter's draft vocabulary (int32 [K]) when its parameters carry one."""
@@ -179,8 +181,9 @@ class DFlashKind(base.DrafterKind):
             write = lambda old, new: write_kv(old, flat_heads(new), positions)
         else:
             write = lambda old, new: attn_lib.write_block(
-                old, flat_heads(new), starts, dec.plan.attention_impl, ctx.head_dim
-            )
+                old, flat_heads(new), starts, dec.plan.attention_impl, ctx.head_dim,
+                seq_split=ctx.seq_split,
+            )  # fmt: skip
         k = tuple(write(old, new) for old, new in zip(ctx.k, ck))
         v = tuple(write(old, new) for old, new in zip(ctx.v, cv))
         return ctx.replace(k=k, v=v, lengths=lengths)
@@ -191,7 +194,7 @@ class DFlashKind(base.DrafterKind):
         (as the drafter scores them: DFlash 2's scaled and capped), with their hidden states
         [B, bs-1, H] when `with_hidden`."""
         positions = start[:, None] + jnp.arange(dec.plan.block_size, dtype=jnp.int32)[None]
-        attend = decode_attend(ctx.lengths, dec.plan.attention_impl)
+        attend = decode_attend(ctx.lengths, dec.plan.attention_impl, ctx.seq_split)
         block = jnp.concatenate([x_last[:, None], tokens], axis=1)
         hidden = dec.dmod.apply(self.dvars(dec), dec.embed(block), positions, ctx.k, ctx.v, attend)
         vocab = self.draft_vocab(dec)

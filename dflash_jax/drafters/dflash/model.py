@@ -172,15 +172,17 @@ def drafter_logits(cfg: DrafterConfig, logits):
     return adjust_logits(logits, cfg.output_multiplier, cfg.final_logit_softcapping)
 
 
-def decode_attend(ctx_len_B, impl: str = "xla") -> AttendFn:
+def decode_attend(ctx_len_B, impl: str = "xla", seq_split: bool = False) -> AttendFn:
     """Decode-time attention: the committed context (positions j < ctx_len) plus the whole
     block at positions ctx_len .. ctx_len + T - 1, non-causal; a sliding layer's within its
-    window, from a context cache that may be a ring (`attention.draft_attention`)."""
+    window, from a context cache that may be a ring (`attention.draft_attention`; seq_split:
+    the cache's `KVCache.seq_split`)."""
 
     def attend(q, k, v, ctx_k, ctx_v, window=None, causal=False):
         return attn_lib.draft_attention(
-            q, ctx_k, ctx_v, ctx_len_B, k, v, impl=impl, window=window, causal=causal
-        )
+            q, ctx_k, ctx_v, ctx_len_B, k, v, impl=impl, window=window, causal=causal,
+            seq_split=seq_split,
+        )  # fmt: skip
 
     return attend
 
