@@ -41,8 +41,9 @@ steps. The HBM model's (`hbm`: the HBM operands of the real loop's body counted 
 one step, no differencing; the analytic floor per chip; the loop's collectives at a cited ICI hop
 latency): time = max(FLOPs / peak, HBM bytes / bandwidth) + bytes moved / ICI bandwidth +
 collective latency (`time_s`, `hbm_speedup_at_tau`, the floor's `floor_speedup_at_tau`), and
-`roofline.steps.{ar,dflash}`: floor_bytes, hbm_bytes, collectives, collective_latency_s,
-time_s, top_ops. FLOPs still come from the two-step difference (a clean count: the loop's
+`roofline.steps.{ar,dflash}`: floor_bytes, hbm_bytes (a MoE target's routed kernels at the
+experts they fetch on average; hbm_bytes_bound: at the experts their grids can fetch),
+collectives, collective_latency_s, time_s, top_ops. FLOPs still come from the two-step difference (a clean count: the loop's
 FLOPs are one body's). PROJECTIONS, not measurements: no host overhead, perfect overlap inside
 each step, published chip figures (`TPU_CHIPS`).
 

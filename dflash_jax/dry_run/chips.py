@@ -228,6 +228,8 @@ def roofline(
                         "time_s": t[kind]["time_s"],
                         "top_ops": s["top_ops"],
                     }
+                    if "hbm_bytes_bound" in s:  # MoE: the routed kernels' bound beside
+                        out["steps"][kind]["hbm_bytes_bound"] = s["hbm_bytes_bound"]
         if len(t) == 2:
             if "step_s" in t["ar"] and "step_s" in t["dflash"]:
                 t["speedup_at_tau"] = {

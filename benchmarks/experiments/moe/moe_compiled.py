@@ -1,6 +1,8 @@
 """A MoE target's decode steps from the compiled programs: per batch and block size, the HBM
 bytes per chip of one AR step and one DFlash step (the dry run's HBM model over the compiled
-loop, the routed grouped matmul charged the experts its grid can fetch), their analytic floors
+loop, the routed grouped matmul charged the experts it fetches on average under uniform
+routing, the floor's statistic; beside it the bound, the experts its grid can fetch), their
+analytic floors
 (experts at the share the step's tokens route to, `hbm.routed_fraction`), and the break-even
 acceptance length (DFlash step time / AR step time, the projected step times). PROJECTED from
 compiles on this CPU machine; nothing is measured on a TPU.
@@ -53,6 +55,7 @@ def row_of(run: dict) -> dict:
             floor = run["sizes"][f"{kind}_floor_bytes"]
             out[kind] = {
                 "hbm_bytes": step["hbm_bytes"],
+                "bound_bytes": step.get("hbm_bytes_bound", step["hbm_bytes"]),
                 "floor_bytes": floor,
                 "time_s": hbm_step_times(step, floor, run["chip"])["time_s"],
             }
@@ -76,7 +79,9 @@ def table(rows, tau: float):
                 **{k: r[k] for k in ("chip", "mesh", "batch", "block", "commit")},
                 "ar_hbm_gb": ar["hbm_bytes"] / 1e9,
                 "ar_over_floor": ar["hbm_bytes"] / ar["floor_bytes"],
+                "ar_bound_gb": ar.get("bound_bytes", ar["hbm_bytes"]) / 1e9,
                 "dflash_hbm_gb": d["hbm_bytes"] / 1e9,
+                "dflash_bound_gb": d.get("bound_bytes", d["hbm_bytes"]) / 1e9,
                 "dflash_over_floor": d["hbm_bytes"] / d["floor_bytes"],
                 "floor_break_even_tau": d["floor_bytes"] / ar["floor_bytes"],
                 "break_even_tau": even,
@@ -89,7 +94,8 @@ def table(rows, tau: float):
 
 def markdown(out, tau: float) -> str:
     lines = [
-        "| chip (mesh) | batch | block | AR GB/step (x floor) | DFlash GB/step (x floor) "
+        "| chip (mesh) | batch | block | AR GB/step (x floor; bound) "
+        "| DFlash GB/step (x floor; bound) "
         f"| break-even tau (floor bytes ratio) | PROJECTED speedup at tau {tau:g} | commit |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -99,8 +105,9 @@ def markdown(out, tau: float) -> str:
         capped = "" if r["tau"] == tau else f" (tau {r['tau']:g})"
         lines.append(
             f"| {r['chip']} ({mesh}) | {r['batch']} | {r['block']} "
-            f"| {r['ar_hbm_gb']:.2f} ({r['ar_over_floor']:.2f}x) "
-            f"| {r['dflash_hbm_gb']:.2f} ({r['dflash_over_floor']:.2f}x) "
+            f"| {r['ar_hbm_gb']:.2f} ({r['ar_over_floor']:.2f}x; {r['ar_bound_gb']:.2f}) "
+            f"| {r['dflash_hbm_gb']:.2f} ({r['dflash_over_floor']:.2f}x; "
+            f"{r['dflash_bound_gb']:.2f}) "
             f"| {r['break_even_tau']:.2f} ({r['floor_break_even_tau']:.2f}) "
             f"| {r['speedup']:.2f}x{capped} | {r['commit']} |"
         )
