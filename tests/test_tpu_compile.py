@@ -198,8 +198,9 @@ def _kernel_loop_hlo(v5e, cache_shape, heads=2, s=2048, d=128, t=16):
 
 def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_path, monkeypatch):
     """No instruction of either decode loop body pads, transposes, concatenates, reshapes or
-    copies a cache-sized buffer, at 1 and 2 KV heads per chip; with the capacity left
-    unrounded (the control) the scan finds the kernels' per-step pads. The caches are written
+    copies a cache-sized buffer, at 1 and 2 KV heads per chip; with a capacity that no key tile
+    divides (the control: 1,112 slots, 8 x 139; the unrounded 1,104 is tiled by 368 since the
+    tiles may be any multiple of 16 that divides it) the scan finds the kernels' per-step pads. The caches are written
     by the Pallas DMA kernel (pallas_kernels.kv_update, HBM in and out) and stored as
     [B, S, K*D], the view the kernels read: no whole-cache VMEM round trip (copy-start of a
     cache) and no relayout is left at either head count. Controls: with XLA's writes
@@ -246,9 +247,9 @@ def test_decode_loops_pad_or_relayout_no_cache_per_step(decode_hlo, v5e, tmp_pat
         # The scan sees the caches: their VMEM round trips are found as copy-starts.
         assert hlo.cache_sized_copies(text, cap_of(name), cap_of(name) * 128, ("copy-start",))
     monkeypatch.setattr(attention, "KV_UPDATE", "pallas")
-    monkeypatch.setattr(decoding_programs, "cache_capacity", lambda slots: slots)
+    monkeypatch.setattr(decoding_programs, "cache_capacity", lambda slots: slots + 8)
     text = _decode_hlo(v5e, "tensor=8", tmp_path, only=("dflash_decode",))["dflash_decode"]
-    cap = 1024 + 64 + 16
+    cap = 1024 + 64 + 16 + 8
     pads = hlo.cache_sized_copies(text, cap, cap * 128, no_pads)
     assert any("(pad)" in c for c in pads), pads
     # The layout control: 2 KV heads of 128 over 2048 slots.
