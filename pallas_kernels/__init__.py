@@ -47,6 +47,7 @@ __all__ = [
     "verify_attention",
     "draft_attention",
     "draft_attention_lse",
+    "verify_attention_lse",
     "tree_attention",
     "training_attention",
     "kv_update",
@@ -236,6 +237,25 @@ def draft_attention_lse(
     return tpu_decode.decode_attention(
         q, k, v, lim, **blk, blk_mask=mask, sm_scale=sm_scale, interpret=bool(interpret),
         return_lse=True,
+    )  # fmt: skip
+
+
+def verify_attention_lse(q, k_cache, v_cache, q_positions, *, sm_scale=None, impl="auto",
+                         interpret=False):  # fmt: skip
+    """One share of `verify_attention` to be merged with others (a target cache split by
+    sequence over chips, each attending over its slots with the query positions shifted by its
+    first slot: a negative one sees nothing there). Returns (out [B,T,Hq,D], log-sum-exp
+    [B,T,Hq]), float32; a row that sees no key gets out 0 and lse `_common.NEG`. The TPU decode
+    kernel (`return_lse`) on the TPU variant; the XLA reference elsewhere. interpret: as
+    `draft_attention_lse`'s."""
+    variant = backend.resolve(impl, interpret)
+    if variant != backend.TPU:
+        return reference.verify_attention_lse(q, k_cache, v_cache, q_positions, sm_scale=sm_scale)
+    from . import tpu_decode
+
+    return tpu_decode.decode_attention(
+        q, k_cache, v_cache, q_positions.astype(jnp.int32), sm_scale=sm_scale,
+        interpret=bool(interpret), return_lse=True,
     )  # fmt: skip
 
 

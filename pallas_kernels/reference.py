@@ -159,15 +159,34 @@ def draft_mask(ctx_len, ctx_capacity, block_len):
     return jnp.concatenate([ctx, blk], axis=1)[:, None, :]
 
 
-def draft_attention_lse(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, blk_seen, *, sm_scale=None):
-    """`draft_attention` with the block's keys seen only by rows b where blk_seen[b], returning
-    (out [B,T,Hq,D] float32, log-sum-exp [B,T,Hq] float32; out 0 and lse NEG where a row sees
-    no key): one chip's share of attention over a context split by sequence, to be merged."""
+def attention_lse(q, k, v, seen_BTS, *, sm_scale=None):
+    """GQA attention under a boolean mask [B,T,S] (True: query t sees key s) returning (out
+    [B,T,Hq,D] float32, log-sum-exp [B,T,Hq] float32; out 0 and lse NEG where a row sees no key):
+    one chip's share of attention over keys split by sequence, to be merged with the others'."""
     f32 = jnp.float32
     b, t, hq, d = q.shape
-    hkv = ctx_k.shape[2]
-    k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1).astype(f32)
-    v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1).astype(f32)
+    hkv = k.shape[2]
+    k, v = k.astype(f32), v.astype(f32)
+    seen = seen_BTS[:, :, None, None, :]
+    qg = q.astype(f32).reshape(b, t, hkv, hq // hkv, d) * default_scale(d, sm_scale)
+    s = jnp.einsum("btkgd,bskd->btkgs", qg, k, precision=_HI)
+    s = jnp.where(seen, s, NEG)
+    top = jnp.max(s, axis=-1, keepdims=True)
+    p = jnp.where(seen, jnp.exp(s - top), 0.0)
+    total = jnp.sum(p, axis=-1)
+    out = jnp.einsum("btkgs,bskd->btkgd", p, v, precision=_HI)
+    out = out / jnp.where(total > 0, total, 1.0)[..., None]
+    lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), NEG)
+    return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
+
+
+def draft_attention_lse(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, blk_seen, *, sm_scale=None):
+    """`draft_attention` with the block's keys seen only by rows b where blk_seen[b], returning
+    (out, log-sum-exp) as `attention_lse`: one chip's share of attention over a context split
+    by sequence, to be merged."""
+    b, t = q.shape[:2]
+    k = jnp.concatenate([ctx_k, blk_k.astype(ctx_k.dtype)], axis=1)
+    v = jnp.concatenate([ctx_v, blk_v.astype(ctx_v.dtype)], axis=1)
     j = jnp.arange(ctx_k.shape[1], dtype=jnp.int32)
     seen = jnp.concatenate(
         [
@@ -176,16 +195,17 @@ def draft_attention_lse(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, blk_seen, *, sm_
         ],
         axis=1,
     )  # [B, C + T]
-    qg = q.astype(f32).reshape(b, t, hkv, hq // hkv, d) * default_scale(d, sm_scale)
-    s = jnp.einsum("btkgd,bskd->btkgs", qg, k, precision=_HI)
-    s = jnp.where(seen[:, None, None, None, :], s, NEG)
-    top = jnp.max(s, axis=-1, keepdims=True)
-    p = jnp.where(seen[:, None, None, None, :], jnp.exp(s - top), 0.0)
-    total = jnp.sum(p, axis=-1)
-    out = jnp.einsum("btkgs,bskd->btkgd", p, v, precision=_HI)
-    out = out / jnp.where(total > 0, total, 1.0)[..., None]
-    lse = jnp.where(total > 0, top[..., 0] + jnp.log(jnp.where(total > 0, total, 1.0)), NEG)
-    return out.reshape(b, t, hq, d), lse.reshape(b, t, hq)
+    return attention_lse(
+        q, k, v, jnp.broadcast_to(seen[:, None], (b, t, k.shape[1])), sm_scale=sm_scale
+    )
+
+
+def verify_attention_lse(q, k_cache, v_cache, q_positions, *, sm_scale=None):
+    """`verify_attention` returning (out, log-sum-exp) as `attention_lse`: one chip's share of
+    a target cache split by sequence (its positions shifted by the share's first slot, so a
+    negative one sees nothing here)."""
+    seen = verify_mask(q_positions.astype(jnp.int32), k_cache.shape[1])
+    return attention_lse(q, k_cache, v_cache, seen, sm_scale=sm_scale)
 
 
 def draft_attention(q, ctx_k, ctx_v, ctx_len, blk_k, blk_v, *, sm_scale=None):

@@ -167,11 +167,13 @@ def check_generate(out, workdir):
 
 
 def _context_split(spec="data=2,tensor=4"):
-    """A DFlash context cache split by sequence (2 KV heads on tensor=4: 512 slots, 128 a
-    chip) under the XLA reference and the Pallas kernels (interpreted, inside the shard_map):
-    the drafter's attention against the one-device reference over the whole context (ragged
-    lengths 300 and 129), and a block write whose 16 rows straddle two chips' slots against the
-    NumPy one. {impl: {"attention_err", "write_equal"}}."""
+    """A cache split by sequence (2 KV heads on tensor=4: 512 slots, 128 a chip) under the XLA
+    reference and the Pallas kernels (interpreted, inside the shard_map): the drafter's
+    attention against the one-device reference over the whole context (ragged lengths 300 and
+    129); a target's verify of 16 queries at positions 120.. and 250.. (each straddling two
+    chips' slots) against the one-device reference, and whether its program merges shares
+    (a `pmax`); and a block write whose 16 rows straddle two chips' slots against the NumPy
+    one. {impl: {"attention_err", "verify_err", "verify_merged", "write_equal"}}."""
     from dflash_jax.models import attention
     from pallas_kernels import reference
 
@@ -186,15 +188,22 @@ def _context_split(spec="data=2,tensor=4"):
     written = np.array(ck)
     for i, s0 in enumerate(np.asarray(starts)):
         written[i, s0 : s0 + t] = np.asarray(new[i])
+    pos = starts[:, None] + jnp.arange(t, dtype=jnp.int32)[None]
+    want_v = np.asarray(reference.verify_attention(q, heads(ck), heads(cv), pos))
     mesh, res = dry_run.resolve_mesh(spec), {}
     for impl in ("xla", "pallas_interpret"):
         attend = lambda *a: attention.draft_attention(*a, impl=impl, seq_split=True)  # noqa: B023,E731
+        verify = lambda *a: attention.verify_attention(*a, impl=impl, seq_split=True)  # noqa: B023,E731
         write = lambda *a: attention.write_block(*a, impl, d, seq_split=True)  # noqa: B023,E731
         with sharding.compiling_for(mesh):
             got = jax.jit(attend)(q, ck, cv, n, bk, bv)
+            got_v = jax.jit(verify)(q, ck, cv, pos)
+            merged = "pmax" in str(jax.make_jaxpr(verify)(q, ck, cv, pos))
             w = jax.jit(write)(ck, new, starts)
         res[impl] = {
             "attention_err": float(np.max(np.abs(np.asarray(got) - want))),
+            "verify_err": float(np.max(np.abs(np.asarray(got_v) - want_v))),
+            "verify_merged": merged,
             "write_equal": bool(np.array_equal(np.asarray(w), written)),
         }
     return res

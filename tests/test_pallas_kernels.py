@@ -551,6 +551,37 @@ def test_draft_attention_shares_merge_to_the_whole_context(impl):
     np.testing.assert_allclose(merged, _np_draft(q, ck, cv, clen, blk_k, blk_v), atol=ATOL)
 
 
+@pytest.mark.parametrize("impl", ("xla", "pallas"))
+def test_verify_attention_shares_merge_to_the_whole_cache(impl):
+    """A target cache split into two shares of 1,040 slots, as the chips of a sequence-split
+    cache hold it: `verify_attention_lse` over each share, the query positions shifted by the
+    share's first slot, merged in NumPy by their log-sum-exp, is the brute-force verify over
+    the whole cache, for blocks ending in the second share, straddling the two, and inside the
+    first (whose rows see nothing in the second: output 0, lse NEG); an autoregressive step
+    (T = 1) too."""
+    b, hq, hkv, d, share = 3, 4, 2, 32, 1040
+    rng = np.random.default_rng(12)
+    ck, cv = _rand(rng, b, 2 * share, hkv, d), _rand(rng, b, 2 * share, hkv, d)
+    for t in (5, 1):
+        q = _rand(rng, b, t, hq, d)
+        pos = np.array([1500, share - 2, 30], np.int32)[:, None] + np.arange(t, dtype=np.int32)
+        outs, lses = [], []
+        for i in (0, 1):
+            part = slice(i * share, (i + 1) * share)
+            o, lse = pk.verify_attention_lse(
+                q, ck[:, part], cv[:, part], jnp.asarray(pos - i * share), impl=impl,
+                interpret=True,
+            )  # fmt: skip
+            assert o.dtype == lse.dtype == jnp.float32 and lse.shape == (b, t, hq)
+            outs.append(np.asarray(o, np.float64))
+            lses.append(np.asarray(lse, np.float64))
+        assert np.all(lses[1][2] <= -1e29) and np.all(outs[1][2] == 0)  # row 2: nothing there
+        top = np.maximum(*lses)
+        w = [np.exp(x - top) for x in lses]
+        merged = (w[0][..., None] * outs[0] + w[1][..., None] * outs[1]) / (w[0] + w[1])[..., None]
+        np.testing.assert_allclose(merged, _np_verify(q, ck, cv, pos), atol=ATOL)
+
+
 @pytest.mark.parametrize("impl", VARIANTS)
 def test_draft_kernel_without_context_capacity(impl):
     """C == 0 (no context cache at all): only the block keys are attended."""

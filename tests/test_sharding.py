@@ -98,7 +98,12 @@ def test_sharded_greedy_generate_equals_single_device(findings):
     # The caches really are split: batch over data; KV heads over tensor when they divide.
     assert g["data=4,tensor=2"]["cache_spec"] == "P('data', None, 'tensor')"
     assert g["data=4,tensor=2"]["k_proj"] == "P(None, 'tensor')"
-    assert g["data=2,tensor=4"]["cache_spec"] == "P('data',)"  # 2 KV heads on tensor=4
+    # 2 KV heads on tensor=4, which they do not divide: the target's cache is split by
+    # sequence (each chip verifies over its slots, merged by log-sum-exp); the projection
+    # replicates.
+    assert g["data=2,tensor=4"]["cache_spec"] == "P('data', 'tensor')"
+    assert g["untied_data=2,tensor=4"]["cache_spec"] == "P('data', 'tensor')"
+    assert g["ar_tensor=8"]["cache_spec"] == "P(None, 'tensor')"  # the AR loop's too
     assert g["data=2,tensor=4"]["k_proj"] == "P()"
     # The drafter's context cache: its 2 KV heads split over tensor=2; over tensor=4, which
     # they do not divide, its slots instead (each chip attends over its share; the tokens,
@@ -107,6 +112,7 @@ def test_sharded_greedy_generate_equals_single_device(findings):
     assert g["data=2,tensor=4"]["ctx_spec"] == "P('data', 'tensor')"
     for impl, r in g["context_split"].items():  # the XLA path and the kernels in shard_map
         assert r["attention_err"] < 1e-5 and r["write_equal"], (impl, r)
+        assert r["verify_err"] < 1e-5 and r["verify_merged"], (impl, r)
     assert sorted(g["context_split"]) == ["pallas_interpret", "xla"]
     assert g["untied_data=2,tensor=4"]["lm_head"] == "P(None, 'tensor')"  # vocab-parallel head
     assert g["ar_tensor=8"]["q_proj"] == "P()"  # 4 query heads do not divide 8: replicated
@@ -194,6 +200,9 @@ def test_hybrid_target_sharded_equals_one_device_and_autoregressive(findings):
         assert res[spec]["tokens"] == ar, spec
         _assert_accepted(res[spec])
         assert len({a[0] for a in res[spec]["acceptance"]}) > 1, spec  # ragged in one step
+    # The full layer's cache: its 2 KV heads over tensor=2; over tensor=4 its slots.
+    assert res["data=2,tensor=4"]["cache_spec"] == "P('data', 'tensor')"
+    assert res["data=4,tensor=2"]["cache_spec"] == "P('data', None, 'tensor')"
     # The DeltaNet's weights split over tensor (4 divides its 4 value heads; 2 as well).
     for spec in ("data=2,tensor=4", "data=4,tensor=2"):
         specs = res[spec]["specs"]

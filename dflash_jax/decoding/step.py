@@ -414,7 +414,8 @@ class Decoder:
         token sampled: the state the decode loop starts from (`n_buf` output slots)."""
         b, p = prompts.shape
         tap_layers = self.kind.taps(self)
-        cache = new_cache(self.tmod.cfg, b, capacity)
+        # Split by sequence where the mesh cannot split the heads; a tree's verify reads whole.
+        cache = new_cache(self.tmod.cfg, b, capacity, seq_split=self.plan.tree_budget is None)
         ctx = self.kind.init_context(self, b, capacity)
         chunk = self.plan.prefill_chunk
         if not chunk or p <= chunk or p % chunk:

@@ -76,6 +76,17 @@ def _kernel_impl(impl: str) -> str:
     return "pallas" if impl in ("pallas", "pallas_interpret") else impl
 
 
+def _batch_axes(shape, batch: int):
+    """The spec entry that splits a batch of `batch` rows over the mesh's data-parallel axes
+    (`shape`: {axis: size}; "data" and "fsdp", those over 1), as the caches are; None where there
+    are none or they do not divide the batch."""
+    data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
+    n_data = 1
+    for a in data:
+        n_data *= shape[a]
+    return data if data and batch % n_data == 0 else None
+
+
 def _per_shard(fn, args, batch_dims, head_dims):
     """fn(*args) run per shard of the context mesh (`jax.sharding.set_mesh`) when it has more
     than one device: compiled Pallas kernels are opaque to GSPMD, which cannot partition them.
@@ -88,14 +99,9 @@ def _per_shard(fn, args, batch_dims, head_dims):
     from jax.sharding import PartitionSpec as P
 
     shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
-    n_data = 1
-    for a in data:
-        n_data *= shape[a]
     tensor = shape.get("tensor", 1)
-    b = args[0].shape[batch_dims[0]]
     heads = [a.shape[d] for a, d in zip(args, head_dims) if d is not None]
-    bax = data if data and b % n_data == 0 else None
+    bax = _batch_axes(shape, args[0].shape[batch_dims[0]])
     hax = "tensor" if tensor > 1 and all(h % tensor == 0 for h in heads) else None
 
     def spec(x, bd, hd):
@@ -111,39 +117,65 @@ def _per_shard(fn, args, batch_dims, head_dims):
 
 
 def splits_context(mesh_shape, kv_heads: int, capacity: int) -> bool:
-    """Whether a drafter's context cache ([B, C, K*D], `KVCache.seq_split`) is split by
-    sequence over the mesh's `tensor` axis (`mesh_shape`: {axis: size}): when its K heads do
-    not divide `tensor` (a head split would leave the whole cache on every chip: Qwen3.5-9B's
-    drafter, 4 heads of 256 over tensor=8, 68 MB a chip at 32K) and its C slots do. Each chip
-    then holds C / tensor consecutive slots and attends over them; the shares merge by
-    log-sum-exp (`draft_attention`)."""
+    """Whether a cache ([B, C, K*D] with `KVCache.seq_split`: a DFlash drafter's context cache,
+    or a target's cache in a chain decode loop) is split by sequence over the mesh's `tensor`
+    axis (`mesh_shape`: {axis: size}): when its K heads do not divide `tensor` (a head split
+    would leave the whole cache on every chip: Qwen3.5-9B's full-attention layers and its
+    drafter, 4 heads of 256 over tensor=8) and its C slots do. Each chip then holds C / tensor
+    consecutive slots and attends over them; the shares merge by log-sum-exp (`draft_attention`,
+    `verify_attention`)."""
     t = dict(mesh_shape).get("tensor", 1)
     return t > 1 and kv_heads % t != 0 and capacity % t == 0
 
 
 def _context_split_mesh(kv_heads: int, capacity: int, batch: int):
     """(abstract mesh, batch axes spec entry, slots per chip) when the context mesh splits a
-    context cache of this shape by sequence (`splits_context`), else None."""
+    cache of this shape by sequence (`splits_context`), else None."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return None
     shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
     if not splits_context(shape, kv_heads, capacity):
         return None
-    data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
-    n_data = 1
-    for a in data:
-        n_data *= shape[a]
-    bax = data if data and batch % n_data == 0 else None
-    return mesh, bax, capacity // shape["tensor"]
+    return mesh, _batch_axes(shape, batch), capacity // shape["tensor"]
+
+
+def _merge_shares(o, lse, dtype):
+    """The attention over all chips' keys from each chip's share (out [B,T,Hq,D], log-sum-exp
+    [B,T,Hq], float32) inside a shard_map over `tensor`: two all-reduces, the largest
+    log-sum-exp and the weighted outputs with their weights ([B, T, Hq, D + 1])."""
+    w = jnp.exp(lse - jax.lax.pmax(lse, "tensor"))  # [B, T, Hq]
+    total = jax.lax.psum(jnp.concatenate([w[..., None] * o, w[..., None]], axis=-1), "tensor")
+    return (total[..., :-1] / total[..., -1:]).astype(dtype)
+
+
+def _split_verify_attention(split, q, k, v, positions_BT, impl: str):
+    """`verify_attention` over a target cache split by sequence over `tensor`
+    (`splits_context`): each chip attends its queries (all heads) over its C / tensor slots,
+    the positions shifted by its first slot (`pallas_kernels.verify_attention_lse`: the TPU
+    kernel, or the XLA reference), merged by log-sum-exp (`_merge_shares`)."""
+    from jax.sharding import PartitionSpec as P
+
+    mesh, bax, local = split
+    kimpl, interpret = _kernel_impl(impl), impl == "pallas_interpret"
+
+    def share(q, k, v, pos):
+        shifted = pos.astype(jnp.int32) - jax.lax.axis_index("tensor") * local
+        o, lse = _kernels().verify_attention_lse(q, k, v, shifted, impl=kimpl, interpret=interpret)
+        return _merge_shares(o, lse, q.dtype)
+
+    seq = P(bax, "tensor")
+    specs = (P(bax), seq, seq, P(bax))
+    return jax.shard_map(share, mesh=mesh, in_specs=specs, out_specs=P(bax), check_vma=False)(
+        q, k, v, positions_BT
+    )
 
 
 def _split_draft_attention(split, q, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl: str):
     """`draft_attention` over a context split by sequence over `tensor` (`splits_context`):
     each chip attends its queries (all heads) over its C / tensor slots, the block's keys on
     chip 0 only (`pallas_kernels.draft_attention_lse`: the TPU kernel, or the XLA reference),
-    and the shares merge by log-sum-exp: two all-reduces a layer, the largest log-sum-exp
-    ([B, T, Hq]) and the weighted outputs with their weights ([B, T, Hq, D + 1])."""
+    and the shares merge by log-sum-exp (`_merge_shares`)."""
     from jax.sharding import PartitionSpec as P
 
     mesh, bax, local = split
@@ -156,9 +188,7 @@ def _split_draft_attention(split, q, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl
             q, ck, cv, n_here, bk, bv, jnp.broadcast_to(i == 0, n.shape), impl=kimpl,
             interpret=interpret,
         )  # fmt: skip
-        w = jnp.exp(lse - jax.lax.pmax(lse, "tensor"))  # [B, T, Hq]
-        total = jax.lax.psum(jnp.concatenate([w[..., None] * o, w[..., None]], axis=-1), "tensor")
-        return (total[..., :-1] / total[..., -1:]).astype(q.dtype)
+        return _merge_shares(o, lse, q.dtype)
 
     seq = P(bax, "tensor")
     specs = (P(bax), seq, seq, P(bax), P(bax), P(bax))
@@ -204,9 +234,10 @@ def write_block(
     Under a TPU Pallas impl the Pallas kernel DMAs the T rows into the cache where it lies in
     HBM (XLA's scatter or dynamic-update-slice round-trips the whole cache through VMEM on
     TPU), per shard of the context mesh (batch over data/fsdp, whole KV heads over tensor:
-    `head_dim` says where a [B,S,K*D] head ends); else the XLA scatter. `seq_split`: a
-    drafter's context cache, split by sequence over `tensor` where `splits_context` says so:
-    each chip writes the rows that fall in its slots."""
+    `head_dim` says where a [B,S,K*D] head ends); else the XLA scatter. `seq_split`: the
+    cache's `KVCache.seq_split` (a drafter's context cache, or a target's), split by sequence
+    over `tensor` where `splits_context` says so: each chip writes the rows that fall in its
+    slots."""
     if seq_split and layer is None:
         heads = cache_BSF.shape[2] if cache_BSF.ndim == 4 else cache_BSF.shape[2] // head_dim
         split = _context_split_mesh(heads, cache_BSF.shape[1], cache_BSF.shape[0])
@@ -243,7 +274,7 @@ def write_block(
 
 
 def _split_write_block(split, cache_BSF, new_BTF, starts_B, impl, head_dim):
-    """`write_block` into a context cache split by sequence over `tensor`: each chip writes
+    """`write_block` into a cache split by sequence over `tensor`: each chip writes
     the rows whose slots fall in its C / tensor (its starts shifted by its first slot; the
     others dropped, as out-of-range slots are), in place, by the kernel or the scatter."""
     from jax.sharding import PartitionSpec as P
@@ -305,13 +336,22 @@ def _layer_of(k_LBSF, v_LBSF, layer, head_dim: int):
     return view(k_LBSF), view(v_LBSF)
 
 
-def verify_attention(q_BTND, k_BSF, v_BSF, positions_BT, impl: str = "xla", layer=None):
+def verify_attention(
+    q_BTND, k_BSF, v_BSF, positions_BT, impl: str = "xla", layer=None, seq_split: bool = False
+):
     """Block queries against a cache that already holds them; query at p sees slots j <= p.
     The cache: [B,S,K*D] (the caches' storage) or [B,S,K,D]; D is the queries'. With `layer`
     (an int, traced or not) the caches are stacks [L,B,S,K*D] and that layer is read: where it
-    lies by the TPU kernel (its index maps take the layer), sliced out elsewhere."""
+    lies by the TPU kernel (its index maps take the layer), sliced out elsewhere. `seq_split`:
+    the cache's `KVCache.seq_split`; where `splits_context` says so, each chip attends over its
+    slots and the shares merge by log-sum-exp (`_split_verify_attention`)."""
     impl = resolve_impl(impl)
     d = q_BTND.shape[-1]
+    if seq_split and layer is None:
+        k4, v4 = _heads(k_BSF, d), _heads(v_BSF, d)
+        split = _context_split_mesh(k4.shape[2], k4.shape[1], q_BTND.shape[0])
+        if split is not None:
+            return _split_verify_attention(split, q_BTND, k4, v4, positions_BT, impl)
     if layer is not None and not _reads_stack(impl):
         k_BSF, v_BSF, layer = k_BSF[layer], v_BSF[layer], None
     if layer is not None:

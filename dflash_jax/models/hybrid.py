@@ -431,12 +431,14 @@ class HybridLayer(nn.Module):
         mask_BTT=None,
         starts=None,
         stack_layer=None,
+        seq_split: bool = False,
     ):
         """One pre-norm layer. A linear layer's `layer_cache` is (window, state) or None and it
         returns (x, pending); a full layer's is (k, v), or (k, v, index) into stacked caches
         [F, B, S, K*D] (written and read where they lie), or None (then `mask_BTT` is the
         causal mask) and it returns (x, (k, v) or None). `stack_layer`: a MoE layer's experts
-        given as a scanned stack's and its index there (`transformer.split_experts`)."""
+        given as a scanned stack's and its index there (`transformer.split_experts`).
+        `seq_split`: the full layers' `KVCache.seq_split` (`transformer.DecoderLayer`)."""
         c = self.cfg
         h = CenteredRMSNorm(c.rms_norm_eps, c.dtype, c.param_dtype, name="input_layernorm")(x_BTH)
         if c.hybrid.is_linear(self.index):
@@ -451,9 +453,9 @@ class HybridLayer(nn.Module):
                 impl = self.attention_impl
                 ck, cv, li = write_layer_cache(
                     layer_cache, flat_heads(k), flat_heads(v), positions_BT, starts, impl,
-                    c.head_dim,
+                    c.head_dim, seq_split,
                 )  # fmt: skip
-                out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl=impl, layer=li)
+                out = attn_lib.verify_attention(q, ck, cv, positions_BT, impl, li, seq_split)
                 new = (ck, cv)
             out = attn.output(out, gate)
         x_BTH = x_BTH + out
@@ -611,7 +613,8 @@ class HybridTransformer(Transformer):
                 layer_cache = (cache.conv[li], cache.state[li])
             else:
                 layer_cache = (cache.kv.k[fi], cache.kv.v[fi])
-            x, new = layer(x, positions_BT, inv_freq, layer_cache, mask, starts)
+            split = cache is not None and cache.kv.seq_split
+            x, new = layer(x, positions_BT, inv_freq, layer_cache, mask, starts, seq_split=split)
             if c.hybrid.is_linear(i):
                 pending.append(new)
                 li += 1

@@ -27,11 +27,17 @@ def target_module(cfg: ModelConfig, attention_impl: str = "xla") -> Transformer:
     return cls(cfg, attention_impl)
 
 
-def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=None):
-    """A target's empty decoding cache: a `KVCache`, or a `HybridCache` for a hybrid target."""
+def new_cache(cfg: ModelConfig, batch: int, capacity: int, dtype=None, seq_split: bool = False):
+    """A target's empty decoding cache: a `KVCache`, or a `HybridCache` for a hybrid target.
+    `seq_split`: its K/V split by sequence over a mesh's `tensor` axis where that axis cannot
+    split their heads (`attention.splits_context`: the loops of chains; a draft tree's verify
+    reads its cache whole, and a scanned stack's [L, B, S, K*D] caches are not split)."""
+    stacked = cfg.scans_layers
     if cfg.hybrid is not None:
-        return HybridCache.create(cfg, batch, capacity, dtype, stacked=cfg.scans_layers)
-    return KVCache.create(cfg, batch, capacity, dtype, stacked=cfg.scans_layers)
+        cache = HybridCache.create(cfg, batch, capacity, dtype, stacked=stacked)
+        return cache.replace(kv=cache.kv.replace(seq_split=seq_split and not stacked))
+    cache = KVCache.create(cfg, batch, capacity, dtype, stacked=stacked)
+    return cache.replace(seq_split=seq_split and not stacked)
 
 
 def init_params(cfg: ModelConfig, seed: int = 0):

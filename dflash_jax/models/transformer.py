@@ -152,17 +152,21 @@ def join_experts(params: dict, experts):
     return dict(params, mlp=dict(params["mlp"], experts=experts))
 
 
-def write_layer_cache(layer_cache, k_BTF, v_BTF, positions_BT, starts_B, impl, head_dim):
+def write_layer_cache(
+    layer_cache, k_BTF, v_BTF, positions_BT, starts_B, impl, head_dim, seq_split=False
+):
     """A layer's new K/V [B, T, K*D] written into its cache: `layer_cache` is (k, v)
     [B, S, K*D] or (k, v, index) into stacked caches [L, B, S, K*D] (written where they lie).
     With `starts_B` the rows are a block at starts[b] (`attention.write_block`: the Pallas DMA
-    kernel under a TPU Pallas impl; a tree's nodes too, not at their positions), else at
-    `positions_BT`. Returns (k, v, the layer index or None)."""
+    kernel under a TPU Pallas impl; a tree's nodes too, not at their positions; `seq_split`:
+    the cache's `KVCache.seq_split`), else at `positions_BT`. Returns (k, v, the layer index
+    or None)."""
     ck, cv = layer_cache[:2]
     li = layer_cache[2] if len(layer_cache) == 3 else None
     if starts_B is not None:
-        ck = attn_lib.write_block(ck, k_BTF, starts_B, impl, head_dim, layer=li)
-        cv = attn_lib.write_block(cv, v_BTF, starts_B, impl, head_dim, layer=li)
+        kw = dict(layer=li, seq_split=seq_split)
+        ck = attn_lib.write_block(ck, k_BTF, starts_B, impl, head_dim, **kw)
+        cv = attn_lib.write_block(cv, v_BTF, starts_B, impl, head_dim, **kw)
     elif li is not None:
         ck = write_kv_layer(ck, k_BTF, positions_BT, li)
         cv = write_kv_layer(cv, v_BTF, positions_BT, li)
@@ -190,11 +194,14 @@ class DecoderLayer(nn.Module):
         cache_starts_B=None,
         tree_mask_BTT=None,
         stack_layer=None,
+        seq_split: bool = False,
     ):
         """One pre-norm decoder layer.
 
         `stack_layer`: in a scanned stack, (this layer's index, L); the experts of a MoE layer
-        are then given whole ([L, E, ...], read at the index: `moe.SparseMoE`).
+        are then given whole ([L, E, ...], read at the index: `moe.SparseMoE`). `seq_split`:
+        the cache's `KVCache.seq_split` (a chain's cache, split by sequence over `tensor` where
+        the mesh cannot split its heads: `attention.splits_context`).
 
         With `layer_cache` and `tree_mask_BTT` (a draft tree's verify), the new K/V are written
         at slots `cache_starts_B[b] + t`, and node t sees the committed slots (j < start) and
@@ -225,7 +232,7 @@ class DecoderLayer(nn.Module):
             k4, v4 = k, v
             ck, cv, layer = write_layer_cache(
                 layer_cache, flat_heads(k), flat_heads(v), positions_BT, cache_starts_B,
-                self.attention_impl, c.head_dim,
+                self.attention_impl, c.head_dim, seq_split,
             )  # fmt: skip
             if tree_mask_BTT is not None:
                 out = attn_lib.tree_verify_attention(
@@ -233,7 +240,7 @@ class DecoderLayer(nn.Module):
                 )
             else:
                 out = attn_lib.verify_attention(
-                    q, ck, cv, positions_BT, impl=self.attention_impl, layer=layer
+                    q, ck, cv, positions_BT, self.attention_impl, layer, seq_split
                 )
             new_cache = (ck, cv)
         x_BTH = x_BTH + attn.output(out)
@@ -465,6 +472,7 @@ class Transformer(nn.Module):
                 mask,
                 cache_starts_B=starts,
                 tree_mask_BTT=tree_mask_BTT,
+                seq_split=cache is not None and cache.seq_split,
             )
             if cache is not None:
                 new_k.append(layer_cache[0])

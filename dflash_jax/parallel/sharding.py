@@ -348,8 +348,9 @@ def batch_sharding(mesh, shape: Optional[Sequence[int]] = None, axis: int = 0):
 def cache_specs(cache, mesh):
     """Specs for a KVCache (the target's or the drafter's context cache; arrays or shapes):
     k/v [B,S,K*D] -> B over the batch axes, the K heads over tensor (each replicated when not
-    divisible, in whole heads; a DFlash context cache, `seq_split`, whose heads tensor does
-    not divide: its S slots over tensor instead, `attention.splits_context`); lengths [B]
+    divisible, in whole heads; a cache marked `seq_split` (a DFlash context cache, a chain
+    loop's target cache) whose heads tensor does not divide: its S slots over tensor instead,
+    `attention.splits_context`); lengths [B]
     over batch. A hybrid target's `HybridCache`: its
     full layers' KVCache as above, the convolution windows [B, K-1, C] over batch, the
     delta-rule states [B, Hv, dk, dv] over batch and their value heads over tensor."""
@@ -374,7 +375,7 @@ def cache_specs(cache, mesh):
         from dflash_jax.models.attention import splits_context
 
         if splits_context(mesh.shape, cache.num_kv_heads, cache.capacity):
-            # A DFlash context cache whose heads `tensor` does not divide: its slots instead.
+            # A cache whose heads `tensor` does not divide: its slots instead.
             kv = lambda x: fit_spec(np.shape(x), P(BATCH, "tensor"), mesh)
     if getattr(cache, "stacked", False):  # [L, B, S, K*D]: the layer axis unsplit
         one = lambda x: P(None, *kv(jax.ShapeDtypeStruct(np.shape(x)[1:], x.dtype)))
