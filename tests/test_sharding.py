@@ -321,3 +321,39 @@ def test_fsdp_training_equals_one_device_and_resumes_from_sharded_checkpoints(ru
     assert len(d1) == len(d8) > 0
     for a, b in zip(d1, d8):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_cache_splits_by_sequence_only_where_heads_cannot_and_the_saving_pays():
+    """`sharding.cache_specs` of caches marked `seq_split` (no devices: a mesh's axis sizes
+    and abstract arrays): split over tensor by their slots only where tensor does not divide
+    their KV heads, it divides their slots, and a layer's K and V on a chip reach
+    `attention.SEQ_SPLIT_MIN_BYTES` (32 MiB: the log-sum-exp merge's two all-reduces a layer
+    cost what reading about 13 MB does on v5e); never for a cache not marked."""
+    import jax
+    import jax.numpy as jnp
+
+    from dflash_jax.models import attention
+    from dflash_jax.models.transformer import KVCache
+    from dflash_jax.parallel import sharding
+
+    class Mesh:
+        shape = {"data": 2, "fsdp": 1, "tensor": 8}
+
+    def spec(batch, slots, heads, head_dim, split=True):
+        x = jax.ShapeDtypeStruct((batch, slots, heads * head_dim), jnp.bfloat16)
+        n = jax.ShapeDtypeStruct((batch,), jnp.int32)
+        cache = KVCache(k=(x,), v=(x,), lengths=n, head_dim=head_dim, seq_split=split)
+        return tuple(sharding.cache_specs(cache, Mesh).k[0])
+
+    assert attention.SEQ_SPLIT_MIN_BYTES == 32 * 2**20
+    # Qwen3.5-9B's full layers at 32K, 2 sequences a chip: 2 x 2 x 33,280 x 1,024 x 2 B each.
+    assert spec(4, 33280, 4, 256) == ("data", "tensor")
+    assert spec(4, 33280, 4, 256, split=False) == ("data",)  # whole: 4 heads over 8 chips
+    # Qwen3-30B-A3B's at 4K (4,352 slots of 4 x 128): 8.9 MB a layer on a chip, not worth it.
+    assert spec(2, 4352, 4, 128) == ("data",)
+    # 8 heads divide tensor=8: split by heads, whatever the size.
+    assert spec(4, 33280, 8, 128) == ("data", None, "tensor")
+    # At the threshold: one sequence a chip, 2 x 4,096 slots x 2,048 x 2 B = 32 MiB exactly.
+    assert spec(2, 4096, 4, 512) == ("data", "tensor")
+    assert spec(2, 4088, 4, 512) == ("data",)  # 8 slots fewer
+    assert spec(2, 4100, 4, 512) == ("data",)  # 4,100 slots: 8 does not divide them

@@ -20,6 +20,7 @@ Two shapes of attention occur at decode time:
 
 from __future__ import annotations
 
+import math
 import os
 
 import jax
@@ -116,28 +117,50 @@ def _per_shard(fn, args, batch_dims, head_dims):
     return jax.shard_map(fn, mesh=mesh, in_specs=specs, out_specs=specs[0], check_vma=False)(*args)
 
 
-def splits_context(mesh_shape, kv_heads: int, capacity: int) -> bool:
+# A split by sequence costs two small all-reduces a layer a pass (the log-sum-exp merge: 16 us
+# on an 8-chip ring at the HBM model's 1 us a hop, `dry_run.hbm.ICI_HOP_LATENCY_S`) and saves
+# reading (1 - 1/tensor) of the layer's K/V: worth it from about 13 MB saved on v5e
+# (819 GB/s) and 22 MB on v5p-8 (4 chips, 2.76 TB/s). So a cache splits only where one
+# layer's K and V on a chip, unsplit, hold at least this: Qwen3.5-9B's full layers at 32K
+# (136 MB) split; Qwen3-30B-A3B's at 4K (8.9 MB) do not (split, 96 more collectives took its
+# projected v5e-8 AR step from 2.72 to 3.01 ms).
+SEQ_SPLIT_MIN_BYTES = 32 << 20
+
+
+def kv_layer_bytes(mesh_shape, shape, dtype) -> int:
+    """One layer's K and V on a chip, not split by sequence: twice a cache array's bytes
+    (`shape` [B, S, ...]) with its batch over the mesh's data axes where they divide it."""
+    b = shape[0]
+    n_data = math.prod(dict(mesh_shape).get(a, 1) for a in ("data", "fsdp"))
+    if b % n_data == 0:
+        b //= n_data
+    return 2 * b * math.prod(shape[1:]) * jnp.dtype(dtype).itemsize
+
+
+def splits_context(mesh_shape, kv_heads: int, capacity: int, layer_bytes: int) -> bool:
     """Whether a cache ([B, C, K*D] with `KVCache.seq_split`: a DFlash drafter's context cache,
     or a target's cache in a chain decode loop) is split by sequence over the mesh's `tensor`
     axis (`mesh_shape`: {axis: size}): when its K heads do not divide `tensor` (a head split
     would leave the whole cache on every chip: Qwen3.5-9B's full-attention layers and its
-    drafter, 4 heads of 256 over tensor=8) and its C slots do. Each chip then holds C / tensor
-    consecutive slots and attends over them; the shares merge by log-sum-exp (`draft_attention`,
-    `verify_attention`)."""
+    drafter, 4 heads of 256 over tensor=8), its C slots do, and a layer's K and V on a chip
+    (`layer_bytes`, `kv_layer_bytes`) reach SEQ_SPLIT_MIN_BYTES. Each chip then holds
+    C / tensor consecutive slots and attends over them; the shares merge by log-sum-exp
+    (`draft_attention`, `verify_attention`)."""
     t = dict(mesh_shape).get("tensor", 1)
-    return t > 1 and kv_heads % t != 0 and capacity % t == 0
+    return t > 1 and kv_heads % t != 0 and capacity % t == 0 and layer_bytes >= SEQ_SPLIT_MIN_BYTES
 
 
-def _context_split_mesh(kv_heads: int, capacity: int, batch: int):
+def _context_split_mesh(x, kv_heads: int):
     """(abstract mesh, batch axes spec entry, slots per chip) when the context mesh splits a
-    cache of this shape by sequence (`splits_context`), else None."""
+    cache array `x` [B, C, ...] of `kv_heads` heads by sequence (`splits_context`), else None."""
     mesh = jax.sharding.get_abstract_mesh()
     if mesh.empty or mesh.size == 1:
         return None
     shape = dict(zip(mesh.axis_names, mesh.axis_sizes))
-    if not splits_context(shape, kv_heads, capacity):
+    b, capacity = x.shape[:2]
+    if not splits_context(shape, kv_heads, capacity, kv_layer_bytes(shape, x.shape, x.dtype)):
         return None
-    return mesh, _batch_axes(shape, batch), capacity // shape["tensor"]
+    return mesh, _batch_axes(shape, b), capacity // shape["tensor"]
 
 
 def _merge_shares(o, lse, dtype):
@@ -240,7 +263,7 @@ def write_block(
     slots."""
     if seq_split and layer is None:
         heads = cache_BSF.shape[2] if cache_BSF.ndim == 4 else cache_BSF.shape[2] // head_dim
-        split = _context_split_mesh(heads, cache_BSF.shape[1], cache_BSF.shape[0])
+        split = _context_split_mesh(cache_BSF, heads)
         if split is not None:
             return _split_write_block(split, cache_BSF, new_BTF, starts_B, impl, head_dim)
     lead = () if layer is None else (layer,)
@@ -349,7 +372,7 @@ def verify_attention(
     d = q_BTND.shape[-1]
     if seq_split and layer is None:
         k4, v4 = _heads(k_BSF, d), _heads(v_BSF, d)
-        split = _context_split_mesh(k4.shape[2], k4.shape[1], q_BTND.shape[0])
+        split = _context_split_mesh(k4, k4.shape[2])
         if split is not None:
             return _split_verify_attention(split, q_BTND, k4, v4, positions_BT, impl)
     if layer is not None and not _reads_stack(impl):
@@ -476,7 +499,7 @@ def draft_attention(
         return window_draft_attention(q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, window, causal)
     split = None
     if seq_split:
-        split = _context_split_mesh(ctx_k.shape[2], ctx_k.shape[1], q_BTND.shape[0])
+        split = _context_split_mesh(ctx_k, ctx_k.shape[2])
     if split is not None:
         return _split_draft_attention(split, q_BTND, ctx_k, ctx_v, ctx_len_B, blk_k, blk_v, impl)
     if impl == "xla":

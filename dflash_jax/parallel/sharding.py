@@ -372,9 +372,11 @@ def cache_specs(cache, mesh):
         np.shape(x), P(BATCH, None, "tensor"), mesh, head_dims=(2,), head_dim=cache.head_dim
     )
     if getattr(cache, "seq_split", False) and not cache.stacked:
-        from dflash_jax.models.attention import splits_context
+        from dflash_jax.models.attention import kv_layer_bytes, splits_context
 
-        if splits_context(mesh.shape, cache.num_kv_heads, cache.capacity):
+        x = cache.k[0]
+        layer = kv_layer_bytes(mesh.shape, np.shape(x), x.dtype)
+        if splits_context(mesh.shape, cache.num_kv_heads, cache.capacity, layer):
             # A cache whose heads `tensor` does not divide: its slots instead.
             kv = lambda x: fit_spec(np.shape(x), P(BATCH, "tensor"), mesh)
     if getattr(cache, "stacked", False):  # [L, B, S, K*D]: the layer axis unsplit
