@@ -154,10 +154,13 @@ def test_compiled_program_cache_is_bounded_least_recently_used(monkeypatch):
 
 
 def test_plans_differing_in_decode_settings_share_one_prefill(target, drafter, monkeypatch):
-    """The prefill's lowered program is the same for every change of a `Plan.DECODE_ONLY`
-    field (and differs for a field it reads: the control), so `generate` compiles one prefill
-    for plans that differ only there: a sweep over denoise steps or confidence thresholds
-    builds a decode loop per setting and shares the prefill executable."""
+    """The prefill's lowered program and the state it returns (its pytree, static fields
+    included) are the same for every change of a `Plan.DECODE_ONLY` field (and differ for a
+    field it reads: the control), so `generate` compiles one prefill for plans that differ only
+    there: a sweep over denoise steps or confidence thresholds builds a decode loop per setting
+    and shares the prefill executable. Trees share one among budgets, not the chain's: the
+    target's cache is laid out for the chain's verify (`KVCache.seq_split`), and a decode loop
+    compiled for one state cannot run on the other."""
     tmod, dmod = dj.Transformer(target.config), dj.DFlashDrafter(drafter.config)
     p_pad, n_buf, cap = buffer_sizes(23, 8, 8)
     args = (jnp.zeros((2, p_pad), jnp.int32), jnp.array([5, 23], jnp.int32), jnp.int32(8),
@@ -167,7 +170,8 @@ def test_plans_differing_in_decode_settings_share_one_prefill(target, drafter, m
         prefill, _, _ = generate_programs(
             tmod, dmod, plan, cap, n_buf, None, target.params, drafter.params, 2, p_pad
         )
-        return prefill.lower(target.params, drafter.params, *args).as_text()
+        lowered = prefill.lower(target.params, drafter.params, *args)
+        return lowered.as_text(), jax.tree_util.tree_structure(lowered.out_info)
 
     base = Plan(block_size=8)
     changed = dict(
@@ -176,11 +180,17 @@ def test_plans_differing_in_decode_settings_share_one_prefill(target, drafter, m
     )  # fmt: skip
     assert set(changed) == set(Plan.DECODE_ONLY)
     want = prefill_hlo(base)
+    tree = Plan(block_size=8, tree_budget=12)
     for name, value in changed.items():
         plan = Plan(block_size=8, **{name: value})
-        assert plan != base and plan.prefill_plan() == base, name
-        assert prefill_hlo(plan) == want, name
-    assert prefill_hlo(Plan(block_size=8, temperature=1.0)) != want  # a field it reads
+        shared = tree if name == "tree_budget" else base
+        assert plan != shared and plan.prefill_plan() == shared.prefill_plan(), name
+        assert prefill_hlo(plan) == prefill_hlo(shared), name
+    assert prefill_hlo(Plan(block_size=8, temperature=1.0))[0] != want[0]  # a field it reads
+    # A tree's prefill: the same program on one device, another state (its cache not marked for
+    # the chain's split), so another key.
+    assert tree.prefill_plan() != base.prefill_plan()
+    assert prefill_hlo(tree)[0] == want[0] and prefill_hlo(tree)[1] != want[1]
 
     monkeypatch.setattr(_Compiled, "cache", collections.OrderedDict())
     runs = [

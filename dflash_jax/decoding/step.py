@@ -90,9 +90,13 @@ class Plan:
     )
 
     def prefill_plan(self) -> "Plan":
-        """This plan with the decode-only fields at their defaults: the prefill's jit key."""
+        """This plan with the decode-only fields at their defaults: the prefill's jit key. Of a
+        tree's budget it keeps only that there is one (0): the prefill lays the target's cache
+        out for a chain's verify or a tree's (`new_cache(seq_split=)`), so trees of any budget
+        share one prefill, and not a chain's."""
         defaults = {f.name: f.default for f in dataclasses.fields(Plan)}
-        return dataclasses.replace(self, **{k: defaults[k] for k in Plan.DECODE_ONLY})
+        plan = dataclasses.replace(self, **{k: defaults[k] for k in Plan.DECODE_ONLY})
+        return plan if self.tree_budget is None else dataclasses.replace(plan, tree_budget=0)
 
 
 @flax.struct.dataclass
@@ -414,7 +418,8 @@ class Decoder:
         token sampled: the state the decode loop starts from (`n_buf` output slots)."""
         b, p = prompts.shape
         tap_layers = self.kind.taps(self)
-        # Split by sequence where the mesh cannot split the heads; a tree's verify reads whole.
+        # Split by sequence where the mesh cannot split the heads; a tree's verify reads whole
+        # (`prefill_plan` keeps the difference).
         cache = new_cache(self.tmod.cfg, b, capacity, seq_split=self.plan.tree_budget is None)
         ctx = self.kind.init_context(self, b, capacity)
         chunk = self.plan.prefill_chunk
