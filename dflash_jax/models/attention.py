@@ -82,10 +82,7 @@ def _batch_axes(shape, batch: int):
     (`shape`: {axis: size}; "data" and "fsdp", those over 1), as the caches are; None where there
     are none or they do not divide the batch."""
     data = tuple(a for a in ("data", "fsdp") if shape.get(a, 1) > 1)
-    n_data = 1
-    for a in data:
-        n_data *= shape[a]
-    return data if data and batch % n_data == 0 else None
+    return data if data and batch % math.prod(shape[a] for a in data) == 0 else None
 
 
 def _per_shard(fn, args, batch_dims, head_dims):
@@ -130,10 +127,10 @@ SEQ_SPLIT_MIN_BYTES = 32 << 20
 def kv_layer_bytes(mesh_shape, shape, dtype) -> int:
     """One layer's K and V on a chip, not split by sequence: twice a cache array's bytes
     (`shape` [B, S, ...]) with its batch over the mesh's data axes where they divide it."""
-    b = shape[0]
-    n_data = math.prod(dict(mesh_shape).get(a, 1) for a in ("data", "fsdp"))
-    if b % n_data == 0:
-        b //= n_data
+    mesh_shape = dict(mesh_shape)
+    b, axes = shape[0], _batch_axes(mesh_shape, shape[0])
+    if axes is not None:
+        b //= math.prod(mesh_shape[a] for a in axes)
     return 2 * b * math.prod(shape[1:]) * jnp.dtype(dtype).itemsize
 
 
