@@ -227,10 +227,10 @@ def test_kernel_paths_are_lossless_with_the_stacked_cache(pair):
 # ---------------------------------------------------------------------------- hybrid groups
 
 
-def _hybrid(moe=False, types=None, num_layers=8, scale=1.0):
-    """A random Qwen3.5-style target: 3 Gated DeltaNet layers and 1 gated attention layer
+def _hybrid_config(moe=False, types=None, num_layers=8):
+    """A small Qwen3.5-style config: 3 Gated DeltaNet layers and 1 gated attention layer
     repeated (Qwen3.5 / 3.6's pattern), or `types`; with `moe`, experts and a shared expert in
-    every layer; its matrices times `scale` (3: peaked logits, the recurrent state decisive)."""
+    every layer."""
     from dflash_jax.models.config import HybridSpec, hybrid_layers
 
     kw = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=24,
@@ -256,9 +256,16 @@ def _hybrid(moe=False, types=None, num_layers=8, scale=1.0):
         ),
         **kw,
     )
-    params = jax.jit(
-        lambda: jax.tree_util.tree_map(lambda x: x * scale if x.ndim >= 2 else x, init_params(cfg, 3))
-    )()  # fmt: skip
+    return cfg
+
+
+def _hybrid(moe=False, types=None, num_layers=8, scale=1.0):
+    """A random target of `_hybrid_config`, its matrices times `scale` (3: peaked logits, the
+    recurrent state decisive)."""
+    cfg = _hybrid_config(moe, types, num_layers)
+    params = jax.jit(  # one program for every scale (an argument, not a constant)
+        lambda s: jax.tree_util.tree_map(lambda x: x * s if x.ndim >= 2 else x, init_params(cfg, 3))
+    )(np.float32(scale))  # fmt: skip
     return dj.Target(cfg, params)
 
 
@@ -316,9 +323,9 @@ def test_hybrid_groups_stacked_equal_looped(moe):
         assert np.array_equal(np.asarray(flat(back)[k]), np.asarray(v)), k
 
     L, F = "linear_attention", "full_attention"
-    irregular = _hybrid(types=(L, F, L, L, L, F), num_layers=6).config.replace(scan_layers=True)
+    irregular = _hybrid_config(types=(L, F, L, L, L, F), num_layers=6).replace(scan_layers=True)
     assert irregular.layer_period == 6 and not irregular.scans_layers
-    odd = _hybrid(num_layers=6).config.replace(scan_layers=True)  # 3:1 does not divide 6
+    odd = _hybrid_config(num_layers=6).replace(scan_layers=True)  # 3:1 does not divide 6
     assert odd.layer_period == 6 and not odd.scans_layers
 
 
