@@ -268,13 +268,18 @@ def rng():
 # (subprocess launches) last, where one worker runs them while the other idles. Instead the
 # files go out longest first (per-file seconds from `--durations=0`, 2026-12-03; the
 # subprocess launches first), so both workers stay busy until near the end; unlisted files
-# (seconds each) follow in collection order.
+# (seconds each) follow in collection order. The two files that keep more than one core busy
+# (the 8-device subprocess of test_sharding.py; test_multiprocess.py's 8-device and 2-process
+# launches) never start together: each shares the machine with an in-process file. Started
+# together (this order's first two files before 2026-12-07) they took 228 s side by side against
+# 231 s one after the other, 373 CPU-s against 317; on four files (these two, test_tpu_compile.py,
+# test_decoding.py; -n 2) this order took 451 s and 868 CPU-s against 502 s and 954.
 LONGEST_FIRST = (
-    "test_multiprocess.py",
     "test_sharding.py",
-    "test_training.py",
     "test_tpu_compile.py",
+    "test_training.py",
     "test_decoding.py",
+    "test_multiprocess.py",
     "test_infer.py",
     "test_sampled_lossless.py",
     "test_gguf.py",
