@@ -270,16 +270,17 @@ def rng():
 # subprocess launches first), so both workers stay busy until near the end; unlisted files
 # (seconds each) follow in collection order. The two files that keep more than one core busy
 # (the 8-device subprocess of test_sharding.py; test_multiprocess.py's 8-device and 2-process
-# launches) never start together: each shares the machine with an in-process file. Started
-# together (this order's first two files before 2026-12-07) they took 228 s side by side against
-# 231 s one after the other, 373 CPU-s against 317; on four files (these two, test_tpu_compile.py,
-# test_decoding.py; -n 2) this order took 451 s and 868 CPU-s against 502 s and 954.
+# launches) start together here: side by side they took 228 s and 373 CPU-s against 231 s one
+# after the other. Started apart (each beside an in-process file: 2abaf35) four files on -n 2
+# took 451 s against 502, but the whole suite 26:42 against 20:31-24:57 before (the 8-device
+# fixture then ran beside test_tpu_compile.py's libtpu compiles, and both were slower): kept
+# as it was until a side-by-side whole-suite comparison says otherwise (tests/README.md).
 LONGEST_FIRST = (
-    "test_sharding.py",
-    "test_tpu_compile.py",
-    "test_training.py",
-    "test_decoding.py",
     "test_multiprocess.py",
+    "test_sharding.py",
+    "test_training.py",
+    "test_tpu_compile.py",
+    "test_decoding.py",
     "test_infer.py",
     "test_sampled_lossless.py",
     "test_gguf.py",
