@@ -311,26 +311,35 @@ LATE = [
 
 @pytest.mark.once
 def test_outputs_that_would_fail_after_the_work_are_refused_before_it(tmp_path):
+    """Each case refused in one `error:` line, exit 2, with nothing on stdout and its folder
+    as it was. The cases run through the CLI probe's fork server (tests/_probe_zygote.py: jax
+    and the library imported once, each case a child forked from there, two at a time), as a
+    fresh interpreter would run them; the server's own files (stdout, stderr, rc) go beside
+    each case's folder, not in it."""
     import re
 
-    jobs = []
-    for name, argv, setup, pattern in LATE:
-        tmp = str(tmp_path / name)
-        os.makedirs(tmp)
+    from test_cli_probe import Case, run_forked
+
+    cases, work = [], {}
+    for name, argv, setup, _ in LATE:
+        work[name] = str(tmp_path / name / "work")
+        os.makedirs(work[name])
         if setup is not None:
-            setup(tmp)
-        jobs.append((name, [a.replace("{tmp}", tmp) for a in argv], tmp, pattern, _tree(tmp)))
-    with concurrent.futures.ThreadPoolExecutor(max_workers=2) as pool:
-        results = list(pool.map(lambda job: _run(job[1], timeout=120), jobs))
+            setup(work[name])
+        cases.append(Case(name, [a.replace("{tmp}", work[name]) for a in argv]))
+    before = {name: _tree(w) for name, w in work.items()}
+    results = run_forked(cases, str(tmp_path))
     wrong = []
-    for (name, _, tmp, pattern, before), (rc, stdout, err) in zip(jobs, results):
+    for name, _, _, pattern in LATE:
+        proc = results[name][0]
+        rc, stdout, err = proc.returncode, proc.stdout, proc.stderr
         lines = [ln for ln in err.splitlines() if ln.strip()]
         if rc != 2 or len(lines) != 1 or not lines[0].startswith("error: "):
             wrong.append(f"{name}: exit {rc}, stderr {err[-600:]!r}")
         elif not re.search(pattern, lines[0]):
             wrong.append(f"{name}: {lines[0]!r} does not match {pattern!r}")
-        if stdout or _tree(tmp) != before:  # nothing computed, nothing written
-            wrong.append(f"{name}: stdout {stdout[:200]!r}, files {sorted(_tree(tmp))[:5]}")
+        if stdout or _tree(work[name]) != before[name]:  # nothing computed, nothing written
+            wrong.append(f"{name}: stdout {stdout[:200]!r}, files {sorted(_tree(work[name]))[:5]}")
     assert not wrong, "\n".join(wrong)
 
 
