@@ -782,9 +782,11 @@ def test_sharded_index_naming_files_outside_the_directory_is_refused(tmp_path):
 
 @pytest.mark.once
 def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
-    """Bad inputs to infer.py and train.py, run as a user would (all processes at once): each
-    exits 2 with exactly one stderr line `error: ...`, prints nothing else, writes nothing,
-    and ends in the time it takes to start Python (no model compiled or run)."""
+    """Bad inputs to infer.py and train.py: each exits 2 with exactly one stderr line
+    `error: ...`, prints nothing else, writes nothing, and ends in the time it takes to start
+    Python (no model compiled or run). The command lines run through the CLI probe's fork server
+    (tests/_probe_zygote.py: jax and the library imported once, each a child forked from there
+    and run as the interpreter runs a script); the --verbose one in an interpreter of its own."""
     bundled = os.path.join(ROOT, "assets", "tiny-code", "target")
     hostile = tmp_path / "hostile"
     hostile.mkdir()
@@ -803,15 +805,11 @@ def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
     )
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "def f():"}\n{"ids": [1.7, 2.2]}\n')
-    infer = [
-        sys.executable,
-        os.path.join(ROOT, "infer.py"),
-        "--max_new_tokens=2000",
-        "--compare_ar",
-    ]
+    from test_cli_probe import Case, run_forked
+
+    infer = ["infer.py", "--max_new_tokens=2000", "--compare_ar"]
     train = [
-        sys.executable,
-        os.path.join(ROOT, "train.py"),
+        "train.py",
         f"--config={os.path.join(ROOT, 'configs', 'tiny_test.py')}",
         f"--workdir={tmp_path / 'wd'}",
     ]
@@ -827,17 +825,14 @@ def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
         ),
         (train + ["--config.data.batch_size=0"], "data.batch_size must be >= 1, got 0"),
     ]
-    env = dict(os.environ, JAX_PLATFORMS="cpu")
     t0 = time.time()
-    procs = [
-        subprocess.Popen(
-            args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, env=env
-        )
-        for args, _ in cases
-    ]
-    outs = [p.communicate(timeout=300) for p in procs]
+    runs = run_forked(
+        [Case(f"case{i}", args) for i, (args, _) in enumerate(cases)], str(tmp_path / "runs")
+    )
     elapsed = time.time() - t0
-    for (args, message), p, (out, err) in zip(cases, procs, outs):
+    for i, (args, message) in enumerate(cases):
+        p = runs[f"case{i}"][0]
+        out, err = p.stdout, p.stderr
         lines = [l for l in err.splitlines() if l.strip()]
         assert p.returncode == 2, (args[-1], err[-2000:])
         assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], (
@@ -850,8 +845,9 @@ def test_cli_user_errors_are_one_line_exit_2_before_any_compute(tmp_path):
     # 2000 tokens with and without a drafter would take far longer than starting 6 Pythons.
     assert elapsed < 90, elapsed
     # --verbose: the same error with its traceback (for bug reports).
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
     r = subprocess.run(
-        infer + ["--temperature=nan", "--verbose"],
+        [sys.executable, *infer, "--temperature=nan", "--verbose"],
         capture_output=True,
         text=True,
         cwd=ROOT,
